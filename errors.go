@@ -1,0 +1,42 @@
+package kvlease
+
+import "errors"
+
+// Errors a caller is expected to handle. Every error kvlease returns wraps
+// one of these with context, so test with errors.Is.
+var (
+	// ErrInvalidArgument is returned for a malformed call: n ≤ 0, an empty
+	// owner, an index or range outside a lease, a Write over sealed content,
+	// a nil memory or transfer.
+	ErrInvalidArgument = errors.New("kvlease: invalid argument")
+	// ErrExceedsCapacity is returned when a request can never succeed: it
+	// asks for more blocks than the pool has, or a lease would outgrow it.
+	ErrExceedsCapacity = errors.New("kvlease: exceeds capacity")
+	// ErrExhausted is returned when not enough free or evictable blocks
+	// exist now, or when a plain acquire would overtake a queued waiter.
+	// Retrying later may succeed.
+	ErrExhausted = errors.New("kvlease: exhausted")
+	// ErrPoolClosed is returned by acquires on a closed pool and to the
+	// waiters a Close wakes.
+	ErrPoolClosed = errors.New("kvlease: pool closed")
+	// ErrLeaseClosed is returned by operations on a lease after Release or
+	// Abort.
+	ErrLeaseClosed = errors.New("kvlease: lease closed")
+	// ErrStaleRef is returned for a BlockRef whose slot is free or has moved
+	// on to another generation: the content it named is gone.
+	ErrStaleRef = errors.New("kvlease: stale block reference")
+)
+
+// Reasons the library itself records; they appear as Transfer.Err or in
+// observer events.
+var (
+	// ErrDrainDeadline is the quarantine reason given to the pending
+	// transfers of a closed lease that did not settle within the drain
+	// deadline (see WithDrainDeadline). It is not evidence: the blocks stay
+	// quarantined until the transfers resolve.
+	ErrDrainDeadline = errors.New("kvlease: drain deadline passed without evidence of quiescence")
+	// ErrAborted is the default cause recorded by Abort(nil).
+	ErrAborted = errors.New("kvlease: lease aborted")
+	// ErrQuarantined is the default reason recorded by Quarantine(nil).
+	ErrQuarantined = errors.New("kvlease: transfer ended without proof of quiescence")
+)

@@ -1,0 +1,613 @@
+package kvlease
+
+import (
+	"fmt"
+	"runtime"
+	"time"
+)
+
+// LeaseState is where a lease is in its lifecycle.
+//
+//	Active ──Release/Abort──▶ Draining ──last transfer resolves──▶ Settled
+//	   │  └───────────── (nothing gates it) ─────────────────────▶ Settled
+//	   └──transfer quarantined──▶ Quarantined ──late Resolve──▶ Active | Draining | Settled
+//
+// Draining also goes to Quarantined when a gating transfer is quarantined.
+type LeaseState uint8
+
+// The lease states.
+const (
+	// LeaseActive: open; its owner may read, write, extend and attach.
+	LeaseActive LeaseState = iota + 1
+	// LeaseDraining: closed; some blocks wait for pending transfers.
+	LeaseDraining
+	// LeaseSettled: closed and holding none of its blocks. Terminal.
+	LeaseSettled
+	// LeaseQuarantined: some gating transfer ended without proof; open or
+	// closed, its blocks are not reused until late evidence resolves it.
+	LeaseQuarantined
+)
+
+var leaseStateNames = [...]string{"invalid", "active", "draining", "settled", "quarantined"}
+
+func (s LeaseState) String() string {
+	if int(s) < len(leaseStateNames) {
+		return leaseStateNames[s]
+	}
+	return "invalid"
+}
+
+// nextLeaseState is the lease state machine's one transition function. A
+// lease's state is a function of three facts, so every event (close, a
+// transfer attached, quarantined or resolved) recomputes it here.
+func nextLeaseState(closed bool, pending, quarantined int) LeaseState {
+	switch {
+	case quarantined > 0:
+		return LeaseQuarantined
+	case !closed:
+		return LeaseActive
+	case pending > 0:
+		return LeaseDraining
+	default:
+		return LeaseSettled
+	}
+}
+
+// leaseEdge reports whether from → to is an edge of the lifecycle table in
+// doc.go. Checked builds verify every transition against it.
+func leaseEdge(from, to LeaseState) bool {
+	switch from {
+	case LeaseActive:
+		return to == LeaseDraining || to == LeaseSettled || to == LeaseQuarantined
+	case LeaseDraining:
+		return to == LeaseSettled || to == LeaseQuarantined
+	case LeaseQuarantined:
+		return to == LeaseActive || to == LeaseDraining || to == LeaseSettled
+	}
+	return false
+}
+
+// Access says how a transfer touches the blocks it gates.
+type Access uint8
+
+const (
+	// Read: the transfer reads the blocks (a send, an offload). Their
+	// content stays intact, so sealed blocks may keep serving prefix hits.
+	Read Access = iota + 1
+	// Write: the transfer writes the blocks (a receive, an onload). Their
+	// content is in flux until it resolves: no Seal, no prefix hit.
+	Write
+)
+
+func (a Access) String() string {
+	switch a {
+	case Read:
+		return "read"
+	case Write:
+		return "write"
+	}
+	return "access(?)"
+}
+
+// Lease is the typed ownership handle of a set of blocks. While it is open
+// (Active, or Quarantined and not yet closed), its owner may read and write
+// the regions, extend it, seal blocks and attach transfers. Release and
+// Abort close it at once: no new work can be attached and Region fails with
+// ErrLeaseClosed. Each block returns to the pool only when every transfer
+// gating it has resolved; Settled tells when that is done for all of them.
+//
+// A lease must be closed exactly as a file must: one that becomes
+// unreachable while open is reported to the observer as leaked (when the
+// leak check is on) and its blocks stay leased forever. All methods are
+// safe for concurrent use.
+type Lease[R any] struct {
+	ls lease // first: transfers point at it, and it starts the allocation
+	p  *Pool[R]
+}
+
+// lease is the non-generic part of a lease. Everything but owner, id and
+// c is guarded by c.mu.
+type lease struct {
+	c      *core
+	id     uint64
+	owner  string
+	blocks []BlockRef
+	atts   []attachment // every transfer ever attached; index stable
+
+	state       LeaseState
+	closed      bool
+	pending     int32 // attachments whose transfer is pending
+	quarantined int32 // attachments whose transfer is quarantined
+
+	settled chan struct{} // made on demand by Settled
+	timer   *time.Timer   // drain deadline
+	leak    runtime.Cleanup
+	watched bool // leak is registered
+
+	att0 [1]attachment // first attachment inline: no allocation for one transfer
+}
+
+// attachment is one transfer gating blocks [from, to) of a lease, or all of
+// them (whole) including blocks Extend adds later. applied is the transfer
+// state this attachment's pins currently reflect; the transfer moves it
+// forward under the pool's lock, so Extend and Resolve agree on what is
+// pinned without the transfer's lock.
+type attachment struct {
+	t        *Transfer
+	from, to int32
+	access   Access
+	whole    bool
+	applied  TransferState
+}
+
+// newLease allocates a lease and room for n blocks in one allocation for
+// the common sizes, so a lease cycle costs one heap allocation.
+func newLease[R any](p *Pool[R], owner string, n int) *Lease[R] {
+	var l *Lease[R]
+	var blocks []BlockRef
+	switch {
+	case n <= 1:
+		b := new(struct {
+			l Lease[R]
+			a [1]BlockRef
+		})
+		l, blocks = &b.l, b.a[:0]
+	case n <= 2:
+		b := new(struct {
+			l Lease[R]
+			a [2]BlockRef
+		})
+		l, blocks = &b.l, b.a[:0]
+	case n <= 4:
+		b := new(struct {
+			l Lease[R]
+			a [4]BlockRef
+		})
+		l, blocks = &b.l, b.a[:0]
+	case n <= 8:
+		b := new(struct {
+			l Lease[R]
+			a [8]BlockRef
+		})
+		l, blocks = &b.l, b.a[:0]
+	case n <= 16:
+		b := new(struct {
+			l Lease[R]
+			a [16]BlockRef
+		})
+		l, blocks = &b.l, b.a[:0]
+	case n <= 32:
+		b := new(struct {
+			l Lease[R]
+			a [32]BlockRef
+		})
+		l, blocks = &b.l, b.a[:0]
+	case n <= 64:
+		b := new(struct {
+			l Lease[R]
+			a [64]BlockRef
+		})
+		l, blocks = &b.l, b.a[:0]
+	default:
+		l, blocks = new(Lease[R]), make([]BlockRef, 0, n)
+	}
+	l.p = p
+	l.ls.c = &p.core
+	l.ls.owner = owner
+	l.ls.blocks = blocks
+	l.ls.atts = l.ls.att0[:0]
+	return l
+}
+
+type leakInfo struct {
+	obs   Observer
+	owner string
+	id    uint64
+}
+
+// watchLeak registers the cleanup that reports this lease if it becomes
+// unreachable while open. Called with c.mu held when the lease opens.
+func (l *lease) watchLeak() {
+	if l.c.obs == nil {
+		return
+	}
+	l.leak = runtime.AddCleanup(l, func(i leakInfo) {
+		i.obs.Observe(Event{Kind: EventLeaked, Owner: i.owner, Lease: i.id,
+			Err: fmt.Errorf("kvlease: lease %d (%s) became unreachable while open; its blocks stay leased", i.id, i.owner)})
+	}, leakInfo{l.c.obs, l.owner, l.id})
+	l.watched = true
+}
+
+// ID returns the lease's id, unique within its pool; observer events carry
+// it.
+func (l *Lease[R]) ID() uint64 { return l.ls.id }
+
+// Owner returns the owner named at acquire.
+func (l *Lease[R]) Owner() string { return l.ls.owner }
+
+// Pool returns the pool the lease came from.
+func (l *Lease[R]) Pool() *Pool[R] { return l.p }
+
+// snapshot returns the block table as it is now. Entries are never
+// rewritten once set (Extend only appends), so the caller may index the
+// returned slice without the lock.
+func (l *lease) snapshot() []BlockRef {
+	l.c.mu.Lock()
+	b := l.blocks
+	l.c.mu.Unlock()
+	return b
+}
+
+// Len returns the number of blocks in the lease (it still answers after the
+// lease closes).
+func (l *Lease[R]) Len() int { return len(l.ls.snapshot()) }
+
+// Ref returns the reference of block i: its slot and the generation it had
+// when this lease got it. It still answers after the lease closes, so a
+// caller can keep refs and later check them for staleness with
+// Pool.Region. An i outside [0, Len()) panics like a slice index.
+func (l *Lease[R]) Ref(i int) BlockRef { return l.ls.snapshot()[i] }
+
+// AppendBlockIDs appends the ids of blocks from..Len()-1 to dst and returns
+// it: the block table an attention kernel indexes. An engine sends only the
+// new tail each decode step. It allocates nothing when dst has room; a
+// from outside [0, Len()] panics like a slice expression.
+func (l *Lease[R]) AppendBlockIDs(dst []BlockID, from int) []BlockID {
+	for _, r := range l.ls.snapshot()[from:] {
+		dst = append(dst, r.ID)
+	}
+	return dst
+}
+
+// Region returns block i's region. It fails with ErrLeaseClosed once the
+// lease is released or aborted (the region may be someone else's soon) and
+// with ErrInvalidArgument for an i outside [0, Len()).
+func (l *Lease[R]) Region(i int) (R, error) {
+	var zero R
+	c := l.ls.c
+	c.mu.Lock()
+	if l.ls.closed {
+		c.mu.Unlock()
+		return zero, fmt.Errorf("kvlease: region %d of lease %d (%s): %w", i, l.ls.id, l.ls.owner, ErrLeaseClosed)
+	}
+	if i < 0 || i >= len(l.ls.blocks) {
+		n := len(l.ls.blocks)
+		c.mu.Unlock()
+		return zero, fmt.Errorf("kvlease: region %d of lease %d (%s) with %d blocks: %w", i, l.ls.id, l.ls.owner, n, ErrInvalidArgument)
+	}
+	id := l.ls.blocks[i].ID
+	c.mu.Unlock()
+	return l.p.mem.Region(id), nil
+}
+
+// State returns the lease's lifecycle state.
+func (l *Lease[R]) State() LeaseState {
+	c := l.ls.c
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return l.ls.state
+}
+
+// Settled returns a channel that is closed once the lease is closed and
+// holds none of its blocks any more: every transfer gating it has resolved
+// and its references are dropped. (The blocks may still be leased by
+// others, or be cached or free.) The channel is made on first call.
+func (l *Lease[R]) Settled() <-chan struct{} {
+	c := l.ls.c
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if l.ls.state == LeaseSettled {
+		return closedChan
+	}
+	if l.ls.settled == nil {
+		l.ls.settled = make(chan struct{})
+	}
+	return l.ls.settled
+}
+
+// Release closes the lease: from now on nothing can be attached and Region
+// fails. Blocks no pending transfer gates return to the pool at once (a
+// chain's tail first, so the cache evicts it from its end); the others as
+// their transfers resolve. Release is idempotent, and a no-op after Abort.
+func (l *Lease[R]) Release() { l.ls.close(false, nil) }
+
+// Abort closes the lease like Release and then calls Cancel on every
+// attached transfer that has not resolved (pending or quarantined).
+// Cancelling is a request to the transport; the blocks still return only
+// when the transfers resolve. cause is reported to the observer (nil means
+// ErrAborted). Abort is idempotent, and a no-op after Release.
+func (l *Lease[R]) Abort(cause error) {
+	if cause == nil {
+		cause = ErrAborted
+	}
+	l.ls.close(true, cause)
+}
+
+func (l *lease) close(abort bool, cause error) {
+	c := l.c
+	var ev events
+	var cancel [4]*Transfer
+	toCancel := cancel[:0]
+	c.mu.Lock()
+	if l.closed {
+		c.mu.Unlock()
+		return
+	}
+	l.closed = true
+	c.openLeases--
+	if l.watched {
+		l.leak.Stop()
+		l.watched = false
+	}
+	if c.obs != nil {
+		if abort {
+			ev.add(c.obs, Event{Kind: EventAborted, Owner: l.owner, Lease: l.id, Blocks: len(l.blocks), Err: cause})
+		} else {
+			ev.add(c.obs, Event{Kind: EventReleased, Owner: l.owner, Lease: l.id, Blocks: len(l.blocks)})
+		}
+	}
+	// Tail first: the chain's last block becomes the least recently used.
+	for i := len(l.blocks) - 1; i >= 0; i-- {
+		id := l.blocks[i].ID
+		c.slots[id].refs--
+		c.settleSlot(id)
+	}
+	if abort {
+		for i := range l.atts {
+			if l.atts[i].applied != TransferResolved {
+				toCancel = append(toCancel, l.atts[i].t)
+			}
+		}
+	}
+	c.transition(l, &ev)
+	if l.state != LeaseSettled {
+		c.startDeadline(l)
+	}
+	c.serve(&ev)
+	c.mu.Unlock()
+	ev.flush()
+	for _, t := range toCancel {
+		t.Cancel()
+	}
+}
+
+// transition moves l to the state its facts now imply, with the side
+// effects of entering it. Called with c.mu held.
+func (c *core) transition(l *lease, ev *events) {
+	next := nextLeaseState(l.closed, int(l.pending), int(l.quarantined))
+	prev := l.state
+	if next == prev {
+		return
+	}
+	if !leaseEdge(prev, next) {
+		panic(fmt.Sprintf("kvlease: lease %d: impossible transition %v → %v", l.id, prev, next))
+	}
+	l.state = next
+	if c.obs != nil {
+		switch {
+		case next == LeaseQuarantined:
+			ev.add(c.obs, Event{Kind: EventLeaseQuarantined, Owner: l.owner, Lease: l.id, Blocks: len(l.blocks)})
+		case prev == LeaseQuarantined:
+			ev.add(c.obs, Event{Kind: EventQuarantineLifted, Owner: l.owner, Lease: l.id, Blocks: len(l.blocks)})
+		}
+	}
+	if next == LeaseSettled {
+		if l.settled != nil {
+			close(l.settled)
+		}
+		if l.timer != nil {
+			l.timer.Stop()
+			l.timer = nil
+		}
+		if c.obs != nil {
+			ev.add(c.obs, Event{Kind: EventSettled, Owner: l.owner, Lease: l.id, Blocks: len(l.blocks)})
+		}
+	}
+}
+
+// Extend appends n fresh blocks to the open lease, all or nothing: a
+// request's KV grows by a block every block-size tokens while it decodes.
+// Growth of running work is not queued behind AcquireWait waiters (their
+// order governs admission of new work only), but it does evict cached
+// blocks when nothing is free. Transfers attached with Attach gate the new
+// blocks too (as writes: they are unsealed); AttachRange ranges are fixed.
+// Errors wrap ErrInvalidArgument (n ≤ 0), ErrLeaseClosed, ErrPoolClosed,
+// ErrExceedsCapacity (the lease would outgrow the pool) or ErrExhausted.
+func (l *Lease[R]) Extend(n int) error {
+	ls := &l.ls
+	c := ls.c
+	if n <= 0 {
+		return fmt.Errorf("kvlease: extend lease %d (%s) by %d blocks: n must be positive: %w", ls.id, ls.owner, n, ErrInvalidArgument)
+	}
+	var ev events
+	c.mu.Lock()
+	var err error
+	switch have := len(ls.blocks); {
+	case ls.closed:
+		err = fmt.Errorf("kvlease: extend lease %d (%s): %w", ls.id, ls.owner, ErrLeaseClosed)
+	case c.closed.Load():
+		err = fmt.Errorf("kvlease: extend lease %d (%s): %w", ls.id, ls.owner, ErrPoolClosed)
+	case have+n > len(c.slots):
+		err = fmt.Errorf("kvlease: extend lease %d (%s) from %d by %d blocks: pool capacity is %d: %w",
+			ls.id, ls.owner, have, n, len(c.slots), ErrExceedsCapacity)
+	case c.available() < n:
+		err = fmt.Errorf("kvlease: extend lease %d (%s) by %d blocks: %d free or evictable: %w",
+			ls.id, ls.owner, n, c.available(), ErrExhausted)
+	}
+	if err != nil {
+		c.mu.Unlock()
+		return err
+	}
+	from := len(ls.blocks)
+	if cap(ls.blocks)-from < n {
+		// Grow by doubling, outside the inline array.
+		nb := make([]BlockRef, from, max(2*cap(ls.blocks), from+n))
+		copy(nb, ls.blocks)
+		ls.blocks = nb
+	}
+	c.fill(ls, n, &ev)
+	for i := range ls.atts {
+		a := &ls.atts[i]
+		if a.whole && a.applied != TransferResolved {
+			for _, r := range ls.blocks[from:] {
+				c.slots[r.ID].pin(a.applied, true)
+				c.settleSlot(r.ID)
+			}
+		}
+	}
+	if c.obs != nil {
+		ev.add(c.obs, Event{Kind: EventExtended, Owner: ls.owner, Lease: ls.id, Blocks: n})
+	}
+	c.mu.Unlock()
+	ev.flush()
+	return nil
+}
+
+// AttachRange registers an in-flight transfer that touches blocks
+// from..to-1 of this lease with the given access. A pending transfer holds
+// its blocks out of reuse either way; a pending Write also bars Seal and
+// prefix hits on them. If the transfer is quarantined, all its blocks are
+// quarantined; its Write blocks stop serving hits, its Read blocks keep
+// serving them. Ranges are fixed: blocks added later by Extend are not in
+// them (Attach gates those).
+//
+// A Write over a sealed block is refused with ErrInvalidArgument (sealed
+// content is immutable), as is a bad range or access, or a nil transfer.
+// An empty range is allowed and gates nothing; so is attaching a transfer
+// that has already resolved. After Release or Abort the error wraps
+// ErrLeaseClosed and nothing is attached.
+func (l *Lease[R]) AttachRange(t *Transfer, from, to int, a Access) error {
+	return l.ls.attach(t, from, to, a, false)
+}
+
+// Attach registers t as gating every block of the lease, including blocks
+// Extend adds later: as a Write on unsealed blocks and a Read on sealed
+// ones, so it works after prefix hits (a decode step appends to fresh
+// blocks while the shared prefix is only read). Errors as AttachRange.
+func (l *Lease[R]) Attach(t *Transfer) error {
+	return l.ls.attach(t, 0, 0, 0, true)
+}
+
+func (l *lease) attach(t *Transfer, from, to int, acc Access, whole bool) error {
+	c := l.c
+	if t == nil {
+		return fmt.Errorf("kvlease: attach to lease %d (%s): nil transfer: %w", l.id, l.owner, ErrInvalidArgument)
+	}
+	if !whole && acc != Read && acc != Write {
+		return fmt.Errorf("kvlease: attach to lease %d (%s): unknown access %d: %w", l.id, l.owner, acc, ErrInvalidArgument)
+	}
+	var ev events
+	t.mu.Lock()
+	c.mu.Lock()
+	err := l.attachLocked(t, from, to, acc, whole, &ev)
+	c.mu.Unlock()
+	t.mu.Unlock()
+	ev.flush()
+	return err
+}
+
+// attachLocked does the work of attach with t.mu and c.mu held.
+func (l *lease) attachLocked(t *Transfer, from, to int, acc Access, whole bool, ev *events) error {
+	c := l.c
+	if l.closed {
+		return fmt.Errorf("kvlease: attach transfer %d to lease %d (%s): %w", t.id, l.id, l.owner, ErrLeaseClosed)
+	}
+	if whole {
+		from, to = 0, len(l.blocks)
+	} else if from < 0 || to > len(l.blocks) || from > to {
+		return fmt.Errorf("kvlease: attach transfer %d to blocks [%d,%d) of lease %d (%s) with %d blocks: %w",
+			t.id, from, to, l.id, l.owner, len(l.blocks), ErrInvalidArgument)
+	}
+	st := t.state.Load()
+	if st == TransferResolved || (!whole && from == to) {
+		return nil // gates nothing
+	}
+	if !whole && acc == Write {
+		for i := from; i < to; i++ {
+			if c.slots[l.blocks[i].ID].sealed {
+				return fmt.Errorf("kvlease: attach transfer %d as a write over block %d of lease %d (%s): the block is sealed: %w",
+					t.id, i, l.id, l.owner, ErrInvalidArgument)
+			}
+		}
+	}
+	for i := from; i < to; i++ {
+		id := l.blocks[i].ID
+		s := &c.slots[id]
+		s.pin(st, acc == Write || (whole && !s.sealed))
+		c.settleSlot(id)
+	}
+	l.atts = append(l.atts, attachment{t: t, from: int32(from), to: int32(to), access: acc, whole: whole, applied: st})
+	if st == TransferPending {
+		l.pending++
+	} else {
+		l.quarantined++
+	}
+	t.gate(l, int32(len(l.atts)-1))
+	if c.obs != nil {
+		ev.add(c.obs, Event{Kind: EventAttached, Owner: l.owner, Lease: l.id, Transfer: t.id, Blocks: to - from})
+	}
+	c.transition(l, ev)
+	return nil
+}
+
+// pin records one more attachment of a transfer in state st over the slot.
+func (s *slot) pin(st TransferState, write bool) {
+	if st == TransferPending {
+		s.pins++
+	} else {
+		s.quar++
+	}
+	if write {
+		s.wpins++
+	}
+}
+
+// apply moves attachment idx of l to transfer state to, adjusting the
+// pins of every block it gates, and returns blocks nobody holds any more
+// to the pool. Called with c.mu held (and the transfer's mutex).
+func (c *core) apply(l *lease, idx int32, to TransferState, t *Transfer, ev *events) {
+	a := &l.atts[idx]
+	from := a.applied
+	if from == to || from == TransferResolved {
+		return
+	}
+	lo, hi := int(a.from), int(a.to)
+	if a.whole {
+		lo, hi = 0, len(l.blocks)
+	}
+	// Tail first, as Release does, so a chain enters the LRU from its end.
+	for i := hi - 1; i >= lo; i-- {
+		id := l.blocks[i].ID
+		s := &c.slots[id]
+		write := a.access == Write || (a.whole && !s.sealed)
+		if from == TransferPending {
+			s.pins--
+		} else {
+			s.quar--
+		}
+		switch {
+		case to == TransferQuarantined:
+			s.quar++
+		case write:
+			s.wpins--
+		}
+		c.settleSlot(id)
+	}
+	a.applied = to
+	if from == TransferPending {
+		l.pending--
+	} else {
+		l.quarantined--
+	}
+	kind := EventTransferResolved
+	if to == TransferQuarantined {
+		l.quarantined++
+		kind = EventTransferQuarantined
+	} else {
+		a.t = nil // resolved: the lease no longer needs the transfer
+	}
+	if c.obs != nil {
+		ev.add(c.obs, Event{Kind: kind, Owner: l.owner, Lease: l.id, Transfer: t.id, Blocks: hi - lo, Err: t.err})
+	}
+	c.transition(l, ev)
+}

@@ -1,0 +1,662 @@
+package kvlease
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"sync"
+	"time"
+
+	"go.uber.org/atomic"
+
+	"github.com/kvlease/kvlease/internal/invariants"
+)
+
+// Stats is a snapshot of a pool. The five state counts are block counts,
+// each block counted once in its one state, and always sum to Capacity. A
+// block that qualifies for several states counts in the first that
+// applies: Quarantined, Leased, Draining, Cached, Free.
+type Stats struct {
+	Capacity    int
+	Free        int // unreferenced, no content worth keeping
+	Cached      int // unreferenced, holds a findable sealed prefix block (evictable)
+	Leased      int // held by at least one open lease
+	Draining    int // held only by pending transfers of closed leases
+	Quarantined int // gated by a transfer that ended without proof
+
+	Waiters    int    // AcquireWait callers queued now
+	OpenLeases int    // leases acquired and not yet closed
+	Acquires   uint64 // leases handed out
+	Rejections uint64 // acquires that failed (any reason)
+
+	// Prefix cache.
+	PrefixQueries    uint64 // blocks looked up by AcquirePrefix
+	PrefixHits       uint64 // of those, blocks served from the cache
+	Evictions        uint64 // cached blocks evicted to make room
+	DuplicateSeals   uint64 // seals whose hash was already findable elsewhere
+	VerifyMismatches uint64 // verified-mode lookups whose hash matched but content did not
+}
+
+// Pool owns a Memory's blocks and hands them out as typed leases. All
+// methods are safe for concurrent use.
+//
+// A pool is one mutex over a table of slots indexed by BlockID, a stack of
+// free ids, an intrusive LRU of cached blocks and a FIFO of waiters. Lock
+// order, where two are held: a Transfer's mutex, then a pool's mutex. No
+// internal lock is held while an observer or a cancel hook runs.
+type Pool[R any] struct {
+	core
+	mem Memory[R]
+}
+
+// core is the non-generic part of a pool: everything but the memory.
+// Transfers and leases of every region type talk to it.
+type core struct {
+	mu    sync.Mutex
+	slots []slot
+	free  []BlockID // stack of free slots; top at the end
+
+	lruHead, lruTail BlockID // least recently unreferenced first
+	lruLen           int
+
+	counts [numClasses]int
+	index  map[BlockHash]BlockID // prefix index; nil until the first Seal
+
+	waiters []*waiter // FIFO; waiters[head:] are queued
+	whead   int
+
+	closed     atomic.Bool
+	nextLease  uint64
+	openLeases int
+	stats      counters
+
+	cfg   config
+	obs   Observer
+	kv    *kvEventLog // nil unless WithKVEvents
+	meta  []sealMeta  // verified mode: per-slot parent and tokens
+	stamp uint32      // bumped per prefix probe
+}
+
+type counters struct {
+	acquires, rejections                                 uint64
+	prefixQueries, prefixHits, evictions, duplicateSeals uint64
+	verifyMismatches                                     uint64
+}
+
+// NewPool makes a pool over mem: every block starts free. mem must be
+// non-nil with a positive block count that fits a BlockID and a positive
+// block size.
+func NewPool[R any](mem Memory[R], opts ...Option) (*Pool[R], error) {
+	n, bb, ok := memSizes(mem)
+	if !ok {
+		return nil, fmt.Errorf("kvlease: NewPool with a nil memory: %w", ErrInvalidArgument)
+	}
+	if n <= 0 || n > math.MaxInt32 || bb <= 0 {
+		return nil, fmt.Errorf("kvlease: NewPool over %d blocks of %d bytes: need 1..%d blocks and a positive block size: %w",
+			n, bb, math.MaxInt32, ErrInvalidArgument)
+	}
+	cfg := defaultConfig()
+	for _, o := range opts {
+		if o == nil {
+			continue
+		}
+		if err := o(&cfg); err != nil {
+			return nil, err
+		}
+	}
+	p := &Pool[R]{mem: mem}
+	c := &p.core
+	c.cfg, c.obs = cfg, cfg.obs
+	c.slots = make([]slot, n)
+	c.free = make([]BlockID, n)
+	for i := range c.free {
+		// Lowest ids on top: the first acquire gets block 0.
+		c.free[i] = BlockID(n - 1 - i)
+		c.slots[i].where = onFree
+		c.slots[i].prev, c.slots[i].next = nilID, nilID
+	}
+	c.lruHead, c.lruTail = nilID, nilID
+	c.counts[classFree] = n
+	if cfg.kvEvents > 0 {
+		c.kv = newKVEventLog(cfg.kvEvents)
+	}
+	if cfg.verify {
+		c.meta = make([]sealMeta, n)
+	}
+	return p, nil
+}
+
+// memSizes asks mem for its sizes; ok is false for a nil memory (a nil
+// interface, or a typed nil whose methods panic).
+func memSizes[R any](mem Memory[R]) (n, bb int, ok bool) {
+	if mem == nil {
+		return 0, 0, false
+	}
+	defer func() {
+		if recover() != nil {
+			n, bb, ok = 0, 0, false
+		}
+	}()
+	return mem.Blocks(), mem.BlockBytes(), true
+}
+
+// Memory returns the memory the pool hands out.
+func (p *Pool[R]) Memory() Memory[R] { return p.mem }
+
+// Capacity returns the number of blocks the pool owns.
+func (p *Pool[R]) Capacity() int { return len(p.slots) }
+
+// BlockBytes returns the size of one block in bytes.
+func (p *Pool[R]) BlockBytes() int { return p.mem.BlockBytes() }
+
+// Acquire hands out a lease on n fresh blocks, or nothing at all. Fresh
+// blocks come from the free list first, then by evicting the least recently
+// used cached blocks. Errors wrap ErrInvalidArgument (n ≤ 0, empty owner),
+// ErrPoolClosed, ErrExceedsCapacity (n > capacity: it can never succeed) or
+// ErrExhausted (not enough free or evictable blocks now, or AcquireWait
+// callers are queued: a plain acquire never overtakes them).
+func (p *Pool[R]) Acquire(owner string, n int) (*Lease[R], error) {
+	l, _, err := p.acquire(owner, nil, nil, n)
+	return l, err
+}
+
+// acquire is Acquire and AcquirePrefix.
+func (p *Pool[R]) acquire(owner string, hashes []BlockHash, v *verifier, n int) (*Lease[R], int, error) {
+	c := &p.core
+	if err := c.precheck(owner, n); err != nil {
+		return nil, 0, c.reject(owner, n, err)
+	}
+	l := newLease(p, owner, n)
+	c.mu.Lock()
+	if c.closed.Load() {
+		c.mu.Unlock()
+		return nil, 0, c.reject(owner, n, fmt.Errorf("kvlease: acquire %d blocks for %q: %w", n, owner, ErrPoolClosed))
+	}
+	if q := c.queued(); q > 0 {
+		c.mu.Unlock()
+		return nil, 0, c.reject(owner, n, fmt.Errorf("kvlease: acquire %d blocks for %q: %d waiters queued ahead: %w",
+			n, owner, q, ErrExhausted))
+	}
+	var ev events
+	hits := 0
+	if len(hashes) > 0 {
+		var err error
+		if hits, err = c.fillPrefix(&l.ls, hashes, n, v, &ev); err != nil {
+			c.mu.Unlock()
+			ev.flush()
+			return nil, 0, c.reject(owner, n, err)
+		}
+	} else {
+		if avail := c.available(); avail < n {
+			c.mu.Unlock()
+			return nil, 0, c.reject(owner, n, fmt.Errorf("kvlease: acquire %d blocks for %q: %d free or evictable: %w",
+				n, owner, avail, ErrExhausted))
+		}
+		c.fill(&l.ls, n, &ev)
+	}
+	c.opened(&l.ls, hits, &ev)
+	c.mu.Unlock()
+	ev.flush()
+	return l, hits, nil
+}
+
+// AcquireWait is Acquire that waits for blocks instead of failing with
+// ErrExhausted. Waiters are served strictly in arrival order: a later
+// waiter is never served while an earlier one still waits, so a large
+// request is never starved by small ones. Argument errors come first, then
+// ErrPoolClosed, then ErrExceedsCapacity (at once: waiting could never
+// help). When ctx ends first, AcquireWait returns ctx's error and holds
+// nothing; Close wakes every waiter with ErrPoolClosed.
+func (p *Pool[R]) AcquireWait(ctx context.Context, owner string, n int) (*Lease[R], error) {
+	c := &p.core
+	if err := c.precheck(owner, n); err != nil {
+		return nil, c.reject(owner, n, err)
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, c.reject(owner, n, err)
+	}
+	l := newLease(p, owner, n)
+	var ev events
+	c.mu.Lock()
+	if c.closed.Load() {
+		c.mu.Unlock()
+		return nil, c.reject(owner, n, fmt.Errorf("kvlease: acquire %d blocks for %q: %w", n, owner, ErrPoolClosed))
+	}
+	if c.queued() == 0 && c.available() >= n {
+		c.fill(&l.ls, n, &ev)
+		c.opened(&l.ls, 0, &ev)
+		c.mu.Unlock()
+		ev.flush()
+		return l, nil
+	}
+	w := &waiter{l: &l.ls, n: n, ready: make(chan struct{})}
+	c.waiters = append(c.waiters, w)
+	c.mu.Unlock()
+
+	select {
+	case <-w.ready:
+	case <-ctx.Done():
+		c.mu.Lock()
+		if !w.served && w.err == nil {
+			c.dequeue(w)
+			// The head may have changed: whoever is next may fit now.
+			c.serve(&ev)
+			c.mu.Unlock()
+			ev.flush()
+			return nil, c.reject(owner, n, ctx.Err())
+		}
+		c.mu.Unlock()
+	}
+	// Served or woken by Close. The lease (if served) was filled and its
+	// events emitted by whoever served it.
+	if w.err != nil {
+		return nil, c.reject(owner, n, w.err)
+	}
+	return l, nil
+}
+
+// waiter is one queued AcquireWait. Its lease is allocated before it
+// queues, so serving it under the pool's lock only fills in blocks.
+type waiter struct {
+	l      *lease
+	n      int
+	ready  chan struct{} // closed when served or failed
+	served bool
+	err    error
+}
+
+func (c *core) queued() int { return len(c.waiters) - c.whead }
+
+func (c *core) dequeue(w *waiter) {
+	for i := c.whead; i < len(c.waiters); i++ {
+		if c.waiters[i] == w {
+			copy(c.waiters[i:], c.waiters[i+1:])
+			c.waiters[len(c.waiters)-1] = nil
+			c.waiters = c.waiters[:len(c.waiters)-1]
+			break
+		}
+	}
+	c.compactWaiters()
+}
+
+func (c *core) compactWaiters() {
+	if c.whead == len(c.waiters) {
+		clear(c.waiters)
+		c.waiters, c.whead = c.waiters[:0], 0
+	} else if c.whead > 64 && c.whead*2 > len(c.waiters) {
+		n := copy(c.waiters, c.waiters[c.whead:])
+		clear(c.waiters[n:])
+		c.waiters, c.whead = c.waiters[:n], 0
+	}
+}
+
+// serve hands blocks to queued waiters in arrival order, stopping at the
+// first that does not fit. Called with c.mu held after anything that may
+// have returned blocks.
+func (c *core) serve(ev *events) {
+	for c.whead < len(c.waiters) {
+		w := c.waiters[c.whead]
+		if c.available() < w.n {
+			break
+		}
+		c.fill(w.l, w.n, ev)
+		c.opened(w.l, 0, ev)
+		w.served = true
+		close(w.ready)
+		c.waiters[c.whead] = nil
+		c.whead++
+	}
+	c.compactWaiters()
+}
+
+// precheck validates what needs no lock: arguments, capacity, closure.
+func (c *core) precheck(owner string, n int) error {
+	switch {
+	case owner == "":
+		return fmt.Errorf("kvlease: acquire %d blocks: empty owner: %w", n, ErrInvalidArgument)
+	case n <= 0:
+		return fmt.Errorf("kvlease: acquire %d blocks for %q: n must be positive: %w", n, owner, ErrInvalidArgument)
+	case c.closed.Load():
+		return fmt.Errorf("kvlease: acquire %d blocks for %q: %w", n, owner, ErrPoolClosed)
+	case n > len(c.slots):
+		return fmt.Errorf("kvlease: acquire %d blocks for %q: pool capacity is %d: %w", n, owner, len(c.slots), ErrExceedsCapacity)
+	}
+	return nil
+}
+
+// reject counts and reports a failed acquire and returns err.
+func (c *core) reject(owner string, n int, err error) error {
+	c.mu.Lock()
+	c.stats.rejections++
+	c.mu.Unlock()
+	if c.obs != nil {
+		c.obs.Observe(Event{Kind: EventRejected, Owner: owner, Blocks: n, Err: err})
+	}
+	return err
+}
+
+func (c *core) available() int { return len(c.free) + c.lruLen }
+
+// fill appends n fresh blocks to l. The caller checked available() ≥ n.
+func (c *core) fill(l *lease, n int, ev *events) {
+	if len(c.free) >= n {
+		// Fast path: pop n ids off the free stack.
+		top := len(c.free) - n
+		for _, id := range c.free[top:] {
+			s := &c.slots[id]
+			s.gen++
+			if s.gen == 0 {
+				s.gen = 1
+			}
+			s.refs, s.where, s.class = 1, onNone, classLeased
+			l.blocks = append(l.blocks, BlockRef{ID: id, Gen: s.gen})
+		}
+		c.free = c.free[:top]
+		c.counts[classFree] -= n
+		c.counts[classLeased] += n
+		return
+	}
+	for range n {
+		l.blocks = append(l.blocks, c.takeFresh(ev))
+	}
+}
+
+// takeFresh hands out one block fresh: the top of the free stack, else the
+// least recently used cached block (evicted: its content is forfeit and it
+// leaves the prefix index). The caller checked available() ≥ 1.
+func (c *core) takeFresh(ev *events) BlockRef {
+	var id BlockID
+	if n := len(c.free); n > 0 {
+		id = c.free[n-1]
+		c.free = c.free[:n-1]
+		c.counts[classFree]--
+	} else {
+		id = c.lruHead
+		c.lruRemove(id)
+		c.counts[classCached]--
+		c.evict(id)
+	}
+	s := &c.slots[id]
+	s.gen++
+	if s.gen == 0 {
+		s.gen = 1
+	}
+	s.refs, s.where, s.class = 1, onNone, classLeased
+	c.counts[classLeased]++
+	return BlockRef{ID: id, Gen: s.gen}
+}
+
+// opened finishes handing out l: id, counters, leak check, event.
+func (c *core) opened(l *lease, hits int, ev *events) {
+	c.nextLease++
+	l.id = c.nextLease
+	l.state = LeaseActive
+	c.openLeases++
+	c.stats.acquires++
+	if c.cfg.leakCheck {
+		l.watchLeak()
+	}
+	if c.obs != nil {
+		ev.add(c.obs, Event{Kind: EventAcquired, Owner: l.owner, Lease: l.id, Blocks: len(l.blocks), Hits: hits})
+	}
+	if invariants.Enabled {
+		c.checkCounts()
+	}
+}
+
+// settleSlot re-derives slot id's state after its holds changed. A slot
+// nobody holds any more goes to the LRU when it holds findable sealed
+// content, else to the free stack (its content is forfeit). Called with
+// c.mu held.
+func (c *core) settleSlot(id BlockID) {
+	s := &c.slots[id]
+	if invariants.Enabled && (s.refs < 0 || s.pins < 0 || s.quar < 0 || s.wpins < 0) {
+		panic(fmt.Sprintf("kvlease: slot %d: negative hold counts refs=%d pins=%d quar=%d wpins=%d",
+			id, s.refs, s.pins, s.quar, s.wpins))
+	}
+	old := s.class
+	if !s.held() {
+		if s.index {
+			c.lruPush(id)
+			s.where, s.class = onLRU, classCached
+		} else {
+			s.sealed, s.hash = false, 0
+			c.free = append(c.free, id)
+			s.where, s.class = onFree, classFree
+		}
+	} else {
+		s.class = s.classify()
+	}
+	if s.class != old {
+		c.counts[old]--
+		c.counts[s.class]++
+	}
+}
+
+// lruPush appends id at the most recently used end.
+func (c *core) lruPush(id BlockID) {
+	s := &c.slots[id]
+	s.prev, s.next = c.lruTail, nilID
+	if c.lruTail == nilID {
+		c.lruHead = id
+	} else {
+		c.slots[c.lruTail].next = id
+	}
+	c.lruTail = id
+	c.lruLen++
+}
+
+func (c *core) lruRemove(id BlockID) {
+	s := &c.slots[id]
+	if s.prev == nilID {
+		c.lruHead = s.next
+	} else {
+		c.slots[s.prev].next = s.next
+	}
+	if s.next == nilID {
+		c.lruTail = s.prev
+	} else {
+		c.slots[s.next].prev = s.prev
+	}
+	s.prev, s.next = nilID, nilID
+	s.where = onNone
+	c.lruLen--
+}
+
+// Stats returns a snapshot of the pool's counts.
+func (p *Pool[R]) Stats() Stats {
+	c := &p.core
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return Stats{
+		Capacity:         len(c.slots),
+		Free:             c.counts[classFree],
+		Cached:           c.counts[classCached],
+		Leased:           c.counts[classLeased],
+		Draining:         c.counts[classDraining],
+		Quarantined:      c.counts[classQuarantined],
+		Waiters:          c.queued(),
+		OpenLeases:       c.openLeases,
+		Acquires:         c.stats.acquires,
+		Rejections:       c.stats.rejections,
+		PrefixQueries:    c.stats.prefixQueries,
+		PrefixHits:       c.stats.prefixHits,
+		Evictions:        c.stats.evictions,
+		DuplicateSeals:   c.stats.duplicateSeals,
+		VerifyMismatches: c.stats.verifyMismatches,
+	}
+}
+
+// Region returns the region of ref while its slot is at that generation
+// and not free: leased, draining (a transport still needs it), cached or
+// quarantined. Once the slot is free or has moved to another generation the
+// error wraps ErrStaleRef; an id outside the pool wraps both
+// ErrInvalidArgument and ErrStaleRef.
+func (p *Pool[R]) Region(ref BlockRef) (R, error) {
+	var zero R
+	c := &p.core
+	if ref.ID < 0 || int(ref.ID) >= len(c.slots) {
+		return zero, fmt.Errorf("kvlease: block %v outside pool of %d blocks: %w: %w",
+			ref, len(c.slots), ErrInvalidArgument, ErrStaleRef)
+	}
+	c.mu.Lock()
+	s := &c.slots[ref.ID]
+	gen, class := s.gen, s.class
+	c.mu.Unlock()
+	if gen != ref.Gen || class == classFree {
+		return zero, fmt.Errorf("kvlease: block %v (slot now at generation %d, %v): %w", ref, gen, class, ErrStaleRef)
+	}
+	return p.mem.Region(ref.ID), nil
+}
+
+// Close refuses new acquires from now on and wakes every queued waiter
+// with ErrPoolClosed. Open leases keep working (they may be released,
+// aborted, sealed and attached; Extend fails with ErrPoolClosed) and
+// transfers still resolve. Close is idempotent and returns nil.
+func (p *Pool[R]) Close() error {
+	c := &p.core
+	c.mu.Lock()
+	c.closed.Store(true)
+	for _, w := range c.waiters[c.whead:] {
+		w.err = fmt.Errorf("kvlease: acquire %d blocks for %q: %w", w.n, w.l.owner, ErrPoolClosed)
+		close(w.ready)
+	}
+	clear(c.waiters)
+	c.waiters, c.whead = c.waiters[:0], 0
+	c.mu.Unlock()
+	return nil
+}
+
+// Check walks the whole slot table and returns every inconsistency it
+// finds (nil when there is none), like bbolt's Tx.Check: each slot's state
+// matches its holds, the state counts match the slots and sum to capacity,
+// the free stack and the LRU hold exactly the unheld slots, and the prefix
+// index points at sealed slots. It takes the pool's lock for O(capacity)
+// time; tests and audits call it, the hot path never does.
+func (p *Pool[R]) Check() error {
+	c := &p.core
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var errs []error
+	bad := func(format string, args ...any) {
+		if len(errs) < 32 {
+			errs = append(errs, fmt.Errorf(format, args...))
+		}
+	}
+	var counts [numClasses]int
+	onFreeN, onLRUN := 0, 0
+	for i := range c.slots {
+		s := &c.slots[i]
+		if s.refs < 0 || s.pins < 0 || s.quar < 0 || s.wpins < 0 {
+			bad("slot %d: negative holds refs=%d pins=%d quar=%d wpins=%d", i, s.refs, s.pins, s.quar, s.wpins)
+		}
+		if s.wpins > s.pins+s.quar {
+			bad("slot %d: %d write pins but only %d pending+quarantined", i, s.wpins, s.pins+s.quar)
+		}
+		if got := s.classify(); got != s.class {
+			bad("slot %d: recorded %v, holds say %v", i, s.class, got)
+		}
+		counts[s.class]++
+		switch s.where {
+		case onFree:
+			onFreeN++
+			if s.held() || s.index || s.sealed {
+				bad("slot %d: on the free stack but held=%v indexed=%v sealed=%v", i, s.held(), s.index, s.sealed)
+			}
+		case onLRU:
+			onLRUN++
+			if s.held() || !s.index {
+				bad("slot %d: on the LRU but held=%v indexed=%v", i, s.held(), s.index)
+			}
+		default:
+			if !s.held() {
+				bad("slot %d: unheld but on no list", i)
+			}
+		}
+		if s.index {
+			if !s.sealed || c.index[s.hash] != BlockID(i) {
+				bad("slot %d: marked indexed but index[%x]=%d sealed=%v", i, s.hash, c.index[s.hash], s.sealed)
+			}
+		}
+	}
+	if counts != c.counts {
+		bad("state counts %v, slots say %v", c.counts, counts)
+	}
+	sum := 0
+	for _, n := range c.counts {
+		sum += n
+	}
+	if sum != len(c.slots) {
+		bad("state counts sum to %d, capacity %d", sum, len(c.slots))
+	}
+	if onFreeN != len(c.free) {
+		bad("free stack has %d ids, %d slots marked free", len(c.free), onFreeN)
+	}
+	n := 0
+	for id := c.lruHead; id != nilID && n <= len(c.slots); id = c.slots[id].next {
+		n++
+	}
+	if n != c.lruLen || onLRUN != c.lruLen {
+		bad("LRU: %d linked, %d counted, %d marked", n, c.lruLen, onLRUN)
+	}
+	for h, id := range c.index {
+		if s := &c.slots[id]; !s.index || s.hash != h {
+			bad("index[%x] = slot %d, which is indexed=%v with hash %x", h, id, s.index, s.hash)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// checkCounts is the O(1) check run after every operation in checked
+// builds: the five state counts sum to capacity.
+func (c *core) checkCounts() {
+	sum := 0
+	for _, n := range c.counts {
+		if n < 0 {
+			panic(fmt.Sprintf("kvlease: negative state count %v", c.counts))
+		}
+		sum += n
+	}
+	if sum != len(c.slots) {
+		panic(fmt.Sprintf("kvlease: state counts %v sum to %d, capacity %d", c.counts, sum, len(c.slots)))
+	}
+}
+
+// closedChan is returned by Settled and Done once the event has happened,
+// so that asking late allocates nothing.
+var closedChan = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
+
+// startDeadline arms the drain deadline for a lease that closed unsettled.
+func (c *core) startDeadline(l *lease) {
+	if c.cfg.deadline <= 0 {
+		return
+	}
+	l.timer = time.AfterFunc(c.cfg.deadline, func() { c.deadlinePassed(l) })
+}
+
+// deadlinePassed quarantines the still-pending transfers of a lease that
+// did not settle in time, and reports it. Nothing is freed.
+func (c *core) deadlinePassed(l *lease) {
+	var ev events
+	var ts []*Transfer
+	c.mu.Lock()
+	if l.state == LeaseSettled {
+		c.mu.Unlock()
+		return
+	}
+	for i := range l.atts {
+		if l.atts[i].applied == TransferPending {
+			ts = append(ts, l.atts[i].t)
+		}
+	}
+	if c.obs != nil {
+		ev.add(c.obs, Event{Kind: EventDeadline, Owner: l.owner, Lease: l.id, Blocks: len(l.blocks),
+			Err: ErrDrainDeadline})
+	}
+	c.mu.Unlock()
+	ev.flush()
+	for _, t := range ts {
+		t.Quarantine(fmt.Errorf("kvlease: lease %d (%s) not settled after %v: %w", l.id, l.owner, c.cfg.deadline, ErrDrainDeadline))
+	}
+}

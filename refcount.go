@@ -1,0 +1,236 @@
+package kvlease
+
+import (
+	"encoding/binary"
+	"fmt"
+
+	"github.com/cespare/xxhash/v2"
+)
+
+// BlockHash identifies the content of a full block together with
+// everything before it: the hash of its parent block and its own tokens.
+type BlockHash uint64
+
+// HashBlock returns the hash of one full block: xxhash64 (seed 0) over the
+// parent hash as 8 little-endian bytes followed by each token id as 4
+// little-endian bytes (its two's-complement uint32). Any language with
+// xxhash64 reproduces it: h = XXH64(le64(parent) ‖ le32(t0) ‖ le32(t1) ‖ …).
+func HashBlock(parent BlockHash, tokens []int32) BlockHash {
+	var d xxhash.Digest
+	d.Reset()
+	return hashInto(&d, parent, tokens)
+}
+
+// hashInto hashes one block with d, which it resets first. The token bytes
+// go through a stack buffer, so nothing is allocated.
+func hashInto(d *xxhash.Digest, parent BlockHash, tokens []int32) BlockHash {
+	d.Reset()
+	var buf [256]byte
+	binary.LittleEndian.PutUint64(buf[:8], uint64(parent))
+	n := 8
+	for _, t := range tokens {
+		if n+4 > len(buf) {
+			_, _ = d.Write(buf[:n])
+			n = 0
+		}
+		binary.LittleEndian.PutUint32(buf[n:], uint32(t))
+		n += 4
+	}
+	_, _ = d.Write(buf[:n])
+	return BlockHash(d.Sum64())
+}
+
+// ChainHashes returns the chained hashes of the full blocks of tokens:
+// h[k] = HashBlock(h[k-1], tokens[k*blockTokens:(k+1)*blockTokens]) with
+// h[-1] = seed. A trailing partial block gets no hash (it is not immutable
+// yet). seed separates namespaces: derive it from the model, the adapter,
+// and any multimodal inputs, so equal token ids under different models
+// never share KV. It allocates only the result; blockTokens ≤ 0 yields nil.
+func ChainHashes(seed BlockHash, tokens []int32, blockTokens int) []BlockHash {
+	if blockTokens <= 0 {
+		return nil
+	}
+	n := len(tokens) / blockTokens
+	if n == 0 {
+		return nil
+	}
+	out := make([]BlockHash, n)
+	var d xxhash.Digest
+	parent := seed
+	for k := range out {
+		parent = hashInto(&d, parent, tokens[k*blockTokens:(k+1)*blockTokens])
+		out[k] = parent
+	}
+	return out
+}
+
+// Seal declares block i full and immutable from now on, findable by h for
+// prefix hits once nobody references it (and while they do). If another
+// block is already findable by h, Seal still returns nil: the existing
+// block stays findable and this one is sealed but private (counted in
+// Stats.DuplicateSeals and reported as EventDuplicateSeal; once
+// unreferenced it is free, not cached). Sealing again with the same hash is
+// a no-op.
+//
+// Errors wrap ErrLeaseClosed after Release or Abort, and
+// ErrInvalidArgument for an i outside the lease, a block with a pending or
+// quarantined write (its content is not known), or a block already sealed
+// with a different hash.
+func (l *Lease[R]) Seal(i int, h BlockHash) error {
+	return l.ls.seal(i, h, nil)
+}
+
+// sealTokens carries what verified mode records: the parent hash and the
+// block's tokens.
+type sealTokens struct {
+	parent BlockHash
+	tokens []int32
+}
+
+func (l *lease) seal(i int, h BlockHash, st *sealTokens) error {
+	c := l.c
+	var ev events
+	c.mu.Lock()
+	err := l.sealLocked(i, h, st, &ev)
+	c.mu.Unlock()
+	ev.flush()
+	return err
+}
+
+func (l *lease) sealLocked(i int, h BlockHash, st *sealTokens, ev *events) error {
+	c := l.c
+	if l.closed {
+		return fmt.Errorf("kvlease: seal block %d of lease %d (%s): %w", i, l.id, l.owner, ErrLeaseClosed)
+	}
+	if i < 0 || i >= len(l.blocks) {
+		return fmt.Errorf("kvlease: seal block %d of lease %d (%s) with %d blocks: %w", i, l.id, l.owner, len(l.blocks), ErrInvalidArgument)
+	}
+	id := l.blocks[i].ID
+	s := &c.slots[id]
+	if s.sealed {
+		if s.hash != h {
+			return fmt.Errorf("kvlease: seal block %d of lease %d (%s) with hash %016x: already sealed with %016x: %w",
+				i, l.id, l.owner, uint64(h), uint64(s.hash), ErrInvalidArgument)
+		}
+		return nil
+	}
+	if s.wpins > 0 {
+		return fmt.Errorf("kvlease: seal block %d of lease %d (%s): a transfer is still writing it: %w",
+			i, l.id, l.owner, ErrInvalidArgument)
+	}
+	s.sealed, s.hash = true, h
+	c.recordSeal(id, st)
+	if c.index == nil {
+		c.index = make(map[BlockHash]BlockID)
+	}
+	if _, taken := c.index[h]; taken {
+		c.stats.duplicateSeals++
+		if c.obs != nil {
+			ev.add(c.obs, Event{Kind: EventDuplicateSeal, Owner: l.owner, Lease: l.id, Blocks: 1})
+		}
+		return nil
+	}
+	c.index[h] = id
+	s.index = true
+	c.kvStored(id, st)
+	return nil
+}
+
+// AcquirePrefix acquires n blocks whose first hits (at most n) are the
+// longest cached prefix of hashes, shared with whoever else holds them
+// (reference counted, same generation: the content is the same), and the
+// rest fresh. It is all or nothing: a failed call changes no reference
+// count and evicts nothing. It obeys Acquire's rule about queued waiters
+// and returns Acquire's errors.
+//
+// A match may hit a leased or draining block (sealed content is
+// immutable) and stops at the first miss or at a block whose content is
+// not known (a pending or quarantined write). In verified mode
+// (WithVerifiedPrefix) hashes alone prove nothing and every lookup
+// misses: use AcquirePrefixTokens.
+func (p *Pool[R]) AcquirePrefix(owner string, hashes []BlockHash, n int) (*Lease[R], int, error) {
+	if len(hashes) == 0 {
+		l, err := p.Acquire(owner, n)
+		return l, 0, err
+	}
+	return p.acquire(owner, hashes, nil, n)
+}
+
+// CachedPrefix returns how many leading hashes would hit now, changing
+// nothing (not even recency): for planning chunked prefill.
+func (p *Pool[R]) CachedPrefix(hashes []BlockHash) int {
+	c := &p.core
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.probe(hashes, nil)
+}
+
+// probe returns the length of the cached prefix of hashes. In verified
+// mode v supplies the tokens to check each hit against (nil: no hit can
+// be verified). Called with c.mu held. It stamps each hit slot so that a
+// block named twice ends the prefix (a lease holds a block once per
+// position, and chained hashes never repeat).
+func (c *core) probe(hashes []BlockHash, v *verifier) int {
+	if c.index == nil {
+		return 0
+	}
+	c.stamp++
+	for k, h := range hashes {
+		id, ok := c.index[h]
+		if !ok {
+			return k
+		}
+		s := &c.slots[id]
+		if s.wpins > 0 || s.mark == c.stamp {
+			return k
+		}
+		if c.meta != nil && !c.verify(id, k, v) {
+			return k
+		}
+		s.mark = c.stamp
+	}
+	return len(hashes)
+}
+
+// fillPrefix fills l with n blocks: the cached prefix of hashes, then
+// fresh ones. All or nothing. Called with c.mu held.
+func (c *core) fillPrefix(l *lease, hashes []BlockHash, n int, v *verifier, ev *events) (int, error) {
+	if len(hashes) > n {
+		hashes = hashes[:n]
+	}
+	hits := c.probe(hashes, v)
+	c.stats.prefixQueries += uint64(len(hashes))
+	lruHits := 0 // hit blocks that stop being evictable
+	for _, h := range hashes[:hits] {
+		if c.slots[c.index[h]].where == onLRU {
+			lruHits++
+		}
+	}
+	if fresh, avail := n-hits, c.available()-lruHits; fresh > avail {
+		return 0, fmt.Errorf("kvlease: acquire %d blocks (%d prefix hits) for %q: %d free or evictable: %w",
+			n, hits, l.owner, avail, ErrExhausted)
+	}
+	c.stats.prefixHits += uint64(hits)
+	for _, h := range hashes[:hits] {
+		id := c.index[h]
+		s := &c.slots[id]
+		if s.where == onLRU {
+			c.lruRemove(id)
+		}
+		s.refs++
+		c.settleSlot(id)
+		l.blocks = append(l.blocks, BlockRef{ID: id, Gen: s.gen})
+	}
+	c.fill(l, n-hits, ev)
+	return hits, nil
+}
+
+// evict takes a cached block out of the prefix index: its content is
+// forfeit. Called with c.mu held, the block already off the LRU.
+func (c *core) evict(id BlockID) {
+	s := &c.slots[id]
+	delete(c.index, s.hash)
+	c.kvRemoved(id)
+	s.index, s.sealed, s.hash = false, false, 0
+	c.stats.evictions++
+}
