@@ -1,0 +1,80 @@
+// Package kvlease owns the paged KV-cache memory of an LLM serving engine.
+// It answers one question with evidence instead of hope: who may touch
+// this block right now, and what proves that nobody else will?
+//
+// Serving engines split each request's KV cache into fixed-size blocks,
+// share them between requests (prefix caching) and move them
+// asynchronously between workers and tiers. kvlease hands blocks out as
+// typed leases (Lease[R], where R names a region: []byte for host memory,
+// a device pointer for GPU memory) and returns a lease's blocks to the pool
+// only after every transfer attached to it has resolved.
+//
+// # Rules
+//
+//  1. A rejection is final and settles everything. An Acquire that fails
+//     allocates nothing: there is no half-owned state to clean up.
+//  2. Release is a request, reclamation is an event. Release and Abort close
+//     a lease at once, but each block returns to the pool only when every
+//     transfer that touches it has resolved.
+//  3. Only quiescence is evidence. A transfer resolves when the transport
+//     proves it will never touch the memory again (copy finished, DMA
+//     fenced, remote registration revoked). "Cancel requested" is not
+//     evidence.
+//  4. Unknown means quarantined, never reused. A transfer that ends without
+//     proof quarantines its blocks; only a later Resolve lifts that. Time
+//     alone never does.
+//  5. Every reuse is a new generation. A BlockRef from an older generation
+//     is detected (ErrStaleRef), never silently served. A prefix-cache hit
+//     shares the same content, so it keeps the generation.
+//  6. Capacity agrees everywhere: one Envelope describes the operating
+//     limits, validated once, and admission uses it before any handoff.
+//  7. Every block is in exactly one state: free, cached, leased, draining or
+//     quarantined. Stats shows the five counts; they always sum to the
+//     capacity.
+//
+// # Lifecycle
+//
+//	                Acquire fails ──▶ (nothing held, an error)
+//	                Acquire
+//	                   │
+//	                   ▼
+//	  ┌──────────── Active ──────── transfer quarantined ──────┐
+//	  │                │                                        ▼
+//	  │        Release / Abort                             Quarantined
+//	  │                │                                   │  ▲  │
+//	  │                ▼                                   │  │  │ late Resolve
+//	  │            Draining ─── transfer quarantined ──────┘  │  ▼
+//	  │                │                      (Release/Abort: stays, closed)
+//	  │     last gating transfer resolves          Active | Draining | Settled
+//	  │                ▼
+//	  └─(nothing gates)─▶ Settled
+//
+// A transfer is Pending until the transport resolves it (Resolved, the only
+// evidence) or quarantines it (Quarantined: ended without proof; a late
+// Resolve still lifts it). Cancel is a request to the transport, not a
+// state.
+//
+// # Concurrency
+//
+// Every method of Pool, Lease and Transfer is safe for concurrent use: an
+// Abort from a request's HTTP goroutine may race the scheduler's Extend
+// (the loser gets ErrLeaseClosed). Cancel hooks and observers run with no
+// internal lock held, so they may call back into the library; a cancel
+// hook may Resolve its transfer synchronously.
+//
+// # Prefix cache
+//
+// A full block whose content will not change is sealed with the chained
+// hash of its tokens (ChainHashes, HashBlock). Sealed blocks are shared by
+// reference count; when nobody references them they stay cached, in an
+// LRU, until a fresh block is needed and nothing is free. AcquirePrefix
+// finds the longest cached prefix. Hash hits are probabilistic claims; the
+// verified mode (WithVerifiedPrefix) checks every hit's tokens.
+//
+// # Checked builds
+//
+// Under -race or -tags invariants, every operation verifies the state
+// counts, impossible internal states panic, and every lease carries a leak
+// check that reports to the observer (see WithLeakCheck). Pool.Check walks
+// the whole slot table in any build.
+package kvlease
