@@ -34,20 +34,20 @@
 //
 // # Lifecycle
 //
-//	                Acquire fails ──▶ (nothing held, an error)
-//	                Acquire
-//	                   │
-//	                   ▼
-//	  ┌──────────── Active ──────── transfer quarantined ──────┐
-//	  │                │                                        ▼
-//	  │        Release / Abort                             Quarantined
-//	  │                │                                   │  ▲  │
-//	  │                ▼                                   │  │  │ late Resolve
-//	  │            Draining ─── transfer quarantined ──────┘  │  ▼
-//	  │                │                      (Release/Abort: stays, closed)
-//	  │     last gating transfer resolves          Active | Draining | Settled
-//	  │                ▼
-//	  └─(nothing gates)─▶ Settled
+//	              Acquire fails ──▶ (nothing held, an error)
+//	              Acquire
+//	                 │
+//	                 ▼
+//	┌──────────── Active ──────── transfer quarantined ──────┐
+//	│                │                                        ▼
+//	│        Release / Abort                             Quarantined
+//	│                │                                   │  ▲  │
+//	│                ▼                                   │  │  │ late Resolve
+//	│            Draining ─── transfer quarantined ──────┘  │  ▼
+//	│                │                      (Release/Abort: stays, closed)
+//	│     last gating transfer resolves          Active | Draining | Settled
+//	│                ▼
+//	└─(nothing gates)─▶ Settled
 //
 // A transfer is Pending until the transport resolves it (Resolved, the only
 // evidence) or quarantines it (Quarantined: ended without proof; a late

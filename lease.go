@@ -120,9 +120,7 @@ type lease struct {
 	quarantined int32 // attachments whose transfer is quarantined
 
 	settled chan struct{} // made on demand by Settled
-	timer   *time.Timer   // drain deadline
-	leak    runtime.Cleanup
-	watched bool // leak is registered
+	extra   *leaseExtra   // only when a leak check or deadline is armed
 
 	att0 [1]attachment // first attachment inline: no allocation for one transfer
 }
@@ -199,6 +197,20 @@ func newLease[R any](p *Pool[R], owner string, n int) *Lease[R] {
 	return l
 }
 
+// leaseExtra holds what only some leases need, off the hot path.
+type leaseExtra struct {
+	timer   *time.Timer // drain deadline
+	leak    runtime.Cleanup
+	watched bool // leak is registered
+}
+
+func (l *lease) ext() *leaseExtra {
+	if l.extra == nil {
+		l.extra = new(leaseExtra)
+	}
+	return l.extra
+}
+
 type leakInfo struct {
 	obs   Observer
 	owner string
@@ -211,11 +223,12 @@ func (l *lease) watchLeak() {
 	if l.c.obs == nil {
 		return
 	}
-	l.leak = runtime.AddCleanup(l, func(i leakInfo) {
+	x := l.ext()
+	x.leak = runtime.AddCleanup(l, func(i leakInfo) {
 		i.obs.Observe(Event{Kind: EventLeaked, Owner: i.owner, Lease: i.id,
 			Err: fmt.Errorf("kvlease: lease %d (%s) became unreachable while open; its blocks stay leased", i.id, i.owner)})
 	}, leakInfo{l.c.obs, l.owner, l.id})
-	l.watched = true
+	x.watched = true
 }
 
 // ID returns the lease's id, unique within its pool; observer events carry
@@ -335,9 +348,9 @@ func (l *lease) close(abort bool, cause error) {
 	}
 	l.closed = true
 	c.openLeases--
-	if l.watched {
-		l.leak.Stop()
-		l.watched = false
+	if x := l.extra; x != nil && x.watched {
+		x.leak.Stop()
+		x.watched = false
 	}
 	if c.obs != nil {
 		if abort {
@@ -346,12 +359,7 @@ func (l *lease) close(abort bool, cause error) {
 			ev.add(c.obs, Event{Kind: EventReleased, Owner: l.owner, Lease: l.id, Blocks: len(l.blocks)})
 		}
 	}
-	// Tail first: the chain's last block becomes the least recently used.
-	for i := len(l.blocks) - 1; i >= 0; i-- {
-		id := l.blocks[i].ID
-		c.slots[id].refs--
-		c.settleSlot(id)
-	}
+	c.drop(l.blocks)
 	if abort {
 		for i := range l.atts {
 			if l.atts[i].applied != TransferResolved {
@@ -395,9 +403,9 @@ func (c *core) transition(l *lease, ev *events) {
 		if l.settled != nil {
 			close(l.settled)
 		}
-		if l.timer != nil {
-			l.timer.Stop()
-			l.timer = nil
+		if x := l.extra; x != nil && x.timer != nil {
+			x.timer.Stop()
+			x.timer = nil
 		}
 		if c.obs != nil {
 			ev.add(c.obs, Event{Kind: EventSettled, Owner: l.owner, Lease: l.id, Blocks: len(l.blocks)})

@@ -343,14 +343,17 @@ func (c *core) fill(l *lease, n int, ev *events) {
 	if len(c.free) >= n {
 		// Fast path: pop n ids off the free stack.
 		top := len(c.free) - n
-		for _, id := range c.free[top:] {
+		start := len(l.blocks)
+		l.blocks = append(l.blocks, make([]BlockRef, n)...) // no allocation: room was reserved
+		dst := l.blocks[start:]
+		for i, id := range c.free[top:] {
 			s := &c.slots[id]
-			s.gen++
-			if s.gen == 0 {
-				s.gen = 1
+			gen := s.gen + 1
+			if gen == 0 {
+				gen = 1
 			}
-			s.refs, s.where, s.class = 1, onNone, classLeased
-			l.blocks = append(l.blocks, BlockRef{ID: id, Gen: s.gen})
+			s.gen, s.refs, s.where, s.class = gen, 1, onNone, classLeased
+			dst[i] = BlockRef{ID: id, Gen: gen}
 		}
 		c.free = c.free[:top]
 		c.counts[classFree] -= n
@@ -432,6 +435,30 @@ func (c *core) settleSlot(id BlockID) {
 		c.counts[old]--
 		c.counts[s.class]++
 	}
+}
+
+// drop releases one reference to each block, tail first, so that a
+// chain's last block becomes the least recently used. Blocks nobody else
+// holds go back at once: the common case (a private, unsealed, ungated
+// block) straight onto the free stack. Called with c.mu held.
+func (c *core) drop(blocks []BlockRef) {
+	freed := 0
+	for i := len(blocks) - 1; i >= 0; i-- {
+		id := blocks[i].ID
+		s := &c.slots[id]
+		s.refs--
+		// Private and unsealed: refs > 0 before with no pins or quarantine
+		// means it was counted as leased.
+		if s.refs|s.pins|s.quar == 0 && !s.index && !s.sealed {
+			c.free = append(c.free, id)
+			s.where, s.class = onFree, classFree
+			freed++
+			continue
+		}
+		c.settleSlot(id)
+	}
+	c.counts[classLeased] -= freed
+	c.counts[classFree] += freed
 }
 
 // lruPush appends id at the most recently used end.
@@ -632,7 +659,7 @@ func (c *core) startDeadline(l *lease) {
 	if c.cfg.deadline <= 0 {
 		return
 	}
-	l.timer = time.AfterFunc(c.cfg.deadline, func() { c.deadlinePassed(l) })
+	l.ext().timer = time.AfterFunc(c.cfg.deadline, func() { c.deadlinePassed(l) })
 }
 
 // deadlinePassed quarantines the still-pending transfers of a lease that

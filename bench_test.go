@@ -1,0 +1,161 @@
+package kvlease
+
+import (
+	"sync"
+	"testing"
+	"time"
+)
+
+// bareList is the baseline every core benchmark compares against: a
+// mutex-guarded stack of free ids, the least an allocator can do (pop n
+// ids, push n ids), with none of kvlease's bookkeeping.
+type bareList struct {
+	mu   sync.Mutex
+	free []int32
+}
+
+func newBareList(n int) *bareList {
+	l := &bareList{free: make([]int32, n)}
+	for i := range l.free {
+		l.free[i] = int32(i)
+	}
+	return l
+}
+
+func (l *bareList) pop(dst []int32, n int) []int32 {
+	l.mu.Lock()
+	top := len(l.free) - n
+	dst = append(dst[:0], l.free[top:]...)
+	l.free = l.free[:top]
+	l.mu.Unlock()
+	return dst
+}
+
+func (l *bareList) push(ids []int32) {
+	l.mu.Lock()
+	l.free = append(l.free, ids...)
+	l.mu.Unlock()
+}
+
+// compare times base for b.N iterations, then op for b.N iterations under
+// the benchmark timer, and reports op's cost as a ratio to base measured in
+// the same run ("x-bare") next to base's own ns/op. Allocations counted by
+// -benchmem are op's alone.
+func compare(b *testing.B, base, op func()) {
+	b.Helper()
+	start := time.Now()
+	for range b.N {
+		base()
+	}
+	bare := time.Since(start)
+	b.ResetTimer()
+	for range b.N {
+		op()
+	}
+	b.StopTimer()
+	report(b, bare)
+}
+
+func report(b *testing.B, bare time.Duration) {
+	b.ReportMetric(float64(bare.Nanoseconds())/float64(b.N), "bare-ns/op")
+	b.ReportMetric(float64(b.Elapsed())/float64(bare), "x-bare")
+}
+
+func benchPool(b *testing.B, blocks int) *Pool[[]byte] {
+	mem, err := NewHostMemory(blocks, 64)
+	if err != nil {
+		b.Fatal(err)
+	}
+	p, err := NewPool[[]byte](mem, WithLeakCheck(false))
+	if err != nil {
+		b.Fatal(err)
+	}
+	return p
+}
+
+// BenchmarkLeaseCycle is Acquire(n)+Release against the bare list popping
+// and pushing n ids. Targets (issue 2): ≤ 3× for 1 block, ≤ 2× for 16.
+func BenchmarkLeaseCycle(b *testing.B) {
+	for _, n := range []int{1, 16, 256} {
+		b.Run(sizeName(n), func(b *testing.B) {
+			p := benchPool(b, 1024)
+			bl := newBareList(1024)
+			ids := make([]int32, 0, n)
+			compare(b, func() {
+				ids = bl.pop(ids, n)
+				bl.push(ids)
+			}, func() {
+				l, err := p.Acquire("bench", n)
+				if err != nil {
+					b.Fatal(err)
+				}
+				l.Release()
+			})
+		})
+	}
+}
+
+// BenchmarkLeaseCycleTransfer adds one transfer attached over the whole
+// lease and resolved after Release: the full deferred-reclamation path.
+// Target (issue 2): ≤ 3× bare(16), at most 2 allocations per cycle.
+func BenchmarkLeaseCycleTransfer(b *testing.B) {
+	const n = 16
+	p := benchPool(b, 1024)
+	bl := newBareList(1024)
+	ids := make([]int32, 0, n)
+	compare(b, func() {
+		ids = bl.pop(ids, n)
+		bl.push(ids)
+	}, func() {
+		l, err := p.Acquire("bench", n)
+		if err != nil {
+			b.Fatal(err)
+		}
+		t := NewTransfer(nil)
+		if err := l.AttachRange(t, 0, n, Read); err != nil {
+			b.Fatal(err)
+		}
+		l.Release()
+		t.Resolve(nil)
+	})
+}
+
+// BenchmarkLeaseCycleParallel runs Acquire(1)+Release on all cores against
+// the bare list under the same parallelism. Target (issue 2): ≤ 3×.
+func BenchmarkLeaseCycleParallel(b *testing.B) {
+	p := benchPool(b, 4096)
+	bl := newBareList(4096)
+	start := time.Now()
+	b.RunParallel(func(pb *testing.PB) {
+		ids := make([]int32, 0, 1)
+		for pb.Next() {
+			ids = bl.pop(ids, 1)
+			bl.push(ids)
+		}
+	})
+	bare := time.Since(start)
+	b.ResetTimer()
+	b.RunParallel(func(pb *testing.PB) {
+		for pb.Next() {
+			l, err := p.Acquire("bench", 1)
+			if err != nil {
+				b.Fatal(err)
+			}
+			l.Release()
+		}
+	})
+	b.StopTimer()
+	report(b, bare)
+}
+
+func sizeName(n int) string {
+	switch n {
+	case 1:
+		return "blocks=1"
+	case 16:
+		return "blocks=16"
+	case 256:
+		return "blocks=256"
+	}
+	return "blocks=n"
+}
