@@ -11,11 +11,12 @@ import (
 type Option func(*config) error
 
 type config struct {
-	obs       Observer
-	deadline  time.Duration
-	leakCheck bool
-	verify    bool
-	kvEvents  int
+	obs         Observer
+	deadline    time.Duration
+	leakCheck   bool
+	verify      bool
+	blockTokens int
+	kvEvents    int
 }
 
 func defaultConfig() config {

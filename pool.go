@@ -71,11 +71,12 @@ type core struct {
 	openLeases int
 	stats      counters
 
-	cfg   config
-	obs   Observer
-	kv    *kvEventLog // nil unless WithKVEvents
-	meta  []sealMeta  // verified mode: per-slot parent and tokens
-	stamp uint32      // bumped per prefix probe
+	cfg    config
+	obs    Observer
+	kv     *kvEventLog // nil unless WithKVEvents
+	meta   []sealMeta  // verified mode: per-slot parent
+	tokens []int32     // verified mode: per-slot tokens, blockTokens each
+	stamp  uint32      // bumped per prefix probe
 }
 
 type counters struct {
@@ -122,7 +123,11 @@ func NewPool[R any](mem Memory[R], opts ...Option) (*Pool[R], error) {
 		c.kv = newKVEventLog(cfg.kvEvents)
 	}
 	if cfg.verify {
+		if cfg.blockTokens > math.MaxInt/4/n {
+			return nil, fmt.Errorf("kvlease: verified mode for %d blocks of %d tokens overflows: %w", n, cfg.blockTokens, ErrInvalidArgument)
+		}
 		c.meta = make([]sealMeta, n)
+		c.tokens = make([]int32, n*cfg.blockTokens)
 	}
 	return p, nil
 }
@@ -424,7 +429,9 @@ func (c *core) settleSlot(id BlockID) {
 			c.lruPush(id)
 			s.where, s.class = onLRU, classCached
 		} else {
-			s.sealed, s.hash = false, 0
+			if s.sealed {
+				c.unseal(id)
+			}
 			c.free = append(c.free, id)
 			s.where, s.class = onFree, classFree
 		}

@@ -118,6 +118,9 @@ func (l *lease) sealLocked(i int, h BlockHash, st *sealTokens, ev *events) error
 		return fmt.Errorf("kvlease: seal block %d of lease %d (%s): a transfer is still writing it: %w",
 			i, l.id, l.owner, ErrInvalidArgument)
 	}
+	if err := c.checkSealTokens(st); err != nil {
+		return fmt.Errorf("kvlease: seal block %d of lease %d (%s): %w", i, l.id, l.owner, err)
+	}
 	s.sealed, s.hash = true, h
 	c.recordSeal(id, st)
 	if c.index == nil {
@@ -132,8 +135,115 @@ func (l *lease) sealLocked(i int, h BlockHash, st *sealTokens, ev *events) error
 	}
 	c.index[h] = id
 	s.index = true
-	c.kvStored(id, st)
+	if c.kv != nil {
+		// The parent is known from the tokens, or else from the block
+		// before this one in the lease, when that one is sealed.
+		var parent BlockHash
+		hasParent := false
+		var tokens []int32
+		if st != nil {
+			parent, hasParent, tokens = st.parent, true, st.tokens
+		} else if i > 0 {
+			if ps := &c.slots[l.blocks[i-1].ID]; ps.sealed {
+				parent, hasParent = ps.hash, true
+			}
+		}
+		c.kv.stored(h, parent, hasParent, tokens, c.cfg.blockTokens)
+	}
 	return nil
+}
+
+// SealTokens seals block i with the hash of its tokens under parent (the
+// previous block's hash, or the namespace seed for the first block) and
+// returns that hash. It is Seal with the hash computed for you, and the
+// only way to seal in verified mode (WithVerifiedPrefix), where the pool
+// keeps parent and tokens to check every later hit against; there tokens
+// must be exactly one block (the configured block tokens) long. Errors as
+// Seal.
+func (l *Lease[R]) SealTokens(i int, parent BlockHash, tokens []int32) (BlockHash, error) {
+	h := HashBlock(parent, tokens)
+	return h, l.ls.seal(i, h, &sealTokens{parent: parent, tokens: tokens})
+}
+
+// Share returns a second lease, owned by owner, over the first n blocks of
+// this one: the same slots at the same generations, reference counted, for
+// parallel sampling and beam search. Every shared block must be sealed
+// (shared content must be immutable): a block still being written is
+// refused with ErrInvalidArgument, as is an n outside [1, Len()]. The new
+// lease is independent: it may Extend with fresh blocks and is released on
+// its own. Errors also wrap ErrLeaseClosed and ErrPoolClosed.
+func (l *Lease[R]) Share(owner string, n int) (*Lease[R], error) {
+	ls := &l.ls
+	c := ls.c
+	if owner == "" {
+		return nil, fmt.Errorf("kvlease: share lease %d (%s): empty owner: %w", ls.id, ls.owner, ErrInvalidArgument)
+	}
+	nl := newLease(l.p, owner, n)
+	var ev events
+	c.mu.Lock()
+	var err error
+	switch {
+	case ls.closed:
+		err = fmt.Errorf("kvlease: share lease %d (%s): %w", ls.id, ls.owner, ErrLeaseClosed)
+	case c.closed.Load():
+		err = fmt.Errorf("kvlease: share lease %d (%s): %w", ls.id, ls.owner, ErrPoolClosed)
+	case n <= 0 || n > len(ls.blocks):
+		err = fmt.Errorf("kvlease: share %d blocks of lease %d (%s) with %d blocks: %w", n, ls.id, ls.owner, len(ls.blocks), ErrInvalidArgument)
+	default:
+		for i, r := range ls.blocks[:n] {
+			if !c.slots[r.ID].sealed {
+				err = fmt.Errorf("kvlease: share block %d of lease %d (%s): not sealed, its content may still change: %w",
+					i, ls.id, ls.owner, ErrInvalidArgument)
+				break
+			}
+		}
+	}
+	if err != nil {
+		c.mu.Unlock()
+		return nil, err
+	}
+	for _, r := range ls.blocks[:n] {
+		c.slots[r.ID].refs++
+		c.settleSlot(r.ID)
+	}
+	nl.ls.blocks = append(nl.ls.blocks, ls.blocks[:n]...)
+	c.opened(&nl.ls, n, &ev)
+	c.mu.Unlock()
+	ev.flush()
+	return nl, nil
+}
+
+// ResetCache drops every cached block nobody references: each leaves the
+// prefix index and goes to the free list, so it will never be hit again.
+// Sealed blocks that leases still hold stay findable. It returns how many
+// blocks it dropped. With KV events on, it emits AllBlocksCleared when the
+// index is left empty, else one BlockRemoved per dropped block.
+func (p *Pool[R]) ResetCache() int {
+	c := &p.core
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	n := 0
+	quiet := c.kv != nil && c.lruLen == len(c.index)
+	for c.lruHead != nilID {
+		id := c.lruHead
+		c.lruRemove(id)
+		s := &c.slots[id]
+		delete(c.index, s.hash)
+		if c.kv != nil && !quiet {
+			c.kv.removed(s.hash)
+		}
+		s.index = false
+		c.unseal(id)
+		c.free = append(c.free, id)
+		s.where, s.class = onFree, classFree
+		c.counts[classCached]--
+		c.counts[classFree]++
+		n++
+	}
+	if quiet && n > 0 {
+		c.kv.cleared()
+	}
+	return n
 }
 
 // AcquirePrefix acquires n blocks whose first hits (at most n) are the
@@ -230,7 +340,20 @@ func (c *core) fillPrefix(l *lease, hashes []BlockHash, n int, v *verifier, ev *
 func (c *core) evict(id BlockID) {
 	s := &c.slots[id]
 	delete(c.index, s.hash)
-	c.kvRemoved(id)
-	s.index, s.sealed, s.hash = false, false, 0
+	if c.kv != nil {
+		c.kv.removed(s.hash)
+	}
+	s.index = false
+	c.unseal(id)
 	c.stats.evictions++
+}
+
+// unseal forgets a slot's sealed content: it is leaving the cache for the
+// free list or being evicted. Called with c.mu held.
+func (c *core) unseal(id BlockID) {
+	s := &c.slots[id]
+	s.sealed, s.hash = false, 0
+	if c.meta != nil {
+		c.meta[id] = sealMeta{}
+	}
 }
