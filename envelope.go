@@ -2,7 +2,6 @@ package kvlease
 
 import (
 	"fmt"
-	"math"
 	"strings"
 )
 
@@ -285,13 +284,4 @@ func AgreeEnvelopes(components ...NamedEnvelope) error {
 		}
 	}
 	return ee.err()
-}
-
-// maxBlocks is the most blocks a request under e can hold, for handoff
-// checks; math.MaxInt when the envelope gives no bound.
-func (e Envelope) maxBlocks() int {
-	if e.BlockTokens <= 0 || e.MaxContextTokens <= 0 {
-		return math.MaxInt
-	}
-	return blocksFor(e.MaxContextTokens, e.BlockTokens)
 }

@@ -1,0 +1,748 @@
+package kvlease
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// ErrHandoffState is returned when a handoff method is called in a state
+// that does not allow it: Start after a rejection, Accept twice, Reject
+// after the transfer started, Abort after delivery. The error names the
+// state; nothing changed.
+var ErrHandoffState = errors.New("kvlease: handoff in the wrong state")
+
+// ErrHandoffRejected is the default reason recorded by Reject(by, nil).
+var ErrHandoffRejected = errors.New("kvlease: handoff rejected")
+
+// HandoffState is where a handoff is. See Handoff for the diagram.
+type HandoffState uint8
+
+// The handoff states.
+const (
+	handoffNone HandoffState = iota // before Propose; only in History's first From
+
+	// HandoffProposed: the source offers a lease; the destination holds
+	// nothing yet.
+	HandoffProposed
+	// HandoffRejected: the destination refused. Final: no transfer can
+	// ever start; the source lease is untouched and still the caller's.
+	HandoffRejected
+	// HandoffAccepted: the destination holds a lease of the same length;
+	// no transfer yet.
+	HandoffAccepted
+	// HandoffTransferring: one transfer is attached to both leases (Read
+	// on the source, Write on the destination).
+	HandoffTransferring
+	// HandoffDelivered: the transfer resolved without error. Final: the
+	// destination lease is the caller's (Destination); the source lease is
+	// untouched.
+	HandoffDelivered
+	// HandoffFailed: the transfer resolved with an error, or the transport
+	// could not start it. Final: the destination lease is released (the
+	// memory was already quiescent); the source lease is untouched.
+	HandoffFailed
+	// HandoffAborting: Abort came while the transfer was in flight. Both
+	// leases are aborted and the transfer cancelled; their blocks drain
+	// until the transport proves quiescence.
+	HandoffAborting
+	// HandoffAborted: aborted, and nothing the handoff started can touch
+	// memory any more. Final.
+	HandoffAborted
+	// HandoffQuarantined: no evidence came in time (Expire): the transfer
+	// is quarantined with every block of both leases, which are aborted.
+	// Not final: only the transfer's late Resolve lifts it, to Aborted.
+	HandoffQuarantined
+
+	numHandoffStates
+)
+
+var handoffStateNames = [numHandoffStates]string{
+	"none", "proposed", "rejected", "accepted", "transferring",
+	"delivered", "failed", "aborting", "aborted", "quarantined",
+}
+
+func (s HandoffState) String() string {
+	if s < numHandoffStates {
+		return handoffStateNames[s]
+	}
+	return "invalid"
+}
+
+// Final reports whether s is final: Rejected, Delivered, Failed or
+// Aborted. No event leaves a final state.
+func (s HandoffState) Final() bool {
+	return s == HandoffRejected || s == HandoffDelivered || s == HandoffFailed || s == HandoffAborted
+}
+
+// HandoffEvent is what moves a handoff: a caller's decision or the
+// transport's evidence. Each step of History names one.
+type HandoffEvent uint8
+
+// The handoff events.
+const (
+	// HandoffPropose: Propose created the handoff.
+	HandoffPropose HandoffEvent = iota + 1
+	// HandoffAccept: the destination acquired its lease.
+	HandoffAccept
+	// HandoffReject: the destination refused, by decision (Reject) or
+	// because its acquire failed (Accept, AcceptWait).
+	HandoffReject
+	// HandoffAttach: the transport attached the transfer to both leases;
+	// bytes may move from now on.
+	HandoffAttach
+	// HandoffStartFail: Start could not attach a transfer (the source
+	// lease was closed, the transport failed). Nothing moved.
+	HandoffStartFail
+	// HandoffResolve: the transfer resolved without error: quiescent and
+	// complete.
+	HandoffResolve
+	// HandoffResolveError: the transfer resolved with an error: quiescent,
+	// content incomplete.
+	HandoffResolveError
+	// HandoffAbort: either side gave up on the request (Abort).
+	HandoffAbort
+	// HandoffExpire: no evidence by the deadline (the handoff's timer or a
+	// caller's Expire), and the transfer was still unresolved.
+	HandoffExpire
+
+	numHandoffEvents
+)
+
+var handoffEventNames = [numHandoffEvents]string{
+	"", "propose", "accept", "reject", "attach", "start-fail",
+	"resolve", "resolve-error", "abort", "expire",
+}
+
+func (e HandoffEvent) String() string {
+	if e > 0 && e < numHandoffEvents {
+		return handoffEventNames[e]
+	}
+	return "invalid"
+}
+
+// handoffEdge is one cell of the transition table.
+type handoffEdge struct {
+	to   HandoffState
+	kind edgeKind
+}
+
+type edgeKind uint8
+
+const (
+	edgeRefuse edgeKind = iota // the event is not allowed here: ErrHandoffState
+	edgeMove                   // the state changes to `to`
+	edgeNoop                   // already done (a second Abort, a late timer): nil, nothing changes
+)
+
+// handoffTable is the handoff's one transition function, as a table: the
+// cell for (state, event) says whether the event moves the handoff, is an
+// idempotent repeat, or is refused. Missing cells are refusals. Every
+// state change goes through handoffNext.
+var handoffTable = [numHandoffStates][numHandoffEvents]handoffEdge{
+	handoffNone: {
+		HandoffPropose: {HandoffProposed, edgeMove},
+	},
+	HandoffProposed: {
+		HandoffAccept: {HandoffAccepted, edgeMove},
+		HandoffReject: {HandoffRejected, edgeMove},
+		HandoffAbort:  {HandoffAborted, edgeMove},
+	},
+	HandoffRejected: {
+		HandoffReject: {HandoffRejected, edgeNoop},
+		HandoffExpire: {HandoffRejected, edgeNoop},
+	},
+	HandoffAccepted: {
+		HandoffReject:    {HandoffRejected, edgeMove},
+		HandoffAttach:    {HandoffTransferring, edgeMove},
+		HandoffStartFail: {HandoffFailed, edgeMove},
+		HandoffAbort:     {HandoffAborted, edgeMove},
+	},
+	HandoffTransferring: {
+		HandoffResolve:      {HandoffDelivered, edgeMove},
+		HandoffResolveError: {HandoffFailed, edgeMove},
+		HandoffAbort:        {HandoffAborting, edgeMove},
+		HandoffExpire:       {HandoffQuarantined, edgeMove},
+	},
+	HandoffDelivered: {
+		HandoffExpire: {HandoffDelivered, edgeNoop},
+	},
+	HandoffFailed: {
+		HandoffExpire: {HandoffFailed, edgeNoop},
+	},
+	HandoffAborting: {
+		HandoffResolve:      {HandoffAborted, edgeMove},
+		HandoffResolveError: {HandoffAborted, edgeMove},
+		HandoffAbort:        {HandoffAborting, edgeNoop},
+		HandoffExpire:       {HandoffQuarantined, edgeMove},
+	},
+	HandoffAborted: {
+		HandoffAbort:  {HandoffAborted, edgeNoop},
+		HandoffExpire: {HandoffAborted, edgeNoop},
+	},
+	HandoffQuarantined: {
+		HandoffResolve:      {HandoffAborted, edgeMove},
+		HandoffResolveError: {HandoffAborted, edgeMove},
+		HandoffAbort:        {HandoffQuarantined, edgeNoop},
+		HandoffExpire:       {HandoffQuarantined, edgeNoop},
+	},
+}
+
+// handoffNext looks up (s, e) in the transition table.
+func handoffNext(s HandoffState, e HandoffEvent) handoffEdge {
+	if s >= numHandoffStates || e == 0 || e >= numHandoffEvents {
+		return handoffEdge{}
+	}
+	return handoffTable[s][e]
+}
+
+// A HandoffStep is one transition of a handoff with the evidence that made
+// it: which component, which event, and the error it carried (the
+// rejection reason, the transfer's outcome, the abort cause).
+type HandoffStep struct {
+	From, To HandoffState
+	Event    HandoffEvent
+	By       string    // the component: a side's name, "transport", "deadline"
+	Err      error     // reason, cause or outcome; nil for success
+	Transfer uint64    // the transfer's ID, once one is attached
+	At       time.Time // when the handoff recorded it
+}
+
+// String renders the step as "from → to  by/event: err".
+func (s HandoffStep) String() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "%v → %v  %s/%v", s.From, s.To, s.By, s.Event)
+	if s.Transfer != 0 {
+		fmt.Fprintf(&b, " (transfer %d)", s.Transfer)
+	}
+	if s.Err != nil {
+		fmt.Fprintf(&b, ": %v", s.Err)
+	}
+	return b.String()
+}
+
+// DefaultHandoffDeadline is the deadline a handoff uses when
+// HandoffConfig.Deadline is zero.
+const DefaultHandoffDeadline = 30 * time.Second
+
+// HandoffConfig configures a handoff.
+type HandoffConfig struct {
+	// Envelope is the envelope both sides agreed on (see AgreeEnvelopes).
+	// It must be valid; both pools' BlockBytes must equal its BlockBytes,
+	// and the source lease may not hold more blocks than a
+	// maximum-context request needs.
+	Envelope Envelope
+	// Source and Destination name the two sides in History ("prefill",
+	// "decode"); they default to "source" and "destination".
+	Source, Destination string
+	// Owner names the destination lease's owner; it defaults to the
+	// source lease's owner.
+	Owner string
+	// Deadline bounds how long the transfer may stay unresolved once
+	// attached (or once aborted) before the handoff gives up on evidence
+	// and quarantines it (HandoffExpire, by "deadline"). Zero means
+	// DefaultHandoffDeadline; a negative value means no deadline: a
+	// transport that never resolves then leaves the handoff Transferring
+	// until someone calls Expire.
+	Deadline time.Duration
+}
+
+// Handoff moves a request's KV from a source lease (a prefill worker's)
+// to a destination pool (a decode worker's) in two phases: the
+// destination first accepts, holding a lease of its own, and only then
+// does one transfer copy the blocks. It makes the two causes of the 2026
+// incident impossible by construction: a rejected handoff can never start
+// a transfer (Start attaches only from Accepted, and the check and the
+// attach happen under one lock), and an aborted handoff's blocks return to
+// their pools only when the transport proves the copy quiescent.
+//
+//	Propose ──▶ Proposed ──Reject, failed acquire──▶ Rejected ▣
+//	               │  └──Abort──▶ Aborted ▣
+//	             Accept (destination lease acquired)
+//	               ▼
+//	            Accepted ──Reject──▶ Rejected ▣
+//	               │  ├──Abort──▶ Aborted ▣
+//	               │  └──start failed (nothing attached)──▶ Failed ▣
+//	             Start: transport attaches one transfer (Read src, Write dst)
+//	               ▼
+//	          Transferring ──Resolve(nil)──▶ Delivered ▣
+//	               │  ├──Resolve(err)──▶ Failed ▣
+//	               │  └──Expire──▶ Quarantined ──late Resolve──▶ Aborted ▣
+//	             Abort (both leases aborted, transfer cancelled)    ▲
+//	               ▼                                                │
+//	            Aborting ──Resolve──▶ Aborted ▣                     │
+//	               └──Expire────────▶ Quarantined ──────────────────┘
+//
+// ▣ marks the final states. What makes each one final, and so what the
+// caller may rely on:
+//
+//   - Rejected: the destination's refusal (Reject, or its acquire failing
+//     in Accept). No transfer was attached, and none can be: Start refuses
+//     and a racing attach is refused under the same lock.
+//   - Delivered: the transport's Resolve(nil), its proof that the copy is
+//     complete and quiescent. The destination lease is now the caller's.
+//   - Failed: the transport's Resolve(err), proof that the copy stopped;
+//     or a Start that attached nothing. The destination lease is released.
+//   - Aborted: an Abort before anything was attached, or, once a transfer
+//     was attached, the transport's Resolve after the abort or the
+//     quarantine. Time never makes it final.
+//
+// Quarantined is not final: Expire (the handoff's Deadline or a caller's
+// give-up) found the transfer unresolved, so the transfer is quarantined,
+// every block of both leases with it, and both leases are aborted. The
+// blocks stay out of reuse until the transport's late Resolve lifts the
+// quarantine and the handoff becomes Aborted.
+//
+// Ownership: the handoff owns the destination lease until it is
+// delivered; the source lease stays the caller's, except that Abort and
+// Expire abort it (the request is gone on both sides). Rejected, Failed
+// and Delivered leave the source lease open: the caller may retry
+// elsewhere or release it.
+//
+// Every transition is recorded with its evidence in History. A method
+// called in a state that does not allow it changes nothing and returns an
+// error wrapping ErrHandoffState; repeats that are already done (a second
+// Abort, an Expire after the evidence came) return nil.
+//
+// All methods are safe for concurrent use. The handoff calls into its
+// leases and its transfer with its own lock held (so a decision and its
+// effect are one step), so a transport's cancel hook or a pool's observer
+// must not call this handoff's methods synchronously; they may call any
+// Pool, Lease or Transfer method.
+type Handoff[S, D any] struct {
+	mu      sync.Mutex
+	state   HandoffState
+	src     *Lease[S]
+	pool    *Pool[D]
+	dst     *Lease[D] // set by Accept
+	t       *Transfer // set by the winning attach
+	n       int       // blocks handed off: src.Len() at Propose
+	cfg     HandoffConfig
+	history []HandoffStep
+	done    chan struct{} // closed on entering a final state
+}
+
+// Propose offers the blocks of src (all src.Len() of them, as they are
+// now) to the pool dst. Nothing is acquired yet; the destination answers
+// with Accept or Reject. Errors, and no handoff:
+//
+//   - ErrInvalidArgument: a nil lease or pool, an invalid envelope, or
+//     pools whose block sizes differ from each other or from the
+//     envelope's BlockBytes;
+//   - ErrLeaseClosed: src is already released or aborted;
+//   - ErrExceedsCapacity: src holds more blocks than a maximum-context
+//     request under the envelope.
+func Propose[S, D any](src *Lease[S], dst *Pool[D], cfg HandoffConfig) (*Handoff[S, D], error) {
+	if src == nil || dst == nil {
+		return nil, fmt.Errorf("kvlease: propose handoff: nil source lease or destination pool: %w", ErrInvalidArgument)
+	}
+	if err := cfg.Envelope.Validate(); err != nil {
+		return nil, fmt.Errorf("kvlease: propose handoff of lease %d (%s): %w", src.ID(), src.Owner(), err)
+	}
+	if _, err := src.Region(0); err != nil {
+		return nil, fmt.Errorf("kvlease: propose handoff: %w", err)
+	}
+	sb, db, eb := src.Pool().BlockBytes(), dst.BlockBytes(), cfg.Envelope.BlockBytes
+	if sb != db || sb != eb {
+		return nil, fmt.Errorf("kvlease: propose handoff of lease %d (%s): block sizes differ: source pool %d bytes, destination pool %d bytes, envelope %d bytes: %w",
+			src.ID(), src.Owner(), sb, db, eb, ErrInvalidArgument)
+	}
+	n := src.Len()
+	if limit := cfg.Envelope.BlocksFor(cfg.Envelope.MaxContextTokens); n > limit {
+		return nil, fmt.Errorf("kvlease: propose handoff of lease %d (%s): %d blocks exceed the %d blocks of a %d-token context: %w",
+			src.ID(), src.Owner(), n, limit, cfg.Envelope.MaxContextTokens, ErrExceedsCapacity)
+	}
+	if cfg.Source == "" {
+		cfg.Source = "source"
+	}
+	if cfg.Destination == "" {
+		cfg.Destination = "destination"
+	}
+	if cfg.Owner == "" {
+		cfg.Owner = src.Owner()
+	}
+	if cfg.Deadline == 0 {
+		cfg.Deadline = DefaultHandoffDeadline
+	}
+	h := &Handoff[S, D]{src: src, pool: dst, n: n, cfg: cfg, done: make(chan struct{})}
+	h.mu.Lock()
+	h.fire(cfg.Source, HandoffPropose, nil)
+	h.mu.Unlock()
+	return h, nil
+}
+
+// fire applies event e to the handoff: it looks the edge up, records the
+// step and performs the effects of entering the new state. It returns the
+// edge's kind; a refusal changes nothing. Called with h.mu held.
+func (h *Handoff[S, D]) fire(by string, e HandoffEvent, err error) edgeKind {
+	edge := handoffNext(h.state, e)
+	if edge.kind != edgeMove {
+		return edge.kind
+	}
+	from := h.state
+	h.state = edge.to
+	var tid uint64
+	if h.t != nil {
+		tid = h.t.ID()
+	}
+	h.history = append(h.history, HandoffStep{From: from, To: edge.to, Event: e, By: by, Err: err, Transfer: tid, At: time.Now()})
+
+	switch {
+	case e == HandoffAbort || (e == HandoffExpire && from == HandoffTransferring):
+		// The request is gone on both sides. Aborting the leases cancels
+		// the transfer, if any; their blocks drain until it resolves (or
+		// stay quarantined, for Expire, until late evidence).
+		cause := err
+		if cause == nil {
+			cause = ErrAborted
+		}
+		if h.dst != nil {
+			h.dst.Abort(cause)
+		}
+		h.src.Abort(cause)
+	case edge.to == HandoffRejected || edge.to == HandoffFailed:
+		// Nothing is in flight (never attached, or resolved): the
+		// destination lease's blocks return at once.
+		if h.dst != nil {
+			h.dst.Release()
+		}
+	}
+	if edge.to.Final() {
+		close(h.done)
+	}
+	return edgeMove
+}
+
+// refused returns the ErrHandoffState error for a refused call.
+func (h *Handoff[S, D]) refused(what string) error {
+	return fmt.Errorf("kvlease: handoff of lease %d (%s): %s while %v: %w", h.src.ID(), h.src.Owner(), what, h.state, ErrHandoffState)
+}
+
+// Accept is the destination's acceptance: it acquires a lease of Blocks()
+// blocks from the destination pool (Pool.Acquire: no waiting) and moves
+// the handoff to Accepted. If the acquire fails, the handoff is Rejected
+// with the acquire's error as evidence, and Accept returns that error
+// (errors.Is works: ErrExhausted, ErrExceedsCapacity, ErrPoolClosed).
+// Outside Proposed it changes nothing and returns ErrHandoffState; so does
+// an Accept that loses a race with Reject or Abort (its lease is released).
+func (h *Handoff[S, D]) Accept() error { return h.accept(nil) }
+
+// AcceptWait is Accept with Pool.AcquireWait: it waits in the pool's queue
+// until the blocks are free or ctx is done. A cancelled wait rejects the
+// handoff with ctx's error.
+func (h *Handoff[S, D]) AcceptWait(ctx context.Context) error {
+	if ctx == nil {
+		return fmt.Errorf("kvlease: handoff accept: nil context: %w", ErrInvalidArgument)
+	}
+	return h.accept(ctx)
+}
+
+func (h *Handoff[S, D]) accept(ctx context.Context) error {
+	h.mu.Lock()
+	if handoffNext(h.state, HandoffAccept).kind != edgeMove {
+		err := h.refused("accept")
+		h.mu.Unlock()
+		return err
+	}
+	h.mu.Unlock()
+
+	// Acquire without the lock: a waiting acquire must not block Abort.
+	var l *Lease[D]
+	var err error
+	if ctx == nil {
+		l, err = h.pool.Acquire(h.cfg.Owner, h.n)
+	} else {
+		l, err = h.pool.AcquireWait(ctx, h.cfg.Owner, h.n)
+	}
+
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if err != nil {
+		err = fmt.Errorf("kvlease: handoff of lease %d (%s): destination acquire of %d blocks: %w", h.src.ID(), h.src.Owner(), h.n, err)
+		h.fire(h.cfg.Destination, HandoffReject, err)
+		return err
+	}
+	if handoffNext(h.state, HandoffAccept).kind != edgeMove {
+		// Rejected, aborted or accepted by someone else meanwhile.
+		l.Release()
+		return h.refused("accept")
+	}
+	h.dst = l
+	h.fire(h.cfg.Destination, HandoffAccept, nil)
+	return nil
+}
+
+// Reject is a refusal by the component by (the destination, a
+// scheduler): the handoff becomes Rejected and no transfer can ever start.
+// A destination lease already acquired is released; the source lease is
+// untouched. Allowed from Proposed and Accepted; a second Reject returns
+// nil; once a transfer is attached it returns ErrHandoffState (use Abort).
+// A nil reason is recorded as ErrHandoffRejected.
+func (h *Handoff[S, D]) Reject(by string, reason error) error {
+	if reason == nil {
+		reason = ErrHandoffRejected
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.fire(by, HandoffReject, reason) == edgeRefuse {
+		return h.refused("reject")
+	}
+	return nil
+}
+
+// Start copies the source blocks into the destination lease with tr, from
+// Accepted. It builds the copy pairs and calls tr.Start, whose attach
+// callback is where the handoff moves: under the handoff's lock, and only
+// if it is still Accepted, the transfer is attached to the source lease
+// (Read) and the destination lease (Write) and the handoff becomes
+// Transferring; from then on only the transfer's evidence, Abort or Expire
+// move it. A goroutine waits for the transfer to resolve (and for the
+// deadline).
+//
+// If the handoff is not Accepted, Start calls nothing and returns
+// ErrHandoffState: a rejected handoff never reaches a transport. If the
+// attach fails (the source lease was closed meanwhile) or the transport
+// fails without attaching, nothing moved: the handoff becomes Failed and
+// Start returns the error. If it lost a race (an Abort or Reject came
+// first, or another Start attached), the attach is refused, the transport
+// resolves its transfer unstarted, and Start returns ErrHandoffState.
+func (h *Handoff[S, D]) Start(tr Transport[S, D]) error {
+	if tr == nil {
+		return fmt.Errorf("kvlease: handoff start: nil transport: %w", ErrInvalidArgument)
+	}
+	h.mu.Lock()
+	if handoffNext(h.state, HandoffAttach).kind != edgeMove {
+		err := h.refused("start")
+		h.mu.Unlock()
+		return err
+	}
+	pairs := make([]CopyPair[S, D], h.n)
+	for i := range pairs {
+		s, err := h.src.Region(i)
+		if err == nil {
+			pairs[i].Dst, err = h.dst.Region(i)
+		}
+		if err != nil {
+			err = fmt.Errorf("kvlease: handoff start: %w", err)
+			h.fire(h.cfg.Source, HandoffStartFail, err)
+			h.mu.Unlock()
+			return err
+		}
+		pairs[i].Src = s
+	}
+	h.mu.Unlock()
+
+	// attached is this call's attach outcome: 0 not called, 1 attached,
+	// -1 refused. Atomic: a transport may call attach on its own goroutine
+	// (it must still do so before Start returns).
+	var attached atomic.Int32
+	_, err := tr.Start(pairs, func(t *Transfer) error {
+		err := h.attach(t)
+		if err != nil {
+			attached.Store(-1)
+		} else {
+			attached.Store(1)
+		}
+		return err
+	})
+	switch attached.Load() {
+	case 1:
+		// The transfer is ours; its evidence decides. A transport that
+		// reports an error after attaching must still resolve the
+		// transfer, and the watcher records that.
+		return err
+	case -1:
+		return err
+	}
+	if err == nil {
+		err = errors.New("transport returned without attaching a transfer")
+	}
+	err = fmt.Errorf("kvlease: handoff start: %w", err)
+	h.mu.Lock()
+	kind := h.fire("transport", HandoffStartFail, err)
+	h.mu.Unlock()
+	if kind == edgeRefuse {
+		return fmt.Errorf("%w (%w)", err, ErrHandoffState)
+	}
+	return err
+}
+
+// attach is the callback a transport calls before any byte moves. The
+// state check and both attachments happen under h.mu, so a Reject or
+// Abort either comes before (and the attach is refused) or after (and
+// sees the transfer).
+func (h *Handoff[S, D]) attach(t *Transfer) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if t == nil {
+		return fmt.Errorf("kvlease: handoff attach: nil transfer: %w", ErrInvalidArgument)
+	}
+	if handoffNext(h.state, HandoffAttach).kind != edgeMove {
+		return h.refused("attach")
+	}
+	err := h.src.AttachRange(t, 0, h.n, Read)
+	if err == nil {
+		err = h.dst.AttachRange(t, 0, h.n, Write)
+	}
+	if err != nil {
+		// The transport resolves t with this error (nothing moved), which
+		// also drops a source attachment that succeeded.
+		err = fmt.Errorf("kvlease: handoff attach: %w", err)
+		h.fire(h.cfg.Source, HandoffStartFail, err)
+		return err
+	}
+	h.t = t
+	h.fire("transport", HandoffAttach, nil)
+	go h.watch(t, h.cfg.Deadline)
+	return nil
+}
+
+// watch waits for the transfer's evidence, expiring the handoff if the
+// deadline passes first, and records the evidence when it comes (perhaps
+// much later: the late evidence that lifts a quarantine).
+func (h *Handoff[S, D]) watch(t *Transfer, d time.Duration) {
+	if d > 0 {
+		timer := time.NewTimer(d)
+		select {
+		case <-t.Done():
+			timer.Stop()
+		case <-timer.C:
+			_ = h.Expire("deadline", fmt.Errorf("kvlease: handoff: no evidence of quiescence within %v: %w", d, ErrQuarantined))
+			<-t.Done()
+		}
+	} else {
+		<-t.Done()
+	}
+	h.mu.Lock()
+	h.evidence(t)
+	h.mu.Unlock()
+}
+
+// evidence records a resolved transfer's outcome. A repeat (Expire already
+// recorded it) is a no-op. Called with h.mu held.
+func (h *Handoff[S, D]) evidence(t *Transfer) {
+	err := t.Err()
+	e := HandoffResolve
+	if err != nil {
+		e = HandoffResolveError
+	}
+	h.fire("transport", e, err)
+}
+
+// Abort gives up on the request, from either side (by names it). Before a
+// transfer is attached, the handoff becomes Aborted at once: the
+// destination lease, if any, and the source lease are aborted, and a
+// racing Start's attach is refused. While transferring, it becomes
+// Aborting: both leases are aborted (which cancels the transfer) and
+// their blocks drain until the transport resolves it, which makes the
+// handoff Aborted. A nil cause is recorded as ErrAborted.
+//
+// Abort is idempotent: in Aborting, Aborted or Quarantined it returns nil.
+// After Rejected, Delivered or Failed it changes nothing and returns
+// ErrHandoffState: the handoff no longer holds anything (after delivery,
+// abort the destination lease itself).
+func (h *Handoff[S, D]) Abort(by string, cause error) error {
+	if cause == nil {
+		cause = ErrAborted
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.fire(by, HandoffAbort, cause) == edgeRefuse {
+		return h.refused("abort")
+	}
+	return nil
+}
+
+// Expire gives up waiting for the transport's evidence: the give-up path
+// of a deadline. The handoff's own timer (HandoffConfig.Deadline) calls
+// it; a supervisor may call it earlier, for instance when the transport
+// reports that the copy stopped but its acknowledgement is lost. If the
+// transfer has resolved after all, Expire records that evidence instead.
+// Otherwise it quarantines the transfer (with reason; nil means
+// ErrQuarantined) and the handoff becomes Quarantined; from Transferring
+// both leases are aborted too. Only the transfer's late Resolve lifts the
+// quarantine (the handoff then becomes Aborted).
+//
+// Before a transfer is attached it returns ErrHandoffState (nothing is in
+// flight: use Abort or Reject); after evidence, or in Quarantined, it is a
+// no-op returning nil.
+func (h *Handoff[S, D]) Expire(by string, reason error) error {
+	if reason == nil {
+		reason = ErrQuarantined
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	switch handoffNext(h.state, HandoffExpire).kind {
+	case edgeRefuse:
+		return h.refused("expire")
+	case edgeNoop:
+		return nil
+	}
+	h.t.Quarantine(reason)
+	if h.t.State() == TransferResolved {
+		// The evidence won the race: record it, not a quarantine.
+		h.evidence(h.t)
+		return nil
+	}
+	h.fire(by, HandoffExpire, reason)
+	return nil
+}
+
+// State returns the handoff's state.
+func (h *Handoff[S, D]) State() HandoffState {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.state
+}
+
+// Err returns the error recorded by the step that entered the current
+// state: the rejection reason, the transfer's outcome, the abort cause or
+// the quarantine reason; nil when that step carried none (Proposed,
+// Accepted, Transferring, Delivered).
+func (h *Handoff[S, D]) Err() error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.history[len(h.history)-1].Err
+}
+
+// History returns a copy of every step so far, oldest first. The first is
+// the proposal (from "none").
+func (h *Handoff[S, D]) History() []HandoffStep {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return append([]HandoffStep(nil), h.history...)
+}
+
+// Done returns a channel closed when the handoff reaches a final state
+// (Rejected, Delivered, Failed or Aborted). A quarantined handoff is not
+// done until late evidence comes.
+func (h *Handoff[S, D]) Done() <-chan struct{} { return h.done }
+
+// Blocks returns the number of blocks handed off: the source lease's
+// length at Propose.
+func (h *Handoff[S, D]) Blocks() int { return h.n }
+
+// Source returns the source lease.
+func (h *Handoff[S, D]) Source() *Lease[S] { return h.src }
+
+// Destination returns the destination lease, or nil before Accept. Until
+// the handoff is Delivered it belongs to the handoff: read its refs, but
+// do not release, extend or attach to it. Once Delivered it is the
+// caller's, to release when the request ends.
+func (h *Handoff[S, D]) Destination() *Lease[D] {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.dst
+}
+
+// Transfer returns the attached transfer, or nil before Start attached
+// one.
+func (h *Handoff[S, D]) Transfer() *Transfer {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.t
+}
