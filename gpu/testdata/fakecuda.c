@@ -1,0 +1,333 @@
+// fakecuda.c: a test double for libcuda.so.1, built by the cgo tests with
+// gcc into a temporary shared library and loaded through the same dlopen
+// path as the real driver. "Device" memory is host memory, copies are
+// memcpy at enqueue time and events are always complete: it checks the
+// plumbing (symbol resolution, ABI, context handling, error naming), not
+// asynchrony, which the CPU fallback's tests cover.
+//
+// Build switches:
+//   -DFAKE_NO_PROC_ADDRESS  export no cuGetProcAddress: resolution by dlsym of _v2 names
+//   -DFAKE_NO_BATCH         no cuMemcpyBatchAsync (a pre-12.8 driver)
+//   -DFAKE_NO_DEVICE        cuInit fails with CUDA_ERROR_NO_DEVICE
+//   -DFAKE_MISSING_ALLOC    no cuMemAlloc_v2 (a driver too old to use)
+// Environment:
+//   FAKECUDA_STICKY=<code>  the next cuEventSynchronize fails with <code>, and
+//                           every call after it too (a sticky error)
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+
+static int sticky;
+static int ctx_object;
+static int ctx_depth;
+static size_t used;
+static const size_t total_mem = (size_t)4 << 30;
+
+#define CHECK_STICKY() \
+	do { \
+		if (sticky) return sticky; \
+	} while (0)
+
+CUresult cuInit(unsigned int flags) {
+	(void)flags;
+#ifdef FAKE_NO_DEVICE
+	return 100;
+#else
+	return 0;
+#endif
+}
+
+CUresult cuDriverGetVersion(int *v) {
+	*v = 12080;
+	return 0;
+}
+
+CUresult cuGetErrorName(CUresult e, const char **s) {
+	switch (e) {
+	case 0: *s = "CUDA_SUCCESS"; return 0;
+	case 2: *s = "CUDA_ERROR_OUT_OF_MEMORY"; return 0;
+	case 100: *s = "CUDA_ERROR_NO_DEVICE"; return 0;
+	case 700: *s = "CUDA_ERROR_ILLEGAL_ADDRESS"; return 0;
+	}
+	*s = NULL;
+	return 1; // unknown to the fake: the caller falls back to its own table
+}
+
+CUresult cuGetErrorString(CUresult e, const char **s) {
+	switch (e) {
+	case 0: *s = "no error"; return 0;
+	case 2: *s = "out of memory (fake)"; return 0;
+	case 100: *s = "no CUDA-capable device is detected (fake)"; return 0;
+	case 700: *s = "an illegal memory access was encountered (fake)"; return 0;
+	}
+	*s = NULL;
+	return 1;
+}
+
+CUresult cuDeviceGetCount(int *n) {
+	*n = 1;
+	return 0;
+}
+
+CUresult cuDeviceGet(CUdevice *d, int ordinal) {
+	if (ordinal != 0) return 101;
+	*d = 0;
+	return 0;
+}
+
+CUresult cuDeviceGetName(char *name, int len, CUdevice d) {
+	(void)d;
+	snprintf(name, (size_t)len, "Fake CUDA Device");
+	return 0;
+}
+
+CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d) {
+	(void)d;
+	*bytes = total_mem;
+	return 0;
+}
+
+CUresult cuDevicePrimaryCtxRetain(void **ctx, CUdevice d) {
+	(void)d;
+	*ctx = &ctx_object;
+	return 0;
+}
+
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) {
+	(void)d;
+	return 0;
+}
+
+CUresult cuCtxPushCurrent_v2(void *ctx) {
+	if (ctx != &ctx_object) return 201;
+	__atomic_add_fetch(&ctx_depth, 1, __ATOMIC_SEQ_CST);
+	return 0;
+}
+
+CUresult cuCtxPopCurrent_v2(void **ctx) {
+	__atomic_sub_fetch(&ctx_depth, 1, __ATOMIC_SEQ_CST);
+	*ctx = &ctx_object;
+	return 0;
+}
+
+CUresult cuMemGetInfo_v2(size_t *free_, size_t *total) {
+	CHECK_STICKY();
+	*total = total_mem;
+	*free_ = total_mem - __atomic_load_n(&used, __ATOMIC_SEQ_CST);
+	return 0;
+}
+
+// Device allocations carry their size in a 256-byte header.
+#ifndef FAKE_MISSING_ALLOC
+CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
+	CHECK_STICKY();
+	if (n > total_mem - __atomic_load_n(&used, __ATOMIC_SEQ_CST)) return 2;
+	char *m = aligned_alloc(256, 256 + ((n + 255) / 256) * 256);
+	if (m == NULL) return 2;
+	*(size_t *)m = n;
+	__atomic_add_fetch(&used, n, __ATOMIC_SEQ_CST);
+	*p = (CUdeviceptr)(uintptr_t)(m + 256);
+	return 0;
+}
+#endif
+
+CUresult cuMemFree_v2(CUdeviceptr p) {
+	CHECK_STICKY();
+	char *m = (char *)(uintptr_t)p - 256;
+	__atomic_sub_fetch(&used, *(size_t *)m, __ATOMIC_SEQ_CST);
+	free(m);
+	return 0;
+}
+
+CUresult cuMemHostAlloc(void **pp, size_t n, unsigned int flags) {
+	(void)flags;
+	CHECK_STICKY();
+	*pp = aligned_alloc(4096, ((n + 4095) / 4096) * 4096);
+	return *pp ? 0 : 2;
+}
+
+CUresult cuMemFreeHost(void *p) {
+	free(p);
+	return 0;
+}
+
+CUresult cuStreamCreate(void **s, unsigned int flags) {
+	(void)flags;
+	CHECK_STICKY();
+	*s = malloc(1);
+	return 0;
+}
+
+CUresult cuStreamDestroy_v2(void *s) {
+	free(s);
+	return 0;
+}
+
+CUresult cuStreamSynchronize(void *s) {
+	(void)s;
+	CHECK_STICKY();
+	return 0;
+}
+
+CUresult cuEventCreate(void **e, unsigned int flags) {
+	(void)flags;
+	CHECK_STICKY();
+	*e = malloc(1);
+	return 0;
+}
+
+CUresult cuEventDestroy_v2(void *e) {
+	free(e);
+	return 0;
+}
+
+CUresult cuEventRecord(void *e, void *s) {
+	(void)e;
+	(void)s;
+	CHECK_STICKY();
+	return 0;
+}
+
+CUresult cuEventSynchronize(void *e) {
+	(void)e;
+	const char *v = getenv("FAKECUDA_STICKY");
+	if (v && *v) sticky = atoi(v);
+	CHECK_STICKY();
+	return 0;
+}
+
+CUresult cuEventQuery(void *e) {
+	(void)e;
+	CHECK_STICKY();
+	return 0;
+}
+
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, void *s) {
+	(void)s;
+	CHECK_STICKY();
+	memcpy((void *)(uintptr_t)dst, src, n);
+	return 0;
+}
+
+CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, void *s) {
+	(void)s;
+	CHECK_STICKY();
+	memcpy(dst, (const void *)(uintptr_t)src, n);
+	return 0;
+}
+
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, void *s) {
+	(void)s;
+	CHECK_STICKY();
+	memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
+	return 0;
+}
+
+CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) {
+	CHECK_STICKY();
+	memcpy((void *)(uintptr_t)dst, src, n);
+	return 0;
+}
+
+CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
+	CHECK_STICKY();
+	memcpy(dst, (const void *)(uintptr_t)src, n);
+	return 0;
+}
+
+#ifndef FAKE_NO_BATCH
+typedef struct {
+	int srcAccessOrder;
+	int srcLoc[2];
+	int dstLoc[2];
+	unsigned int flags;
+} attrs_t;
+
+// The 12.8 signature, with failIdx.
+CUresult cuMemcpyBatchAsync(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count, attrs_t *attrs,
+                            size_t *attrsIdxs, size_t numAttrs, size_t *failIdx, void *s) {
+	(void)s;
+	CHECK_STICKY();
+	if (numAttrs != 1 || attrsIdxs[0] != 0 || attrs[0].srcAccessOrder != 1) {
+		*failIdx = 0;
+		return 1;
+	}
+	for (size_t i = 0; i < count; i++) {
+		memcpy((void *)(uintptr_t)dsts[i], (const void *)(uintptr_t)srcs[i], sizes[i]);
+	}
+	return 0;
+}
+#endif
+
+#ifndef FAKE_NO_PROC_ADDRESS
+struct entry {
+	const char *name;
+	void *fn;
+	int since;
+};
+
+#define E(n, f) {n, (void *)f, 0}
+static const struct entry entries[] = {
+	E("cuInit", cuInit),
+	E("cuDriverGetVersion", cuDriverGetVersion),
+	E("cuGetErrorName", cuGetErrorName),
+	E("cuGetErrorString", cuGetErrorString),
+	E("cuDeviceGetCount", cuDeviceGetCount),
+	E("cuDeviceGet", cuDeviceGet),
+	E("cuDeviceGetName", cuDeviceGetName),
+	E("cuDeviceTotalMem", cuDeviceTotalMem_v2),
+	E("cuDevicePrimaryCtxRetain", cuDevicePrimaryCtxRetain),
+	E("cuDevicePrimaryCtxRelease", cuDevicePrimaryCtxRelease_v2),
+	E("cuCtxPushCurrent", cuCtxPushCurrent_v2),
+	E("cuCtxPopCurrent", cuCtxPopCurrent_v2),
+	E("cuMemGetInfo", cuMemGetInfo_v2),
+#ifndef FAKE_MISSING_ALLOC
+	E("cuMemAlloc", cuMemAlloc_v2),
+#endif
+	E("cuMemFree", cuMemFree_v2),
+	E("cuMemHostAlloc", cuMemHostAlloc),
+	E("cuMemFreeHost", cuMemFreeHost),
+	E("cuStreamCreate", cuStreamCreate),
+	E("cuStreamDestroy", cuStreamDestroy_v2),
+	E("cuStreamSynchronize", cuStreamSynchronize),
+	E("cuEventCreate", cuEventCreate),
+	E("cuEventDestroy", cuEventDestroy_v2),
+	E("cuEventRecord", cuEventRecord),
+	E("cuEventSynchronize", cuEventSynchronize),
+	E("cuEventQuery", cuEventQuery),
+	E("cuMemcpyHtoDAsync", cuMemcpyHtoDAsync_v2),
+	E("cuMemcpyDtoHAsync", cuMemcpyDtoHAsync_v2),
+	E("cuMemcpyDtoDAsync", cuMemcpyDtoDAsync_v2),
+	E("cuMemcpyHtoD", cuMemcpyHtoD_v2),
+	E("cuMemcpyDtoH", cuMemcpyDtoH_v2),
+#ifndef FAKE_NO_BATCH
+	{"cuMemcpyBatchAsync", (void *)cuMemcpyBatchAsync, 12080},
+#endif
+};
+
+// cuGetProcAddress_v2 answers from the table; asking with a version older
+// than an entry point's first version is "version not sufficient" (2).
+CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags, int *status) {
+	(void)flags;
+	*pfn = NULL;
+	for (size_t i = 0; i < sizeof entries / sizeof entries[0]; i++) {
+		if (strcmp(entries[i].name, symbol) == 0) {
+			if (version < entries[i].since) {
+				if (status) *status = 2;
+				return 500;
+			}
+			*pfn = entries[i].fn;
+			if (status) *status = 0;
+			return 0;
+		}
+	}
+	if (status) *status = 1;
+	return 500;
+}
+#endif
