@@ -66,7 +66,7 @@ func TestCopyRoundTrip(t *testing.T) {
 		// Offload in reverse order: dev2 block i → pin2 block blocks-1-i.
 		d2h := make([]cp[DevicePtr, []byte], blocks)
 		for i := range blocks {
-			d2h[i] = pair(r.dev2.Region(kvlease.BlockID(i)), r.pin2.Region(kvlease.BlockID(blocks - 1 - i)))
+			d2h[i] = pair(r.dev2.Region(kvlease.BlockID(i)), r.pin2.Region(kvlease.BlockID(blocks-1-i)))
 		}
 		tr, err = r.e.DeviceToHost().Start(d2h, noAttach)
 		noErr(t, err)
