@@ -1,0 +1,5 @@
+package kvlease
+
+import "runtime"
+
+func runtimeGosched() { runtime.Gosched() }
