@@ -3,11 +3,23 @@ package gpu
 import (
 	"errors"
 	"math/rand/v2"
+	"os"
 	"testing"
 	"time"
 
 	"github.com/kvlease/kvlease"
 )
+
+// fakeDir holds fake drivers built by the cgo tests; removed after the run.
+var fakeDir string
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if fakeDir != "" {
+		os.RemoveAll(fakeDir)
+	}
+	os.Exit(code)
+}
 
 // deviceKind opens one kind of device for the shared tests, or skips.
 type deviceKind struct {

@@ -1,0 +1,201 @@
+//go:build cgo && linux
+
+package gpu
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sync"
+	"testing"
+
+	"github.com/kvlease/kvlease"
+)
+
+// The fake driver (testdata/fakecuda.c) is built with the C compiler into a
+// shared library and loaded through the same dlopen path as libcuda.so.1,
+// so the cgo layer (symbol resolution, ABI, context push/pop, error naming,
+// batched and looped submission) runs on machines without a GPU. It needs
+// gcc (or $CC) at test time and skips without one.
+
+func init() {
+	deviceKinds = append(deviceKinds, deviceKind{"fakecuda", func(t testing.TB) *Device {
+		d, err := openPath(fakeLib(t, "default"), 0)
+		noErr(t, err)
+		t.Cleanup(func() { noErr(t, d.Close()) })
+		return d
+	}})
+}
+
+var fakeVariants = map[string][]string{
+	"default":  nil,
+	"noproc":   {"-DFAKE_NO_PROC_ADDRESS"},
+	"nobatch":  {"-DFAKE_NO_BATCH"},
+	"nodevice": {"-DFAKE_NO_DEVICE"},
+	"noalloc":  {"-DFAKE_MISSING_ALLOC"},
+	"sticky":   nil, // its own copy, so its sticky state is its own
+}
+
+var fakeBuilt struct {
+	sync.Mutex
+	libs map[string]string
+}
+
+// fakeLib returns the path of the fake driver built with variant's flags,
+// building it once per test process.
+func fakeLib(t testing.TB, variant string) string {
+	t.Helper()
+	fakeBuilt.Lock()
+	defer fakeBuilt.Unlock()
+	if p, ok := fakeBuilt.libs[variant]; ok {
+		return p
+	}
+	cc := os.Getenv("CC")
+	if cc == "" {
+		cc = "gcc"
+	}
+	if _, err := exec.LookPath(cc); err != nil {
+		t.Skipf("SKIP: no C compiler (%s) to build the fake driver: %v", cc, err)
+	}
+	src, err := filepath.Abs(filepath.Join("testdata", "fakecuda.c"))
+	noErr(t, err)
+	if _, err := os.Stat(src); err != nil {
+		t.Skipf("SKIP: fake driver source not found (run from the package directory): %v", err)
+	}
+	if fakeDir == "" {
+		fakeDir, err = os.MkdirTemp("", "kvlease-fakecuda-")
+		noErr(t, err)
+	}
+	out := filepath.Join(fakeDir, fmt.Sprintf("libfakecuda-%s.so", variant))
+	args := append([]string{"-shared", "-fPIC", "-O1", "-o", out, src}, fakeVariants[variant]...)
+	if msg, err := exec.Command(cc, args...).CombinedOutput(); err != nil {
+		t.Fatalf("building the fake driver: %v\n%s", err, msg)
+	}
+	if fakeBuilt.libs == nil {
+		fakeBuilt.libs = map[string]string{}
+	}
+	fakeBuilt.libs[variant] = out
+	return out
+}
+
+func TestFakeDriverResolution(t *testing.T) {
+	for _, c := range []struct {
+		variant  string
+		resolver int
+		batch    bool
+	}{
+		{"default", 2, true},
+		{"noproc", 0, true},
+		{"nobatch", 2, false},
+	} {
+		t.Run(c.variant, func(t *testing.T) {
+			path := fakeLib(t, c.variant)
+			d, err := openPath(path, 0)
+			noErr(t, err)
+			t.Cleanup(func() { noErr(t, d.Close()) })
+			eq(t, "Fake CUDA Device", d.Name())
+			eq(t, int64(4<<30), d.TotalMemory())
+			eq(t, 12080, d.DriverVersion())
+			drv, err := loadDriver(path)
+			noErr(t, err)
+			eq(t, c.resolver, drv.resolver, "resolver")
+			_, _, batch, ok := cudaStats(d)
+			eq(t, true, ok)
+			eq(t, c.batch, batch, "batch available")
+
+			// One scattered copy (three separate runs) and one contiguous
+			// (merged into a single op: always the plain loop).
+			r := newRig(t, d, 8, 256)
+			src := make([]byte, 256)
+			for i := range src {
+				src[i] = byte(i%251 + 1)
+			}
+			noErr(t, d.CopyFromHost(r.dev.Region(5), src))
+			tr, err := r.e.DeviceToHost().Start([]cp[DevicePtr, []byte]{
+				pair(r.dev.Region(5), r.pin.Region(0)), pair(r.dev.Region(1), r.pin.Region(4)), pair(r.dev.Region(7), r.pin.Region(2)),
+			}, noAttach)
+			noErr(t, err)
+			waitDone(t, tr)
+			noErr(t, tr.Err())
+			eq(t, src, r.pin.Region(0))
+			batched, looped, _, _ := cudaStats(d)
+			if c.batch {
+				eq(t, [2]int64{1, 0}, [2]int64{batched, looped}, "batched, looped")
+			} else {
+				eq(t, [2]int64{0, 1}, [2]int64{batched, looped}, "batched, looped")
+			}
+			setBatch(d, false)
+			tr, err = r.e.DeviceToHost().Start([]cp[DevicePtr, []byte]{pair(r.dev.Region(5), r.pin.Region(1)), pair(r.dev.Region(0), r.pin.Region(3))}, noAttach)
+			noErr(t, err)
+			waitDone(t, tr)
+			eq(t, src, r.pin.Region(1))
+			_, looped2, _, _ := cudaStats(d)
+			eq(t, looped+1, looped2, "looped after setBatch(false)")
+
+			free, err := d.FreeMemory()
+			noErr(t, err)
+			eq(t, int64(4<<30)-2*8*256, free, "free memory with two device arenas")
+		})
+	}
+}
+
+func TestFakeDriverOpenErrors(t *testing.T) {
+	_, err := openPath(fakeLib(t, "nodevice"), 0)
+	isErr(t, err, ErrNoDevice)
+	var de *DriverError
+	asErr(t, err, &de)
+	eq(t, "cuInit", de.Op)
+	eq(t, "CUDA_ERROR_NO_DEVICE", de.Name)
+	eq(t, "no CUDA-capable device is detected (fake)", de.Text, "the driver's own string")
+
+	_, err = openPath(fakeLib(t, "noalloc"), 0)
+	isErr(t, err, ErrNoDriver)
+	contains(t, err, "cuMemAlloc_v2")
+
+	_, err = openPath(fakeLib(t, "default"), 1)
+	isErr(t, err, ErrNoDevice)
+	contains(t, err, "sees 1 devices")
+
+	t.Setenv(DriverLibraryEnv, fakeLib(t, "default"))
+	d, err := Open(0)
+	noErr(t, err)
+	eq(t, "Fake CUDA Device", d.Name())
+	_, err = d.AllocDevice(1, 8<<30)
+	var oom *DriverError
+	asErr(t, err, &oom)
+	eq(t, ErrorOutOfMemory, oom.Code)
+	eq(t, "out of memory (fake)", oom.Text)
+	noErr(t, d.Close())
+}
+
+// TestFakeDriverStickyError: a sticky error from cuEventSynchronize
+// quarantines the transfer and stops the engine, through the cgo path.
+func TestFakeDriverStickyError(t *testing.T) {
+	d, err := openPath(fakeLib(t, "sticky"), 0)
+	noErr(t, err)
+	e, err := d.NewCopyEngine()
+	noErr(t, err)
+	dev, err := d.AllocDevice(2, 256)
+	noErr(t, err)
+	pin, err := d.AllocPinned(2, 256)
+	noErr(t, err)
+	t.Setenv("FAKECUDA_STICKY", "700")
+	tr, err := e.DeviceToHost().Start([]cp[DevicePtr, []byte]{pair(dev.Region(0), pin.Region(1))}, noAttach)
+	noErr(t, err)
+	waitState(t, tr, kvlease.TransferQuarantined)
+	isErr(t, tr.Err(), ErrDeviceFailed)
+	var de *DriverError
+	asErr(t, tr.Err(), &de)
+	eq(t, "cuEventSynchronize", de.Op)
+	eq(t, "an illegal memory access was encountered (fake)", de.Text)
+	isErr(t, dev.Close(), ErrBusy)
+	_, err = e.HostToDevice().Start([]cp[[]byte, DevicePtr]{pair(pin.Region(0), dev.Region(1))}, noAttach)
+	isErr(t, err, ErrDeviceFailed)
+	if !errors.Is(d.Close(), ErrBusy) {
+		t.Fatal("device with a quarantined copy closed")
+	}
+	// The device stays open for the life of the test process, as a real
+	// one would after a sticky error.
+}
