@@ -1,0 +1,497 @@
+package main
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/inproc"
+)
+
+// Config is one run of the example.
+type Config struct {
+	Requests int
+	Seed     uint64
+	// Transport faults, per transfer.
+	FailRate, LostAckRate, IgnoreCancelRate float64
+	// LateAckRate is the probability that a lost acknowledgement is
+	// delivered late, lifting the quarantine.
+	LateAckRate float64
+	// AbortRate and EarlyAbortRate are the probabilities that a client
+	// goes away mid-transfer, or after acceptance but before the transfer
+	// starts.
+	AbortRate, EarlyAbortRate float64
+	// BlockLatency is the transport's time per block (plus up to as much
+	// jitter).
+	BlockLatency time.Duration
+	Quiet        bool
+
+	// sabotage, if set, runs on the copy goroutine before each write,
+	// after the audit: the test uses it to make the transport lie and
+	// checks that the ledger catches it.
+	sabotage func(inproc.Write, kvlease.HandoffState)
+}
+
+// DefaultConfig is the README's run.
+func DefaultConfig() Config {
+	return Config{
+		Requests: 24, Seed: 75, // a seed whose burst shows every outcome
+		FailRate: 0.1, LostAckRate: 0.2, IgnoreCancelRate: 0.5, LateAckRate: 0.5,
+		AbortRate: 0.2, EarlyAbortRate: 0.05,
+		BlockLatency: 100 * time.Microsecond,
+	}
+}
+
+// The deployment's one envelope: 16-token blocks of 16 bytes per token,
+// a 1024-token context (64 blocks), 256-token prefill chunks. The prefill
+// and decode pools differ only in size.
+var envelope = kvlease.Envelope{
+	BlockTokens: 16, BlockBytes: 256, PoolBlocks: 512,
+	MaxContextTokens: 1024, MaxPrefillTokens: 256, MaxRunningRequests: 14,
+}
+
+const decodeBlocks = 384
+
+// Ledger is what a run ends with.
+type Ledger struct {
+	Requests  int
+	Delivered int
+	// Rejections, by who refused: the envelope (Admit), the prefill pool
+	// (exhausted), the decode side's policy (too many running) and the
+	// decode pool (exhausted).
+	RejectedEnvelope, RejectedPrefill, RejectedPolicy, RejectedDecode int
+	Failed                                                            int
+	// Aborted counts every aborted handoff; AbortedLifted those whose
+	// quarantine late evidence lifted.
+	Aborted, AbortedLifted int
+	// Quarantined handoffs never got their late evidence.
+	Quarantined int
+
+	Prefill, Decode kvlease.Stats // the pools at the end
+	// MarkerMismatches counts delivered blocks whose content was not their
+	// request's marker; LateWrites counts transfers that touched a block
+	// after it was reclaimed. Both must be 0.
+	MarkerMismatches, LateWrites int
+}
+
+// Rejected is the sum of all rejections.
+func (l Ledger) Rejected() int {
+	return l.RejectedEnvelope + l.RejectedPrefill + l.RejectedPolicy + l.RejectedDecode
+}
+
+// Problems lists the isolation failures the ledger shows: marker
+// mismatches, late writes, blocks neither free nor quarantined at the end,
+// requests unaccounted for. Empty means the run was clean.
+func (l Ledger) Problems() []string {
+	var out []string
+	if l.MarkerMismatches != 0 {
+		out = append(out, fmt.Sprintf("%d marker mismatches", l.MarkerMismatches))
+	}
+	if l.LateWrites != 0 {
+		out = append(out, fmt.Sprintf("%d transfers touched reclaimed memory", l.LateWrites))
+	}
+	for _, p := range []struct {
+		name string
+		s    kvlease.Stats
+	}{{"prefill", l.Prefill}, {"decode", l.Decode}} {
+		if p.s.Free+p.s.Quarantined != p.s.Capacity {
+			out = append(out, fmt.Sprintf("%s pool: %d blocks neither free nor quarantined", p.name, p.s.Capacity-p.s.Free-p.s.Quarantined))
+		}
+	}
+	if n := l.Delivered + l.Rejected() + l.Failed + l.Aborted + l.Quarantined; n != l.Requests {
+		out = append(out, fmt.Sprintf("%d of %d requests accounted for", n, l.Requests))
+	}
+	return out
+}
+
+// request is one synthetic request and what happened to it.
+type request struct {
+	id             int
+	name           string
+	prompt, maxNew int
+	abortAt        int  // abort mid-transfer before writing this block; -1 for never
+	earlyAbort     bool // abort after acceptance, before the transfer starts
+	lateAck        bool // a lost acknowledgement arrives late
+
+	refused string // why the request never reached a handoff
+	src     *kvlease.Lease[[]byte]
+	srcIDs  []kvlease.BlockID
+	h       *kvlease.Handoff[[]byte, []byte]
+	dstIDs  []kvlease.BlockID
+	lost    bool // its transfer's acknowledgement was lost
+	late    bool // ...and delivered late
+}
+
+var (
+	errClientGone = errors.New("client went away")
+	errBusy       = errors.New("decode worker at its running-request limit")
+	errNoAck      = errors.New("transport idle, transfer unacknowledged")
+)
+
+// marker fills block i of request id: the request's id and the block's
+// index, then the id's low byte repeated.
+func marker(b []byte, id, i int) {
+	binary.LittleEndian.PutUint32(b[0:], uint32(id))
+	binary.LittleEndian.PutUint32(b[4:], uint32(i))
+	for j := 8; j < len(b); j++ {
+		b[j] = byte(id)
+	}
+}
+
+func markerOK(b []byte, id, i int) bool {
+	if binary.LittleEndian.Uint32(b[0:]) != uint32(id) || binary.LittleEndian.Uint32(b[4:]) != uint32(i) {
+		return false
+	}
+	for _, c := range b[8:] {
+		if c != byte(id) {
+			return false
+		}
+	}
+	return true
+}
+
+// world is the shared state of one run.
+type world struct {
+	cfg             Config
+	prefill, decode *kvlease.Pool[[]byte]
+	tp              *inproc.Transport
+
+	mu         sync.Mutex
+	byTransfer map[*kvlease.Transfer]*request
+	lateWrites map[*kvlease.Transfer]bool
+}
+
+// tagged is the transport as one request sees it: it records which
+// request a transfer belongs to in attach, before any byte moves, so the
+// audit hooks can find it.
+type tagged struct {
+	w   *world
+	req *request
+}
+
+func (t tagged) Start(pairs []kvlease.CopyPair[[]byte, []byte], attach func(*kvlease.Transfer) error) (*kvlease.Transfer, error) {
+	return t.w.tp.Start(pairs, func(tr *kvlease.Transfer) error {
+		t.w.mu.Lock()
+		t.w.byTransfer[tr] = t.req
+		t.w.mu.Unlock()
+		return attach(tr)
+	})
+}
+
+// audit checks, at the moment of a write, that both blocks of the pair
+// are still at the generation the request's leases got: a draining block
+// still is (its transfer is pending), a reclaimed one is not.
+func (w *world) audit(wr inproc.Write) {
+	w.mu.Lock()
+	req := w.byTransfer[wr.Transfer]
+	w.mu.Unlock()
+	dst := req.h.Destination()
+	s, serr := w.prefill.Region(req.src.Ref(wr.Pair))
+	d, derr := w.decode.Region(dst.Ref(wr.Pair))
+	if serr != nil || derr != nil || &s[0] != &wr.Src[0] || &d[0] != &wr.Dst[0] {
+		w.mu.Lock()
+		w.lateWrites[wr.Transfer] = true
+		w.mu.Unlock()
+	}
+}
+
+// Run runs the burst and writes the timeline (unless cfg.Quiet) and the
+// ledger to out.
+func Run(cfg Config, out io.Writer) (Ledger, error) {
+	if cfg.Requests < 0 {
+		return Ledger{}, fmt.Errorf("requests %d must not be negative", cfg.Requests)
+	}
+	for _, r := range []float64{cfg.LateAckRate, cfg.AbortRate, cfg.EarlyAbortRate} {
+		if !(r >= 0 && r <= 1) {
+			return Ledger{}, fmt.Errorf("rate %v outside [0, 1]", r)
+		}
+	}
+	// Every component runs with the same envelope; only the pool sizes
+	// differ. Check that once, at startup.
+	decodeEnv := envelope
+	decodeEnv.PoolBlocks = decodeBlocks
+	if err := kvlease.AgreeEnvelopes(
+		kvlease.NamedEnvelope{Name: "frontend", Envelope: envelope},
+		kvlease.NamedEnvelope{Name: "prefill", Envelope: envelope},
+		kvlease.NamedEnvelope{Name: "decode", Envelope: decodeEnv},
+	); err != nil {
+		return Ledger{}, err
+	}
+
+	w := &world{cfg: cfg, byTransfer: map[*kvlease.Transfer]*request{}, lateWrites: map[*kvlease.Transfer]bool{}}
+	var err error
+	if w.prefill, err = newPool(envelope.PoolBlocks); err != nil {
+		return Ledger{}, err
+	}
+	if w.decode, err = newPool(decodeBlocks); err != nil {
+		return Ledger{}, err
+	}
+	reqs := generate(cfg)
+	w.tp, err = inproc.New(inproc.Config{
+		Seed: cfg.Seed, BlockLatency: cfg.BlockLatency, Jitter: cfg.BlockLatency,
+		FailRate: cfg.FailRate, LostAckRate: cfg.LostAckRate, IgnoreCancelRate: cfg.IgnoreCancelRate,
+		BeforeWrite: func(wr inproc.Write) error {
+			w.audit(wr)
+			w.mu.Lock()
+			req := w.byTransfer[wr.Transfer]
+			w.mu.Unlock()
+			if wr.Pair == req.abortAt {
+				// The client goes away while the copy is writing.
+				_ = req.h.Abort("frontend", fmt.Errorf("%w while block %d of %d was being written", errClientGone, wr.Pair, req.h.Blocks()))
+			}
+			if cfg.sabotage != nil {
+				cfg.sabotage(wr, req.h.State())
+			}
+			return nil
+		},
+		AfterWrite: w.audit,
+	})
+	if err != nil {
+		return Ledger{}, err
+	}
+
+	// The burst. Admission, prefill and acceptance happen in request
+	// order on this goroutine, before any transfer starts (and so before
+	// any block goes back to a pool): which blocks each request gets is
+	// deterministic. Then every accepted handoff starts.
+	running := 0
+	for _, r := range reqs {
+		w.admit(r, &running)
+	}
+	for _, r := range reqs {
+		if r.h != nil && r.h.State() == kvlease.HandoffAccepted {
+			_ = r.h.Start(tagged{w, r}) // a failed start is in the history
+		}
+	}
+
+	// A supervisor waits for the transport to go idle, then gives up on
+	// every transfer still unacknowledged: its copy stopped, but nobody
+	// can prove it. (In production, HandoffConfig.Deadline does this.)
+	w.tp.Wait()
+	for _, r := range reqs {
+		if r.h == nil {
+			continue
+		}
+		if tr := r.h.Transfer(); tr != nil && tr.State() == kvlease.TransferPending {
+			r.lost = true
+			_ = r.h.Expire("supervisor", errNoAck)
+		}
+	}
+	// Some lost acknowledgements turn up late: the evidence that lifts
+	// the quarantine.
+	for _, r := range reqs {
+		if r.lost && r.lateAck {
+			r.late = w.tp.Acknowledge(r.h.Transfer())
+		}
+	}
+	for _, r := range reqs {
+		if r.h != nil && (!r.lost || r.late) {
+			<-r.h.Done() // the rest stay quarantined
+		}
+	}
+
+	// Decode: every delivered request checks its markers, then finishes.
+	var l Ledger
+	l.Requests = len(reqs)
+	for _, r := range reqs {
+		if r.h != nil && r.h.State() == kvlease.HandoffDelivered {
+			d := r.h.Destination()
+			for i := range d.Len() {
+				b, err := d.Region(i)
+				if err != nil || !markerOK(b, r.id, i) {
+					l.MarkerMismatches++
+				}
+			}
+			d.Release()
+		}
+		if r.src != nil {
+			r.src.Release() // the prefill side is done with it, whatever happened
+		}
+	}
+
+	for _, r := range reqs {
+		l.count(r)
+		if !cfg.Quiet {
+			printTimeline(out, r)
+		}
+	}
+	l.Prefill, l.Decode = w.prefill.Stats(), w.decode.Stats()
+	w.mu.Lock()
+	l.LateWrites = len(w.lateWrites)
+	w.mu.Unlock()
+	printLedger(out, cfg, l)
+	return l, nil
+}
+
+func newPool(blocks int) (*kvlease.Pool[[]byte], error) {
+	mem, err := kvlease.NewHostMemory(blocks, envelope.BlockBytes)
+	if err != nil {
+		return nil, err
+	}
+	return kvlease.NewPool[[]byte](mem)
+}
+
+// generate draws the burst. Every request draws the same number of
+// values, so request k is the same for a seed whatever the rates.
+func generate(cfg Config) []*request {
+	rng := rand.New(rand.NewPCG(cfg.Seed, 0x646973616767))
+	reqs := make([]*request, cfg.Requests)
+	for k := range reqs {
+		r := &request{id: k + 1, name: fmt.Sprintf("r%02d", k+1), abortAt: -1}
+		r.prompt = 16 + rng.IntN(960)
+		r.maxNew = 16 + rng.IntN(240)
+		abort, at, early, late := rng.Float64(), rng.Float64(), rng.Float64(), rng.Float64()
+		if abort < cfg.AbortRate {
+			r.abortAt = int(at * float64(envelope.BlocksFor(r.prompt)))
+		}
+		r.earlyAbort = early < cfg.EarlyAbortRate
+		r.lateAck = late < cfg.LateAckRate
+		reqs[k] = r
+	}
+	return reqs
+}
+
+// admit takes one request from the front door to an accepted handoff, or
+// to its rejection.
+func (w *world) admit(r *request, running *int) {
+	if err := envelope.Admit(r.prompt, r.maxNew); err != nil {
+		r.refused = "envelope: " + err.Error()
+		return
+	}
+	src, err := w.prefill.Acquire(r.name, envelope.BlocksFor(r.prompt))
+	if err != nil {
+		r.refused = "prefill pool: " + err.Error()
+		return
+	}
+	r.src = src
+	r.srcIDs = src.AppendBlockIDs(nil, 0)
+	for i := range src.Len() { // prefill: the request's KV is its marker
+		b, _ := src.Region(i)
+		marker(b, r.id, i)
+	}
+	r.h, err = kvlease.Propose(src, w.decode, kvlease.HandoffConfig{
+		Envelope: envelope, Source: "prefill", Destination: "decode", Deadline: 10 * time.Second,
+	})
+	if err != nil {
+		r.refused = "propose: " + err.Error()
+		return
+	}
+	if *running >= envelope.MaxRunningRequests {
+		_ = r.h.Reject("decode", errBusy)
+		return
+	}
+	if err := r.h.Accept(); err != nil {
+		return // rejected: the decode pool is exhausted
+	}
+	*running++
+	r.dstIDs = r.h.Destination().AppendBlockIDs(nil, 0)
+	if r.earlyAbort {
+		_ = r.h.Abort("frontend", errClientGone)
+		*running--
+	}
+}
+
+func (l *Ledger) count(r *request) {
+	switch {
+	case r.refused != "" && strings.HasPrefix(r.refused, "envelope"):
+		l.RejectedEnvelope++
+	case r.refused != "":
+		l.RejectedPrefill++
+	default:
+		switch r.h.State() {
+		case kvlease.HandoffDelivered:
+			l.Delivered++
+		case kvlease.HandoffRejected:
+			if errors.Is(r.h.Err(), errBusy) {
+				l.RejectedPolicy++
+			} else {
+				l.RejectedDecode++
+			}
+		case kvlease.HandoffFailed:
+			l.Failed++
+		case kvlease.HandoffAborted:
+			l.Aborted++
+			if r.late {
+				l.AbortedLifted++
+			}
+		case kvlease.HandoffQuarantined:
+			l.Quarantined++
+		}
+	}
+}
+
+// ranges renders a set of block ids compactly: "3-7,9,12-13".
+func ranges(ids []kvlease.BlockID) string {
+	ids = slices.Sorted(slices.Values(ids))
+	var b strings.Builder
+	for i := 0; i < len(ids); {
+		j := i
+		for j+1 < len(ids) && ids[j+1] == ids[j]+1 {
+			j++
+		}
+		if b.Len() > 0 {
+			b.WriteByte(',')
+		}
+		if j > i {
+			fmt.Fprintf(&b, "%d-%d", ids[i], ids[j])
+		} else {
+			fmt.Fprintf(&b, "%d", ids[i])
+		}
+		i = j + 1
+	}
+	return b.String()
+}
+
+func printTimeline(out io.Writer, r *request) {
+	fmt.Fprintf(out, "%s %4d+%-3d tokens", r.name, r.prompt, r.maxNew)
+	if r.refused != "" {
+		fmt.Fprintf(out, "  rejected by %s\n", r.refused)
+		return
+	}
+	fmt.Fprintf(out, "  prefill p[%s]", ranges(r.srcIDs))
+	if r.dstIDs != nil {
+		fmt.Fprintf(out, "  decode d[%s]", ranges(r.dstIDs))
+	}
+	fmt.Fprintln(out)
+	for _, s := range r.h.History() {
+		fmt.Fprintf(out, "      %-13v by %-10s %v", s.To, s.By, s.Event)
+		if s.Event == kvlease.HandoffAttach {
+			fmt.Fprintf(out, " transfer %d (reads p, writes d)", s.Transfer)
+		}
+		if s.Err != nil {
+			fmt.Fprintf(out, ": %v", s.Err)
+		}
+		fmt.Fprintln(out)
+	}
+	if r.late {
+		fmt.Fprintln(out, "      (late acknowledgement: the quarantined blocks are back in their pools)")
+	} else if r.lost && r.h.State() == kvlease.HandoffQuarantined {
+		fmt.Fprintln(out, "      (no acknowledgement ever came: its blocks stay quarantined, never reused)")
+	}
+}
+
+func printLedger(out io.Writer, cfg Config, l Ledger) {
+	fmt.Fprintf(out, "\nledger: %d requests, seed %d\n", l.Requests, cfg.Seed)
+	fmt.Fprintf(out, "  delivered          %4d\n", l.Delivered)
+	fmt.Fprintf(out, "  rejected           %4d  (envelope %d, prefill pool %d, decode policy %d, decode pool %d)\n",
+		l.Rejected(), l.RejectedEnvelope, l.RejectedPrefill, l.RejectedPolicy, l.RejectedDecode)
+	fmt.Fprintf(out, "  failed             %4d\n", l.Failed)
+	fmt.Fprintf(out, "  aborted            %4d  (%d after a quarantine lifted by late evidence)\n", l.Aborted, l.AbortedLifted)
+	fmt.Fprintf(out, "  quarantined        %4d  (acknowledgement never came)\n", l.Quarantined)
+	for _, p := range []struct {
+		name string
+		s    kvlease.Stats
+	}{{"prefill", l.Prefill}, {"decode", l.Decode}} {
+		fmt.Fprintf(out, "  %-7s blocks free %4d of %d, quarantined %d, other %d\n",
+			p.name, p.s.Free, p.s.Capacity, p.s.Quarantined, p.s.Capacity-p.s.Free-p.s.Quarantined)
+	}
+	fmt.Fprintf(out, "  marker mismatches  %4d\n", l.MarkerMismatches)
+	fmt.Fprintf(out, "  late writes        %4d  (transfers that touched reclaimed memory)\n", l.LateWrites)
+}
