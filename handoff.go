@@ -247,7 +247,9 @@ type HandoffConfig struct {
 	// and quarantines it (HandoffExpire, by "deadline"). Zero means
 	// DefaultHandoffDeadline; a negative value means no deadline: a
 	// transport that never resolves then leaves the handoff Transferring
-	// until someone calls Expire.
+	// until someone calls Expire. A transport that quarantines its own
+	// transfer (it knows the peer vanished) is seen here too: the handoff
+	// becomes Quarantined when the deadline passes.
 	Deadline time.Duration
 }
 
@@ -433,7 +435,9 @@ func (h *Handoff[S, D]) Accept() error { return h.accept(nil) }
 
 // AcceptWait is Accept with Pool.AcquireWait: it waits in the pool's queue
 // until the blocks are free or ctx is done. A cancelled wait rejects the
-// handoff with ctx's error.
+// handoff with ctx's error. The wait holds no handoff lock: an Abort or
+// Reject meanwhile wins, and the blocks the wait then gets go straight
+// back (cancel ctx too, to stop waiting early).
 func (h *Handoff[S, D]) AcceptWait(ctx context.Context) error {
 	if ctx == nil {
 		return fmt.Errorf("kvlease: handoff accept: nil context: %w", ErrInvalidArgument)
