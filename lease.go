@@ -542,6 +542,11 @@ func (l *lease) attachLocked(t *Transfer, from, to int, acc Access, whole bool, 
 		id := l.blocks[i].ID
 		s := &c.slots[id]
 		s.pin(st, acc == Write || (whole && !s.sealed))
+		if st == TransferPending {
+			// The lease is open, so the block is leased (or quarantined)
+			// and a pending pin changes neither.
+			continue
+		}
 		c.settleSlot(id)
 	}
 	l.atts = append(l.atts, attachment{t: t, from: int32(from), to: int32(to), access: acc, whole: whole, applied: st})
@@ -598,6 +603,9 @@ func (c *core) apply(l *lease, idx int32, to TransferState, t *Transfer, ev *eve
 			s.quar++
 		case write:
 			s.wpins--
+		}
+		if s.refs > 0 && s.quar == 0 && s.class == classLeased {
+			continue // an open lease still holds it: still leased
 		}
 		c.settleSlot(id)
 	}

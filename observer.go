@@ -94,12 +94,11 @@ func (f ObserverFunc) Observe(e Event) { f(e) }
 // events collects the events of one operation while locks are held, to be
 // delivered after every lock is released. One operation may touch several
 // pools (a transfer gating a source and a destination lease), each with its
-// own observer, so every entry carries its observer. The first few live
-// inline: an operation with an observer set allocates nothing for them.
+// own observer, so every entry carries its observer. It is one slice
+// header: with no observer set nothing is added, nothing allocated, and the
+// hot path pays for zeroing 24 bytes.
 type events struct {
-	n      int
-	inline [4]observed
-	more   []observed
+	list []observed
 }
 
 type observed struct {
@@ -111,25 +110,13 @@ func (e *events) add(o Observer, ev Event) {
 	if o == nil {
 		return
 	}
-	if e.n < len(e.inline) {
-		e.inline[e.n] = observed{o, ev}
-	} else {
-		e.more = append(e.more, observed{o, ev})
-	}
-	e.n++
+	e.list = append(e.list, observed{o, ev})
 }
 
 // flush delivers the collected events in order. Call with no lock held.
 func (e *events) flush() {
-	if e.n == 0 {
-		return
-	}
-	for i := 0; i < e.n && i < len(e.inline); i++ {
-		e.inline[i].obs.Observe(e.inline[i].ev)
-		e.inline[i] = observed{}
-	}
-	for _, x := range e.more {
+	for _, x := range e.list {
 		x.obs.Observe(x.ev)
 	}
-	e.n, e.more = 0, nil
+	e.list = nil
 }

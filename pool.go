@@ -351,8 +351,9 @@ func (c *core) fill(l *lease, n int, ev *events) {
 		start := len(l.blocks)
 		l.blocks = append(l.blocks, make([]BlockRef, n)...) // no allocation: room was reserved
 		dst := l.blocks[start:]
+		slots := c.slots
 		for i, id := range c.free[top:] {
-			s := &c.slots[id]
+			s := &slots[id]
 			gen := s.gen + 1
 			if gen == 0 {
 				gen = 1
@@ -449,23 +450,34 @@ func (c *core) settleSlot(id BlockID) {
 // holds go back at once: the common case (a private, unsealed, ungated
 // block) straight onto the free stack. Called with c.mu held.
 func (c *core) drop(blocks []BlockRef) {
-	freed := 0
+	// Locals keep the slice headers in registers: the compiler cannot
+	// prove the slot stores leave c.free alone.
+	slots, free := c.slots, c.free
+	freed, drained := 0, 0
 	for i := len(blocks) - 1; i >= 0; i-- {
 		id := blocks[i].ID
-		s := &c.slots[id]
+		s := &slots[id]
 		s.refs--
-		// Private and unsealed: refs > 0 before with no pins or quarantine
-		// means it was counted as leased.
-		if s.refs|s.pins|s.quar == 0 && !s.index && !s.sealed {
-			c.free = append(c.free, id)
+		switch {
+		case s.refs|s.pins|s.quar == 0 && !s.index && !s.sealed:
+			// Private and unsealed: it was counted as leased.
+			free = append(free, id)
 			s.where, s.class = onFree, classFree
 			freed++
-			continue
+		case s.refs|s.quar == 0 && s.pins > 0 && s.class == classLeased:
+			// Gated by a pending transfer: it drains.
+			s.class = classDraining
+			drained++
+		default:
+			c.free = free
+			c.settleSlot(id)
+			free = c.free
 		}
-		c.settleSlot(id)
 	}
-	c.counts[classLeased] -= freed
+	c.free = free
+	c.counts[classLeased] -= freed + drained
 	c.counts[classFree] += freed
+	c.counts[classDraining] += drained
 }
 
 // lruPush appends id at the most recently used end.
