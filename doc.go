@@ -68,8 +68,30 @@
 // hash of its tokens (ChainHashes, HashBlock). Sealed blocks are shared by
 // reference count; when nobody references them they stay cached, in an
 // LRU, until a fresh block is needed and nothing is free. AcquirePrefix
-// finds the longest cached prefix. Hash hits are probabilistic claims; the
-// verified mode (WithVerifiedPrefix) checks every hit's tokens.
+// finds the longest cached prefix.
+//
+// A 64-bit hash hit is a probabilistic claim. With b distinct blocks
+// cached, the chance that two share a hash is about b²/2⁶⁵: 2.7·10⁻⁸ at
+// 10⁶ cached blocks, 2.7·10⁻² at 10⁹. xxhash is not cryptographic, so a
+// tenant who chooses token ids can craft a collision and, in plain mode, be
+// handed another tenant's KV. The verified mode (WithVerifiedPrefix,
+// SealTokens, AcquirePrefixTokens) keeps each sealed block's parent and
+// tokens and checks them on every hit: a mismatch is a miss. Use it
+// wherever tenants do not trust each other.
+//
+// KV events (WithKVEvents) tell a cache-aware router which blocks became
+// findable or stopped being so, with sequence numbers and a bounded ring
+// that never blocks the allocator.
+//
+// # Disaggregated handoff
+//
+// Handoff moves a request's KV from a prefill worker's lease to a decode
+// worker's pool in two phases (Propose, Accept or Reject, Start), over a
+// Transport. A rejected handoff can never start a transfer; an aborted one
+// drains until the transport proves quiescence; one whose evidence never
+// comes is quarantined. Envelope states the operating limits every
+// component must agree on, and Admit answers before any block is touched.
+// See Handoff for the state diagram and the evidence behind each state.
 //
 // # Checked builds
 //
