@@ -8,7 +8,9 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 
 	"github.com/kvlease/kvlease"
@@ -35,8 +37,12 @@ var fakeVariants = map[string][]string{
 	"nobatch":  {"-DFAKE_NO_BATCH"},
 	"nodevice": {"-DFAKE_NO_DEVICE"},
 	"noalloc":  {"-DFAKE_MISSING_ALLOC"},
-	"sticky":   nil, // its own copy, so its sticky state is its own
+	"sticky":   nil, // a fresh copy per run (see stickyRuns): its sticky state is its own
 }
+
+// stickyRuns numbers the sticky driver's copies: a sticky error lasts as
+// long as the library is loaded, so each run (-count) needs a new one.
+var stickyRuns atomic.Int32
 
 var fakeBuilt struct {
 	sync.Mutex
@@ -68,8 +74,9 @@ func fakeLib(t testing.TB, variant string) string {
 		fakeDir, err = os.MkdirTemp("", "kvlease-fakecuda-")
 		noErr(t, err)
 	}
-	out := filepath.Join(fakeDir, fmt.Sprintf("libfakecuda-%s.so", variant))
-	args := append([]string{"-shared", "-fPIC", "-O1", "-o", out, src}, fakeVariants[variant]...)
+	out := filepath.Join(fakeDir, fmt.Sprintf("libfakecuda-%s.so", strings.ReplaceAll(variant, "#", "-")))
+	base, _, _ := strings.Cut(variant, "#")
+	args := append([]string{"-shared", "-fPIC", "-O1", "-o", out, src}, fakeVariants[base]...)
 	if msg, err := exec.Command(cc, args...).CombinedOutput(); err != nil {
 		t.Fatalf("building the fake driver: %v\n%s", err, msg)
 	}
@@ -173,7 +180,7 @@ func TestFakeDriverOpenErrors(t *testing.T) {
 // TestFakeDriverStickyError: a sticky error from cuEventSynchronize
 // quarantines the transfer and stops the engine, through the cgo path.
 func TestFakeDriverStickyError(t *testing.T) {
-	d, err := openPath(fakeLib(t, "sticky"), 0)
+	d, err := openPath(fakeLib(t, fmt.Sprintf("sticky#%d", stickyRuns.Add(1))), 0)
 	noErr(t, err)
 	e, err := d.NewCopyEngine()
 	noErr(t, err)
