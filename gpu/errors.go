@@ -25,14 +25,17 @@ var (
 	// still alive. Nothing is freed when Close refuses; call it again later.
 	ErrBusy = errors.New("gpu: still in use")
 
-	// ErrClosed is returned when a closed Device, arena or CopyEngine is
-	// used.
+	// ErrClosed is returned when a closed Device or CopyEngine is used. A
+	// region of a closed arena is refused as invalid input instead: it lies
+	// in no live arena.
 	ErrClosed = errors.New("gpu: closed")
 
-	// ErrCanceled is the outcome of a transfer whose Cancel hook ran
-	// before all its copies were done: the transfer is resolved (nothing is
-	// in flight any more) but the destination blocks hold unspecified
-	// content.
+	// ErrCanceled is the outcome of a transfer whose cancellation kept
+	// some of its copies from running (canceled before they were enqueued,
+	// or, on the CPU fallback, before the worker reached them): the
+	// transfer is resolved, since nothing is in flight any more, but the
+	// destination blocks hold unspecified content. Copies a CUDA stream
+	// already holds cannot be recalled; they finish and resolve normally.
 	ErrCanceled = errors.New("gpu: copy canceled")
 
 	// ErrDeviceFailed is matched by driver errors that leave the context
@@ -138,6 +141,7 @@ type DriverError struct {
 	Text string
 }
 
+// Error formats the error as "gpu: <op>: <name> (<code>): <text>".
 func (e *DriverError) Error() string {
 	return fmt.Sprintf("gpu: %s: %s (%d): %s", e.Op, e.Name, int(e.Code), e.Text)
 }
