@@ -111,6 +111,23 @@ func (a *arena) close() error {
 	return d.b.freePinned(a.host)
 }
 
+// closeWithPool closes pool p over arena a, then frees a if nothing in
+// the pool can still reference it.
+func closeWithPool[R any](a *arena, m kvlease.Memory[R], p *kvlease.Pool[R]) error {
+	if p == nil || p.Memory() != m {
+		return fmt.Errorf("gpu: closing %s at 0x%x: the pool does not manage this arena: %w", a.kind, a.addr, kvlease.ErrInvalidArgument)
+	}
+	if err := p.Close(); err != nil {
+		return err
+	}
+	st := p.Stats()
+	if st.OpenLeases > 0 || st.Leased > 0 || st.Draining > 0 || st.Quarantined > 0 {
+		return fmt.Errorf("gpu: closing %s at 0x%x: its pool still has %d open leases, %d leased, %d draining and %d quarantined blocks: %w",
+			a.kind, a.addr, st.OpenLeases, st.Leased, st.Draining, st.Quarantined, ErrBusy)
+	}
+	return a.close()
+}
+
 func checkGeometry(blocks, blockBytes int) error {
 	switch {
 	case blocks <= 0 || blockBytes <= 0:
@@ -132,9 +149,10 @@ func checkGeometry(blocks, blockBytes int) error {
 //
 // Ownership: the arena owns the allocation until Close frees it. Close
 // refuses (ErrBusy) while any copy that touches the arena is in flight,
-// including quarantined copies, which pin it for good. Close the pool that
-// uses the arena first: the arena cannot see leases, and a DevicePtr handed
-// out earlier stays a plain number after Close (the copy engine refuses it).
+// including quarantined copies, which pin it for good. The arena cannot see
+// leases: close the pool that uses it first, or use CloseWithPool, which
+// checks the pool too. A DevicePtr handed out earlier stays a plain number
+// after Close (the copy engine refuses it).
 type DeviceArena struct {
 	a *arena
 }
@@ -171,6 +189,15 @@ func (m *DeviceArena) Pending() int {
 // frees nothing, while copies touching the arena are in flight; the error
 // says how many and whether any are quarantined. A second Close returns nil.
 func (m *DeviceArena) Close() error { return m.a.close() }
+
+// CloseWithPool closes p, the pool over this arena (no new acquires), and
+// then frees the arena if nothing can still reference it: no open lease,
+// no leased, draining or quarantined block in p, and no copy in flight.
+// Otherwise it returns an error wrapping ErrBusy that says what is alive,
+// and frees nothing; call it again once the leases have settled.
+func (m *DeviceArena) CloseWithPool(p *kvlease.Pool[DevicePtr]) error {
+	return closeWithPool[DevicePtr](m.a, m, p)
+}
 
 // PinnedArena is page-locked host memory (cuMemHostAlloc) for a host tier:
 // the other end of offload and onload copies. It is a
@@ -221,6 +248,11 @@ func (m *PinnedArena) Close() error { return m.a.close() }
 // addrOf returns the address of b's first byte, for comparisons only: the
 // number is never turned back into a pointer.
 func addrOf(b []byte) uintptr { return uintptr(unsafe.Pointer(unsafe.SliceData(b))) }
+
+// CloseWithPool closes p and then the arena, as DeviceArena.CloseWithPool.
+func (m *PinnedArena) CloseWithPool(p *kvlease.Pool[[]byte]) error {
+	return closeWithPool[[]byte](m.a, m, p)
+}
 
 // span is a resolved block: an arena and a byte offset in it.
 type span struct {

@@ -241,3 +241,46 @@ func TestHandoffOverDeviceCopy(t *testing.T) {
 	noErr(t, prefill.Close())
 	noErr(t, decode.Close())
 }
+
+// TestCloseWithPool: an arena goes only once its pool is closed and holds
+// nothing, and the copies touching it have resolved.
+func TestCloseWithPool(t *testing.T) {
+	d, gate := gatedHost(t)
+	e, err := d.NewCopyEngine()
+	noErr(t, err)
+	defer func() { noErr(t, e.Close()) }()
+	devMem, err := d.AllocDevice(4, 256)
+	noErr(t, err)
+	pinMem, err := d.AllocPinned(4, 256)
+	noErr(t, err)
+	dev, err := kvlease.NewPool[DevicePtr](devMem)
+	noErr(t, err)
+	pin, err := kvlease.NewPool[[]byte](pinMem)
+	noErr(t, err)
+	other, err := kvlease.NewPool[DevicePtr](devMem)
+	noErr(t, err)
+	isErr(t, pinMem.CloseWithPool(nil), kvlease.ErrInvalidArgument)
+
+	src, err := dev.Acquire("req-6", 2)
+	noErr(t, err)
+	dst, err := pin.Acquire("req-6", 2)
+	noErr(t, err)
+	err = devMem.CloseWithPool(dev)
+	isErr(t, err, ErrBusy)
+	contains(t, err, "1 open leases, 2 leased")
+	_, err = dev.Acquire("late", 1)
+	isErr(t, err, kvlease.ErrPoolClosed, "the refused close still closed the pool")
+
+	tr, err := e.DeviceToHost().Start(offloadPairs(t, src, dst), attachBoth(src, dst))
+	noErr(t, err)
+	src.Release()
+	dst.Release()
+	contains(t, devMem.CloseWithPool(dev), "2 draining")
+	gate <- struct{}{}
+	waitDone(t, tr)
+	<-src.Settled()
+	<-dst.Settled()
+	noErr(t, devMem.CloseWithPool(dev))
+	noErr(t, pinMem.CloseWithPool(pin))
+	noErr(t, other.Close())
+}
