@@ -3,6 +3,7 @@ package kvlease
 import (
 	"encoding/binary"
 	"fmt"
+	"unsafe"
 
 	"github.com/cespare/xxhash/v2"
 )
@@ -17,27 +18,59 @@ type BlockHash uint64
 // xxhash64 reproduces it: h = XXH64(le64(parent) ‖ le32(t0) ‖ le32(t1) ‖ …).
 func HashBlock(parent BlockHash, tokens []int32) BlockHash {
 	var d xxhash.Digest
-	d.Reset()
 	return hashInto(&d, parent, tokens)
 }
 
-// hashInto hashes one block with d, which it resets first. The token bytes
-// go through a stack buffer, so nothing is allocated.
+// littleEndian is true where int32s sit in memory in the hash's byte
+// order, so a block's tokens can be copied instead of encoded one by one.
+var littleEndian = binary.NativeEndian.Uint16([]byte{1, 0}) == 1
+
+// hashBuf is the stack buffer a block's bytes are laid out in: blocks of
+// up to 32 tokens are hashed in one call of the one-shot xxhash.Sum64.
+const hashBuf = 8 + 4*32
+
+// hashInto hashes one block. Blocks that fit hashBuf go through the
+// one-shot Sum64; longer ones stream through d (reset first). Nothing is
+// allocated.
 func hashInto(d *xxhash.Digest, parent BlockHash, tokens []int32) BlockHash {
-	d.Reset()
-	var buf [256]byte
-	binary.LittleEndian.PutUint64(buf[:8], uint64(parent))
-	n := 8
-	for _, t := range tokens {
-		if n+4 > len(buf) {
-			_, _ = d.Write(buf[:n])
-			n = 0
+	n := 8 + 4*len(tokens)
+	if n <= hashBuf {
+		var buf [hashBuf]byte
+		binary.LittleEndian.PutUint64(buf[:8], uint64(parent))
+		b := buf[8:n]
+		if littleEndian && len(tokens) > 0 {
+			// In memory, []int32 already is the little-endian encoding.
+			copy(b, tokenBytes(tokens))
+		} else {
+			for i, t := range tokens {
+				binary.LittleEndian.PutUint32(b[4*i:], uint32(t))
+			}
 		}
-		binary.LittleEndian.PutUint32(buf[n:], uint32(t))
-		n += 4
+		return BlockHash(xxhash.Sum64(buf[:n]))
 	}
-	_, _ = d.Write(buf[:n])
+	d.Reset()
+	var p [8]byte
+	binary.LittleEndian.PutUint64(p[:], uint64(parent))
+	_, _ = d.Write(p[:])
+	if littleEndian {
+		_, _ = d.Write(tokenBytes(tokens))
+	} else {
+		var buf [hashBuf]byte
+		for len(tokens) > 0 {
+			k := min(len(tokens), hashBuf/4)
+			for i, t := range tokens[:k] {
+				binary.LittleEndian.PutUint32(buf[4*i:], uint32(t))
+			}
+			_, _ = d.Write(buf[:4*k])
+			tokens = tokens[k:]
+		}
+	}
 	return BlockHash(d.Sum64())
+}
+
+// tokenBytes views tokens as their in-memory bytes (non-empty tokens).
+func tokenBytes(tokens []int32) []byte {
+	return unsafe.Slice((*byte)(unsafe.Pointer(&tokens[0])), 4*len(tokens))
 }
 
 // ChainHashes returns the chained hashes of the full blocks of tokens:
@@ -281,25 +314,36 @@ func (p *Pool[R]) CachedPrefix(hashes []BlockHash) int {
 // block named twice ends the prefix (a lease holds a block once per
 // position, and chained hashes never repeat).
 func (c *core) probe(hashes []BlockHash, v *verifier) int {
+	n, _ := c.probeIDs(hashes, v, nil)
+	return n
+}
+
+// probeIDs is probe that also appends the hit slots to ids (up to its
+// capacity, so the caller's stack buffer never grows), sparing the caller
+// a second lookup.
+func (c *core) probeIDs(hashes []BlockHash, v *verifier, ids []BlockID) (int, []BlockID) {
 	if c.index == nil {
-		return 0
+		return 0, ids
 	}
 	c.stamp++
 	for k, h := range hashes {
 		id, ok := c.index[h]
 		if !ok {
-			return k
+			return k, ids
 		}
 		s := &c.slots[id]
 		if s.wpins > 0 || s.mark == c.stamp {
-			return k
+			return k, ids
 		}
 		if c.meta != nil && !c.verify(id, k, v) {
-			return k
+			return k, ids
 		}
 		s.mark = c.stamp
+		if len(ids) < cap(ids) {
+			ids = append(ids, id)
+		}
 	}
-	return len(hashes)
+	return len(hashes), ids
 }
 
 // fillPrefix fills l with n blocks: the cached prefix of hashes, then
@@ -308,11 +352,12 @@ func (c *core) fillPrefix(l *lease, hashes []BlockHash, n int, v *verifier, ev *
 	if len(hashes) > n {
 		hashes = hashes[:n]
 	}
-	hits := c.probe(hashes, v)
+	var buf [64]BlockID
+	hits, ids := c.probeIDs(hashes, v, buf[:0])
 	c.stats.prefixQueries += uint64(len(hashes))
 	lruHits := 0 // hit blocks that stop being evictable
-	for _, h := range hashes[:hits] {
-		if c.slots[c.index[h]].where == onLRU {
+	for k := range hits {
+		if c.slots[c.hitID(ids, hashes, k)].where == onLRU {
 			lruHits++
 		}
 	}
@@ -321,8 +366,8 @@ func (c *core) fillPrefix(l *lease, hashes []BlockHash, n int, v *verifier, ev *
 			n, hits, l.owner, avail, ErrExhausted)
 	}
 	c.stats.prefixHits += uint64(hits)
-	for _, h := range hashes[:hits] {
-		id := c.index[h]
+	for k := range hits {
+		id := c.hitID(ids, hashes, k)
 		s := &c.slots[id]
 		if s.where == onLRU {
 			c.lruRemove(id)
@@ -333,6 +378,15 @@ func (c *core) fillPrefix(l *lease, hashes []BlockHash, n int, v *verifier, ev *
 	}
 	c.fill(l, n-hits, ev)
 	return hits, nil
+}
+
+// hitID returns the slot of hit k: from ids when the probe recorded it,
+// else from the index.
+func (c *core) hitID(ids []BlockID, hashes []BlockHash, k int) BlockID {
+	if k < len(ids) {
+		return ids[k]
+	}
+	return c.index[hashes[k]]
 }
 
 // evict takes a cached block out of the prefix index: its content is
