@@ -138,57 +138,10 @@ type attachment struct {
 	applied  TransferState
 }
 
-// newLease allocates a lease and room for n blocks in one allocation for
-// the common sizes, so a lease cycle costs one heap allocation.
-func newLease[R any](p *Pool[R], owner string, n int) *Lease[R] {
-	var l *Lease[R]
-	var blocks []BlockRef
-	switch {
-	case n <= 1:
-		b := new(struct {
-			l Lease[R]
-			a [1]BlockRef
-		})
-		l, blocks = &b.l, b.a[:0]
-	case n <= 2:
-		b := new(struct {
-			l Lease[R]
-			a [2]BlockRef
-		})
-		l, blocks = &b.l, b.a[:0]
-	case n <= 4:
-		b := new(struct {
-			l Lease[R]
-			a [4]BlockRef
-		})
-		l, blocks = &b.l, b.a[:0]
-	case n <= 8:
-		b := new(struct {
-			l Lease[R]
-			a [8]BlockRef
-		})
-		l, blocks = &b.l, b.a[:0]
-	case n <= 16:
-		b := new(struct {
-			l Lease[R]
-			a [16]BlockRef
-		})
-		l, blocks = &b.l, b.a[:0]
-	case n <= 32:
-		b := new(struct {
-			l Lease[R]
-			a [32]BlockRef
-		})
-		l, blocks = &b.l, b.a[:0]
-	case n <= 64:
-		b := new(struct {
-			l Lease[R]
-			a [64]BlockRef
-		})
-		l, blocks = &b.l, b.a[:0]
-	default:
-		l, blocks = new(Lease[R]), make([]BlockRef, 0, n)
-	}
+// newLease returns a fresh lease with room for n blocks, carved from the
+// pool's slabs (see slab.go). Called with c.mu held.
+func (p *Pool[R]) newLease(owner string, n int) *Lease[R] {
+	l, blocks := p.slabs.carve(n, p.cfg.leakCheck)
 	l.p = p
 	l.ls.c = &p.core
 	l.ls.owner = owner
@@ -538,16 +491,28 @@ func (l *lease) attachLocked(t *Transfer, from, to int, acc Access, whole bool, 
 			}
 		}
 	}
-	for i := from; i < to; i++ {
-		id := l.blocks[i].ID
-		s := &c.slots[id]
-		s.pin(st, acc == Write || (whole && !s.sealed))
-		if st == TransferPending {
-			// The lease is open, so the block is leased (or quarantined)
-			// and a pending pin changes neither.
-			continue
+	if st == TransferPending && !whole {
+		// The common case, kept tight: the lease is open, so each block is
+		// leased (or quarantined) and a pending pin changes neither.
+		var w int32
+		if acc == Write {
+			w = 1
 		}
-		c.settleSlot(id)
+		slots := c.slots
+		for _, r := range l.blocks[from:to] {
+			s := &slots[r.ID]
+			s.pins++
+			s.wpins += w
+		}
+	} else {
+		for i := from; i < to; i++ {
+			id := l.blocks[i].ID
+			s := &c.slots[id]
+			s.pin(st, acc == Write || (whole && !s.sealed))
+			if st != TransferPending {
+				c.settleSlot(id)
+			}
+		}
 	}
 	l.atts = append(l.atts, attachment{t: t, from: int32(from), to: int32(to), access: acc, whole: whole, applied: st})
 	if st == TransferPending {
@@ -589,9 +554,11 @@ func (c *core) apply(l *lease, idx int32, to TransferState, t *Transfer, ev *eve
 		lo, hi = 0, len(l.blocks)
 	}
 	// Tail first, as Release does, so a chain enters the LRU from its end.
+	slots, free := c.slots, c.free
+	freed := 0
 	for i := hi - 1; i >= lo; i-- {
 		id := l.blocks[i].ID
-		s := &c.slots[id]
+		s := &slots[id]
 		write := a.access == Write || (a.whole && !s.sealed)
 		if from == TransferPending {
 			s.pins--
@@ -604,11 +571,24 @@ func (c *core) apply(l *lease, idx int32, to TransferState, t *Transfer, ev *eve
 		case write:
 			s.wpins--
 		}
-		if s.refs > 0 && s.quar == 0 && s.class == classLeased {
-			continue // an open lease still holds it: still leased
+		switch {
+		case s.refs|s.pins|s.quar == 0 && !s.index && !s.sealed && s.class == classDraining:
+			// The common end of a drain: nobody holds it, nothing to
+			// cache: straight to the free stack.
+			free = append(free, id)
+			s.where, s.class = onFree, classFree
+			freed++
+		case s.refs > 0 && s.quar == 0 && s.class == classLeased:
+			// An open lease still holds it: still leased.
+		default:
+			c.free = free
+			c.settleSlot(id)
+			free = c.free
 		}
-		c.settleSlot(id)
 	}
+	c.free = free
+	c.counts[classDraining] -= freed
+	c.counts[classFree] += freed
 	a.applied = to
 	if from == TransferPending {
 		l.pending--

@@ -47,7 +47,8 @@ type Stats struct {
 // internal lock is held while an observer or a cancel hook runs.
 type Pool[R any] struct {
 	core
-	mem Memory[R]
+	mem   Memory[R]
+	slabs leaseSlabs[R] // guarded by mu
 }
 
 // core is the non-generic part of a pool: everything but the memory.
@@ -172,7 +173,6 @@ func (p *Pool[R]) acquire(owner string, hashes []BlockHash, v *verifier, n int) 
 	if err := c.precheck(owner, n); err != nil {
 		return nil, 0, c.reject(owner, n, err)
 	}
-	l := newLease(p, owner, n)
 	c.mu.Lock()
 	if c.closed.Load() {
 		c.mu.Unlock()
@@ -184,9 +184,11 @@ func (p *Pool[R]) acquire(owner string, hashes []BlockHash, v *verifier, n int) 
 			n, owner, q, ErrExhausted))
 	}
 	var ev events
+	var l *Lease[R]
 	hits := 0
 	if len(hashes) > 0 {
 		var err error
+		l = p.newLease(owner, n)
 		if hits, err = c.fillPrefix(&l.ls, hashes, n, v, &ev); err != nil {
 			c.mu.Unlock()
 			ev.flush()
@@ -198,6 +200,7 @@ func (p *Pool[R]) acquire(owner string, hashes []BlockHash, v *verifier, n int) 
 			return nil, 0, c.reject(owner, n, fmt.Errorf("kvlease: acquire %d blocks for %q: %d free or evictable: %w",
 				n, owner, avail, ErrExhausted))
 		}
+		l = p.newLease(owner, n)
 		c.fill(&l.ls, n, &ev)
 	}
 	c.opened(&l.ls, hits, &ev)
@@ -221,13 +224,13 @@ func (p *Pool[R]) AcquireWait(ctx context.Context, owner string, n int) (*Lease[
 	if err := ctx.Err(); err != nil {
 		return nil, c.reject(owner, n, err)
 	}
-	l := newLease(p, owner, n)
 	var ev events
 	c.mu.Lock()
 	if c.closed.Load() {
 		c.mu.Unlock()
 		return nil, c.reject(owner, n, fmt.Errorf("kvlease: acquire %d blocks for %q: %w", n, owner, ErrPoolClosed))
 	}
+	l := p.newLease(owner, n)
 	if c.queued() == 0 && c.available() >= n {
 		c.fill(&l.ls, n, &ev)
 		c.opened(&l.ls, 0, &ev)
@@ -349,7 +352,11 @@ func (c *core) fill(l *lease, n int, ev *events) {
 		// Fast path: pop n ids off the free stack.
 		top := len(c.free) - n
 		start := len(l.blocks)
-		l.blocks = append(l.blocks, make([]BlockRef, n)...) // no allocation: room was reserved
+		if cap(l.blocks)-start < n {
+			l.blocks = append(l.blocks, make([]BlockRef, n)...)
+		} else {
+			l.blocks = l.blocks[:start+n]
+		}
 		dst := l.blocks[start:]
 		slots := c.slots
 		for i, id := range c.free[top:] {

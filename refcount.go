@@ -211,7 +211,6 @@ func (l *Lease[R]) Share(owner string, n int) (*Lease[R], error) {
 	if owner == "" {
 		return nil, fmt.Errorf("kvlease: share lease %d (%s): empty owner: %w", ls.id, ls.owner, ErrInvalidArgument)
 	}
-	nl := newLease(l.p, owner, n)
 	var ev events
 	c.mu.Lock()
 	var err error
@@ -235,6 +234,7 @@ func (l *Lease[R]) Share(owner string, n int) (*Lease[R], error) {
 		c.mu.Unlock()
 		return nil, err
 	}
+	nl := l.p.newLease(owner, n)
 	for _, r := range ls.blocks[:n] {
 		c.slots[r.ID].refs++
 		c.settleSlot(r.ID)
