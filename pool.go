@@ -68,6 +68,7 @@ type core struct {
 	whead   int
 
 	closed     atomic.Bool
+	rejections atomic.Uint64 // counted without the lock: rejections come in storms
 	nextLease  uint64
 	openLeases int
 	stats      counters
@@ -335,9 +336,7 @@ func (c *core) precheck(owner string, n int) error {
 
 // reject counts and reports a failed acquire and returns err.
 func (c *core) reject(owner string, n int, err error) error {
-	c.mu.Lock()
-	c.stats.rejections++
-	c.mu.Unlock()
+	c.rejections.Inc()
 	if c.obs != nil {
 		c.obs.Observe(Event{Kind: EventRejected, Owner: owner, Blocks: n, Err: err})
 	}
@@ -532,7 +531,7 @@ func (p *Pool[R]) Stats() Stats {
 		Waiters:          c.queued(),
 		OpenLeases:       c.openLeases,
 		Acquires:         c.stats.acquires,
-		Rejections:       c.stats.rejections,
+		Rejections:       c.rejections.Load(),
 		PrefixQueries:    c.stats.prefixQueries,
 		PrefixHits:       c.stats.prefixHits,
 		Evictions:        c.stats.evictions,
