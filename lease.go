@@ -479,10 +479,6 @@ func (l *lease) attachLocked(t *Transfer, from, to int, acc Access, whole bool, 
 		return fmt.Errorf("kvlease: attach transfer %d to blocks [%d,%d) of lease %d (%s) with %d blocks: %w",
 			t.id, from, to, l.id, l.owner, len(l.blocks), ErrInvalidArgument)
 	}
-	st := t.state.Load()
-	if st == TransferResolved || (!whole && from == to) {
-		return nil // gates nothing
-	}
 	if !whole && acc == Write {
 		for i := from; i < to; i++ {
 			if c.slots[l.blocks[i].ID].sealed {
@@ -490,6 +486,10 @@ func (l *lease) attachLocked(t *Transfer, from, to int, acc Access, whole bool, 
 					t.id, i, l.id, l.owner, ErrInvalidArgument)
 			}
 		}
+	}
+	st := t.state.Load()
+	if st == TransferResolved || (!whole && from == to) {
+		return nil // gates nothing
 	}
 	if st == TransferPending && !whole {
 		// The common case, kept tight: the lease is open, so each block is
