@@ -304,6 +304,13 @@ func (c *core) compactWaiters() {
 // first that does not fit. Called with c.mu held after anything that may
 // have returned blocks.
 func (c *core) serve(ev *events) {
+	if c.whead == len(c.waiters) {
+		return // nobody waits: the common case, kept inlinable
+	}
+	c.serveSlow(ev)
+}
+
+func (c *core) serveSlow(ev *events) {
 	for c.whead < len(c.waiters) {
 		w := c.waiters[c.whead]
 		if c.available() < w.n {
