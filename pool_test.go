@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"math"
+	"runtime"
 	"sync"
 	"testing"
 	"testing/synctest"
@@ -734,6 +735,68 @@ func TestObserverReentrant(t *testing.T) {
 		kvlease.EventTransferResolved} {
 		if kinds[k] == 0 {
 			t.Errorf("no %v event seen", k)
+		}
+	}
+}
+
+// A waiter whose context ends just as it is served either returns the
+// lease or holds nothing: a served lease is never dropped on the floor.
+// Same for Close racing a release that would serve the waiter.
+func TestAcquireWaitServeRaces(t *testing.T) {
+	for round := range 300 {
+		p := corePool(t, 2)
+		h := coreAcquire(t, p, "h", 2)
+		ctx, cancel := context.WithCancel(context.Background())
+		type result struct {
+			l   *kvlease.Lease[[]byte]
+			err error
+		}
+		res := make(chan result, 1)
+		go func() {
+			l, err := p.AcquireWait(ctx, "w", 2)
+			res <- result{l, err}
+		}()
+		for p.Stats().Waiters == 0 {
+			select {
+			case r := <-res:
+				t.Fatalf("AcquireWait returned before anything was released: %+v", r)
+			default:
+			}
+			runtime.Gosched()
+		}
+		closing := round%3 == 2
+		var wg sync.WaitGroup
+		wg.Add(2)
+		go func() {
+			defer wg.Done()
+			if closing {
+				p.Close()
+			} else {
+				cancel()
+			}
+		}()
+		go func() { defer wg.Done(); h.Release() }()
+		wg.Wait()
+		r := <-res
+		cancel()
+		switch {
+		case r.err == nil:
+			if r.l == nil || r.l.Len() != 2 {
+				t.Fatalf("round %d: served without a full lease", round)
+			}
+			coreWant(t, p, coreCounts{Leased: 2})
+			r.l.Release()
+		case closing:
+			coreErrIs(t, r.err, kvlease.ErrPoolClosed, "waiter woken by Close")
+		default:
+			coreErrIs(t, r.err, context.Canceled, "cancelled waiter")
+		}
+		if r.err != nil && r.l != nil {
+			t.Fatalf("round %d: a lease and an error", round)
+		}
+		coreAllFree(t, p)
+		if st := p.Stats(); st.Waiters != 0 {
+			t.Fatalf("round %d: %d waiters left", round, st.Waiters)
 		}
 	}
 }

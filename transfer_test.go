@@ -2,6 +2,7 @@ package kvlease_test
 
 import (
 	"errors"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -365,4 +366,55 @@ func TestTransferDoneConcurrent(t *testing.T) {
 	if wins.Load() != 1 {
 		t.Fatalf("%d Resolves won", wins.Load())
 	}
+}
+
+// One transfer gating many leases in two pools, attached in interleaved
+// order (pool A, B, A, B, A): Quarantine and Resolve reach every one of
+// them before returning.
+func TestTransferGatesManyLeases(t *testing.T) {
+	pa, pb := corePool(t, 8), corePool(t, 8)
+	tr := kvlease.NewTransfer(nil)
+	var ls []*kvlease.Lease[[]byte]
+	for i := range 5 {
+		p := pa
+		if i%2 == 1 {
+			p = pb
+		}
+		l := coreAcquire(t, p, fmt.Sprintf("l%d", i), 2)
+		if i%2 == 0 {
+			coreNoErr(t, l.Attach(tr), "Attach")
+		} else {
+			coreNoErr(t, l.AttachRange(tr, 0, 1, kvlease.Write), "AttachRange")
+			coreNoErr(t, l.AttachRange(tr, 1, 2, kvlease.Read), "AttachRange")
+		}
+		ls = append(ls, l)
+	}
+	for i, l := range ls {
+		if i < 3 {
+			l.Release()
+		}
+	}
+	tr.Quarantine(nil)
+	coreWant(t, pa, coreCounts{Free: 2, Quarantined: 6})
+	coreWant(t, pb, coreCounts{Free: 4, Quarantined: 4})
+	for _, l := range ls {
+		if l.State() != kvlease.LeaseQuarantined {
+			t.Fatalf("lease %s: %v", l.Owner(), l.State())
+		}
+	}
+	tr.Resolve(nil)
+	coreWant(t, pa, coreCounts{Free: 6, Leased: 2})
+	coreWant(t, pb, coreCounts{Free: 6, Leased: 2})
+	for i, l := range ls {
+		want := kvlease.LeaseSettled
+		if i >= 3 {
+			want = kvlease.LeaseActive
+		}
+		if l.State() != want {
+			t.Fatalf("lease %s: %v, want %v", l.Owner(), l.State(), want)
+		}
+		l.Abort(nil)
+	}
+	coreAllFree(t, pa)
+	coreAllFree(t, pb)
 }
