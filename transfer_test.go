@@ -372,7 +372,8 @@ func TestTransferDoneConcurrent(t *testing.T) {
 // order (pool A, B, A, B, A): Quarantine and Resolve reach every one of
 // them before returning.
 func TestTransferGatesManyLeases(t *testing.T) {
-	pa, pb := corePool(t, 8), corePool(t, 8)
+	ra, rb := &coreRecorder{}, &coreRecorder{}
+	pa, pb := corePool(t, 8, kvlease.WithObserver(ra)), corePool(t, 8, kvlease.WithObserver(rb))
 	tr := kvlease.NewTransfer(nil)
 	var ls []*kvlease.Lease[[]byte]
 	for i := range 5 {
@@ -417,4 +418,32 @@ func TestTransferGatesManyLeases(t *testing.T) {
 	}
 	coreAllFree(t, pa)
 	coreAllFree(t, pb)
+	// One operation, many events (more than fit inline): each lease sees
+	// its own, each pool's observer only its leases'.
+	for i, l := range ls {
+		rec, other := ra, rb
+		if i%2 == 1 {
+			rec, other = rb, ra
+		}
+		for _, k := range []kvlease.EventKind{kvlease.EventLeaseQuarantined, kvlease.EventQuarantineLifted,
+			kvlease.EventSettled} {
+			if n := rec.count(k, l.ID()); n != 1 {
+				t.Errorf("lease %s: %d %v events", l.Owner(), n, k)
+			}
+		}
+		wantResolved := 1
+		if i%2 == 1 {
+			wantResolved = 2 // two ranges, two attachments
+		}
+		for _, k := range []kvlease.EventKind{kvlease.EventTransferQuarantined, kvlease.EventTransferResolved} {
+			if n := rec.count(k, l.ID()); n != wantResolved {
+				t.Errorf("lease %s: %d %v events, want %d (one per attachment)", l.Owner(), n, k, wantResolved)
+			}
+		}
+		for _, e := range other.events() {
+			if e.Owner == l.Owner() {
+				t.Errorf("lease %s's event %v went to the other pool's observer", l.Owner(), e.Kind)
+			}
+		}
+	}
 }
