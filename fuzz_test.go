@@ -490,10 +490,6 @@ func (m *fzModel) attach(ls *fzLease, ti, from, to int, acc kvlease.Access, whol
 			writeSealed, kvlease.ErrInvalidArgument)
 		err = ls.l.AttachRange(tr.t, from, to, acc)
 		m.logf("lease %d: attachRange(t%d, %d, %d, %v) → %v", ls.id, ti, from, to, acc, err)
-		if fzTolerateResolvedWriteOverSealed && err == nil && writeSealed && len(errs) == 1 &&
-			tr.state == kvlease.TransferResolved {
-			return // see fzTolerateResolvedWriteOverSealed
-		}
 	}
 	m.wantErr("attach", err, errs...)
 	if err != nil || tr.state == kvlease.TransferResolved || (!whole && from == to) {
@@ -713,13 +709,6 @@ func maps2(m map[uint64]int) map[uint64]int {
 	}
 	return out
 }
-
-// fzTolerateResolvedWriteOverSealed lets the model accept nil from
-// AttachRange(resolved transfer, Write) over a sealed block, which
-// DESIGN.md refuses with ErrInvalidArgument. The deviation is pinned by
-// TestAttachResolvedWriteOverSealed and reported; set this to false once
-// it is fixed.
-const fzTolerateResolvedWriteOverSealed = true
 
 const (
 	fzMaxOps       = 300

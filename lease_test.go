@@ -553,3 +553,23 @@ func TestCloseRacesExtendAndAttach(t *testing.T) {
 		coreAllFree(t, p)
 	}
 }
+
+// A Write over a sealed block is refused whatever the transfer's state:
+// DESIGN.md says so without exception, and the range and access checks
+// already come before the "resolved gates nothing" rule.
+func TestAttachResolvedWriteOverSealed(t *testing.T) {
+	p := corePool(t, 2)
+	l := coreAcquire(t, p, "l", 1)
+	coreNoErr(t, l.Seal(0, 1), "Seal")
+	done := kvlease.NewTransfer(nil)
+	done.Resolve(nil)
+	coreErrIs(t, l.AttachRange(done, 0, 1, kvlease.Write), kvlease.ErrInvalidArgument,
+		"AttachRange(resolved transfer, Write) over a sealed block")
+	q := kvlease.NewTransfer(nil)
+	q.Quarantine(nil)
+	coreErrIs(t, l.AttachRange(q, 0, 1, kvlease.Write), kvlease.ErrInvalidArgument,
+		"AttachRange(quarantined transfer, Write) over a sealed block")
+	l.Release()
+	q.Resolve(nil)
+	coreAllFree(t, p)
+}
