@@ -49,7 +49,7 @@ func lkDrop(t *testing.T, p *Pool[[]byte], owner string, n int, release bool) (u
 // lkGC runs the collector until ch delivers, a bounded number of times.
 func lkGC[T any](t *testing.T, ch <-chan T, what string) T {
 	t.Helper()
-	for range 200 {
+	for range 500 {
 		runtime.GC()
 		select {
 		case v := <-ch:
@@ -57,7 +57,7 @@ func lkGC[T any](t *testing.T, ch <-chan T, what string) T {
 		case <-time.After(5 * time.Millisecond):
 		}
 	}
-	t.Fatalf("%s: nothing after 200 collections", what)
+	t.Fatalf("%s: nothing after 500 collections", what)
 	panic("unreachable")
 }
 
