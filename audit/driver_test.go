@@ -194,7 +194,7 @@ func TestReportWrite(t *testing.T) {
 	var b strings.Builder
 	require.NoError(t, rep.Write(&b))
 	out := b.String()
-	for _, want := range []string{"seed 12", "lifecycle ops/s", "rejections:", "aborted mid-transfer", "lost acks", "blocks: capacity", "violations:", "OK"} {
+	for _, want := range []string{"seed 12", "lifecycle ops/s", "rejections:", "aborted mid-transfer", "lost acks", "target rates:", ": met;", "blocks: capacity", "violations:", "OK"} {
 		require.Contains(t, out, want)
 	}
 }

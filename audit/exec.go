@@ -160,7 +160,14 @@ func (w *world) enqueue(r *request, ps *poolState, n int) {
 	s := ps.p.Stats()
 	w.addLive(r)
 	if !w.cfg.Concurrent && s.Waiters == 0 && s.Free+s.Cached >= n {
-		l, err := ps.p.AcquireWait(context.Background(), r.owner, n)
+		// Served at once: nobody is queued and the blocks are there.
+		ctx, cancel := context.WithTimeout(context.Background(), w.cfg.StallTimeout)
+		l, err := ps.p.AcquireWait(ctx, r.owner, n)
+		cancel()
+		if errors.Is(err, context.DeadlineExceeded) {
+			w.stall(fmt.Sprintf("%s: AcquireWait of %d blocks with %d free or cached and nobody queued", ps.name, n, s.Free+s.Cached))
+			return
+		}
 		if err != nil {
 			w.violate(Unexpected, "%s: AcquireWait %d blocks with %d free or cached and no queue: %v", ps.name, n, s.Free+s.Cached, err)
 			w.gone(r)

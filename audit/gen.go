@@ -37,7 +37,7 @@ func (g *gen) next() Op {
 		if len(w.live) < c.MaxLive && (len(w.live) == 0 || g.chance(0.22)) {
 			return g.arrive()
 		}
-		if n := len(w.limbo); n > 0 && (g.chance(0.02) || g.limboBlocks() > g.totalBlocks()/8) {
+		if n := len(w.limbo); n > 0 && (g.chance(0.0003) || g.limboBlocks() > g.totalBlocks()/8) {
 			// Late evidence for a transfer nobody waits for any more;
 			// forced when the quarantined blocks pile up.
 			r := w.limbo[0]

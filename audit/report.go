@@ -155,6 +155,22 @@ func (r *Report) FailRate() float64 { return ratio(r.Failed, r.Started) }
 // LostAckRate is lost acknowledgements over transfers started.
 func (r *Report) LostAckRate() float64 { return ratio(r.LostAcks, r.Started) }
 
+// The target of issue 6, for a run of at least 10⁶ lifecycle operations:
+// these rates or more, and no marker mix, late write or leak.
+const (
+	TargetRejections = 0.10
+	TargetAborts     = 0.10
+	TargetFailures   = 0.05
+	TargetLostAcks   = 0.01
+)
+
+// MeetsTargetRates reports whether the run's fault rates reach the
+// target's (Target*); the run's size and violations are reported apart.
+func (r *Report) MeetsTargetRates() bool {
+	return r.RejectionRate() >= TargetRejections && r.AbortRate() >= TargetAborts &&
+		r.FailRate() >= TargetFailures && r.LostAckRate() >= TargetLostAcks
+}
+
 // Throughput is lifecycle operations per second.
 func (r *Report) Throughput() float64 {
 	if r.Elapsed <= 0 {
@@ -216,6 +232,14 @@ func (r *Report) Write(w io.Writer) error {
 	}
 	fmt.Fprintf(&b, "blocks: capacity %d: free %d, cached %d, leased %d, draining %d, quarantined %d\n",
 		total.Capacity, total.Free, total.Cached, total.Leased, total.Draining, total.Quarantined)
+	met := "met"
+	if !r.MeetsTargetRates() {
+		met = "not met"
+	}
+	fmt.Fprintf(&b, "target rates: rejections %.1f%% (≥%.0f%%), aborts mid-transfer %.1f%% (≥%.0f%%), failed transfers %.1f%% (≥%.0f%%), lost acks %.2f%% (≥%.0f%%): %s; marker mixes %d, late writes %d, leaks %d\n",
+		100*r.RejectionRate(), 100*TargetRejections, 100*r.AbortRate(), 100*TargetAborts,
+		100*r.FailRate(), 100*TargetFailures, 100*r.LostAckRate(), 100*TargetLostAcks, met,
+		r.ByKind[MarkerMix], r.ByKind[LateWrite], r.ByKind[Leak])
 	b.WriteString("violations:")
 	for k := ViolationKind(1); k < numViolationKinds; k++ {
 		fmt.Fprintf(&b, " %v=%d", k, r.ByKind[k])
@@ -231,6 +255,7 @@ func (r *Report) Write(w io.Writer) error {
 		}
 		fmt.Fprintf(&b, "%s of the first violation, seed %d, %d operations (then the drain):\n", how, r.Seed, len(r.Trace))
 		b.WriteString(FormatTrace(r.Trace))
+		fmt.Fprintf(&b, "replay: save the trace lines to a file and run kvaudit -seed %d -replay FILE with the same flags (or audit.Replay)\n", r.Seed)
 	}
 	if r.OK() {
 		b.WriteString("OK\n")

@@ -37,7 +37,7 @@ type world struct {
 	fullEach bool // run the full check after every operation (short replays)
 	quit     chan struct{}
 
-	mu     sync.Mutex // guards async and done
+	mu     sync.Mutex // guards async and closed
 	async  []Violation
 	closed bool
 }

@@ -17,7 +17,6 @@ import (
 	"os"
 	"strconv"
 	"strings"
-	"time"
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/audit"
@@ -64,6 +63,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 	fs.IntVar(&cfg.StopAfter, "stop-after", cfg.StopAfter, "stop after this many violations (0: never)")
 	fs.BoolVar(&cfg.Minimise, "minimise", cfg.Minimise, "minimise the trace of the first violation")
 	replay := fs.String("replay", "", "replay the trace in this file (as the report prints it) instead of drawing operations")
+	traceOut := fs.String("trace-out", "", "write the trace of the first violation to this file, for -replay")
 	quiet := fs.Bool("quiet", false, "no progress lines")
 	if err := fs.Parse(args); err != nil {
 		return 2
@@ -119,6 +119,12 @@ func run(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "kvaudit: %v\n", err)
 		return 2
 	}
+	if *traceOut != "" && rep.Trace != nil {
+		if err := os.WriteFile(*traceOut, []byte(audit.FormatTrace(rep.Trace)), 0o644); err != nil {
+			fmt.Fprintf(stderr, "kvaudit: %v\n", err)
+			return 2
+		}
+	}
 	if !rep.OK() {
 		return 1
 	}
@@ -130,5 +136,3 @@ func isSet(fs *flag.FlagSet, name string) bool {
 	fs.Visit(func(f *flag.Flag) { set = set || f.Name == name })
 	return set
 }
-
-var _ = time.Second

@@ -1,0 +1,63 @@
+package main
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+func TestRunClean(t *testing.T) {
+	var out, errs strings.Builder
+	code := run([]string{"-ops", "2000", "-seed", "4", "-workers", "3", "-pool-blocks", "200,300,400"}, &out, &errs)
+	if code != 0 {
+		t.Fatalf("exit %d\n%s\n%s", code, out.String(), errs.String())
+	}
+	for _, want := range []string{"seed 4", "lifecycle ops/s", "target rates:", "pool w2: capacity 400", "OK"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("report lacks %q:\n%s", want, out.String())
+		}
+	}
+}
+
+func TestProgressAndDuration(t *testing.T) {
+	var out, errs strings.Builder
+	code := run([]string{"-duration", "1200ms", "-seed", "5"}, &out, &errs)
+	if code != 0 {
+		t.Fatalf("exit %d\n%s\n%s", code, out.String(), errs.String())
+	}
+	if !strings.Contains(errs.String(), "kvaudit:") || !strings.Contains(errs.String(), "live") {
+		t.Errorf("no progress line: %q", errs.String())
+	}
+}
+
+func TestReplayFile(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "trace.txt")
+	trace := "0: arrive r=0 pool=0 doc=1 tokens=100 new=10\n1: offer r=0 to=1\n2: start r=0 fate=complete failat=0 honour\n3: step r=0 job=0\n"
+	if err := os.WriteFile(path, []byte(trace), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	var out, errs strings.Builder
+	if code := run([]string{"-seed", "1", "-replay", path, "-quiet"}, &out, &errs); code != 0 {
+		t.Fatalf("exit %d\n%s\n%s", code, out.String(), errs.String())
+	}
+	if !strings.Contains(out.String(), "arrive=1") || !strings.Contains(out.String(), "OK") {
+		t.Errorf("replay report:\n%s", out.String())
+	}
+}
+
+func TestBadFlags(t *testing.T) {
+	for _, args := range [][]string{
+		{"-workers", "0"},
+		{"-fail", "2"},
+		{"-pool-blocks", "10,x"},
+		{"-replay", "/nonexistent/trace"},
+		{"extra"},
+		{"-nosuchflag"},
+	} {
+		var out, errs strings.Builder
+		if code := run(args, &out, &errs); code != 2 {
+			t.Errorf("%q: exit %d, want 2", args, code)
+		}
+	}
+}
