@@ -24,7 +24,7 @@ type base struct {
 }
 
 // paired measures target against each baseline in the same benchmark
-// invocation. The b.N iterations of each are interleaved in up to eight
+// invocation. The b.N iterations of each are interleaved in up to sixteen
 // rounds; in each round the benchmark timer is stopped while a chunk of
 // each baseline runs under its own stopwatch, then restarted for the same
 // number of target iterations. So ns/op, B/op and allocs/op are the
@@ -35,7 +35,7 @@ func paired(b *testing.B, target loop, bases ...base) {
 	b.Helper()
 	b.ReportAllocs()
 	spent := make([]time.Duration, len(bases))
-	rounds := min(8, b.N)
+	rounds := min(16, b.N)
 	b.ResetTimer()
 	done := 0
 	for r := range rounds {
@@ -306,8 +306,6 @@ func BenchmarkAcquireWait(b *testing.B) {
 				}
 				wg.Wait()
 			}
-			owners := make(chan string, 1)
-			owners <- "waiter"
 			paired(b, func(k int) {
 				contended(k, func([]kvlease.BlockID) {
 					l, err := p.AcquireWait(ctx, "waiter", n)

@@ -13,7 +13,7 @@
 // Every benchmark with a target times its baseline inside the same
 // benchmark function. For serial benchmarks (see paired in bench_test.go)
 // the b.N iterations of the target and of each baseline are interleaved
-// in up to eight rounds: in each round the benchmark timer is stopped, a
+// in up to sixteen rounds: in each round the benchmark timer is stopped, a
 // chunk of baseline iterations is timed with a stopwatch, the timer is
 // restarted and the same number of target iterations runs. So ns/op,
 // B/op and allocs/op are the target's alone, and each extra metric

@@ -115,6 +115,7 @@ type Result struct {
 	Pools []PoolResult // one, or prefill and decode
 
 	Wall       time.Duration // the whole replay
+	CPU        time.Duration // process CPU time (user+system, GC included) during the replay; 0 where unknown
 	CallTime   time.Duration // time inside allocator calls (Config.TimeCalls)
 	AcquireP50 time.Duration // admission acquire latency
 	AcquireP99 time.Duration
@@ -130,6 +131,17 @@ func (r *Result) OpsPerSec() float64 {
 		return 0
 	}
 	return float64(r.BlockOps()) / r.Wall.Seconds()
+}
+
+// OpsPerCPUSec returns block operations per second of process CPU time:
+// steadier than OpsPerSec on a shared machine, where other work steals
+// the replay's cores (the replay itself runs on one goroutine; the GC's
+// CPU counts too). 0 where CPU time is unknown.
+func (r *Result) OpsPerCPUSec() float64 {
+	if r.CPU <= 0 {
+		return 0
+	}
+	return float64(r.BlockOps()) / r.CPU.Seconds()
 }
 
 // NsPerOp returns wall nanoseconds per block operation.
@@ -237,7 +249,7 @@ func Run(t *trace.Trace, cfg Config, pools ...Allocator) (*Result, error) {
 	}
 	e.res.Requests = len(reqs)
 
-	start := time.Now()
+	cpu0, start := processCPU(), time.Now()
 	next := 0
 	for step := 0; ; step++ {
 		if e.waiting.len() == 0 && len(e.running) == 0 {
@@ -263,6 +275,9 @@ func Run(t *trace.Trace, cfg Config, pools ...Allocator) (*Result, error) {
 		}
 	}
 	e.res.Wall = time.Since(start)
+	if cpu := processCPU(); cpu0 > 0 {
+		e.res.CPU = cpu - cpu0
+	}
 
 	for i, p := range pools {
 		e.res.Pools[i].Final = p.Stats()

@@ -176,10 +176,10 @@ func printTable(tr *trace.Trace, source string, cfg replay.Config, runs int, res
 		mode, cfg.BlockTokens, cfg.MaxRunning, max(runs, 1))
 
 	w := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(w, "alloc\tblock ops\tops/s\tns/op\thit rate\tacq p50\tacq p99\tpreempt\tfinished\taborted\trejected\twall\t")
+	fmt.Fprintln(w, "alloc\tblock ops\tops/s\tops/cpu-s\tns/op\thit rate\tacq p50\tacq p99\tpreempt\tfinished\taborted\trejected\twall\t")
 	for _, r := range results {
-		fmt.Fprintf(w, "%s\t%d\t%.3g\t%.1f\t%.1f%%\t%v\t%v\t%d\t%d\t%d\t%d\t%v\t\n",
-			r.Allocator, r.BlockOps(), r.OpsPerSec(), r.NsPerOp(), 100*r.HitRate(),
+		fmt.Fprintf(w, "%s\t%d\t%.3g\t%.3g\t%.1f\t%.1f%%\t%v\t%v\t%d\t%d\t%d\t%d\t%v\t\n",
+			r.Allocator, r.BlockOps(), r.OpsPerSec(), r.OpsPerCPUSec(), r.NsPerOp(), 100*r.HitRate(),
 			r.AcquireP50, r.AcquireP99, r.Preemptions, r.Finished, r.Aborted, r.Rejected, r.Wall.Round(time.Millisecond))
 	}
 	w.Flush()
