@@ -102,7 +102,7 @@ var brokenVariants = []struct {
 }
 
 // brokenOps bounds each broken run.
-const brokenOps = 4000
+const brokenOps = 2500
 
 func TestBrokenVariantsAreCaught(t *testing.T) {
 	for _, bv := range brokenVariants {
@@ -110,6 +110,7 @@ func TestBrokenVariantsAreCaught(t *testing.T) {
 			cfg := DefaultConfig()
 			cfg.Seed = 3
 			cfg.Ops = brokenOps
+			cfg.MinimiseRuns = 60
 			bv.apply(&cfg)
 			rep, err := Run(cfg)
 			require.NoError(t, err)
@@ -132,7 +133,15 @@ func TestBrokenVariantsAreCaught(t *testing.T) {
 			require.NoError(t, err)
 			for _, k := range bv.must {
 				require.Positive(t, all.ByKind[k], "no %v in %d operations; found %v", k, brokenOps, all.ByKind)
+				for _, v := range all.Violations {
+					if v.Kind == k {
+						t.Logf("first %v after %d operations", k, v.Op+1)
+						break
+					}
+				}
 			}
+			t.Logf("kept going: %d violations: %v", all.Total(), all.ByKind)
+			t.Logf("minimised trace:\n%s", FormatTrace(rep.Trace))
 		})
 	}
 }

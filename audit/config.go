@@ -41,8 +41,9 @@ type Config struct {
 	// PoolOptions, if set, returns extra options for worker i's pool
 	// (WithVerifiedPrefix, WithKVEvents...). The driver's own options come
 	// first (block tokens, an observer counting leaked leases, the leak
-	// check), so yours override them. A drain deadline (WithDrainDeadline)
-	// acts on wall time and makes the run non-deterministic.
+	// check), so yours override them. Options that act on wall time
+	// (WithDrainDeadline) belong in a Concurrent run: a stepped run's
+	// model would not see their timers fire.
 	PoolOptions func(worker int) []kvlease.Option
 
 	// The workload. MaxLive bounds the requests in flight at once. Docs

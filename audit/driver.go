@@ -142,7 +142,7 @@ func replay(cfg Config, ops []Op, stopAt ViolationKind) *Report {
 		rep.violate(Violation{Kind: Unexpected, Op: -1, Detail: err.Error()})
 		return rep
 	}
-	w.fullEach = len(ops) <= 1024
+	w.fullEach = len(ops) <= 256
 	start := time.Now()
 	stop := func() bool {
 		if stopAt != 0 {

@@ -32,9 +32,9 @@ func ExampleStampLease() {
 func ExampleRun() {
 	cfg := audit.DefaultConfig()
 	cfg.Seed = 42
-	cfg.Ops = 3000
+	cfg.Ops = 1500
 	cfg.Workers, cfg.Blocks = 2, 256
-	cfg.BlockTokens, cfg.BlockBytes = 64, 2048
+	cfg.BlockTokens, cfg.BlockBytes = 64, 512
 	cfg.MaxContextTokens, cfg.MaxPrefillTokens, cfg.MaxPrompt = 4096, 2048, 1500
 	cfg.Faults.LostAck = 0.05
 

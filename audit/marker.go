@@ -26,6 +26,7 @@ type Marker struct {
 	Gen     uint32
 }
 
+// String renders the marker as "request R block B gen G".
 func (m Marker) String() string {
 	return fmt.Sprintf("request %d block %d gen %d", m.Request, m.Block, m.Gen)
 }
@@ -168,6 +169,7 @@ type MismatchError struct {
 	Where string
 }
 
+// Error says what the block holds instead of the marker it should.
 func (e *MismatchError) Error() string {
 	where := "block"
 	if e.Where != "" {

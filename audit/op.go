@@ -64,6 +64,7 @@ const (
 var opNames = [numOpKinds]string{"", "arrive", "extend", "seal", "offer", "revoke", "start", "step",
 	"abort", "deadline", "ack", "release", "timeout"}
 
+// String returns the kind's name as traces spell it ("arrive", "step").
 func (k OpKind) String() string {
 	if k > 0 && k < numOpKinds {
 		return opNames[k]

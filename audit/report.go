@@ -59,6 +59,7 @@ const (
 var violationNames = [numViolationKinds]string{"", "marker-mix", "late-write", "late-read", "early-resolve",
 	"double-lease", "bad-hit", "count-mismatch", "pool-check", "handoff", "leak", "unexpected", "stall"}
 
+// String returns the kind's name as reports spell it ("late-write").
 func (k ViolationKind) String() string {
 	if k > 0 && k < numViolationKinds {
 		return violationNames[k]
@@ -75,6 +76,7 @@ type Violation struct {
 	Detail string
 }
 
+// String renders the violation with the operation it was found after.
 func (v Violation) String() string {
 	at := fmt.Sprintf("op %d", v.Op)
 	if v.Op < 0 {

@@ -59,6 +59,8 @@ func run(args []string, stdout, stderr io.Writer) int {
 	fs.Float64Var(&f.OverContext, "over-context", f.OverContext, "probability that a request exceeds the context limit")
 	fs.Float64Var(&f.Wait, "wait", f.Wait, "probability that a request waits for blocks")
 	fs.Float64Var(&f.Timeout, "timeout", f.Timeout, "probability, per chance, that a waiting request times out")
+	fs.BoolVar(&cfg.Concurrent, "concurrent", false, "copies run on their own, racing aborts and deadlines (not replayable)")
+	fs.DurationVar(&cfg.Latency, "latency", cfg.Latency, "with -concurrent: most time one block takes to copy")
 	fs.IntVar(&cfg.CheckEvery, "check-every", cfg.CheckEvery, "operations between full checks")
 	fs.IntVar(&cfg.StopAfter, "stop-after", cfg.StopAfter, "stop after this many violations (0: never)")
 	fs.BoolVar(&cfg.Minimise, "minimise", cfg.Minimise, "minimise the trace of the first violation")
