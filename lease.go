@@ -138,14 +138,15 @@ type attachment struct {
 	applied  TransferState
 }
 
-// newLease returns a fresh lease with room for n blocks, carved from the
-// pool's slabs (see slab.go). Called with c.mu held.
+// newLease returns a fresh lease whose table has n zero entries (the
+// caller fills them before anyone sees the lease), carved from the pool's
+// slabs (see slab.go). Called with c.mu held.
 func (p *Pool[R]) newLease(owner string, n int) *Lease[R] {
 	l, blocks := p.slabs.carve(n, p.cfg.leakCheck)
 	l.p = p
 	l.ls.c = &p.core
 	l.ls.owner = owner
-	l.ls.blocks = blocks
+	l.ls.blocks = blocks[:n] // filled by the caller before anyone sees it
 	l.ls.atts = l.ls.att0[:0]
 	return l
 }
@@ -313,16 +314,21 @@ func (l *lease) close(abort bool, cause error) {
 		}
 	}
 	c.drop(l.blocks)
-	if abort {
+	if abort && len(l.atts) > 0 {
 		for i := range l.atts {
 			if l.atts[i].applied != TransferResolved {
 				toCancel = append(toCancel, l.atts[i].t)
 			}
 		}
 	}
-	c.transition(l, &ev)
-	if l.state != LeaseSettled {
-		c.startDeadline(l)
+	if l.pending|l.quarantined == 0 && l.state == LeaseActive && l.settled == nil && c.obs == nil {
+		// Nothing gates it and nobody watches: Active → Settled directly.
+		l.state = LeaseSettled
+	} else {
+		c.transition(l, &ev)
+		if l.state != LeaseSettled {
+			c.startDeadline(l)
+		}
 	}
 	c.serve(&ev)
 	c.mu.Unlock()
@@ -406,7 +412,8 @@ func (l *Lease[R]) Extend(n int) error {
 		copy(nb, ls.blocks)
 		ls.blocks = nb
 	}
-	c.fill(ls, n, &ev)
+	ls.blocks = ls.blocks[:from+n]
+	c.fill(ls.blocks[from:], &ev)
 	for i := range ls.atts {
 		a := &ls.atts[i]
 		if a.whole && a.applied != TransferResolved {

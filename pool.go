@@ -202,7 +202,7 @@ func (p *Pool[R]) acquire(owner string, hashes []BlockHash, v *verifier, n int) 
 				n, owner, avail, ErrExhausted))
 		}
 		l = p.newLease(owner, n)
-		c.fill(&l.ls, n, &ev)
+		c.fill(l.ls.blocks, &ev)
 	}
 	c.opened(&l.ls, hits, &ev)
 	c.mu.Unlock()
@@ -233,7 +233,7 @@ func (p *Pool[R]) AcquireWait(ctx context.Context, owner string, n int) (*Lease[
 	}
 	l := p.newLease(owner, n)
 	if c.queued() == 0 && c.available() >= n {
-		c.fill(&l.ls, n, &ev)
+		c.fill(l.ls.blocks, &ev)
 		c.opened(&l.ls, 0, &ev)
 		c.mu.Unlock()
 		ev.flush()
@@ -316,7 +316,7 @@ func (c *core) serveSlow(ev *events) {
 		if c.available() < w.n {
 			break
 		}
-		c.fill(w.l, w.n, ev)
+		c.fill(w.l.blocks, ev)
 		c.opened(w.l, 0, ev)
 		w.served = true
 		close(w.ready)
@@ -352,18 +352,13 @@ func (c *core) reject(owner string, n int, err error) error {
 
 func (c *core) available() int { return len(c.free) + c.lruLen }
 
-// fill appends n fresh blocks to l. The caller checked available() ≥ n.
-func (c *core) fill(l *lease, n int, ev *events) {
+// fill fills dst with fresh blocks. The caller checked available() ≥
+// len(dst).
+func (c *core) fill(dst []BlockRef, ev *events) {
+	n := len(dst)
 	if len(c.free) >= n {
 		// Fast path: pop n ids off the free stack.
 		top := len(c.free) - n
-		start := len(l.blocks)
-		if cap(l.blocks)-start < n {
-			l.blocks = append(l.blocks, make([]BlockRef, n)...)
-		} else {
-			l.blocks = l.blocks[:start+n]
-		}
-		dst := l.blocks[start:]
 		slots := c.slots
 		for i, id := range c.free[top:] {
 			s := &slots[id]
@@ -379,8 +374,8 @@ func (c *core) fill(l *lease, n int, ev *events) {
 		c.counts[classLeased] += n
 		return
 	}
-	for range n {
-		l.blocks = append(l.blocks, c.takeFresh(ev))
+	for i := range dst {
+		dst[i] = c.takeFresh(ev)
 	}
 }
 

@@ -239,7 +239,7 @@ func (l *Lease[R]) Share(owner string, n int) (*Lease[R], error) {
 		c.slots[r.ID].refs++
 		c.settleSlot(r.ID)
 	}
-	nl.ls.blocks = append(nl.ls.blocks, ls.blocks[:n]...)
+	copy(nl.ls.blocks, ls.blocks[:n])
 	c.opened(&nl.ls, n, &ev)
 	c.mu.Unlock()
 	ev.flush()
@@ -374,9 +374,9 @@ func (c *core) fillPrefix(l *lease, hashes []BlockHash, n int, v *verifier, ev *
 		}
 		s.refs++
 		c.settleSlot(id)
-		l.blocks = append(l.blocks, BlockRef{ID: id, Gen: s.gen})
+		l.blocks[k] = BlockRef{ID: id, Gen: s.gen}
 	}
-	c.fill(l, n-hits, ev)
+	c.fill(l.blocks[hits:n], ev)
 	return hits, nil
 }
 
