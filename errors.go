@@ -1,6 +1,9 @@
 package kvlease
 
-import "errors"
+import (
+	"errors"
+	"fmt"
+)
 
 // Errors a caller is expected to handle. Every error kvlease returns wraps
 // one of these with context, so test with errors.Is.
@@ -40,3 +43,35 @@ var (
 	// ErrQuarantined is the default reason recorded by Quarantine(nil).
 	ErrQuarantined = errors.New("kvlease: transfer ended without proof of quiescence")
 )
+
+// exhaustedError is the error of an acquire or extend refused for want of
+// blocks. Schedulers probe under pressure, so it is cheap to make: one
+// small allocation, formatted only if someone reads it. It wraps
+// ErrExhausted.
+type exhaustedError struct {
+	op     string // "acquire" or "extend"
+	owner  string
+	lease  uint64 // extend: the lease
+	n      int    // blocks asked for
+	hits   int    // prefix hits among them
+	avail  int    // free or evictable blocks
+	queued int    // waiters queued ahead (acquire)
+}
+
+func (e *exhaustedError) Error() string {
+	var what string
+	switch {
+	case e.op == "extend":
+		what = fmt.Sprintf("extend lease %d (%s) by %d blocks", e.lease, e.owner, e.n)
+	case e.hits > 0:
+		what = fmt.Sprintf("acquire %d blocks (%d prefix hits) for %q", e.n, e.hits, e.owner)
+	default:
+		what = fmt.Sprintf("acquire %d blocks for %q", e.n, e.owner)
+	}
+	if e.queued > 0 {
+		return fmt.Sprintf("kvlease: %s: %d waiters queued ahead: %v", what, e.queued, ErrExhausted)
+	}
+	return fmt.Sprintf("kvlease: %s: %d free or evictable: %v", what, e.avail, ErrExhausted)
+}
+
+func (e *exhaustedError) Unwrap() error { return ErrExhausted }

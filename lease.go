@@ -398,8 +398,7 @@ func (l *Lease[R]) Extend(n int) error {
 		err = fmt.Errorf("kvlease: extend lease %d (%s) from %d by %d blocks: pool capacity is %d: %w",
 			ls.id, ls.owner, have, n, len(c.slots), ErrExceedsCapacity)
 	case c.available() < n:
-		err = fmt.Errorf("kvlease: extend lease %d (%s) by %d blocks: %d free or evictable: %w",
-			ls.id, ls.owner, n, c.available(), ErrExhausted)
+		err = &exhaustedError{op: "extend", owner: ls.owner, lease: ls.id, n: n, avail: c.available()}
 	}
 	if err != nil {
 		c.mu.Unlock()

@@ -181,8 +181,7 @@ func (p *Pool[R]) acquire(owner string, hashes []BlockHash, v *verifier, n int) 
 	}
 	if q := c.queued(); q > 0 {
 		c.mu.Unlock()
-		return nil, 0, c.reject(owner, n, fmt.Errorf("kvlease: acquire %d blocks for %q: %d waiters queued ahead: %w",
-			n, owner, q, ErrExhausted))
+		return nil, 0, c.reject(owner, n, &exhaustedError{op: "acquire", owner: owner, n: n, queued: q})
 	}
 	var ev events
 	var l *Lease[R]
@@ -198,8 +197,7 @@ func (p *Pool[R]) acquire(owner string, hashes []BlockHash, v *verifier, n int) 
 	} else {
 		if avail := c.available(); avail < n {
 			c.mu.Unlock()
-			return nil, 0, c.reject(owner, n, fmt.Errorf("kvlease: acquire %d blocks for %q: %d free or evictable: %w",
-				n, owner, avail, ErrExhausted))
+			return nil, 0, c.reject(owner, n, &exhaustedError{op: "acquire", owner: owner, n: n, avail: avail})
 		}
 		l = p.newLease(owner, n)
 		c.fill(l.ls.blocks, &ev)

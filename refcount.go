@@ -362,8 +362,7 @@ func (c *core) fillPrefix(l *lease, hashes []BlockHash, n int, v *verifier, ev *
 		}
 	}
 	if fresh, avail := n-hits, c.available()-lruHits; fresh > avail {
-		return 0, fmt.Errorf("kvlease: acquire %d blocks (%d prefix hits) for %q: %d free or evictable: %w",
-			n, hits, l.owner, avail, ErrExhausted)
+		return 0, &exhaustedError{op: "acquire", owner: l.owner, n: n, hits: hits, avail: avail}
 	}
 	c.stats.prefixHits += uint64(hits)
 	for k := range hits {
