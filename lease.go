@@ -186,7 +186,8 @@ func (l *lease) watchLeak() {
 }
 
 // ID returns the lease's id, unique within its pool; observer events carry
-// it.
+// it. Ids increase in the order leases are handed out (for waiters: the
+// order they are served).
 func (l *Lease[R]) ID() uint64 { return l.ls.id }
 
 // Owner returns the owner named at acquire.
@@ -245,6 +246,29 @@ func (l *Lease[R]) Region(i int) (R, error) {
 	id := l.ls.blocks[i].ID
 	c.mu.Unlock()
 	return l.p.mem.Region(id), nil
+}
+
+// AppendRegions appends the regions of blocks from..Len()-1 to dst and
+// returns it, under one lock acquisition: what a copy or a kernel launch
+// wants, rather than a Region call (and a lock) per block. Errors as
+// Region; a from outside [0, Len()] wraps ErrInvalidArgument.
+func (l *Lease[R]) AppendRegions(dst []R, from int) ([]R, error) {
+	c := l.ls.c
+	c.mu.Lock()
+	if l.ls.closed {
+		c.mu.Unlock()
+		return dst, fmt.Errorf("kvlease: regions of lease %d (%s): %w", l.ls.id, l.ls.owner, ErrLeaseClosed)
+	}
+	blocks := l.ls.blocks
+	c.mu.Unlock()
+	if from < 0 || from > len(blocks) {
+		return dst, fmt.Errorf("kvlease: regions from %d of lease %d (%s) with %d blocks: %w",
+			from, l.ls.id, l.ls.owner, len(blocks), ErrInvalidArgument)
+	}
+	for _, r := range blocks[from:] {
+		dst = append(dst, l.p.mem.Region(r.ID))
+	}
+	return dst, nil
 }
 
 // State returns the lease's lifecycle state.

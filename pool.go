@@ -516,6 +516,16 @@ func (c *core) lruRemove(id BlockID) {
 	c.lruLen--
 }
 
+// Available returns how many blocks a fresh acquire could get now: free
+// plus evictable cached blocks (queued waiters come first, though). It is
+// a hint for schedulers; the answer may change before the next call.
+func (p *Pool[R]) Available() int {
+	c := &p.core
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.available()
+}
+
 // Stats returns a snapshot of the pool's counts.
 func (p *Pool[R]) Stats() Stats {
 	c := &p.core
