@@ -459,7 +459,7 @@ func (c *core) drop(blocks []BlockRef) {
 	// Locals keep the slice headers in registers: the compiler cannot
 	// prove the slot stores leave c.free alone.
 	slots, free := c.slots, c.free
-	freed, drained := 0, 0
+	freed, drained, cached := 0, 0, 0
 	for i := len(blocks) - 1; i >= 0; i-- {
 		id := blocks[i].ID
 		s := &slots[id]
@@ -470,6 +470,13 @@ func (c *core) drop(blocks []BlockRef) {
 			free = append(free, id)
 			s.where, s.class = onFree, classFree
 			freed++
+		case s.refs|s.pins|s.quar == 0 && s.index:
+			// Findable sealed content nobody holds: cached, most recent.
+			c.lruPush(id)
+			s.where, s.class = onLRU, classCached
+			cached++
+		case s.refs > 0 && s.class == classLeased:
+			// Another open lease still holds it.
 		case s.refs|s.quar == 0 && s.pins > 0 && s.class == classLeased:
 			// Gated by a pending transfer: it drains.
 			s.class = classDraining
@@ -481,8 +488,9 @@ func (c *core) drop(blocks []BlockRef) {
 		}
 	}
 	c.free = free
-	c.counts[classLeased] -= freed + drained
+	c.counts[classLeased] -= freed + drained + cached
 	c.counts[classFree] += freed
+	c.counts[classCached] += cached
 	c.counts[classDraining] += drained
 }
 

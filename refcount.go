@@ -272,16 +272,26 @@ func (c *core) fillPrefix(l *lease, hashes []BlockHash, n int, v *verifier, ev *
 		return 0, &exhaustedError{op: "acquire", owner: l.owner, n: n, hits: hits, avail: avail}
 	}
 	c.stats.prefixHits += uint64(hits)
+	revived := 0 // cached blocks that become leased
 	for k := range hits {
 		id := c.hitID(ids, hashes, k)
 		s := &c.slots[id]
-		if s.where == onLRU {
-			c.lruRemove(id)
-		}
 		s.refs++
-		c.settleSlot(id)
+		switch {
+		case s.where == onLRU:
+			// Unheld until now: straight from cached to leased.
+			c.lruRemove(id)
+			s.class = classLeased
+			revived++
+		case s.class == classLeased || s.class == classQuarantined:
+			// Another lease holds it, or a quarantined read: unchanged.
+		default:
+			c.settleSlot(id) // draining: leased again
+		}
 		l.blocks[k] = BlockRef{ID: id, Gen: s.gen}
 	}
+	c.counts[classCached] -= revived
+	c.counts[classLeased] += revived
 	c.fill(l.blocks[hits:n], ev)
 	return hits, nil
 }
