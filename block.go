@@ -62,9 +62,15 @@ type slot struct {
 	sealed bool // content immutable from now on
 	index  bool // the prefix index maps hash to this slot
 
-	hash BlockHash
-	mark uint32 // probe stamp: catches a block named twice in one lookup
-	// LRU links (only while where == onLRU).
+}
+
+// prefixSlot is the per-block state only the prefix cache uses, kept apart
+// from slot so that the table the hot path walks stays small (24 bytes a
+// block). Guarded by the pool's mutex; indexed by BlockID like slots.
+type prefixSlot struct {
+	hash BlockHash // valid while the slot is sealed
+	mark uint32    // probe stamp: catches a block named twice in one lookup
+	// LRU links (only while the slot is on the LRU).
 	prev, next BlockID
 }
 

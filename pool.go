@@ -56,6 +56,7 @@ type Pool[R any] struct {
 type core struct {
 	mu    sync.Mutex
 	slots []slot
+	pre   []prefixSlot // parallel to slots
 	free  []BlockID // stack of free slots; top at the end
 
 	lruHead, lruTail BlockID // least recently unreferenced first
@@ -112,12 +113,13 @@ func NewPool[R any](mem Memory[R], opts ...Option) (*Pool[R], error) {
 	c := &p.core
 	c.cfg, c.obs = cfg, cfg.obs
 	c.slots = make([]slot, n)
+	c.pre = make([]prefixSlot, n)
 	c.free = make([]BlockID, n)
 	for i := range c.free {
 		// Lowest ids on top: the first acquire gets block 0.
 		c.free[i] = BlockID(n - 1 - i)
 		c.slots[i].where = onFree
-		c.slots[i].prev, c.slots[i].next = nilID, nilID
+		c.pre[i].prev, c.pre[i].next = nilID, nilID
 	}
 	c.lruHead, c.lruTail = nilID, nilID
 	c.counts[classFree] = n
@@ -496,31 +498,31 @@ func (c *core) drop(blocks []BlockRef) {
 
 // lruPush appends id at the most recently used end.
 func (c *core) lruPush(id BlockID) {
-	s := &c.slots[id]
-	s.prev, s.next = c.lruTail, nilID
+	p := &c.pre[id]
+	p.prev, p.next = c.lruTail, nilID
 	if c.lruTail == nilID {
 		c.lruHead = id
 	} else {
-		c.slots[c.lruTail].next = id
+		c.pre[c.lruTail].next = id
 	}
 	c.lruTail = id
 	c.lruLen++
 }
 
 func (c *core) lruRemove(id BlockID) {
-	s := &c.slots[id]
-	if s.prev == nilID {
-		c.lruHead = s.next
+	p := &c.pre[id]
+	if p.prev == nilID {
+		c.lruHead = p.next
 	} else {
-		c.slots[s.prev].next = s.next
+		c.pre[p.prev].next = p.next
 	}
-	if s.next == nilID {
-		c.lruTail = s.prev
+	if p.next == nilID {
+		c.lruTail = p.prev
 	} else {
-		c.slots[s.next].prev = s.prev
+		c.pre[p.next].prev = p.prev
 	}
-	s.prev, s.next = nilID, nilID
-	s.where = onNone
+	p.prev, p.next = nilID, nilID
+	c.slots[id].where = onNone
 	c.lruLen--
 }
 
@@ -645,8 +647,8 @@ func (p *Pool[R]) Check() error {
 			}
 		}
 		if s.index {
-			if !s.sealed || c.index[s.hash] != BlockID(i) {
-				bad("slot %d: marked indexed but index[%x]=%d sealed=%v", i, s.hash, c.index[s.hash], s.sealed)
+			if h := c.pre[i].hash; !s.sealed || c.index[h] != BlockID(i) {
+				bad("slot %d: marked indexed but index[%x]=%d sealed=%v", i, h, c.index[h], s.sealed)
 			}
 		}
 	}
@@ -664,15 +666,15 @@ func (p *Pool[R]) Check() error {
 		bad("free stack has %d ids, %d slots marked free", len(c.free), onFreeN)
 	}
 	n := 0
-	for id := c.lruHead; id != nilID && n <= len(c.slots); id = c.slots[id].next {
+	for id := c.lruHead; id != nilID && n <= len(c.slots); id = c.pre[id].next {
 		n++
 	}
 	if n != c.lruLen || onLRUN != c.lruLen {
 		bad("LRU: %d linked, %d counted, %d marked", n, c.lruLen, onLRUN)
 	}
 	for h, id := range c.index {
-		if s := &c.slots[id]; !s.index || s.hash != h {
-			bad("index[%x] = slot %d, which is indexed=%v with hash %x", h, id, s.index, s.hash)
+		if s := &c.slots[id]; !s.index || c.pre[id].hash != h {
+			bad("index[%x] = slot %d, which is indexed=%v with hash %x", h, id, s.index, c.pre[id].hash)
 		}
 	}
 	return errors.Join(errs...)

@@ -48,9 +48,9 @@ func (l *lease) sealLocked(i int, h BlockHash, st *sealTokens, ev *events) error
 	id := l.blocks[i].ID
 	s := &c.slots[id]
 	if s.sealed {
-		if s.hash != h {
+		if old := c.pre[id].hash; old != h {
 			return fmt.Errorf("kvlease: seal block %d of lease %d (%s) with hash %016x: already sealed with %016x: %w",
-				i, l.id, l.owner, uint64(h), uint64(s.hash), ErrInvalidArgument)
+				i, l.id, l.owner, uint64(h), uint64(old), ErrInvalidArgument)
 		}
 		return nil
 	}
@@ -61,7 +61,7 @@ func (l *lease) sealLocked(i int, h BlockHash, st *sealTokens, ev *events) error
 	if err := c.checkSealTokens(st); err != nil {
 		return fmt.Errorf("kvlease: seal block %d of lease %d (%s): %w", i, l.id, l.owner, err)
 	}
-	s.sealed, s.hash = true, h
+	s.sealed, c.pre[id].hash = true, h
 	c.recordSeal(id, st)
 	if c.index == nil {
 		c.index = make(map[BlockHash]BlockID)
@@ -84,8 +84,8 @@ func (l *lease) sealLocked(i int, h BlockHash, st *sealTokens, ev *events) error
 		if st != nil {
 			parent, hasParent, tokens = st.parent, true, st.tokens
 		} else if i > 0 {
-			if ps := &c.slots[l.blocks[i-1].ID]; ps.sealed {
-				parent, hasParent = ps.hash, true
+			if pid := l.blocks[i-1].ID; c.slots[pid].sealed {
+				parent, hasParent = c.pre[pid].hash, true
 			}
 		}
 		c.kv.stored(h, parent, hasParent, tokens, c.cfg.blockTokens)
@@ -168,9 +168,9 @@ func (p *Pool[R]) ResetCache() int {
 		id := c.lruHead
 		c.lruRemove(id)
 		s := &c.slots[id]
-		delete(c.index, s.hash)
+		delete(c.index, c.pre[id].hash)
 		if c.kv != nil && !quiet {
-			c.kv.removed(s.hash)
+			c.kv.removed(c.pre[id].hash)
 		}
 		s.index = false
 		c.unseal(id)
@@ -238,14 +238,13 @@ func (c *core) probeIDs(hashes []BlockHash, v *verifier, ids []BlockID) (int, []
 		if !ok {
 			return k, ids
 		}
-		s := &c.slots[id]
-		if s.wpins > 0 || s.mark == c.stamp {
+		if c.slots[id].wpins > 0 || c.pre[id].mark == c.stamp {
 			return k, ids
 		}
 		if c.meta != nil && !c.verify(id, k, v) {
 			return k, ids
 		}
-		s.mark = c.stamp
+		c.pre[id].mark = c.stamp
 		if len(ids) < cap(ids) {
 			ids = append(ids, id)
 		}
@@ -308,12 +307,11 @@ func (c *core) hitID(ids []BlockID, hashes []BlockHash, k int) BlockID {
 // evict takes a cached block out of the prefix index: its content is
 // forfeit. Called with c.mu held, the block already off the LRU.
 func (c *core) evict(id BlockID) {
-	s := &c.slots[id]
-	delete(c.index, s.hash)
+	delete(c.index, c.pre[id].hash)
 	if c.kv != nil {
-		c.kv.removed(s.hash)
+		c.kv.removed(c.pre[id].hash)
 	}
-	s.index = false
+	c.slots[id].index = false
 	c.unseal(id)
 	c.stats.evictions++
 }
@@ -321,8 +319,7 @@ func (c *core) evict(id BlockID) {
 // unseal forgets a slot's sealed content: it is leaving the cache for the
 // free list or being evicted. Called with c.mu held.
 func (c *core) unseal(id BlockID) {
-	s := &c.slots[id]
-	s.sealed, s.hash = false, 0
+	c.slots[id].sealed, c.pre[id].hash = false, 0
 	if c.meta != nil {
 		c.meta[id] = sealMeta{}
 	}
