@@ -57,7 +57,7 @@ type core struct {
 	mu    sync.Mutex
 	slots []slot
 	pre   []prefixSlot // parallel to slots
-	free  []BlockID // stack of free slots; top at the end
+	free  []BlockID    // stack of free slots; top at the end
 
 	lruHead, lruTail BlockID // least recently unreferenced first
 	lruLen           int
