@@ -36,20 +36,14 @@ var classNames = [numClasses]string{"free", "cached", "leased", "draining", "qua
 
 func (c blockClass) String() string { return classNames[c] }
 
-// where says which intrusive list a slot is on.
-const (
-	onNone uint8 = iota
-	onFree
-	onLRU
-)
-
 const nilID = BlockID(-1)
 
 // slot is the per-block state, one entry of the pool's table indexed by
 // BlockID. Everything is guarded by the pool's mutex.
 //
 // A slot is held while refs+pins+quar > 0. An unheld slot is on exactly one
-// list: the free stack, or the LRU when it holds findable sealed content.
+// list, which its class names: the free stack (classFree), or the LRU when
+// it holds findable sealed content (classCached).
 type slot struct {
 	gen   uint32 // bumped each time the slot is handed out fresh
 	refs  int32  // open leases holding the block (a lease counts once per position)
@@ -57,11 +51,9 @@ type slot struct {
 	quar  int32  // quarantined transfer attachments gating the block
 	wpins int32  // pending or quarantined *write* attachments (content in flux)
 
-	class  blockClass
-	where  uint8
-	sealed bool // content immutable from now on
-	index  bool // the prefix index maps hash to this slot
-
+	class  blockClass // also says which list an unheld slot is on: free stack or LRU
+	sealed bool       // content immutable from now on
+	index  bool       // the prefix index maps hash to this slot
 }
 
 // prefixSlot is the per-block state only the prefix cache uses, kept apart
@@ -84,8 +76,8 @@ func (s *slot) classify() blockClass {
 		return classLeased
 	case s.pins > 0:
 		return classDraining
-	case s.where == onLRU:
-		return classCached
+	case s.index:
+		return classCached // unheld findable content lives on the LRU
 	default:
 		return classFree
 	}

@@ -606,7 +606,7 @@ func (c *core) apply(l *lease, idx int32, to TransferState, t *Transfer, ev *eve
 			// The common end of a drain: nobody holds it, nothing to
 			// cache: straight to the free stack.
 			free = append(free, id)
-			s.where, s.class = onFree, classFree
+			s.class = classFree
 			freed++
 		case s.refs > 0 && s.quar == 0 && s.class == classLeased:
 			// An open lease still holds it: still leased.

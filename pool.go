@@ -118,7 +118,6 @@ func NewPool[R any](mem Memory[R], opts ...Option) (*Pool[R], error) {
 	for i := range c.free {
 		// Lowest ids on top: the first acquire gets block 0.
 		c.free[i] = BlockID(n - 1 - i)
-		c.slots[i].where = onFree
 		c.pre[i].prev, c.pre[i].next = nilID, nilID
 	}
 	c.lruHead, c.lruTail = nilID, nilID
@@ -366,7 +365,7 @@ func (c *core) fill(dst []BlockRef, ev *events) {
 			if gen == 0 {
 				gen = 1
 			}
-			s.gen, s.refs, s.where, s.class = gen, 1, onNone, classLeased
+			s.gen, s.refs, s.class = gen, 1, classLeased
 			dst[i] = BlockRef{ID: id, Gen: gen}
 		}
 		c.free = c.free[:top]
@@ -399,7 +398,7 @@ func (c *core) takeFresh(ev *events) BlockRef {
 	if s.gen == 0 {
 		s.gen = 1
 	}
-	s.refs, s.where, s.class = 1, onNone, classLeased
+	s.refs, s.class = 1, classLeased
 	c.counts[classLeased]++
 	return BlockRef{ID: id, Gen: s.gen}
 }
@@ -436,13 +435,13 @@ func (c *core) settleSlot(id BlockID) {
 	if !s.held() {
 		if s.index {
 			c.lruPush(id)
-			s.where, s.class = onLRU, classCached
+			s.class = classCached
 		} else {
 			if s.sealed {
 				c.unseal(id)
 			}
 			c.free = append(c.free, id)
-			s.where, s.class = onFree, classFree
+			s.class = classFree
 		}
 	} else {
 		s.class = s.classify()
@@ -470,12 +469,12 @@ func (c *core) drop(blocks []BlockRef) {
 		case s.refs|s.pins|s.quar == 0 && !s.index && !s.sealed:
 			// Private and unsealed: it was counted as leased.
 			free = append(free, id)
-			s.where, s.class = onFree, classFree
+			s.class = classFree
 			freed++
 		case s.refs|s.pins|s.quar == 0 && s.index:
 			// Findable sealed content nobody holds: cached, most recent.
 			c.lruPush(id)
-			s.where, s.class = onLRU, classCached
+			s.class = classCached
 			cached++
 		case s.refs > 0 && s.class == classLeased:
 			// Another open lease still holds it.
@@ -522,7 +521,6 @@ func (c *core) lruRemove(id BlockID) {
 		c.pre[p.next].prev = p.prev
 	}
 	p.prev, p.next = nilID, nilID
-	c.slots[id].where = onNone
 	c.lruLen--
 }
 
@@ -630,20 +628,16 @@ func (p *Pool[R]) Check() error {
 			bad("slot %d: recorded %v, holds say %v", i, s.class, got)
 		}
 		counts[s.class]++
-		switch s.where {
-		case onFree:
+		switch s.class {
+		case classFree:
 			onFreeN++
 			if s.held() || s.index || s.sealed {
-				bad("slot %d: on the free stack but held=%v indexed=%v sealed=%v", i, s.held(), s.index, s.sealed)
+				bad("slot %d: free but held=%v indexed=%v sealed=%v", i, s.held(), s.index, s.sealed)
 			}
-		case onLRU:
+		case classCached:
 			onLRUN++
 			if s.held() || !s.index {
-				bad("slot %d: on the LRU but held=%v indexed=%v", i, s.held(), s.index)
-			}
-		default:
-			if !s.held() {
-				bad("slot %d: unheld but on no list", i)
+				bad("slot %d: cached but held=%v indexed=%v", i, s.held(), s.index)
 			}
 		}
 		if s.index {
@@ -663,14 +657,24 @@ func (p *Pool[R]) Check() error {
 		bad("state counts sum to %d, capacity %d", sum, len(c.slots))
 	}
 	if onFreeN != len(c.free) {
-		bad("free stack has %d ids, %d slots marked free", len(c.free), onFreeN)
+		bad("free stack has %d ids, %d slots are free", len(c.free), onFreeN)
+	}
+	seen := make([]bool, len(c.slots))
+	for _, id := range c.free {
+		if seen[id] || c.slots[id].class != classFree {
+			bad("free stack: slot %d listed twice or %v", id, c.slots[id].class)
+		}
+		seen[id] = true
 	}
 	n := 0
 	for id := c.lruHead; id != nilID && n <= len(c.slots); id = c.pre[id].next {
+		if c.slots[id].class != classCached {
+			bad("LRU: slot %d is %v", id, c.slots[id].class)
+		}
 		n++
 	}
 	if n != c.lruLen || onLRUN != c.lruLen {
-		bad("LRU: %d linked, %d counted, %d marked", n, c.lruLen, onLRUN)
+		bad("LRU: %d linked, %d counted, %d slots cached", n, c.lruLen, onLRUN)
 	}
 	for h, id := range c.index {
 		if s := &c.slots[id]; !s.index || c.pre[id].hash != h {

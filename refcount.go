@@ -175,7 +175,7 @@ func (p *Pool[R]) ResetCache() int {
 		s.index = false
 		c.unseal(id)
 		c.free = append(c.free, id)
-		s.where, s.class = onFree, classFree
+		s.class = classFree
 		c.counts[classCached]--
 		c.counts[classFree]++
 		n++
@@ -263,7 +263,7 @@ func (c *core) fillPrefix(l *lease, hashes []BlockHash, n int, v *verifier, ev *
 	c.stats.prefixQueries += uint64(len(hashes))
 	lruHits := 0 // hit blocks that stop being evictable
 	for k := range hits {
-		if c.slots[c.hitID(ids, hashes, k)].where == onLRU {
+		if c.slots[c.hitID(ids, hashes, k)].class == classCached {
 			lruHits++
 		}
 	}
@@ -277,7 +277,7 @@ func (c *core) fillPrefix(l *lease, hashes []BlockHash, n int, v *verifier, ev *
 		s := &c.slots[id]
 		s.refs++
 		switch {
-		case s.where == onLRU:
+		case s.class == classCached:
 			// Unheld until now: straight from cached to leased.
 			c.lruRemove(id)
 			s.class = classLeased
