@@ -37,20 +37,31 @@ func (l *bareList) push(ids []int32) {
 	l.mu.Unlock()
 }
 
-// compare times base for b.N iterations, then op for b.N iterations under
-// the benchmark timer, and reports op's cost as a ratio to base measured in
-// the same run ("x-bare") next to base's own ns/op. Allocations counted by
-// -benchmem are op's alone.
+// compare runs base and op for b.N iterations each, interleaved in up to
+// sixteen rounds so that drift on a noisy machine hits both alike: in each
+// round the benchmark timer is stopped while a chunk of base runs under its
+// own stopwatch, then restarted for the same number of op iterations. It
+// reports op's cost as a ratio to base ("x-bare") next to base's own
+// ns/op. ns/op and -benchmem's counts are op's alone.
 func compare(b *testing.B, base, op func()) {
 	b.Helper()
-	start := time.Now()
-	for range b.N {
-		base()
-	}
-	bare := time.Since(start)
+	rounds := min(16, b.N)
+	var bare time.Duration
+	done := 0
 	b.ResetTimer()
-	for range b.N {
-		op()
+	for r := range rounds {
+		n := (b.N*(r+1))/rounds - done
+		done += n
+		b.StopTimer()
+		start := time.Now()
+		for range n {
+			base()
+		}
+		bare += time.Since(start)
+		b.StartTimer()
+		for range n {
+			op()
+		}
 	}
 	b.StopTimer()
 	report(b, bare)
