@@ -37,6 +37,17 @@ func (l *bareList) push(ids []int32) {
 	l.mu.Unlock()
 }
 
+// bareCycle returns the baseline operation: pop n ids off a bare list of
+// capacity ids and push them back.
+func bareCycle(capacity, n int) func() {
+	bl := newBareList(capacity)
+	ids := make([]int32, 0, n)
+	return func() {
+		ids = bl.pop(ids, n)
+		bl.push(ids)
+	}
+}
+
 // compare runs base and op for b.N iterations each, interleaved in up to
 // sixteen rounds so that drift on a noisy machine hits both alike: in each
 // round the benchmark timer is stopped while a chunk of base runs under its
@@ -90,12 +101,7 @@ func BenchmarkLeaseCycle(b *testing.B) {
 	for _, n := range []int{1, 16, 256} {
 		b.Run(sizeName(n), func(b *testing.B) {
 			p := benchPool(b, 1024)
-			bl := newBareList(1024)
-			ids := make([]int32, 0, n)
-			compare(b, func() {
-				ids = bl.pop(ids, n)
-				bl.push(ids)
-			}, func() {
+			compare(b, bareCycle(1024, n), func() {
 				l, err := p.Acquire("bench", n)
 				if err != nil {
 					b.Fatal(err)
@@ -112,12 +118,7 @@ func BenchmarkLeaseCycle(b *testing.B) {
 func BenchmarkLeaseCycleTransfer(b *testing.B) {
 	const n = 16
 	p := benchPool(b, 1024)
-	bl := newBareList(1024)
-	ids := make([]int32, 0, n)
-	compare(b, func() {
-		ids = bl.pop(ids, n)
-		bl.push(ids)
-	}, func() {
+	compare(b, bareCycle(1024, n), func() {
 		l, err := p.Acquire("bench", n)
 		if err != nil {
 			b.Fatal(err)
