@@ -478,41 +478,48 @@ func BenchmarkParallel(b *testing.B) {
 			b.Run(fmt.Sprintf("%s/procs=%d", o.name, procs), func(b *testing.B) {
 				defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(procs))
 				p := newPool(b, 4096)
-				bl := baseline.NewBareList(4096)
-				bare := func(pb *testing.PB) {
-					buf := make([]kvlease.BlockID, 0, o.n)
-					for pb.Next() {
-						ids, ok := bl.Pop(buf[:0], o.n)
-						if !ok {
-							panic("bare: exhausted")
-						}
-						bl.Push(ids)
-					}
-				}
-				b.ReportAllocs()
-				b.ResetTimer()
-				b.StopTimer()
-				t0 := time.Now()
-				b.RunParallel(bare)
-				spent := time.Since(t0)
-				b.StartTimer()
-				b.RunParallel(func(pb *testing.PB) {
+				parallelVsBare(b, 4096, o.n, func(pb *testing.PB) {
 					for pb.Next() {
 						if err := o.kv(p); err != nil {
 							panic(err)
 						}
 					}
 				})
-				b.StopTimer()
-				t0 = time.Now()
-				b.RunParallel(bare)
-				spent += time.Since(t0)
-				bns := float64(spent.Nanoseconds()) / float64(2*b.N)
-				b.ReportMetric(bns, "bare-ns/op")
-				b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/bns, "x-bare")
 			})
 		}
 	}
+}
+
+// parallelVsBare runs target with RunParallel under the benchmark timer,
+// between two RunParallel runs of bare cycles of n ids on a list of
+// capacity ids (timer stopped), and reports the ratio to their mean.
+func parallelVsBare(b *testing.B, capacity, n int, target func(*testing.PB)) {
+	bl := baseline.NewBareList(capacity)
+	bare := func(pb *testing.PB) {
+		buf := make([]kvlease.BlockID, 0, n)
+		for pb.Next() {
+			ids, ok := bl.Pop(buf[:0], n)
+			if !ok {
+				panic("bare: exhausted")
+			}
+			bl.Push(ids)
+		}
+	}
+	b.ReportAllocs()
+	b.ResetTimer()
+	b.StopTimer()
+	t0 := time.Now()
+	b.RunParallel(bare)
+	spent := time.Since(t0)
+	b.StartTimer()
+	b.RunParallel(target)
+	b.StopTimer()
+	t0 = time.Now()
+	b.RunParallel(bare)
+	spent += time.Since(t0)
+	bns := float64(spent.Nanoseconds()) / float64(2*b.N)
+	b.ReportMetric(bns, "bare-ns/op")
+	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/bns, "x-bare")
 }
 
 // BenchmarkParallelPrefix is hit-heavy prefix traffic (see BenchmarkPrefix)
@@ -527,39 +534,14 @@ func BenchmarkParallelPrefix(b *testing.B) {
 			for r := range 2 * len(w.hashes) {
 				w.cycle(b, p, r, false)
 			}
-			bl := baseline.NewBareList(8192)
-			bare := func(pb *testing.PB) {
-				buf := make([]kvlease.BlockID, 0, w.n)
-				for pb.Next() {
-					ids, ok := bl.Pop(buf[:0], w.n)
-					if !ok {
-						panic("bare: exhausted")
-					}
-					bl.Push(ids)
-				}
-			}
 			var next atomic.Int64
-			b.ReportAllocs()
-			b.ResetTimer()
-			b.StopTimer()
-			t0 := time.Now()
-			b.RunParallel(bare)
-			spent := time.Since(t0)
-			b.StartTimer()
-			b.RunParallel(func(pb *testing.PB) {
+			parallelVsBare(b, 8192, w.n, func(pb *testing.PB) {
 				r := int(next.Add(1013))
 				for pb.Next() {
 					w.cycle(b, p, r, false)
 					r++
 				}
 			})
-			b.StopTimer()
-			t0 = time.Now()
-			b.RunParallel(bare)
-			spent += time.Since(t0)
-			bns := float64(spent.Nanoseconds()) / float64(2*b.N)
-			b.ReportMetric(bns, "bare-ns/op")
-			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/bns, "x-bare")
 		})
 	}
 }
