@@ -100,6 +100,11 @@ func (a Access) String() string {
 // unreachable while open is reported to the observer as leaked (when the
 // leak check is on) and its blocks stay leased forever. All methods are
 // safe for concurrent use.
+//
+// Leases are carved from per-pool slabs of about 16 KiB (see slab.go), so
+// acquiring one allocates nothing on average; the price is that a lease
+// kept reachable keeps its slab's memory. Drop closed leases you no longer
+// need.
 type Lease[R any] struct {
 	ls lease // first: transfers point at it, and it starts the allocation
 	p  *Pool[R]
