@@ -607,7 +607,7 @@ func (c *core) apply(l *lease, idx int32, to TransferState, t *Transfer, ev *eve
 			s.wpins--
 		}
 		switch {
-		case s.refs|s.pins|s.quar == 0 && !s.index && !s.sealed && s.class == classDraining:
+		case s.refs|s.pins|s.quar == 0 && !s.sealed && s.class == classDraining: // (indexed implies sealed)
 			// The common end of a drain: nobody holds it, nothing to
 			// cache: straight to the free stack.
 			free = append(free, id)

@@ -466,7 +466,7 @@ func (c *core) drop(blocks []BlockRef) {
 		s := &slots[id]
 		s.refs--
 		switch {
-		case s.refs|s.pins|s.quar == 0 && !s.index && !s.sealed:
+		case s.refs|s.pins|s.quar == 0 && !s.sealed: // (indexed implies sealed)
 			// Private and unsealed: it was counted as leased.
 			free = append(free, id)
 			s.class = classFree
