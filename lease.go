@@ -589,6 +589,7 @@ func (c *core) apply(l *lease, idx int32, to TransferState, t *Transfer, ev *eve
 		lo, hi = 0, len(l.blocks)
 	}
 	// Tail first, as Release does, so a chain enters the LRU from its end.
+	// As in drop, the end of a drain is settleSlot's outcome inlined.
 	slots, free := c.slots, c.free
 	freed := 0
 	for i := hi - 1; i >= lo; i-- {

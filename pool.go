@@ -431,24 +431,26 @@ func (c *core) settleSlot(id BlockID) {
 		panic(fmt.Sprintf("kvlease: slot %d: negative hold counts refs=%d pins=%d quar=%d wpins=%d",
 			id, s.refs, s.pins, s.quar, s.wpins))
 	}
-	old := s.class
-	if !s.held() {
-		if s.index {
-			c.lruPush(id)
-			s.class = classCached
-		} else {
-			if s.sealed {
-				c.unseal(id)
-			}
-			c.free = append(c.free, id)
-			s.class = classFree
+	old, next := s.class, s.class
+	switch {
+	case s.refs|s.pins|s.quar != 0:
+		next = s.classify()
+	case s.index:
+		// Findable sealed content nobody holds: cached, most recent.
+		c.lruPush(id)
+		next = classCached
+	default:
+		// Nothing worth keeping: its content is forfeit.
+		if s.sealed {
+			c.unseal(id)
 		}
-	} else {
-		s.class = s.classify()
+		c.free = append(c.free, id)
+		next = classFree
 	}
-	if s.class != old {
+	if next != old {
+		s.class = next
 		c.counts[old]--
-		c.counts[s.class]++
+		c.counts[next]++
 	}
 }
 
@@ -457,8 +459,11 @@ func (c *core) settleSlot(id BlockID) {
 // holds go back at once: the common case (a private, unsealed, ungated
 // block) straight onto the free stack. Called with c.mu held.
 func (c *core) drop(blocks []BlockRef) {
-	// Locals keep the slice headers in registers: the compiler cannot
-	// prove the slot stores leave c.free alone.
+	// The common outcomes are settleSlot's, spelled out inline with the
+	// counts batched: a call per block cost 18% of a 16-block cycle
+	// (callgrind). Anything else goes through settleSlot. Locals keep the
+	// slice headers in registers: the compiler cannot prove the slot
+	// stores leave c.free alone.
 	slots, free := c.slots, c.free
 	freed, drained, cached := 0, 0, 0
 	for i := len(blocks) - 1; i >= 0; i-- {
