@@ -178,7 +178,7 @@ func (p *Pool[R]) acquire(owner string, hashes []BlockHash, v *verifier, n int) 
 	c.mu.Lock()
 	if c.closed.Load() {
 		c.mu.Unlock()
-		return nil, 0, c.reject(owner, n, fmt.Errorf("kvlease: acquire %d blocks for %q: %w", n, owner, ErrPoolClosed))
+		return nil, 0, c.reject(owner, n, closedErr(owner, n))
 	}
 	if q := c.queued(); q > 0 {
 		c.mu.Unlock()
@@ -228,7 +228,7 @@ func (p *Pool[R]) AcquireWait(ctx context.Context, owner string, n int) (*Lease[
 	c.mu.Lock()
 	if c.closed.Load() {
 		c.mu.Unlock()
-		return nil, c.reject(owner, n, fmt.Errorf("kvlease: acquire %d blocks for %q: %w", n, owner, ErrPoolClosed))
+		return nil, c.reject(owner, n, closedErr(owner, n))
 	}
 	l := p.newLease(owner, n)
 	if c.queued() == 0 && c.available() >= n {
@@ -333,11 +333,16 @@ func (c *core) precheck(owner string, n int) error {
 	case n <= 0:
 		return fmt.Errorf("kvlease: acquire %d blocks for %q: n must be positive: %w", n, owner, ErrInvalidArgument)
 	case c.closed.Load():
-		return fmt.Errorf("kvlease: acquire %d blocks for %q: %w", n, owner, ErrPoolClosed)
+		return closedErr(owner, n)
 	case n > len(c.slots):
 		return fmt.Errorf("kvlease: acquire %d blocks for %q: pool capacity is %d: %w", n, owner, len(c.slots), ErrExceedsCapacity)
 	}
 	return nil
+}
+
+// closedErr is the error of an acquire refused by a closed pool.
+func closedErr(owner string, n int) error {
+	return fmt.Errorf("kvlease: acquire %d blocks for %q: %w", n, owner, ErrPoolClosed)
 }
 
 // reject counts and reports a failed acquire and returns err.
@@ -594,7 +599,7 @@ func (p *Pool[R]) Close() error {
 	c.mu.Lock()
 	c.closed.Store(true)
 	for _, w := range c.waiters[c.whead:] {
-		w.err = fmt.Errorf("kvlease: acquire %d blocks for %q: %w", w.n, w.l.owner, ErrPoolClosed)
+		w.err = closedErr(w.l.owner, w.n)
 		close(w.ready)
 	}
 	clear(c.waiters)
