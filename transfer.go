@@ -118,6 +118,14 @@ func (t *Transfer) gate(l *lease, idx int32) {
 	t.ngates++
 }
 
+// gateAt returns the i-th gate recorded. Called with t.mu held.
+func (t *Transfer) gateAt(i int) gateRef {
+	if i < len(t.gates0) {
+		return t.gates0[i]
+	}
+	return t.more[i-len(t.gates0)]
+}
+
 // Resolve is the transport's statement that the memory is quiescent: the
 // copy finished, the DMA is fenced, the remote registration is revoked.
 // err is the outcome (nil for success; an error when the copy failed but
@@ -177,10 +185,7 @@ func (t *Transfer) Quarantine(reason error) {
 func (t *Transfer) applyAll(to TransferState, ev *events) {
 	var locked *core
 	for i := 0; i < t.ngates; i++ {
-		g := t.gates0[min(i, len(t.gates0)-1)]
-		if i >= len(t.gates0) {
-			g = t.more[i-len(t.gates0)]
-		}
+		g := t.gateAt(i)
 		c := g.l.c
 		if c != locked {
 			if locked != nil {
