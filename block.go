@@ -1,6 +1,9 @@
 package kvlease
 
-import "fmt"
+import (
+	"fmt"
+	"unsafe"
+)
 
 // BlockID names a block slot of a pool: an index in [0, capacity).
 type BlockID int32
@@ -44,17 +47,59 @@ const nilID = BlockID(-1)
 // A slot is held while refs+pins+quar > 0. An unheld slot is on exactly one
 // list, which its class names: the free stack (classFree), or the LRU when
 // it holds findable sealed content (classCached).
+//
+// The first eight bytes (refs, class, sealed, index and a zero pad) are the
+// slot's head. The loops that run for every block of every lease (fill,
+// drop, the resolve of a transfer) read and write the head as one word
+// (see head): a fresh private block is exactly headLeased, a returned one
+// exactly headFree. Keep those fields first and together.
 type slot struct {
-	gen   uint32 // bumped each time the slot is handed out fresh
-	refs  int32  // open leases holding the block (a lease counts once per position)
-	pins  int32  // pending transfer attachments gating the block
-	quar  int32  // quarantined transfer attachments gating the block
-	wpins int32  // pending or quarantined *write* attachments (content in flux)
-
+	refs   int32      // open leases holding the block (a lease counts once per position)
 	class  blockClass // also says which list an unheld slot is on: free stack or LRU
 	sealed bool       // content immutable from now on
 	index  bool       // the prefix index maps hash to this slot
+	_      uint8      // always zero: part of the head word
+
+	pins  int32  // pending transfer attachments gating the block
+	quar  int32  // quarantined transfer attachments gating the block
+	gen   uint32 // bumped each time the slot is handed out fresh
+	wpins int32  // pending or quarantined *write* attachments (content in flux)
 }
+
+// head returns the slot's first eight bytes as one word.
+func (s *slot) head() uint64 { return *(*uint64)(unsafe.Pointer(s)) }
+
+// setHead overwrites refs, class, sealed and index at once with a word
+// made by headOf.
+func (s *slot) setHead(w uint64) { *(*uint64)(unsafe.Pointer(s)) = w }
+
+// gates returns pins and quar as one word: zero when no transfer gates
+// the slot.
+func (s *slot) gates() uint64 { return *(*uint64)(unsafe.Pointer(&s.pins)) }
+
+// headOf returns the head word of a slot with these fields (the byte
+// order is the machine's, so it is computed, not written as a constant).
+func headOf(refs int32, class blockClass) uint64 {
+	s := slot{refs: refs, class: class}
+	return s.head()
+}
+
+// The head is the eight bytes before pins, and quar follows pins: a
+// compile-time check of what head and gates rely on.
+const (
+	_ = uint(unsafe.Offsetof(slot{}.pins) - 8)
+	_ = uint(8 - unsafe.Offsetof(slot{}.pins))
+	_ = uint(unsafe.Offsetof(slot{}.quar) - 12)
+	_ = uint(12 - unsafe.Offsetof(slot{}.quar))
+)
+
+// The heads the fast paths compare against and store: unsealed and
+// unindexed, with one reference (a block a single lease holds), or none.
+var (
+	headLeased   = headOf(1, classLeased)
+	headFree     = headOf(0, classFree)
+	headDraining = headOf(0, classDraining)
+)
 
 // prefixSlot is the per-block state only the prefix cache uses, kept apart
 // from slot so that the table the hot path walks stays small (24 bytes a

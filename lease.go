@@ -575,6 +575,72 @@ func (s *slot) pin(st TransferState, write bool) {
 	}
 }
 
+// resolveRange drops one pending pin (and write pin, for a write; for a
+// whole-lease attachment, on unsealed blocks) from each block: the common
+// end of a transfer. A block that was draining
+// only on it (unsealed, nobody else holds it) goes straight onto the free
+// stack; a block an open lease holds stays leased; anything else goes
+// through settleSlot. Called with c.mu held.
+func (c *core) resolveRange(blocks []BlockRef, write, whole bool) {
+	var w int32
+	if write {
+		w = 1
+	}
+	slots := c.slots
+	room := c.free[:cap(c.free)] // see drop: no append needed
+	k := len(c.free)
+	freed := 0
+	for i := len(blocks) - 1; i >= 0; i-- {
+		id := blocks[i].ID
+		s := &slots[id]
+		s.pins--
+		if whole && !s.sealed {
+			s.wpins--
+		} else {
+			s.wpins -= w
+		}
+		switch {
+		case s.head() == headDraining && s.pins|s.quar == 0 && k < len(room):
+			s.setHead(headFree)
+			room[k] = id
+			k++
+			freed++
+		case s.refs > 0 && s.quar == 0:
+			// An open lease still holds it: still leased.
+		default:
+			c.free = c.free[:k]
+			c.settleSlot(id)
+			room, k = c.free[:cap(c.free)], len(c.free)
+		}
+	}
+	c.free = c.free[:k]
+	c.counts[classDraining] -= freed
+	c.counts[classFree] += freed
+}
+
+// applyRange moves the pins of blocks lo..hi-1 of attachment a from
+// transfer state from to state to and settles each block: the general
+// case of apply. Called with c.mu held.
+func (c *core) applyRange(blocks []BlockRef, lo, hi int, a *attachment, from, to TransferState) {
+	for i := hi - 1; i >= lo; i-- {
+		id := blocks[i].ID
+		s := &c.slots[id]
+		write := a.access == Write || (a.whole && !s.sealed)
+		if from == TransferPending {
+			s.pins--
+		} else {
+			s.quar--
+		}
+		switch {
+		case to == TransferQuarantined:
+			s.quar++
+		case write:
+			s.wpins--
+		}
+		c.settleSlot(id)
+	}
+}
+
 // apply moves attachment idx of l to transfer state to, adjusting the
 // pins of every block it gates, and returns blocks nobody holds any more
 // to the pool. Called with c.mu held (and the transfer's mutex).
@@ -589,42 +655,11 @@ func (c *core) apply(l *lease, idx int32, to TransferState, t *Transfer, ev *eve
 		lo, hi = 0, len(l.blocks)
 	}
 	// Tail first, as Release does, so a chain enters the LRU from its end.
-	// As in drop, the end of a drain is settleSlot's outcome inlined.
-	slots, free := c.slots, c.free
-	freed := 0
-	for i := hi - 1; i >= lo; i-- {
-		id := l.blocks[i].ID
-		s := &slots[id]
-		write := a.access == Write || (a.whole && !s.sealed)
-		if from == TransferPending {
-			s.pins--
-		} else {
-			s.quar--
-		}
-		switch {
-		case to == TransferQuarantined:
-			s.quar++
-		case write:
-			s.wpins--
-		}
-		switch {
-		case s.refs|s.pins|s.quar == 0 && !s.sealed && s.class == classDraining: // (indexed implies sealed)
-			// The common end of a drain: nobody holds it, nothing to
-			// cache: straight to the free stack.
-			free = append(free, id)
-			s.class = classFree
-			freed++
-		case s.refs > 0 && s.quar == 0 && s.class == classLeased:
-			// An open lease still holds it: still leased.
-		default:
-			c.free = free
-			c.settleSlot(id)
-			free = c.free
-		}
+	if from == TransferPending && to == TransferResolved {
+		c.resolveRange(l.blocks[lo:hi], a.access == Write, a.whole)
+	} else {
+		c.applyRange(l.blocks, lo, hi, a, from, to)
 	}
-	c.free = free
-	c.counts[classDraining] -= freed
-	c.counts[classFree] += freed
 	a.applied = to
 	if from == TransferPending {
 		l.pending--
