@@ -117,17 +117,15 @@ type lease struct {
 	id     uint64
 	owner  string
 	blocks []BlockRef
-	atts   []attachment // every transfer ever attached; index stable
 
 	state       LeaseState
 	closed      bool
 	pending     int32 // attachments whose transfer is pending
 	quarantined int32 // attachments whose transfer is quarantined
+	natts       int32 // attachments ever made: att0, then extra.more
 
-	settled chan struct{} // made on demand by Settled
-	extra   *leaseExtra   // only when a leak check or deadline is armed
-
-	att0 [1]attachment // first attachment inline: no allocation for one transfer
+	att0  attachment  // the first attachment inline: none allocated for one transfer
+	extra *leaseExtra // only when something rarer is needed (see leaseExtra)
 }
 
 // attachment is one transfer gating blocks [from, to) of a lease, or all of
@@ -152,13 +150,16 @@ func (p *Pool[R]) newLease(owner string, n int) *Lease[R] {
 	l.ls.c = &p.core
 	l.ls.owner = owner
 	l.ls.blocks = blocks[:n] // filled by the caller before anyone sees it
-	l.ls.atts = l.ls.att0[:0]
 	return l
 }
 
-// leaseExtra holds what only some leases need, off the hot path.
+// leaseExtra holds what only some leases need, off the hot path: a
+// lease is carved for every request, and every byte of it is garbage to
+// collect.
 type leaseExtra struct {
-	timer   *time.Timer // drain deadline
+	more    []attachment  // attachments after the first
+	settled chan struct{} // made on demand by Settled
+	timer   *time.Timer   // drain deadline
 	leak    runtime.Cleanup
 	watched bool // leak is registered
 }
@@ -168,6 +169,34 @@ func (l *lease) ext() *leaseExtra {
 		l.extra = new(leaseExtra)
 	}
 	return l.extra
+}
+
+// att returns attachment i (0 ≤ i < natts).
+func (l *lease) att(i int32) *attachment {
+	if i == 0 {
+		return &l.att0
+	}
+	return &l.extra.more[i-1]
+}
+
+// addAtt records a and returns its index, which never changes.
+func (l *lease) addAtt(a attachment) int32 {
+	if l.natts == 0 {
+		l.att0 = a
+	} else {
+		x := l.ext()
+		x.more = append(x.more, a)
+	}
+	l.natts++
+	return l.natts - 1
+}
+
+// settledChan returns the Settled channel if anyone asked for it, else nil.
+func (l *lease) settledChan() chan struct{} {
+	if l.extra == nil {
+		return nil
+	}
+	return l.extra.settled
 }
 
 type leakInfo struct {
@@ -295,10 +324,11 @@ func (l *Lease[R]) Settled() <-chan struct{} {
 	if l.ls.state == LeaseSettled {
 		return closedChan
 	}
-	if l.ls.settled == nil {
-		l.ls.settled = make(chan struct{})
+	x := l.ls.ext()
+	if x.settled == nil {
+		x.settled = make(chan struct{})
 	}
-	return l.ls.settled
+	return x.settled
 }
 
 // Release closes the lease: from now on nothing can be attached and Region
@@ -343,14 +373,14 @@ func (l *lease) close(abort bool, cause error) {
 		}
 	}
 	c.drop(l.blocks)
-	if abort && len(l.atts) > 0 {
-		for i := range l.atts {
-			if l.atts[i].applied != TransferResolved {
-				toCancel = append(toCancel, l.atts[i].t)
+	if abort {
+		for i := range l.natts {
+			if a := l.att(i); a.applied != TransferResolved {
+				toCancel = append(toCancel, a.t)
 			}
 		}
 	}
-	if l.pending|l.quarantined == 0 && l.state == LeaseActive && l.settled == nil && c.obs == nil {
+	if l.pending|l.quarantined == 0 && l.state == LeaseActive && l.settledChan() == nil && c.obs == nil {
 		// Nothing gates it and nobody watches: Active → Settled directly.
 		l.state = LeaseSettled
 	} else {
@@ -388,8 +418,8 @@ func (c *core) transition(l *lease, ev *events) {
 		}
 	}
 	if next == LeaseSettled {
-		if l.settled != nil {
-			close(l.settled)
+		if ch := l.settledChan(); ch != nil {
+			close(ch)
 		}
 		if x := l.extra; x != nil && x.timer != nil {
 			x.timer.Stop()
@@ -442,8 +472,8 @@ func (l *Lease[R]) Extend(n int) error {
 	}
 	ls.blocks = ls.blocks[:from+n]
 	c.fill(ls.blocks[from:], &ev)
-	for i := range ls.atts {
-		a := &ls.atts[i]
+	for i := range ls.natts {
+		a := ls.att(i)
 		if a.whole && a.applied != TransferResolved {
 			for _, r := range ls.blocks[from:] {
 				c.slots[r.ID].pin(a.applied, true)
@@ -549,13 +579,13 @@ func (l *lease) attachLocked(t *Transfer, from, to int, acc Access, whole bool, 
 			}
 		}
 	}
-	l.atts = append(l.atts, attachment{t: t, from: int32(from), to: int32(to), access: acc, whole: whole, applied: st})
+	idx := l.addAtt(attachment{t: t, from: int32(from), to: int32(to), access: acc, whole: whole, applied: st})
 	if st == TransferPending {
 		l.pending++
 	} else {
 		l.quarantined++
 	}
-	t.gate(l, int32(len(l.atts)-1))
+	t.gate(l, idx)
 	if c.obs != nil {
 		ev.add(c.obs, Event{Kind: EventAttached, Owner: l.owner, Lease: l.id, Transfer: t.id, Blocks: to - from})
 	}
@@ -645,7 +675,7 @@ func (c *core) applyRange(blocks []BlockRef, lo, hi int, a *attachment, from, to
 // pins of every block it gates, and returns blocks nobody holds any more
 // to the pool. Called with c.mu held (and the transfer's mutex).
 func (c *core) apply(l *lease, idx int32, to TransferState, t *Transfer, ev *events) {
-	a := &l.atts[idx]
+	a := l.att(idx)
 	from := a.applied
 	if from == to || from == TransferResolved {
 		return

@@ -326,7 +326,16 @@ func (c *core) serveSlow(ev *events) {
 }
 
 // precheck validates what needs no lock: arguments, capacity, closure.
+// The test that passes is small enough to inline; the errors are built
+// out of line.
 func (c *core) precheck(owner string, n int) error {
+	if owner != "" && n > 0 && n <= len(c.slots) && !c.closed.Load() {
+		return nil
+	}
+	return c.precheckErr(owner, n)
+}
+
+func (c *core) precheckErr(owner string, n int) error {
 	switch {
 	case owner == "":
 		return fmt.Errorf("kvlease: acquire %d blocks: empty owner: %w", n, ErrInvalidArgument)
@@ -418,6 +427,14 @@ func (c *core) opened(l *lease, hits int, ev *events) {
 	l.state = LeaseActive
 	c.openLeases++
 	c.stats.acquires++
+	if c.cfg.leakCheck || c.obs != nil || invariants.Enabled {
+		c.watchOpened(l, hits, ev)
+	}
+}
+
+// watchOpened is what opened does for a leak check, an observer or a
+// checked build.
+func (c *core) watchOpened(l *lease, hits int, ev *events) {
 	if c.cfg.leakCheck {
 		l.watchLeak()
 	}
@@ -777,9 +794,9 @@ func (c *core) deadlinePassed(l *lease) {
 		c.mu.Unlock()
 		return
 	}
-	for i := range l.atts {
-		if l.atts[i].applied == TransferPending {
-			ts = append(ts, l.atts[i].t)
+	for i := range l.natts {
+		if a := l.att(i); a.applied == TransferPending {
+			ts = append(ts, a.t)
 		}
 	}
 	if c.obs != nil {
