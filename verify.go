@@ -3,8 +3,6 @@ package kvlease
 import (
 	"fmt"
 	"slices"
-
-	"github.com/cespare/xxhash/v2"
 )
 
 // Verified mode.
@@ -119,10 +117,9 @@ func (c *core) verify(id BlockID, k int, v *verifier) bool {
 func newVerifier(seed BlockHash, tokens []int32, bt, limit int, buf []BlockHash) verifier {
 	n := min(len(tokens)/bt, limit)
 	hashes := buf[:0]
-	var d xxhash.Digest
 	parent := seed
 	for k := range n {
-		parent = hashInto(&d, parent, tokens[k*bt:(k+1)*bt])
+		parent = hashInto(parent, tokens[k*bt:(k+1)*bt])
 		hashes = append(hashes, parent)
 	}
 	return verifier{seed: seed, hashes: hashes, tokens: tokens, blockTokens: bt}
