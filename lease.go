@@ -606,11 +606,11 @@ func (s *slot) pin(st TransferState, write bool) {
 }
 
 // resolveRange drops one pending pin (and write pin, for a write; for a
-// whole-lease attachment, on unsealed blocks) from each block: the common
-// end of a transfer. A block that was draining
-// only on it (unsealed, nobody else holds it) goes straight onto the free
-// stack; a block an open lease holds stays leased; anything else goes
-// through settleSlot. Called with c.mu held.
+// whole-lease attachment, on unsealed blocks) from each block, tail
+// first: the common end of a transfer. A block that was draining only on
+// it (unsealed, nobody else holds it) goes straight onto the free stack;
+// a block an open lease holds stays leased; anything else goes through
+// settleSlot. Called with c.mu held.
 func (c *core) resolveRange(blocks []BlockRef, write, whole bool) {
 	var w int32
 	if write {
