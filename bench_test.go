@@ -48,34 +48,43 @@ func bareCycle(capacity, n int) func() {
 	}
 }
 
-// compare runs base and op for b.N iterations each, interleaved in up to
-// sixteen rounds so that drift on a noisy machine hits both alike: in each
-// round the benchmark timer is stopped while a chunk of base runs under its
-// own stopwatch, then restarted for the same number of op iterations. It
-// reports op's cost as a ratio to base ("x-bare") next to base's own
-// ns/op. ns/op and -benchmem's counts are op's alone.
+// compare runs base and op for b.N iterations each, interleaved (see
+// interleave), and reports op's cost as a ratio to base ("x-bare") next to
+// base's own ns/op. ns/op and -benchmem's counts are op's alone.
 func compare(b *testing.B, base, op func()) {
 	b.Helper()
+	report(b, interleave(b, op, base)[0])
+}
+
+// interleave runs op and each base for b.N iterations, in up to sixteen
+// rounds so that drift on a noisy machine hits them all alike: in each
+// round the benchmark timer is stopped while a chunk of every base runs
+// under its own stopwatch, then restarted for the same number of op
+// iterations. It returns the time each base took in all.
+func interleave(b *testing.B, op func(), bases ...func()) []time.Duration {
+	b.Helper()
+	spent := make([]time.Duration, len(bases))
 	rounds := min(16, b.N)
-	var bare time.Duration
 	done := 0
 	b.ResetTimer()
 	for r := range rounds {
 		n := (b.N*(r+1))/rounds - done
 		done += n
 		b.StopTimer()
-		start := time.Now()
-		for range n {
-			base()
+		for i, base := range bases {
+			start := time.Now()
+			for range n {
+				base()
+			}
+			spent[i] += time.Since(start)
 		}
-		bare += time.Since(start)
 		b.StartTimer()
 		for range n {
 			op()
 		}
 	}
 	b.StopTimer()
-	report(b, bare)
+	return spent
 }
 
 func report(b *testing.B, bare time.Duration) {

@@ -47,27 +47,7 @@ func BenchmarkChainHashes(b *testing.B) {
 		}
 		sink = h
 	}
-	var spent [2]time.Duration
-	rounds := min(16, b.N)
-	done := 0
-	b.ResetTimer()
-	for r := range rounds {
-		n := (b.N*(r+1))/rounds - done
-		done += n
-		b.StopTimer()
-		for i, base := range []func(){independent, chained} {
-			start := time.Now()
-			for range n {
-				base()
-			}
-			spent[i] += time.Since(start)
-		}
-		b.StartTimer()
-		for range n {
-			_ = ChainHashes(1, toks, bt)
-		}
-	}
-	b.StopTimer()
+	spent := interleave(b, func() { _ = ChainHashes(1, toks, bt) }, independent, chained)
 	perBlock := func(d time.Duration) float64 { return float64(d.Nanoseconds()) / float64(b.N*blocks) }
 	b.ReportMetric(perBlock(b.Elapsed()), "ns/block")
 	b.ReportMetric(perBlock(spent[1]), "chained-ns/block")
@@ -100,17 +80,14 @@ func BenchmarkAcquirePrefix(b *testing.B) {
 				}
 				l.Release()
 
-				start := time.Now()
-				for range b.N {
+				plainCycle := func() {
 					l, err := p.Acquire("bench", n)
 					if err != nil {
 						b.Fatal(err)
 					}
 					l.Release()
 				}
-				plain := time.Since(start)
-				b.ResetTimer()
-				for range b.N {
+				plain := interleave(b, func() {
 					var l *Lease[[]byte]
 					var hits int
 					var err error
@@ -123,8 +100,7 @@ func BenchmarkAcquirePrefix(b *testing.B) {
 						b.Fatalf("hits %d err %v", hits, err)
 					}
 					l.Release()
-				}
-				b.StopTimer()
+				}, plainCycle)[0]
 				extra := float64((b.Elapsed() - plain).Nanoseconds()) / float64(b.N*k)
 				b.ReportMetric(float64(plain.Nanoseconds())/float64(b.N), "acquire-ns/op")
 				b.ReportMetric(extra, "ns/hit-block")
@@ -152,14 +128,8 @@ func BenchmarkEvictionChurn(b *testing.B) {
 	}
 	mem2, _ := NewHostMemory(256, 64)
 	q, _ := NewPool[[]byte](mem2, WithLeakCheck(false))
-	start := time.Now()
-	for range b.N {
-		l, _ := q.Acquire("plain", n)
-		l.Release()
-	}
-	bare := time.Since(start)
-	b.ResetTimer()
-	for i := range b.N {
+	i := 0
+	bare := interleave(b, func() {
 		l, err := p.Acquire("churn", n)
 		if err != nil {
 			b.Fatal(err)
@@ -168,8 +138,11 @@ func BenchmarkEvictionChurn(b *testing.B) {
 			_ = l.Seal(j, BlockHash(i*n+j+1))
 		}
 		l.Release()
-	}
-	b.StopTimer()
+		i++
+	}, func() {
+		l, _ := q.Acquire("plain", n)
+		l.Release()
+	})[0]
 	if p.Stats().Evictions == 0 {
 		b.Fatal("no evictions")
 	}
