@@ -194,6 +194,13 @@ func (e *churnEnv) worker(w, iters int) {
 			}
 			return r
 		}
+		readRegion := func(i int) []byte {
+			r, err := l.ReadRegion(i)
+			if err != nil {
+				e.fail("ReadRegion(%d) of an open lease: %v", i, err)
+			}
+			return r
+		}
 		// What every block must hold: hits hold their hash (immutable
 		// sealed content); the owner stamps the rest.
 		want := make([]uint64, l.Len())
@@ -216,7 +223,7 @@ func (e *churnEnv) worker(w, iters int) {
 			}
 		}
 		for i := 0; i < hits; i++ {
-			if err := churnCheck(region(i), want[i]); err != nil {
+			if err := churnCheck(readRegion(i), want[i]); err != nil {
 				e.fail("prefix hit %d of lease %d: %v", i, id, err)
 			}
 		}
@@ -261,7 +268,7 @@ func (e *churnEnv) worker(w, iters int) {
 			}
 			var regs [][]byte
 			for i := from; i < to; i++ {
-				regs = append(regs, region(i))
+				regs = append(regs, readRegion(i))
 			}
 			e.run(ct, regs, want[from:to], false, rng.IntN(3), rng)
 		}
@@ -294,7 +301,7 @@ func (e *churnEnv) worker(w, iters int) {
 			if i >= writeFrom && !waitWrites {
 				continue // a transport may still be writing it
 			}
-			if err := churnCheck(region(i), want[i]); err != nil {
+			if err := churnCheck(readRegion(i), want[i]); err != nil {
 				e.fail("owner of lease %d block %d (%v): %v", id, i, l.Ref(i), err)
 			}
 		}
@@ -420,7 +427,7 @@ func TestChurn(t *testing.T) {
 			l, hits, err := e.p.AcquirePrefix("final", hs, k)
 			coreNoErr(t, err, "final AcquirePrefix")
 			for i := range hits {
-				r, _ := l.Region(i)
+				r, _ := l.ReadRegion(i)
 				if err := churnCheck(r, uint64(hs[i])); err != nil {
 					t.Fatalf("cached block %d of chain %d: %v", i, c, err)
 				}

@@ -25,6 +25,11 @@ var (
 	// ErrLeaseClosed is returned by operations on a lease after Release or
 	// Abort.
 	ErrLeaseClosed = errors.New("kvlease: lease closed")
+	// ErrReadOnly is returned by Lease.Region and AppendRegions, the
+	// writable accessors, for a block that is sealed (its content is
+	// immutable: others may hit it in the prefix cache) or shared with
+	// another lease. Read such blocks with ReadRegion.
+	ErrReadOnly = errors.New("kvlease: block is read-only")
 	// ErrStaleRef is returned for a BlockRef whose slot is free or has moved
 	// on to another generation: the content it named is gone.
 	ErrStaleRef = errors.New("kvlease: stale block reference")

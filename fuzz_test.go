@@ -678,9 +678,28 @@ func (m *fzModel) verify() {
 				m.fatalf("Region(%v) (slot at gen %d, %s): %v, want ErrStaleRef", r, m.slots[r.ID].gen, classes[r.ID], err)
 			}
 		}
-		_, err := ls.l.Region(0)
+		_, err := ls.l.ReadRegion(0)
 		if ls.closed != errors.Is(err, kvlease.ErrLeaseClosed) || (!ls.closed && err != nil) {
-			m.fatalf("lease %d (closed=%v): Region(0): %v", ls.id, ls.closed, err)
+			m.fatalf("lease %d (closed=%v): ReadRegion(0): %v", ls.id, ls.closed, err)
+		}
+		if ls.l.Closed() != ls.closed {
+			m.fatalf("lease %d: Closed() = %v, model %v", ls.id, ls.l.Closed(), ls.closed)
+		}
+		for i, r := range ls.blocks {
+			_, err := ls.l.Region(i)
+			s := &m.slots[r.ID]
+			switch {
+			case ls.closed:
+				if !errors.Is(err, kvlease.ErrLeaseClosed) {
+					m.fatalf("lease %d (closed): Region(%d): %v", ls.id, i, err)
+				}
+			case s.sealed || s.refs > 1:
+				if !errors.Is(err, kvlease.ErrReadOnly) {
+					m.fatalf("lease %d: Region(%d) of a block sealed=%v refs=%d: %v, want ErrReadOnly", ls.id, i, s.sealed, s.refs, err)
+				}
+			case err != nil:
+				m.fatalf("lease %d: Region(%d) of a private unsealed block: %v", ls.id, i, err)
+			}
 		}
 	}
 	if st.OpenLeases != open {

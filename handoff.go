@@ -345,7 +345,7 @@ func Propose[S, D any](src *Lease[S], dst *Pool[D], cfg HandoffConfig) (*Handoff
 	if err := cfg.Envelope.Validate(); err != nil {
 		return nil, fmt.Errorf("kvlease: propose handoff of lease %d (%s): %w", src.ID(), src.Owner(), err)
 	}
-	if _, err := src.Region(0); err != nil {
+	if _, err := src.ReadRegion(0); err != nil {
 		return nil, fmt.Errorf("kvlease: propose handoff: %w", err)
 	}
 	sb, db, eb := src.Pool().BlockBytes(), dst.BlockBytes(), cfg.Envelope.BlockBytes
@@ -526,7 +526,7 @@ func (h *Handoff[S, D]) Start(tr Transport[S, D]) error {
 	}
 	pairs := make([]CopyPair[S, D], h.n)
 	for i := range pairs {
-		s, err := h.src.Region(i)
+		s, err := h.src.ReadRegion(i)
 		if err == nil {
 			pairs[i].Dst, err = h.dst.Region(i)
 		}

@@ -96,6 +96,11 @@ func (a Access) String() string {
 // ErrLeaseClosed. Each block returns to the pool only when every transfer
 // gating it has resolved; Settled tells when that is done for all of them.
 //
+// Region hands out a block for writing only while it is not sealed and no
+// other lease shares it (ErrReadOnly otherwise): one request can never
+// overwrite KV another reads. ReadRegion serves every held block for
+// reading.
+//
 // A lease must be closed exactly as a file must: one that becomes
 // unreachable while open is reported to the observer as leaked (when the
 // leak check is on) and its blocks stay leased forever. All methods are
@@ -261,10 +266,27 @@ func (l *Lease[R]) AppendBlockIDs(dst []BlockID, from int) []BlockID {
 	return dst
 }
 
-// Region returns block i's region. It fails with ErrLeaseClosed once the
-// lease is released or aborted (the region may be someone else's soon) and
-// with ErrInvalidArgument for an i outside [0, Len()).
+// Region returns block i's region for writing. It fails with
+// ErrLeaseClosed once the lease is released or aborted (the region may be
+// someone else's soon), with ErrInvalidArgument for an i outside [0,
+// Len()), and with ErrReadOnly when block i is sealed or shared with
+// another lease (a prefix hit, a Share): its content is immutable and
+// others read it, so no lease may write it. Read such a block with
+// ReadRegion.
 func (l *Lease[R]) Region(i int) (R, error) {
+	return l.region(i, true)
+}
+
+// ReadRegion returns block i's region for reading: any block the open
+// lease holds, sealed or shared included. A transport that sends or
+// offloads a lease's content reads it here (or through Pool.Region).
+// Writing through it is a contract violation the library cannot catch.
+// Errors as Region, except ErrReadOnly.
+func (l *Lease[R]) ReadRegion(i int) (R, error) {
+	return l.region(i, false)
+}
+
+func (l *Lease[R]) region(i int, write bool) (R, error) {
 	var zero R
 	c := l.ls.c
 	c.mu.Lock()
@@ -278,15 +300,43 @@ func (l *Lease[R]) Region(i int) (R, error) {
 		return zero, fmt.Errorf("kvlease: region %d of lease %d (%s) with %d blocks: %w", i, l.ls.id, l.ls.owner, n, ErrInvalidArgument)
 	}
 	id := l.ls.blocks[i].ID
+	if write {
+		if s := &c.slots[id]; s.sealed || s.refs > 1 {
+			sealed, refs := s.sealed, s.refs
+			c.mu.Unlock()
+			return zero, readOnlyErr(&l.ls, i, sealed, refs)
+		}
+	}
 	c.mu.Unlock()
 	return l.p.mem.Region(id), nil
 }
 
-// AppendRegions appends the regions of blocks from..Len()-1 to dst and
-// returns it, under one lock acquisition: what a copy or a kernel launch
-// wants, rather than a Region call (and a lock) per block. Errors as
-// Region; a from outside [0, Len()] wraps ErrInvalidArgument.
+// readOnlyErr is the error of a write access to a sealed or shared block.
+func readOnlyErr(l *lease, i int, sealed bool, refs int32) error {
+	why := "sealed"
+	if !sealed {
+		why = fmt.Sprintf("shared by %d leases", refs)
+	}
+	return fmt.Errorf("kvlease: writable region %d of lease %d (%s): the block is %s: %w", i, l.id, l.owner, why, ErrReadOnly)
+}
+
+// AppendRegions appends the writable regions of blocks from..Len()-1 to
+// dst and returns it, under one lock acquisition: what a copy or a kernel
+// launch that writes wants, rather than a Region call (and a lock) per
+// block. Errors as Region (ErrReadOnly if any of those blocks is sealed or
+// shared: nothing is appended then); a from outside [0, Len()] wraps
+// ErrInvalidArgument. AppendReadRegions serves every block for reading.
 func (l *Lease[R]) AppendRegions(dst []R, from int) ([]R, error) {
+	return l.appendRegions(dst, from, true)
+}
+
+// AppendReadRegions is AppendRegions for reading: it serves sealed and
+// shared blocks too (what a send or an offload wants).
+func (l *Lease[R]) AppendReadRegions(dst []R, from int) ([]R, error) {
+	return l.appendRegions(dst, from, false)
+}
+
+func (l *Lease[R]) appendRegions(dst []R, from int, write bool) ([]R, error) {
 	c := l.ls.c
 	c.mu.Lock()
 	if l.ls.closed {
@@ -294,15 +344,34 @@ func (l *Lease[R]) AppendRegions(dst []R, from int) ([]R, error) {
 		return dst, fmt.Errorf("kvlease: regions of lease %d (%s): %w", l.ls.id, l.ls.owner, ErrLeaseClosed)
 	}
 	blocks := l.ls.blocks
-	c.mu.Unlock()
 	if from < 0 || from > len(blocks) {
+		c.mu.Unlock()
 		return dst, fmt.Errorf("kvlease: regions from %d of lease %d (%s) with %d blocks: %w",
 			from, l.ls.id, l.ls.owner, len(blocks), ErrInvalidArgument)
 	}
+	if write {
+		for i := from; i < len(blocks); i++ {
+			if s := &c.slots[blocks[i].ID]; s.sealed || s.refs > 1 {
+				sealed, refs := s.sealed, s.refs
+				c.mu.Unlock()
+				return dst, readOnlyErr(&l.ls, i, sealed, refs)
+			}
+		}
+	}
+	c.mu.Unlock()
 	for _, r := range blocks[from:] {
 		dst = append(dst, l.p.mem.Region(r.ID))
 	}
 	return dst, nil
+}
+
+// Closed reports whether the lease has been released or aborted. (State
+// alone cannot tell: LeaseQuarantined means open or closed.)
+func (l *Lease[R]) Closed() bool {
+	c := l.ls.c
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return l.ls.closed
 }
 
 // State returns the lease's lifecycle state.

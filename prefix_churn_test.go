@@ -73,7 +73,7 @@ func TestPrefixChurnMarkers(t *testing.T) {
 				}
 				hashes := ChainHashes(seed, toks, bt)
 				for i := range hits {
-					r, _ := l.Region(i)
+					r, _ := l.ReadRegion(i)
 					want := make([]byte, blockSize)
 					sealedContent(want, hashes[i])
 					if string(r) != string(want) {
@@ -105,7 +105,7 @@ func TestPrefixChurnMarkers(t *testing.T) {
 						fail("attach: %v", err)
 					}
 				}
-				r, _ := l.Region(n - 1)
+				r, _ := l.ReadRegion(n - 1)
 				want := make([]byte, blockSize)
 				privateContent(want, l.ID(), n-1)
 				if string(r) != string(want) {

@@ -109,9 +109,11 @@ func TestPrefixHitSharesContentAndGeneration(t *testing.T) {
 	require.Equal(t, 3, hits)
 	for i := range 3 {
 		require.Equal(t, refs[i], b.Ref(i), "a hit keeps the generation")
-		r, err := b.Region(i)
+		r, err := b.ReadRegion(i)
 		require.NoError(t, err)
 		require.Equal(t, uint64(hs[i]), binary.LittleEndian.Uint64(r), "a hit sees exactly the sealed content")
+		_, err = b.Region(i)
+		require.ErrorIs(t, err, ErrReadOnly, "a hit is never writable")
 	}
 	require.NotEqual(t, refs[0].ID, b.Ref(3).ID)
 	st = p.Stats()
@@ -467,7 +469,9 @@ func TestVerifiedModeCatchesCollision(t *testing.T) {
 			require.NoError(t, v.ls.seal(0, forged, &sealTokens{parent: seed, tokens: victim}))
 			v.Release()
 
-			l, hits, err := p.AcquirePrefixTokens("attacker", seed, attacker, 1)
+			// One more token: the forged block is not the one holding the
+			// prompt's last token, so it may hit.
+			l, hits, err := p.AcquirePrefixTokens("attacker", seed, append(slices.Clone(attacker), 7), 2)
 			require.NoError(t, err)
 			defer l.Release()
 			if !verified {
@@ -498,14 +502,15 @@ func TestVerifiedModeRules(t *testing.T) {
 	a.Release()
 	hs := ChainHashes(9, toks, 4)
 	require.Equal(t, 0, p.CachedPrefix(hs), "hash-only lookups cannot be verified")
-	require.Equal(t, 3, p.CachedPrefixTokens(9, toks))
-	require.Equal(t, 0, p.CachedPrefixTokens(8, toks), "another namespace")
+	require.Equal(t, 2, p.CachedPrefixTokens(9, toks), "never the block holding the last token")
+	require.Equal(t, 3, p.CachedPrefixTokens(9, append(slices.Clone(toks), 1)))
+	require.Equal(t, 0, p.CachedPrefixTokens(8, append(slices.Clone(toks), 1)), "another namespace")
 	l, hits, err := p.AcquirePrefixTokens("b", 9, append(slices.Clone(toks), 1, 2), 4)
 	require.NoError(t, err)
 	require.Equal(t, 3, hits)
 	l.Release()
 	// A different middle block stops the match there.
-	other := slices.Clone(toks)
+	other := append(slices.Clone(toks), 1)
 	other[5] = -5
 	require.Equal(t, 1, p.CachedPrefixTokens(9, other))
 

@@ -198,6 +198,14 @@ func (p *Pool[R]) ResetCache() int {
 // not known (a pending or quarantined write). In verified mode
 // (WithVerifiedPrefix) hashes alone prove nothing and every lookup
 // misses: use AcquirePrefixTokens.
+//
+// Hit blocks are sealed and shared: the lease may read them (ReadRegion)
+// but never write them (Region refuses with ErrReadOnly). So pass only the
+// hashes of blocks the request will not write: never the hash of the block
+// that holds the prompt's last token, whose KV the engine must compute to
+// sample the first output token (vLLM's rule; AcquirePrefixTokens applies
+// it for you). For a prompt of t tokens in blocks of b, that is the first
+// (t-1)/b hashes.
 func (p *Pool[R]) AcquirePrefix(owner string, hashes []BlockHash, n int) (*Lease[R], int, error) {
 	if len(hashes) == 0 {
 		l, err := p.Acquire(owner, n)

@@ -112,10 +112,23 @@ func (c *core) verify(id BlockID, k int, v *verifier) bool {
 	return true
 }
 
+// hitBlocks is how many leading full blocks of a prompt of ntokens tokens
+// may be prefix hits: those before the block holding the prompt's last
+// token (vLLM's rule). An engine must compute that token's KV to sample
+// the first output token, and it writes it into that block: were the block
+// a hit, it would be shared and sealed, and the engine would write into
+// another request's KV (or, refused by Region, could not proceed).
+func hitBlocks(ntokens, bt int) int {
+	if ntokens <= 0 {
+		return 0
+	}
+	return (ntokens - 1) / bt
+}
+
 // newVerifier chains the hashes of the full blocks of tokens (at most
 // limit blocks) into buf's storage when it fits.
 func newVerifier(seed BlockHash, tokens []int32, bt, limit int, buf []BlockHash) verifier {
-	n := min(len(tokens)/bt, limit)
+	n := min(hitBlocks(len(tokens), bt), limit)
 	hashes := buf[:0]
 	parent := seed
 	for k := range n {
@@ -128,7 +141,12 @@ func newVerifier(seed BlockHash, tokens []int32, bt, limit int, buf []BlockHash)
 // AcquirePrefixTokens is AcquirePrefix for a prompt given as tokens under
 // the namespace seed: it chains the hashes of the prompt's full blocks
 // itself and, in verified mode, checks every hit's parent and tokens, so a
-// hash collision is a miss, never someone else's KV. The pool needs
+// hash collision is a miss, never someone else's KV.
+//
+// It never hits the block that holds the prompt's last token (vLLM's
+// rule): a prompt of k full blocks gets at most k-1 hits, so the engine
+// recomputes that token into a fresh, private block it may write. With
+// len(tokens) ≤ block tokens nothing can hit. The pool needs
 // WithBlockTokens or WithVerifiedPrefix; otherwise the error wraps
 // ErrInvalidArgument. Other errors as AcquirePrefix.
 func (p *Pool[R]) AcquirePrefixTokens(owner string, seed BlockHash, tokens []int32, n int) (*Lease[R], int, error) {
@@ -151,14 +169,16 @@ func (p *Pool[R]) AcquirePrefixTokens(owner string, seed BlockHash, tokens []int
 }
 
 // CachedPrefixTokens is CachedPrefix for a prompt given as tokens, verified
-// in verified mode. It returns 0 when the pool has no block size.
+// in verified mode, under AcquirePrefixTokens' rule: the block holding the
+// prompt's last token never counts. It returns 0 when the pool has no
+// block size.
 func (p *Pool[R]) CachedPrefixTokens(seed BlockHash, tokens []int32) int {
 	bt := p.cfg.blockTokens
 	if bt == 0 {
 		return 0
 	}
 	var buf [64]BlockHash
-	v := newVerifier(seed, tokens, bt, len(tokens)/bt, buf[:])
+	v := newVerifier(seed, tokens, bt, len(tokens), buf[:])
 	vp := &v
 	if p.meta == nil {
 		vp = nil

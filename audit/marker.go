@@ -247,7 +247,7 @@ func StampLease(l *kvlease.Lease[[]byte], req uint64) error {
 func CheckLease(l *kvlease.Lease[[]byte], req uint64) error {
 	var errs []error
 	for i := range l.Len() {
-		b, err := l.Region(i)
+		b, err := l.ReadRegion(i)
 		if err != nil {
 			return err
 		}
@@ -282,7 +282,7 @@ func CheckLeaseIO[R any](l *kvlease.Lease[R], bio BlockIO[R], req uint64) error 
 	buf := make([]byte, l.Pool().BlockBytes())
 	var errs []error
 	for i := range l.Len() {
-		r, err := l.Region(i)
+		r, err := l.ReadRegion(i)
 		if err != nil {
 			return err
 		}

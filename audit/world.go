@@ -424,10 +424,7 @@ func closed(ch <-chan struct{}) bool {
 	}
 }
 
-func leaseClosed(l *kvlease.Lease[[]byte]) bool {
-	_, err := l.Region(0)
-	return errors.Is(err, kvlease.ErrLeaseClosed)
-}
+func leaseClosed(l *kvlease.Lease[[]byte]) bool { return l.Closed() }
 
 func (w *world) attachRec(x *xferRec) {
 	for _, a := range x.atts {
@@ -503,7 +500,7 @@ func (w *world) checkBlock(lr *leaseRec, i int) {
 	if !lr.known[i] {
 		return
 	}
-	b, err := lr.l.Region(i)
+	b, err := lr.l.ReadRegion(i)
 	if err != nil {
 		w.violate(Unexpected, "%s: open lease %d refuses block %d: %v", lr.ps.name, lr.l.ID(), i, err)
 		return

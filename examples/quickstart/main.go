@@ -51,7 +51,7 @@ func main() {
 	}
 	srcs := make([][]byte, lease.Len())
 	for i := range srcs {
-		srcs[i], _ = lease.Region(i)
+		srcs[i], _ = lease.ReadRegion(i) // a send reads: the read accessor
 	}
 	go func() {
 		time.Sleep(20 * time.Millisecond) // the wire
@@ -64,7 +64,7 @@ func main() {
 	fmt.Println("3. release at once: the lease closes, its blocks drain")
 	lease.Release()
 	show("after release:")
-	if _, err := lease.Region(0); err != nil {
+	if _, err := lease.ReadRegion(0); err != nil {
 		fmt.Println("   region after release:", err)
 	}
 

@@ -1,0 +1,136 @@
+package kvlease
+
+import (
+	"slices"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+// A fully cached, block-aligned prompt must not hit the block holding its
+// last token: the engine recomputes that token into it, so it must be a
+// fresh private block (issue 11, bug 5).
+func TestTokenLookupNeverHitsLastTokenBlock(t *testing.T) {
+	for _, verified := range []bool{false, true} {
+		opts := []Option{WithBlockTokens(4)}
+		if verified {
+			opts = []Option{WithVerifiedPrefix(4)}
+		}
+		p := newTestPool(t, 8, opts...)
+		toks := prompt(3, 12) // exactly 3 full blocks
+		a, err := p.Acquire("a", 3)
+		require.NoError(t, err)
+		parent := BlockHash(1)
+		for i := range 3 {
+			parent, err = a.SealTokens(i, parent, toks[i*4:(i+1)*4])
+			require.NoError(t, err)
+		}
+		a.Release()
+
+		require.Equal(t, 2, p.CachedPrefixTokens(1, toks), "verified=%v", verified)
+		b, hits, err := p.AcquirePrefixTokens("b", 1, toks, 3)
+		require.NoError(t, err)
+		require.Equal(t, 2, hits, "verified=%v: the last token's block is never a hit", verified)
+		w, err := b.Region(2)
+		require.NoError(t, err, "the last block is fresh and private: writable")
+		copy(w, "recomputed")
+		for i := range 2 {
+			_, err := b.Region(i)
+			require.ErrorIs(t, err, ErrReadOnly)
+		}
+		b.Release()
+
+		// One more token: all three full blocks may hit.
+		c, hits, err := p.AcquirePrefixTokens("c", 1, append(slices.Clone(toks), 9), 4)
+		require.NoError(t, err)
+		require.Equal(t, 3, hits)
+		c.Release()
+		// A prompt shorter than a block, or empty, hits nothing.
+		require.Equal(t, 0, p.CachedPrefixTokens(1, toks[:4]))
+		require.Equal(t, 0, p.CachedPrefixTokens(1, nil))
+		require.NoError(t, p.Check())
+	}
+}
+
+// No lease can obtain a writable region of a sealed block or of one it
+// shares with another lease; ReadRegion serves them (issue 11, bug 5).
+func TestRegionRefusesSealedAndShared(t *testing.T) {
+	p := newTestPool(t, 8)
+	a, err := p.Acquire("a", 3)
+	require.NoError(t, err)
+	for i := range 3 {
+		r, err := a.Region(i)
+		require.NoError(t, err, "fresh private blocks are writable")
+		r[0] = byte(i + 1)
+	}
+	require.NoError(t, a.Seal(0, 100))
+	require.NoError(t, a.Seal(1, 101))
+	_, err = a.Region(0)
+	require.ErrorIs(t, err, ErrReadOnly, "sealed: immutable even for its sealer")
+	r, err := a.ReadRegion(0)
+	require.NoError(t, err)
+	require.Equal(t, byte(1), r[0])
+	_, err = a.AppendRegions(nil, 0)
+	require.ErrorIs(t, err, ErrReadOnly)
+	rs, err := a.AppendRegions(nil, 2)
+	require.NoError(t, err, "the unsealed tail is writable")
+	require.Len(t, rs, 1)
+	rs, err = a.AppendReadRegions(nil, 0)
+	require.NoError(t, err)
+	require.Len(t, rs, 3)
+
+	// A prefix hit shares the sealed blocks: read-only on both sides.
+	b, hits, err := p.AcquirePrefix("b", []BlockHash{100, 101}, 3)
+	require.NoError(t, err)
+	require.Equal(t, 2, hits)
+	for _, l := range []*Lease[[]byte]{a, b} {
+		for i := range 2 {
+			_, err := l.Region(i)
+			require.ErrorIs(t, err, ErrReadOnly)
+			_, err = l.ReadRegion(i)
+			require.NoError(t, err)
+		}
+	}
+	_, err = b.Region(2)
+	require.NoError(t, err, "b's own fresh block")
+
+	// Share: the shared blocks are read-only in both leases.
+	s, err := a.Share("s", 2)
+	require.NoError(t, err)
+	_, err = s.Region(1)
+	require.ErrorIs(t, err, ErrReadOnly)
+	_, err = s.ReadRegion(1)
+	require.NoError(t, err)
+
+	require.False(t, a.Closed())
+	a.Release()
+	require.True(t, a.Closed())
+	_, err = a.ReadRegion(0)
+	require.ErrorIs(t, err, ErrLeaseClosed)
+	_, err = a.AppendReadRegions(nil, 0)
+	require.ErrorIs(t, err, ErrLeaseClosed)
+	_, err = b.ReadRegion(3)
+	require.ErrorIs(t, err, ErrInvalidArgument)
+	b.Release()
+	s.Abort(nil)
+	require.True(t, s.Closed())
+	require.NoError(t, p.Check())
+}
+
+// Closed tells an open quarantined lease from a closed one, which State
+// cannot (issue 11, rough edges).
+func TestLeaseClosedWhileQuarantined(t *testing.T) {
+	p := newTestPool(t, 4)
+	l, err := p.Acquire("q", 2)
+	require.NoError(t, err)
+	tr := NewTransfer(nil)
+	require.NoError(t, l.Attach(tr))
+	tr.Quarantine(nil)
+	require.Equal(t, LeaseQuarantined, l.State())
+	require.False(t, l.Closed())
+	l.Release()
+	require.Equal(t, LeaseQuarantined, l.State())
+	require.True(t, l.Closed())
+	tr.Resolve(nil)
+	require.Equal(t, LeaseSettled, l.State())
+}
