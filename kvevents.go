@@ -57,16 +57,22 @@ type KVEvent struct {
 	BlockSize       int       // stored: tokens per block (WithBlockTokens), 0 if not configured
 }
 
-// WithKVEvents turns on KV events with a ring of buffer events (positive).
+// WithKVEvents turns on KV events with a ring of buffer events (1 to 2²⁴).
 func WithKVEvents(buffer int) Option {
-	return func(c *config) error {
-		if buffer <= 0 {
-			return fmt.Errorf("kvlease: KV event buffer %d must be positive: %w", buffer, ErrInvalidArgument)
+	return newOption(fmt.Sprintf("WithKVEvents(%d)", buffer), func(c *config) error {
+		if buffer <= 0 || buffer > maxKVEvents {
+			return fmt.Errorf("kvlease: KV event buffer %d must be in [1, %d]: %w", buffer, maxKVEvents, ErrInvalidArgument)
+		}
+		if err := c.claim("KV event buffer", c.kvEvents == buffer); err != nil {
+			return err
 		}
 		c.kvEvents = buffer
 		return nil
-	}
+	})
 }
+
+// maxKVEvents bounds the ring WithKVEvents allocates up front.
+const maxKVEvents = 1 << 24
 
 // kvEventLog is the bounded ring of KV events, guarded by the pool's mutex.
 type kvEventLog struct {

@@ -2,32 +2,102 @@ package kvlease
 
 import (
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/kvlease/kvlease/internal/invariants"
 )
 
-// Option configures a Pool at construction.
-type Option func(*config) error
+// Option configures a Pool at construction. Make one with a With...
+// function (WithObserver, WithDrainDeadline, WithBlockTokens, ...); the
+// zero Option changes nothing. Options that disagree (two that set the
+// same setting to different values, such as WithBlockTokens(16) with
+// WithVerifiedPrefix(32)) make NewPool fail with ErrInvalidArgument,
+// naming both: no option silently overrides another.
+type Option struct {
+	name  string // how errors name it, with its argument: "WithBlockTokens(16)"
+	apply func(*config) error
+}
+
+// newOption returns an option called name (as errors show it) that
+// applies f. Every With... function of the package is one.
+func newOption(name string, f func(*config) error) Option {
+	return Option{name: name, apply: f}
+}
+
+// String returns the option as written, with its argument.
+func (o Option) String() string {
+	if o.name == "" {
+		return "Option{}"
+	}
+	return o.name
+}
 
 type config struct {
-	obs         Observer
-	deadline    time.Duration
-	leakCheck   bool
-	verify      bool
-	blockTokens int
-	kvEvents    int
+	obs          Observer
+	deadline     time.Duration
+	leakCheck    bool
+	verify       bool
+	blockTokens  int
+	kvEvents     int
+	alert        bool    // WithQuarantineAlert given
+	alertShare   float64 // alert when quarantined blocks exceed this share
+	setBy        map[string]string
+	applyingName string // the option being applied
 }
 
 func defaultConfig() config {
 	return config{leakCheck: invariants.Enabled}
 }
 
+// claim records that the option being applied sets setting. same says
+// whether it sets it to the value it already has; a second option that
+// sets it to another value is refused, naming both.
+func (c *config) claim(setting string, same bool) error {
+	if prev, ok := c.setBy[setting]; ok && !same {
+		return fmt.Errorf("kvlease: options %s and %s conflict (both set the %s): %w",
+			prev, c.applyingName, setting, ErrInvalidArgument)
+	}
+	if c.setBy == nil {
+		c.setBy = make(map[string]string)
+	}
+	if _, ok := c.setBy[setting]; !ok {
+		c.setBy[setting] = c.applyingName
+	}
+	return nil
+}
+
+// applyOptions applies opts in order to the default configuration.
+func applyOptions(opts []Option) (config, error) {
+	cfg := defaultConfig()
+	for _, o := range opts {
+		if o.apply == nil {
+			continue
+		}
+		cfg.applyingName = o.String()
+		if err := o.apply(&cfg); err != nil {
+			return cfg, err
+		}
+	}
+	cfg.applyingName, cfg.setBy = "", nil
+	return cfg, nil
+}
+
 // WithObserver sets the observer that sees every lifecycle transition of
 // the pool and of the leases and transfers it gates. A nil observer is
-// allowed and means none.
+// allowed and means none. Two non-nil observers conflict: combine them
+// into one yourself.
 func WithObserver(o Observer) Option {
-	return func(c *config) error { c.obs = o; return nil }
+	return newOption("WithObserver", func(c *config) error {
+		if o == nil {
+			return nil
+		}
+		if err := c.claim("observer", false); err != nil {
+			return err
+		}
+		c.obs = o
+		return nil
+	})
 }
 
 // WithDrainDeadline sets how long a closed lease may stay unsettled. When
@@ -40,13 +110,16 @@ func WithObserver(o Observer) Option {
 // quiescence in time for anyone. d must be positive; the default is no
 // deadline.
 func WithDrainDeadline(d time.Duration) Option {
-	return func(c *config) error {
+	return newOption(fmt.Sprintf("WithDrainDeadline(%v)", d), func(c *config) error {
 		if d <= 0 {
 			return fmt.Errorf("kvlease: drain deadline %v must be positive: %w", d, ErrInvalidArgument)
 		}
+		if err := c.claim("drain deadline", c.deadline == d); err != nil {
+			return err
+		}
 		c.deadline = d
 		return nil
-	}
+	})
 }
 
 // WithLeakCheck turns the leak check on or off. When on, every lease gets a
@@ -55,5 +128,39 @@ func WithDrainDeadline(d time.Duration) Option {
 // default in checked builds (-race or -tags invariants) and off otherwise.
 // A leaked lease's blocks are never reclaimed: they stay leased.
 func WithLeakCheck(on bool) Option {
-	return func(c *config) error { c.leakCheck = on; return nil }
+	return newOption(fmt.Sprintf("WithLeakCheck(%v)", on), func(c *config) error {
+		if err := c.claim("leak check", c.leakCheck == on); err != nil {
+			return err
+		}
+		c.leakCheck = on
+		return nil
+	})
+}
+
+// WithQuarantineAlert asks the pool to tell the observer when quarantined
+// blocks exceed share of its capacity (0 ≤ share < 1): EventQuarantineAlert
+// when the count rises above share × capacity, EventQuarantineRecovered
+// when late evidence brings it back to or below that. Quarantine is
+// right (unknown means never reused), but a pool losing its capacity to it
+// needs an operator. The default is no alert.
+func WithQuarantineAlert(share float64) Option {
+	return newOption(fmt.Sprintf("WithQuarantineAlert(%v)", share), func(c *config) error {
+		if !(share >= 0 && share < 1) { // NaN fails too
+			return fmt.Errorf("kvlease: quarantine alert share %v must be in [0, 1): %w", share, ErrInvalidArgument)
+		}
+		if err := c.claim("quarantine alert share", c.alertShare == share); err != nil {
+			return err
+		}
+		c.alert, c.alertShare = true, share
+		return nil
+	})
+}
+
+// alertLimit is the quarantined block count above which the alert fires,
+// or math.MaxInt for none.
+func (c *config) alertLimit(capacity int) int {
+	if !c.alert {
+		return math.MaxInt
+	}
+	return int(c.alertShare * float64(capacity))
 }

@@ -100,14 +100,9 @@ func NewPool[R any](mem Memory[R], opts ...Option) (*Pool[R], error) {
 		return nil, fmt.Errorf("kvlease: NewPool over %d blocks of %d bytes: need 1..%d blocks and a positive block size: %w",
 			n, bb, math.MaxInt32, ErrInvalidArgument)
 	}
-	cfg := defaultConfig()
-	for _, o := range opts {
-		if o == nil {
-			continue
-		}
-		if err := o(&cfg); err != nil {
-			return nil, err
-		}
+	cfg, err := applyOptions(opts)
+	if err != nil {
+		return nil, err
 	}
 	p := &Pool[R]{mem: mem}
 	c := &p.core
