@@ -1,6 +1,7 @@
 package kvlease
 
 import (
+	"math"
 	"slices"
 	"testing"
 
@@ -133,4 +134,87 @@ func TestLeaseClosedWhileQuarantined(t *testing.T) {
 	require.True(t, l.Closed())
 	tr.Resolve(nil)
 	require.Equal(t, LeaseSettled, l.State())
+}
+
+// Prefix statistics count queries and hits together, for admitted
+// lookups only; refused lookups are counted apart (issue 11, bug 4).
+func TestPrefixStatsCountAdmittedLookups(t *testing.T) {
+	p := newTestPool(t, 4)
+	hs := []BlockHash{10, 11, 12}
+	a, err := p.Acquire("a", 3)
+	require.NoError(t, err)
+	for i, h := range hs {
+		require.NoError(t, a.Seal(i, h))
+	}
+	a.Release() // 3 cached, 1 free
+	hog, err := p.Acquire("hog", 1)
+	require.NoError(t, err)
+	// Needs 3 hits + 2 fresh: only 0 free and no other evictable block.
+	for range 3 {
+		_, _, err := p.AcquirePrefix("r", hs, 5)
+		require.ErrorIs(t, err, ErrExceedsCapacity) // 5 > 4: never
+	}
+	for range 3 {
+		_, _, err := p.AcquirePrefix("r", hs, 4)
+		require.ErrorIs(t, err, ErrExhausted)
+	}
+	hog.Release()
+	l, hits, err := p.AcquirePrefix("r", hs, 4)
+	require.NoError(t, err)
+	require.Equal(t, 3, hits)
+	st := p.Stats()
+	require.EqualValues(t, 3, st.PrefixQueries, "one admitted lookup of 3 blocks")
+	require.EqualValues(t, 3, st.PrefixHits)
+	require.EqualValues(t, 9, st.PrefixRefused, "three refused lookups of 3 blocks")
+	l.Release()
+}
+
+// SealTokens refuses a partial block in every mode (issue 11, bug 6).
+func TestSealTokensRefusesPartialBlock(t *testing.T) {
+	for _, opts := range [][]Option{{WithBlockTokens(16)}, {WithVerifiedPrefix(16)}, {WithBlockTokens(16), WithKVEvents(8)}, nil} {
+		p := newTestPool(t, 2, opts...)
+		l, err := p.Acquire("a", 1)
+		require.NoError(t, err)
+		_, err = l.SealTokens(0, 1, prompt(1, 3))
+		require.ErrorIs(t, err, ErrInvalidArgument, "3 tokens of a 16-token block")
+		_, err = l.SealTokens(0, 1, prompt(1, 17))
+		require.ErrorIs(t, err, ErrInvalidArgument, "more than a block")
+		if p.cfg.kvEvents > 0 {
+			evs, _ := p.DrainKVEvents(nil)
+			require.Empty(t, evs, "nothing published")
+		}
+		if opts != nil {
+			_, err = l.SealTokens(0, 1, prompt(1, 16))
+			require.NoError(t, err)
+		} else {
+			_, err = l.SealTokens(0, 1, prompt(1, 16))
+			require.ErrorIs(t, err, ErrInvalidArgument, "no block size: SealTokens cannot tell")
+		}
+		l.Release()
+	}
+}
+
+// Extend with a huge n can never succeed: ErrExceedsCapacity, not a
+// retryable ErrExhausted from a wrapped sum (issue 11, bug 3).
+func TestExtendHugeNExceedsCapacity(t *testing.T) {
+	p := newTestPool(t, 4)
+	l, err := p.Acquire("a", 2)
+	require.NoError(t, err)
+	for _, n := range []int{math.MaxInt, math.MaxInt - 1, math.MaxInt - 2, 3} {
+		err := l.Extend(n)
+		require.ErrorIs(t, err, ErrExceedsCapacity, "n=%d", n)
+		require.NotErrorIs(t, err, ErrExhausted)
+	}
+	require.NoError(t, l.Extend(2))
+	_, err = l.Share("s", math.MaxInt)
+	require.ErrorIs(t, err, ErrInvalidArgument)
+	require.ErrorIs(t, l.AttachRange(NewTransfer(nil), 0, math.MaxInt, Read), ErrInvalidArgument)
+	require.ErrorIs(t, l.AttachRange(NewTransfer(nil), math.MinInt, 1, Read), ErrInvalidArgument)
+	_, err = p.Acquire("b", math.MaxInt)
+	require.ErrorIs(t, err, ErrExceedsCapacity)
+	_, _, err = p.AcquirePrefix("b", []BlockHash{1}, math.MaxInt)
+	require.ErrorIs(t, err, ErrExceedsCapacity)
+	_, _, err = p.AcquirePrefixTokens("b", 1, prompt(1, 8), math.MaxInt)
+	require.ErrorIs(t, err, ErrInvalidArgument, "no block size configured")
+	l.Release()
 }

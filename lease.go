@@ -522,7 +522,7 @@ func (l *Lease[R]) Extend(n int) error {
 		err = fmt.Errorf("kvlease: extend lease %d (%s): %w", ls.id, ls.owner, ErrLeaseClosed)
 	case c.closed.Load():
 		err = fmt.Errorf("kvlease: extend lease %d (%s): %w", ls.id, ls.owner, ErrPoolClosed)
-	case have+n > len(c.slots):
+	case n > len(c.slots)-have: // not have+n: that overflows for a huge n
 		err = fmt.Errorf("kvlease: extend lease %d (%s) from %d by %d blocks: pool capacity is %d: %w",
 			ls.id, ls.owner, have, n, len(c.slots), ErrExceedsCapacity)
 	case c.available() < n:

@@ -30,9 +30,14 @@ type Stats struct {
 	Acquires   uint64 // leases handed out
 	Rejections uint64 // acquires that failed (any reason)
 
-	// Prefix cache.
-	PrefixQueries    uint64 // blocks looked up by AcquirePrefix
+	// Prefix cache. PrefixQueries and PrefixHits count the lookups of
+	// admitted prefix acquires only, together, so PrefixHits/PrefixQueries
+	// is the hit rate; lookups of acquires refused for want of blocks are
+	// counted in PrefixRefused instead (a request refused three times then
+	// admitted counts once in PrefixQueries).
+	PrefixQueries    uint64 // blocks looked up by admitted prefix acquires
 	PrefixHits       uint64 // of those, blocks served from the cache
+	PrefixRefused    uint64 // blocks looked up by prefix acquires then refused (ErrExhausted)
 	Evictions        uint64 // cached blocks evicted to make room
 	DuplicateSeals   uint64 // seals whose hash was already findable elsewhere
 	VerifyMismatches uint64 // verified-mode lookups whose hash matched but content did not
@@ -85,6 +90,7 @@ type core struct {
 type counters struct {
 	acquires, rejections                                 uint64
 	prefixQueries, prefixHits, evictions, duplicateSeals uint64
+	prefixRefused                                        uint64
 	verifyMismatches                                     uint64
 }
 
@@ -620,6 +626,7 @@ func (p *Pool[R]) Stats() Stats {
 		Rejections:       c.rejections.Load(),
 		PrefixQueries:    c.stats.prefixQueries,
 		PrefixHits:       c.stats.prefixHits,
+		PrefixRefused:    c.stats.prefixRefused,
 		Evictions:        c.stats.evictions,
 		DuplicateSeals:   c.stats.duplicateSeals,
 		VerifyMismatches: c.stats.verifyMismatches,

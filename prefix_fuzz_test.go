@@ -17,6 +17,8 @@ type prefixModel struct {
 	index    map[BlockHash]int // findable hash → model block
 	lru      []int             // unreferenced findable blocks, oldest first
 	leases   [][]int           // open leases: model block per position
+
+	queries, hits, refused uint64 // Stats.PrefixQueries, PrefixHits, PrefixRefused
 }
 
 type modelBlock struct {
@@ -31,7 +33,7 @@ func newPrefixModel(capacity int) *prefixModel {
 
 func (m *prefixModel) free() int { return m.capacity - len(m.blocks) }
 
-func (m *prefixModel) hits(hashes []BlockHash) int {
+func (m *prefixModel) hitCount(hashes []BlockHash) int {
 	seen := map[int]bool{}
 	for k, h := range hashes {
 		b, ok := m.index[h]
@@ -49,7 +51,7 @@ func (m *prefixModel) acquire(hashes []BlockHash, n int) (int, bool) {
 	if len(hashes) > n {
 		hashes = hashes[:n]
 	}
-	h := m.hits(hashes)
+	h := m.hitCount(hashes)
 	lruHits := 0
 	for _, x := range hashes[:h] {
 		if slices.Contains(m.lru, m.index[x]) {
@@ -57,8 +59,11 @@ func (m *prefixModel) acquire(hashes []BlockHash, n int) (int, bool) {
 		}
 	}
 	if n-h > m.free()+len(m.lru)-lruHits {
+		m.refused += uint64(len(hashes))
 		return 0, false
 	}
+	m.queries += uint64(len(hashes))
+	m.hits += uint64(h)
 	var l []int
 	for _, x := range hashes[:h] {
 		b := m.index[x]
@@ -213,8 +218,12 @@ func FuzzPrefixCache(f *testing.F) {
 				t.Fatalf("step %d %s: pool free=%d cached=%d leased=%d, model free=%d cached=%d leased=%d",
 					step, what, st.Free, st.Cached, st.Leased, m.free(), len(m.lru), leased)
 			}
+			if st.PrefixQueries != m.queries || st.PrefixHits != m.hits || st.PrefixRefused != m.refused {
+				t.Fatalf("step %d %s: pool queries=%d hits=%d refused=%d, model %d %d %d", step, what,
+					st.PrefixQueries, st.PrefixHits, st.PrefixRefused, m.queries, m.hits, m.refused)
+			}
 			for c, chain := range chains {
-				if got, want := p.CachedPrefix(chain), m.hits(chain); got != want {
+				if got, want := p.CachedPrefix(chain), m.hitCount(chain); got != want {
 					t.Fatalf("step %d %s: chain %d: pool prefix %d, model %d", step, what, c, got, want)
 				}
 			}

@@ -97,9 +97,11 @@ func (l *lease) sealLocked(i int, h BlockHash, st *sealTokens, ev *events) error
 // previous block's hash, or the namespace seed for the first block) and
 // returns that hash. It is Seal with the hash computed for you, and the
 // only way to seal in verified mode (WithVerifiedPrefix), where the pool
-// keeps parent and tokens to check every later hit against; there tokens
-// must be exactly one block (the configured block tokens) long. Errors as
-// Seal.
+// keeps parent and tokens to check every later hit against. In every mode
+// tokens must be exactly one full block (the configured block tokens): a
+// partial block is never sealed (its KV will still grow), and a pool
+// without WithBlockTokens or WithVerifiedPrefix refuses SealTokens. Both
+// wrap ErrInvalidArgument; other errors as Seal.
 func (l *Lease[R]) SealTokens(i int, parent BlockHash, tokens []int32) (BlockHash, error) {
 	h := HashBlock(parent, tokens)
 	return h, l.ls.seal(i, h, &sealTokens{parent: parent, tokens: tokens})
@@ -268,7 +270,6 @@ func (c *core) fillPrefix(l *lease, hashes []BlockHash, n int, v *verifier, ev *
 	}
 	var buf [64]BlockID
 	hits, ids := c.probeIDs(hashes, v, buf[:0])
-	c.stats.prefixQueries += uint64(len(hashes))
 	lruHits := 0 // hit blocks that stop being evictable
 	for k := range hits {
 		if c.slots[c.hitID(ids, hashes, k)].class == classCached {
@@ -276,8 +277,13 @@ func (c *core) fillPrefix(l *lease, hashes []BlockHash, n int, v *verifier, ev *
 		}
 	}
 	if fresh, avail := n-hits, c.available()-lruHits; fresh > avail {
+		// Refused lookups are counted apart: a request refused three times
+		// then admitted is one lookup, not four (as vLLM counts).
+		c.stats.prefixRefused += uint64(len(hashes))
 		return 0, &exhaustedError{op: "acquire", owner: l.owner, n: n, hits: hits, avail: avail}
 	}
+	// Queries and hits are counted together, for admitted lookups only.
+	c.stats.prefixQueries += uint64(len(hashes))
 	c.stats.prefixHits += uint64(hits)
 	revived := 0 // cached blocks that become leased
 	for k := range hits {

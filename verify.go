@@ -80,16 +80,23 @@ func (v *verifier) parent(k int) BlockHash {
 	return v.hashes[k-1]
 }
 
-// checkSealTokens refuses seals verified mode could not check later.
+// checkSealTokens refuses seals that would publish or record a block that
+// is not exactly one full block: SealTokens needs the block size
+// (WithBlockTokens or WithVerifiedPrefix) and exactly that many tokens,
+// in every mode; verified mode also refuses Seal (no tokens to check
+// later hits against).
 func (c *core) checkSealTokens(st *sealTokens) error {
-	if c.meta == nil {
+	if st == nil {
+		if c.meta != nil {
+			return fmt.Errorf("verified mode keeps each block's tokens: seal with SealTokens: %w", ErrInvalidArgument)
+		}
 		return nil
 	}
-	if st == nil {
-		return fmt.Errorf("verified mode keeps each block's tokens: seal with SealTokens: %w", ErrInvalidArgument)
+	if c.cfg.blockTokens == 0 {
+		return fmt.Errorf("SealTokens needs the block size (WithBlockTokens or WithVerifiedPrefix) to tell a full block from a partial one: %w", ErrInvalidArgument)
 	}
 	if len(st.tokens) != c.cfg.blockTokens {
-		return fmt.Errorf("%d tokens, a block holds %d: %w", len(st.tokens), c.cfg.blockTokens, ErrInvalidArgument)
+		return fmt.Errorf("%d tokens, a block holds %d: only a full block can be sealed: %w", len(st.tokens), c.cfg.blockTokens, ErrInvalidArgument)
 	}
 	return nil
 }
