@@ -19,6 +19,16 @@ var (
 	// exist now, or when a plain acquire would overtake a queued waiter.
 	// Retrying later may succeed.
 	ErrExhausted = errors.New("kvlease: exhausted")
+	// ErrQuarantineBound is returned when a request asks for more blocks
+	// than could ever be free while the current quarantine lasts: more
+	// than Stats.Usable (capacity minus quarantined blocks) for an
+	// acquire, more than the usable blocks the lease does not already hold
+	// for an Extend. It wraps ErrExhausted, so callers that retry on
+	// ErrExhausted still do; a caller that tests for it knows retrying
+	// cannot help until late evidence lifts some quarantine. A queued
+	// AcquireWait waiter in that position is failed with it rather than
+	// blocking the queue behind it forever.
+	ErrQuarantineBound = fmt.Errorf("kvlease: more blocks than quarantine leaves usable: %w", ErrExhausted)
 	// ErrPoolClosed is returned by acquires on a closed pool and to the
 	// waiters a Close wakes.
 	ErrPoolClosed = errors.New("kvlease: pool closed")

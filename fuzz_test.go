@@ -327,6 +327,9 @@ func (m *fzModel) wantErr(what string, err error, apply ...error) {
 		m.fatalf("%s: no error, want one of %v", what, apply)
 	}
 	for _, a := range apply {
+		if a == errExhaustedOnly && errors.Is(err, kvlease.ErrExhausted) && !errors.Is(err, kvlease.ErrQuarantineBound) {
+			return
+		}
 		if errors.Is(err, a) {
 			return
 		}
@@ -388,7 +391,7 @@ func (m *fzModel) acquire(owner string, n int, hs []kvlease.BlockHash) {
 			}
 		}
 		if n-len(hit) > free+cached-cachedHits {
-			errs = []error{kvlease.ErrExhausted}
+			errs = []error{m.exhausted(n-len(hit), hit)}
 		}
 	}
 	var l *kvlease.Lease[[]byte]
@@ -412,6 +415,33 @@ func (m *fzModel) acquire(owner string, n int, hs []kvlease.BlockHash) {
 	}
 	m.opened(l, n, hit)
 }
+
+// exhausted returns the error of a request for fresh blocks refused for
+// want of them: ErrQuarantineBound when more than could ever be free
+// while the quarantine lasts (capacity minus quarantined slots minus the
+// unquarantined slots in held, which the requester holds already), else
+// plain ErrExhausted.
+func (m *fzModel) exhausted(fresh int, held []int) error {
+	_, quar, _ := m.cover()
+	usable := m.cap
+	for _, q := range quar {
+		if q > 0 {
+			usable--
+		}
+	}
+	for _, id := range held {
+		if quar[id] == 0 {
+			usable--
+		}
+	}
+	if fresh > usable {
+		return kvlease.ErrQuarantineBound
+	}
+	return errExhaustedOnly
+}
+
+// errExhaustedOnly stands for ErrExhausted that is not ErrQuarantineBound.
+var errExhaustedOnly = errors.New("ErrExhausted, not ErrQuarantineBound")
 
 func (m *fzModel) acquireWait(owner string, n int, cancelled bool) {
 	errs := m.acquireErrs(owner, n)
@@ -450,7 +480,11 @@ func (m *fzModel) extend(ls *fzLease, n int) {
 		errs = fzApplicable(ls.closed, kvlease.ErrLeaseClosed, m.closed, kvlease.ErrPoolClosed,
 			len(ls.blocks)+n > m.cap, kvlease.ErrExceedsCapacity)
 		if len(errs) == 0 && n > free+cached {
-			errs = []error{kvlease.ErrExhausted}
+			var own []int
+			for _, r := range ls.blocks {
+				own = append(own, int(r.ID))
+			}
+			errs = []error{m.exhausted(n, own)}
 		}
 	}
 	err := ls.l.Extend(n)
@@ -637,6 +671,20 @@ func (m *fzModel) verify() {
 	st := m.p.Stats()
 	if got, want := coreCountsOf(st), m.counts(); got != want {
 		m.fatalf("counts %+v, model %+v (classes %v)", got, want, m.classes())
+	}
+	if _, quar, _ := m.cover(); true {
+		ql, q := 0, 0
+		for i, n := range quar {
+			if n > 0 {
+				q++
+				if m.slots[i].refs > 0 {
+					ql++
+				}
+			}
+		}
+		if st.QuarantinedLeased != ql || st.Usable != m.cap-q || m.p.Usable() != m.cap-q {
+			m.fatalf("QuarantinedLeased %d Usable %d, model %d %d", st.QuarantinedLeased, st.Usable, ql, m.cap-q)
+		}
 	}
 	if err := m.p.Check(); err != nil {
 		m.fatalf("Check: %v", err)

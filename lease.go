@@ -526,7 +526,15 @@ func (l *Lease[R]) Extend(n int) error {
 		err = fmt.Errorf("kvlease: extend lease %d (%s) from %d by %d blocks: pool capacity is %d: %w",
 			ls.id, ls.owner, have, n, len(c.slots), ErrExceedsCapacity)
 	case c.available() < n:
-		err = &exhaustedError{op: "extend", owner: ls.owner, lease: ls.id, n: n, avail: c.available()}
+		held := 0 // usable blocks this lease holds already
+		for _, r := range ls.blocks {
+			if c.slots[r.ID].quar == 0 {
+				held++
+			}
+		}
+		if err = c.boundErr(ls.owner, n, held); err == nil {
+			err = &exhaustedError{op: "extend", owner: ls.owner, lease: ls.id, n: n, avail: c.available()}
+		}
 	}
 	if err != nil {
 		c.mu.Unlock()
@@ -545,7 +553,11 @@ func (l *Lease[R]) Extend(n int) error {
 		a := ls.att(i)
 		if a.whole && a.applied != TransferResolved {
 			for _, r := range ls.blocks[from:] {
-				c.slots[r.ID].pin(a.applied, true)
+				s := &c.slots[r.ID]
+				s.pin(a.applied, true)
+				if a.applied == TransferQuarantined && s.quar == 1 {
+					c.quarLeased++ // fresh, so held by this lease alone
+				}
 				c.settleSlot(r.ID)
 			}
 		}
@@ -553,6 +565,7 @@ func (l *Lease[R]) Extend(n int) error {
 	if c.obs != nil {
 		ev.add(c.obs, Event{Kind: EventExtended, Owner: ls.owner, Lease: ls.id, Blocks: n})
 	}
+	c.serve(&ev) // a quarantined Attach may have quarantined the new blocks
 	c.mu.Unlock()
 	ev.flush()
 	return nil
@@ -595,6 +608,7 @@ func (l *lease) attach(t *Transfer, from, to int, acc Access, whole bool) error 
 	t.mu.Lock()
 	c.mu.Lock()
 	err := l.attachLocked(t, from, to, acc, whole, &ev)
+	c.serve(&ev) // attaching a quarantined transfer quarantines blocks
 	c.mu.Unlock()
 	t.mu.Unlock()
 	ev.flush()
@@ -644,6 +658,9 @@ func (l *lease) attachLocked(t *Transfer, from, to int, acc Access, whole bool, 
 			s := &c.slots[id]
 			s.pin(st, acc == Write || (whole && !s.sealed))
 			if st != TransferPending {
+				if s.quar == 1 && s.refs > 0 {
+					c.quarLeased++
+				}
 				c.settleSlot(id)
 			}
 		}
@@ -735,6 +752,14 @@ func (c *core) applyRange(blocks []BlockRef, lo, hi int, a *attachment, from, to
 			s.quar++
 		case write:
 			s.wpins--
+		}
+		if s.refs > 0 {
+			// Quarantined and leased: count the slot's entry and exit.
+			if to == TransferQuarantined && s.quar == 1 {
+				c.quarLeased++
+			} else if from == TransferQuarantined && to != TransferQuarantined && s.quar == 0 {
+				c.quarLeased--
+			}
 		}
 		c.settleSlot(id)
 	}

@@ -39,6 +39,13 @@ const (
 	// EventDuplicateSeal: Seal found another block already findable by the
 	// same hash; this block is sealed but private.
 	EventDuplicateSeal
+	// EventQuarantineAlert: quarantined blocks rose above the share of the
+	// pool set by WithQuarantineAlert (Blocks = quarantined blocks now,
+	// Err says how many of how many). Told once per crossing.
+	EventQuarantineAlert
+	// EventQuarantineRecovered: late evidence brought the quarantined
+	// blocks back to or below the alert share (Blocks = quarantined now).
+	EventQuarantineRecovered
 )
 
 var eventNames = [...]string{
@@ -56,6 +63,8 @@ var eventNames = [...]string{
 	EventDeadline:            "deadline",
 	EventLeaked:              "leaked",
 	EventDuplicateSeal:       "duplicate-seal",
+	EventQuarantineAlert:     "quarantine-alert",
+	EventQuarantineRecovered: "quarantine-recovered",
 }
 
 func (k EventKind) String() string {

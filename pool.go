@@ -25,6 +25,17 @@ type Stats struct {
 	Draining    int // held only by pending transfers of closed leases
 	Quarantined int // gated by a transfer that ended without proof
 
+	// QuarantinedLeased counts the Quarantined blocks an open lease still
+	// holds: a running request uses them though they count as
+	// Quarantined, so Leased+QuarantinedLeased is the blocks in use.
+	QuarantinedLeased int
+	// Usable is Capacity minus Quarantined: the most blocks that could
+	// ever be free while the current quarantine lasts. A request for more
+	// (an acquire of more than Usable) fails with ErrQuarantineBound; an
+	// admission check (an envelope's pool size) should be asked against
+	// Usable, not Capacity. Pool.Usable returns it alone.
+	Usable int
+
 	Waiters    int    // AcquireWait callers queued now
 	OpenLeases int    // leases acquired and not yet closed
 	Acquires   uint64 // leases handed out
@@ -72,6 +83,11 @@ type core struct {
 
 	waiters []*waiter // FIFO; waiters[head:] are queued
 	whead   int
+
+	quarLeased    int  // quarantined slots with refs > 0 (Stats.QuarantinedLeased)
+	alertLimit    int  // alert when quarantined blocks exceed this (MaxInt: never)
+	alerted       bool // the quarantine alert is raised
+	scannedUsable int  // usable() when the waiter queue was last scanned for ErrQuarantineBound
 
 	closed     atomic.Bool
 	rejections atomic.Uint64 // counted without the lock: rejections come in storms
@@ -123,6 +139,8 @@ func NewPool[R any](mem Memory[R], opts ...Option) (*Pool[R], error) {
 	}
 	c.lruHead, c.lruTail = nilID, nilID
 	c.counts[classFree] = n
+	c.alertLimit = cfg.alertLimit(n)
+	c.scannedUsable = n
 	if cfg.kvEvents > 0 {
 		c.kv = newKVEventLog(cfg.kvEvents)
 	}
@@ -182,8 +200,12 @@ func (p *Pool[R]) acquire(owner string, hashes []BlockHash, v *verifier, n int) 
 		return nil, 0, c.reject(owner, n, closedErr(owner, n))
 	}
 	if q := c.queued(); q > 0 {
+		err := c.boundErr(owner, n, 0)
+		if err == nil {
+			err = &exhaustedError{op: "acquire", owner: owner, n: n, queued: q}
+		}
 		c.mu.Unlock()
-		return nil, 0, c.reject(owner, n, &exhaustedError{op: "acquire", owner: owner, n: n, queued: q})
+		return nil, 0, c.reject(owner, n, err)
 	}
 	var ev events
 	var l *Lease[R]
@@ -198,8 +220,12 @@ func (p *Pool[R]) acquire(owner string, hashes []BlockHash, v *verifier, n int) 
 		}
 	} else {
 		if avail := c.available(); avail < n {
+			err := c.boundErr(owner, n, 0)
+			if err == nil {
+				err = &exhaustedError{op: "acquire", owner: owner, n: n, avail: avail}
+			}
 			c.mu.Unlock()
-			return nil, 0, c.reject(owner, n, &exhaustedError{op: "acquire", owner: owner, n: n, avail: avail})
+			return nil, 0, c.reject(owner, n, err)
 		}
 		l = p.newLease(owner, n)
 		c.fill(l.ls.blocks, &ev)
@@ -217,6 +243,13 @@ func (p *Pool[R]) acquire(owner string, hashes []BlockHash, v *verifier, n int) 
 // ErrPoolClosed, then ErrExceedsCapacity (at once: waiting could never
 // help). When ctx ends first, AcquireWait returns ctx's error and holds
 // nothing; Close wakes every waiter with ErrPoolClosed.
+//
+// A request for more blocks than Stats.Usable (capacity minus
+// quarantined blocks) could never be served while the quarantine lasts:
+// it fails at once with ErrQuarantineBound (which wraps ErrExhausted), and
+// a waiter already queued is failed with it as soon as quarantine shrinks
+// the usable blocks below its request, so that it never blocks the
+// waiters behind it forever.
 func (p *Pool[R]) AcquireWait(ctx context.Context, owner string, n int) (*Lease[R], error) {
 	c := &p.core
 	if err := c.precheck(owner, n); err != nil {
@@ -238,6 +271,12 @@ func (p *Pool[R]) AcquireWait(ctx context.Context, owner string, n int) (*Lease[
 		c.mu.Unlock()
 		ev.flush()
 		return l, nil
+	}
+	if err := c.boundErr(owner, n, 0); err != nil {
+		// Waiting could not help while the quarantine lasts, and it would
+		// block everyone queued behind it.
+		c.mu.Unlock()
+		return nil, c.reject(owner, n, err)
 	}
 	w := &waiter{l: &l.ls, n: n, ready: make(chan struct{})}
 	c.waiters = append(c.waiters, w)
@@ -301,16 +340,74 @@ func (c *core) compactWaiters() {
 }
 
 // serve hands blocks to queued waiters in arrival order, stopping at the
-// first that does not fit. Called with c.mu held after anything that may
-// have returned blocks.
+// first that does not fit, and raises or clears the quarantine alert.
+// Called with c.mu held after anything that may have returned blocks or
+// changed the quarantine.
 func (c *core) serve(ev *events) {
+	if (c.counts[classQuarantined] > c.alertLimit) != c.alerted {
+		c.quarantineAlert(ev)
+	}
 	if c.whead == len(c.waiters) {
 		return // nobody waits: the common case, kept inlinable
 	}
 	c.serveSlow(ev)
 }
 
+// usable is capacity minus quarantined blocks: the most that could ever
+// be free while the current quarantine lasts.
+func (c *core) usable() int { return len(c.slots) - c.counts[classQuarantined] }
+
+// boundErr returns an error wrapping ErrQuarantineBound when n fresh
+// blocks could never be free while the current quarantine lasts, given
+// that held usable blocks are already the requester's own (an extending
+// lease's unquarantined blocks, or prefix hits); nil otherwise.
+func (c *core) boundErr(owner string, n, held int) error {
+	if n <= c.usable()-held {
+		return nil
+	}
+	return fmt.Errorf("kvlease: %d fresh blocks for %q: %d of %d blocks are quarantined, %d usable, %d of them held already: %w",
+		n, owner, c.counts[classQuarantined], len(c.slots), c.usable(), held, ErrQuarantineBound)
+}
+
+// quarantineAlert raises or clears the quarantine alert. Called with c.mu
+// held.
+func (c *core) quarantineAlert(ev *events) {
+	c.alerted = !c.alerted
+	if c.obs == nil {
+		return
+	}
+	q := c.counts[classQuarantined]
+	kind, verb := EventQuarantineAlert, "above"
+	if !c.alerted {
+		kind, verb = EventQuarantineRecovered, "back to or below"
+	}
+	ev.add(c.obs, Event{Kind: kind, Blocks: q,
+		Err: fmt.Errorf("kvlease: %d of %d blocks quarantined (%d usable), %s the alert limit of %d",
+			q, len(c.slots), len(c.slots)-q, verb, c.alertLimit)})
+}
+
+// failBound fails a queued waiter that quarantine left unservable.
+func failBound(w *waiter, err error) {
+	w.err = err
+	close(w.ready)
+}
+
 func (c *core) serveSlow(ev *events) {
+	if u := c.usable(); u < c.scannedUsable {
+		// Quarantine grew since the last scan: fail every queued waiter
+		// that asks for more than could ever be free now.
+		kept := c.waiters[:c.whead]
+		for _, w := range c.waiters[c.whead:] {
+			if err := c.boundErr(w.l.owner, w.n, 0); err != nil {
+				failBound(w, err)
+				continue
+			}
+			kept = append(kept, w)
+		}
+		clear(c.waiters[len(kept):])
+		c.waiters = kept
+	}
+	c.scannedUsable = c.usable()
 	for c.whead < len(c.waiters) {
 		w := c.waiters[c.whead]
 		if c.available() < w.n {
@@ -557,6 +654,9 @@ func (c *core) dropSlow(blocks []BlockRef) {
 			s.class = classDraining
 			drained++
 		default:
+			if s.quar > 0 && s.refs == 0 {
+				c.quarLeased-- // it held the last reference
+			}
 			c.free = free
 			c.settleSlot(id)
 			free = c.free
@@ -608,28 +708,41 @@ func (p *Pool[R]) Available() int {
 	return c.available()
 }
 
+// Usable returns capacity minus quarantined blocks: the most blocks that
+// could ever be free while the current quarantine lasts (Stats.Usable).
+// Ask admission questions (does a maximum-context request fit this
+// pool?) against it rather than Capacity.
+func (p *Pool[R]) Usable() int {
+	c := &p.core
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.usable()
+}
+
 // Stats returns a snapshot of the pool's counts.
 func (p *Pool[R]) Stats() Stats {
 	c := &p.core
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return Stats{
-		Capacity:         len(c.slots),
-		Free:             c.counts[classFree],
-		Cached:           c.counts[classCached],
-		Leased:           c.counts[classLeased],
-		Draining:         c.counts[classDraining],
-		Quarantined:      c.counts[classQuarantined],
-		Waiters:          c.queued(),
-		OpenLeases:       c.openLeases,
-		Acquires:         c.stats.acquires,
-		Rejections:       c.rejections.Load(),
-		PrefixQueries:    c.stats.prefixQueries,
-		PrefixHits:       c.stats.prefixHits,
-		PrefixRefused:    c.stats.prefixRefused,
-		Evictions:        c.stats.evictions,
-		DuplicateSeals:   c.stats.duplicateSeals,
-		VerifyMismatches: c.stats.verifyMismatches,
+		Capacity:          len(c.slots),
+		Free:              c.counts[classFree],
+		Cached:            c.counts[classCached],
+		Leased:            c.counts[classLeased],
+		Draining:          c.counts[classDraining],
+		Quarantined:       c.counts[classQuarantined],
+		QuarantinedLeased: c.quarLeased,
+		Usable:            c.usable(),
+		Waiters:           c.queued(),
+		OpenLeases:        c.openLeases,
+		Acquires:          c.stats.acquires,
+		Rejections:        c.rejections.Load(),
+		PrefixQueries:     c.stats.prefixQueries,
+		PrefixHits:        c.stats.prefixHits,
+		PrefixRefused:     c.stats.prefixRefused,
+		Evictions:         c.stats.evictions,
+		DuplicateSeals:    c.stats.duplicateSeals,
+		VerifyMismatches:  c.stats.verifyMismatches,
 	}
 }
 
@@ -720,6 +833,15 @@ func (p *Pool[R]) Check() error {
 				bad("slot %d: marked indexed but index[%x]=%d sealed=%v", i, h, c.index[h], s.sealed)
 			}
 		}
+	}
+	ql := 0
+	for i := range c.slots {
+		if s := &c.slots[i]; s.quar > 0 && s.refs > 0 {
+			ql++
+		}
+	}
+	if ql != c.quarLeased {
+		bad("%d quarantined slots are leased, counted %d", ql, c.quarLeased)
 	}
 	if counts != c.counts {
 		bad("state counts %v, slots say %v", c.counts, counts)

@@ -280,6 +280,15 @@ func (c *core) fillPrefix(l *lease, hashes []BlockHash, n int, v *verifier, ev *
 		// Refused lookups are counted apart: a request refused three times
 		// then admitted is one lookup, not four (as vLLM counts).
 		c.stats.prefixRefused += uint64(len(hashes))
+		held := 0 // usable blocks the hits hold already
+		for k := range hits {
+			if c.slots[c.hitID(ids, hashes, k)].quar == 0 {
+				held++
+			}
+		}
+		if err := c.boundErr(l.owner, fresh, held); err != nil {
+			return 0, err
+		}
 		return 0, &exhaustedError{op: "acquire", owner: l.owner, n: n, hits: hits, avail: avail}
 	}
 	// Queries and hits are counted together, for admitted lookups only.
@@ -296,8 +305,13 @@ func (c *core) fillPrefix(l *lease, hashes []BlockHash, n int, v *verifier, ev *
 			c.lruRemove(id)
 			s.class = classLeased
 			revived++
-		case s.class == classLeased || s.class == classQuarantined:
-			// Another lease holds it, or a quarantined read: unchanged.
+		case s.class == classLeased:
+			// Another lease holds it: unchanged.
+		case s.class == classQuarantined:
+			// A quarantined read: unchanged, but now leased.
+			if s.refs == 1 {
+				c.quarLeased++
+			}
 		default:
 			c.settleSlot(id) // draining: leased again
 		}
