@@ -127,7 +127,7 @@ type lease struct {
 	closed      bool
 	pending     int32 // attachments whose transfer is pending
 	quarantined int32 // attachments whose transfer is quarantined
-	natts       int32 // attachments ever made: att0, then extra.more
+	natts       int32 // live attachments (pending or quarantined): att0, then extra.more
 
 	att0  attachment  // the first attachment inline: none allocated for one transfer
 	extra *leaseExtra // only when something rarer is needed (see leaseExtra)
@@ -137,7 +137,11 @@ type lease struct {
 // them (whole) including blocks Extend adds later. applied is the transfer
 // state this attachment's pins currently reflect; the transfer moves it
 // forward under the pool's lock, so Extend and Resolve agree on what is
-// pinned without the transfer's lock.
+// pinned without the transfer's lock. Once its transfer resolves, an
+// attachment is removed (see removeAtt): a lease keeps records only of
+// transfers still pending or quarantined, so a long-lived lease that
+// attaches and resolves a transfer every decode step stays small, and
+// Extend, Abort and the deadline scan cost O(live attachments).
 type attachment struct {
 	t        *Transfer
 	from, to int32
@@ -184,8 +188,8 @@ func (l *lease) att(i int32) *attachment {
 	return &l.extra.more[i-1]
 }
 
-// addAtt records a and returns its index, which never changes.
-func (l *lease) addAtt(a attachment) int32 {
+// addAtt records a as the last live attachment.
+func (l *lease) addAtt(a attachment) {
 	if l.natts == 0 {
 		l.att0 = a
 	} else {
@@ -193,7 +197,43 @@ func (l *lease) addAtt(a attachment) int32 {
 		x.more = append(x.more, a)
 	}
 	l.natts++
-	return l.natts - 1
+}
+
+// findAtt returns the index of a live attachment of t not yet in state
+// to, or -1. A transfer attached to a lease twice (two ranges) has two
+// attachments; each call of apply moves one. The scan is O(live
+// attachments), usually one or two.
+func (l *lease) findAtt(t *Transfer, to TransferState) int32 {
+	for i := range l.natts {
+		if a := l.att(i); a.t == t && a.applied != to {
+			return i
+		}
+	}
+	return -1
+}
+
+// removeAtt drops live attachment i (its transfer resolved), moving the
+// last one into its place, and gives back the memory of a mostly empty
+// list, so that what a lease keeps is bounded by what is still live.
+func (l *lease) removeAtt(i int32) {
+	last := l.natts - 1
+	if i != last {
+		*l.att(i) = *l.att(last)
+	}
+	*l.att(last) = attachment{}
+	l.natts--
+	if last > 0 {
+		x := l.extra
+		x.more = x.more[:last-1]
+		switch n := len(x.more); {
+		case cap(x.more) <= 8:
+			// Small: keep it for the next attachments.
+		case n == 0:
+			x.more = nil
+		case n < cap(x.more)/4:
+			x.more = append([]attachment(nil), x.more...)
+		}
+	}
 }
 
 // settledChan returns the Settled channel if anyone asked for it, else nil.
@@ -665,13 +705,13 @@ func (l *lease) attachLocked(t *Transfer, from, to int, acc Access, whole bool, 
 			}
 		}
 	}
-	idx := l.addAtt(attachment{t: t, from: int32(from), to: int32(to), access: acc, whole: whole, applied: st})
+	l.addAtt(attachment{t: t, from: int32(from), to: int32(to), access: acc, whole: whole, applied: st})
 	if st == TransferPending {
 		l.pending++
 	} else {
 		l.quarantined++
 	}
-	t.gate(l, idx)
+	t.gate(l)
 	if c.obs != nil {
 		ev.add(c.obs, Event{Kind: EventAttached, Owner: l.owner, Lease: l.id, Transfer: t.id, Blocks: to - from})
 	}
@@ -765,13 +805,18 @@ func (c *core) applyRange(blocks []BlockRef, lo, hi int, a *attachment, from, to
 	}
 }
 
-// apply moves attachment idx of l to transfer state to, adjusting the
-// pins of every block it gates, and returns blocks nobody holds any more
-// to the pool. Called with c.mu held (and the transfer's mutex).
-func (c *core) apply(l *lease, idx int32, to TransferState, t *Transfer, ev *events) {
+// apply moves one attachment of t to l to transfer state to, adjusting
+// the pins of every block it gates, and returns blocks nobody holds any
+// more to the pool; a resolved attachment is removed. Called with c.mu
+// held (and the transfer's mutex).
+func (c *core) apply(l *lease, to TransferState, t *Transfer, ev *events) {
+	idx := l.findAtt(t, to)
+	if idx < 0 {
+		return
+	}
 	a := l.att(idx)
 	from := a.applied
-	if from == to || from == TransferResolved {
+	if from == TransferResolved {
 		return
 	}
 	lo, hi := int(a.from), int(a.to)
@@ -795,7 +840,7 @@ func (c *core) apply(l *lease, idx int32, to TransferState, t *Transfer, ev *eve
 		l.quarantined++
 		kind = EventTransferQuarantined
 	} else {
-		a.t = nil // resolved: the lease no longer needs the transfer
+		l.removeAtt(idx) // resolved: the lease no longer needs the record
 	}
 	if c.obs != nil {
 		ev.add(c.obs, Event{Kind: kind, Owner: l.owner, Lease: l.id, Transfer: t.id, Blocks: hi - lo, Err: t.err})

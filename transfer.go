@@ -88,10 +88,10 @@ type atomicState struct{ v atomic.Uint32 }
 func (a *atomicState) Load() TransferState   { return TransferState(a.v.Load()) }
 func (a *atomicState) Store(s TransferState) { a.v.Store(uint32(s)) }
 
-// gateRef names attachment idx of lease l.
+// gateRef names a lease this transfer gates (once per attachment: a
+// transfer attached to a lease twice has two).
 type gateRef struct {
-	l   *lease
-	idx int32
+	l *lease
 }
 
 // NewTransfer returns a pending transfer. cancel is the transport's hook
@@ -107,9 +107,9 @@ func NewTransfer(cancel func()) *Transfer {
 // ID returns the transfer's process-wide id; observer events carry it.
 func (t *Transfer) ID() uint64 { return t.id }
 
-// gate records attachment idx of l. Called with t.mu held.
-func (t *Transfer) gate(l *lease, idx int32) {
-	g := gateRef{l, idx}
+// gate records one more attachment to l. Called with t.mu held.
+func (t *Transfer) gate(l *lease) {
+	g := gateRef{l}
 	if t.ngates < len(t.gates0) {
 		t.gates0[t.ngates] = g
 	} else {
@@ -195,7 +195,7 @@ func (t *Transfer) applyAll(to TransferState, ev *events) {
 			c.mu.Lock()
 			locked = c
 		}
-		c.apply(g.l, g.idx, to, t, ev)
+		c.apply(g.l, to, t, ev)
 	}
 	if locked != nil {
 		locked.serve(ev)
