@@ -218,3 +218,50 @@ func TestExtendHugeNExceedsCapacity(t *testing.T) {
 	require.ErrorIs(t, err, ErrInvalidArgument, "no block size configured")
 	l.Release()
 }
+
+// ResetCache(ResetAll) makes in-use sealed blocks unfindable too: after a
+// weight update nothing old may hit. The default keeps them findable
+// (issue 11, rough edges).
+func TestResetCacheAll(t *testing.T) {
+	p := newTestPool(t, 6, WithKVEvents(32))
+	hs := []BlockHash{1, 2, 3}
+	a, err := p.Acquire("a", 3)
+	require.NoError(t, err)
+	for i, h := range hs {
+		require.NoError(t, a.Seal(i, h))
+	}
+	b, hits, err := p.AcquirePrefix("b", hs[:2], 2)
+	require.NoError(t, err)
+	require.Equal(t, 2, hits)
+	b.Release() // blocks 0,1 still held by a
+	c, err := p.Acquire("c", 1)
+	require.NoError(t, err)
+	require.NoError(t, c.Seal(0, 9))
+	c.Release() // cached, unreferenced
+	p.DrainKVEvents(nil)
+
+	require.Equal(t, 1, p.ResetCache(), "default: only the unreferenced block")
+	require.Equal(t, 3, p.CachedPrefix(hs), "in-use blocks stay findable by default")
+
+	require.Equal(t, 3, p.ResetCache(ResetAll))
+	require.Equal(t, 0, p.CachedPrefix(hs), "nothing old may hit")
+	evs, _ := p.DrainKVEvents(nil)
+	require.Equal(t, KVAllBlocksCleared, evs[len(evs)-1].Kind)
+	_, seq := p.SnapshotKVCache()
+	require.Empty(t, seq)
+	// a still reads its sealed blocks; they stay immutable.
+	_, err = a.ReadRegion(0)
+	require.NoError(t, err)
+	_, err = a.Region(0)
+	require.ErrorIs(t, err, ErrReadOnly)
+	// A new seal of the same hash by another lease is findable again.
+	d, err := p.Acquire("d", 1)
+	require.NoError(t, err)
+	require.NoError(t, d.Seal(0, 1))
+	require.Equal(t, 1, p.CachedPrefix(hs))
+	a.Release()
+	d.Release()
+	st := p.Stats()
+	require.Equal(t, 1, st.Cached, "a's blocks are free once unreferenced, not cached")
+	require.Equal(t, 5, st.Free)
+}

@@ -118,12 +118,19 @@ func (m *prefixModel) release(lease int) {
 	}
 }
 
-func (m *prefixModel) reset() {
+func (m *prefixModel) reset(all bool) int {
+	n := len(m.lru)
 	for _, b := range m.lru {
 		delete(m.index, m.blocks[b].hash)
 		delete(m.blocks, b)
 	}
 	m.lru = nil
+	if all {
+		// In-use blocks stay sealed but leave the index.
+		n += len(m.index)
+		clear(m.index)
+	}
+	return n
 }
 
 // FuzzPrefixCache drives seal / hit / release / evict / reset sequences
@@ -132,6 +139,7 @@ func FuzzPrefixCache(f *testing.F) {
 	f.Add([]byte{0, 0, 4, 1, 0, 0, 1, 0, 1, 2, 0, 0, 1, 4, 0, 3, 0, 0})
 	f.Add([]byte{4, 6, 2, 0, 0, 1, 4, 0, 2, 1, 3, 0, 3, 0, 0})
 	f.Add([]byte{0, 1, 3, 1, 0, 0, 1, 0, 1, 1, 0, 2, 2, 0, 0, 0, 2, 5, 2, 0, 0, 4, 1, 0, 2, 1, 0})
+	f.Add([]byte{0, 0, 4, 1, 0, 0, 1, 0, 1, 3, 0, 1, 0, 0, 4, 2, 0, 0, 0, 0, 4})
 	const capacity = 6
 	chains := [][]BlockHash{
 		ChainHashes(1, prompt(1, 12), 4),
@@ -192,9 +200,17 @@ func FuzzPrefixCache(f *testing.F) {
 				leases = slices.Delete(leases, j, j+1)
 				m.release(j)
 			case 3:
-				what = "reset"
-				p.ResetCache()
-				m.reset()
+				all := b%2 == 1
+				what = fmt.Sprintf("reset (all=%v)", all)
+				var got int
+				if all {
+					got = p.ResetCache(ResetAll)
+				} else {
+					got = p.ResetCache()
+				}
+				if want := m.reset(all); got != want {
+					t.Fatalf("step %d %s: pool reset %d blocks, model %d", step, what, got, want)
+				}
 			case 4: // plain acquire
 				n := 1 + a%3
 				what = fmt.Sprintf("acquire %d", n)

@@ -155,17 +155,38 @@ func (l *Lease[R]) Share(owner string, n int) (*Lease[R], error) {
 	return nl, nil
 }
 
+// ResetMode says what ResetCache makes unfindable.
+type ResetMode uint8
+
+const (
+	// ResetUnreferenced, the default, drops the cached blocks nobody
+	// references. Sealed blocks that leases still hold (or that transfers
+	// still gate) stay findable: a request may still hit them.
+	ResetUnreferenced ResetMode = iota
+	// ResetAll also makes every block still in use unfindable: after it,
+	// nothing sealed before can be hit, which is what a weight or adapter
+	// update needs. Blocks in use stay sealed (immutable, readable by their
+	// leases) but private: once unreferenced they are free, not cached.
+	ResetAll
+)
+
 // ResetCache drops every cached block nobody references: each leaves the
 // prefix index and goes to the free list, so it will never be hit again.
-// Sealed blocks that leases still hold stay findable. It returns how many
-// blocks it dropped. With KV events on, it emits AllBlocksCleared when the
-// index is left empty, else one BlockRemoved per dropped block.
-func (p *Pool[R]) ResetCache() int {
+// By default (ResetUnreferenced) sealed blocks that leases still hold stay
+// findable; pass ResetAll to make them unfindable too. It returns how
+// many blocks stopped being findable. With KV events on, it emits
+// AllBlocksCleared when the index is left empty, else one BlockRemoved
+// per block.
+func (p *Pool[R]) ResetCache(mode ...ResetMode) int {
+	all := false
+	for _, m := range mode {
+		all = all || m == ResetAll
+	}
 	c := &p.core
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	n := 0
-	quiet := c.kv != nil && c.lruLen == len(c.index)
+	quiet := c.kv != nil && (c.lruLen == len(c.index) || all)
 	for c.lruHead != nilID {
 		id := c.lruHead
 		c.lruRemove(id)
@@ -181,6 +202,14 @@ func (p *Pool[R]) ResetCache() int {
 		c.counts[classCached]--
 		c.counts[classFree]++
 		n++
+	}
+	if all {
+		// What is left is in use: unfindable from now on, still sealed.
+		for h, id := range c.index {
+			delete(c.index, h)
+			c.slots[id].index = false
+			n++
+		}
 	}
 	if quiet && n > 0 {
 		c.kv.cleared()
