@@ -79,9 +79,33 @@
 // tokens and checks them on every hit: a mismatch is a miss. Use it
 // wherever tenants do not trust each other.
 //
+// Sealed content is immutable and may be shared: Lease.Region, the
+// writable accessor, refuses a block that is sealed or shared with another
+// lease (ErrReadOnly), and Lease.ReadRegion serves any held block for
+// reading. So a prefix lookup must never hit the block the request will
+// write: token-based lookups (AcquirePrefixTokens, CachedPrefixTokens)
+// never hit the block holding the prompt's last token (vLLM's rule), and
+// callers of AcquirePrefix pass only the hashes before it. Stats counts
+// prefix queries and hits for admitted lookups only. ResetCache drops
+// unreferenced cached blocks; ResetCache(ResetAll) also makes blocks in
+// use unfindable (after a weight update).
+//
 // KV events (WithKVEvents) tell a cache-aware router which blocks became
 // findable or stopped being so, with sequence numbers and a bounded ring
 // that never blocks the allocator.
+//
+// # Quarantine and capacity
+//
+// Quarantined blocks are never reused until late evidence arrives, so
+// they shrink what the pool can ever serve: Stats.Usable (Pool.Usable) is
+// capacity minus quarantined blocks, and admission should be asked
+// against it. A request for more than could ever be free while the
+// quarantine lasts fails with ErrQuarantineBound, which wraps ErrExhausted
+// (old callers still retry; new ones can tell retrying will not help); a
+// queued AcquireWait waiter in that position is failed with it rather than
+// blocking the queue. WithQuarantineAlert tells the observer when
+// quarantined blocks exceed a share of the pool. Stats.QuarantinedLeased
+// counts the quarantined blocks running requests still hold.
 //
 // # Disaggregated handoff
 //
