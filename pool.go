@@ -200,7 +200,12 @@ func (p *Pool[R]) acquire(owner string, hashes []BlockHash, v *verifier, n int) 
 		return nil, 0, c.reject(owner, n, closedErr(owner, n))
 	}
 	if q := c.queued(); q > 0 {
-		err := c.boundErr(owner, n, 0)
+		var err error
+		if len(hashes) == 0 {
+			// (With hashes, hits on quarantined blocks could still make
+			// room: only the lookup can tell.)
+			err = c.boundErr(owner, n, 0)
+		}
 		if err == nil {
 			err = &exhaustedError{op: "acquire", owner: owner, n: n, queued: q}
 		}
