@@ -189,8 +189,19 @@ static CUresult kvl_event_sync(kvl_api *api, uintptr_t ctx, uintptr_t e) {
 static CUresult kvl_dtoh(kvl_api *api, uintptr_t ctx, void *dst, CUdeviceptr src, size_t n) {
 	KVL_WITH_CTX(api, ctx, api->cuMemcpyDtoH(dst, src, n));
 }
+// A synchronous upload from pageable memory may return once the source is
+// staged, before the DMA has landed, and the engine's non-blocking streams
+// are not ordered after the legacy stream it ran on: synchronize that
+// stream (NULL) before returning, so the bytes are in device memory when
+// CopyFromHost returns.
 static CUresult kvl_htod(kvl_api *api, uintptr_t ctx, CUdeviceptr dst, const void *src, size_t n) {
-	KVL_WITH_CTX(api, ctx, api->cuMemcpyHtoD(dst, src, n));
+	CUresult r = api->cuCtxPushCurrent((CUcontext)ctx);
+	if (r != KVL_CUDA_SUCCESS) return r;
+	r = api->cuMemcpyHtoD(dst, src, n);
+	if (r == KVL_CUDA_SUCCESS) r = api->cuStreamSynchronize(NULL);
+	CUcontext popped;
+	api->cuCtxPopCurrent(&popped);
+	return r;
 }
 
 static CUresult kvl_copy_one(kvl_api *api, const kvl_op *op, CUstream s) {

@@ -365,8 +365,10 @@ func TestBadInput(t *testing.T) {
 			{"device pointer outside every arena", func() (*kvlease.Transfer, error) {
 				return d2h.Start([]cp[DevicePtr, []byte]{pair(DevicePtr(12345), r.pin.Region(0))}, attach)
 			}},
-			{"device pointer one past the arena", func() (*kvlease.Transfer, error) {
-				return d2h.Start([]cp[DevicePtr, []byte]{pair(r.dev.Base().Add(r.dev.Size()), r.pin.Region(0))}, attach)
+			{"device pointer past every live arena", func() (*kvlease.Transfer, error) {
+				// Not one past r.dev: a real cuMemAlloc (and the fake) packs
+				// allocations, so that is likely another arena's first block.
+				return d2h.Start([]cp[DevicePtr, []byte]{pair(pastEveryArena(d), r.pin.Region(0))}, attach)
 			}},
 			{"device pointer inside a block", func() (*kvlease.Transfer, error) {
 				return d2h.Start([]cp[DevicePtr, []byte]{pair(r.dev.Region(1).Add(256), r.pin.Region(0))}, attach)
@@ -407,6 +409,7 @@ func TestBadInput(t *testing.T) {
 		}
 		for _, c := range cases {
 			t.Run(c.name, func(t *testing.T) {
+				attached = 0
 				tr, err := c.start()
 				isErr(t, err, kvlease.ErrInvalidArgument)
 				isNil(t, tr)

@@ -206,3 +206,61 @@ func TestFakeDriverStickyError(t *testing.T) {
 	// The device stays open for the life of the test process, as a real
 	// one would after a sticky error.
 }
+
+// TestFakeDriverPacksAllocations: the fake carves device memory like
+// cuMemAlloc, so the byte one past an arena is the next arena's first
+// block; the engine must tell them apart by arena, never by a gap.
+func TestFakeDriverPacksAllocations(t *testing.T) {
+	d, err := openPath(fakeLib(t, "default"), 0)
+	noErr(t, err)
+	t.Cleanup(func() { noErr(t, d.Close()) })
+	a, err := d.AllocDevice(4, 256)
+	noErr(t, err)
+	b, err := d.AllocDevice(4, 256)
+	noErr(t, err)
+	eq(t, a.Base().Add(a.Size()), b.Base(), "second arena right after the first")
+
+	// One past a is b's block 0: a valid copy source, not an error.
+	want := make([]byte, 256)
+	for i := range want {
+		want[i] = byte(i%13 + 1)
+	}
+	noErr(t, d.CopyFromHost(b.Base(), want))
+	got := make([]byte, 256)
+	noErr(t, d.CopyToHost(got, a.Base().Add(a.Size())))
+	eq(t, want, got)
+	// A span that crosses from a into b is in no single arena.
+	isErr(t, d.CopyToHost(make([]byte, 512), a.Region(3)), kvlease.ErrInvalidArgument)
+
+	// A freed arena's range is handed out again.
+	base := a.Base()
+	noErr(t, a.Close())
+	c, err := d.AllocDevice(2, 512)
+	noErr(t, err)
+	eq(t, base, c.Base(), "first fit reuses the freed range")
+	noErr(t, b.Close())
+	noErr(t, c.Close())
+}
+
+// TestFakeDriverCopyFromHostSynchronizes: the fake's pageable upload lands
+// only when the legacy stream is synchronized, as the real one may; a copy
+// on the engine's non-blocking stream right after CopyFromHost must see
+// the new bytes.
+func TestFakeDriverCopyFromHostSynchronizes(t *testing.T) {
+	d, err := openPath(fakeLib(t, "default"), 0)
+	noErr(t, err)
+	t.Cleanup(func() { noErr(t, d.Close()) })
+	r := newRig(t, d, 4, 256)
+	for round := range 5 {
+		want := make([]byte, 256)
+		for i := range want {
+			want[i] = byte(round*31 + i%7 + 1)
+		}
+		noErr(t, d.CopyFromHost(r.dev.Region(2), want))
+		tr, err := r.e.DeviceToHost().Start([]cp[DevicePtr, []byte]{pair(r.dev.Region(2), r.pin.Region(1))}, noAttach)
+		noErr(t, err)
+		waitDone(t, tr)
+		noErr(t, tr.Err())
+		eq(t, want, r.pin.Region(1), "round %d", round)
+	}
+}

@@ -1,8 +1,11 @@
 // fakecuda.c: a test double for libcuda.so.1, built by the cgo tests with
 // gcc into a temporary shared library and loaded through the same dlopen
-// path as the real driver. "Device" memory is host memory, copies are
-// memcpy at enqueue time and events are always complete: it checks the
-// plumbing (symbol resolution, ABI, context handling, error naming), not
+// path as the real driver. "Device" memory is host memory carved from one
+// reserved range and packed like cuMemAlloc packs it, copies on streams are
+// memcpy at enqueue time and events are always complete, but a synchronous
+// pageable upload lands only when the legacy stream is synchronized (as the
+// real one may). It checks the plumbing (symbol resolution, ABI, context
+// handling, error naming) and the assumptions a real driver breaks, not
 // asynchrony, which the CPU fallback's tests cover.
 //
 // Build switches:
@@ -18,6 +21,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 typedef int CUresult;
 typedef int CUdevice;
@@ -123,25 +127,89 @@ CUresult cuMemGetInfo_v2(size_t *free_, size_t *total) {
 	return 0;
 }
 
-// Device allocations carry their size in a 256-byte header.
+// Device memory is one reserved range of address space, carved like the
+// real cuMemAlloc carves it: small allocations are packed at 512-byte
+// granularity, first fit, so the byte one past an allocation is very
+// likely the first byte of the next one. Tests that assume a gap between
+// arenas fail here as they would on a GPU.
+#define FAKE_GRAIN 512
+#define FAKE_MAX_ALLOCS 4096
+
+struct fake_alloc {
+	size_t off, n; // offset in the range, requested size
+};
+
+static char *dev_base;                             // the reserved range, total_mem bytes
+static struct fake_alloc allocs[FAKE_MAX_ALLOCS]; // live allocations, by offset
+static int nallocs;
+static char alloc_lock;
+
+static void lock(void) {
+	while (__atomic_test_and_set(&alloc_lock, __ATOMIC_ACQUIRE)) {
+	}
+}
+static void unlock(void) { __atomic_clear(&alloc_lock, __ATOMIC_RELEASE); }
+
+static size_t grain(size_t n) { return (n + FAKE_GRAIN - 1) / FAKE_GRAIN * FAKE_GRAIN; }
+
 #ifndef FAKE_MISSING_ALLOC
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
 	CHECK_STICKY();
+	if (n == 0) return 1;
 	if (n > total_mem - __atomic_load_n(&used, __ATOMIC_SEQ_CST)) return 2;
-	char *m = aligned_alloc(256, 256 + ((n + 255) / 256) * 256);
-	if (m == NULL) return 2;
-	*(size_t *)m = n;
-	__atomic_add_fetch(&used, n, __ATOMIC_SEQ_CST);
-	*p = (CUdeviceptr)(uintptr_t)(m + 256);
+	lock();
+	if (dev_base == NULL) {
+		void *m = mmap(NULL, total_mem, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+		if (m == MAP_FAILED) {
+			unlock();
+			return 2;
+		}
+		dev_base = m;
+	}
+	size_t need = grain(n), at = 0;
+	int i = 0;
+	for (; i < nallocs; i++) {
+		if (allocs[i].off - at >= need) break;
+		at = allocs[i].off + grain(allocs[i].n);
+	}
+	if (nallocs == FAKE_MAX_ALLOCS || total_mem - at < need) {
+		unlock();
+		return 2;
+	}
+	memmove(&allocs[i + 1], &allocs[i], (size_t)(nallocs - i) * sizeof allocs[0]);
+	allocs[i].off = at;
+	allocs[i].n = n;
+	nallocs++;
+	unlock();
+	__atomic_add_fetch(&used, need, __ATOMIC_SEQ_CST);
+	*p = (CUdeviceptr)(uintptr_t)(dev_base + at);
 	return 0;
 }
 #endif
 
+static void flush_legacy(void);
+
+// cuMemFree synchronizes like the real one (pending uploads land first)
+// and returns whole pages to the system.
 CUresult cuMemFree_v2(CUdeviceptr p) {
 	CHECK_STICKY();
-	char *m = (char *)(uintptr_t)p - 256;
-	__atomic_sub_fetch(&used, *(size_t *)m, __ATOMIC_SEQ_CST);
-	free(m);
+	flush_legacy();
+	lock();
+	int i = 0;
+	for (; i < nallocs; i++) {
+		if ((uintptr_t)(dev_base + allocs[i].off) == p) break;
+	}
+	if (dev_base == NULL || i == nallocs) {
+		unlock();
+		return 1; // not an allocation's base
+	}
+	size_t off = allocs[i].off, need = grain(allocs[i].n);
+	memmove(&allocs[i], &allocs[i + 1], (size_t)(nallocs - i - 1) * sizeof allocs[0]);
+	nallocs--;
+	unlock();
+	size_t lo = (off + 4095) / 4096 * 4096, hi = (off + need) / 4096 * 4096;
+	if (hi > lo) madvise(dev_base + lo, hi - lo, MADV_DONTNEED);
+	__atomic_sub_fetch(&used, need, __ATOMIC_SEQ_CST);
 	return 0;
 }
 
@@ -170,8 +238,8 @@ CUresult cuStreamDestroy_v2(void *s) {
 }
 
 CUresult cuStreamSynchronize(void *s) {
-	(void)s;
 	CHECK_STICKY();
+	if (s == NULL) flush_legacy(); // the legacy default stream
 	return 0;
 }
 
@@ -229,15 +297,68 @@ CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, void *
 	return 0;
 }
 
+// A pageable upload returns once the source is staged, before the "DMA"
+// lands, as the real cuMemcpyHtoD may: the bytes reach device memory only
+// when the legacy stream is synchronized (cuStreamSynchronize(NULL),
+// cuCtxSynchronize, cuMemFree) or its next synchronous copy runs. Copies on
+// non-blocking streams are not ordered after it, so they see old bytes.
+struct staged {
+	CUdeviceptr dst;
+	void *buf;
+	size_t n;
+	struct staged *next;
+};
+static struct staged *staged_head, **staged_tail = &staged_head;
+static char staged_lock;
+
+static void flush_legacy(void) {
+	while (__atomic_test_and_set(&staged_lock, __ATOMIC_ACQUIRE)) {
+	}
+	struct staged *s = staged_head;
+	staged_head = NULL;
+	staged_tail = &staged_head;
+	__atomic_clear(&staged_lock, __ATOMIC_RELEASE);
+	while (s) {
+		struct staged *next = s->next;
+		memcpy((void *)(uintptr_t)s->dst, s->buf, s->n);
+		free(s->buf);
+		free(s);
+		s = next;
+	}
+}
+
 CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) {
 	CHECK_STICKY();
-	memcpy((void *)(uintptr_t)dst, src, n);
+	flush_legacy();
+	struct staged *s = malloc(sizeof *s);
+	if (s == NULL) return 2;
+	s->buf = malloc(n ? n : 1);
+	if (s->buf == NULL) {
+		free(s);
+		return 2;
+	}
+	memcpy(s->buf, src, n);
+	s->dst = dst;
+	s->n = n;
+	s->next = NULL;
+	while (__atomic_test_and_set(&staged_lock, __ATOMIC_ACQUIRE)) {
+	}
+	*staged_tail = s;
+	staged_tail = &s->next;
+	__atomic_clear(&staged_lock, __ATOMIC_RELEASE);
 	return 0;
 }
 
 CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
 	CHECK_STICKY();
+	flush_legacy();
 	memcpy(dst, (const void *)(uintptr_t)src, n);
+	return 0;
+}
+
+CUresult cuCtxSynchronize(void) {
+	CHECK_STICKY();
+	flush_legacy();
 	return 0;
 }
 
