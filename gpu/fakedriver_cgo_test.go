@@ -37,6 +37,7 @@ var fakeVariants = map[string][]string{
 	"nobatch":  {"-DFAKE_NO_BATCH"},
 	"nodevice": {"-DFAKE_NO_DEVICE"},
 	"noalloc":  {"-DFAKE_MISSING_ALLOC"},
+	"badptx":   {"-DFAKE_REJECT_PTX"},
 	"sticky":   nil, // a fresh copy per run (see stickyRuns): its sticky state is its own
 }
 
@@ -263,4 +264,65 @@ func TestFakeDriverCopyFromHostSynchronizes(t *testing.T) {
 		noErr(t, tr.Err())
 		eq(t, want, r.pin.Region(1), "round %d", round)
 	}
+}
+
+// TestFakeDriverKernelFallbacks: a kernel the JIT refuses, or a launch
+// that fails, leaves the copy to the copy engine (the bytes still land),
+// turns the kernel off for the device, and says why in CopyStats.
+func TestFakeDriverKernelFallbacks(t *testing.T) {
+	scattered := func(t *testing.T, d *Device) {
+		t.Helper()
+		r := newRig(t, d, 8, 512)
+		want := make([]byte, 512)
+		for i := range want {
+			want[i] = byte(i%29 + 3)
+		}
+		noErr(t, d.CopyFromHost(r.dev.Region(6), want))
+		tr, err := r.e.DeviceToDevice().Start([]cp[DevicePtr, DevicePtr]{
+			pair(r.dev.Region(6), r.dev2.Region(1)), pair(r.dev.Region(2), r.dev2.Region(5)),
+		}, noAttach)
+		noErr(t, err)
+		waitDone(t, tr)
+		noErr(t, tr.Err())
+		eq(t, want, readDev(t, d, r.dev2.Region(1), 512))
+	}
+	t.Run("rejected PTX", func(t *testing.T) {
+		d, err := openPath(fakeLib(t, "badptx"), 0)
+		noErr(t, err)
+		t.Cleanup(func() { noErr(t, d.Close()) })
+		scattered(t, d)
+		st := d.CopyStats()
+		eq(t, int64(0), st.KernelLaunches)
+		eq(t, int64(1), st.BatchedSubmits, "the batch carried it: %v", st)
+		isFalse(t, st.KernelEnabled)
+		var de *DriverError
+		asErr(t, st.KernelErr, &de)
+		eq(t, Result(218), de.Code)
+		contains(t, st.KernelErr, "JIT log: fake ptxas: the PTX was rejected")
+		setKernel(d, true)
+		isFalse(t, d.CopyStats().KernelEnabled, "setKernel cannot revive a kernel that failed")
+	})
+	t.Run("failed launch", func(t *testing.T) {
+		d, err := openPath(fakeLib(t, "default"), 0)
+		noErr(t, err)
+		t.Cleanup(func() { noErr(t, d.Close()) })
+		t.Setenv("FAKECUDA_LAUNCH_FAIL", "701") // CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES
+		scattered(t, d)
+		st := d.CopyStats()
+		eq(t, [3]int64{0, 1, 1}, [3]int64{st.KernelLaunches, st.KernelFailures, st.BatchedSubmits}, "%v", st)
+		isFalse(t, st.KernelEnabled)
+		contains(t, st.KernelErr, "cuLaunchKernel")
+		t.Setenv("FAKECUDA_LAUNCH_FAIL", "")
+		scattered(t, d)
+		eq(t, int64(0), d.CopyStats().KernelLaunches, "the kernel stays off")
+	})
+	t.Run("no batch either", func(t *testing.T) {
+		d, err := openPath(fakeLib(t, "nobatch"), 0)
+		noErr(t, err)
+		t.Cleanup(func() { noErr(t, d.Close()) })
+		t.Setenv("FAKECUDA_LAUNCH_FAIL", "1")
+		scattered(t, d)
+		st := d.CopyStats()
+		eq(t, [3]int64{1, 1, 2}, [3]int64{st.KernelFailures, st.LoopedSubmits, st.LoopedCopies}, "%v", st)
+	})
 }

@@ -13,15 +13,18 @@
 //   -DFAKE_NO_BATCH         no cuMemcpyBatchAsync (a pre-12.8 driver)
 //   -DFAKE_NO_DEVICE        cuInit fails with CUDA_ERROR_NO_DEVICE
 //   -DFAKE_MISSING_ALLOC    no cuMemAlloc_v2 (a driver too old to use)
+//   -DFAKE_REJECT_PTX       cuModuleLoadData fails (a JIT that refuses the kernel)
 // Environment:
 //   FAKECUDA_STICKY=<code>  the next cuEventSynchronize fails with <code>, and
 //                           every call after it too (a sticky error)
+//   FAKECUDA_LAUNCH_FAIL=<code>  cuLaunchKernel fails with <code>
 
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <time.h>
 
 typedef int CUresult;
 typedef int CUdevice;
@@ -243,10 +246,19 @@ CUresult cuStreamSynchronize(void *s) {
 	return 0;
 }
 
+// An event remembers when it was last recorded, for cuEventElapsedTime.
+struct fake_event {
+	unsigned int flags;
+	struct timespec at;
+	int recorded;
+};
+
 CUresult cuEventCreate(void **e, unsigned int flags) {
-	(void)flags;
 	CHECK_STICKY();
-	*e = malloc(1);
+	struct fake_event *ev = calloc(1, sizeof *ev);
+	if (ev == NULL) return 2;
+	ev->flags = flags;
+	*e = ev;
 	return 0;
 }
 
@@ -256,10 +268,33 @@ CUresult cuEventDestroy_v2(void *e) {
 }
 
 CUresult cuEventRecord(void *e, void *s) {
-	(void)e;
 	(void)s;
 	CHECK_STICKY();
+	struct fake_event *ev = e;
+	clock_gettime(CLOCK_MONOTONIC, &ev->at);
+	ev->recorded = 1;
 	return 0;
+}
+
+// cuEventElapsedTime refuses events created without timing (flag 0x2) or
+// never recorded, as the real one does.
+CUresult cuEventElapsedTime(float *ms, void *start, void *end) {
+	CHECK_STICKY();
+	struct fake_event *a = start, *b = end;
+	if ((a->flags & 0x2) || (b->flags & 0x2)) return 400;
+	if (!a->recorded || !b->recorded) return 600;
+	*ms = (float)((double)(b->at.tv_sec - a->at.tv_sec) * 1e3 + (double)(b->at.tv_nsec - a->at.tv_nsec) / 1e6);
+	return 0;
+}
+
+CUresult cuDeviceGetAttribute(int *v, int attr, CUdevice d) {
+	(void)d;
+	switch (attr) {
+	case 16: *v = 132; return 0; // multiprocessors
+	case 75: *v = 9; return 0;   // compute capability 9.0
+	case 76: *v = 0; return 0;
+	}
+	return 1;
 }
 
 CUresult cuEventSynchronize(void *e) {
@@ -362,6 +397,94 @@ CUresult cuCtxSynchronize(void) {
 	return 0;
 }
 
+// The module API, with a CPU gather as the kernel. cuModuleLoadData
+// checks the PTX as far as a fake can: a NUL-terminated text with a
+// .version, an sm_ .target no newer than sm_90 (so the real JIT accepts it
+// on Hopper and older), 64-bit addresses, and the entry kvl_gather with
+// exactly two parameters, a .u64 and a .u32. FAKE_REJECT_PTX makes the
+// load fail with CUDA_ERROR_INVALID_PTX (218) and a JIT log.
+// FAKECUDA_LAUNCH_FAIL=<code> makes cuLaunchKernel fail with <code>.
+static int module_object, function_object;
+int fake_modules_loaded; // live modules, for tests
+
+static int ptx_ok(const char *ptx) {
+	if (ptx == NULL || strnlen(ptx, 1 << 20) == 1 << 20) return 0;
+	const char *t = strstr(ptx, ".target sm_");
+	if (strstr(ptx, ".version ") == NULL || t == NULL || strstr(ptx, ".address_size 64") == NULL) return 0;
+	if (atoi(t + strlen(".target sm_")) > 90) return 0;
+	const char *e = strstr(ptx, ".entry kvl_gather(");
+	if (e == NULL) return 0;
+	const char *close = strchr(e, ')');
+	if (close == NULL) return 0;
+	int params = 0;
+	const char *kinds[2] = {".param .u64 ", ".param .u32 "};
+	for (const char *p = strstr(e, ".param"); p != NULL && p < close; p = strstr(p + 1, ".param")) {
+		if (params < 2 && strncmp(p, kinds[params], strlen(kinds[params])) != 0) return 0;
+		params++;
+	}
+	return params == 2;
+}
+
+CUresult cuModuleLoadData(void **mod, const void *image) {
+	CHECK_STICKY();
+#ifdef FAKE_REJECT_PTX
+	(void)mod;
+	(void)image;
+	return 218;
+#else
+	if (!ptx_ok(image)) return 218;
+	*mod = &module_object;
+	__atomic_add_fetch(&fake_modules_loaded, 1, __ATOMIC_SEQ_CST);
+	return 0;
+#endif
+}
+
+CUresult cuModuleLoadDataEx(void **mod, const void *image, unsigned int n, int *opts, void **vals) {
+	CUresult r = cuModuleLoadData(mod, image);
+	if (r == 0) return 0;
+	char *log = NULL;
+	size_t len = 0;
+	for (unsigned int i = 0; i < n; i++) {
+		if (opts[i] == 5) log = vals[i];
+		if (opts[i] == 6) len = (size_t)(uintptr_t)vals[i];
+	}
+	if (log && len) snprintf(log, len, "fake ptxas: the PTX was rejected");
+	return r;
+}
+
+CUresult cuModuleUnload(void *mod) {
+	if (mod != &module_object) return 400;
+	__atomic_sub_fetch(&fake_modules_loaded, 1, __ATOMIC_SEQ_CST);
+	return 0;
+}
+
+CUresult cuModuleGetFunction(void **fn, void *mod, const char *name) {
+	CHECK_STICKY();
+	if (mod != &module_object) return 400;
+	if (strcmp(name, "kvl_gather") != 0) return 500;
+	*fn = &function_object;
+	return 0;
+}
+
+CUresult cuLaunchKernel(void *fn, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx, unsigned int by,
+                        unsigned int bz, unsigned int shmem, void *s, void **params, void **extra) {
+	(void)s;
+	CHECK_STICKY();
+	const char *v = getenv("FAKECUDA_LAUNCH_FAIL");
+	if (v && *v) return atoi(v);
+	if (fn != &function_object || params == NULL || extra != NULL) return 1;
+	if (gx == 0 || gy != 1 || gz != 1 || bx == 0 || bx > 1024 || bx % 32 != 0 || by != 1 || bz != 1 || shmem != 0) return 1;
+	const uint64_t *table = (const uint64_t *)(uintptr_t)*(CUdeviceptr *)params[0];
+	unsigned int count = *(unsigned int *)params[1];
+	// One thread block per descriptor; blocks past count do nothing.
+	for (unsigned int i = 0; i < gx && i < count; i++) {
+		const uint64_t *d = table + 4 * (size_t)i;
+		if (d[2] % 16 || d[0] % 16 || d[1] % 16) return 716; // the vector loads would fault
+		memcpy((void *)(uintptr_t)d[1], (const void *)(uintptr_t)d[0], d[2]);
+	}
+	return 0;
+}
+
 #ifndef FAKE_NO_BATCH
 typedef struct {
 	int srcAccessOrder;
@@ -427,6 +550,13 @@ static const struct entry entries[] = {
 	E("cuMemcpyDtoDAsync", cuMemcpyDtoDAsync_v2),
 	E("cuMemcpyHtoD", cuMemcpyHtoD_v2),
 	E("cuMemcpyDtoH", cuMemcpyDtoH_v2),
+	E("cuModuleLoadData", cuModuleLoadData),
+	E("cuModuleLoadDataEx", cuModuleLoadDataEx),
+	E("cuModuleUnload", cuModuleUnload),
+	E("cuModuleGetFunction", cuModuleGetFunction),
+	E("cuLaunchKernel", cuLaunchKernel),
+	E("cuEventElapsedTime", cuEventElapsedTime),
+	E("cuDeviceGetAttribute", cuDeviceGetAttribute),
 #ifndef FAKE_NO_BATCH
 	{"cuMemcpyBatchAsync", (void *)cuMemcpyBatchAsync, 12080},
 #endif
