@@ -18,6 +18,7 @@
 //   FAKECUDA_STICKY=<code>  the next cuEventSynchronize fails with <code>, and
 //                           every call after it too (a sticky error)
 //   FAKECUDA_LAUNCH_FAIL=<code>  cuLaunchKernel fails with <code>
+//   FAKECUDA_HANG=1         cuEventSynchronize never returns (a hung device)
 
 #include <stdint.h>
 #include <stdio.h>
@@ -25,6 +26,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <time.h>
+#include <unistd.h>
 
 typedef int CUresult;
 typedef int CUdevice;
@@ -299,6 +301,10 @@ CUresult cuDeviceGetAttribute(int *v, int attr, CUdevice d) {
 
 CUresult cuEventSynchronize(void *e) {
 	(void)e;
+	const char *hang = getenv("FAKECUDA_HANG");
+	if (hang && *hang) {
+		for (;;) pause(); // a device that never answers (devicecheck.sh's hang drill)
+	}
 	const char *v = getenv("FAKECUDA_STICKY");
 	if (v && *v) sticky = atoi(v);
 	CHECK_STICKY();
