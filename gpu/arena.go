@@ -3,6 +3,7 @@ package gpu
 import (
 	"fmt"
 	"math"
+	"slices"
 	"sort"
 	"sync/atomic"
 	"unsafe"
@@ -263,21 +264,16 @@ type span struct {
 // key orders spans of one memory kind; distinct blocks have distinct keys.
 func (s span) key() uint64 { return s.a.addr + uint64(s.off) }
 
+// insertArena and removeArena return a new list (copy on write): the old
+// one may still be read by lock-free lookups.
 func insertArena(list []*arena, a *arena) []*arena {
 	i := sort.Search(len(list), func(i int) bool { return list[i].addr > a.addr })
-	list = append(list, nil)
-	copy(list[i+1:], list[i:])
-	list[i] = a
-	return list
+	return slices.Insert(slices.Clone(list), i, a)
 }
 
 func removeArena(list []*arena, a *arena) []*arena {
-	for i, x := range list {
-		if x == a {
-			copy(list[i:], list[i+1:])
-			list[len(list)-1] = nil
-			return list[:len(list)-1]
-		}
+	if i := slices.Index(list, a); i >= 0 {
+		return slices.Delete(slices.Clone(list), i, i+1)
 	}
 	return list
 }
@@ -294,10 +290,12 @@ func findArena(list []*arena, addr uint64, n int) *arena {
 	return nil
 }
 
-// deviceBlockLocked resolves p as the start of a block of a live device
-// arena of d. Its errors are phrased to follow "pair i, src: ".
-func (d *Device) deviceBlockLocked(p DevicePtr) (span, error) {
-	a := findArena(d.devArenas, uint64(p), 1)
+// deviceBlock resolves p as the start of a block of a live device arena
+// of d, in the published list (no lock; the caller re-checks a.closed
+// under d.mu before pinning). Its errors are phrased to follow
+// "pair i, src: ".
+func (d *Device) deviceBlock(p DevicePtr) (span, error) {
+	a := findArena(*d.devSnap.Load(), uint64(p), 1)
 	if a == nil {
 		return span{}, fmt.Errorf("%v is not in a live device arena of %s: %w", p, d.name, kvlease.ErrInvalidArgument)
 	}
@@ -308,15 +306,16 @@ func (d *Device) deviceBlockLocked(p DevicePtr) (span, error) {
 	return span{a, off}, nil
 }
 
-// pinnedBlockLocked resolves b as a whole block of a live pinned arena of
-// d. Go memory (a kvlease.HostMemory region, a make([]byte)) is refused:
-// the device must never copy asynchronously from the Go heap.
-func (d *Device) pinnedBlockLocked(b []byte) (span, error) {
+// pinnedBlock resolves b as a whole block of a live pinned arena of d, as
+// deviceBlock does. Go memory (a kvlease.HostMemory region, a
+// make([]byte)) is refused: the device must never copy asynchronously from
+// the Go heap.
+func (d *Device) pinnedBlock(b []byte) (span, error) {
 	if len(b) == 0 {
 		return span{}, fmt.Errorf("empty region: %w", kvlease.ErrInvalidArgument)
 	}
 	addr := uint64(addrOf(b))
-	a := findArena(d.pinArenas, addr, 1)
+	a := findArena(*d.pinSnap.Load(), addr, 1)
 	if a == nil {
 		return span{}, fmt.Errorf("region of %d bytes at 0x%x is not in a live pinned arena of %s (Go or foreign memory cannot take part in an async copy): %w", len(b), addr, d.name, kvlease.ErrInvalidArgument)
 	}

@@ -28,12 +28,17 @@ type backend interface {
 
 	newStream() (stream, error)
 	close() error
+
+	// counters counts submissions by path; pathState says whether batching
+	// is on and why the gather kernel is off, if it is.
+	counters() *counters
+	pathState() (batchEnabled bool, kernelErr error)
 }
 
 // A stream runs submissions in order, like a CUDA stream.
 type stream interface {
-	// submit enqueues ops in order and returns a fence that completes after
-	// all of them. Its results:
+	// submit enqueues ops (all of direction kind) and returns a fence that
+	// completes after all of them. Its results:
 	//   - f != nil: work is in flight; wait(f) says when it stopped.
 	//     outcome is an enqueue error to report once it has (some copies
 	//     never ran).
@@ -42,7 +47,9 @@ type stream interface {
 	//   - f == nil, failure != nil: nobody can tell what is in flight.
 	// canceled, when it becomes true, allows the stream to skip copies that
 	// have not started (the fallback does; a CUDA stream cannot).
-	submit(ops []copyOp, canceled *atomic.Bool) (f fence, outcome, failure error)
+	//
+	// Only one goroutine submits to a stream at a time.
+	submit(ops []copyOp, kind copyKind, canceled *atomic.Bool) (f fence, outcome, failure error)
 	// wait blocks until f completes (never by spinning). failure != nil
 	// means completion cannot be proven; outcome is ErrCanceled (wrapped)
 	// when copies were skipped.

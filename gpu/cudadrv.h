@@ -21,6 +21,8 @@ typedef unsigned long long CUdeviceptr;
 typedef struct CUctx_st *CUcontext;
 typedef struct CUstream_st *CUstream;
 typedef struct CUevent_st *CUevent;
+typedef struct CUmod_st *CUmodule;
+typedef struct CUfunc_st *CUfunction;
 
 // The ABI version asked of cuGetProcAddress for every entry point but the
 // batched copy: CUDA 12.0.
@@ -33,6 +35,7 @@ typedef struct CUevent_st *CUevent;
 enum {
 	KVL_CUDA_SUCCESS = 0,
 	KVL_CUDA_ERROR_INVALID_VALUE = 1,
+	KVL_CUDA_ERROR_NOT_SUPPORTED = 801,
 	KVL_CUDA_ERROR_NOT_FOUND = 500,
 	KVL_CUDA_ERROR_NOT_READY = 600,
 };
@@ -44,6 +47,13 @@ enum {
 	KVL_CU_MEMHOSTALLOC_PORTABLE = 0x1,
 	KVL_CU_GET_PROC_ADDRESS_DEFAULT = 0,
 	KVL_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 0x1,
+	// CUjit_option values, for the JIT's error log.
+	KVL_CU_JIT_ERROR_LOG_BUFFER = 5,
+	KVL_CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES = 6,
+	// CUdevice_attribute values reported by the device check.
+	KVL_CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16,
+	KVL_CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75,
+	KVL_CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76,
 };
 
 typedef struct {
@@ -101,34 +111,66 @@ typedef struct {
 	CUresult (*cuMemcpyBatchAsync)(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,
 	                               kvl_CUmemcpyAttributes *attrs, size_t *attrsIdxs, size_t numAttrs,
 	                               size_t *failIdx, CUstream stream);
+	// Optional: without them the gather kernel, GPU timing or the device
+	// attributes are off; copies still work.
+	CUresult (*cuModuleLoadData)(CUmodule *module, const void *image);
+	CUresult (*cuModuleLoadDataEx)(CUmodule *module, const void *image, unsigned int numOptions, int *options,
+	                               void **optionValues);
+	CUresult (*cuModuleUnload)(CUmodule module);
+	CUresult (*cuModuleGetFunction)(CUfunction *fn, CUmodule module, const char *name);
+	CUresult (*cuLaunchKernel)(CUfunction fn, unsigned int gridX, unsigned int gridY, unsigned int gridZ,
+	                           unsigned int blockX, unsigned int blockY, unsigned int blockZ,
+	                           unsigned int sharedMemBytes, CUstream stream, void **kernelParams, void **extra);
+	CUresult (*cuEventElapsedTime)(float *ms, CUevent start, CUevent end);
+	CUresult (*cuDeviceGetAttribute)(int *value, int attribute, CUdevice dev);
 } kvl_api;
 
-// Copy directions of a kvl_op.
+// Copy directions of a submission (every copy of one has the same).
 enum {
 	KVL_HTOD = 0,
 	KVL_DTOH = 1,
 	KVL_DTOD = 2,
 };
 
-// kvl_op is one contiguous copy. Host addresses are pinned driver memory
-// (cuMemHostAlloc), never Go memory.
+// How a submission was carried.
+enum {
+	KVL_PATH_LOOP = 0,
+	KVL_PATH_BATCH = 1,
+	KVL_PATH_KERNEL = 2,
+};
+
+// kvl_submit_args describes one submission. It holds no Go pointers (the
+// copy arrays are passed beside it); host addresses are pinned driver
+// memory (cuMemHostAlloc), never Go memory.
 typedef struct {
-	CUdeviceptr dst;
-	CUdeviceptr src;
-	size_t bytes;
-	int kind;
-} kvl_op;
+	uintptr_t ctx, stream;
+	uintptr_t ev;          // completion event, recorded after the copies
+	uintptr_t start, end;  // timing events around the copies; 0 when untimed
+	int kind;              // KVL_HTOD, KVL_DTOH or KVL_DTOD
+	size_t n;              // number of copies
+	int useBatch;          // try cuMemcpyBatchAsync first (n > 1)
+	// The gather kernel, when fn != 0: upload ndesc descriptors from
+	// descHost (pinned) to descDev, then launch fn with one thread block
+	// of threads threads per descriptor.
+	uintptr_t fn;
+	uintptr_t descHost;
+	CUdeviceptr descDev;
+	unsigned int ndesc, threads;
+} kvl_submit_args;
 
 // kvl_submit_result says how far a submission got.
 typedef struct {
-	int pushFailed;     // 1 when the context could not be made current: nothing enqueued
-	CUresult enqueue;   // first error while enqueuing copies (0: all enqueued)
-	CUresult record;    // cuEventRecord's result
-	CUresult sync;      // cuStreamSynchronize's result, when record failed
-	size_t enqueued;    // copies enqueued before the first error
-	int batched;        // 1 when cuMemcpyBatchAsync carried the copies
-	int batchFailed;    // 1 when cuMemcpyBatchAsync failed and the loop ran instead
-	CUresult batchErr;  // cuMemcpyBatchAsync's error in that case
+	int pushFailed;      // 1 when the context could not be made current: nothing enqueued
+	CUresult enqueue;    // first error while enqueuing copies (0: all enqueued)
+	CUresult record;     // cuEventRecord's result
+	CUresult sync;       // cuStreamSynchronize's result, when record failed
+	size_t enqueued;     // copies enqueued before the first error
+	int path;            // KVL_PATH_*: what carried the copies
+	int batchFailed;     // 1 when cuMemcpyBatchAsync failed and the loop ran instead
+	CUresult batchErr;   // cuMemcpyBatchAsync's error in that case
+	int kernelFailed;    // 1 when the upload or launch failed and the copy engine ran instead
+	CUresult kernelErr;  // its error in that case
+	int timed;           // 1 when both timing events were recorded
 } kvl_submit_result;
 
 #endif

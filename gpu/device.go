@@ -5,6 +5,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 
 	"github.com/kvlease/kvlease"
 )
@@ -33,8 +34,12 @@ type Device struct {
 	mu        sync.Mutex
 	devArenas []*arena // live device arenas, by address
 	pinArenas []*arena // live pinned arenas, by address
-	engines   int      // open copy engines
-	closed    bool
+
+	// The two lists as published for lock-free lookups by Start; replaced
+	// (never modified) under mu.
+	devSnap, pinSnap atomic.Pointer[[]*arena]
+	engines          int // open copy engines
+	closed           bool
 }
 
 // Open opens CUDA device ordinal through the driver loaded at run time
@@ -60,7 +65,9 @@ func openPath(path string, ordinal int) (*Device, error) {
 		_ = b.close()
 		return nil, err
 	}
-	return &Device{b: b, ordinal: ordinal, name: b.name(), total: total}, nil
+	d := &Device{b: b, ordinal: ordinal, name: b.name(), total: total}
+	d.publishLocked()
+	return d, nil
 }
 
 // HostOption configures OpenHost.
@@ -85,7 +92,9 @@ func OpenHost(opts ...HostOption) *Device {
 		o(&cfg)
 	}
 	b := newHostBackend(cfg)
-	return &Device{b: b, ordinal: -1, name: b.name(), total: cfg.capacity, host: true}
+	d := &Device{b: b, ordinal: -1, name: b.name(), total: cfg.capacity, host: true}
+	d.publishLocked()
+	return d
 }
 
 // Name returns the device's name as the driver reports it, or
@@ -178,6 +187,7 @@ func (d *Device) addArena(a *arena) error {
 	} else {
 		d.pinArenas = insertArena(d.pinArenas, a)
 	}
+	d.publishLocked()
 	return nil
 }
 
@@ -187,6 +197,13 @@ func (d *Device) removeArenaLocked(a *arena) {
 	} else {
 		d.pinArenas = removeArena(d.pinArenas, a)
 	}
+	d.publishLocked()
+}
+
+func (d *Device) publishLocked() {
+	dev, pin := d.devArenas, d.pinArenas
+	d.devSnap.Store(&dev)
+	d.pinSnap.Store(&pin)
 }
 
 // CopyToHost copies len(dst) bytes of device memory starting at src into

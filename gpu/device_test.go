@@ -106,7 +106,7 @@ func TestSyncCopies(t *testing.T) {
 
 		isErr(t, d.CopyToHost(make([]byte, 1024), dev.Base().Add(1)), kvlease.ErrInvalidArgument, "past the end")
 		isErr(t, d.CopyFromHost(DevicePtr(1), data), kvlease.ErrInvalidArgument, "outside")
-		isErr(t, d.CopyToHost(got, dev.Base().Add(4*256)), kvlease.ErrInvalidArgument, "one past the end")
+		isErr(t, d.CopyToHost(got, pastEveryArena(d)), kvlease.ErrInvalidArgument, "past every arena")
 	})
 }
 
@@ -129,6 +129,17 @@ func TestDriverErrors(t *testing.T) {
 		isErr(t, newDriverError("op", code), want, "code %d", code)
 	}
 	for _, code := range []Result{ErrorOutOfMemory, ErrorInvalidValue, ErrorNotReady, ErrorNotSupported} {
+		isFalse(t, code.Sticky(), "code %d sticky", code)
+	}
+	// Every result the driver API documents as requiring a process
+	// restart, by number, so a renamed constant cannot hide one.
+	for _, code := range []Result{226, 700, 702, 710, 714, 715, 716, 717, 718, 719, 721, 810, 911} {
+		eq(t, true, code.Sticky(), "code %d sticky", code)
+		isErr(t, newDriverError("cuEventSynchronize", code), ErrDeviceFailed, "code %d", code)
+		isFalse(t, newDriverError("op", code).Name == fmt.Sprintf("CUDA_ERROR_%d", int(code)), "code %d named", code)
+	}
+	// Recoverable results next to them are not sticky.
+	for _, code := range []Result{701, 720, 909, 912, 999 - 1} {
 		isFalse(t, code.Sticky(), "code %d sticky", code)
 	}
 	u := newDriverError("cuX", Result(12345))

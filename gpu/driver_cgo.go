@@ -51,6 +51,13 @@ static const kvl_sym kvl_symbols[] = {
 	{"cuMemcpyHtoD", "cuMemcpyHtoD_v2", KVL_CUDA_VERSION, 0},
 	{"cuMemcpyDtoH", "cuMemcpyDtoH_v2", KVL_CUDA_VERSION, 0},
 	{"cuMemcpyBatchAsync", "cuMemcpyBatchAsync", KVL_CUDA_VERSION_BATCH, 1},
+	{"cuModuleLoadData", "cuModuleLoadData", KVL_CUDA_VERSION, 1},
+	{"cuModuleLoadDataEx", "cuModuleLoadDataEx", KVL_CUDA_VERSION, 1},
+	{"cuModuleUnload", "cuModuleUnload", KVL_CUDA_VERSION, 1},
+	{"cuModuleGetFunction", "cuModuleGetFunction", KVL_CUDA_VERSION, 1},
+	{"cuLaunchKernel", "cuLaunchKernel", KVL_CUDA_VERSION, 1},
+	{"cuEventElapsedTime", "cuEventElapsedTime", KVL_CUDA_VERSION, 1},
+	{"cuDeviceGetAttribute", "cuDeviceGetAttribute", KVL_CUDA_VERSION, 1},
 };
 
 _Static_assert(sizeof(kvl_api) == sizeof(kvl_symbols) / sizeof(kvl_symbols[0]) * sizeof(void *),
@@ -189,70 +196,154 @@ static CUresult kvl_event_sync(kvl_api *api, uintptr_t ctx, uintptr_t e) {
 static CUresult kvl_dtoh(kvl_api *api, uintptr_t ctx, void *dst, CUdeviceptr src, size_t n) {
 	KVL_WITH_CTX(api, ctx, api->cuMemcpyDtoH(dst, src, n));
 }
+// A synchronous upload from pageable memory may return once the source is
+// staged, before the DMA has landed, and the engine's non-blocking streams
+// are not ordered after the legacy stream it ran on: synchronize that
+// stream (NULL) before returning, so the bytes are in device memory when
+// CopyFromHost returns.
 static CUresult kvl_htod(kvl_api *api, uintptr_t ctx, CUdeviceptr dst, const void *src, size_t n) {
-	KVL_WITH_CTX(api, ctx, api->cuMemcpyHtoD(dst, src, n));
+	CUresult r = api->cuCtxPushCurrent((CUcontext)ctx);
+	if (r != KVL_CUDA_SUCCESS) return r;
+	r = api->cuMemcpyHtoD(dst, src, n);
+	if (r == KVL_CUDA_SUCCESS) r = api->cuStreamSynchronize(NULL);
+	CUcontext popped;
+	api->cuCtxPopCurrent(&popped);
+	return r;
 }
 
-static CUresult kvl_copy_one(kvl_api *api, const kvl_op *op, CUstream s) {
-	switch (op->kind) {
+static int kvl_has_kernel(kvl_api *api) {
+	return api->cuModuleLoadData && api->cuModuleGetFunction && api->cuLaunchKernel && api->cuModuleUnload;
+}
+static int kvl_has_timing(kvl_api *api) { return api->cuEventElapsedTime != NULL; }
+
+// kvl_module_load JIT-compiles the PTX image and finds entry. If the load
+// fails and the driver has cuModuleLoadDataEx, it loads again asking for
+// the JIT's error log, so the caller can say why.
+static CUresult kvl_module_load(kvl_api *api, uintptr_t ctx, const char *image, const char *entry, uintptr_t *mod,
+                                uintptr_t *fn, char *log, size_t loglen) {
+	log[0] = 0;
+	CUresult r = api->cuCtxPushCurrent((CUcontext)ctx);
+	if (r != KVL_CUDA_SUCCESS) return r;
+	CUmodule m = NULL;
+	CUfunction f = NULL;
+	r = api->cuModuleLoadData(&m, image);
+	if (r != KVL_CUDA_SUCCESS && api->cuModuleLoadDataEx != NULL) {
+		int opts[2] = {KVL_CU_JIT_ERROR_LOG_BUFFER, KVL_CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES};
+		void *vals[2] = {log, (void *)(uintptr_t)loglen};
+		CUmodule m2 = NULL;
+		if (api->cuModuleLoadDataEx(&m2, image, 2, opts, vals) == KVL_CUDA_SUCCESS && m2 != NULL) {
+			api->cuModuleUnload(m2);
+		}
+		log[loglen - 1] = 0;
+	}
+	if (r == KVL_CUDA_SUCCESS) {
+		r = api->cuModuleGetFunction(&f, m, entry);
+		if (r != KVL_CUDA_SUCCESS) {
+			api->cuModuleUnload(m);
+			m = NULL;
+		}
+	}
+	CUcontext popped;
+	api->cuCtxPopCurrent(&popped);
+	*mod = (uintptr_t)m;
+	*fn = (uintptr_t)f;
+	return r;
+}
+static CUresult kvl_module_unload(kvl_api *api, uintptr_t ctx, uintptr_t mod) {
+	KVL_WITH_CTX(api, ctx, api->cuModuleUnload((CUmodule)mod));
+}
+
+// Timing events (for benchmarks and the device check) keep timing on; they
+// are never waited on, only measured.
+static CUresult kvl_event_create_timed(kvl_api *api, uintptr_t ctx, uintptr_t *e) {
+	CUevent ev = NULL;
+	CUresult r = api->cuCtxPushCurrent((CUcontext)ctx);
+	if (r != KVL_CUDA_SUCCESS) return r;
+	r = api->cuEventCreate(&ev, 0);
+	CUcontext popped;
+	api->cuCtxPopCurrent(&popped);
+	*e = (uintptr_t)ev;
+	return r;
+}
+static CUresult kvl_elapsed(kvl_api *api, uintptr_t ctx, uintptr_t start, uintptr_t end, float *ms) {
+	KVL_WITH_CTX(api, ctx, api->cuEventElapsedTime(ms, (CUevent)start, (CUevent)end));
+}
+static CUresult kvl_device_attr(kvl_api *api, CUdevice dev, int attr, int *v) {
+	if (api->cuDeviceGetAttribute == NULL) return KVL_CUDA_ERROR_NOT_SUPPORTED;
+	return api->cuDeviceGetAttribute(v, attr, dev);
+}
+
+static CUresult kvl_copy_one(kvl_api *api, int kind, CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
+	switch (kind) {
 	case KVL_HTOD:
-		return api->cuMemcpyHtoDAsync(op->dst, (const void *)(uintptr_t)op->src, op->bytes, s);
+		return api->cuMemcpyHtoDAsync(dst, (const void *)(uintptr_t)src, n, s);
 	case KVL_DTOH:
-		return api->cuMemcpyDtoHAsync((void *)(uintptr_t)op->dst, op->src, op->bytes, s);
+		return api->cuMemcpyDtoHAsync((void *)(uintptr_t)dst, src, n, s);
 	default:
-		return api->cuMemcpyDtoDAsync(op->dst, op->src, op->bytes, s);
+		return api->cuMemcpyDtoDAsync(dst, src, n, s);
 	}
 }
 
-// kvl_submit enqueues ops on stream s and records event ev after them, in
-// one call so that the context stays current throughout. With useBatch and
-// more than one op it tries one cuMemcpyBatchAsync first; if that fails it
-// enqueues the copies one by one (copying a block twice from an unchanged
-// source is harmless). If the event cannot be recorded it synchronizes the
-// stream, so the caller learns whether anything can still be in flight.
-// The op arrays are read during the call only.
-static void kvl_submit(kvl_api *api, uintptr_t ctx, uintptr_t stream, uintptr_t ev, const kvl_op *ops, size_t n,
-                       int useBatch, kvl_submit_result *res) {
+// kvl_submit enqueues a submission on its stream and records its event
+// after it, in one call so that the context stays current throughout. The
+// gather kernel goes first when asked for; if its upload or launch fails,
+// the copy engine carries the copies instead. With useBatch and more than
+// one copy it tries one cuMemcpyBatchAsync; if that fails it enqueues the
+// copies one by one (copying a block twice from an unchanged source is
+// harmless). If the event cannot be recorded it synchronizes the stream,
+// so the caller learns whether anything can still be in flight. The copy
+// arrays (Go memory) are read during the call only; nothing is allocated.
+static void kvl_submit(kvl_api *api, const kvl_submit_args *a, CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes,
+                       kvl_submit_result *res) {
 	memset(res, 0, sizeof *res);
-	CUstream s = (CUstream)stream;
-	CUresult r = api->cuCtxPushCurrent((CUcontext)ctx);
+	CUstream s = (CUstream)a->stream;
+	size_t n = a->n;
+	CUresult r = api->cuCtxPushCurrent((CUcontext)a->ctx);
 	if (r != KVL_CUDA_SUCCESS) {
 		res->pushFailed = 1;
 		res->enqueue = r;
 		return;
 	}
-	int loop = 1;
-	if (useBatch && n > 1 && api->cuMemcpyBatchAsync != NULL) {
-		CUdeviceptr *dsts = malloc(n * sizeof *dsts);
-		CUdeviceptr *srcs = malloc(n * sizeof *srcs);
-		size_t *sizes = malloc(n * sizeof *sizes);
-		if (dsts && srcs && sizes) {
-			for (size_t i = 0; i < n; i++) {
-				dsts[i] = ops[i].dst;
-				srcs[i] = ops[i].src;
-				sizes[i] = ops[i].bytes;
-			}
-			kvl_CUmemcpyAttributes attr;
-			memset(&attr, 0, sizeof attr);
-			attr.srcAccessOrder = KVL_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
-			size_t attrIdx = 0, failIdx = SIZE_MAX;
-			r = api->cuMemcpyBatchAsync(dsts, srcs, sizes, n, &attr, &attrIdx, 1, &failIdx, s);
-			if (r == KVL_CUDA_SUCCESS) {
-				res->batched = 1;
-				res->enqueued = n;
-				loop = 0;
-			} else {
-				res->batchFailed = 1;
-				res->batchErr = r;
-			}
-		}
-		free(dsts);
-		free(srcs);
-		free(sizes);
+	if (a->start != 0 && a->end != 0) {
+		res->timed = api->cuEventRecord((CUevent)a->start, s) == KVL_CUDA_SUCCESS;
 	}
-	if (loop) {
+	int done = 0;
+	if (a->fn != 0) {
+		r = api->cuMemcpyHtoDAsync(a->descDev, (const void *)a->descHost, (size_t)a->ndesc * 32, s);
+		if (r == KVL_CUDA_SUCCESS) {
+			CUdeviceptr table = a->descDev;
+			unsigned int count = a->ndesc;
+			void *params[2] = {&table, &count};
+			r = api->cuLaunchKernel((CUfunction)a->fn, a->ndesc, 1, 1, a->threads, 1, 1, 0, s, params, NULL);
+		}
+		if (r == KVL_CUDA_SUCCESS) {
+			res->path = KVL_PATH_KERNEL;
+			res->enqueued = n;
+			done = 1;
+		} else {
+			res->kernelFailed = 1;
+			res->kernelErr = r;
+		}
+	}
+	if (!done && a->useBatch && n > 1 && api->cuMemcpyBatchAsync != NULL) {
+		kvl_CUmemcpyAttributes attr;
+		memset(&attr, 0, sizeof attr);
+		attr.srcAccessOrder = KVL_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
+		size_t attrIdx = 0, failIdx = SIZE_MAX;
+		r = api->cuMemcpyBatchAsync(dsts, srcs, sizes, n, &attr, &attrIdx, 1, &failIdx, s);
+		if (r == KVL_CUDA_SUCCESS) {
+			res->path = KVL_PATH_BATCH;
+			res->enqueued = n;
+			done = 1;
+		} else {
+			res->batchFailed = 1;
+			res->batchErr = r;
+		}
+	}
+	if (!done) {
+		res->path = KVL_PATH_LOOP;
 		for (size_t i = 0; i < n; i++) {
-			r = kvl_copy_one(api, &ops[i], s);
+			r = kvl_copy_one(api, a->kind, dsts[i], srcs[i], sizes[i], s);
 			if (r != KVL_CUDA_SUCCESS) {
 				res->enqueue = r;
 				break;
@@ -260,7 +351,10 @@ static void kvl_submit(kvl_api *api, uintptr_t ctx, uintptr_t stream, uintptr_t 
 			res->enqueued++;
 		}
 	}
-	res->record = api->cuEventRecord((CUevent)ev, s);
+	if (res->timed) {
+		res->timed = api->cuEventRecord((CUevent)a->end, s) == KVL_CUDA_SUCCESS;
+	}
+	res->record = api->cuEventRecord((CUevent)a->ev, s);
 	if (res->record != KVL_CUDA_SUCCESS) {
 		res->sync = api->cuStreamSynchronize(s);
 	}
@@ -275,6 +369,7 @@ import (
 	"fmt"
 	"sync"
 	"sync/atomic"
+	"time"
 	"unsafe"
 )
 
@@ -355,10 +450,15 @@ type cudaBackend struct {
 	devName  string
 	total    int64
 	useBatch atomic.Bool // cuMemcpyBatchAsync is present and has not failed
+	ctr      counters
 
-	// Counters of submissions, by path; read by tests and the device check.
-	batchedSubmits atomic.Int64
-	loopSubmits    atomic.Int64
+	// The gather kernel, loaded at the first scattered device-to-device
+	// copy; kernErr is set (and ctr.kernelOn cleared) once it failed to load
+	// or launch.
+	kernMu  sync.Mutex
+	kernMod C.uintptr_t
+	kernFn  C.uintptr_t
+	kernErr error
 }
 
 func openCUDA(path string, ordinal int) (backend, error) {
@@ -392,6 +492,11 @@ func openCUDA(path string, ordinal int) (backend, error) {
 		return nil, drv.err("cuDevicePrimaryCtxRetain", r)
 	}
 	b.useBatch.Store(C.kvl_has_batch(api) != 0)
+	if C.kvl_has_kernel(api) != 0 {
+		b.ctr.kernelOn.Store(true)
+	} else {
+		b.kernErr = errors.New("gpu: the driver lacks cuModuleLoadData, cuModuleGetFunction, cuLaunchKernel or cuModuleUnload")
+	}
 	return b, nil
 }
 
@@ -442,7 +547,82 @@ func (b *cudaBackend) writeDevice(a *arena, off int, src []byte) error {
 }
 
 func (b *cudaBackend) close() error {
-	return b.drv.err("cuDevicePrimaryCtxRelease", C.kvl_ctx_release(b.drv.api, b.dev))
+	b.kernMu.Lock()
+	mod := b.kernMod
+	b.kernMod, b.kernFn = 0, 0
+	b.kernMu.Unlock()
+	var errs []error
+	if mod != 0 {
+		errs = append(errs, b.drv.err("cuModuleUnload", C.kvl_module_unload(b.drv.api, b.ctx, mod)))
+	}
+	errs = append(errs, b.drv.err("cuDevicePrimaryCtxRelease", C.kvl_ctx_release(b.drv.api, b.dev)))
+	return errors.Join(errs...)
+}
+
+func (b *cudaBackend) counters() *counters { return &b.ctr }
+
+func (b *cudaBackend) pathState() (bool, error) {
+	b.kernMu.Lock()
+	defer b.kernMu.Unlock()
+	return b.useBatch.Load(), b.kernErr
+}
+
+// kernel returns the gather kernel's function, loading the module at the
+// first call; 0 when the kernel is off or failed to load (kernErr says
+// why, and the copy engine carries the copies).
+func (b *cudaBackend) kernel() C.uintptr_t {
+	if !b.ctr.kernelOn.Load() {
+		return 0
+	}
+	b.kernMu.Lock()
+	defer b.kernMu.Unlock()
+	if b.kernFn != 0 || b.kernErr != nil {
+		return b.kernFn
+	}
+	image := C.CString(gatherPTX)
+	defer C.free(unsafe.Pointer(image))
+	entry := C.CString(gatherEntry)
+	defer C.free(unsafe.Pointer(entry))
+	var log [4096]C.char
+	var mod, fn C.uintptr_t
+	if r := C.kvl_module_load(b.drv.api, b.ctx, image, entry, &mod, &fn, &log[0], C.size_t(len(log))); r != 0 {
+		err := b.drv.err("cuModuleLoadData", r)
+		if msg := C.GoString(&log[0]); msg != "" {
+			err = fmt.Errorf("%w; JIT log: %s", err, msg)
+		}
+		b.kernErr = fmt.Errorf("gpu: loading the gather kernel: %w", err)
+		b.ctr.kernelOn.Store(false)
+		return 0
+	}
+	b.kernMod, b.kernFn = mod, fn
+	return fn
+}
+
+// kernelFailed turns the kernel off after a failed upload or launch.
+func (b *cudaBackend) kernelFailed(err error) {
+	b.kernMu.Lock()
+	if b.kernErr == nil {
+		b.kernErr = fmt.Errorf("gpu: launching the gather kernel: %w", err)
+	}
+	b.kernMu.Unlock()
+	b.ctr.kernelOn.Store(false)
+	b.ctr.kernelFailures.Add(1)
+}
+
+// deviceAttrs returns the compute capability and SM count, or zeros when
+// the driver cannot say.
+func (b *cudaBackend) deviceAttrs() (major, minor, sms int) {
+	var v C.int
+	if C.kvl_device_attr(b.drv.api, b.dev, C.KVL_CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, &v) == 0 {
+		major = int(v)
+	}
+	if C.kvl_device_attr(b.drv.api, b.dev, C.KVL_CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, &v) == 0 {
+		minor = int(v)
+	}
+	if C.kvl_device_attr(b.drv.api, b.dev, C.KVL_CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, &v) == 0 {
+		sms = int(v)
+	}
+	return major, minor, sms
 }
 
 func (b *cudaBackend) newStream() (stream, error) {
@@ -453,115 +633,222 @@ func (b *cudaBackend) newStream() (stream, error) {
 	return &cudaStream{b: b, h: h}, nil
 }
 
-// cudaStream is a non-blocking CUDA stream with a free list of events.
-// submit is only called under its engine's lock, so ops needs no lock of
-// its own; events does (wait and recycle run on the completion goroutine).
+// cudaStream is a non-blocking CUDA stream with a free list of fences.
+// submit is only called by one goroutine at a time (its engine's
+// submission lock), so the copy arrays need no lock of their own; the free
+// list does (wait and recycle run on the completion goroutine).
 type cudaStream struct {
-	b   *cudaBackend
-	h   C.uintptr_t
-	ops []C.kvl_op // reused submission buffer (Go memory, read by C during the call only)
+	b *cudaBackend
+	h C.uintptr_t
+	// Reused submission arrays (Go memory, read by C during the call only):
+	// one copy per index.
+	dsts, srcs []C.CUdeviceptr
+	sizes      []C.size_t
 
 	mu     sync.Mutex
-	events []C.uintptr_t
+	fences []*cudaFence
 }
 
-func (s *cudaStream) event() (C.uintptr_t, error) {
+// cudaFence is one submission's completion event, with what must outlive
+// the call: the timing events and the gather kernel's descriptor table
+// (pinned staging and device copy), which the stream may still read until
+// the event completes. Fences are recycled, never freed before destroy.
+type cudaFence struct {
+	ev, start, end C.uintptr_t
+	timed          bool
+	descHost       unsafe.Pointer // pinned, descCap descriptors
+	descDev        C.CUdeviceptr
+	descCap        int
+}
+
+func (s *cudaStream) fence() (*cudaFence, error) {
 	s.mu.Lock()
-	if n := len(s.events); n > 0 {
-		ev := s.events[n-1]
-		s.events = s.events[:n-1]
+	if n := len(s.fences); n > 0 {
+		f := s.fences[n-1]
+		s.fences = s.fences[:n-1]
 		s.mu.Unlock()
-		return ev, nil
+		return f, nil
 	}
 	s.mu.Unlock()
-	var ev C.uintptr_t
-	if r := C.kvl_event_create(s.b.drv.api, s.b.ctx, &ev); r != 0 {
-		return 0, s.b.drv.err("cuEventCreate", r)
+	f := &cudaFence{}
+	if r := C.kvl_event_create(s.b.drv.api, s.b.ctx, &f.ev); r != 0 {
+		return nil, s.b.drv.err("cuEventCreate", r)
 	}
-	return ev, nil
+	return f, nil
 }
 
-func (s *cudaStream) submit(ops []copyOp, _ *atomic.Bool) (fence, error, error) {
-	drv := s.b.drv
-	ev, err := s.event()
+// timingEvents makes sure f has its two timing events.
+func (s *cudaStream) timingEvents(f *cudaFence) bool {
+	if f.start != 0 {
+		return true
+	}
+	if C.kvl_has_timing(s.b.drv.api) == 0 {
+		return false
+	}
+	var start, end C.uintptr_t
+	if C.kvl_event_create_timed(s.b.drv.api, s.b.ctx, &start) != 0 {
+		return false
+	}
+	if C.kvl_event_create_timed(s.b.drv.api, s.b.ctx, &end) != 0 {
+		_ = C.kvl_event_destroy(s.b.drv.api, s.b.ctx, start)
+		return false
+	}
+	f.start, f.end = start, end
+	return true
+}
+
+// descTable makes sure f's descriptor table holds n descriptors and
+// returns its pinned half. Growing frees the old table; f is idle (its
+// event completed) whenever it is handed out, so nothing reads it.
+func (s *cudaStream) descTable(f *cudaFence, n int) ([]gatherDesc, error) {
+	if n > f.descCap {
+		if err := s.freeDescs(f); err != nil {
+			return nil, err
+		}
+		c := max(n, 1024)
+		bytes := C.size_t(c * gatherDescBytes)
+		var host unsafe.Pointer
+		if r := C.kvl_host_alloc(s.b.drv.api, s.b.ctx, &host, bytes); r != 0 {
+			return nil, s.b.drv.err("cuMemHostAlloc", r)
+		}
+		var dev C.CUdeviceptr
+		if r := C.kvl_mem_alloc(s.b.drv.api, s.b.ctx, &dev, bytes); r != 0 {
+			_ = C.kvl_host_free(s.b.drv.api, s.b.ctx, host)
+			return nil, s.b.drv.err("cuMemAlloc", r)
+		}
+		f.descHost, f.descDev, f.descCap = host, dev, c
+	}
+	return unsafe.Slice((*gatherDesc)(f.descHost), f.descCap)[:n], nil
+}
+
+func (s *cudaStream) freeDescs(f *cudaFence) error {
+	if f.descCap == 0 {
+		return nil
+	}
+	err := errors.Join(
+		s.b.drv.err("cuMemFreeHost", C.kvl_host_free(s.b.drv.api, s.b.ctx, f.descHost)),
+		s.b.drv.err("cuMemFree", C.kvl_mem_free(s.b.drv.api, s.b.ctx, f.descDev)))
+	f.descHost, f.descDev, f.descCap = nil, 0, 0
+	return err
+}
+
+func (s *cudaStream) submit(ops []copyOp, kind copyKind, _ *atomic.Bool) (fence, error, error) {
+	b, drv := s.b, s.b.drv
+	f, err := s.fence()
 	if err != nil {
 		return nil, err, nil // nothing enqueued
 	}
-	s.ops = s.ops[:0]
+	s.dsts, s.srcs, s.sizes = s.dsts[:0], s.srcs[:0], s.sizes[:0]
 	for _, op := range ops {
-		kind := C.KVL_DTOD
-		switch {
-		case op.src.kind == pinnedMem:
-			kind = C.KVL_HTOD
-		case op.dst.kind == pinnedMem:
-			kind = C.KVL_DTOH
-		}
-		s.ops = append(s.ops, C.kvl_op{
-			dst:   C.CUdeviceptr(op.dst.addr + uint64(op.dstOff)),
-			src:   C.CUdeviceptr(op.src.addr + uint64(op.srcOff)),
-			bytes: C.size_t(op.n),
-			kind:  C.int(kind),
-		})
+		s.dsts = append(s.dsts, C.CUdeviceptr(op.dst.addr+uint64(op.dstOff)))
+		s.srcs = append(s.srcs, C.CUdeviceptr(op.src.addr+uint64(op.srcOff)))
+		s.sizes = append(s.sizes, C.size_t(op.n))
 	}
-	useBatch := 0
-	if s.b.useBatch.Load() {
-		useBatch = 1
+	args := C.kvl_submit_args{
+		ctx: s.b.ctx, stream: s.h, ev: f.ev,
+		kind: C.int(kind), n: C.size_t(len(ops)),
+	}
+	switch kind {
+	case hostToDevice:
+		args.kind = C.KVL_HTOD
+	case deviceToHost:
+		args.kind = C.KVL_DTOH
+	default:
+		args.kind = C.KVL_DTOD
+	}
+	if b.useBatch.Load() {
+		args.useBatch = 1
+	}
+	if b.ctr.timing.Load() && s.timingEvents(f) {
+		args.start, args.end = f.start, f.end
+	}
+	if kind == deviceToDevice && len(ops) >= gatherMinOps {
+		if fn := b.kernel(); fn != 0 {
+			nd := gatherDescCount(ops)
+			if table, err := s.descTable(f, nd); err == nil {
+				fillGatherDescs(table, ops)
+				args.fn = fn
+				args.descHost = C.uintptr_t(uintptr(f.descHost))
+				args.descDev = f.descDev
+				args.ndesc = C.uint(nd)
+				args.threads = gatherThreads
+			}
+			// A table that cannot be allocated leaves this copy to the
+			// copy engine; the next one tries again.
+		}
 	}
 	var res C.kvl_submit_result
-	C.kvl_submit(drv.api, s.b.ctx, s.h, ev, &s.ops[0], C.size_t(len(s.ops)), C.int(useBatch), &res)
+	C.kvl_submit(drv.api, &args, &s.dsts[0], &s.srcs[0], &s.sizes[0], &res)
 	if res.pushFailed != 0 {
-		s.recycle(ev)
+		s.recycle(f)
 		return nil, drv.err("cuCtxPushCurrent", res.enqueue), nil
 	}
-	if res.batched != 0 {
-		s.b.batchedSubmits.Add(1)
-	} else {
-		s.b.loopSubmits.Add(1)
+	b.ctr.count(copyPath(res.path), len(ops))
+	if res.kernelFailed != 0 {
+		b.kernelFailed(drv.err("cuLaunchKernel", res.kernelErr))
 	}
 	if res.batchFailed != 0 && res.enqueue == 0 {
 		// The loop did what the batch could not: stop asking for batches.
-		s.b.useBatch.Store(false)
+		b.useBatch.Store(false)
+		b.ctr.batchFailures.Add(1)
 	}
+	f.timed = res.timed != 0
 	var outcome error
 	if res.enqueue != 0 {
-		outcome = fmt.Errorf("gpu: %d of %d copies enqueued: %w", int(res.enqueued), len(s.ops), drv.err("cuMemcpyAsync", res.enqueue))
+		outcome = fmt.Errorf("gpu: %d of %d copies enqueued: %w", int(res.enqueued), len(ops), drv.err("cuMemcpyAsync", res.enqueue))
 	}
 	if res.record == 0 {
-		return ev, outcome, nil
+		return f, outcome, nil
 	}
 	recErr := drv.err("cuEventRecord", res.record)
 	if res.sync == 0 { // the stream drained: nothing of ours is in flight
-		_ = C.kvl_event_destroy(drv.api, s.b.ctx, ev)
+		s.recycle(f)
 		return nil, errors.Join(outcome, recErr), nil
 	}
+	// The fence's table may still be read by the stream: it is never
+	// recycled (the engine quarantines the transfer).
 	return nil, nil, errors.Join(outcome, recErr, drv.err("cuStreamSynchronize", res.sync))
 }
 
-func (s *cudaStream) wait(f fence) (outcome, failure error) {
-	ev := f.(C.uintptr_t)
-	if r := C.kvl_event_sync(s.b.drv.api, s.b.ctx, ev); r != 0 {
+func (s *cudaStream) wait(fc fence) (outcome, failure error) {
+	f := fc.(*cudaFence)
+	if r := C.kvl_event_sync(s.b.drv.api, s.b.ctx, f.ev); r != 0 {
 		return nil, s.b.drv.err("cuEventSynchronize", r)
+	}
+	if f.timed {
+		var ms C.float
+		if C.kvl_elapsed(s.b.drv.api, s.b.ctx, f.start, f.end, &ms) == 0 {
+			s.b.ctr.addGPUTime(time.Duration(float64(ms) * float64(time.Millisecond)))
+		}
+		f.timed = false
 	}
 	return nil, nil
 }
 
-func (s *cudaStream) recycle(f fence) {
+func (s *cudaStream) recycle(fc fence) {
 	s.mu.Lock()
-	s.events = append(s.events, f.(C.uintptr_t))
+	s.fences = append(s.fences, fc.(*cudaFence))
 	s.mu.Unlock()
 }
 
 func (s *cudaStream) destroy() error {
 	drv := s.b.drv
 	s.mu.Lock()
-	events := s.events
-	s.events = nil
+	fences := s.fences
+	s.fences = nil
 	s.mu.Unlock()
 	var errs []error
-	for _, ev := range events {
-		errs = append(errs, drv.err("cuEventDestroy", C.kvl_event_destroy(drv.api, s.b.ctx, ev)))
-	}
+	// The stream first: destroying it waits for nothing, but every fence
+	// here has completed, so its table is idle.
 	errs = append(errs, drv.err("cuStreamDestroy", C.kvl_stream_destroy(drv.api, s.b.ctx, s.h)))
+	for _, f := range fences {
+		errs = append(errs, drv.err("cuEventDestroy", C.kvl_event_destroy(drv.api, s.b.ctx, f.ev)))
+		if f.start != 0 {
+			errs = append(errs, drv.err("cuEventDestroy", C.kvl_event_destroy(drv.api, s.b.ctx, f.start)))
+			errs = append(errs, drv.err("cuEventDestroy", C.kvl_event_destroy(drv.api, s.b.ctx, f.end)))
+		}
+		errs = append(errs, s.freeDescs(f))
+	}
 	return errors.Join(errs...)
 }
 
@@ -569,11 +856,11 @@ func (s *cudaStream) destroy() error {
 // cuMemcpyBatchAsync or as a loop of cuMemcpy*Async. ok is false on the
 // fallback.
 func cudaStats(d *Device) (batched, looped int64, batchAvailable, ok bool) {
-	b, isCUDA := d.b.(*cudaBackend)
-	if !isCUDA {
+	if _, isCUDA := d.b.(*cudaBackend); !isCUDA {
 		return 0, 0, false, false
 	}
-	return b.batchedSubmits.Load(), b.loopSubmits.Load(), b.useBatch.Load(), true
+	st := d.CopyStats()
+	return st.BatchedSubmits, st.LoopedSubmits, st.BatchEnabled, true
 }
 
 // setBatch turns the batched path on or off (when the driver has it), for
@@ -582,4 +869,13 @@ func setBatch(d *Device, on bool) {
 	if b, isCUDA := d.b.(*cudaBackend); isCUDA {
 		b.useBatch.Store(on && C.kvl_has_batch(b.drv.api) != 0)
 	}
+}
+
+// deviceAttrs returns d's compute capability and SM count (zeros on the
+// fallback or when the driver cannot say).
+func deviceAttrs(d *Device) (major, minor, sms int) {
+	if b, isCUDA := d.b.(*cudaBackend); isCUDA {
+		return b.deviceAttrs()
+	}
+	return 0, 0, 0
 }

@@ -13,3 +13,5 @@ func openCUDA(path string, _ int) (backend, error) {
 func cudaStats(*Device) (batched, looped int64, batchAvailable, ok bool) { return 0, 0, false, false }
 
 func setBatch(*Device, bool) {}
+
+func deviceAttrs(*Device) (major, minor, sms int) { return 0, 0, 0 }

@@ -18,8 +18,9 @@ func TestDriverInfo(t *testing.T) {
 	free, err := d.FreeMemory()
 	noErr(t, err)
 	_, _, batch, _ := cudaStats(d)
-	t.Logf("device %d: %s, driver CUDA %d, memory %.1f GiB total, %.1f GiB free, cuMemcpyBatchAsync: %v",
-		d.Ordinal(), d.Name(), d.DriverVersion(), float64(d.TotalMemory())/(1<<30), float64(free)/(1<<30), batch)
+	major, minor, sms := deviceAttrs(d)
+	t.Logf("device %d: %s, compute capability %d.%d, %d SMs, driver CUDA %d, memory %.1f GiB total, %.1f GiB free, cuMemcpyBatchAsync: %v",
+		d.Ordinal(), d.Name(), major, minor, sms, d.DriverVersion(), float64(d.TotalMemory())/(1<<30), float64(free)/(1<<30), batch)
 	if d.TotalMemory() <= 0 || free <= 0 || free > d.TotalMemory() {
 		t.Fatalf("implausible memory: total %d, free %d", d.TotalMemory(), free)
 	}
@@ -103,4 +104,29 @@ func TestDriverResolvesAfterEvent(t *testing.T) {
 	if state != kvlease.TransferPending {
 		t.Fatalf("transfer was %v when Start returned: the copy of 512 MiB cannot be done yet, so resolution did not wait for the event", state)
 	}
+}
+
+// TestDriverGatherKernelLoads: the driver JIT-compiles the embedded PTX for
+// this device and the kernel moves a scattered copy; on failure the
+// driver's JIT log is in the error.
+func TestDriverGatherKernelLoads(t *testing.T) {
+	d := openRealDevice(t)
+	r := newRig(t, d, 16, 64<<10)
+	rng := rand.New(rand.NewPCG(25, 26))
+	src := make([]byte, 16*64<<10)
+	fillRandom(rng, src)
+	noErr(t, d.CopyFromHost(r.dev.Base(), src))
+	t0 := time.Now()
+	tr, err := r.e.DeviceToDevice().Start([]cp[DevicePtr, DevicePtr]{
+		pair(r.dev.Region(9), r.dev2.Region(0)), pair(r.dev.Region(2), r.dev2.Region(7)), pair(r.dev.Region(15), r.dev2.Region(3)),
+	}, noAttach)
+	noErr(t, err)
+	waitDone(t, tr)
+	noErr(t, tr.Err())
+	st := d.CopyStats()
+	t.Logf("first scattered device-to-device copy (JIT included): %v; %v", time.Since(t0), st)
+	noErr(t, st.KernelErr, "the gather kernel")
+	eq(t, int64(1), st.KernelLaunches)
+	eq(t, src[9*64<<10:10*64<<10], readDev(t, d, r.dev2.Region(0), 64<<10))
+	eq(t, src[15*64<<10:16*64<<10], readDev(t, d, r.dev2.Region(3), 64<<10))
 }

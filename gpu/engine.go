@@ -47,6 +47,12 @@ type CopyEngine struct {
 	wake    chan struct{} // capacity 1: the completion goroutine's doorbell
 	stopped chan struct{} // closed when the completion goroutine exits
 
+	// subMu serializes submissions, so that the queue's order is the
+	// stream's. It is held across the driver call; mu is not, so a long
+	// enqueue delays other submissions only, never resolution, Pending or
+	// Err. Lock order: subMu, then mu.
+	subMu sync.Mutex
+
 	mu          sync.Mutex
 	queue       []*copyJob // submitted and not yet waited for, in stream order
 	pending     int        // transfers started and not yet resolved (quarantined included)
@@ -61,6 +67,7 @@ type copyJob struct {
 	dir      string
 	pairs    int
 	arenas   []*arena // distinct arenas touched, each counted pending once
+	arenaBuf [4]*arena
 	canceled atomic.Bool
 	f        fence
 	outcome  error // enqueue error to report once the fence completes
@@ -130,13 +137,13 @@ func (e *CopyEngine) DeviceToDevice() DeviceToDevice { return DeviceToDevice{e} 
 // could be enqueued, Start returns it already resolved, with the outcome
 // as error. Otherwise it returns the pending transfer and nil.
 func (t DeviceToHost) Start(pairs []kvlease.CopyPair[DevicePtr, []byte], attach func(*kvlease.Transfer) error) (*kvlease.Transfer, error) {
-	return startCopy(t.e, "device-to-host copy", pairs, attach, (*Device).deviceBlockLocked, (*Device).pinnedBlockLocked, false)
+	return startCopy(t.e, deviceToHost, pairs, attach, (*Device).deviceBlock, (*Device).pinnedBlock)
 }
 
 // Start copies each pair's pinned host block to its device block, as
 // DeviceToHost.Start does in the other direction.
 func (t HostToDevice) Start(pairs []kvlease.CopyPair[[]byte, DevicePtr], attach func(*kvlease.Transfer) error) (*kvlease.Transfer, error) {
-	return startCopy(t.e, "host-to-device copy", pairs, attach, (*Device).pinnedBlockLocked, (*Device).deviceBlockLocked, false)
+	return startCopy(t.e, hostToDevice, pairs, attach, (*Device).pinnedBlock, (*Device).deviceBlock)
 }
 
 // Start copies each pair's device block to another device block, as
@@ -144,15 +151,23 @@ func (t HostToDevice) Start(pairs []kvlease.CopyPair[[]byte, DevicePtr], attach 
 // both read and written by one Start: copies within a batch run in no
 // particular order.
 func (t DeviceToDevice) Start(pairs []kvlease.CopyPair[DevicePtr, DevicePtr], attach func(*kvlease.Transfer) error) (*kvlease.Transfer, error) {
-	return startCopy(t.e, "device-to-device copy", pairs, attach, (*Device).deviceBlockLocked, (*Device).deviceBlockLocked, true)
+	return startCopy(t.e, deviceToDevice, pairs, attach, (*Device).deviceBlock, (*Device).deviceBlock)
 }
 
 // errAttachPanicked resolves the transfer of an attach that panicked:
 // nothing was enqueued.
 var errAttachPanicked = errors.New("gpu: attach panicked; nothing was enqueued")
 
-func startCopy[S, D any](e *CopyEngine, dir string, pairs []kvlease.CopyPair[S, D], attach func(*kvlease.Transfer) error,
-	srcOf func(*Device, S) (span, error), dstOf func(*Device, D) (span, error), sameSpace bool) (*kvlease.Transfer, error) {
+// dirNames names each direction in errors.
+var dirNames = [...]string{
+	hostToDevice:   "host-to-device copy",
+	deviceToHost:   "device-to-host copy",
+	deviceToDevice: "device-to-device copy",
+}
+
+func startCopy[S, D any](e *CopyEngine, kind copyKind, pairs []kvlease.CopyPair[S, D], attach func(*kvlease.Transfer) error,
+	srcOf func(*Device, S) (span, error), dstOf func(*Device, D) (span, error)) (*kvlease.Transfer, error) {
+	dir := dirNames[kind]
 	switch {
 	case e == nil:
 		return nil, fmt.Errorf("gpu: %s: zero transport; make it with a CopyEngine: %w", dir, kvlease.ErrInvalidArgument)
@@ -164,17 +179,17 @@ func startCopy[S, D any](e *CopyEngine, dir string, pairs []kvlease.CopyPair[S, 
 	if err := e.reserve(dir); err != nil {
 		return nil, err
 	}
-	ops, arenas, err := resolvePairs(e.dev, dir, pairs, srcOf, dstOf, sameSpace)
+	j := &copyJob{dir: dir, pairs: len(pairs)}
+	ops, err := resolvePairs(e.dev, j, pairs, srcOf, dstOf, kind == deviceToDevice)
 	if err != nil {
 		e.unreserve()
 		return nil, err
 	}
-	j := &copyJob{dir: dir, pairs: len(pairs), arenas: arenas}
 	j.t = kvlease.NewTransfer(j.cancel)
 	if err := e.runAttach(j, attach); err != nil {
 		return j.t, err
 	}
-	return e.submit(j, ops)
+	return e.submit(j, ops, kind)
 }
 
 // cancel is the transfer's cancel hook. It only raises a flag: copies not
@@ -203,39 +218,47 @@ func (e *CopyEngine) unreserve() {
 	e.mu.Unlock()
 }
 
-// resolvePairs validates pairs under the device lock and, if all are good,
-// counts the copy as pending on every arena it touches.
-func resolvePairs[S, D any](d *Device, dir string, pairs []kvlease.CopyPair[S, D],
-	srcOf func(*Device, S) (span, error), dstOf func(*Device, D) (span, error), sameSpace bool) ([]copyOp, []*arena, error) {
+// keyScratch recycles the key slices resolvePairs sorts.
+var keyScratch = sync.Pool{New: func() any { return new([]uint64) }}
+
+// resolvePairs validates pairs and, if all are good, counts the copy as
+// pending on every arena it touches (j.arenas). The lookups (in the
+// device's published arena lists) and the checks run without the device
+// lock; it is taken once at the end, to pin the arenas, after checking
+// that none closed meanwhile.
+func resolvePairs[S, D any](d *Device, j *copyJob, pairs []kvlease.CopyPair[S, D],
+	srcOf func(*Device, S) (span, error), dstOf func(*Device, D) (span, error), sameSpace bool) ([]copyOp, error) {
+	dir := j.dir
 	ops := make([]copyOp, 0, len(pairs))
-	var arenas []*arena
-	dstKeys := make([]uint64, len(pairs))
+	arenas := j.arenaBuf[:0]
+	dk := keyScratch.Get().(*[]uint64)
+	defer keyScratch.Put(dk)
+	dstKeys := (*dk)[:0]
 	var srcKeys []uint64
 	if sameSpace {
-		srcKeys = make([]uint64, len(pairs))
+		sk := keyScratch.Get().(*[]uint64)
+		defer keyScratch.Put(sk)
+		srcKeys = (*sk)[:0]
+		defer func() { *sk = srcKeys[:0] }()
 	}
+	defer func() { *dk = dstKeys[:0] }()
 
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	if d.closed {
-		return nil, nil, fmt.Errorf("gpu: %s: %s: %w", dir, d.name, ErrClosed)
-	}
 	for i, p := range pairs {
 		src, err := srcOf(d, p.Src)
 		if err != nil {
-			return nil, nil, fmt.Errorf("gpu: %s, pair %d, src: %w", dir, i, err)
+			return nil, fmt.Errorf("gpu: %s, pair %d, src: %w", dir, i, err)
 		}
 		dst, err := dstOf(d, p.Dst)
 		if err != nil {
-			return nil, nil, fmt.Errorf("gpu: %s, pair %d, dst: %w", dir, i, err)
+			return nil, fmt.Errorf("gpu: %s, pair %d, dst: %w", dir, i, err)
 		}
 		n := src.a.blockBytes
 		if dst.a.blockBytes != n {
-			return nil, nil, fmt.Errorf("gpu: %s, pair %d: src block is %d bytes, dst block %d: %w", dir, i, n, dst.a.blockBytes, kvlease.ErrInvalidArgument)
+			return nil, fmt.Errorf("gpu: %s, pair %d: src block is %d bytes, dst block %d: %w", dir, i, n, dst.a.blockBytes, kvlease.ErrInvalidArgument)
 		}
-		dstKeys[i] = dst.key()
+		dstKeys = append(dstKeys, dst.key())
 		if sameSpace {
-			srcKeys[i] = src.key()
+			srcKeys = append(srcKeys, src.key())
 		}
 		if k := len(ops) - 1; k >= 0 && ops[k].src == src.a && ops[k].dst == dst.a &&
 			ops[k].srcOff+ops[k].n == src.off && ops[k].dstOff+ops[k].n == dst.off {
@@ -253,7 +276,7 @@ func resolvePairs[S, D any](d *Device, dir string, pairs []kvlease.CopyPair[S, D
 	slices.Sort(dstKeys)
 	for i := 1; i < len(dstKeys); i++ {
 		if dstKeys[i] == dstKeys[i-1] {
-			return nil, nil, fmt.Errorf("gpu: %s: two pairs write block 0x%x: %w", dir, dstKeys[i], kvlease.ErrInvalidArgument)
+			return nil, fmt.Errorf("gpu: %s: two pairs write block 0x%x: %w", dir, dstKeys[i], kvlease.ErrInvalidArgument)
 		}
 	}
 	if sameSpace {
@@ -261,7 +284,7 @@ func resolvePairs[S, D any](d *Device, dir string, pairs []kvlease.CopyPair[S, D
 		for i, k := 0, 0; i < len(srcKeys) && k < len(dstKeys); {
 			switch {
 			case srcKeys[i] == dstKeys[k]:
-				return nil, nil, fmt.Errorf("gpu: %s: block 0x%x is both read and written: %w", dir, dstKeys[k], kvlease.ErrInvalidArgument)
+				return nil, fmt.Errorf("gpu: %s: block 0x%x is both read and written: %w", dir, dstKeys[k], kvlease.ErrInvalidArgument)
 			case srcKeys[i] < dstKeys[k]:
 				i++
 			default:
@@ -269,10 +292,22 @@ func resolvePairs[S, D any](d *Device, dir string, pairs []kvlease.CopyPair[S, D
 			}
 		}
 	}
+
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
+		return nil, fmt.Errorf("gpu: %s: %s: %w", dir, d.name, ErrClosed)
+	}
+	for _, a := range arenas {
+		if a.closed {
+			return nil, fmt.Errorf("gpu: %s: the %s at 0x%x closed during Start: %w", dir, a.kind, a.addr, kvlease.ErrInvalidArgument)
+		}
+	}
 	for _, a := range arenas {
 		a.pending++
 	}
-	return ops, arenas, nil
+	j.arenas = arenas
+	return ops, nil
 }
 
 // runAttach calls attach before anything is enqueued. On failure (or a
@@ -294,30 +329,36 @@ func (e *CopyEngine) runAttach(j *copyJob, attach func(*kvlease.Transfer) error)
 }
 
 // submit enqueues j's copies and hands the job to the completion
-// goroutine. Submission and queueing happen under e.mu, so the queue's
-// order is the stream's order.
-func (e *CopyEngine) submit(j *copyJob, ops []copyOp) (*kvlease.Transfer, error) {
+// goroutine. Submission and queueing happen under e.subMu, so the queue's
+// order is the stream's; e.mu is taken only around the checks and the
+// append, never across the driver call.
+func (e *CopyEngine) submit(j *copyJob, ops []copyOp, kind copyKind) (*kvlease.Transfer, error) {
 	var (
 		f                fence
 		outcome, failure error
 	)
+	e.subMu.Lock()
 	e.mu.Lock()
+	failed := e.failed
+	e.mu.Unlock()
 	switch {
-	case e.failed != nil:
-		outcome = fmt.Errorf("gpu: %s not enqueued: %w", j.dir, e.failed)
+	case failed != nil:
+		outcome = fmt.Errorf("gpu: %s not enqueued: %w", j.dir, failed)
 	case j.canceled.Load():
 		outcome = fmt.Errorf("gpu: %s canceled before it was enqueued: %w", j.dir, ErrCanceled)
 	default:
-		f, outcome, failure = e.s.submit(ops, &j.canceled)
+		f, outcome, failure = e.s.submit(ops, kind, &j.canceled)
 	}
 	if f != nil {
 		j.f, j.outcome = f, outcome
+		e.mu.Lock()
 		e.queue = append(e.queue, j)
 		e.mu.Unlock()
+		e.subMu.Unlock()
 		e.ring()
 		return j.t, nil
 	}
-	e.mu.Unlock()
+	e.subMu.Unlock()
 	if failure != nil {
 		err := e.quarantine(j, failure)
 		return j.t, err

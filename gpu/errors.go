@@ -63,6 +63,7 @@ const (
 	ErrorInvalidContext     Result = 201
 	ErrorECCUncorrectable   Result = 214
 	ErrorNvlinkUncorrect    Result = 220
+	ErrorContained          Result = 226
 	ErrorInvalidHandle      Result = 400
 	ErrorNotFound           Result = 500
 	ErrorNotReady           Result = 600
@@ -76,8 +77,11 @@ const (
 	ErrorInvalidAddrSpace   Result = 717
 	ErrorInvalidPC          Result = 718
 	ErrorLaunchFailed       Result = 719
+	ErrorTensorMemoryLeak   Result = 721
 	ErrorNotSupported       Result = 801
 	ErrorSystemDriver       Result = 803
+	ErrorMPSClientKilled    Result = 810
+	ErrorExternalDevice     Result = 911
 	ErrorUnknown            Result = 999
 )
 
@@ -95,6 +99,7 @@ var knownResults = map[Result][2]string{
 	ErrorInvalidContext:     {"CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
 	ErrorECCUncorrectable:   {"CUDA_ERROR_ECC_UNCORRECTABLE", "uncorrectable ECC error encountered"},
 	ErrorNvlinkUncorrect:    {"CUDA_ERROR_NVLINK_UNCORRECTABLE", "uncorrectable NVLink error detected during the execution"},
+	ErrorContained:          {"CUDA_ERROR_CONTAINED", "an exception on the device was contained by the GPU's error containment"},
 	ErrorInvalidHandle:      {"CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
 	ErrorNotFound:           {"CUDA_ERROR_NOT_FOUND", "named symbol not found"},
 	ErrorNotReady:           {"CUDA_ERROR_NOT_READY", "device not ready"},
@@ -108,22 +113,33 @@ var knownResults = map[Result][2]string{
 	ErrorInvalidAddrSpace:   {"CUDA_ERROR_INVALID_ADDRESS_SPACE", "operation not supported on global/shared address space"},
 	ErrorInvalidPC:          {"CUDA_ERROR_INVALID_PC", "invalid program counter"},
 	ErrorLaunchFailed:       {"CUDA_ERROR_LAUNCH_FAILED", "unspecified launch failure"},
+	ErrorTensorMemoryLeak:   {"CUDA_ERROR_TENSOR_MEMORY_LEAK", "a kernel exited without deallocating its tensor memory"},
 	ErrorNotSupported:       {"CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
 	ErrorSystemDriver:       {"CUDA_ERROR_SYSTEM_DRIVER_MISMATCH", "system has unsupported display driver / cuda driver combination"},
+	ErrorMPSClientKilled:    {"CUDA_ERROR_MPS_CLIENT_TERMINATED", "the MPS client has been terminated by the server"},
+	ErrorExternalDevice:     {"CUDA_ERROR_EXTERNAL_DEVICE", "an asynchronous error occurred in a device outside of CUDA"},
 	ErrorUnknown:            {"CUDA_ERROR_UNKNOWN", "unknown error"},
 }
 
 // Sticky reports whether r leaves the CUDA context unusable: after it every
 // later call in the process fails, so nothing in flight can be proven to
-// have stopped. The lost-context codes (deinitialized, invalid or destroyed
-// context) count as sticky here for the same reason.
+// have stopped. The set is the driver API's list of results whose
+// description ends "the process must be terminated and relaunched"
+// (contained errors, illegal address, launch timeout and failure, device
+// assert, hardware stack, illegal instruction, misaligned address, invalid
+// address space or PC, tensor memory leak, MPS client terminated, external
+// device), plus what this package treats the same way for the same reason:
+// the lost-context codes (deinitialized, invalid or destroyed context),
+// uncorrectable ECC and NVLink errors, and CUDA_ERROR_UNKNOWN.
 func (r Result) Sticky() bool {
 	switch r {
 	case ErrorDeinitialized, ErrorInvalidContext, ErrorContextDestroyed,
-		ErrorECCUncorrectable, ErrorNvlinkUncorrect,
+		ErrorECCUncorrectable, ErrorNvlinkUncorrect, ErrorContained,
 		ErrorIllegalAddress, ErrorLaunchTimeout, ErrorAssert,
 		ErrorHardwareStack, ErrorIllegalInstruction, ErrorMisalignedAddress,
-		ErrorInvalidAddrSpace, ErrorInvalidPC, ErrorLaunchFailed, ErrorUnknown:
+		ErrorInvalidAddrSpace, ErrorInvalidPC, ErrorLaunchFailed,
+		ErrorTensorMemoryLeak, ErrorMPSClientKilled, ErrorExternalDevice,
+		ErrorUnknown:
 		return true
 	}
 	return false

@@ -37,6 +37,7 @@ var fakeVariants = map[string][]string{
 	"nobatch":  {"-DFAKE_NO_BATCH"},
 	"nodevice": {"-DFAKE_NO_DEVICE"},
 	"noalloc":  {"-DFAKE_MISSING_ALLOC"},
+	"badptx":   {"-DFAKE_REJECT_PTX"},
 	"sticky":   nil, // a fresh copy per run (see stickyRuns): its sticky state is its own
 }
 
@@ -205,4 +206,123 @@ func TestFakeDriverStickyError(t *testing.T) {
 	}
 	// The device stays open for the life of the test process, as a real
 	// one would after a sticky error.
+}
+
+// TestFakeDriverPacksAllocations: the fake carves device memory like
+// cuMemAlloc, so the byte one past an arena is the next arena's first
+// block; the engine must tell them apart by arena, never by a gap.
+func TestFakeDriverPacksAllocations(t *testing.T) {
+	d, err := openPath(fakeLib(t, "default"), 0)
+	noErr(t, err)
+	t.Cleanup(func() { noErr(t, d.Close()) })
+	a, err := d.AllocDevice(4, 256)
+	noErr(t, err)
+	b, err := d.AllocDevice(4, 256)
+	noErr(t, err)
+	eq(t, a.Base().Add(a.Size()), b.Base(), "second arena right after the first")
+
+	// One past a is b's block 0: a valid copy source, not an error.
+	want := make([]byte, 256)
+	for i := range want {
+		want[i] = byte(i%13 + 1)
+	}
+	noErr(t, d.CopyFromHost(b.Base(), want))
+	got := make([]byte, 256)
+	noErr(t, d.CopyToHost(got, a.Base().Add(a.Size())))
+	eq(t, want, got)
+	// A span that crosses from a into b is in no single arena.
+	isErr(t, d.CopyToHost(make([]byte, 512), a.Region(3)), kvlease.ErrInvalidArgument)
+
+	// A freed arena's range is handed out again.
+	base := a.Base()
+	noErr(t, a.Close())
+	c, err := d.AllocDevice(2, 512)
+	noErr(t, err)
+	eq(t, base, c.Base(), "first fit reuses the freed range")
+	noErr(t, b.Close())
+	noErr(t, c.Close())
+}
+
+// TestFakeDriverCopyFromHostSynchronizes: the fake's pageable upload lands
+// only when the legacy stream is synchronized, as the real one may; a copy
+// on the engine's non-blocking stream right after CopyFromHost must see
+// the new bytes.
+func TestFakeDriverCopyFromHostSynchronizes(t *testing.T) {
+	d, err := openPath(fakeLib(t, "default"), 0)
+	noErr(t, err)
+	t.Cleanup(func() { noErr(t, d.Close()) })
+	r := newRig(t, d, 4, 256)
+	for round := range 5 {
+		want := make([]byte, 256)
+		for i := range want {
+			want[i] = byte(round*31 + i%7 + 1)
+		}
+		noErr(t, d.CopyFromHost(r.dev.Region(2), want))
+		tr, err := r.e.DeviceToHost().Start([]cp[DevicePtr, []byte]{pair(r.dev.Region(2), r.pin.Region(1))}, noAttach)
+		noErr(t, err)
+		waitDone(t, tr)
+		noErr(t, tr.Err())
+		eq(t, want, r.pin.Region(1), "round %d", round)
+	}
+}
+
+// TestFakeDriverKernelFallbacks: a kernel the JIT refuses, or a launch
+// that fails, leaves the copy to the copy engine (the bytes still land),
+// turns the kernel off for the device, and says why in CopyStats.
+func TestFakeDriverKernelFallbacks(t *testing.T) {
+	scattered := func(t *testing.T, d *Device) {
+		t.Helper()
+		r := newRig(t, d, 8, 512)
+		want := make([]byte, 512)
+		for i := range want {
+			want[i] = byte(i%29 + 3)
+		}
+		noErr(t, d.CopyFromHost(r.dev.Region(6), want))
+		tr, err := r.e.DeviceToDevice().Start([]cp[DevicePtr, DevicePtr]{
+			pair(r.dev.Region(6), r.dev2.Region(1)), pair(r.dev.Region(2), r.dev2.Region(5)),
+		}, noAttach)
+		noErr(t, err)
+		waitDone(t, tr)
+		noErr(t, tr.Err())
+		eq(t, want, readDev(t, d, r.dev2.Region(1), 512))
+	}
+	t.Run("rejected PTX", func(t *testing.T) {
+		d, err := openPath(fakeLib(t, "badptx"), 0)
+		noErr(t, err)
+		t.Cleanup(func() { noErr(t, d.Close()) })
+		scattered(t, d)
+		st := d.CopyStats()
+		eq(t, int64(0), st.KernelLaunches)
+		eq(t, int64(1), st.BatchedSubmits, "the batch carried it: %v", st)
+		isFalse(t, st.KernelEnabled)
+		var de *DriverError
+		asErr(t, st.KernelErr, &de)
+		eq(t, Result(218), de.Code)
+		contains(t, st.KernelErr, "JIT log: fake ptxas: the PTX was rejected")
+		setKernel(d, true)
+		isFalse(t, d.CopyStats().KernelEnabled, "setKernel cannot revive a kernel that failed")
+	})
+	t.Run("failed launch", func(t *testing.T) {
+		d, err := openPath(fakeLib(t, "default"), 0)
+		noErr(t, err)
+		t.Cleanup(func() { noErr(t, d.Close()) })
+		t.Setenv("FAKECUDA_LAUNCH_FAIL", "701") // CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES
+		scattered(t, d)
+		st := d.CopyStats()
+		eq(t, [3]int64{0, 1, 1}, [3]int64{st.KernelLaunches, st.KernelFailures, st.BatchedSubmits}, "%v", st)
+		isFalse(t, st.KernelEnabled)
+		contains(t, st.KernelErr, "cuLaunchKernel")
+		t.Setenv("FAKECUDA_LAUNCH_FAIL", "")
+		scattered(t, d)
+		eq(t, int64(0), d.CopyStats().KernelLaunches, "the kernel stays off")
+	})
+	t.Run("no batch either", func(t *testing.T) {
+		d, err := openPath(fakeLib(t, "nobatch"), 0)
+		noErr(t, err)
+		t.Cleanup(func() { noErr(t, d.Close()) })
+		t.Setenv("FAKECUDA_LAUNCH_FAIL", "1")
+		scattered(t, d)
+		st := d.CopyStats()
+		eq(t, [3]int64{1, 1, 2}, [3]int64{st.KernelFailures, st.LoopedSubmits, st.LoopedCopies}, "%v", st)
+	})
 }

@@ -147,3 +147,16 @@ func gatedHost(t testing.TB) (*Device, chan struct{}) {
 	t.Cleanup(func() { noErr(t, d.Close()) })
 	return d, gate
 }
+
+// pastEveryArena returns a device address beyond the end of every live
+// device arena of d: in no arena, whatever the allocator packs next to
+// what.
+func pastEveryArena(d *Device) DevicePtr {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	var end uint64
+	for _, a := range d.devArenas {
+		end = max(end, a.addr+uint64(a.size()))
+	}
+	return DevicePtr(end + Alignment)
+}

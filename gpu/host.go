@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"sync"
 	"sync/atomic"
+	"time"
 )
 
 // The CPU fallback: device memory is host memory behind an address space
@@ -32,6 +33,7 @@ type hostConfig struct {
 type hostBackend struct {
 	cfg   hostConfig
 	fault atomic.Pointer[DriverError] // a simulated sticky error: every later job fails
+	ctr   counters
 
 	mu   sync.Mutex
 	used int64
@@ -39,8 +41,13 @@ type hostBackend struct {
 }
 
 func newHostBackend(cfg hostConfig) *hostBackend {
-	return &hostBackend{cfg: cfg, next: hostAddrBase}
+	b := &hostBackend{cfg: cfg, next: hostAddrBase}
+	b.ctr.kernelOn.Store(true)
+	return b
 }
+
+func (b *hostBackend) counters() *counters      { return &b.ctr }
+func (b *hostBackend) pathState() (bool, error) { return false, nil }
 
 func (b *hostBackend) name() string       { return "CPU fallback" }
 func (b *hostBackend) driverVersion() int { return 0 }
@@ -116,6 +123,8 @@ type hostStream struct {
 // hostJob is one submission and its fence.
 type hostJob struct {
 	ops      []copyOp
+	descs    []gatherDesc // the gather kernel's table, for scattered device-to-device copies
+	timed    bool
 	canceled *atomic.Bool
 	done     chan struct{} // closed when the worker is finished with ops
 
@@ -130,7 +139,14 @@ func (s *hostStream) run() {
 		if s.b.cfg.gate != nil {
 			<-s.b.cfg.gate
 		}
+		var t0 time.Time
+		if j.timed {
+			t0 = time.Now()
+		}
 		s.exec(j)
+		if j.timed {
+			s.b.ctr.addGPUTime(time.Since(t0))
+		}
 		close(j.done)
 	}
 }
@@ -138,6 +154,10 @@ func (s *hostStream) run() {
 func (s *hostStream) exec(j *hostJob) {
 	if f := s.b.fault.Load(); f != nil {
 		j.failure = f
+		return
+	}
+	if j.descs != nil {
+		s.gather(j)
 		return
 	}
 	for i, op := range j.ops {
@@ -149,11 +169,53 @@ func (s *hostStream) exec(j *hostJob) {
 	}
 }
 
-func (s *hostStream) submit(ops []copyOp, canceled *atomic.Bool) (fence, error, error) {
+// gather runs the kernel's table as the PTX does, one descriptor per
+// thread block, by device address: it checks the descriptors, not the ops
+// they came from. Like a launched kernel, it cannot be canceled part way.
+func (s *hostStream) gather(j *hostJob) {
+	if j.canceled.Load() {
+		j.skipped = len(j.ops)
+		return
+	}
+	for _, d := range j.descs {
+		src, dst := hostBytes(j.ops, d.src, d.n, true), hostBytes(j.ops, d.dst, d.n, false)
+		if src == nil || dst == nil || d.n%16 != 0 || d.src%16 != 0 || d.dst%16 != 0 {
+			// A real kernel would fault: the context is lost.
+			j.failure = newDriverError("cuEventSynchronize", ErrorIllegalAddress)
+			return
+		}
+		copy(dst, src)
+	}
+}
+
+// hostBytes maps [addr, addr+n) of the fallback's device space to the
+// memory of the arena among ops' sources (or destinations) that holds it.
+func hostBytes(ops []copyOp, addr, n uint64, src bool) []byte {
+	for _, op := range ops {
+		a := op.dst
+		if src {
+			a = op.src
+		}
+		if a.contains(addr, int(n)) {
+			off := addr - a.addr
+			return a.host[off : off+n]
+		}
+	}
+	return nil
+}
+
+func (s *hostStream) submit(ops []copyOp, kind copyKind, canceled *atomic.Bool) (fence, error, error) {
 	if f := s.b.fault.Load(); f != nil {
 		return nil, nil, f
 	}
-	j := &hostJob{ops: ops, canceled: canceled, done: make(chan struct{})}
+	j := &hostJob{ops: ops, canceled: canceled, done: make(chan struct{}), timed: s.b.ctr.timing.Load()}
+	path := pathLoop
+	if kind == deviceToDevice && len(ops) >= gatherMinOps && s.b.ctr.kernelOn.Load() {
+		j.descs = make([]gatherDesc, gatherDescCount(ops))
+		fillGatherDescs(j.descs, ops)
+		path = pathKernel
+	}
+	s.b.ctr.count(path, len(ops))
 	s.jobs <- j
 	return j, nil, nil
 }

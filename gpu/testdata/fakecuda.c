@@ -1,8 +1,11 @@
 // fakecuda.c: a test double for libcuda.so.1, built by the cgo tests with
 // gcc into a temporary shared library and loaded through the same dlopen
-// path as the real driver. "Device" memory is host memory, copies are
-// memcpy at enqueue time and events are always complete: it checks the
-// plumbing (symbol resolution, ABI, context handling, error naming), not
+// path as the real driver. "Device" memory is host memory carved from one
+// reserved range and packed like cuMemAlloc packs it, copies on streams are
+// memcpy at enqueue time and events are always complete, but a synchronous
+// pageable upload lands only when the legacy stream is synchronized (as the
+// real one may). It checks the plumbing (symbol resolution, ABI, context
+// handling, error naming) and the assumptions a real driver breaks, not
 // asynchrony, which the CPU fallback's tests cover.
 //
 // Build switches:
@@ -10,14 +13,20 @@
 //   -DFAKE_NO_BATCH         no cuMemcpyBatchAsync (a pre-12.8 driver)
 //   -DFAKE_NO_DEVICE        cuInit fails with CUDA_ERROR_NO_DEVICE
 //   -DFAKE_MISSING_ALLOC    no cuMemAlloc_v2 (a driver too old to use)
+//   -DFAKE_REJECT_PTX       cuModuleLoadData fails (a JIT that refuses the kernel)
 // Environment:
 //   FAKECUDA_STICKY=<code>  the next cuEventSynchronize fails with <code>, and
 //                           every call after it too (a sticky error)
+//   FAKECUDA_LAUNCH_FAIL=<code>  cuLaunchKernel fails with <code>
+//   FAKECUDA_HANG=1         cuEventSynchronize never returns (a hung device)
 
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
 
 typedef int CUresult;
 typedef int CUdevice;
@@ -123,25 +132,89 @@ CUresult cuMemGetInfo_v2(size_t *free_, size_t *total) {
 	return 0;
 }
 
-// Device allocations carry their size in a 256-byte header.
+// Device memory is one reserved range of address space, carved like the
+// real cuMemAlloc carves it: small allocations are packed at 512-byte
+// granularity, first fit, so the byte one past an allocation is very
+// likely the first byte of the next one. Tests that assume a gap between
+// arenas fail here as they would on a GPU.
+#define FAKE_GRAIN 512
+#define FAKE_MAX_ALLOCS 4096
+
+struct fake_alloc {
+	size_t off, n; // offset in the range, requested size
+};
+
+static char *dev_base;                             // the reserved range, total_mem bytes
+static struct fake_alloc allocs[FAKE_MAX_ALLOCS]; // live allocations, by offset
+static int nallocs;
+static char alloc_lock;
+
+static void lock(void) {
+	while (__atomic_test_and_set(&alloc_lock, __ATOMIC_ACQUIRE)) {
+	}
+}
+static void unlock(void) { __atomic_clear(&alloc_lock, __ATOMIC_RELEASE); }
+
+static size_t grain(size_t n) { return (n + FAKE_GRAIN - 1) / FAKE_GRAIN * FAKE_GRAIN; }
+
 #ifndef FAKE_MISSING_ALLOC
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
 	CHECK_STICKY();
+	if (n == 0) return 1;
 	if (n > total_mem - __atomic_load_n(&used, __ATOMIC_SEQ_CST)) return 2;
-	char *m = aligned_alloc(256, 256 + ((n + 255) / 256) * 256);
-	if (m == NULL) return 2;
-	*(size_t *)m = n;
-	__atomic_add_fetch(&used, n, __ATOMIC_SEQ_CST);
-	*p = (CUdeviceptr)(uintptr_t)(m + 256);
+	lock();
+	if (dev_base == NULL) {
+		void *m = mmap(NULL, total_mem, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+		if (m == MAP_FAILED) {
+			unlock();
+			return 2;
+		}
+		dev_base = m;
+	}
+	size_t need = grain(n), at = 0;
+	int i = 0;
+	for (; i < nallocs; i++) {
+		if (allocs[i].off - at >= need) break;
+		at = allocs[i].off + grain(allocs[i].n);
+	}
+	if (nallocs == FAKE_MAX_ALLOCS || total_mem - at < need) {
+		unlock();
+		return 2;
+	}
+	memmove(&allocs[i + 1], &allocs[i], (size_t)(nallocs - i) * sizeof allocs[0]);
+	allocs[i].off = at;
+	allocs[i].n = n;
+	nallocs++;
+	unlock();
+	__atomic_add_fetch(&used, need, __ATOMIC_SEQ_CST);
+	*p = (CUdeviceptr)(uintptr_t)(dev_base + at);
 	return 0;
 }
 #endif
 
+static void flush_legacy(void);
+
+// cuMemFree synchronizes like the real one (pending uploads land first)
+// and returns whole pages to the system.
 CUresult cuMemFree_v2(CUdeviceptr p) {
 	CHECK_STICKY();
-	char *m = (char *)(uintptr_t)p - 256;
-	__atomic_sub_fetch(&used, *(size_t *)m, __ATOMIC_SEQ_CST);
-	free(m);
+	flush_legacy();
+	lock();
+	int i = 0;
+	for (; i < nallocs; i++) {
+		if ((uintptr_t)(dev_base + allocs[i].off) == p) break;
+	}
+	if (dev_base == NULL || i == nallocs) {
+		unlock();
+		return 1; // not an allocation's base
+	}
+	size_t off = allocs[i].off, need = grain(allocs[i].n);
+	memmove(&allocs[i], &allocs[i + 1], (size_t)(nallocs - i - 1) * sizeof allocs[0]);
+	nallocs--;
+	unlock();
+	size_t lo = (off + 4095) / 4096 * 4096, hi = (off + need) / 4096 * 4096;
+	if (hi > lo) madvise(dev_base + lo, hi - lo, MADV_DONTNEED);
+	__atomic_sub_fetch(&used, need, __ATOMIC_SEQ_CST);
 	return 0;
 }
 
@@ -170,15 +243,24 @@ CUresult cuStreamDestroy_v2(void *s) {
 }
 
 CUresult cuStreamSynchronize(void *s) {
-	(void)s;
 	CHECK_STICKY();
+	if (s == NULL) flush_legacy(); // the legacy default stream
 	return 0;
 }
 
+// An event remembers when it was last recorded, for cuEventElapsedTime.
+struct fake_event {
+	unsigned int flags;
+	struct timespec at;
+	int recorded;
+};
+
 CUresult cuEventCreate(void **e, unsigned int flags) {
-	(void)flags;
 	CHECK_STICKY();
-	*e = malloc(1);
+	struct fake_event *ev = calloc(1, sizeof *ev);
+	if (ev == NULL) return 2;
+	ev->flags = flags;
+	*e = ev;
 	return 0;
 }
 
@@ -188,14 +270,41 @@ CUresult cuEventDestroy_v2(void *e) {
 }
 
 CUresult cuEventRecord(void *e, void *s) {
-	(void)e;
 	(void)s;
 	CHECK_STICKY();
+	struct fake_event *ev = e;
+	clock_gettime(CLOCK_MONOTONIC, &ev->at);
+	ev->recorded = 1;
 	return 0;
+}
+
+// cuEventElapsedTime refuses events created without timing (flag 0x2) or
+// never recorded, as the real one does.
+CUresult cuEventElapsedTime(float *ms, void *start, void *end) {
+	CHECK_STICKY();
+	struct fake_event *a = start, *b = end;
+	if ((a->flags & 0x2) || (b->flags & 0x2)) return 400;
+	if (!a->recorded || !b->recorded) return 600;
+	*ms = (float)((double)(b->at.tv_sec - a->at.tv_sec) * 1e3 + (double)(b->at.tv_nsec - a->at.tv_nsec) / 1e6);
+	return 0;
+}
+
+CUresult cuDeviceGetAttribute(int *v, int attr, CUdevice d) {
+	(void)d;
+	switch (attr) {
+	case 16: *v = 132; return 0; // multiprocessors
+	case 75: *v = 9; return 0;   // compute capability 9.0
+	case 76: *v = 0; return 0;
+	}
+	return 1;
 }
 
 CUresult cuEventSynchronize(void *e) {
 	(void)e;
+	const char *hang = getenv("FAKECUDA_HANG");
+	if (hang && *hang) {
+		for (;;) pause(); // a device that never answers (devicecheck.sh's hang drill)
+	}
 	const char *v = getenv("FAKECUDA_STICKY");
 	if (v && *v) sticky = atoi(v);
 	CHECK_STICKY();
@@ -229,15 +338,156 @@ CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, void *
 	return 0;
 }
 
+// A pageable upload returns once the source is staged, before the "DMA"
+// lands, as the real cuMemcpyHtoD may: the bytes reach device memory only
+// when the legacy stream is synchronized (cuStreamSynchronize(NULL),
+// cuCtxSynchronize, cuMemFree) or its next synchronous copy runs. Copies on
+// non-blocking streams are not ordered after it, so they see old bytes.
+struct staged {
+	CUdeviceptr dst;
+	void *buf;
+	size_t n;
+	struct staged *next;
+};
+static struct staged *staged_head, **staged_tail = &staged_head;
+static char staged_lock;
+
+static void flush_legacy(void) {
+	while (__atomic_test_and_set(&staged_lock, __ATOMIC_ACQUIRE)) {
+	}
+	struct staged *s = staged_head;
+	staged_head = NULL;
+	staged_tail = &staged_head;
+	__atomic_clear(&staged_lock, __ATOMIC_RELEASE);
+	while (s) {
+		struct staged *next = s->next;
+		memcpy((void *)(uintptr_t)s->dst, s->buf, s->n);
+		free(s->buf);
+		free(s);
+		s = next;
+	}
+}
+
 CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) {
 	CHECK_STICKY();
-	memcpy((void *)(uintptr_t)dst, src, n);
+	flush_legacy();
+	struct staged *s = malloc(sizeof *s);
+	if (s == NULL) return 2;
+	s->buf = malloc(n ? n : 1);
+	if (s->buf == NULL) {
+		free(s);
+		return 2;
+	}
+	memcpy(s->buf, src, n);
+	s->dst = dst;
+	s->n = n;
+	s->next = NULL;
+	while (__atomic_test_and_set(&staged_lock, __ATOMIC_ACQUIRE)) {
+	}
+	*staged_tail = s;
+	staged_tail = &s->next;
+	__atomic_clear(&staged_lock, __ATOMIC_RELEASE);
 	return 0;
 }
 
 CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
 	CHECK_STICKY();
+	flush_legacy();
 	memcpy(dst, (const void *)(uintptr_t)src, n);
+	return 0;
+}
+
+CUresult cuCtxSynchronize(void) {
+	CHECK_STICKY();
+	flush_legacy();
+	return 0;
+}
+
+// The module API, with a CPU gather as the kernel. cuModuleLoadData
+// checks the PTX as far as a fake can: a NUL-terminated text with a
+// .version, an sm_ .target no newer than sm_90 (so the real JIT accepts it
+// on Hopper and older), 64-bit addresses, and the entry kvl_gather with
+// exactly two parameters, a .u64 and a .u32. FAKE_REJECT_PTX makes the
+// load fail with CUDA_ERROR_INVALID_PTX (218) and a JIT log.
+// FAKECUDA_LAUNCH_FAIL=<code> makes cuLaunchKernel fail with <code>.
+static int module_object, function_object;
+int fake_modules_loaded; // live modules, for tests
+
+static int ptx_ok(const char *ptx) {
+	if (ptx == NULL || strnlen(ptx, 1 << 20) == 1 << 20) return 0;
+	const char *t = strstr(ptx, ".target sm_");
+	if (strstr(ptx, ".version ") == NULL || t == NULL || strstr(ptx, ".address_size 64") == NULL) return 0;
+	if (atoi(t + strlen(".target sm_")) > 90) return 0;
+	const char *e = strstr(ptx, ".entry kvl_gather(");
+	if (e == NULL) return 0;
+	const char *close = strchr(e, ')');
+	if (close == NULL) return 0;
+	int params = 0;
+	const char *kinds[2] = {".param .u64 ", ".param .u32 "};
+	for (const char *p = strstr(e, ".param"); p != NULL && p < close; p = strstr(p + 1, ".param")) {
+		if (params < 2 && strncmp(p, kinds[params], strlen(kinds[params])) != 0) return 0;
+		params++;
+	}
+	return params == 2;
+}
+
+CUresult cuModuleLoadData(void **mod, const void *image) {
+	CHECK_STICKY();
+#ifdef FAKE_REJECT_PTX
+	(void)mod;
+	(void)image;
+	return 218;
+#else
+	if (!ptx_ok(image)) return 218;
+	*mod = &module_object;
+	__atomic_add_fetch(&fake_modules_loaded, 1, __ATOMIC_SEQ_CST);
+	return 0;
+#endif
+}
+
+CUresult cuModuleLoadDataEx(void **mod, const void *image, unsigned int n, int *opts, void **vals) {
+	CUresult r = cuModuleLoadData(mod, image);
+	if (r == 0) return 0;
+	char *log = NULL;
+	size_t len = 0;
+	for (unsigned int i = 0; i < n; i++) {
+		if (opts[i] == 5) log = vals[i];
+		if (opts[i] == 6) len = (size_t)(uintptr_t)vals[i];
+	}
+	if (log && len) snprintf(log, len, "fake ptxas: the PTX was rejected");
+	return r;
+}
+
+CUresult cuModuleUnload(void *mod) {
+	if (mod != &module_object) return 400;
+	__atomic_sub_fetch(&fake_modules_loaded, 1, __ATOMIC_SEQ_CST);
+	return 0;
+}
+
+CUresult cuModuleGetFunction(void **fn, void *mod, const char *name) {
+	CHECK_STICKY();
+	if (mod != &module_object) return 400;
+	if (strcmp(name, "kvl_gather") != 0) return 500;
+	*fn = &function_object;
+	return 0;
+}
+
+CUresult cuLaunchKernel(void *fn, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx, unsigned int by,
+                        unsigned int bz, unsigned int shmem, void *s, void **params, void **extra) {
+	(void)s;
+	CHECK_STICKY();
+	const char *v = getenv("FAKECUDA_LAUNCH_FAIL");
+	if (v && *v) return atoi(v);
+	if (fn != &function_object || params == NULL || extra != NULL) return 1;
+	if (gx == 0 || gy != 1 || gz != 1 || bx == 0 || bx > 1024 || bx % 32 != 0 || by != 1 || bz != 1 || shmem != 0) return 1;
+	const uint64_t *table = (const uint64_t *)(uintptr_t)*(CUdeviceptr *)params[0];
+	unsigned int count = *(unsigned int *)params[1];
+	// One thread block per descriptor; blocks past count do nothing.
+	for (unsigned int i = 0; i < gx && i < count; i++) {
+		const uint64_t *d = table + 4 * (size_t)i;
+		if (d[2] % 16 || d[0] % 16 || d[1] % 16) return 716; // the vector loads would fault
+		memcpy((void *)(uintptr_t)d[1], (const void *)(uintptr_t)d[0], d[2]);
+	}
 	return 0;
 }
 
@@ -306,6 +556,13 @@ static const struct entry entries[] = {
 	E("cuMemcpyDtoDAsync", cuMemcpyDtoDAsync_v2),
 	E("cuMemcpyHtoD", cuMemcpyHtoD_v2),
 	E("cuMemcpyDtoH", cuMemcpyDtoH_v2),
+	E("cuModuleLoadData", cuModuleLoadData),
+	E("cuModuleLoadDataEx", cuModuleLoadDataEx),
+	E("cuModuleUnload", cuModuleUnload),
+	E("cuModuleGetFunction", cuModuleGetFunction),
+	E("cuLaunchKernel", cuLaunchKernel),
+	E("cuEventElapsedTime", cuEventElapsedTime),
+	E("cuDeviceGetAttribute", cuDeviceGetAttribute),
 #ifndef FAKE_NO_BATCH
 	{"cuMemcpyBatchAsync", (void *)cuMemcpyBatchAsync, 12080},
 #endif
