@@ -131,6 +131,7 @@ type Publisher struct {
 	wake    chan struct{}
 	q       chan []byte
 	flushes chan chan struct{}
+	resyncQ chan struct{}
 	wg      sync.WaitGroup
 	closeMu sync.Mutex
 	closed  bool
@@ -177,6 +178,7 @@ func NewPublisher(cfg Config, sources ...Source) (*Publisher, error) {
 		wake:    make(chan struct{}, 1),
 		q:       make(chan []byte, cfg.Queue),
 		flushes: make(chan chan struct{}),
+		resyncQ: make(chan struct{}, 1),
 		ring:    replayRing{max: cfg.ReplayBatches},
 	}
 	for i, s := range sources {
@@ -254,6 +256,11 @@ func (p *Publisher) ReplayAddr() net.Addr {
 	return p.replay.Addr()
 }
 
+// Subscriptions returns the topic prefixes that connected subscribers
+// asked for (a subscriber that connected and subscribed is listed; a
+// message published before that is lost to it, as with any PUB socket).
+func (p *Publisher) Subscriptions() []string { return p.pub.(zmq4.Topics).Topics() }
+
 // Topic is the topic frame of every message.
 func (p *Publisher) Topic() string { return p.cfg.Topic }
 
@@ -295,6 +302,17 @@ func (p *Publisher) Flush(ctx context.Context) error {
 		}
 	}
 	return nil
+}
+
+// Resync asks for AllBlocksCleared followed by a re-announcement of every
+// findable block of every source, as after a loss; for example when a
+// router is known to have (re)subscribed after events it needed were
+// sent. It does not wait; Flush after it waits for the re-announcement.
+func (p *Publisher) Resync() {
+	select {
+	case p.resyncQ <- struct{}{}:
+	default:
+	}
 }
 
 // Close stops forwarding and closes the sockets. Events still buffered in
@@ -347,6 +365,8 @@ func (p *Publisher) drainLoop() {
 			return
 		case <-p.wake:
 		case flushed = <-p.flushes:
+		case <-p.resyncQ:
+			d.resync = true
 		case <-retry.C:
 			if !d.resync {
 				continue

@@ -326,7 +326,7 @@ func recvTimeout(t *testing.T, s zmq4.Socket) zmq4.Msg {
 
 func waitSubscribed(t *testing.T, p *Publisher) {
 	t.Helper()
-	require.Eventually(t, func() bool { return len(p.pub.(zmq4.Topics).Topics()) > 0 }, 10*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool { return len(p.Subscriptions()) > 0 }, 10*time.Second, time.Millisecond)
 }
 
 // Over real sockets, both directions: the publisher binds and the
