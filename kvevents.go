@@ -22,7 +22,16 @@ import (
 // The allocator never waits for a consumer: events go into a bounded ring.
 // When it is full the newest events are dropped and counted; the consumer
 // sees a gap in Seq and a non-zero Dropped from DrainKVEvents, and should
-// resynchronise from SnapshotKVCache.
+// resynchronise from SnapshotKVBlocks (or SnapshotKVCache for hashes only).
+//
+// The first block of a chain (block 0 of the lease that seals it) has no
+// parent, whether it was sealed with Seal or SealTokens: HasParent is false
+// and a wire adapter sends parent_block_hash None, which is what routers
+// expect for a chain start (llm-d's indexer looks a non-nil parent up among
+// the blocks it knows and drops the event when it is missing, and the
+// namespace seed is never a block it knows). Every later block sealed with
+// SealTokens names its parent; one sealed with Seal names it when the block
+// before it in the lease is sealed.
 
 // KVEventKind names a KV event.
 type KVEventKind uint8
@@ -51,8 +60,8 @@ type KVEvent struct {
 	Seq             uint64 // 1, 2, 3, … per pool; a gap means events were dropped
 	Kind            KVEventKind
 	BlockHash       BlockHash // the block stored or removed
-	ParentBlockHash BlockHash // stored: the parent's hash (the seed for a first block)
-	HasParent       bool      // stored: ParentBlockHash is known
+	ParentBlockHash BlockHash // stored: the parent's hash (zero for the first block of a chain)
+	HasParent       bool      // stored: ParentBlockHash is known (false for the first block of a chain)
 	TokenIDs        []int32   // stored via SealTokens: a copy of the block's tokens
 	BlockSize       int       // stored: tokens per block (WithBlockTokens), 0 if not configured
 }
@@ -81,6 +90,18 @@ type kvEventLog struct {
 	seq     uint64 // last sequence number given out
 	dropped uint64 // since the last drain
 	ready   chan struct{}
+	// blocks records, per slot, what the last stored event said about the
+	// block (parent and tokens) so a snapshot can re-announce the cache in
+	// full. Grown on demand; an entry is meaningful while its slot is in the
+	// prefix index under that hash.
+	blocks []kvBlockRecord
+}
+
+// kvBlockRecord is what a snapshot re-announces about one findable block.
+type kvBlockRecord struct {
+	hash, parent BlockHash
+	hasParent    bool
+	tokens       []int32 // shared with the stored event: never written after
 }
 
 func newKVEventLog(n int) *kvEventLog {
@@ -102,9 +123,33 @@ func (k *kvEventLog) push(e KVEvent) {
 	}
 }
 
-func (k *kvEventLog) stored(h, parent BlockHash, hasParent bool, tokens []int32, blockTokens int) {
+// sealed records the KV event of block i of lease l becoming findable as
+// h in slot id; st carries SealTokens' parent and tokens (nil for Seal).
+// Called with c.mu held.
+func (k *kvEventLog) sealed(c *core, l *lease, i int, id BlockID, h BlockHash, st *sealTokens) {
+	// Block 0 of a lease starts its chain: no parent, for Seal and
+	// SealTokens alike. Later blocks name the parent given to SealTokens,
+	// or else the block before them in the lease when that one is sealed.
+	var parent BlockHash
+	hasParent := false
+	var tokens []int32
+	if st != nil {
+		tokens = slices.Clone(st.tokens)
+		if i > 0 {
+			parent, hasParent = st.parent, true
+		}
+	} else if i > 0 {
+		if pid := l.blocks[i-1].ID; c.slots[pid].sealed {
+			parent, hasParent = c.pre[pid].hash, true
+		}
+	}
+	if int(id) >= len(k.blocks) {
+		n := max(int(id)+1, 2*len(k.blocks), 64)
+		k.blocks = append(k.blocks, make([]kvBlockRecord, n-len(k.blocks))...)
+	}
+	k.blocks[id] = kvBlockRecord{hash: h, parent: parent, hasParent: hasParent, tokens: tokens}
 	k.push(KVEvent{Kind: KVBlockStored, BlockHash: h, ParentBlockHash: parent, HasParent: hasParent,
-		TokenIDs: slices.Clone(tokens), BlockSize: blockTokens})
+		TokenIDs: tokens, BlockSize: c.cfg.blockTokens})
 }
 
 func (k *kvEventLog) removed(h BlockHash) { k.push(KVEvent{Kind: KVBlockRemoved, BlockHash: h}) }
@@ -161,4 +206,57 @@ func (p *Pool[R]) SnapshotKVCache() (seq uint64, hashes []BlockHash) {
 		seq = c.kv.seq
 	}
 	return seq, hashes
+}
+
+// SnapshotKVBlocks appends to dst one KVBlockStored event for every
+// findable block, each with the parent and tokens its own stored event
+// carried (Seq is zero), and returns it with the sequence number of the
+// last event the snapshot includes. A parent that is itself findable comes
+// before its children, so a consumer that resolves parents as it goes (as
+// llm-d's indexer does) can replay the list in order. A consumer that lost
+// events clears its view, applies the snapshot, and then only events with
+// a larger Seq. Without WithKVEvents it returns dst and 0: nothing was
+// recorded.
+func (p *Pool[R]) SnapshotKVBlocks(dst []KVEvent) (seq uint64, blocks []KVEvent) {
+	c := &p.core
+	if c.kv == nil {
+		return 0, dst
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	k := c.kv
+	rec := func(h BlockHash) (*kvBlockRecord, bool) {
+		id, ok := c.index[h]
+		if !ok || int(id) >= len(k.blocks) || k.blocks[id].hash != h {
+			return nil, false
+		}
+		return &k.blocks[id], true
+	}
+	hashes := make([]BlockHash, 0, len(c.index))
+	for h := range c.index {
+		hashes = append(hashes, h)
+	}
+	slices.Sort(hashes) // deterministic order among unrelated chains
+	done := make(map[BlockHash]bool, len(hashes))
+	var stack []*kvBlockRecord
+	for _, h := range hashes {
+		// Walk up to the oldest findable ancestor not yet emitted, then
+		// emit back down (bounded by the number of findable blocks, so a
+		// parent cycle from colliding hashes cannot loop).
+		for r, ok := rec(h); ok && !done[r.hash] && len(stack) <= len(hashes); {
+			done[r.hash] = true
+			stack = append(stack, r)
+			if !r.hasParent {
+				break
+			}
+			r, ok = rec(r.parent)
+		}
+		for j := len(stack) - 1; j >= 0; j-- {
+			r := stack[j]
+			dst = append(dst, KVEvent{Kind: KVBlockStored, BlockHash: r.hash, ParentBlockHash: r.parent,
+				HasParent: r.hasParent, TokenIDs: r.tokens, BlockSize: c.cfg.blockTokens})
+		}
+		stack = stack[:0]
+	}
+	return k.seq, dst
 }

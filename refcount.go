@@ -76,19 +76,7 @@ func (l *lease) sealLocked(i int, h BlockHash, st *sealTokens, ev *events) error
 	c.index[h] = id
 	s.index = true
 	if c.kv != nil {
-		// The parent is known from the tokens, or else from the block
-		// before this one in the lease, when that one is sealed.
-		var parent BlockHash
-		hasParent := false
-		var tokens []int32
-		if st != nil {
-			parent, hasParent, tokens = st.parent, true, st.tokens
-		} else if i > 0 {
-			if pid := l.blocks[i-1].ID; c.slots[pid].sealed {
-				parent, hasParent = c.pre[pid].hash, true
-			}
-		}
-		c.kv.stored(h, parent, hasParent, tokens, c.cfg.blockTokens)
+		c.kv.sealed(c, l, i, id, h, st)
 	}
 	return nil
 }
