@@ -1,8 +1,10 @@
-package kvlease
+package handoff
 
 import (
 	"fmt"
 	"strings"
+
+	"github.com/kvlease/kvlease"
 )
 
 // An Envelope is the operating limits of a serving deployment: how big a
@@ -76,7 +78,7 @@ func (e *EnvelopeError) Error() string {
 }
 
 // Unwrap returns ErrInvalidArgument.
-func (e *EnvelopeError) Unwrap() error { return ErrInvalidArgument }
+func (e *EnvelopeError) Unwrap() error { return kvlease.ErrInvalidArgument }
 
 func (e *EnvelopeError) add(field, format string, args ...any) {
 	e.Problems = append(e.Problems, EnvelopeProblem{Field: field, Detail: fmt.Sprintf(format, args...)})
@@ -195,14 +197,14 @@ func (e Envelope) Admit(prompt, maxNew int) error {
 		return fmt.Errorf("kvlease: admit: %w", err)
 	}
 	if prompt < 1 {
-		return fmt.Errorf("kvlease: admit: prompt of %d tokens: %w", prompt, ErrInvalidArgument)
+		return fmt.Errorf("kvlease: admit: prompt of %d tokens: %w", prompt, kvlease.ErrInvalidArgument)
 	}
 	if maxNew < 0 {
-		return fmt.Errorf("kvlease: admit: %d new tokens: %w", maxNew, ErrInvalidArgument)
+		return fmt.Errorf("kvlease: admit: %d new tokens: %w", maxNew, kvlease.ErrInvalidArgument)
 	}
 	if prompt > e.MaxContextTokens || maxNew > e.MaxContextTokens-prompt {
 		return fmt.Errorf("kvlease: admit: prompt %d + %d new tokens exceeds the context limit of %d tokens: %w",
-			prompt, maxNew, e.MaxContextTokens, ErrExceedsCapacity)
+			prompt, maxNew, e.MaxContextTokens, kvlease.ErrExceedsCapacity)
 	}
 	return nil
 }
@@ -240,7 +242,7 @@ var envelopeFields = [...]struct {
 // distinct (ErrInvalidArgument otherwise).
 func AgreeEnvelopes(components ...NamedEnvelope) error {
 	if len(components) == 0 {
-		return fmt.Errorf("kvlease: agree envelopes: no component: %w", ErrInvalidArgument)
+		return fmt.Errorf("kvlease: agree envelopes: no component: %w", kvlease.ErrInvalidArgument)
 	}
 	ee := &EnvelopeError{}
 	seen := make(map[string]bool, len(components))
