@@ -318,16 +318,19 @@ type Config struct {
 // must not call this handoff's methods synchronously; they may call any
 // Pool, Lease or Transfer method.
 type Handoff[S, D any] struct {
-	mu      sync.Mutex
-	state   State
-	src     *kvlease.Lease[S]
-	pool    *kvlease.Pool[D]
-	dst     *kvlease.Lease[D] // set by Accept
-	t       *kvlease.Transfer // set by the winning attach
-	n       int               // blocks handed off: src.Len() at Propose
-	cfg     Config
-	history []Step
-	done    chan struct{} // closed on entering a final state
+	mu    sync.Mutex
+	state State
+	src   *kvlease.Lease[S]
+	pool  *kvlease.Pool[D]
+	dst   *kvlease.Lease[D] // set by Accept
+	t     *kvlease.Transfer // set by the winning attach
+	n     int               // blocks handed off: src.Len() at Propose
+	// accepting is set while one Accept acquires without the lock; a
+	// concurrent Accept is refused instead of racing it.
+	accepting bool
+	cfg       Config
+	history   []Step
+	done      chan struct{} // closed on entering a final state
 }
 
 // Propose offers the blocks of src (all src.Len() of them, as they are
@@ -432,7 +435,9 @@ func (h *Handoff[S, D]) refused(what string) error {
 // with the acquire's error as evidence, and Accept returns that error
 // (errors.Is works: ErrExhausted, ErrExceedsCapacity, ErrPoolClosed).
 // Outside Proposed it changes nothing and returns ErrState; so does
-// an Accept that loses a race with Reject or Abort (its lease is released).
+// an Accept that loses a race with Reject, Abort or another Accept,
+// whatever its own acquire did: a lease it got is released, and a failed
+// acquire does not reject the handoff that another call accepted.
 func (h *Handoff[S, D]) Accept() error { return h.accept(nil) }
 
 // AcceptWait is Accept with Pool.AcquireWait: it waits in the pool's queue
@@ -454,6 +459,14 @@ func (h *Handoff[S, D]) accept(ctx context.Context) error {
 		h.mu.Unlock()
 		return err
 	}
+	if h.accepting {
+		// Another Accept is acquiring: it decides. This one changes
+		// nothing, acquires nothing (issue 11, bug 1).
+		err := fmt.Errorf("kvlease: handoff of lease %d (%s): accept while another accept is in progress: %w", h.src.ID(), h.src.Owner(), ErrState)
+		h.mu.Unlock()
+		return err
+	}
+	h.accepting = true
 	h.mu.Unlock()
 
 	// Acquire without the lock: a waiting acquire must not block Abort.
@@ -467,15 +480,20 @@ func (h *Handoff[S, D]) accept(ctx context.Context) error {
 
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	h.accepting = false
+	if next(h.state, EventAccept).kind != edgeMove {
+		// Rejected, aborted or accepted by someone else meanwhile: this
+		// call lost, whatever its acquire did. It must not reject the
+		// winner's handoff (issue 11, bug 1); what it got goes back.
+		if l != nil {
+			l.Release()
+		}
+		return h.refused("accept")
+	}
 	if err != nil {
 		err = fmt.Errorf("kvlease: handoff of lease %d (%s): destination acquire of %d blocks: %w", h.src.ID(), h.src.Owner(), h.n, err)
 		h.fire(h.cfg.Destination, EventReject, err)
 		return err
-	}
-	if next(h.state, EventAccept).kind != edgeMove {
-		// Rejected, aborted or accepted by someone else meanwhile.
-		l.Release()
-		return h.refused("accept")
 	}
 	h.dst = l
 	h.fire(h.cfg.Destination, EventAccept, nil)
@@ -698,11 +716,24 @@ func (h *Handoff[S, D]) Expire(by string, reason error) error {
 	return nil
 }
 
-// State returns the handoff's state.
+// State returns the handoff's state. It is current: once the transfer's
+// Resolve has returned, State reflects that evidence, even if the
+// goroutine that watches the transfer has not run yet.
 func (h *Handoff[S, D]) State() State {
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	h.current()
 	return h.state
+}
+
+// current records the transfer's evidence if it has come but the watcher
+// has not recorded it yet, so that State, Err and History never lag
+// behind a Resolve that has returned (issue 12, item 7). Called with h.mu
+// held.
+func (h *Handoff[S, D]) current() {
+	if h.t != nil && !h.state.Final() && h.t.State() == kvlease.TransferResolved {
+		h.evidence(h.t)
+	}
 }
 
 // Err returns the error recorded by the step that entered the current
@@ -712,6 +743,7 @@ func (h *Handoff[S, D]) State() State {
 func (h *Handoff[S, D]) Err() error {
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	h.current()
 	return h.history[len(h.history)-1].Err
 }
 
@@ -720,6 +752,7 @@ func (h *Handoff[S, D]) Err() error {
 func (h *Handoff[S, D]) History() []Step {
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	h.current()
 	return append([]Step(nil), h.history...)
 }
 

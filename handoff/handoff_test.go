@@ -1091,3 +1091,110 @@ func TestHandoffRaceEverything(t *testing.T) {
 	sort.Strings(names)
 	t.Logf("final states: %v", names)
 }
+
+// TestHandoffRaceAccept: two Accepts race on one handoff whose destination
+// has room for one lease. Exactly one wins; the other returns ErrState and
+// changes nothing, whatever its acquire did (issue 11, bug 1).
+func TestHandoffRaceAccept(t *testing.T) {
+	for range 50 {
+		f := newFixture(t, 20, -1) // 32-block destination: room for one
+		errs := make(chan error, 2)
+		var start sync.WaitGroup
+		start.Add(1)
+		for range 2 {
+			go func() { start.Wait(); errs <- f.h.Accept() }()
+		}
+		start.Done()
+		e1, e2 := <-errs, <-errs
+		if (e1 == nil) == (e2 == nil) {
+			t.Fatalf("accepts returned %v and %v: want exactly one nil", e1, e2)
+		}
+		loser := e1
+		if loser == nil {
+			loser = e2
+		}
+		if !errors.Is(loser, ErrState) {
+			t.Fatalf("losing accept = %v, want ErrState", loser)
+		}
+		wantState(t, f.h, Accepted)
+		if d := f.h.Destination(); d == nil || d.Len() != 20 || d.State() != kvlease.LeaseActive {
+			t.Fatalf("winner's destination lease %v", d)
+		}
+		wantStats(t, f, "src free=12 leased=20 draining=0 quarantined=0; dst free=12 leased=20 draining=0 quarantined=0")
+		f.start2(t)
+		f.check(t)
+	}
+}
+
+// start2 completes an accepted fixture: start, copy, resolve, delivered.
+func (f *fixture) start2(t *testing.T) {
+	t.Helper()
+	if err := f.h.Start(f.tr); err != nil {
+		t.Fatal(err)
+	}
+	f.tr.copyAll(0)
+	f.h.Transfer().Resolve(nil)
+	wantState(t, f.h, Delivered)
+}
+
+// TestHandoffRaceAcceptWait: a second AcceptWait, cancelled while the
+// first still waits (or after it was served), changes nothing: the first
+// is served and the handoff is Accepted, not Rejected.
+func TestHandoffRaceAcceptWait(t *testing.T) {
+	for range 20 {
+		f := newFixture(t, 20, -1)
+		hog, err := f.dst.Acquire("hog", 30)
+		if err != nil {
+			t.Fatal(err)
+		}
+		first := make(chan error, 1)
+		go func() { first <- f.h.AcceptWait(context.Background()) }()
+		for f.dst.Stats().Waiters == 0 {
+			time.Sleep(100 * time.Microsecond)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		second := make(chan error, 1)
+		go func() { second <- f.h.AcceptWait(ctx) }()
+		cancel()
+		hog.Release()
+		if err := <-first; err != nil {
+			t.Fatalf("first AcceptWait = %v", err)
+		}
+		if err := <-second; !errors.Is(err, ErrState) {
+			t.Fatalf("second AcceptWait = %v, want ErrState", err)
+		}
+		wantState(t, f.h, Accepted)
+		if d := f.h.Destination(); d == nil || d.State() != kvlease.LeaseActive {
+			t.Fatal("the winner's destination lease was closed")
+		}
+		f.start2(t)
+		f.check(t)
+	}
+}
+
+// TestHandoffStateCurrentAfterResolve: once Resolve returns, State says
+// so at once, also when late evidence lifts a quarantine (issue 12, item 7).
+func TestHandoffStateCurrentAfterResolve(t *testing.T) {
+	for range 200 {
+		f := newFixture(t, 3, -1)
+		tr := f.start(t)
+		f.tr.copyAll(0)
+		tr.Resolve(nil)
+		if s := f.h.State(); s != Delivered {
+			t.Fatalf("state right after Resolve = %v", s)
+		}
+	}
+	for range 200 {
+		f := newFixture(t, 3, -1)
+		tr := f.start(t)
+		if err := f.h.Expire("test", nil); err != nil {
+			t.Fatal(err)
+		}
+		wantState(t, f.h, Quarantined)
+		tr.Resolve(errors.New("late"))
+		if s := f.h.State(); s != Aborted {
+			t.Fatalf("state right after the late Resolve = %v", s)
+		}
+		wantStats(t, f, "src free=32 leased=0 draining=0 quarantined=0; dst free=32 leased=0 draining=0 quarantined=0")
+	}
+}
