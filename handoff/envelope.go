@@ -1,8 +1,11 @@
 package handoff
 
 import (
+	"encoding/binary"
 	"fmt"
 	"strings"
+
+	"github.com/cespare/xxhash/v2"
 
 	"github.com/kvlease/kvlease"
 )
@@ -286,4 +289,16 @@ func AgreeEnvelopes(components ...NamedEnvelope) error {
 		}
 	}
 	return ee.err()
+}
+
+// Fingerprint returns a hash of the fields AgreeEnvelopes compares (every
+// field but PoolBlocks). Two processes whose envelopes agree have equal
+// fingerprints; a destination refuses a proposal whose fingerprint
+// differs from its own.
+func (e Envelope) Fingerprint() uint64 {
+	var b [8 * len(envelopeFields)]byte
+	for i, f := range envelopeFields {
+		binary.LittleEndian.PutUint64(b[8*i:], uint64(f.get(e)))
+	}
+	return xxhash.Sum64(b[:])
 }
