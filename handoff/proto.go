@@ -454,6 +454,12 @@ func nilIfErr[M Message](m M, err error) (Message, error) {
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
+// crcOf is the frame checksum: crc32c over the first eight header bytes
+// and the payload.
+func crcOf(head, payload []byte) uint32 {
+	return crc32.Update(crc32.Checksum(head, castagnoli), castagnoli, payload)
+}
+
 // AppendFrame appends m's frame to b.
 func AppendFrame(b []byte, m Message) []byte {
 	start := len(b)
@@ -461,8 +467,7 @@ func AppendFrame(b []byte, m Message) []byte {
 	b = m.appendPayload(b)
 	h := b[start : start+headerLength]
 	le.PutUint32(h[4:], uint32(len(b)-start-headerLength))
-	crc := crc32.Update(crc32.Checksum(h[:8], castagnoli), castagnoli, b[start+headerLength:])
-	le.PutUint32(h[8:], crc)
+	le.PutUint32(h[8:], crcOf(h[:8], b[start+headerLength:]))
 	return b
 }
 
@@ -510,7 +515,7 @@ func readFrame(r io.Reader, buf []byte, began func()) (Message, []byte, error) {
 	if _, err := io.ReadFull(r, frame[headerLength:]); err != nil {
 		return nil, buf, fmt.Errorf("kvlease: handoff: half a frame (%d bytes announced): %w (%w)", n, ErrProtocol, err)
 	}
-	crc := crc32.Update(crc32.Checksum(h[:8], castagnoli), castagnoli, frame[headerLength:])
+	crc := crcOf(h[:8], frame[headerLength:])
 	if crc != le.Uint32(h[8:]) {
 		return nil, buf, fmt.Errorf("kvlease: handoff: frame checksum %08x, computed %08x: %w", le.Uint32(h[8:]), crc, ErrProtocol)
 	}
