@@ -26,8 +26,9 @@
 //  5. Every reuse is a new generation. A BlockRef from an older generation
 //     is detected (ErrStaleRef), never silently served. A prefix-cache hit
 //     shares the same content, so it keeps the generation.
-//  6. Capacity agrees everywhere: one Envelope describes the operating
-//     limits, validated once, and admission uses it before any handoff.
+//  6. Capacity agrees everywhere: one Envelope (package handoff)
+//     describes the operating limits, validated once, and admission uses
+//     it before any handoff.
 //  7. Every block is in exactly one state: free, cached, leased, draining or
 //     quarantined. Stats shows the five counts; they always sum to the
 //     capacity.
@@ -109,13 +110,14 @@
 //
 // # Disaggregated handoff
 //
-// Handoff moves a request's KV from a prefill worker's lease to a decode
-// worker's pool in two phases (Propose, Accept or Reject, Start), over a
-// Transport. A rejected handoff can never start a transfer; an aborted one
-// drains until the transport proves quiescence; one whose evidence never
-// comes is quarantined. Envelope states the operating limits every
-// component must agree on, and Admit answers before any block is touched.
-// See Handoff for the state diagram and the evidence behind each state.
+// Package handoff (github.com/kvlease/kvlease/handoff) moves a request's
+// KV from a prefill worker's lease to a decode worker's pool in two phases
+// (propose, accept or reject, start), in one process over a Transport or
+// across processes over a connection. A rejected handoff can never start a
+// transfer; an aborted one drains until the transport proves quiescence;
+// one whose evidence never comes is quarantined. Its Envelope states the
+// operating limits every component must agree on, and Admit answers
+// before any block is touched.
 //
 // # Checked builds
 //

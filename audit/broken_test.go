@@ -6,7 +6,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/kvlease/kvlease"
-	"github.com/kvlease/kvlease/inproc"
+	"github.com/kvlease/kvlease/handoff/inproc"
 )
 
 // The broken variants: each reintroduces one cause of the 2026 incident

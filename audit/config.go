@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/handoff"
 )
 
 // Config describes one audit run: the deployment under test (workers,
@@ -169,8 +170,8 @@ type Progress struct {
 }
 
 // envelope returns the shared envelope; PoolBlocks is the smallest pool.
-func (c *Config) envelope() kvlease.Envelope {
-	return kvlease.Envelope{
+func (c *Config) envelope() handoff.Envelope {
+	return handoff.Envelope{
 		BlockTokens: c.BlockTokens, BlockBytes: c.BlockBytes, PoolBlocks: c.poolBlocks(0),
 		MaxContextTokens: c.MaxContextTokens, MaxPrefillTokens: c.MaxPrefillTokens,
 		MaxRunningRequests: c.MaxRunningRequests,
@@ -237,13 +238,13 @@ func (c *Config) validate() error {
 	if err := env.Validate(); err != nil {
 		return fmt.Errorf("audit: config: %w", err)
 	}
-	var named []kvlease.NamedEnvelope
+	var named []handoff.NamedEnvelope
 	for i := range c.Workers {
 		e := env
 		e.PoolBlocks = c.poolBlocks(i)
-		named = append(named, kvlease.NamedEnvelope{Name: fmt.Sprintf("w%d", i), Envelope: e})
+		named = append(named, handoff.NamedEnvelope{Name: fmt.Sprintf("w%d", i), Envelope: e})
 	}
-	if err := kvlease.AgreeEnvelopes(named...); err != nil {
+	if err := handoff.AgreeEnvelopes(named...); err != nil {
 		return fmt.Errorf("audit: config: %w", err)
 	}
 	if env.BlocksFor(c.MaxPrompt) > 1<<15 {

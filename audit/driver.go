@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/handoff"
 )
 
 // hooks are the unexported test hooks through which the package's tests
@@ -288,7 +289,7 @@ func (w *world) drain() {
 func (w *world) finalCheck() {
 	w.fullCheck()
 	for _, r := range w.reqs {
-		if !r.gone && r.h != nil && r.h.h.State() == kvlease.HandoffQuarantined {
+		if !r.gone && r.h != nil && r.h.h.State() == handoff.Quarantined {
 			w.rep.LeftQuarantined++
 		}
 	}

@@ -6,7 +6,8 @@ import (
 	"fmt"
 
 	"github.com/kvlease/kvlease"
-	"github.com/kvlease/kvlease/inproc"
+	"github.com/kvlease/kvlease/handoff"
+	"github.com/kvlease/kvlease/handoff/inproc"
 )
 
 // namespace is the prefix-cache namespace seed of every request.
@@ -264,7 +265,7 @@ func (w *world) offer(r *request, o Op) bool {
 	to := w.pools[o.Pool]
 	src := r.cur
 	w.rep.Offers++
-	h, err := kvlease.Propose(src.l, to.p, kvlease.HandoffConfig{
+	h, err := handoff.Propose(src.l, to.p, handoff.Config{
 		Envelope: w.env, Source: src.ps.name, Destination: to.name, Deadline: -1,
 	})
 	if err != nil {
@@ -378,12 +379,12 @@ func (w *world) abort(r *request) bool {
 		w.rep.AbortedEarly++
 	case stFlying, stStuck:
 		hr := r.h
-		if hr.h.State() != kvlease.HandoffTransferring {
+		if hr.h.State() != handoff.Transferring {
 			return false
 		}
 		pending := hr.x.t.State() != kvlease.TransferResolved
 		if err := hr.h.Abort("client", errClientGone); err != nil {
-			if w.cfg.Concurrent && errors.Is(err, kvlease.ErrHandoffState) {
+			if w.cfg.Concurrent && errors.Is(err, handoff.ErrState) {
 				return true // the evidence won the race: delivered or failed
 			}
 			w.violate(Unexpected, "request %d: abort transferring handoff: %v", r.id, err)
@@ -409,7 +410,7 @@ func (w *world) deadline(r *request) bool {
 		return false
 	}
 	hr := r.h
-	if hs := hr.h.State(); hs != kvlease.HandoffTransferring && hs != kvlease.HandoffAborting {
+	if hs := hr.h.State(); hs != handoff.Transferring && hs != handoff.Aborting {
 		return false
 	}
 	if hr.x.t.State() != kvlease.TransferPending {

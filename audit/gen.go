@@ -5,7 +5,8 @@ import (
 	"slices"
 
 	"github.com/kvlease/kvlease"
-	"github.com/kvlease/kvlease/inproc"
+	"github.com/kvlease/kvlease/handoff"
+	"github.com/kvlease/kvlease/handoff/inproc"
 )
 
 // gen draws the workload: each call to next looks at the world and picks
@@ -171,14 +172,14 @@ func (g *gen) act(r *request) (Op, bool) {
 		}
 		return Op{Kind: OpStep, Req: r.id, Job: int16(j.idx)}, true
 	case stStuck:
-		quarantined := r.h.h.State() == kvlease.HandoffQuarantined
+		quarantined := r.h.h.State() == handoff.Quarantined
 		u := g.rng.Float64()
 		switch {
 		case u < 0.2:
 			return Op{Kind: OpAck, Req: r.id}, true
 		case u < 0.45 && !quarantined:
 			return Op{Kind: OpDeadline, Req: r.id}, true
-		case u < 0.5 && !r.aborted && r.h.h.State() == kvlease.HandoffTransferring:
+		case u < 0.5 && !r.aborted && r.h.h.State() == handoff.Transferring:
 			return Op{Kind: OpAbort, Req: r.id}, true
 		case u < 0.6 && quarantined && r.h.job.lostAck():
 			// Nobody waits for this acknowledgement any more.
@@ -282,7 +283,7 @@ func drainOps(w *world) []Op {
 		case stAccepted:
 			ops = append(ops, Op{Kind: OpRevoke, Req: r.id})
 		case stStuck:
-			if r.h.h.State() != kvlease.HandoffQuarantined && r.h.x.t.State() == kvlease.TransferPending {
+			if r.h.h.State() != handoff.Quarantined && r.h.x.t.State() == kvlease.TransferPending {
 				ops = append(ops, Op{Kind: OpDeadline, Req: r.id})
 			} else if r.h.job.lostAck() && lateAck(w.cfg, r.id) {
 				ops = append(ops, Op{Kind: OpAck, Req: r.id})

@@ -5,7 +5,7 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/kvlease/kvlease/inproc"
+	"github.com/kvlease/kvlease/handoff/inproc"
 )
 
 // OpKind names one step of the synthetic workload.

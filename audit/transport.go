@@ -7,7 +7,7 @@ import (
 	"time"
 
 	"github.com/kvlease/kvlease"
-	"github.com/kvlease/kvlease/inproc"
+	"github.com/kvlease/kvlease/handoff/inproc"
 )
 
 // job is one copy: a handoff's transfer (or, in broken variants, a copy

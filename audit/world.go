@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/handoff"
 )
 
 var (
@@ -24,7 +25,7 @@ var (
 // own job and report violations through addAsync.
 type world struct {
 	cfg   *Config
-	env   kvlease.Envelope
+	env   handoff.Envelope
 	pools []*poolState
 	reqs  map[int32]*request
 	live  []*request // not gone, not in limbo; the generator picks from these
@@ -142,7 +143,7 @@ type waitResult struct {
 
 // handRec is a handoff in progress.
 type handRec struct {
-	h   *kvlease.Handoff[[]byte, []byte]
+	h   *handoff.Handoff[[]byte, []byte]
 	to  *poolState
 	src *leaseRec
 	dst *leaseRec
@@ -637,7 +638,7 @@ func (w *world) refresh(r *request) {
 func (w *world) settleHandoff(r *request, hr *handRec) {
 	h := hr.h
 	switch st := h.State(); st {
-	case kvlease.HandoffRejected:
+	case handoff.Rejected:
 		if h.Transfer() != nil {
 			w.violate(HandoffBroken, "request %d: rejected handoff has transfer %d", r.id, h.Transfer().ID())
 		}
@@ -645,7 +646,7 @@ func (w *world) settleHandoff(r *request, hr *handRec) {
 			w.violate(HandoffBroken, "request %d: rejected handoff left its destination lease open", r.id)
 		}
 		r.h = nil
-	case kvlease.HandoffDelivered:
+	case handoff.Delivered:
 		if w.cfg.Concurrent && hr.job != nil {
 			w.finishJob(hr.job)
 		}
@@ -671,7 +672,7 @@ func (w *world) settleHandoff(r *request, hr *handRec) {
 		if w.cfg.hooks.delivered != nil {
 			w.cfg.hooks.delivered(w, r)
 		}
-	case kvlease.HandoffFailed:
+	case handoff.Failed:
 		if hr.dst != nil && hr.dst.open {
 			w.violate(HandoffBroken, "request %d: failed handoff left its destination lease open", r.id)
 		}
@@ -679,7 +680,7 @@ func (w *world) settleHandoff(r *request, hr *handRec) {
 			w.rep.Failed++
 		}
 		r.h = nil
-	case kvlease.HandoffAborted:
+	case handoff.Aborted:
 		if hr.src.open || (hr.dst != nil && hr.dst.open) {
 			w.violate(HandoffBroken, "request %d: aborted handoff left a lease open", r.id)
 		}
@@ -688,7 +689,7 @@ func (w *world) settleHandoff(r *request, hr *handRec) {
 		}
 		r.h = nil
 		w.gone(r)
-	case kvlease.HandoffAccepted, kvlease.HandoffTransferring, kvlease.HandoffAborting, kvlease.HandoffQuarantined:
+	case handoff.Accepted, handoff.Transferring, handoff.Aborting, handoff.Quarantined:
 	default:
 		w.violate(HandoffBroken, "request %d: handoff left in state %v", r.id, st)
 	}

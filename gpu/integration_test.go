@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/handoff"
 )
 
 // These tests drive the copy engine through kvlease pools, leases and the
@@ -204,7 +205,7 @@ func TestHandoffOverDeviceCopy(t *testing.T) {
 	noErr(t, err)
 	decode, err := kvlease.NewPool[DevicePtr](r.dev2)
 	noErr(t, err)
-	env := kvlease.Envelope{BlockTokens: 16, BlockBytes: bb, PoolBlocks: blocks, MaxContextTokens: 128, MaxPrefillTokens: 64, MaxRunningRequests: 2}
+	env := handoff.Envelope{BlockTokens: 16, BlockBytes: bb, PoolBlocks: blocks, MaxContextTokens: 128, MaxPrefillTokens: 64, MaxRunningRequests: 2}
 	noErr(t, env.Validate())
 
 	src, err := prefill.Acquire("req-5", 5)
@@ -218,7 +219,7 @@ func TestHandoffOverDeviceCopy(t *testing.T) {
 		noErr(t, err)
 		noErr(t, d.CopyFromHost(p, want[i]))
 	}
-	h, err := kvlease.Propose(src, decode, kvlease.HandoffConfig{Envelope: env, Source: "prefill", Destination: "decode", Deadline: 10 * time.Second})
+	h, err := handoff.Propose(src, decode, handoff.Config{Envelope: env, Source: "prefill", Destination: "decode", Deadline: 10 * time.Second})
 	noErr(t, err)
 	noErr(t, h.Accept())
 	noErr(t, h.Start(r.e.DeviceToDevice()))
@@ -227,7 +228,7 @@ func TestHandoffOverDeviceCopy(t *testing.T) {
 	case <-time.After(20 * time.Second):
 		t.Fatal("handoff did not finish")
 	}
-	eq(t, kvlease.HandoffDelivered, h.State())
+	eq(t, handoff.Delivered, h.State())
 	got := h.Destination()
 	for i := range want {
 		p, err := got.Region(i)

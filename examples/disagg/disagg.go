@@ -12,7 +12,8 @@ import (
 	"time"
 
 	"github.com/kvlease/kvlease"
-	"github.com/kvlease/kvlease/inproc"
+	"github.com/kvlease/kvlease/handoff"
+	"github.com/kvlease/kvlease/handoff/inproc"
 )
 
 // Config is one run of the example.
@@ -36,7 +37,7 @@ type Config struct {
 	// sabotage, if set, runs on the copy goroutine before each write,
 	// after the audit: the test uses it to make the transport lie and
 	// checks that the ledger catches it.
-	sabotage func(inproc.Write, kvlease.HandoffState)
+	sabotage func(inproc.Write, handoff.State)
 }
 
 // DefaultConfig is the README's run.
@@ -52,7 +53,7 @@ func DefaultConfig() Config {
 // The deployment's one envelope: 16-token blocks of 16 bytes per token,
 // a 1024-token context (64 blocks), 256-token prefill chunks. The prefill
 // and decode pools differ only in size.
-var envelope = kvlease.Envelope{
+var envelope = handoff.Envelope{
 	BlockTokens: 16, BlockBytes: 256, PoolBlocks: 512,
 	MaxContextTokens: 1024, MaxPrefillTokens: 256, MaxRunningRequests: 14,
 }
@@ -123,7 +124,7 @@ type request struct {
 	refused string // why the request never reached a handoff
 	src     *kvlease.Lease[[]byte]
 	srcIDs  []kvlease.BlockID
-	h       *kvlease.Handoff[[]byte, []byte]
+	h       *handoff.Handoff[[]byte, []byte]
 	dstIDs  []kvlease.BlockID
 	lost    bool // its transfer's acknowledgement was lost
 	late    bool // ...and delivered late
@@ -217,10 +218,10 @@ func Run(cfg Config, out io.Writer) (Ledger, error) {
 	// differ. Check that once, at startup.
 	decodeEnv := envelope
 	decodeEnv.PoolBlocks = decodeBlocks
-	if err := kvlease.AgreeEnvelopes(
-		kvlease.NamedEnvelope{Name: "frontend", Envelope: envelope},
-		kvlease.NamedEnvelope{Name: "prefill", Envelope: envelope},
-		kvlease.NamedEnvelope{Name: "decode", Envelope: decodeEnv},
+	if err := handoff.AgreeEnvelopes(
+		handoff.NamedEnvelope{Name: "frontend", Envelope: envelope},
+		handoff.NamedEnvelope{Name: "prefill", Envelope: envelope},
+		handoff.NamedEnvelope{Name: "decode", Envelope: decodeEnv},
 	); err != nil {
 		return Ledger{}, err
 	}
@@ -266,14 +267,14 @@ func Run(cfg Config, out io.Writer) (Ledger, error) {
 		w.admit(r, &running)
 	}
 	for _, r := range reqs {
-		if r.h != nil && r.h.State() == kvlease.HandoffAccepted {
+		if r.h != nil && r.h.State() == handoff.Accepted {
 			_ = r.h.Start(tagged{w, r}) // a failed start is in the history
 		}
 	}
 
 	// A supervisor waits for the transport to go idle, then gives up on
 	// every transfer still unacknowledged: its copy stopped, but nobody
-	// can prove it. (In production, HandoffConfig.Deadline does this.)
+	// can prove it. (In production, handoff.Config.Deadline does this.)
 	w.tp.Wait()
 	for _, r := range reqs {
 		if r.h == nil {
@@ -301,7 +302,7 @@ func Run(cfg Config, out io.Writer) (Ledger, error) {
 	var l Ledger
 	l.Requests = len(reqs)
 	for _, r := range reqs {
-		if r.h != nil && r.h.State() == kvlease.HandoffDelivered {
+		if r.h != nil && r.h.State() == handoff.Delivered {
 			d := r.h.Destination()
 			for i := range d.Len() {
 				b, err := d.Region(i)
@@ -376,7 +377,7 @@ func (w *world) admit(r *request, running *int) {
 		b, _ := src.Region(i)
 		marker(b, r.id, i)
 	}
-	r.h, err = kvlease.Propose(src, w.decode, kvlease.HandoffConfig{
+	r.h, err = handoff.Propose(src, w.decode, handoff.Config{
 		Envelope: envelope, Source: "prefill", Destination: "decode", Deadline: 10 * time.Second,
 	})
 	if err != nil {
@@ -406,22 +407,22 @@ func (l *Ledger) count(r *request) {
 		l.RejectedPrefill++
 	default:
 		switch r.h.State() {
-		case kvlease.HandoffDelivered:
+		case handoff.Delivered:
 			l.Delivered++
-		case kvlease.HandoffRejected:
+		case handoff.Rejected:
 			if errors.Is(r.h.Err(), errBusy) {
 				l.RejectedPolicy++
 			} else {
 				l.RejectedDecode++
 			}
-		case kvlease.HandoffFailed:
+		case handoff.Failed:
 			l.Failed++
-		case kvlease.HandoffAborted:
+		case handoff.Aborted:
 			l.Aborted++
 			if r.late {
 				l.AbortedLifted++
 			}
-		case kvlease.HandoffQuarantined:
+		case handoff.Quarantined:
 			l.Quarantined++
 		}
 	}
@@ -462,7 +463,7 @@ func printTimeline(out io.Writer, r *request) {
 	fmt.Fprintln(out)
 	for _, s := range r.h.History() {
 		fmt.Fprintf(out, "      %-13v by %-10s %v", s.To, s.By, s.Event)
-		if s.Event == kvlease.HandoffAttach {
+		if s.Event == handoff.EventAttach {
 			fmt.Fprintf(out, " transfer %d (reads p, writes d)", s.Transfer)
 		}
 		if s.Err != nil {
@@ -472,7 +473,7 @@ func printTimeline(out io.Writer, r *request) {
 	}
 	if r.late {
 		fmt.Fprintln(out, "      (late acknowledgement: the quarantined blocks are back in their pools)")
-	} else if r.lost && r.h.State() == kvlease.HandoffQuarantined {
+	} else if r.lost && r.h.State() == handoff.Quarantined {
 		fmt.Fprintln(out, "      (no acknowledgement ever came: its blocks stay quarantined, never reused)")
 	}
 }

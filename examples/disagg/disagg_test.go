@@ -7,7 +7,8 @@ import (
 	"testing"
 
 	"github.com/kvlease/kvlease"
-	"github.com/kvlease/kvlease/inproc"
+	"github.com/kvlease/kvlease/handoff"
+	"github.com/kvlease/kvlease/handoff/inproc"
 )
 
 // TestDefaultRun runs the README's command with its fixed seed and checks
@@ -98,8 +99,8 @@ func TestAuditCatchesALyingTransport(t *testing.T) {
 	cfg := DefaultConfig()
 	cfg.Quiet = true
 	cfg.AbortRate, cfg.IgnoreCancelRate, cfg.FailRate, cfg.LostAckRate = 1, 1, 0, 0
-	cfg.sabotage = func(w inproc.Write, s kvlease.HandoffState) {
-		if s == kvlease.HandoffAborting {
+	cfg.sabotage = func(w inproc.Write, s handoff.State) {
+		if s == handoff.Aborting {
 			w.Transfer.Resolve(nil) // "quiescent", says the transport, mid-copy
 		}
 	}

@@ -1,8 +1,13 @@
-package kvlease
+package handoff
 
 import (
+	"encoding/binary"
 	"fmt"
 	"strings"
+
+	"github.com/cespare/xxhash/v2"
+
+	"github.com/kvlease/kvlease"
 )
 
 // An Envelope is the operating limits of a serving deployment: how big a
@@ -76,7 +81,7 @@ func (e *EnvelopeError) Error() string {
 }
 
 // Unwrap returns ErrInvalidArgument.
-func (e *EnvelopeError) Unwrap() error { return ErrInvalidArgument }
+func (e *EnvelopeError) Unwrap() error { return kvlease.ErrInvalidArgument }
 
 func (e *EnvelopeError) add(field, format string, args ...any) {
 	e.Problems = append(e.Problems, EnvelopeProblem{Field: field, Detail: fmt.Sprintf(format, args...)})
@@ -195,14 +200,14 @@ func (e Envelope) Admit(prompt, maxNew int) error {
 		return fmt.Errorf("kvlease: admit: %w", err)
 	}
 	if prompt < 1 {
-		return fmt.Errorf("kvlease: admit: prompt of %d tokens: %w", prompt, ErrInvalidArgument)
+		return fmt.Errorf("kvlease: admit: prompt of %d tokens: %w", prompt, kvlease.ErrInvalidArgument)
 	}
 	if maxNew < 0 {
-		return fmt.Errorf("kvlease: admit: %d new tokens: %w", maxNew, ErrInvalidArgument)
+		return fmt.Errorf("kvlease: admit: %d new tokens: %w", maxNew, kvlease.ErrInvalidArgument)
 	}
 	if prompt > e.MaxContextTokens || maxNew > e.MaxContextTokens-prompt {
 		return fmt.Errorf("kvlease: admit: prompt %d + %d new tokens exceeds the context limit of %d tokens: %w",
-			prompt, maxNew, e.MaxContextTokens, ErrExceedsCapacity)
+			prompt, maxNew, e.MaxContextTokens, kvlease.ErrExceedsCapacity)
 	}
 	return nil
 }
@@ -240,7 +245,7 @@ var envelopeFields = [...]struct {
 // distinct (ErrInvalidArgument otherwise).
 func AgreeEnvelopes(components ...NamedEnvelope) error {
 	if len(components) == 0 {
-		return fmt.Errorf("kvlease: agree envelopes: no component: %w", ErrInvalidArgument)
+		return fmt.Errorf("kvlease: agree envelopes: no component: %w", kvlease.ErrInvalidArgument)
 	}
 	ee := &EnvelopeError{}
 	seen := make(map[string]bool, len(components))
@@ -284,4 +289,16 @@ func AgreeEnvelopes(components ...NamedEnvelope) error {
 		}
 	}
 	return ee.err()
+}
+
+// Fingerprint returns a hash of the fields AgreeEnvelopes compares (every
+// field but PoolBlocks). Two processes whose envelopes agree have equal
+// fingerprints; a destination refuses a proposal whose fingerprint
+// differs from its own.
+func (e Envelope) Fingerprint() uint64 {
+	var b [8 * len(envelopeFields)]byte
+	for i, f := range envelopeFields {
+		binary.LittleEndian.PutUint64(b[8*i:], uint64(f.get(e)))
+	}
+	return xxhash.Sum64(b[:])
 }

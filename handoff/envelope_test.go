@@ -1,4 +1,4 @@
-package kvlease_test
+package handoff_test
 
 import (
 	"errors"
@@ -8,12 +8,13 @@ import (
 	"testing"
 
 	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/handoff"
 )
 
 // goodEnvelope is a small valid envelope: 16-token blocks of 64 bytes, 64
 // blocks, 512-token context, 128-token prefill chunks, 8 running requests.
-func goodEnvelope() kvlease.Envelope {
-	return kvlease.Envelope{
+func goodEnvelope() handoff.Envelope {
+	return handoff.Envelope{
 		BlockTokens:        16,
 		BlockBytes:         64,
 		PoolBlocks:         64,
@@ -23,7 +24,7 @@ func goodEnvelope() kvlease.Envelope {
 	}
 }
 
-func problems(t *testing.T, err error) []kvlease.EnvelopeProblem {
+func problems(t *testing.T, err error) []handoff.EnvelopeProblem {
 	t.Helper()
 	if err == nil {
 		return nil
@@ -31,14 +32,14 @@ func problems(t *testing.T, err error) []kvlease.EnvelopeProblem {
 	if !errors.Is(err, kvlease.ErrInvalidArgument) {
 		t.Fatalf("error %v does not wrap ErrInvalidArgument", err)
 	}
-	var ee *kvlease.EnvelopeError
+	var ee *handoff.EnvelopeError
 	if !errors.As(err, &ee) {
 		t.Fatalf("error %v is not an *EnvelopeError", err)
 	}
 	return ee.Problems
 }
 
-func fields(ps []kvlease.EnvelopeProblem) []string {
+func fields(ps []handoff.EnvelopeProblem) []string {
 	var out []string
 	for _, p := range ps {
 		out = append(out, p.Field)
@@ -49,32 +50,32 @@ func fields(ps []kvlease.EnvelopeProblem) []string {
 func TestEnvelopeValidate(t *testing.T) {
 	tests := []struct {
 		name   string
-		edit   func(*kvlease.Envelope)
+		edit   func(*handoff.Envelope)
 		fields []string // the fields reported, in order
 		want   []string // substrings the details must carry (the numbers)
 	}{
-		{"valid", func(*kvlease.Envelope) {}, nil, nil},
-		{"all zero", func(e *kvlease.Envelope) { *e = kvlease.Envelope{} },
+		{"valid", func(*handoff.Envelope) {}, nil, nil},
+		{"all zero", func(e *handoff.Envelope) { *e = handoff.Envelope{} },
 			[]string{"BlockTokens", "BlockBytes", "PoolBlocks", "MaxContextTokens", "MaxPrefillTokens", "MaxRunningRequests"},
 			[]string{"must be positive, got 0"}},
-		{"negative", func(e *kvlease.Envelope) { e.BlockTokens = -16; e.MaxRunningRequests = -1 },
+		{"negative", func(e *handoff.Envelope) { e.BlockTokens = -16; e.MaxRunningRequests = -1 },
 			[]string{"BlockTokens", "MaxRunningRequests"}, []string{"got -16", "got -1"}},
-		{"context larger than pool", func(e *kvlease.Envelope) { e.MaxContextTokens = 1025 },
+		{"context larger than pool", func(e *handoff.Envelope) { e.MaxContextTokens = 1025 },
 			[]string{"MaxContextTokens"}, []string{"1025-token request needs 65 blocks", "the pool has 64"}},
-		{"context exactly the pool", func(e *kvlease.Envelope) { e.MaxContextTokens = 1024; e.MaxPrefillTokens = 1024 }, nil, nil},
-		{"prefill larger than context", func(e *kvlease.Envelope) { e.MaxPrefillTokens = 513 },
+		{"context exactly the pool", func(e *handoff.Envelope) { e.MaxContextTokens = 1024; e.MaxPrefillTokens = 1024 }, nil, nil},
+		{"prefill larger than context", func(e *handoff.Envelope) { e.MaxPrefillTokens = 513 },
 			[]string{"MaxPrefillTokens"}, []string{"513 tokens exceeds the context limit of 512"}},
-		{"more running requests than blocks", func(e *kvlease.Envelope) { e.MaxRunningRequests = 65 },
+		{"more running requests than blocks", func(e *handoff.Envelope) { e.MaxRunningRequests = 65 },
 			[]string{"MaxRunningRequests"}, []string{"65 running requests", "the pool has 64"}},
-		{"bytes per token not whole", func(e *kvlease.Envelope) { e.BlockBytes = 100 },
+		{"bytes per token not whole", func(e *handoff.Envelope) { e.BlockBytes = 100 },
 			[]string{"BlockBytes"}, []string{"100 bytes", "16 tokens"}},
-		{"several relations at once", func(e *kvlease.Envelope) {
+		{"several relations at once", func(e *handoff.Envelope) {
 			e.PoolBlocks = 4
 			e.MaxPrefillTokens = 1000
 		}, []string{"MaxContextTokens", "MaxPrefillTokens", "MaxRunningRequests"}, []string{"needs 32 blocks", "1000 tokens", "8 running"}},
-		{"huge context does not overflow", func(e *kvlease.Envelope) { e.MaxContextTokens = math.MaxInt },
+		{"huge context does not overflow", func(e *handoff.Envelope) { e.MaxContextTokens = math.MaxInt },
 			[]string{"MaxContextTokens"}, []string{"the pool has 64"}},
-		{"zero block tokens skips relations on it", func(e *kvlease.Envelope) { e.BlockTokens = 0; e.MaxContextTokens = 1 << 20 },
+		{"zero block tokens skips relations on it", func(e *handoff.Envelope) { e.BlockTokens = 0; e.MaxContextTokens = 1 << 20 },
 			[]string{"BlockTokens"}, nil},
 	}
 	for _, tt := range tests {
@@ -124,7 +125,7 @@ func TestEnvelopeAdmit(t *testing.T) {
 	if !errors.Is(err, kvlease.ErrInvalidArgument) {
 		t.Fatalf("Admit on an invalid envelope = %v, want ErrInvalidArgument", err)
 	}
-	var ee *kvlease.EnvelopeError
+	var ee *handoff.EnvelopeError
 	if !errors.As(err, &ee) || ee.Problems[0].Field != "PoolBlocks" {
 		t.Fatalf("Admit on an invalid envelope does not carry the envelope's problems: %v", err)
 	}
@@ -151,8 +152,8 @@ func TestEnvelopeBlocksFor(t *testing.T) {
 		}
 	}
 	for name, f := range map[string]func(){
-		"BlocksFor":    func() { kvlease.Envelope{}.BlocksFor(1) },
-		"PrefillSteps": func() { kvlease.Envelope{}.PrefillSteps(1) },
+		"BlocksFor":    func() { handoff.Envelope{}.BlocksFor(1) },
+		"PrefillSteps": func() { handoff.Envelope{}.PrefillSteps(1) },
 	} {
 		func() {
 			defer func() {
@@ -172,11 +173,11 @@ func TestAgreeEnvelopes(t *testing.T) {
 	prefill.PoolBlocks = 128 // pools may differ in size
 	decode := goodEnvelope()
 
-	if err := kvlease.AgreeEnvelopes(
-		kvlease.NamedEnvelope{Name: "frontend", Envelope: front},
-		kvlease.NamedEnvelope{Name: "scheduler", Envelope: sched},
-		kvlease.NamedEnvelope{Name: "prefill", Envelope: prefill},
-		kvlease.NamedEnvelope{Name: "decode", Envelope: decode},
+	if err := handoff.AgreeEnvelopes(
+		handoff.NamedEnvelope{Name: "frontend", Envelope: front},
+		handoff.NamedEnvelope{Name: "scheduler", Envelope: sched},
+		handoff.NamedEnvelope{Name: "prefill", Envelope: prefill},
+		handoff.NamedEnvelope{Name: "decode", Envelope: decode},
 	); err != nil {
 		t.Fatalf("agreeing envelopes: %v", err)
 	}
@@ -186,14 +187,14 @@ func TestAgreeEnvelopes(t *testing.T) {
 	front.MaxContextTokens = 2048
 	decode.BlockTokens = 32
 	decode.BlockBytes = 128
-	err := kvlease.AgreeEnvelopes(
-		kvlease.NamedEnvelope{Name: "frontend", Envelope: front},
-		kvlease.NamedEnvelope{Name: "scheduler", Envelope: sched},
-		kvlease.NamedEnvelope{Name: "prefill", Envelope: prefill},
-		kvlease.NamedEnvelope{Name: "decode", Envelope: decode},
+	err := handoff.AgreeEnvelopes(
+		handoff.NamedEnvelope{Name: "frontend", Envelope: front},
+		handoff.NamedEnvelope{Name: "scheduler", Envelope: sched},
+		handoff.NamedEnvelope{Name: "prefill", Envelope: prefill},
+		handoff.NamedEnvelope{Name: "decode", Envelope: decode},
 	)
 	ps := problems(t, err)
-	want := []kvlease.EnvelopeProblem{
+	want := []handoff.EnvelopeProblem{
 		{"BlockTokens", "components disagree: frontend=16 scheduler=16 prefill=16 decode=32"},
 		{"BlockBytes", "components disagree: frontend=64 scheduler=64 prefill=64 decode=128"},
 		{"MaxContextTokens", "components disagree: frontend=2048 scheduler=512 prefill=512 decode=512"},
@@ -205,21 +206,21 @@ func TestAgreeEnvelopes(t *testing.T) {
 
 	for _, tt := range []struct {
 		name string
-		cs   []kvlease.NamedEnvelope
+		cs   []handoff.NamedEnvelope
 		want string
 	}{
 		{"none", nil, "no component"},
-		{"unnamed", []kvlease.NamedEnvelope{{Envelope: sched}}, "has no name"},
-		{"twice", []kvlease.NamedEnvelope{{"a", sched}, {"a", sched}}, `"a" appears twice`},
+		{"unnamed", []handoff.NamedEnvelope{{Envelope: sched}}, "has no name"},
+		{"twice", []handoff.NamedEnvelope{{"a", sched}, {"a", sched}}, `"a" appears twice`},
 	} {
-		err := kvlease.AgreeEnvelopes(tt.cs...)
+		err := handoff.AgreeEnvelopes(tt.cs...)
 		if !errors.Is(err, kvlease.ErrInvalidArgument) || !strings.Contains(err.Error(), tt.want) {
 			t.Errorf("%s: %v, want ErrInvalidArgument mentioning %q", tt.name, err, tt.want)
 		}
 	}
 }
 
-func lines(ps []kvlease.EnvelopeProblem) []string {
+func lines(ps []handoff.EnvelopeProblem) []string {
 	var out []string
 	for _, p := range ps {
 		out = append(out, p.String())

@@ -1,4 +1,4 @@
-package kvlease
+package handoff
 
 import (
 	"context"
@@ -8,204 +8,206 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/kvlease/kvlease"
 )
 
-// ErrHandoffState is returned when a handoff method is called in a state
+// ErrState is returned when a handoff method is called in a state
 // that does not allow it: Start after a rejection, Accept twice, Reject
 // after the transfer started, Abort after delivery. The error names the
 // state; nothing changed.
-var ErrHandoffState = errors.New("kvlease: handoff in the wrong state")
+var ErrState = errors.New("kvlease: handoff in the wrong state")
 
-// ErrHandoffRejected is the default reason recorded by Reject(by, nil).
-var ErrHandoffRejected = errors.New("kvlease: handoff rejected")
+// ErrRejected is the default reason recorded by Reject(by, nil).
+var ErrRejected = errors.New("kvlease: handoff rejected")
 
-// HandoffState is where a handoff is. See Handoff for the diagram.
-type HandoffState uint8
+// State is where a handoff is. See Handoff for the diagram.
+type State uint8
 
 // The handoff states.
 const (
-	handoffNone HandoffState = iota // before Propose; only in History's first From
+	stateNone State = iota // before Propose; only in History's first From
 
-	// HandoffProposed: the source offers a lease; the destination holds
+	// Proposed: the source offers a lease; the destination holds
 	// nothing yet.
-	HandoffProposed
-	// HandoffRejected: the destination refused. Final: no transfer can
+	Proposed
+	// Rejected: the destination refused. Final: no transfer can
 	// ever start; the source lease is untouched and still the caller's.
-	HandoffRejected
-	// HandoffAccepted: the destination holds a lease of the same length;
+	Rejected
+	// Accepted: the destination holds a lease of the same length;
 	// no transfer yet.
-	HandoffAccepted
-	// HandoffTransferring: one transfer is attached to both leases (Read
+	Accepted
+	// Transferring: one transfer is attached to both leases (Read
 	// on the source, Write on the destination).
-	HandoffTransferring
-	// HandoffDelivered: the transfer resolved without error. Final: the
+	Transferring
+	// Delivered: the transfer resolved without error. Final: the
 	// destination lease is the caller's (Destination); the source lease is
 	// untouched.
-	HandoffDelivered
-	// HandoffFailed: the transfer resolved with an error, or the transport
+	Delivered
+	// Failed: the transfer resolved with an error, or the transport
 	// could not start it. Final: the destination lease is released (the
 	// memory was already quiescent); the source lease is untouched.
-	HandoffFailed
-	// HandoffAborting: Abort came while the transfer was in flight. Both
+	Failed
+	// Aborting: Abort came while the transfer was in flight. Both
 	// leases are aborted and the transfer cancelled; their blocks drain
 	// until the transport proves quiescence.
-	HandoffAborting
-	// HandoffAborted: aborted, and nothing the handoff started can touch
+	Aborting
+	// Aborted: aborted, and nothing the handoff started can touch
 	// memory any more. Final.
-	HandoffAborted
-	// HandoffQuarantined: no evidence came in time (Expire): the transfer
+	Aborted
+	// Quarantined: no evidence came in time (Expire): the transfer
 	// is quarantined with every block of both leases, which are aborted.
 	// Not final: only the transfer's late Resolve lifts it, to Aborted.
-	HandoffQuarantined
+	Quarantined
 
-	numHandoffStates
+	numStates
 )
 
-var handoffStateNames = [numHandoffStates]string{
+var stateNames = [numStates]string{
 	"none", "proposed", "rejected", "accepted", "transferring",
 	"delivered", "failed", "aborting", "aborted", "quarantined",
 }
 
-func (s HandoffState) String() string {
-	if s < numHandoffStates {
-		return handoffStateNames[s]
+func (s State) String() string {
+	if s < numStates {
+		return stateNames[s]
 	}
 	return "invalid"
 }
 
 // Final reports whether s is final: Rejected, Delivered, Failed or
 // Aborted. No event leaves a final state.
-func (s HandoffState) Final() bool {
-	return s == HandoffRejected || s == HandoffDelivered || s == HandoffFailed || s == HandoffAborted
+func (s State) Final() bool {
+	return s == Rejected || s == Delivered || s == Failed || s == Aborted
 }
 
-// HandoffEvent is what moves a handoff: a caller's decision or the
+// Event is what moves a handoff: a caller's decision or the
 // transport's evidence. Each step of History names one.
-type HandoffEvent uint8
+type Event uint8
 
 // The handoff events.
 const (
-	// HandoffPropose: Propose created the handoff.
-	HandoffPropose HandoffEvent = iota + 1
-	// HandoffAccept: the destination acquired its lease.
-	HandoffAccept
-	// HandoffReject: the destination refused, by decision (Reject) or
+	// EventPropose: Propose created the handoff.
+	EventPropose Event = iota + 1
+	// EventAccept: the destination acquired its lease.
+	EventAccept
+	// EventReject: the destination refused, by decision (Reject) or
 	// because its acquire failed (Accept, AcceptWait).
-	HandoffReject
-	// HandoffAttach: the transport attached the transfer to both leases;
+	EventReject
+	// EventAttach: the transport attached the transfer to both leases;
 	// bytes may move from now on.
-	HandoffAttach
-	// HandoffStartFail: Start could not attach a transfer (the source
+	EventAttach
+	// EventStartFail: Start could not attach a transfer (the source
 	// lease was closed, the transport failed). Nothing moved.
-	HandoffStartFail
-	// HandoffResolve: the transfer resolved without error: quiescent and
+	EventStartFail
+	// EventResolve: the transfer resolved without error: quiescent and
 	// complete.
-	HandoffResolve
-	// HandoffResolveError: the transfer resolved with an error: quiescent,
+	EventResolve
+	// EventResolveError: the transfer resolved with an error: quiescent,
 	// content incomplete.
-	HandoffResolveError
-	// HandoffAbort: either side gave up on the request (Abort).
-	HandoffAbort
-	// HandoffExpire: no evidence by the deadline (the handoff's timer or a
+	EventResolveError
+	// EventAbort: either side gave up on the request (Abort).
+	EventAbort
+	// EventExpire: no evidence by the deadline (the handoff's timer or a
 	// caller's Expire), and the transfer was still unresolved.
-	HandoffExpire
+	EventExpire
 
-	numHandoffEvents
+	numEvents
 )
 
-var handoffEventNames = [numHandoffEvents]string{
+var eventNames = [numEvents]string{
 	"", "propose", "accept", "reject", "attach", "start-fail",
 	"resolve", "resolve-error", "abort", "expire",
 }
 
-func (e HandoffEvent) String() string {
-	if e > 0 && e < numHandoffEvents {
-		return handoffEventNames[e]
+func (e Event) String() string {
+	if e > 0 && e < numEvents {
+		return eventNames[e]
 	}
 	return "invalid"
 }
 
-// handoffEdge is one cell of the transition table.
-type handoffEdge struct {
-	to   HandoffState
+// edge is one cell of the transition table.
+type edge struct {
+	to   State
 	kind edgeKind
 }
 
 type edgeKind uint8
 
 const (
-	edgeRefuse edgeKind = iota // the event is not allowed here: ErrHandoffState
+	edgeRefuse edgeKind = iota // the event is not allowed here: ErrState
 	edgeMove                   // the state changes to `to`
 	edgeNoop                   // already done (a second Abort, a late timer): nil, nothing changes
 )
 
-// handoffTable is the handoff's one transition function, as a table: the
+// table is the handoff's one transition function, as a table: the
 // cell for (state, event) says whether the event moves the handoff, is an
 // idempotent repeat, or is refused. Missing cells are refusals. Every
-// state change goes through handoffNext.
-var handoffTable = [numHandoffStates][numHandoffEvents]handoffEdge{
-	handoffNone: {
-		HandoffPropose: {HandoffProposed, edgeMove},
+// state change goes through next.
+var table = [numStates][numEvents]edge{
+	stateNone: {
+		EventPropose: {Proposed, edgeMove},
 	},
-	HandoffProposed: {
-		HandoffAccept: {HandoffAccepted, edgeMove},
-		HandoffReject: {HandoffRejected, edgeMove},
-		HandoffAbort:  {HandoffAborted, edgeMove},
+	Proposed: {
+		EventAccept: {Accepted, edgeMove},
+		EventReject: {Rejected, edgeMove},
+		EventAbort:  {Aborted, edgeMove},
 	},
-	HandoffRejected: {
-		HandoffReject: {HandoffRejected, edgeNoop},
-		HandoffExpire: {HandoffRejected, edgeNoop},
+	Rejected: {
+		EventReject: {Rejected, edgeNoop},
+		EventExpire: {Rejected, edgeNoop},
 	},
-	HandoffAccepted: {
-		HandoffReject:    {HandoffRejected, edgeMove},
-		HandoffAttach:    {HandoffTransferring, edgeMove},
-		HandoffStartFail: {HandoffFailed, edgeMove},
-		HandoffAbort:     {HandoffAborted, edgeMove},
+	Accepted: {
+		EventReject:    {Rejected, edgeMove},
+		EventAttach:    {Transferring, edgeMove},
+		EventStartFail: {Failed, edgeMove},
+		EventAbort:     {Aborted, edgeMove},
 	},
-	HandoffTransferring: {
-		HandoffResolve:      {HandoffDelivered, edgeMove},
-		HandoffResolveError: {HandoffFailed, edgeMove},
-		HandoffAbort:        {HandoffAborting, edgeMove},
-		HandoffExpire:       {HandoffQuarantined, edgeMove},
+	Transferring: {
+		EventResolve:      {Delivered, edgeMove},
+		EventResolveError: {Failed, edgeMove},
+		EventAbort:        {Aborting, edgeMove},
+		EventExpire:       {Quarantined, edgeMove},
 	},
-	HandoffDelivered: {
-		HandoffExpire: {HandoffDelivered, edgeNoop},
+	Delivered: {
+		EventExpire: {Delivered, edgeNoop},
 	},
-	HandoffFailed: {
-		HandoffExpire: {HandoffFailed, edgeNoop},
+	Failed: {
+		EventExpire: {Failed, edgeNoop},
 	},
-	HandoffAborting: {
-		HandoffResolve:      {HandoffAborted, edgeMove},
-		HandoffResolveError: {HandoffAborted, edgeMove},
-		HandoffAbort:        {HandoffAborting, edgeNoop},
-		HandoffExpire:       {HandoffQuarantined, edgeMove},
+	Aborting: {
+		EventResolve:      {Aborted, edgeMove},
+		EventResolveError: {Aborted, edgeMove},
+		EventAbort:        {Aborting, edgeNoop},
+		EventExpire:       {Quarantined, edgeMove},
 	},
-	HandoffAborted: {
-		HandoffAbort:  {HandoffAborted, edgeNoop},
-		HandoffExpire: {HandoffAborted, edgeNoop},
+	Aborted: {
+		EventAbort:  {Aborted, edgeNoop},
+		EventExpire: {Aborted, edgeNoop},
 	},
-	HandoffQuarantined: {
-		HandoffResolve:      {HandoffAborted, edgeMove},
-		HandoffResolveError: {HandoffAborted, edgeMove},
-		HandoffAbort:        {HandoffQuarantined, edgeNoop},
-		HandoffExpire:       {HandoffQuarantined, edgeNoop},
+	Quarantined: {
+		EventResolve:      {Aborted, edgeMove},
+		EventResolveError: {Aborted, edgeMove},
+		EventAbort:        {Quarantined, edgeNoop},
+		EventExpire:       {Quarantined, edgeNoop},
 	},
 }
 
-// handoffNext looks up (s, e) in the transition table.
-func handoffNext(s HandoffState, e HandoffEvent) handoffEdge {
-	if s >= numHandoffStates || e == 0 || e >= numHandoffEvents {
-		return handoffEdge{}
+// next looks up (s, e) in the transition table.
+func next(s State, e Event) edge {
+	if s >= numStates || e == 0 || e >= numEvents {
+		return edge{}
 	}
-	return handoffTable[s][e]
+	return table[s][e]
 }
 
-// A HandoffStep is one transition of a handoff with the evidence that made
+// A Step is one transition of a handoff with the evidence that made
 // it: which component, which event, and the error it carried (the
 // rejection reason, the transfer's outcome, the abort cause).
-type HandoffStep struct {
-	From, To HandoffState
-	Event    HandoffEvent
+type Step struct {
+	From, To State
+	Event    Event
 	By       string    // the component: a side's name, "transport", "deadline"
 	Err      error     // reason, cause or outcome; nil for success
 	Transfer uint64    // the transfer's ID, once one is attached
@@ -213,7 +215,7 @@ type HandoffStep struct {
 }
 
 // String renders the step as "from → to  by/event: err".
-func (s HandoffStep) String() string {
+func (s Step) String() string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "%v → %v  %s/%v", s.From, s.To, s.By, s.Event)
 	if s.Transfer != 0 {
@@ -225,12 +227,12 @@ func (s HandoffStep) String() string {
 	return b.String()
 }
 
-// DefaultHandoffDeadline is the deadline a handoff uses when
-// HandoffConfig.Deadline is zero.
-const DefaultHandoffDeadline = 30 * time.Second
+// DefaultDeadline is the deadline a handoff uses when
+// Config.Deadline is zero.
+const DefaultDeadline = 30 * time.Second
 
-// HandoffConfig configures a handoff.
-type HandoffConfig struct {
+// Config configures a handoff.
+type Config struct {
 	// Envelope is the envelope both sides agreed on (see AgreeEnvelopes).
 	// It must be valid; both pools' BlockBytes must equal its BlockBytes,
 	// and the source lease may not hold more blocks than a
@@ -244,8 +246,8 @@ type HandoffConfig struct {
 	Owner string
 	// Deadline bounds how long the transfer may stay unresolved once
 	// attached (or once aborted) before the handoff gives up on evidence
-	// and quarantines it (HandoffExpire, by "deadline"). Zero means
-	// DefaultHandoffDeadline; a negative value means no deadline: a
+	// and quarantines it (EventExpire, by "deadline"). Zero means
+	// DefaultDeadline; a negative value means no deadline: a
 	// transport that never resolves then leaves the handoff Transferring
 	// until someone calls Expire. A transport that quarantines its own
 	// transfer (it knows the peer vanished) is seen here too: the handoff
@@ -307,7 +309,7 @@ type HandoffConfig struct {
 //
 // Every transition is recorded with its evidence in History. A method
 // called in a state that does not allow it changes nothing and returns an
-// error wrapping ErrHandoffState; repeats that are already done (a second
+// error wrapping ErrState; repeats that are already done (a second
 // Abort, an Expire after the evidence came) return nil.
 //
 // All methods are safe for concurrent use. The handoff calls into its
@@ -316,16 +318,19 @@ type HandoffConfig struct {
 // must not call this handoff's methods synchronously; they may call any
 // Pool, Lease or Transfer method.
 type Handoff[S, D any] struct {
-	mu      sync.Mutex
-	state   HandoffState
-	src     *Lease[S]
-	pool    *Pool[D]
-	dst     *Lease[D] // set by Accept
-	t       *Transfer // set by the winning attach
-	n       int       // blocks handed off: src.Len() at Propose
-	cfg     HandoffConfig
-	history []HandoffStep
-	done    chan struct{} // closed on entering a final state
+	mu    sync.Mutex
+	state State
+	src   *kvlease.Lease[S]
+	pool  *kvlease.Pool[D]
+	dst   *kvlease.Lease[D] // set by Accept
+	t     *kvlease.Transfer // set by the winning attach
+	n     int               // blocks handed off: src.Len() at Propose
+	// accepting is set while one Accept acquires without the lock; a
+	// concurrent Accept is refused instead of racing it.
+	accepting bool
+	cfg       Config
+	history   []Step
+	done      chan struct{} // closed on entering a final state
 }
 
 // Propose offers the blocks of src (all src.Len() of them, as they are
@@ -338,9 +343,9 @@ type Handoff[S, D any] struct {
 //   - ErrLeaseClosed: src is already released or aborted;
 //   - ErrExceedsCapacity: src holds more blocks than a maximum-context
 //     request under the envelope.
-func Propose[S, D any](src *Lease[S], dst *Pool[D], cfg HandoffConfig) (*Handoff[S, D], error) {
+func Propose[S, D any](src *kvlease.Lease[S], dst *kvlease.Pool[D], cfg Config) (*Handoff[S, D], error) {
 	if src == nil || dst == nil {
-		return nil, fmt.Errorf("kvlease: propose handoff: nil source lease or destination pool: %w", ErrInvalidArgument)
+		return nil, fmt.Errorf("kvlease: propose handoff: nil source lease or destination pool: %w", kvlease.ErrInvalidArgument)
 	}
 	if err := cfg.Envelope.Validate(); err != nil {
 		return nil, fmt.Errorf("kvlease: propose handoff of lease %d (%s): %w", src.ID(), src.Owner(), err)
@@ -351,12 +356,12 @@ func Propose[S, D any](src *Lease[S], dst *Pool[D], cfg HandoffConfig) (*Handoff
 	sb, db, eb := src.Pool().BlockBytes(), dst.BlockBytes(), cfg.Envelope.BlockBytes
 	if sb != db || sb != eb {
 		return nil, fmt.Errorf("kvlease: propose handoff of lease %d (%s): block sizes differ: source pool %d bytes, destination pool %d bytes, envelope %d bytes: %w",
-			src.ID(), src.Owner(), sb, db, eb, ErrInvalidArgument)
+			src.ID(), src.Owner(), sb, db, eb, kvlease.ErrInvalidArgument)
 	}
 	n := src.Len()
 	if limit := cfg.Envelope.BlocksFor(cfg.Envelope.MaxContextTokens); n > limit {
 		return nil, fmt.Errorf("kvlease: propose handoff of lease %d (%s): %d blocks exceed the %d blocks of a %d-token context: %w",
-			src.ID(), src.Owner(), n, limit, cfg.Envelope.MaxContextTokens, ErrExceedsCapacity)
+			src.ID(), src.Owner(), n, limit, cfg.Envelope.MaxContextTokens, kvlease.ErrExceedsCapacity)
 	}
 	if cfg.Source == "" {
 		cfg.Source = "source"
@@ -368,11 +373,11 @@ func Propose[S, D any](src *Lease[S], dst *Pool[D], cfg HandoffConfig) (*Handoff
 		cfg.Owner = src.Owner()
 	}
 	if cfg.Deadline == 0 {
-		cfg.Deadline = DefaultHandoffDeadline
+		cfg.Deadline = DefaultDeadline
 	}
 	h := &Handoff[S, D]{src: src, pool: dst, n: n, cfg: cfg, done: make(chan struct{})}
 	h.mu.Lock()
-	h.fire(cfg.Source, HandoffPropose, nil)
+	h.fire(cfg.Source, EventPropose, nil)
 	h.mu.Unlock()
 	return h, nil
 }
@@ -380,8 +385,8 @@ func Propose[S, D any](src *Lease[S], dst *Pool[D], cfg HandoffConfig) (*Handoff
 // fire applies event e to the handoff: it looks the edge up, records the
 // step and performs the effects of entering the new state. It returns the
 // edge's kind; a refusal changes nothing. Called with h.mu held.
-func (h *Handoff[S, D]) fire(by string, e HandoffEvent, err error) edgeKind {
-	edge := handoffNext(h.state, e)
+func (h *Handoff[S, D]) fire(by string, e Event, err error) edgeKind {
+	edge := next(h.state, e)
 	if edge.kind != edgeMove {
 		return edge.kind
 	}
@@ -391,22 +396,22 @@ func (h *Handoff[S, D]) fire(by string, e HandoffEvent, err error) edgeKind {
 	if h.t != nil {
 		tid = h.t.ID()
 	}
-	h.history = append(h.history, HandoffStep{From: from, To: edge.to, Event: e, By: by, Err: err, Transfer: tid, At: time.Now()})
+	h.history = append(h.history, Step{From: from, To: edge.to, Event: e, By: by, Err: err, Transfer: tid, At: time.Now()})
 
 	switch {
-	case e == HandoffAbort || (e == HandoffExpire && from == HandoffTransferring):
+	case e == EventAbort || (e == EventExpire && from == Transferring):
 		// The request is gone on both sides. Aborting the leases cancels
 		// the transfer, if any; their blocks drain until it resolves (or
 		// stay quarantined, for Expire, until late evidence).
 		cause := err
 		if cause == nil {
-			cause = ErrAborted
+			cause = kvlease.ErrAborted
 		}
 		if h.dst != nil {
 			h.dst.Abort(cause)
 		}
 		h.src.Abort(cause)
-	case edge.to == HandoffRejected || edge.to == HandoffFailed:
+	case edge.to == Rejected || edge.to == Failed:
 		// Nothing is in flight (never attached, or resolved): the
 		// destination lease's blocks return at once.
 		if h.dst != nil {
@@ -419,9 +424,9 @@ func (h *Handoff[S, D]) fire(by string, e HandoffEvent, err error) edgeKind {
 	return edgeMove
 }
 
-// refused returns the ErrHandoffState error for a refused call.
+// refused returns the ErrState error for a refused call.
 func (h *Handoff[S, D]) refused(what string) error {
-	return fmt.Errorf("kvlease: handoff of lease %d (%s): %s while %v: %w", h.src.ID(), h.src.Owner(), what, h.state, ErrHandoffState)
+	return fmt.Errorf("kvlease: handoff of lease %d (%s): %s while %v: %w", h.src.ID(), h.src.Owner(), what, h.state, ErrState)
 }
 
 // Accept is the destination's acceptance: it acquires a lease of Blocks()
@@ -429,8 +434,10 @@ func (h *Handoff[S, D]) refused(what string) error {
 // the handoff to Accepted. If the acquire fails, the handoff is Rejected
 // with the acquire's error as evidence, and Accept returns that error
 // (errors.Is works: ErrExhausted, ErrExceedsCapacity, ErrPoolClosed).
-// Outside Proposed it changes nothing and returns ErrHandoffState; so does
-// an Accept that loses a race with Reject or Abort (its lease is released).
+// Outside Proposed it changes nothing and returns ErrState; so does
+// an Accept that loses a race with Reject, Abort or another Accept,
+// whatever its own acquire did: a lease it got is released, and a failed
+// acquire does not reject the handoff that another call accepted.
 func (h *Handoff[S, D]) Accept() error { return h.accept(nil) }
 
 // AcceptWait is Accept with Pool.AcquireWait: it waits in the pool's queue
@@ -440,22 +447,30 @@ func (h *Handoff[S, D]) Accept() error { return h.accept(nil) }
 // back (cancel ctx too, to stop waiting early).
 func (h *Handoff[S, D]) AcceptWait(ctx context.Context) error {
 	if ctx == nil {
-		return fmt.Errorf("kvlease: handoff accept: nil context: %w", ErrInvalidArgument)
+		return fmt.Errorf("kvlease: handoff accept: nil context: %w", kvlease.ErrInvalidArgument)
 	}
 	return h.accept(ctx)
 }
 
 func (h *Handoff[S, D]) accept(ctx context.Context) error {
 	h.mu.Lock()
-	if handoffNext(h.state, HandoffAccept).kind != edgeMove {
+	if next(h.state, EventAccept).kind != edgeMove {
 		err := h.refused("accept")
 		h.mu.Unlock()
 		return err
 	}
+	if h.accepting {
+		// Another Accept is acquiring: it decides. This one changes
+		// nothing, acquires nothing (issue 11, bug 1).
+		err := fmt.Errorf("kvlease: handoff of lease %d (%s): accept while another accept is in progress: %w", h.src.ID(), h.src.Owner(), ErrState)
+		h.mu.Unlock()
+		return err
+	}
+	h.accepting = true
 	h.mu.Unlock()
 
 	// Acquire without the lock: a waiting acquire must not block Abort.
-	var l *Lease[D]
+	var l *kvlease.Lease[D]
 	var err error
 	if ctx == nil {
 		l, err = h.pool.Acquire(h.cfg.Owner, h.n)
@@ -465,18 +480,23 @@ func (h *Handoff[S, D]) accept(ctx context.Context) error {
 
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if err != nil {
-		err = fmt.Errorf("kvlease: handoff of lease %d (%s): destination acquire of %d blocks: %w", h.src.ID(), h.src.Owner(), h.n, err)
-		h.fire(h.cfg.Destination, HandoffReject, err)
-		return err
-	}
-	if handoffNext(h.state, HandoffAccept).kind != edgeMove {
-		// Rejected, aborted or accepted by someone else meanwhile.
-		l.Release()
+	h.accepting = false
+	if next(h.state, EventAccept).kind != edgeMove {
+		// Rejected, aborted or accepted by someone else meanwhile: this
+		// call lost, whatever its acquire did. It must not reject the
+		// winner's handoff (issue 11, bug 1); what it got goes back.
+		if l != nil {
+			l.Release()
+		}
 		return h.refused("accept")
 	}
+	if err != nil {
+		err = fmt.Errorf("kvlease: handoff of lease %d (%s): destination acquire of %d blocks: %w", h.src.ID(), h.src.Owner(), h.n, err)
+		h.fire(h.cfg.Destination, EventReject, err)
+		return err
+	}
 	h.dst = l
-	h.fire(h.cfg.Destination, HandoffAccept, nil)
+	h.fire(h.cfg.Destination, EventAccept, nil)
 	return nil
 }
 
@@ -484,15 +504,15 @@ func (h *Handoff[S, D]) accept(ctx context.Context) error {
 // scheduler): the handoff becomes Rejected and no transfer can ever start.
 // A destination lease already acquired is released; the source lease is
 // untouched. Allowed from Proposed and Accepted; a second Reject returns
-// nil; once a transfer is attached it returns ErrHandoffState (use Abort).
-// A nil reason is recorded as ErrHandoffRejected.
+// nil; once a transfer is attached it returns ErrState (use Abort).
+// A nil reason is recorded as ErrRejected.
 func (h *Handoff[S, D]) Reject(by string, reason error) error {
 	if reason == nil {
-		reason = ErrHandoffRejected
+		reason = ErrRejected
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if h.fire(by, HandoffReject, reason) == edgeRefuse {
+	if h.fire(by, EventReject, reason) == edgeRefuse {
 		return h.refused("reject")
 	}
 	return nil
@@ -508,23 +528,23 @@ func (h *Handoff[S, D]) Reject(by string, reason error) error {
 // deadline).
 //
 // If the handoff is not Accepted, Start calls nothing and returns
-// ErrHandoffState: a rejected handoff never reaches a transport. If the
+// ErrState: a rejected handoff never reaches a transport. If the
 // attach fails (the source lease was closed meanwhile) or the transport
 // fails without attaching, nothing moved: the handoff becomes Failed and
 // Start returns the error. If it lost a race (an Abort or Reject came
 // first, or another Start attached), the attach is refused, the transport
-// resolves its transfer unstarted, and Start returns ErrHandoffState.
-func (h *Handoff[S, D]) Start(tr Transport[S, D]) error {
+// resolves its transfer unstarted, and Start returns ErrState.
+func (h *Handoff[S, D]) Start(tr kvlease.Transport[S, D]) error {
 	if tr == nil {
-		return fmt.Errorf("kvlease: handoff start: nil transport: %w", ErrInvalidArgument)
+		return fmt.Errorf("kvlease: handoff start: nil transport: %w", kvlease.ErrInvalidArgument)
 	}
 	h.mu.Lock()
-	if handoffNext(h.state, HandoffAttach).kind != edgeMove {
+	if next(h.state, EventAttach).kind != edgeMove {
 		err := h.refused("start")
 		h.mu.Unlock()
 		return err
 	}
-	pairs := make([]CopyPair[S, D], h.n)
+	pairs := make([]kvlease.CopyPair[S, D], h.n)
 	for i := range pairs {
 		s, err := h.src.ReadRegion(i)
 		if err == nil {
@@ -532,7 +552,7 @@ func (h *Handoff[S, D]) Start(tr Transport[S, D]) error {
 		}
 		if err != nil {
 			err = fmt.Errorf("kvlease: handoff start: %w", err)
-			h.fire(h.cfg.Source, HandoffStartFail, err)
+			h.fire(h.cfg.Source, EventStartFail, err)
 			h.mu.Unlock()
 			return err
 		}
@@ -544,7 +564,7 @@ func (h *Handoff[S, D]) Start(tr Transport[S, D]) error {
 	// -1 refused. Atomic: a transport may call attach on its own goroutine
 	// (it must still do so before Start returns).
 	var attached atomic.Int32
-	_, err := tr.Start(pairs, func(t *Transfer) error {
+	_, err := tr.Start(pairs, func(t *kvlease.Transfer) error {
 		err := h.attach(t)
 		if err != nil {
 			attached.Store(-1)
@@ -567,10 +587,10 @@ func (h *Handoff[S, D]) Start(tr Transport[S, D]) error {
 	}
 	err = fmt.Errorf("kvlease: handoff start: %w", err)
 	h.mu.Lock()
-	kind := h.fire("transport", HandoffStartFail, err)
+	kind := h.fire("transport", EventStartFail, err)
 	h.mu.Unlock()
 	if kind == edgeRefuse {
-		return fmt.Errorf("%w (%w)", err, ErrHandoffState)
+		return fmt.Errorf("%w (%w)", err, ErrState)
 	}
 	return err
 }
@@ -579,28 +599,28 @@ func (h *Handoff[S, D]) Start(tr Transport[S, D]) error {
 // state check and both attachments happen under h.mu, so a Reject or
 // Abort either comes before (and the attach is refused) or after (and
 // sees the transfer).
-func (h *Handoff[S, D]) attach(t *Transfer) error {
+func (h *Handoff[S, D]) attach(t *kvlease.Transfer) error {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if t == nil {
-		return fmt.Errorf("kvlease: handoff attach: nil transfer: %w", ErrInvalidArgument)
+		return fmt.Errorf("kvlease: handoff attach: nil transfer: %w", kvlease.ErrInvalidArgument)
 	}
-	if handoffNext(h.state, HandoffAttach).kind != edgeMove {
+	if next(h.state, EventAttach).kind != edgeMove {
 		return h.refused("attach")
 	}
-	err := h.src.AttachRange(t, 0, h.n, Read)
+	err := h.src.AttachRange(t, 0, h.n, kvlease.Read)
 	if err == nil {
-		err = h.dst.AttachRange(t, 0, h.n, Write)
+		err = h.dst.AttachRange(t, 0, h.n, kvlease.Write)
 	}
 	if err != nil {
 		// The transport resolves t with this error (nothing moved), which
 		// also drops a source attachment that succeeded.
 		err = fmt.Errorf("kvlease: handoff attach: %w", err)
-		h.fire(h.cfg.Source, HandoffStartFail, err)
+		h.fire(h.cfg.Source, EventStartFail, err)
 		return err
 	}
 	h.t = t
-	h.fire("transport", HandoffAttach, nil)
+	h.fire("transport", EventAttach, nil)
 	go h.watch(t, h.cfg.Deadline)
 	return nil
 }
@@ -608,14 +628,14 @@ func (h *Handoff[S, D]) attach(t *Transfer) error {
 // watch waits for the transfer's evidence, expiring the handoff if the
 // deadline passes first, and records the evidence when it comes (perhaps
 // much later: the late evidence that lifts a quarantine).
-func (h *Handoff[S, D]) watch(t *Transfer, d time.Duration) {
+func (h *Handoff[S, D]) watch(t *kvlease.Transfer, d time.Duration) {
 	if d > 0 {
 		timer := time.NewTimer(d)
 		select {
 		case <-t.Done():
 			timer.Stop()
 		case <-timer.C:
-			_ = h.Expire("deadline", fmt.Errorf("kvlease: handoff: no evidence of quiescence within %v: %w", d, ErrQuarantined))
+			_ = h.Expire("deadline", fmt.Errorf("kvlease: handoff: no evidence of quiescence within %v: %w", d, kvlease.ErrQuarantined))
 			<-t.Done()
 		}
 	} else {
@@ -628,11 +648,11 @@ func (h *Handoff[S, D]) watch(t *Transfer, d time.Duration) {
 
 // evidence records a resolved transfer's outcome. A repeat (Expire already
 // recorded it) is a no-op. Called with h.mu held.
-func (h *Handoff[S, D]) evidence(t *Transfer) {
+func (h *Handoff[S, D]) evidence(t *kvlease.Transfer) {
 	err := t.Err()
-	e := HandoffResolve
+	e := EventResolve
 	if err != nil {
-		e = HandoffResolveError
+		e = EventResolveError
 	}
 	h.fire("transport", e, err)
 }
@@ -647,22 +667,22 @@ func (h *Handoff[S, D]) evidence(t *Transfer) {
 //
 // Abort is idempotent: in Aborting, Aborted or Quarantined it returns nil.
 // After Rejected, Delivered or Failed it changes nothing and returns
-// ErrHandoffState: the handoff no longer holds anything (after delivery,
+// ErrState: the handoff no longer holds anything (after delivery,
 // abort the destination lease itself).
 func (h *Handoff[S, D]) Abort(by string, cause error) error {
 	if cause == nil {
-		cause = ErrAborted
+		cause = kvlease.ErrAborted
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if h.fire(by, HandoffAbort, cause) == edgeRefuse {
+	if h.fire(by, EventAbort, cause) == edgeRefuse {
 		return h.refused("abort")
 	}
 	return nil
 }
 
 // Expire gives up waiting for the transport's evidence: the give-up path
-// of a deadline. The handoff's own timer (HandoffConfig.Deadline) calls
+// of a deadline. The handoff's own timer (Config.Deadline) calls
 // it; a supervisor may call it earlier, for instance when the transport
 // reports that the copy stopped but its acknowledgement is lost. If the
 // transfer has resolved after all, Expire records that evidence instead.
@@ -671,36 +691,49 @@ func (h *Handoff[S, D]) Abort(by string, cause error) error {
 // both leases are aborted too. Only the transfer's late Resolve lifts the
 // quarantine (the handoff then becomes Aborted).
 //
-// Before a transfer is attached it returns ErrHandoffState (nothing is in
+// Before a transfer is attached it returns ErrState (nothing is in
 // flight: use Abort or Reject); after evidence, or in Quarantined, it is a
 // no-op returning nil.
 func (h *Handoff[S, D]) Expire(by string, reason error) error {
 	if reason == nil {
-		reason = ErrQuarantined
+		reason = kvlease.ErrQuarantined
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	switch handoffNext(h.state, HandoffExpire).kind {
+	switch next(h.state, EventExpire).kind {
 	case edgeRefuse:
 		return h.refused("expire")
 	case edgeNoop:
 		return nil
 	}
 	h.t.Quarantine(reason)
-	if h.t.State() == TransferResolved {
+	if h.t.State() == kvlease.TransferResolved {
 		// The evidence won the race: record it, not a quarantine.
 		h.evidence(h.t)
 		return nil
 	}
-	h.fire(by, HandoffExpire, reason)
+	h.fire(by, EventExpire, reason)
 	return nil
 }
 
-// State returns the handoff's state.
-func (h *Handoff[S, D]) State() HandoffState {
+// State returns the handoff's state. It is current: once the transfer's
+// Resolve has returned, State reflects that evidence, even if the
+// goroutine that watches the transfer has not run yet.
+func (h *Handoff[S, D]) State() State {
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	h.current()
 	return h.state
+}
+
+// current records the transfer's evidence if it has come but the watcher
+// has not recorded it yet, so that State, Err and History never lag
+// behind a Resolve that has returned (issue 12, item 7). Called with h.mu
+// held.
+func (h *Handoff[S, D]) current() {
+	if h.t != nil && !h.state.Final() && h.t.State() == kvlease.TransferResolved {
+		h.evidence(h.t)
+	}
 }
 
 // Err returns the error recorded by the step that entered the current
@@ -710,15 +743,17 @@ func (h *Handoff[S, D]) State() HandoffState {
 func (h *Handoff[S, D]) Err() error {
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	h.current()
 	return h.history[len(h.history)-1].Err
 }
 
 // History returns a copy of every step so far, oldest first. The first is
 // the proposal (from "none").
-func (h *Handoff[S, D]) History() []HandoffStep {
+func (h *Handoff[S, D]) History() []Step {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	return append([]HandoffStep(nil), h.history...)
+	h.current()
+	return append([]Step(nil), h.history...)
 }
 
 // Done returns a channel closed when the handoff reaches a final state
@@ -731,13 +766,13 @@ func (h *Handoff[S, D]) Done() <-chan struct{} { return h.done }
 func (h *Handoff[S, D]) Blocks() int { return h.n }
 
 // Source returns the source lease.
-func (h *Handoff[S, D]) Source() *Lease[S] { return h.src }
+func (h *Handoff[S, D]) Source() *kvlease.Lease[S] { return h.src }
 
 // Destination returns the destination lease, or nil before Accept. Until
 // the handoff is Delivered it belongs to the handoff: read its refs, but
 // do not release, extend or attach to it. Once Delivered it is the
 // caller's, to release when the request ends.
-func (h *Handoff[S, D]) Destination() *Lease[D] {
+func (h *Handoff[S, D]) Destination() *kvlease.Lease[D] {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	return h.dst
@@ -745,7 +780,7 @@ func (h *Handoff[S, D]) Destination() *Lease[D] {
 
 // Transfer returns the attached transfer, or nil before Start attached
 // one.
-func (h *Handoff[S, D]) Transfer() *Transfer {
+func (h *Handoff[S, D]) Transfer() *kvlease.Transfer {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	return h.t

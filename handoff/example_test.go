@@ -1,17 +1,18 @@
-package kvlease_test
+package handoff_test
 
 import (
 	"errors"
 	"fmt"
 
 	"github.com/kvlease/kvlease"
-	"github.com/kvlease/kvlease/inproc"
+	"github.com/kvlease/kvlease/handoff"
+	"github.com/kvlease/kvlease/handoff/inproc"
 )
 
 // One envelope for the whole deployment: validated, checked for agreement
 // between components, and asked before any block is acquired.
 func ExampleEnvelope() {
-	env := kvlease.Envelope{
+	env := handoff.Envelope{
 		BlockTokens: 16, BlockBytes: 4096, PoolBlocks: 256,
 		MaxContextTokens: 4096, MaxPrefillTokens: 512, MaxRunningRequests: 32,
 	}
@@ -21,11 +22,11 @@ func ExampleEnvelope() {
 	// The decode pool was configured for a longer context than it can hold.
 	decode := env
 	decode.MaxContextTokens = 8192
-	err := kvlease.AgreeEnvelopes(
-		kvlease.NamedEnvelope{Name: "frontend", Envelope: env},
-		kvlease.NamedEnvelope{Name: "decode", Envelope: decode},
+	err := handoff.AgreeEnvelopes(
+		handoff.NamedEnvelope{Name: "frontend", Envelope: env},
+		handoff.NamedEnvelope{Name: "decode", Envelope: decode},
 	)
-	var ee *kvlease.EnvelopeError
+	var ee *handoff.EnvelopeError
 	if errors.As(err, &ee) {
 		for _, p := range ee.Problems {
 			fmt.Println(p)
@@ -44,8 +45,8 @@ func ExampleEnvelope() {
 
 // handoffPools makes a prefill and a decode pool of 16 blocks of 64 bytes
 // and the envelope they share.
-func handoffPools() (prefill, decode *kvlease.Pool[[]byte], env kvlease.Envelope) {
-	env = kvlease.Envelope{BlockTokens: 16, BlockBytes: 64, PoolBlocks: 16,
+func handoffPools() (prefill, decode *kvlease.Pool[[]byte], env handoff.Envelope) {
+	env = handoff.Envelope{BlockTokens: 16, BlockBytes: 64, PoolBlocks: 16,
 		MaxContextTokens: 256, MaxPrefillTokens: 64, MaxRunningRequests: 4}
 	pm, _ := kvlease.NewHostMemory(16, 64)
 	dm, _ := kvlease.NewHostMemory(16, 64)
@@ -54,7 +55,7 @@ func handoffPools() (prefill, decode *kvlease.Pool[[]byte], env kvlease.Envelope
 	return prefill, decode, env
 }
 
-func printHistory(h *kvlease.Handoff[[]byte, []byte]) {
+func printHistory(h *handoff.Handoff[[]byte, []byte]) {
 	for _, s := range h.History() {
 		fmt.Printf("  %v → %v by %s (%v)\n", s.From, s.To, s.By, s.Event)
 	}
@@ -74,7 +75,7 @@ func ExampleHandoff() {
 		copy(b, fmt.Sprintf("KV of req-7, block %d", i))
 	}
 
-	h, err := kvlease.Propose(src, decodePool, kvlease.HandoffConfig{
+	h, err := handoff.Propose(src, decodePool, handoff.Config{
 		Envelope: env, Source: "prefill", Destination: "decode"})
 	if err != nil {
 		panic(err)
@@ -113,11 +114,11 @@ func ExampleHandoff_Reject() {
 	prefillPool, decodePool, env := handoffPools()
 	transport, _ := inproc.New(inproc.Config{})
 	src, _ := prefillPool.Acquire("req-8", 2)
-	h, _ := kvlease.Propose(src, decodePool, kvlease.HandoffConfig{Envelope: env, Destination: "decode"})
+	h, _ := handoff.Propose(src, decodePool, handoff.Config{Envelope: env, Destination: "decode"})
 
 	_ = h.Reject("decode", errors.New("draining for maintenance"))
 	err := h.Start(transport)
-	fmt.Println(errors.Is(err, kvlease.ErrHandoffState))
+	fmt.Println(errors.Is(err, handoff.ErrState))
 	fmt.Println(h.State(), src.State(), transport.Stats().Started)
 	// Output:
 	// true
@@ -133,7 +134,7 @@ func ExampleHandoff_Expire() {
 		Decide: func(uint64, int) inproc.Plan { return inproc.Plan{Fate: inproc.FateLoseAck} },
 	})
 	src, _ := prefillPool.Acquire("req-9", 2)
-	h, _ := kvlease.Propose(src, decodePool, kvlease.HandoffConfig{Envelope: env, Source: "prefill", Destination: "decode"})
+	h, _ := handoff.Propose(src, decodePool, handoff.Config{Envelope: env, Source: "prefill", Destination: "decode"})
 	_ = h.Accept()
 	_ = h.Start(transport)
 	transport.Wait() // the copy stopped; nobody told the handoff

@@ -10,7 +10,7 @@ import (
 	"time"
 
 	"github.com/kvlease/kvlease"
-	"github.com/kvlease/kvlease/inproc"
+	"github.com/kvlease/kvlease/handoff/inproc"
 )
 
 const blockBytes = 32

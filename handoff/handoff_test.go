@@ -1,4 +1,4 @@
-package kvlease
+package handoff
 
 import (
 	"context"
@@ -12,6 +12,8 @@ import (
 	"testing"
 	"testing/synctest"
 	"time"
+
+	"github.com/kvlease/kvlease"
 )
 
 // These tests drive the handoff through manualTransport, which lets each
@@ -26,13 +28,13 @@ func testEnvelope() Envelope {
 		MaxContextTokens: 512, MaxPrefillTokens: 128, MaxRunningRequests: 8}
 }
 
-func newHostPool(t testing.TB, blocks, blockBytes int) *Pool[[]byte] {
+func newHostPool(t testing.TB, blocks, blockBytes int) *kvlease.Pool[[]byte] {
 	t.Helper()
-	mem, err := NewHostMemory(blocks, blockBytes)
+	mem, err := kvlease.NewHostMemory(blocks, blockBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
-	p, err := NewPool[[]byte](mem)
+	p, err := kvlease.NewPool[[]byte](mem)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -43,26 +45,26 @@ func newHostPool(t testing.TB, blocks, blockBytes int) *Pool[[]byte] {
 // calls attach and remembers the pairs; the test copies and resolves.
 type manualTransport struct {
 	mu       sync.Mutex
-	starts   int         // Start calls
-	attached []*Transfer // transfers whose attach succeeded
-	pairs    [][]CopyPair[[]byte, []byte]
+	starts   int                 // Start calls
+	attached []*kvlease.Transfer // transfers whose attach succeeded
+	pairs    [][]kvlease.CopyPair[[]byte, []byte]
 	cancels  atomic.Int32 // cancel hook runs
 
-	startErr     error             // returned before attaching
-	noAttach     bool              // return a transfer without attaching (contract violation)
-	beforeAttach func()            // runs just before attach
-	onCancel     func(t *Transfer) // runs inside the cancel hook
+	startErr     error                     // returned before attaching
+	noAttach     bool                      // return a transfer without attaching (contract violation)
+	beforeAttach func()                    // runs just before attach
+	onCancel     func(t *kvlease.Transfer) // runs inside the cancel hook
 }
 
-func (m *manualTransport) Start(pairs []CopyPair[[]byte, []byte], attach func(*Transfer) error) (*Transfer, error) {
+func (m *manualTransport) Start(pairs []kvlease.CopyPair[[]byte, []byte], attach func(*kvlease.Transfer) error) (*kvlease.Transfer, error) {
 	m.mu.Lock()
 	m.starts++
 	m.mu.Unlock()
 	if m.startErr != nil {
 		return nil, m.startErr
 	}
-	var t *Transfer
-	t = NewTransfer(func() {
+	var t *kvlease.Transfer
+	t = kvlease.NewTransfer(func() {
 		m.cancels.Add(1)
 		if m.onCancel != nil {
 			m.onCancel(t)
@@ -109,8 +111,8 @@ func (m *manualTransport) attachCount() int {
 
 // fixture is one proposed handoff of n blocks between two 32-block pools.
 type fixture struct {
-	src, dst *Pool[[]byte]
-	lease    *Lease[[]byte]
+	src, dst *kvlease.Pool[[]byte]
+	lease    *kvlease.Lease[[]byte]
 	h        *Handoff[[]byte, []byte]
 	tr       *manualTransport
 }
@@ -128,14 +130,14 @@ func newFixture(t testing.TB, n int, deadline time.Duration) *fixture {
 			r[j] = byte(i + 1)
 		}
 	}
-	f.h, err = Propose(f.lease, f.dst, HandoffConfig{Envelope: testEnvelope(), Source: "prefill", Destination: "decode", Deadline: deadline})
+	f.h, err = Propose(f.lease, f.dst, Config{Envelope: testEnvelope(), Source: "prefill", Destination: "decode", Deadline: deadline})
 	if err != nil {
 		t.Fatal(err)
 	}
 	return f
 }
 
-func (f *fixture) start(t testing.TB) *Transfer {
+func (f *fixture) start(t testing.TB) *kvlease.Transfer {
 	t.Helper()
 	if err := f.h.Accept(); err != nil {
 		t.Fatal(err)
@@ -195,7 +197,7 @@ func wantSteps(t testing.TB, h *Handoff[[]byte, []byte], want ...string) {
 	}
 }
 
-func wantState(t testing.TB, h *Handoff[[]byte, []byte], want HandoffState) {
+func wantState(t testing.TB, h *Handoff[[]byte, []byte], want State) {
 	t.Helper()
 	if got := h.State(); got != want {
 		t.Fatalf("state %v, want %v (history %q)", got, want, steps(h))
@@ -232,9 +234,9 @@ func TestHandoffTable(t *testing.T) {
 		"aborting abort": true, "aborted abort": true, "aborted expire": true,
 		"quarantined abort": true, "quarantined expire": true,
 	}
-	for s := HandoffState(0); s < numHandoffStates; s++ {
-		for e := HandoffEvent(1); e < numHandoffEvents; e++ {
-			edge := handoffNext(s, e)
+	for s := State(0); s < numStates; s++ {
+		for e := Event(1); e < numEvents; e++ {
+			edge := next(s, e)
 			switch edge.kind {
 			case edgeMove:
 				key := fmt.Sprintf("%v --%v--> %v", s, e, edge.to)
@@ -263,24 +265,24 @@ func TestHandoffTable(t *testing.T) {
 	for k := range noops {
 		t.Errorf("specified no-op %s missing from the table", k)
 	}
-	if got := handoffNext(numHandoffStates, HandoffAbort); got.kind != edgeRefuse {
+	if got := next(numStates, EventAbort); got.kind != edgeRefuse {
 		t.Errorf("an invalid state is not refused: %+v", got)
 	}
-	if got := handoffNext(HandoffProposed, numHandoffEvents); got.kind != edgeRefuse {
+	if got := next(Proposed, numEvents); got.kind != edgeRefuse {
 		t.Errorf("an invalid event is not refused: %+v", got)
 	}
 
 	// Reachability: from Rejected nothing is reachable (no transfer can
 	// ever start); every state is reachable from none; Quarantined is left
 	// only by the transfer's resolution.
-	reach := func(from HandoffState) map[HandoffState]bool {
-		seen := map[HandoffState]bool{from: true}
-		stack := []HandoffState{from}
+	reach := func(from State) map[State]bool {
+		seen := map[State]bool{from: true}
+		stack := []State{from}
 		for len(stack) > 0 {
 			s := stack[len(stack)-1]
 			stack = stack[:len(stack)-1]
-			for e := HandoffEvent(1); e < numHandoffEvents; e++ {
-				if edge := handoffNext(s, e); edge.kind == edgeMove && !seen[edge.to] {
+			for e := Event(1); e < numEvents; e++ {
+				if edge := next(s, e); edge.kind == edgeMove && !seen[edge.to] {
 					seen[edge.to] = true
 					stack = append(stack, edge.to)
 				}
@@ -288,35 +290,35 @@ func TestHandoffTable(t *testing.T) {
 		}
 		return seen
 	}
-	if r := reach(HandoffRejected); len(r) != 1 {
+	if r := reach(Rejected); len(r) != 1 {
 		t.Errorf("states reachable from rejected: %v", r)
 	}
-	if r := reach(handoffNone); len(r) != int(numHandoffStates) {
-		t.Errorf("only %d of %d states reachable", len(r), numHandoffStates)
+	if r := reach(stateNone); len(r) != int(numStates) {
+		t.Errorf("only %d of %d states reachable", len(r), numStates)
 	}
-	for e := HandoffEvent(1); e < numHandoffEvents; e++ {
-		if edge := handoffNext(HandoffQuarantined, e); edge.kind == edgeMove && e != HandoffResolve && e != HandoffResolveError {
+	for e := Event(1); e < numEvents; e++ {
+		if edge := next(Quarantined, e); edge.kind == edgeMove && e != EventResolve && e != EventResolveError {
 			t.Errorf("quarantine lifted by %v, which is not evidence", e)
 		}
 	}
-	for s := HandoffState(0); s <= numHandoffStates; s++ {
+	for s := State(0); s <= numStates; s++ {
 		if s.String() == "" {
 			t.Errorf("state %d has no name", s)
 		}
 	}
-	if HandoffEvent(0).String() != "invalid" || numHandoffEvents.String() != "invalid" || numHandoffStates.String() != "invalid" {
+	if Event(0).String() != "invalid" || numEvents.String() != "invalid" || numStates.String() != "invalid" {
 		t.Error("invalid enum values have names")
 	}
 }
 
 func TestHandoffDelivered(t *testing.T) {
 	f := newFixture(t, 3, -1)
-	wantState(t, f.h, HandoffProposed)
+	wantState(t, f.h, Proposed)
 	if f.h.Destination() != nil || f.h.Transfer() != nil || f.h.Blocks() != 3 || f.h.Source() != f.lease {
 		t.Fatal("a proposed handoff holds something")
 	}
 	tr := f.start(t)
-	wantState(t, f.h, HandoffTransferring)
+	wantState(t, f.h, Transferring)
 	wantStats(t, f, "src free=29 leased=3 draining=0 quarantined=0; dst free=29 leased=3 draining=0 quarantined=0")
 
 	f.tr.copyAll(0)
@@ -327,7 +329,7 @@ func TestHandoffDelivered(t *testing.T) {
 		t.Fatal("a transport resolving twice won the second time")
 	}
 	waitDone(t, f.h)
-	wantState(t, f.h, HandoffDelivered)
+	wantState(t, f.h, Delivered)
 	wantSteps(t, f.h,
 		"none→proposed prefill/propose",
 		"proposed→accepted decode/accept",
@@ -346,13 +348,13 @@ func TestHandoffDelivered(t *testing.T) {
 			t.Fatalf("destination block %d: %v %v", i, r[:2], err)
 		}
 	}
-	if st := f.lease.State(); st != LeaseActive {
+	if st := f.lease.State(); st != kvlease.LeaseActive {
 		t.Fatalf("source lease %v after delivery, want active (untouched)", st)
 	}
-	if err := f.h.Abort("decode", nil); !errors.Is(err, ErrHandoffState) {
-		t.Fatalf("abort after delivery = %v, want ErrHandoffState", err)
+	if err := f.h.Abort("decode", nil); !errors.Is(err, ErrState) {
+		t.Fatalf("abort after delivery = %v, want ErrState", err)
 	}
-	if d.State() != LeaseActive {
+	if d.State() != kvlease.LeaseActive {
 		t.Fatal("a refused abort touched the delivered lease")
 	}
 	if err := f.h.Expire("deadline", nil); err != nil {
@@ -384,17 +386,17 @@ func TestHandoffRejected(t *testing.T) {
 		if err := f.h.Accept(); err != nil {
 			t.Fatal(err)
 		}
-		if err := f.h.Accept(); !errors.Is(err, ErrHandoffState) {
+		if err := f.h.Accept(); !errors.Is(err, ErrState) {
 			t.Fatalf("second accept = %v", err)
 		}
 		if err := f.h.Reject("scheduler", nil); err != nil {
 			t.Fatal(err)
 		}
-		if !errors.Is(f.h.Err(), ErrHandoffRejected) {
+		if !errors.Is(f.h.Err(), ErrRejected) {
 			t.Fatalf("default reason %v", f.h.Err())
 		}
 		rejectedForever(t, f)
-		if f.h.Destination().State() != LeaseSettled {
+		if f.h.Destination().State() != kvlease.LeaseSettled {
 			t.Fatal("the destination lease of a rejected handoff is not settled")
 		}
 	})
@@ -402,10 +404,10 @@ func TestHandoffRejected(t *testing.T) {
 		f := newFixture(t, 4, -1)
 		hog, _ := f.dst.Acquire("hog", 30)
 		err := f.h.Accept()
-		if !errors.Is(err, ErrExhausted) {
-			t.Fatalf("accept on a full pool = %v, want ErrExhausted", err)
+		if !errors.Is(err, kvlease.ErrExhausted) {
+			t.Fatalf("accept on a full pool = %v, want kvlease.ErrExhausted", err)
 		}
-		if !errors.Is(f.h.Err(), ErrExhausted) {
+		if !errors.Is(f.h.Err(), kvlease.ErrExhausted) {
 			t.Fatalf("recorded reason %v", f.h.Err())
 		}
 		hog.Release()
@@ -415,24 +417,24 @@ func TestHandoffRejected(t *testing.T) {
 	t.Run("destination larger than pool", func(t *testing.T) {
 		f := newFixture(t, 4, -1)
 		small := newHostPool(t, 2, hbBytes)
-		h, err := Propose(f.lease, small, HandoffConfig{Envelope: testEnvelope()})
+		h, err := Propose(f.lease, small, Config{Envelope: testEnvelope()})
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := h.Accept(); !errors.Is(err, ErrExceedsCapacity) {
-			t.Fatalf("accept = %v, want ErrExceedsCapacity", err)
+		if err := h.Accept(); !errors.Is(err, kvlease.ErrExceedsCapacity) {
+			t.Fatalf("accept = %v, want kvlease.ErrExceedsCapacity", err)
 		}
-		if h.State() != HandoffRejected || h.History()[1].By != "destination" || h.History()[0].By != "source" {
+		if h.State() != Rejected || h.History()[1].By != "destination" || h.History()[0].By != "source" {
 			t.Fatalf("state %v, history %v", h.State(), h.History())
 		}
 	})
 	t.Run("closed destination pool", func(t *testing.T) {
 		f := newFixture(t, 1, -1)
 		f.dst.Close()
-		if err := f.h.Accept(); !errors.Is(err, ErrPoolClosed) {
-			t.Fatalf("accept = %v, want ErrPoolClosed", err)
+		if err := f.h.Accept(); !errors.Is(err, kvlease.ErrPoolClosed) {
+			t.Fatalf("accept = %v, want kvlease.ErrPoolClosed", err)
 		}
-		wantState(t, f.h, HandoffRejected)
+		wantState(t, f.h, Rejected)
 	})
 }
 
@@ -440,7 +442,7 @@ func TestHandoffRejected(t *testing.T) {
 // transfer, and that its source lease is untouched.
 func rejectedForever(t *testing.T, f *fixture) {
 	t.Helper()
-	wantState(t, f.h, HandoffRejected)
+	wantState(t, f.h, Rejected)
 	select {
 	case <-f.h.Done():
 	default:
@@ -451,8 +453,8 @@ func rejectedForever(t *testing.T, f *fixture) {
 		f.h.Accept,
 		func() error { return f.h.Abort("prefill", nil) },
 	} {
-		if err := call(); !errors.Is(err, ErrHandoffState) {
-			t.Fatalf("call after rejection = %v, want ErrHandoffState", err)
+		if err := call(); !errors.Is(err, ErrState) {
+			t.Fatalf("call after rejection = %v, want ErrState", err)
 		}
 	}
 	if err := f.h.Expire("deadline", nil); err != nil {
@@ -461,7 +463,7 @@ func rejectedForever(t *testing.T, f *fixture) {
 	if f.tr.startCount() != 0 {
 		t.Fatal("a rejected handoff reached the transport")
 	}
-	if f.lease.State() != LeaseActive {
+	if f.lease.State() != kvlease.LeaseActive {
 		t.Fatalf("source lease %v, want untouched", f.lease.State())
 	}
 	wantStats(t, f, fmt.Sprintf("src free=%d leased=%d draining=0 quarantined=0; dst free=32 leased=0 draining=0 quarantined=0",
@@ -476,17 +478,17 @@ func TestHandoffFailed(t *testing.T) {
 		boom := errors.New("link down, copy fenced")
 		tr.Resolve(boom)
 		waitDone(t, f.h)
-		wantState(t, f.h, HandoffFailed)
+		wantState(t, f.h, Failed)
 		if !errors.Is(f.h.Err(), boom) {
 			t.Fatalf("Err = %v", f.h.Err())
 		}
 		wantSteps(t, f.h, "none→proposed prefill/propose", "proposed→accepted decode/accept",
 			"accepted→transferring transport/attach", "transferring→failed transport/resolve-error")
-		if f.lease.State() != LeaseActive {
+		if f.lease.State() != kvlease.LeaseActive {
 			t.Fatal("source lease touched by a failure")
 		}
 		wantStats(t, f, "src free=29 leased=3 draining=0 quarantined=0; dst free=32 leased=0 draining=0 quarantined=0")
-		if err := f.h.Abort("prefill", nil); !errors.Is(err, ErrHandoffState) {
+		if err := f.h.Abort("prefill", nil); !errors.Is(err, ErrState) {
 			t.Fatalf("abort after failure = %v", err)
 		}
 		f.check(t)
@@ -497,10 +499,10 @@ func TestHandoffFailed(t *testing.T) {
 			t.Fatal(err)
 		}
 		f.lease.Release()
-		if err := f.h.Start(f.tr); !errors.Is(err, ErrLeaseClosed) {
-			t.Fatalf("start = %v, want ErrLeaseClosed", err)
+		if err := f.h.Start(f.tr); !errors.Is(err, kvlease.ErrLeaseClosed) {
+			t.Fatalf("start = %v, want kvlease.ErrLeaseClosed", err)
 		}
-		wantState(t, f.h, HandoffFailed)
+		wantState(t, f.h, Failed)
 		if f.tr.startCount() != 0 {
 			t.Fatal("the transport was called")
 		}
@@ -512,10 +514,10 @@ func TestHandoffFailed(t *testing.T) {
 			t.Fatal(err)
 		}
 		f.tr.beforeAttach = f.lease.Release
-		if err := f.h.Start(f.tr); !errors.Is(err, ErrLeaseClosed) {
-			t.Fatalf("start = %v, want ErrLeaseClosed", err)
+		if err := f.h.Start(f.tr); !errors.Is(err, kvlease.ErrLeaseClosed) {
+			t.Fatalf("start = %v, want kvlease.ErrLeaseClosed", err)
 		}
-		wantState(t, f.h, HandoffFailed)
+		wantState(t, f.h, Failed)
 		if f.tr.attachCount() != 0 {
 			t.Fatal("attached")
 		}
@@ -532,7 +534,7 @@ func TestHandoffFailed(t *testing.T) {
 		if err == nil || err.Error() != "kvlease: handoff start: no route to decode worker" {
 			t.Fatalf("start = %v", err)
 		}
-		wantState(t, f.h, HandoffFailed)
+		wantState(t, f.h, Failed)
 		wantSteps(t, f.h, "none→proposed prefill/propose", "proposed→accepted decode/accept", "accepted→failed transport/start-fail")
 		wantStats(t, f, "src free=30 leased=2 draining=0 quarantined=0; dst free=32 leased=0 draining=0 quarantined=0")
 	})
@@ -545,38 +547,38 @@ func TestHandoffFailed(t *testing.T) {
 		if err := f.h.Start(f.tr); err == nil {
 			t.Fatal("start without attach succeeded")
 		}
-		wantState(t, f.h, HandoffFailed)
+		wantState(t, f.h, Failed)
 	})
 }
 
 func TestHandoffStartRefused(t *testing.T) {
 	f := newFixture(t, 2, -1)
-	if err := f.h.Start(f.tr); !errors.Is(err, ErrHandoffState) {
+	if err := f.h.Start(f.tr); !errors.Is(err, ErrState) {
 		t.Fatalf("start before accept = %v", err)
 	}
-	if err := f.h.Start(nil); !errors.Is(err, ErrInvalidArgument) {
+	if err := f.h.Start(nil); !errors.Is(err, kvlease.ErrInvalidArgument) {
 		t.Fatalf("start with nil transport = %v", err)
 	}
-	if err := f.h.Expire("deadline", nil); !errors.Is(err, ErrHandoffState) {
+	if err := f.h.Expire("deadline", nil); !errors.Is(err, ErrState) {
 		t.Fatalf("expire with nothing in flight = %v", err)
 	}
 	tr := f.start(t)
-	if err := f.h.Start(f.tr); !errors.Is(err, ErrHandoffState) {
+	if err := f.h.Start(f.tr); !errors.Is(err, ErrState) {
 		t.Fatalf("second start = %v", err)
 	}
-	if err := f.h.Reject("decode", nil); !errors.Is(err, ErrHandoffState) {
+	if err := f.h.Reject("decode", nil); !errors.Is(err, ErrState) {
 		t.Fatalf("reject after start = %v", err)
 	}
 	if f.tr.attachCount() != 1 || f.tr.startCount() != 1 {
 		t.Fatalf("%d starts, %d attached", f.tr.startCount(), f.tr.attachCount())
 	}
 	// An attach the transport calls for a second transfer is refused too.
-	if err := f.h.attach(NewTransfer(nil)); !errors.Is(err, ErrHandoffState) {
+	if err := f.h.attach(kvlease.NewTransfer(nil)); !errors.Is(err, ErrState) {
 		t.Fatalf("second attach = %v", err)
 	}
 	tr.Resolve(nil)
 	waitDone(t, f.h)
-	wantState(t, f.h, HandoffDelivered)
+	wantState(t, f.h, Delivered)
 }
 
 func TestHandoffAborted(t *testing.T) {
@@ -585,11 +587,11 @@ func TestHandoffAborted(t *testing.T) {
 		if err := f.h.Abort("frontend", errors.New("client gone")); err != nil {
 			t.Fatal(err)
 		}
-		wantState(t, f.h, HandoffAborted)
-		if f.lease.State() != LeaseSettled {
+		wantState(t, f.h, Aborted)
+		if f.lease.State() != kvlease.LeaseSettled {
 			t.Fatalf("source lease %v, want aborted and settled", f.lease.State())
 		}
-		if err := f.h.Accept(); !errors.Is(err, ErrHandoffState) {
+		if err := f.h.Accept(); !errors.Is(err, ErrState) {
 			t.Fatalf("accept after abort = %v", err)
 		}
 		if err := f.h.Abort("frontend", nil); err != nil {
@@ -606,14 +608,14 @@ func TestHandoffAborted(t *testing.T) {
 		if err := f.h.Abort("decode", nil); err != nil {
 			t.Fatal(err)
 		}
-		if err := f.h.Start(f.tr); !errors.Is(err, ErrHandoffState) {
+		if err := f.h.Start(f.tr); !errors.Is(err, ErrState) {
 			t.Fatalf("start after abort = %v", err)
 		}
 		if f.tr.startCount() != 0 {
 			t.Fatal("an aborted handoff reached the transport")
 		}
-		wantState(t, f.h, HandoffAborted)
-		if !errors.Is(f.h.Err(), ErrAborted) {
+		wantState(t, f.h, Aborted)
+		if !errors.Is(f.h.Err(), kvlease.ErrAborted) {
 			t.Fatalf("default cause %v", f.h.Err())
 		}
 		wantStats(t, f, "src free=32 leased=0 draining=0 quarantined=0; dst free=32 leased=0 draining=0 quarantined=0")
@@ -626,7 +628,7 @@ func TestHandoffAborted(t *testing.T) {
 		if err := f.h.Abort("frontend", errors.New("client gone")); err != nil {
 			t.Fatal(err)
 		}
-		wantState(t, f.h, HandoffAborting)
+		wantState(t, f.h, Aborting)
 		if f.tr.cancels.Load() != 1 || !tr.CancelRequested() {
 			t.Fatal("the transfer was not cancelled exactly once")
 		}
@@ -635,7 +637,7 @@ func TestHandoffAborted(t *testing.T) {
 		if err := f.h.Abort("decode", nil); err != nil {
 			t.Fatalf("second abort = %v", err)
 		}
-		if err := f.h.Reject("decode", nil); !errors.Is(err, ErrHandoffState) {
+		if err := f.h.Reject("decode", nil); !errors.Is(err, ErrState) {
 			t.Fatalf("reject while aborting = %v", err)
 		}
 		select {
@@ -646,26 +648,26 @@ func TestHandoffAborted(t *testing.T) {
 		f.tr.copyAll(0) // the copy ignored the cancel and ran to the end
 		tr.Resolve(nil)
 		waitDone(t, f.h)
-		wantState(t, f.h, HandoffAborted)
+		wantState(t, f.h, Aborted)
 		wantSteps(t, f.h, "none→proposed prefill/propose", "proposed→accepted decode/accept",
 			"accepted→transferring transport/attach", "transferring→aborting frontend/abort",
 			"aborting→aborted transport/resolve")
 		wantStats(t, f, "src free=32 leased=0 draining=0 quarantined=0; dst free=32 leased=0 draining=0 quarantined=0")
-		if d := f.h.Destination(); d.State() != LeaseSettled {
+		if d := f.h.Destination(); d.State() != kvlease.LeaseSettled {
 			t.Fatalf("destination lease %v", d.State())
 		}
 		f.check(t)
 	})
 	t.Run("cancel hook resolves synchronously", func(t *testing.T) {
 		f := newFixture(t, 2, -1)
-		f.tr.onCancel = func(t *Transfer) { t.Resolve(errors.New("canceled before any write")) }
+		f.tr.onCancel = func(t *kvlease.Transfer) { t.Resolve(errors.New("canceled before any write")) }
 		f.start(t)
 		if err := f.h.Abort("decode", nil); err != nil {
 			t.Fatal(err)
 		}
 		waitDone(t, f.h)
-		wantState(t, f.h, HandoffAborted)
-		if got := f.h.History()[4]; got.Event != HandoffResolveError || got.By != "transport" {
+		wantState(t, f.h, Aborted)
+		if got := f.h.History()[4]; got.Event != EventResolveError || got.By != "transport" {
 			t.Fatalf("evidence %v", got)
 		}
 		wantStats(t, f, "src free=32 leased=0 draining=0 quarantined=0; dst free=32 leased=0 draining=0 quarantined=0")
@@ -674,11 +676,11 @@ func TestHandoffAborted(t *testing.T) {
 		// Aborting the source lease directly cancels the transfer; the
 		// transport's evidence then fails the handoff.
 		f := newFixture(t, 2, -1)
-		f.tr.onCancel = func(t *Transfer) { t.Resolve(errors.New("canceled")) }
+		f.tr.onCancel = func(t *kvlease.Transfer) { t.Resolve(errors.New("canceled")) }
 		f.start(t)
 		f.lease.Abort(nil)
 		waitDone(t, f.h)
-		wantState(t, f.h, HandoffFailed)
+		wantState(t, f.h, Failed)
 		wantStats(t, f, "src free=32 leased=0 draining=0 quarantined=0; dst free=32 leased=0 draining=0 quarantined=0")
 	})
 }
@@ -694,11 +696,11 @@ func TestHandoffLostAck(t *testing.T) {
 
 		time.Sleep(5*time.Second - time.Nanosecond)
 		synctest.Wait()
-		wantState(t, f.h, HandoffTransferring)
+		wantState(t, f.h, Transferring)
 		time.Sleep(time.Nanosecond)
 		synctest.Wait()
-		wantState(t, f.h, HandoffQuarantined)
-		if !errors.Is(f.h.Err(), ErrQuarantined) || tr.State() != TransferQuarantined {
+		wantState(t, f.h, Quarantined)
+		if !errors.Is(f.h.Err(), kvlease.ErrQuarantined) || tr.State() != kvlease.TransferQuarantined {
 			t.Fatalf("handoff err %v, transfer %v", f.h.Err(), tr.State())
 		}
 		wantStats(t, f, "src free=29 leased=0 draining=0 quarantined=3; dst free=29 leased=0 draining=0 quarantined=3")
@@ -715,12 +717,12 @@ func TestHandoffLostAck(t *testing.T) {
 		if err := f.h.Expire("supervisor", nil); err != nil {
 			t.Fatalf("expire while quarantined = %v", err)
 		}
-		wantState(t, f.h, HandoffQuarantined)
+		wantState(t, f.h, Quarantined)
 		wantStats(t, f, "src free=29 leased=0 draining=0 quarantined=3; dst free=29 leased=0 draining=0 quarantined=3")
 
 		tr.Resolve(nil) // the late evidence
 		synctest.Wait()
-		wantState(t, f.h, HandoffAborted)
+		wantState(t, f.h, Aborted)
 		wantSteps(t, f.h, "none→proposed prefill/propose", "proposed→accepted decode/accept",
 			"accepted→transferring transport/attach", "transferring→quarantined deadline/expire",
 			"quarantined→aborted transport/resolve")
@@ -737,10 +739,10 @@ func TestHandoffExpire(t *testing.T) {
 			time.Sleep(time.Second)
 			tr.Resolve(nil)
 			synctest.Wait()
-			wantState(t, f.h, HandoffDelivered)
+			wantState(t, f.h, Delivered)
 			time.Sleep(time.Minute)
 			synctest.Wait()
-			wantState(t, f.h, HandoffDelivered)
+			wantState(t, f.h, Delivered)
 			f.h.Destination().Release()
 		})
 	})
@@ -751,11 +753,11 @@ func TestHandoffExpire(t *testing.T) {
 			f.h.Abort("frontend", nil)
 			time.Sleep(5 * time.Second)
 			synctest.Wait()
-			wantState(t, f.h, HandoffQuarantined)
+			wantState(t, f.h, Quarantined)
 			wantStats(t, f, "src free=30 leased=0 draining=0 quarantined=2; dst free=30 leased=0 draining=0 quarantined=2")
 			tr.Resolve(errors.New("finally fenced"))
 			synctest.Wait()
-			wantState(t, f.h, HandoffAborted)
+			wantState(t, f.h, Aborted)
 			wantSteps(t, f.h, "none→proposed prefill/propose", "proposed→accepted decode/accept",
 				"accepted→transferring transport/attach", "transferring→aborting frontend/abort",
 				"aborting→quarantined deadline/expire", "quarantined→aborted transport/resolve-error")
@@ -769,13 +771,13 @@ func TestHandoffExpire(t *testing.T) {
 		if err := f.h.Expire("supervisor", reason); err != nil {
 			t.Fatal(err)
 		}
-		wantState(t, f.h, HandoffQuarantined)
+		wantState(t, f.h, Quarantined)
 		if !errors.Is(f.h.Err(), reason) || !errors.Is(tr.Err(), reason) {
 			t.Fatalf("reason not recorded: %v / %v", f.h.Err(), tr.Err())
 		}
 		tr.Resolve(nil)
 		waitDone(t, f.h)
-		wantState(t, f.h, HandoffAborted)
+		wantState(t, f.h, Aborted)
 	})
 	t.Run("evidence already there", func(t *testing.T) {
 		// The transfer resolved but the watcher has not recorded it yet:
@@ -784,17 +786,17 @@ func TestHandoffExpire(t *testing.T) {
 		if err := f.h.Accept(); err != nil {
 			t.Fatal(err)
 		}
-		tr := NewTransfer(nil)
+		tr := kvlease.NewTransfer(nil)
 		f.h.mu.Lock()
-		f.h.state = HandoffTransferring // as attach would, without its watcher
+		f.h.state = Transferring // as attach would, without its watcher
 		f.h.t = tr
 		f.h.mu.Unlock()
 		tr.Resolve(nil)
 		if err := f.h.Expire("deadline", nil); err != nil {
 			t.Fatal(err)
 		}
-		wantState(t, f.h, HandoffDelivered)
-		if last := f.h.History()[2]; last.Event != HandoffResolve || last.By != "transport" {
+		wantState(t, f.h, Delivered)
+		if last := f.h.History()[2]; last.Event != EventResolve || last.By != "transport" {
 			t.Fatalf("recorded %v", last)
 		}
 		f.h.Destination().Release()
@@ -803,9 +805,9 @@ func TestHandoffExpire(t *testing.T) {
 		synctest.Test(t, func(t *testing.T) {
 			f := newFixture(t, 1, 0) // zero: the default deadline
 			tr := f.start(t)
-			time.Sleep(DefaultHandoffDeadline)
+			time.Sleep(DefaultDeadline)
 			synctest.Wait()
-			wantState(t, f.h, HandoffQuarantined)
+			wantState(t, f.h, Quarantined)
 			if f.h.History()[3].By != "deadline" {
 				t.Fatalf("history %v", f.h.History())
 			}
@@ -832,28 +834,28 @@ func TestProposeBadInput(t *testing.T) {
 
 	for _, tt := range []struct {
 		name  string
-		lease *Lease[[]byte]
-		pool  *Pool[[]byte]
+		lease *kvlease.Lease[[]byte]
+		pool  *kvlease.Pool[[]byte]
 		env   Envelope
 		want  error
 		text  string
 	}{
-		{"nil lease", nil, dst, env, ErrInvalidArgument, "nil source lease"},
-		{"nil pool", lease, nil, env, ErrInvalidArgument, "nil source lease or destination pool"},
-		{"invalid envelope", lease, dst, badEnv, ErrInvalidArgument, "MaxPrefillTokens: must be positive, got 0; MaxRunningRequests: 100 running requests"},
-		{"destination block size", lease, other, env, ErrInvalidArgument, "source pool 64 bytes, destination pool 128 bytes, envelope 64 bytes"},
+		{"nil lease", nil, dst, env, kvlease.ErrInvalidArgument, "nil source lease"},
+		{"nil pool", lease, nil, env, kvlease.ErrInvalidArgument, "nil source lease or destination pool"},
+		{"invalid envelope", lease, dst, badEnv, kvlease.ErrInvalidArgument, "MaxPrefillTokens: must be positive, got 0; MaxRunningRequests: 100 running requests"},
+		{"destination block size", lease, other, env, kvlease.ErrInvalidArgument, "source pool 64 bytes, destination pool 128 bytes, envelope 64 bytes"},
 		{"envelope block size", lease, dst, Envelope{BlockTokens: 16, BlockBytes: 128, PoolBlocks: 32, MaxContextTokens: 512, MaxPrefillTokens: 128, MaxRunningRequests: 8},
-			ErrInvalidArgument, "envelope 128 bytes"},
-		{"closed lease", closed, dst, env, ErrLeaseClosed, "lease closed"},
-		{"more than a context", big, dst, shortCtx, ErrExceedsCapacity, "17 blocks exceed the 16 blocks of a 256-token context"},
+			kvlease.ErrInvalidArgument, "envelope 128 bytes"},
+		{"closed lease", closed, dst, env, kvlease.ErrLeaseClosed, "lease closed"},
+		{"more than a context", big, dst, shortCtx, kvlease.ErrExceedsCapacity, "17 blocks exceed the 16 blocks of a 256-token context"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			var h *Handoff[[]byte, []byte]
 			var err error
 			if tt.lease == nil {
-				h, err = Propose[[]byte, []byte](nil, tt.pool, HandoffConfig{Envelope: tt.env})
+				h, err = Propose[[]byte, []byte](nil, tt.pool, Config{Envelope: tt.env})
 			} else {
-				h, err = Propose(tt.lease, tt.pool, HandoffConfig{Envelope: tt.env})
+				h, err = Propose(tt.lease, tt.pool, Config{Envelope: tt.env})
 			}
 			if h != nil || !errors.Is(err, tt.want) {
 				t.Fatalf("Propose = %v, %v; want %v", h, err, tt.want)
@@ -863,7 +865,7 @@ func TestProposeBadInput(t *testing.T) {
 			}
 		})
 	}
-	if lease.State() != LeaseActive {
+	if lease.State() != kvlease.LeaseActive {
 		t.Fatal("a refused proposal touched the lease")
 	}
 }
@@ -871,7 +873,7 @@ func TestProposeBadInput(t *testing.T) {
 func TestHandoffAcceptWait(t *testing.T) {
 	f := newFixture(t, 4, -1)
 	hog, _ := f.dst.Acquire("hog", 30)
-	if err := f.h.AcceptWait(nil); !errors.Is(err, ErrInvalidArgument) {
+	if err := f.h.AcceptWait(nil); !errors.Is(err, kvlease.ErrInvalidArgument) {
 		t.Fatalf("nil context = %v", err)
 	}
 	done := make(chan error)
@@ -879,12 +881,12 @@ func TestHandoffAcceptWait(t *testing.T) {
 	for f.dst.Stats().Waiters == 0 {
 		time.Sleep(time.Millisecond)
 	}
-	wantState(t, f.h, HandoffProposed) // waiting holds nothing
+	wantState(t, f.h, Proposed) // waiting holds nothing
 	hog.Release()
 	if err := <-done; err != nil {
 		t.Fatal(err)
 	}
-	wantState(t, f.h, HandoffAccepted)
+	wantState(t, f.h, Accepted)
 
 	g := newFixture(t, 4, -1)
 	hog, _ = g.dst.Acquire("hog", 30)
@@ -897,7 +899,7 @@ func TestHandoffAcceptWait(t *testing.T) {
 	if err := <-done; !errors.Is(err, context.Canceled) {
 		t.Fatalf("cancelled wait = %v", err)
 	}
-	wantState(t, g.h, HandoffRejected)
+	wantState(t, g.h, Rejected)
 	hog.Release()
 	rejectedForever(t, g)
 }
@@ -916,10 +918,10 @@ func TestHandoffAcceptLosesToAbort(t *testing.T) {
 		t.Fatal(err)
 	}
 	hog.Release()
-	if err := <-done; !errors.Is(err, ErrHandoffState) {
+	if err := <-done; !errors.Is(err, ErrState) {
 		t.Fatalf("accept after abort = %v", err)
 	}
-	wantState(t, f.h, HandoffAborted)
+	wantState(t, f.h, Aborted)
 	if f.h.Destination() != nil {
 		t.Fatal("the losing accept kept its lease")
 	}
@@ -927,12 +929,12 @@ func TestHandoffAcceptLosesToAbort(t *testing.T) {
 }
 
 func TestHandoffStepString(t *testing.T) {
-	s := HandoffStep{From: HandoffTransferring, To: HandoffFailed, Event: HandoffResolveError, By: "transport",
+	s := Step{From: Transferring, To: Failed, Event: EventResolveError, By: "transport",
 		Err: errors.New("link down"), Transfer: 7}
 	if got, want := s.String(), "transferring → failed  transport/resolve-error (transfer 7): link down"; got != want {
 		t.Fatalf("%q, want %q", got, want)
 	}
-	s = HandoffStep{From: HandoffProposed, To: HandoffAccepted, Event: HandoffAccept, By: "decode"}
+	s = Step{From: Proposed, To: Accepted, Event: EventAccept, By: "decode"}
 	if got, want := s.String(), "proposed → accepted  decode/accept"; got != want {
 		t.Fatalf("%q, want %q", got, want)
 	}
@@ -944,7 +946,7 @@ func TestHandoffStepString(t *testing.T) {
 // open and complete) or aborted (abort accepted, both leases closed), and
 // every block returns.
 func TestHandoffRaceAbortDelivery(t *testing.T) {
-	outcomes := map[HandoffState]int{}
+	outcomes := map[State]int{}
 	for i := range 200 {
 		f := newFixture(t, 3, -1)
 		tr := f.start(t)
@@ -963,12 +965,12 @@ func TestHandoffRaceAbortDelivery(t *testing.T) {
 		wg.Wait()
 		waitDone(t, f.h)
 		switch st := f.h.State(); st {
-		case HandoffDelivered:
-			if !errors.Is(abortErr, ErrHandoffState) {
+		case Delivered:
+			if !errors.Is(abortErr, ErrState) {
 				t.Fatalf("run %d: delivered, but abort returned %v", i, abortErr)
 			}
 			d := f.h.Destination()
-			if d.State() != LeaseActive {
+			if d.State() != kvlease.LeaseActive {
 				t.Fatalf("run %d: delivered lease %v", i, d.State())
 			}
 			for b := range 3 {
@@ -978,7 +980,7 @@ func TestHandoffRaceAbortDelivery(t *testing.T) {
 			}
 			d.Release()
 			f.lease.Release()
-		case HandoffAborted:
+		case Aborted:
 			if abortErr != nil {
 				t.Fatalf("run %d: aborted, but abort returned %v", i, abortErr)
 			}
@@ -1008,12 +1010,12 @@ func TestHandoffRaceRejectStart(t *testing.T) {
 		go func() { defer wg.Done(); rejectErr = f.h.Reject("decode", nil) }()
 		wg.Wait()
 		switch st := f.h.State(); st {
-		case HandoffRejected:
-			if rejectErr != nil || !errors.Is(startErr, ErrHandoffState) || f.tr.attachCount() != 0 {
+		case Rejected:
+			if rejectErr != nil || !errors.Is(startErr, ErrState) || f.tr.attachCount() != 0 {
 				t.Fatalf("run %d: rejected, reject %v, start %v, %d attached", i, rejectErr, startErr, f.tr.attachCount())
 			}
-		case HandoffTransferring:
-			if startErr != nil || !errors.Is(rejectErr, ErrHandoffState) || f.tr.attachCount() != 1 {
+		case Transferring:
+			if startErr != nil || !errors.Is(rejectErr, ErrState) || f.tr.attachCount() != 1 {
 				t.Fatalf("run %d: transferring, reject %v, start %v", i, rejectErr, startErr)
 			}
 			f.h.Transfer().Resolve(nil)
@@ -1032,10 +1034,10 @@ func TestHandoffRaceRejectStart(t *testing.T) {
 // wins, the handoff ends final or quarantined-then-lifted, its history is
 // a path through the table, and no block is lost.
 func TestHandoffRaceEverything(t *testing.T) {
-	final := map[HandoffState]int{}
+	final := map[State]int{}
 	for i := range 300 {
 		f := newFixture(t, 2, -1)
-		f.tr.onCancel = func(t *Transfer) { t.Resolve(errors.New("canceled")) }
+		f.tr.onCancel = func(t *kvlease.Transfer) { t.Resolve(errors.New("canceled")) }
 		if i%2 == 0 {
 			_ = f.h.Accept() // so that Start and Resolve get to win too
 		}
@@ -1068,14 +1070,14 @@ func TestHandoffRaceEverything(t *testing.T) {
 		final[f.h.State()]++
 		hist := f.h.History()
 		for k, s := range hist {
-			if e := handoffNext(s.From, s.Event); e.kind != edgeMove || e.to != s.To {
+			if e := next(s.From, s.Event); e.kind != edgeMove || e.to != s.To {
 				t.Fatalf("run %d: step %d %v is not a table move", i, k, s)
 			}
 			if k > 0 && hist[k-1].To != s.From {
 				t.Fatalf("run %d: history is not a path: %v", i, hist)
 			}
 		}
-		if f.h.State() == HandoffDelivered {
+		if f.h.State() == Delivered {
 			f.h.Destination().Release()
 		}
 		f.lease.Release()
@@ -1088,4 +1090,111 @@ func TestHandoffRaceEverything(t *testing.T) {
 	}
 	sort.Strings(names)
 	t.Logf("final states: %v", names)
+}
+
+// TestHandoffRaceAccept: two Accepts race on one handoff whose destination
+// has room for one lease. Exactly one wins; the other returns ErrState and
+// changes nothing, whatever its acquire did (issue 11, bug 1).
+func TestHandoffRaceAccept(t *testing.T) {
+	for range 50 {
+		f := newFixture(t, 20, -1) // 32-block destination: room for one
+		errs := make(chan error, 2)
+		var start sync.WaitGroup
+		start.Add(1)
+		for range 2 {
+			go func() { start.Wait(); errs <- f.h.Accept() }()
+		}
+		start.Done()
+		e1, e2 := <-errs, <-errs
+		if (e1 == nil) == (e2 == nil) {
+			t.Fatalf("accepts returned %v and %v: want exactly one nil", e1, e2)
+		}
+		loser := e1
+		if loser == nil {
+			loser = e2
+		}
+		if !errors.Is(loser, ErrState) {
+			t.Fatalf("losing accept = %v, want ErrState", loser)
+		}
+		wantState(t, f.h, Accepted)
+		if d := f.h.Destination(); d == nil || d.Len() != 20 || d.State() != kvlease.LeaseActive {
+			t.Fatalf("winner's destination lease %v", d)
+		}
+		wantStats(t, f, "src free=12 leased=20 draining=0 quarantined=0; dst free=12 leased=20 draining=0 quarantined=0")
+		f.start2(t)
+		f.check(t)
+	}
+}
+
+// start2 completes an accepted fixture: start, copy, resolve, delivered.
+func (f *fixture) start2(t *testing.T) {
+	t.Helper()
+	if err := f.h.Start(f.tr); err != nil {
+		t.Fatal(err)
+	}
+	f.tr.copyAll(0)
+	f.h.Transfer().Resolve(nil)
+	wantState(t, f.h, Delivered)
+}
+
+// TestHandoffRaceAcceptWait: a second AcceptWait, cancelled while the
+// first still waits (or after it was served), changes nothing: the first
+// is served and the handoff is Accepted, not Rejected.
+func TestHandoffRaceAcceptWait(t *testing.T) {
+	for range 20 {
+		f := newFixture(t, 20, -1)
+		hog, err := f.dst.Acquire("hog", 30)
+		if err != nil {
+			t.Fatal(err)
+		}
+		first := make(chan error, 1)
+		go func() { first <- f.h.AcceptWait(context.Background()) }()
+		for f.dst.Stats().Waiters == 0 {
+			time.Sleep(100 * time.Microsecond)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		second := make(chan error, 1)
+		go func() { second <- f.h.AcceptWait(ctx) }()
+		cancel()
+		hog.Release()
+		if err := <-first; err != nil {
+			t.Fatalf("first AcceptWait = %v", err)
+		}
+		if err := <-second; !errors.Is(err, ErrState) {
+			t.Fatalf("second AcceptWait = %v, want ErrState", err)
+		}
+		wantState(t, f.h, Accepted)
+		if d := f.h.Destination(); d == nil || d.State() != kvlease.LeaseActive {
+			t.Fatal("the winner's destination lease was closed")
+		}
+		f.start2(t)
+		f.check(t)
+	}
+}
+
+// TestHandoffStateCurrentAfterResolve: once Resolve returns, State says
+// so at once, also when late evidence lifts a quarantine (issue 12, item 7).
+func TestHandoffStateCurrentAfterResolve(t *testing.T) {
+	for range 200 {
+		f := newFixture(t, 3, -1)
+		tr := f.start(t)
+		f.tr.copyAll(0)
+		tr.Resolve(nil)
+		if s := f.h.State(); s != Delivered {
+			t.Fatalf("state right after Resolve = %v", s)
+		}
+	}
+	for range 200 {
+		f := newFixture(t, 3, -1)
+		tr := f.start(t)
+		if err := f.h.Expire("test", nil); err != nil {
+			t.Fatal(err)
+		}
+		wantState(t, f.h, Quarantined)
+		tr.Resolve(errors.New("late"))
+		if s := f.h.State(); s != Aborted {
+			t.Fatalf("state right after the late Resolve = %v", s)
+		}
+		wantStats(t, f, "src free=32 leased=0 draining=0 quarantined=0; dst free=32 leased=0 draining=0 quarantined=0")
+	}
 }

@@ -1,0 +1,494 @@
+package handoff
+
+import (
+	"fmt"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/kvlease/kvlease"
+)
+
+// Destination is the destination half (the decode side) of
+// cross-process handoffs: it holds only its own pool, serves control
+// connections from Sources (Serve) and answers each proposal. On a
+// proposal it checks the envelope fingerprint and the policy (Decide),
+// looks the proposed hashes up in its own prefix cache, takes the hits
+// (shared, not copied), acquires the missing blocks, and asks the source
+// for those alone. Delivered blocks are sealed with their hashes on
+// arrival, so the decode side's cache fills instead of holding private
+// duplicates.
+//
+// What makes the destination final: Delivered is its own transfer's
+// Resolve(nil) (every wanted block arrived intact and nothing of ours
+// writes them any more); the lease is then the OnDelivered callback's.
+// Failed is its transfer's Resolve(err): the lease is released. Abort
+// (either side, or the control connection lost) aborts the lease, whose
+// blocks drain until the plane proves it stopped writing; a transfer
+// with no evidence by the deadline is quarantined until late evidence.
+type Destination[R any] struct {
+	pool  *kvlease.Pool[R]
+	plane RecvPlane[R]
+	cfg   DestinationConfig[R]
+}
+
+// DestinationConfig configures a Destination.
+type DestinationConfig[R any] struct {
+	HalfConfig
+	// Decide, if set, is the destination's policy: a non-nil error
+	// rejects the proposal (before anything is acquired) with that reason.
+	Decide func(p *ProposeMsg) error
+	// OnDelivered, if set, receives each delivered handoff; its lease
+	// (Lease) is then the callee's to use and release. Without it the
+	// lease is released at once (its sealed blocks stay cached).
+	OnDelivered func(*Incoming[R])
+	// OnFinal, if set, is called once for every handoff that becomes
+	// final (after OnDelivered for a delivered one).
+	OnFinal func(*Incoming[R])
+}
+
+// NewDestination returns the destination half over pool and plane. The
+// envelope must be valid and its BlockBytes equal the pool's
+// (ErrInvalidArgument).
+func NewDestination[R any](pool *kvlease.Pool[R], plane RecvPlane[R], cfg DestinationConfig[R]) (*Destination[R], error) {
+	if pool == nil || plane == nil {
+		return nil, fmt.Errorf("kvlease: handoff destination: nil pool or plane: %w", kvlease.ErrInvalidArgument)
+	}
+	if err := cfg.defaults("destination", "source"); err != nil {
+		return nil, fmt.Errorf("kvlease: handoff destination: %w", err)
+	}
+	if pool.BlockBytes() != cfg.Envelope.BlockBytes {
+		return nil, fmt.Errorf("kvlease: handoff destination: pool blocks of %d bytes, envelope %d: %w", pool.BlockBytes(), cfg.Envelope.BlockBytes, kvlease.ErrInvalidArgument)
+	}
+	return &Destination[R]{pool: pool, plane: plane, cfg: cfg}, nil
+}
+
+// session is one control connection served by a Destination.
+type session[R any] struct {
+	d  *Destination[R]
+	c  *ctrl
+	id uint64
+
+	mu   sync.Mutex
+	in   map[uint64]*Incoming[R] // every id seen on this connection
+	lost error
+}
+
+// Serve serves one control connection until it ends, and returns why
+// (io.EOF for a clean close, an error wrapping ErrProtocol for a malformed
+// frame). When it returns, every handoff of the connection that was not
+// final is aborted (ErrConnLost): its blocks drain until the plane's
+// evidence.
+func (d *Destination[R]) Serve(conn net.Conn) error {
+	s := &session[R]{d: d, c: newCtrl(conn, d.cfg.FrameTimeout), id: sessions.Add(1), in: make(map[uint64]*Incoming[R])}
+	for {
+		m, err := s.c.read()
+		if err != nil {
+			_ = conn.Close()
+			s.end(err)
+			return err
+		}
+		switch m := m.(type) {
+		case *ProposeMsg:
+			s.propose(m)
+		case *StartMsg:
+			if in := s.get(m); in != nil {
+				go in.start(m) // Receive may wait for its data connection
+			}
+		case *AbortMsg:
+			if in := s.get(m); in != nil {
+				_ = in.abort(d.cfg.Peer, peerErr("abort", m.Cause, kvlease.ErrAborted), false)
+				_ = s.c.send(&AckMsg{ID: m.ID, Of: MsgAbort})
+			}
+		case *AckMsg:
+			_ = s.get(m)
+		default:
+			d.cfg.report(fmt.Errorf("kvlease: handoff destination: unexpected %v for handoff %d: %w", m.Type(), m.Handoff(), ErrProtocol))
+		}
+	}
+}
+
+func (s *session[R]) get(m Message) *Incoming[R] {
+	s.mu.Lock()
+	in := s.in[m.Handoff()]
+	s.mu.Unlock()
+	if in == nil {
+		s.d.cfg.report(fmt.Errorf("kvlease: handoff destination: %v for unknown handoff %d: %w", m.Type(), m.Handoff(), ErrProtocol))
+	}
+	return in
+}
+
+func (s *session[R]) end(cause error) {
+	s.mu.Lock()
+	s.lost = fmt.Errorf("%w: %w", ErrConnLost, cause)
+	all := make([]*Incoming[R], 0, len(s.in))
+	for _, in := range s.in {
+		all = append(all, in)
+	}
+	s.mu.Unlock()
+	for _, in := range all {
+		_ = in.abort(s.d.cfg.Name, s.lost, false)
+	}
+}
+
+// Incoming is one handoff seen from the destination. All methods are safe
+// for concurrent use.
+type Incoming[R any] struct {
+	machine
+	s       *session[R]
+	id      uint64
+	request string
+	hashes  []kvlease.BlockHash
+	n, from int
+	lease   *kvlease.Lease[R]
+	t       *kvlease.Transfer
+}
+
+func (in *Incoming[R]) pid() PlaneID { return PlaneID{Session: in.s.id, Handoff: in.id} }
+
+// propose answers a proposal: Reject or Accept.
+func (s *session[R]) propose(m *ProposeMsg) {
+	d := s.d
+	s.mu.Lock()
+	if _, dup := s.in[m.ID]; dup {
+		s.mu.Unlock()
+		// The first handoff with this id is untouched.
+		err := fmt.Errorf("kvlease: handoff destination: id %d already used on this connection: %w", m.ID, ErrState)
+		d.cfg.report(err)
+		_ = s.c.send(&RejectMsg{ID: m.ID, Code: RejectDuplicate, Reason: err.Error()})
+		return
+	}
+	in := &Incoming[R]{machine: newMachine(), s: s, id: m.ID, request: m.Request, hashes: m.Hashes, n: int(m.Blocks)}
+	s.in[m.ID] = in
+	in.mu.Lock()
+	in.fire(d.cfg.Peer, EventPropose, nil)
+	s.mu.Unlock()
+
+	var err error
+	switch {
+	case m.Envelope != d.cfg.Envelope.Fingerprint():
+		err = fmt.Errorf("kvlease: handoff %d: envelope fingerprint %016x, ours %016x: %w", m.ID, m.Envelope, d.cfg.Envelope.Fingerprint(), kvlease.ErrInvalidArgument)
+	case in.n > d.cfg.Envelope.BlocksFor(d.cfg.Envelope.MaxContextTokens):
+		err = fmt.Errorf("kvlease: handoff %d: %d blocks exceed a maximum-context request: %w", m.ID, in.n, kvlease.ErrExceedsCapacity)
+	case d.cfg.Decide != nil:
+		if derr := d.cfg.Decide(m); derr != nil {
+			err = fmt.Errorf("kvlease: handoff %d: %w (%w)", m.ID, derr, ErrRejected)
+		}
+	}
+	var accept []byte
+	if err == nil {
+		owner := m.Request
+		if owner == "" {
+			owner = fmt.Sprintf("handoff-%d", m.ID)
+		}
+		in.lease, in.from, err = d.pool.AcquirePrefix(owner, m.Hashes, in.n)
+	}
+	if err == nil && in.from < in.n {
+		accept, err = d.plane.Prepare(in.pid(), in.n-in.from)
+		if err == nil && len(accept) > MaxPlane {
+			err = fmt.Errorf("kvlease: handoff %d: plane accept bytes %d exceed %d: %w", m.ID, len(accept), MaxPlane, kvlease.ErrInvalidArgument)
+		}
+	}
+	if err != nil {
+		if in.lease != nil {
+			in.lease.Release()
+			in.lease = nil
+		}
+		in.fire(d.cfg.Name, EventReject, err)
+		in.mu.Unlock()
+		in.final()
+		_ = s.c.send(&RejectMsg{ID: m.ID, Code: rejectCode(err), Reason: err.Error()})
+		return
+	}
+	in.fire(d.cfg.Name, EventAccept, nil)
+	in.mu.Unlock()
+	if err := s.c.send(&AcceptMsg{ID: m.ID, From: uint32(in.from), Plane: accept}); err != nil {
+		_ = s.c.c.Close() // the read loop ends the session
+	}
+}
+
+// start takes the source's Start: the plane receives into the wanted
+// blocks.
+func (in *Incoming[R]) start(m *StartMsg) {
+	d := in.s.d
+	in.mu.Lock()
+	if next(in.state, EventAttach).kind != edgeMove {
+		st := in.state
+		in.mu.Unlock()
+		d.cfg.report(fmt.Errorf("kvlease: handoff %d: start while %v: %w", in.id, st, ErrProtocol))
+		return
+	}
+	regions := make([]R, 0, in.n-in.from)
+	var err error
+	for i := in.from; i < in.n && err == nil; i++ {
+		var r R
+		r, err = in.lease.Region(i)
+		regions = append(regions, r)
+	}
+	in.mu.Unlock()
+	if err == nil {
+		if in.from == in.n {
+			t := kvlease.NewTransfer(nil)
+			if err = in.attach(t); err == nil {
+				t.Resolve(nil)
+			}
+		} else {
+			err = d.plane.Receive(in.pid(), regions, m.Plane, in.attach)
+		}
+	}
+	if err != nil {
+		in.mu.Lock()
+		attached := in.t != nil
+		var kind edgeKind
+		if !attached {
+			kind, _ = in.fire(d.cfg.Name, EventStartFail, err)
+			if kind == edgeMove {
+				in.lease.Release()
+			}
+		}
+		in.mu.Unlock()
+		if kind == edgeMove {
+			in.final()
+			_ = in.s.c.send(&DoneMsg{ID: in.id, Err: err.Error()})
+		}
+	}
+}
+
+// attach is the plane's attach callback: under in.mu, and only from
+// Accepted, the transfer gates the wanted blocks as a Write.
+func (in *Incoming[R]) attach(t *kvlease.Transfer) error {
+	if t == nil {
+		return fmt.Errorf("kvlease: handoff attach: nil transfer: %w", kvlease.ErrInvalidArgument)
+	}
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	if next(in.state, EventAttach).kind != edgeMove {
+		return fmt.Errorf("kvlease: handoff %d: attach while %v: %w", in.id, in.state, ErrState)
+	}
+	if err := in.lease.AttachRange(t, in.from, in.n, kvlease.Write); err != nil {
+		return fmt.Errorf("kvlease: handoff %d: attach: %w", in.id, err)
+	}
+	in.t = t
+	in.tid = t.ID()
+	in.fire("transport", EventAttach, nil)
+	go in.watch(t)
+	return nil
+}
+
+func (in *Incoming[R]) watch(t *kvlease.Transfer) {
+	expire, stop := deadlineTimer(in.s.d.cfg.Deadline)
+	defer stop()
+	select {
+	case <-t.Done():
+	case <-expire:
+		in.expire()
+		<-t.Done()
+	}
+	in.mu.Lock()
+	in.current()
+	in.mu.Unlock()
+}
+
+func (in *Incoming[R]) expire() {
+	d := in.s.d
+	in.mu.Lock()
+	if in.current() {
+		in.mu.Unlock()
+		return
+	}
+	reason := fmt.Errorf("kvlease: handoff %d: no evidence within %v: %w", in.id, d.cfg.Deadline, kvlease.ErrQuarantined)
+	in.t.Quarantine(reason)
+	kind, from := in.fire("deadline", EventExpire, reason)
+	if kind == edgeMove && from == Transferring {
+		in.lease.Abort(reason)
+	}
+	in.mu.Unlock()
+	if kind == edgeMove && from == Transferring {
+		_ = in.s.c.send(&AbortMsg{ID: in.id, Cause: "destination deadline passed"})
+	}
+}
+
+// current records the transfer's evidence once it has come (so State is
+// current as soon as Resolve returns): Delivered seals the wanted blocks
+// and tells the source; Failed releases the lease and tells the source.
+// It reports whether the handoff is final. Called with in.mu held; it
+// may release and retake it to run callbacks and send.
+func (in *Incoming[R]) current() bool {
+	if in.state.Final() {
+		return true
+	}
+	if in.t == nil || in.t.State() != kvlease.TransferResolved {
+		return false
+	}
+	err := in.t.Err()
+	from := in.state
+	if err == nil && from == Transferring {
+		// Sealed on arrival: the decode side's cache fills.
+		for i := in.from; i < min(in.n, len(in.hashes)); i++ {
+			if serr := in.lease.Seal(i, in.hashes[i]); serr != nil {
+				err = fmt.Errorf("kvlease: handoff %d: seal block %d: %w", in.id, i, serr)
+				break
+			}
+		}
+	}
+	if err == nil {
+		in.fire("transport", EventResolve, nil)
+	} else {
+		in.fire("transport", EventResolveError, err)
+	}
+	if in.state == Failed {
+		in.lease.Release()
+	}
+	if from == Transferring {
+		msg := &DoneMsg{ID: in.id}
+		if err != nil {
+			msg.Err = err.Error()
+		}
+		go func() { _ = in.s.c.send(msg) }()
+	}
+	go in.final()
+	return true
+}
+
+// final runs the callbacks of a final handoff, once.
+func (in *Incoming[R]) final() {
+	d := in.s.d
+	in.mu.Lock()
+	st := in.state
+	in.mu.Unlock()
+	if st == Delivered {
+		if d.cfg.OnDelivered != nil {
+			d.cfg.OnDelivered(in)
+		} else {
+			in.lease.Release()
+		}
+	}
+	if d.cfg.OnFinal != nil {
+		d.cfg.OnFinal(in)
+	}
+}
+
+// Reject refuses the handoff from the destination (by names the
+// component) before a transfer is attached: the lease is released, the
+// plane forgets it, the source is told, and a Start that crosses the
+// reject is refused. ErrState once attached (use Abort).
+func (in *Incoming[R]) Reject(by string, reason error) error {
+	if reason == nil {
+		reason = ErrRejected
+	}
+	in.mu.Lock()
+	kind, from := in.fire(by, EventReject, reason)
+	if kind == edgeRefuse {
+		st := in.state
+		in.mu.Unlock()
+		return fmt.Errorf("kvlease: handoff %d: reject while %v: %w", in.id, st, ErrState)
+	}
+	if kind == edgeMove && in.lease != nil {
+		in.lease.Release()
+	}
+	in.mu.Unlock()
+	if kind == edgeMove {
+		if from == Accepted {
+			in.s.d.plane.Forget(in.pid())
+		}
+		_ = in.s.c.send(&RejectMsg{ID: in.id, Code: rejectCode(reason), Reason: reason.Error()})
+		in.final()
+	}
+	return nil
+}
+
+// Abort gives up on the handoff from the destination: the lease is
+// aborted (its blocks drain until the plane's evidence) and the source is
+// told. Idempotent; ErrState after Rejected, Delivered or Failed.
+func (in *Incoming[R]) Abort(by string, cause error) error {
+	if cause == nil {
+		cause = kvlease.ErrAborted
+	}
+	return in.abort(by, cause, true)
+}
+
+func (in *Incoming[R]) abort(by string, cause error, tell bool) error {
+	in.mu.Lock()
+	kind, from := in.fire(by, EventAbort, cause)
+	if kind == edgeRefuse {
+		st := in.state
+		in.mu.Unlock()
+		return fmt.Errorf("kvlease: handoff %d: abort while %v: %w", in.id, st, ErrState)
+	}
+	if kind == edgeMove && in.lease != nil {
+		in.lease.Abort(cause) // cancels the transfer, if any
+	}
+	in.mu.Unlock()
+	if kind == edgeMove {
+		if from == Accepted {
+			in.s.d.plane.Forget(in.pid())
+		}
+		if tell {
+			_ = in.s.c.send(&AbortMsg{ID: in.id, Cause: cause.Error()})
+		}
+		if from != Transferring {
+			in.final()
+		}
+	}
+	return nil
+}
+
+// State returns the handoff's state, current with the evidence.
+func (in *Incoming[R]) State() State {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	in.current()
+	return in.state
+}
+
+// Err returns the error of the step that entered the current state.
+func (in *Incoming[R]) Err() error {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	in.current()
+	return in.lastErr()
+}
+
+// History returns a copy of every step so far, oldest first.
+func (in *Incoming[R]) History() []Step {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	in.current()
+	return append([]Step(nil), in.history...)
+}
+
+// Done is closed when the handoff reaches a final state.
+func (in *Incoming[R]) Done() <-chan struct{} { return in.done }
+
+// ID returns the handoff id; Request the proposal's request name.
+func (in *Incoming[R]) ID() uint64      { return in.id }
+func (in *Incoming[R]) Request() string { return in.request }
+
+// Blocks returns the number of blocks handed off; Hits how many of them
+// were hits in this side's prefix cache (not transferred).
+func (in *Incoming[R]) Blocks() int { return in.n }
+func (in *Incoming[R]) Hits() int   { return in.from }
+
+// Lease returns the destination lease (nil before Accept). It belongs to
+// the handoff until Delivered, then to OnDelivered's callee.
+func (in *Incoming[R]) Lease() *kvlease.Lease[R] {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	return in.lease
+}
+
+// Transfer returns the destination's transfer, or nil before Start.
+func (in *Incoming[R]) Transfer() *kvlease.Transfer {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	return in.t
+}
+
+// Wait blocks until the handoff is final or d passes, and returns its state.
+func (in *Incoming[R]) Wait(d time.Duration) State {
+	select {
+	case <-in.done:
+	case <-time.After(d):
+	}
+	return in.State()
+}

@@ -1,0 +1,75 @@
+package handoff
+
+import "github.com/kvlease/kvlease"
+
+// The data plane: how block contents cross between the processes of a
+// handoff, apart from the control messages. A network transport (package
+// tcp; UCX in the nested module ucx/) implements SendPlane on the source
+// side and RecvPlane on the destination side. The halves call them in
+// this order:
+//
+//	destination, on Propose:  RecvPlane.Prepare → bytes carried in Accept
+//	source, on Accept:        SendPlane.Send(accept bytes, attach) → bytes carried in Start
+//	destination, on Start:    RecvPlane.Receive(start bytes, attach)
+//	source, on Done or Abort: SendPlane.Finish (the peer's word; a pull
+//	                          model revokes the peer's access here)
+//
+// A push transport (TCP) dials from Send and streams; a pull transport
+// (UCX) registers the source regions in Send, puts the remote keys in the
+// Start bytes, and the destination reads them from Receive. The plane
+// bytes are opaque to the halves (at most MaxPlane bytes each).
+//
+// Evidence. Each plane creates its side's kvlease.Transfer, calls attach
+// with it before touching any region (if attach fails it must resolve the
+// transfer with attach's error and touch nothing), and resolves it only
+// with proof about its own side's memory: a goroutine of ours that reads
+// or writes the regions has returned, a completion we own has fired, or
+// the peer's access was revoked. The transfer's cancel hook is a request
+// to stop; a plane that cannot prove quiescence leaves the transfer
+// pending, and the half's deadline quarantines it.
+
+// PlaneID identifies one handoff to a data plane on one side: the local
+// number of its control connection (a session) and the handoff id the
+// control messages carry. It is a local key: a plane that needs the peer
+// to name the handoff (a data connection's token) puts its own random
+// token in the plane bytes.
+type PlaneID struct {
+	Session uint64
+	Handoff uint64
+}
+
+// SendPlane is the source side's data plane.
+type SendPlane[R any] interface {
+	// Send starts moving regions (in order: the source's blocks
+	// From..Blocks-1) to the destination that described itself with
+	// accept (the Accept message's plane bytes). It creates the transfer,
+	// calls attach before reading any region, and returns the Start
+	// message's plane bytes. The transfer gates the source blocks as a
+	// Read; it resolves once the plane will never read them again.
+	Send(id PlaneID, regions []R, accept []byte, attach func(*kvlease.Transfer) error) (start []byte, err error)
+	// Finish tells the plane that the destination reported its outcome
+	// (Done: nil or its error) or gave up (Abort), or that the control
+	// connection was lost (an error). A pull plane revokes the
+	// destination's access here, which is its evidence; a push plane
+	// already has its own and may ignore it.
+	Finish(id PlaneID, peer error)
+}
+
+// RecvPlane is the destination side's data plane.
+type RecvPlane[R any] interface {
+	// Prepare readies the plane to receive blocks blocks for id and
+	// returns the Accept message's plane bytes (an address and a token, a
+	// worker address). Nothing is attached yet.
+	Prepare(id PlaneID, blocks int) (accept []byte, err error)
+	// Receive moves the blocks into regions (the destination lease's
+	// blocks From..Blocks-1, in order), given the Start message's plane
+	// bytes. It creates the transfer, calls attach before writing any
+	// region, and returns; the transfer gates the regions as a Write and
+	// resolves once the plane will never write them again: nil when every
+	// block arrived intact, an error otherwise.
+	Receive(id PlaneID, regions []R, start []byte, attach func(*kvlease.Transfer) error) error
+	// Forget drops a prepared id that will never be received (rejected,
+	// aborted before Start, connection lost). It is a no-op for an id
+	// already received or unknown.
+	Forget(id PlaneID)
+}

@@ -1,0 +1,535 @@
+// Package tcp is a pure-Go data plane for cross-process handoffs: the
+// source pushes blocks over a TCP data connection that it dials to the
+// destination's data listener, one connection per handoff, while the
+// control messages travel on the handoff's control connection. Sender
+// implements handoff.SendPlane[[]byte], Receiver handoff.RecvPlane[[]byte].
+//
+// Wire. The Accept message's plane bytes are the listener's address and a
+// random 16-byte token. The data connection starts with a hello
+// ("KD", version, token, block count, block bytes) that must arrive within
+// Config.HelloTimeout, then carries one frame per block: index (4 bytes
+// LE), length (4 bytes LE), crc32c of the block (4 bytes LE), then the
+// block. Blocks move straight between the lease's regions and the socket:
+// the sender writes the region itself, the receiver reads into the region
+// itself; no per-block allocation. A length, index or checksum that is not
+// what the receiver expects ends the transfer with an error.
+//
+// Evidence (what resolves each side's kvlease.Transfer):
+//
+//   - the sender's Read transfer resolves when its writer goroutine's last
+//     read of source memory has returned: the loop has exited (finished,
+//     failed or cancelled), so no Write of ours is in progress;
+//   - the receiver's Write transfer resolves when the goroutine writing
+//     into its memory has exited (finished, failed or cancelled);
+//   - a connection that dies mid-transfer ends both loops with an error,
+//     so both sides resolve with that error (Failed): each can prove its
+//     own goroutine stopped;
+//   - a peer that stalls leaves our loop blocked in the kernel; Cancel is
+//     a request, honoured at the next block boundary, and does not close
+//     the socket under a blocked read or write. So a stall past the
+//     handoff's deadline leaves the affected side quarantined, and only
+//     later evidence lifts it (the peer resumes and the loop stops at the
+//     next block, or the connection dies), never time. Close is the
+//     operator's way out: it closes every connection, and the loops'
+//     return is then the evidence.
+package tcp
+
+import (
+	"crypto/rand"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"io"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/handoff"
+)
+
+var (
+	// ErrCanceled is the outcome of a transfer that honoured a cancel: it
+	// stopped at a block boundary.
+	ErrCanceled = errors.New("tcp: transfer canceled")
+	// ErrCorrupt wraps a frame whose index, length or checksum is not what
+	// the receiver expects, and a malformed hello.
+	ErrCorrupt = errors.New("tcp: corrupt data frame")
+	// ErrClosed is the outcome of transfers stopped by Close.
+	ErrClosed = errors.New("tcp: plane closed")
+)
+
+const (
+	version     = 1
+	helloLength = 2 + 1 + 16 + 4 + 4
+	frameHeader = 12
+)
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+// Config configures a Sender or a Receiver. The zero value is usable.
+type Config struct {
+	// DialTimeout bounds the sender's dial (5 s when zero).
+	DialTimeout time.Duration
+	// HelloTimeout bounds the receiver's wait for a data connection's
+	// hello once it is accepted (5 s when zero).
+	HelloTimeout time.Duration
+	// WrapConn, if set, wraps every data connection (tests use it to
+	// observe or break the stream).
+	WrapConn func(net.Conn) net.Conn
+}
+
+func (c *Config) defaults() {
+	if c.DialTimeout <= 0 {
+		c.DialTimeout = 5 * time.Second
+	}
+	if c.HelloTimeout <= 0 {
+		c.HelloTimeout = 5 * time.Second
+	}
+}
+
+func (c *Config) wrap(conn net.Conn) net.Conn {
+	if c.WrapConn != nil {
+		return c.WrapConn(conn)
+	}
+	return conn
+}
+
+// Stats counts what a plane did.
+type Stats struct {
+	Started, Completed, Failed, Canceled int
+	Bytes                                int64
+	Refused                              int // data connections refused (bad hello, unknown token)
+}
+
+type counters struct {
+	mu sync.Mutex
+	s  Stats
+}
+
+func (c *counters) outcome(err error, bytes int64) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.s.Bytes += bytes
+	switch {
+	case err == nil:
+		c.s.Completed++
+	case errors.Is(err, ErrCanceled):
+		c.s.Canceled++
+	default:
+		c.s.Failed++
+	}
+}
+
+// Sender is the source side's plane. It is safe for concurrent use.
+type Sender struct {
+	cfg   Config
+	stats counters
+	mu    sync.Mutex
+	conns map[net.Conn]struct{}
+	wg    sync.WaitGroup
+}
+
+var _ handoff.SendPlane[[]byte] = (*Sender)(nil)
+
+// NewSender returns a sender plane.
+func NewSender(cfg Config) *Sender {
+	cfg.defaults()
+	return &Sender{cfg: cfg, conns: make(map[net.Conn]struct{})}
+}
+
+// parseAccept splits an Accept's plane bytes into address and token.
+func parseAccept(b []byte) (string, [16]byte, error) {
+	var tok [16]byte
+	if len(b) < 2 {
+		return "", tok, fmt.Errorf("tcp: accept bytes of %d: %w", len(b), ErrCorrupt)
+	}
+	n := int(binary.LittleEndian.Uint16(b))
+	if len(b) != 2+n+16 {
+		return "", tok, fmt.Errorf("tcp: accept bytes of %d for an address of %d: %w", len(b), n, ErrCorrupt)
+	}
+	copy(tok[:], b[2+n:])
+	return string(b[2 : 2+n]), tok, nil
+}
+
+// Send dials the destination named by accept, sends the hello, attaches
+// the transfer and streams the regions on a goroutine of its own. The
+// transfer resolves when that goroutine's last write has returned.
+func (s *Sender) Send(id handoff.PlaneID, regions [][]byte, accept []byte, attach func(*kvlease.Transfer) error) ([]byte, error) {
+	addr, tok, err := parseAccept(accept)
+	if err != nil {
+		return nil, err
+	}
+	bb := 0
+	if len(regions) > 0 {
+		bb = len(regions[0])
+	}
+	for i, r := range regions {
+		if len(r) != bb {
+			return nil, fmt.Errorf("tcp: region %d of %d bytes, want %d: %w", i, len(r), bb, kvlease.ErrInvalidArgument)
+		}
+	}
+	raw, err := net.DialTimeout("tcp", addr, s.cfg.DialTimeout)
+	if err != nil {
+		return nil, fmt.Errorf("tcp: dial %s: %w", addr, err)
+	}
+	conn := s.cfg.wrap(raw)
+	var cancel atomic.Bool
+	t := kvlease.NewTransfer(func() { cancel.Store(true) })
+	if err := attach(t); err != nil {
+		_ = conn.Close()
+		t.Resolve(err) // nothing read the regions: evidence
+		return nil, err
+	}
+	s.mu.Lock()
+	s.conns[conn] = struct{}{}
+	s.mu.Unlock()
+	s.wg.Add(1)
+	s.stats.mu.Lock()
+	s.stats.s.Started++
+	s.stats.mu.Unlock()
+	go func() {
+		defer s.wg.Done()
+		n, err := s.write(conn, tok, regions, &cancel)
+		_ = conn.Close()
+		s.mu.Lock()
+		delete(s.conns, conn)
+		s.mu.Unlock()
+		s.stats.outcome(err, n)
+		t.Resolve(err) // the loop has exited: no read of ours is in progress
+	}()
+	return nil, nil
+}
+
+func (s *Sender) write(conn net.Conn, tok [16]byte, regions [][]byte, cancel *atomic.Bool) (int64, error) {
+	var hdr [helloLength]byte
+	h := append(hdr[:0], 'K', 'D', version)
+	h = append(h, tok[:]...)
+	h = binary.LittleEndian.AppendUint32(h, uint32(len(regions)))
+	bb := 0
+	if len(regions) > 0 {
+		bb = len(regions[0])
+	}
+	h = binary.LittleEndian.AppendUint32(h, uint32(bb))
+	if _, err := conn.Write(h); err != nil {
+		return 0, fmt.Errorf("tcp: hello: %w", err)
+	}
+	var fh [frameHeader]byte
+	var n int64
+	for i, r := range regions {
+		if cancel.Load() {
+			return n, fmt.Errorf("tcp: stopped before block %d of %d: %w", i, len(regions), ErrCanceled)
+		}
+		binary.LittleEndian.PutUint32(fh[0:], uint32(i))
+		binary.LittleEndian.PutUint32(fh[4:], uint32(len(r)))
+		binary.LittleEndian.PutUint32(fh[8:], crc32.Checksum(r, castagnoli))
+		if _, err := conn.Write(fh[:]); err != nil {
+			return n, fmt.Errorf("tcp: block %d of %d: %w", i, len(regions), err)
+		}
+		if _, err := conn.Write(r); err != nil {
+			return n, fmt.Errorf("tcp: block %d of %d: %w", i, len(regions), err)
+		}
+		n += int64(len(r))
+	}
+	return n, nil
+}
+
+// Finish implements handoff.SendPlane: a push plane has its own evidence.
+func (s *Sender) Finish(handoff.PlaneID, error) {}
+
+// Stats returns what the sender did.
+func (s *Sender) Stats() Stats {
+	s.stats.mu.Lock()
+	defer s.stats.mu.Unlock()
+	return s.stats.s
+}
+
+// Close closes every data connection (their loops then exit and resolve
+// their transfers) and waits for the loops.
+func (s *Sender) Close() error {
+	s.mu.Lock()
+	for c := range s.conns {
+		_ = c.Close()
+	}
+	s.mu.Unlock()
+	s.wg.Wait()
+	return nil
+}
+
+// Receiver is the destination side's plane: it owns a listener for data
+// connections. It is safe for concurrent use.
+type Receiver struct {
+	cfg   Config
+	ln    net.Listener
+	addr  string
+	stats counters
+
+	mu      sync.Mutex
+	byTok   map[[16]byte]*slot
+	byID    map[handoff.PlaneID]*slot
+	conns   map[net.Conn]struct{}
+	closed  bool
+	wg      sync.WaitGroup
+	stopped chan struct{}
+}
+
+// slot is one prepared handoff.
+type slot struct {
+	id     handoff.PlaneID
+	tok    [16]byte
+	blocks int
+	conn   chan net.Conn // the data connection, once its hello checked out
+	gone   chan struct{} // closed by Forget
+}
+
+var _ handoff.RecvPlane[[]byte] = (*Receiver)(nil)
+
+// NewReceiver serves data connections on ln until Close.
+func NewReceiver(ln net.Listener, cfg Config) *Receiver {
+	cfg.defaults()
+	r := &Receiver{cfg: cfg, ln: ln, addr: ln.Addr().String(), byTok: make(map[[16]byte]*slot),
+		byID: make(map[handoff.PlaneID]*slot), conns: make(map[net.Conn]struct{}), stopped: make(chan struct{})}
+	go r.acceptLoop()
+	return r
+}
+
+// Addr returns the data listener's address.
+func (r *Receiver) Addr() string { return r.addr }
+
+func (r *Receiver) acceptLoop() {
+	defer close(r.stopped)
+	for {
+		c, err := r.ln.Accept()
+		if err != nil {
+			return
+		}
+		if !r.track(c) {
+			_ = c.Close()
+			return
+		}
+		r.wg.Add(1)
+		go func() {
+			defer r.wg.Done()
+			r.hello(r.cfg.wrap(c), c)
+		}()
+	}
+}
+
+func (r *Receiver) track(c net.Conn) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return false
+	}
+	r.conns[c] = struct{}{}
+	return true
+}
+
+func (r *Receiver) untrack(c net.Conn) {
+	r.mu.Lock()
+	delete(r.conns, c)
+	r.mu.Unlock()
+	_ = c.Close()
+}
+
+func (r *Receiver) refuse(raw net.Conn) {
+	r.untrack(raw)
+	r.stats.mu.Lock()
+	r.stats.s.Refused++
+	r.stats.mu.Unlock()
+}
+
+// hello reads and checks a data connection's hello, then hands it to its
+// slot. Anything else (garbage, half a hello, an unknown token, a second
+// connection for a slot) closes it.
+func (r *Receiver) hello(c, raw net.Conn) {
+	var h [helloLength]byte
+	_ = c.SetReadDeadline(time.Now().Add(r.cfg.HelloTimeout))
+	if _, err := io.ReadFull(c, h[:]); err != nil || h[0] != 'K' || h[1] != 'D' || h[2] != version {
+		r.refuse(raw)
+		return
+	}
+	_ = c.SetReadDeadline(time.Time{})
+	var tok [16]byte
+	copy(tok[:], h[3:19])
+	blocks := int(binary.LittleEndian.Uint32(h[19:]))
+	r.mu.Lock()
+	s := r.byTok[tok]
+	if s != nil && s.blocks == blocks {
+		delete(r.byTok, tok) // one connection per slot
+	} else {
+		s = nil
+	}
+	r.mu.Unlock()
+	if s == nil {
+		r.refuse(raw)
+		return
+	}
+	s.conn <- connPair{c, raw}.pack()
+}
+
+// connPair carries the wrapped connection and the raw one (tracked for
+// Close) together.
+type connPair struct{ c, raw net.Conn }
+
+type packed struct {
+	net.Conn
+	raw net.Conn
+}
+
+func (p connPair) pack() net.Conn { return packed{p.c, p.raw} }
+
+// Prepare implements handoff.RecvPlane: it draws a token and returns the
+// listener's address and the token.
+func (r *Receiver) Prepare(id handoff.PlaneID, blocks int) ([]byte, error) {
+	var tok [16]byte
+	if _, err := rand.Read(tok[:]); err != nil {
+		return nil, err
+	}
+	s := &slot{id: id, tok: tok, blocks: blocks, conn: make(chan net.Conn, 1), gone: make(chan struct{})}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return nil, fmt.Errorf("tcp: prepare: %w", ErrClosed)
+	}
+	if _, dup := r.byID[id]; dup {
+		return nil, fmt.Errorf("tcp: prepare: %v already prepared: %w", id, kvlease.ErrInvalidArgument)
+	}
+	r.byID[id] = s
+	r.byTok[tok] = s
+	b := binary.LittleEndian.AppendUint16(nil, uint16(len(r.addr)))
+	b = append(b, r.addr...)
+	return append(b, tok[:]...), nil
+}
+
+// Forget implements handoff.RecvPlane.
+func (r *Receiver) Forget(id handoff.PlaneID) {
+	r.mu.Lock()
+	s := r.byID[id]
+	if s != nil {
+		delete(r.byID, id)
+		delete(r.byTok, s.tok)
+	}
+	r.mu.Unlock()
+	if s == nil {
+		return
+	}
+	close(s.gone)
+	select {
+	case c := <-s.conn:
+		r.untrack(c.(packed).raw)
+	default:
+	}
+}
+
+// Receive implements handoff.RecvPlane: it attaches the transfer and
+// reads the blocks into regions on a goroutine of its own, once the
+// source's data connection has arrived. The transfer resolves when that
+// goroutine has exited.
+func (r *Receiver) Receive(id handoff.PlaneID, regions [][]byte, _ []byte, attach func(*kvlease.Transfer) error) error {
+	r.mu.Lock()
+	s := r.byID[id]
+	delete(r.byID, id)
+	r.mu.Unlock()
+	if s == nil {
+		return fmt.Errorf("tcp: receive: %v not prepared: %w", id, kvlease.ErrInvalidArgument)
+	}
+	if len(regions) != s.blocks {
+		r.dropSlot(s)
+		return fmt.Errorf("tcp: receive: %d regions for %d prepared blocks: %w", len(regions), s.blocks, kvlease.ErrInvalidArgument)
+	}
+	cancel := make(chan struct{})
+	var once sync.Once
+	t := kvlease.NewTransfer(func() { once.Do(func() { close(cancel) }) })
+	if err := attach(t); err != nil {
+		r.dropSlot(s)
+		t.Resolve(err)
+		return err
+	}
+	r.stats.mu.Lock()
+	r.stats.s.Started++
+	r.stats.mu.Unlock()
+	r.wg.Add(1)
+	go func() {
+		defer r.wg.Done()
+		var n int64
+		var err error
+		select {
+		case c := <-s.conn:
+			p := c.(packed)
+			n, err = r.read(p.Conn, regions, cancel)
+			r.untrack(p.raw)
+		case <-cancel:
+			err = fmt.Errorf("tcp: canceled before the data connection came: %w", ErrCanceled)
+			r.dropSlot(s)
+		case <-r.stopped:
+			err = fmt.Errorf("tcp: receive: %w", ErrClosed)
+			r.dropSlot(s)
+		}
+		r.stats.outcome(err, n)
+		t.Resolve(err) // the loop has exited: no write of ours is in progress
+	}()
+	return nil
+}
+
+func (r *Receiver) dropSlot(s *slot) {
+	r.mu.Lock()
+	delete(r.byTok, s.tok)
+	r.mu.Unlock()
+	select {
+	case c := <-s.conn:
+		r.untrack(c.(packed).raw)
+	default:
+	}
+}
+
+func (r *Receiver) read(c net.Conn, regions [][]byte, cancel <-chan struct{}) (int64, error) {
+	var fh [frameHeader]byte
+	var n int64
+	for i, dst := range regions {
+		select {
+		case <-cancel:
+			return n, fmt.Errorf("tcp: stopped before block %d of %d: %w", i, len(regions), ErrCanceled)
+		default:
+		}
+		if _, err := io.ReadFull(c, fh[:]); err != nil {
+			return n, fmt.Errorf("tcp: block %d of %d: header: %w", i, len(regions), err)
+		}
+		idx, ln, sum := binary.LittleEndian.Uint32(fh[0:]), binary.LittleEndian.Uint32(fh[4:]), binary.LittleEndian.Uint32(fh[8:])
+		if int(idx) != i || int(ln) != len(dst) {
+			return n, fmt.Errorf("tcp: block %d of %d: frame says block %d of %d bytes, want %d: %w", i, len(regions), idx, ln, len(dst), ErrCorrupt)
+		}
+		if _, err := io.ReadFull(c, dst); err != nil {
+			return n, fmt.Errorf("tcp: block %d of %d: %w", i, len(regions), err)
+		}
+		if got := crc32.Checksum(dst, castagnoli); got != sum {
+			return n, fmt.Errorf("tcp: block %d of %d: crc32c %08x, frame says %08x: %w", i, len(regions), got, sum, ErrCorrupt)
+		}
+		n += int64(len(dst))
+	}
+	return n, nil
+}
+
+// Stats returns what the receiver did.
+func (r *Receiver) Stats() Stats {
+	r.stats.mu.Lock()
+	defer r.stats.mu.Unlock()
+	return r.stats.s
+}
+
+// Close stops the listener, closes every data connection (their loops
+// exit and resolve their transfers) and waits for the loops.
+func (r *Receiver) Close() error {
+	r.mu.Lock()
+	r.closed = true
+	for c := range r.conns {
+		_ = c.Close()
+	}
+	r.mu.Unlock()
+	err := r.ln.Close()
+	<-r.stopped
+	r.wg.Wait()
+	return err
+}

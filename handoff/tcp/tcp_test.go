@@ -1,0 +1,277 @@
+package tcp_test
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/handoff"
+	"github.com/kvlease/kvlease/handoff/tcp"
+)
+
+const blockBytes = 4096
+
+func env(poolBlocks int) handoff.Envelope {
+	return handoff.Envelope{BlockTokens: 16, BlockBytes: blockBytes, PoolBlocks: poolBlocks,
+		MaxContextTokens: 16 * 64, MaxPrefillTokens: 512, MaxRunningRequests: 4}
+}
+
+func hostPool(t testing.TB, blocks int) *kvlease.Pool[[]byte] {
+	t.Helper()
+	mem, err := kvlease.NewHostMemory(blocks, blockBytes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := kvlease.NewPool[[]byte](mem)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// stamp fills block i of l with a marker of (seed, i).
+func stamp(t testing.TB, l *kvlease.Lease[[]byte], seed byte) {
+	t.Helper()
+	for i := range l.Len() {
+		r, err := l.Pool().Region(l.Ref(i))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for j := range r {
+			r[j] = seed + byte(i) + byte(j%7)
+		}
+	}
+}
+
+// marked reports the first block of l whose content is not (seed, i).
+func marked(l *kvlease.Lease[[]byte], seed byte) error {
+	for i := range l.Len() {
+		r, err := l.Pool().Region(l.Ref(i))
+		if err != nil {
+			return err
+		}
+		for j := range r {
+			if r[j] != seed+byte(i)+byte(j%7) {
+				return fmt.Errorf("block %d byte %d = %d, want %d", i, j, r[j], seed+byte(i)+byte(j%7))
+			}
+		}
+	}
+	return nil
+}
+
+// loop is both halves in one process over 127.0.0.1: a control
+// connection and a data listener.
+type loop struct {
+	srcPool, dstPool *kvlease.Pool[[]byte]
+	src              *handoff.Source[[]byte]
+	dst              *handoff.Destination[[]byte]
+	sender           *tcp.Sender
+	recv             *tcp.Receiver
+
+	mu        sync.Mutex
+	delivered []*handoff.Incoming[[]byte]
+	finals    map[uint64]*handoff.Incoming[[]byte]
+	serveErr  chan error
+}
+
+type loopConfig struct {
+	deadline   time.Duration
+	decide     func(*handoff.ProposeMsg) error
+	wrapSend   func(net.Conn) net.Conn
+	wrapRecv   func(net.Conn) net.Conn
+	keepLeases bool
+}
+
+func newLoop(t *testing.T, lc loopConfig) *loop {
+	t.Helper()
+	l := &loop{srcPool: hostPool(t, 64), dstPool: hostPool(t, 64), finals: map[uint64]*handoff.Incoming[[]byte]{}, serveErr: make(chan error, 1)}
+	ctlLn, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dataLn, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	l.recv = tcp.NewReceiver(dataLn, tcp.Config{WrapConn: lc.wrapRecv})
+	l.sender = tcp.NewSender(tcp.Config{WrapConn: lc.wrapSend})
+	dl := lc.deadline
+	if dl == 0 {
+		dl = 10 * time.Second
+	}
+	l.dst, err = handoff.NewDestination(l.dstPool, l.recv, handoff.DestinationConfig[[]byte]{
+		HalfConfig: handoff.HalfConfig{Envelope: env(64), Name: "decode", Peer: "prefill", Deadline: dl},
+		Decide:     lc.decide,
+		OnDelivered: func(in *handoff.Incoming[[]byte]) {
+			l.mu.Lock()
+			l.delivered = append(l.delivered, in)
+			l.mu.Unlock()
+			if !lc.keepLeases {
+				in.Lease().Release()
+			}
+		},
+		OnFinal: func(in *handoff.Incoming[[]byte]) {
+			l.mu.Lock()
+			l.finals[in.ID()] = in
+			l.mu.Unlock()
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		c, err := ctlLn.Accept()
+		_ = ctlLn.Close()
+		if err != nil {
+			l.serveErr <- err
+			return
+		}
+		l.serveErr <- l.dst.Serve(c)
+	}()
+	c, err := net.Dial("tcp", ctlLn.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	l.src, err = handoff.NewSource(c, l.sender, handoff.HalfConfig{Envelope: env(64), Name: "prefill", Peer: "decode", Deadline: dl})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = l.src.Close()
+		<-l.serveErr
+		_ = l.sender.Close()
+		_ = l.recv.Close()
+		for _, p := range []*kvlease.Pool[[]byte]{l.srcPool, l.dstPool} {
+			if err := p.Check(); err != nil {
+				t.Error(err)
+			}
+		}
+	})
+	return l
+}
+
+func (l *loop) incoming(id uint64) *handoff.Incoming[[]byte] {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.finals[id]
+}
+
+func waitFinal(t *testing.T, in interface {
+	Done() <-chan struct{}
+	State() handoff.State
+}) {
+	t.Helper()
+	select {
+	case <-in.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatalf("still %v after 10 s", in.State())
+	}
+}
+
+func waitIncoming(t *testing.T, l *loop, id uint64) *handoff.Incoming[[]byte] {
+	t.Helper()
+	for range 1000 {
+		if in := l.incoming(id); in != nil {
+			return in
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	t.Fatalf("destination never finished handoff %d", id)
+	return nil
+}
+
+func TestLoopbackDelivered(t *testing.T) {
+	l := newLoop(t, loopConfig{keepLeases: true})
+	lease, err := l.srcPool.Acquire("r1", 10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stamp(t, lease, 1)
+	tokens := make([]int32, 16*10)
+	for i := range tokens {
+		tokens[i] = int32(i)
+	}
+	hashes := kvlease.ChainHashes(7, tokens, 16)
+	o, err := l.src.Propose(1, "r1", lease, hashes[:8]) // 8 full blocks, 2 partial
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFinal(t, o)
+	if o.State() != handoff.Delivered {
+		t.Fatalf("source %v: %v", o.State(), o.History())
+	}
+	in := waitIncoming(t, l, 1)
+	if in.State() != handoff.Delivered || in.Hits() != 0 {
+		t.Fatalf("destination %v hits %d: %v", in.State(), in.Hits(), in.History())
+	}
+	if err := marked(in.Lease(), 1); err != nil {
+		t.Fatal(err)
+	}
+	in.Lease().Release()
+	if got := l.dstPool.CachedPrefix(hashes[:8]); got != 8 {
+		t.Fatalf("destination cached %d of 8 delivered full blocks", got)
+	}
+	lease.Release()
+
+	// A second request with the same prefix: the destination takes its
+	// own hits and asks for the rest alone.
+	before := l.recv.Stats().Bytes
+	lease2, _ := l.srcPool.Acquire("r2", 10)
+	stamp(t, lease2, 1)
+	o2, err := l.src.Propose(2, "r2", lease2, hashes[:8])
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFinal(t, o2)
+	in2 := waitIncoming(t, l, 2)
+	if o2.State() != handoff.Delivered || in2.Hits() != 8 || o2.From() != 8 {
+		t.Fatalf("second handoff %v hits %d from %d", o2.State(), in2.Hits(), o2.From())
+	}
+	if moved := l.recv.Stats().Bytes - before; moved != 2*blockBytes {
+		t.Fatalf("second handoff moved %d bytes, want %d", moved, 2*blockBytes)
+	}
+	if err := marked(in2.Lease(), 1); err != nil {
+		t.Fatal(err)
+	}
+	in2.Lease().Release()
+	lease2.Release()
+}
+
+func TestLoopbackRejected(t *testing.T) {
+	l := newLoop(t, loopConfig{decide: func(p *handoff.ProposeMsg) error {
+		if p.Request == "no" {
+			return errors.New("decode at its limit")
+		}
+		return nil
+	}})
+	lease, _ := l.srcPool.Acquire("no", 3)
+	o, err := l.src.Propose(5, "no", lease, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFinal(t, o)
+	if o.State() != handoff.Rejected || !errors.Is(o.Err(), handoff.ErrRejected) {
+		t.Fatalf("%v %v", o.State(), o.Err())
+	}
+	if lease.State() != kvlease.LeaseActive {
+		t.Fatal("a rejection closed the source lease")
+	}
+	// Exhausted: a request larger than the destination can hold now.
+	hog, _ := l.dstPool.Acquire("hog", 60)
+	lease2, _ := l.srcPool.Acquire("big", 10)
+	o2, _ := l.src.Propose(6, "big", lease2, nil)
+	waitFinal(t, o2)
+	if o2.State() != handoff.Rejected || !errors.Is(o2.Err(), kvlease.ErrExhausted) {
+		t.Fatalf("%v %v", o2.State(), o2.Err())
+	}
+	hog.Release()
+	lease.Release()
+	lease2.Release()
+	if s := l.dstPool.Stats(); s.Free != 64 {
+		t.Fatalf("destination %+v", s)
+	}
+}
