@@ -2,7 +2,10 @@ package kvlease
 
 import (
 	"fmt"
+	"iter"
 	"math/bits"
+
+	"github.com/kvlease/kvlease/internal/benchswitch"
 )
 
 // prefixIndex is the prefix cache's index: BlockHash → the slot findable
@@ -30,12 +33,12 @@ import (
 // pays nothing. Guarded by the pool's mutex.
 //
 // legacy keeps the previous index, a Go map, for same-run comparisons
-// only (see useMapIndex); production pools never set it.
+// only (see benchswitch.MapIndex); production pools never set it.
 type prefixIndex struct {
 	tab   []uint64
-	shift uint8 // 64 - log2(len(tab)): home = mixed >> shift
-	n     int   // entries
-	slots int   // capacity the table is sized for
+	shift uint8        // 64 - log2(len(tab)): home = mixed >> shift
+	n     int          // entries
+	pre   []prefixSlot // the pool's: each slot's hash, to confirm a tag match
 
 	legacy map[BlockHash]BlockID
 }
@@ -50,14 +53,19 @@ func indexEntry(m uint64, id BlockID) uint64 {
 	return m&^(1<<32-1) | uint64(uint32(id)+1)
 }
 
-// newPrefixIndex returns an empty index for a pool of capacity slots.
-func newPrefixIndex(capacity int) prefixIndex {
-	return prefixIndex{slots: capacity}
+// newPrefixIndex returns an empty index over the pool's prefix state pre
+// (one entry per slot, which holds each indexed slot's hash).
+func newPrefixIndex(pre []prefixSlot) prefixIndex {
+	x := prefixIndex{pre: pre}
+	if benchswitch.MapIndex.Load() {
+		x.legacy = make(map[BlockHash]BlockID)
+	}
+	return x
 }
 
 // init allocates the table on first use.
 func (x *prefixIndex) init() {
-	size := max(16, 2*x.slots)
+	size := max(16, 2*len(x.pre))
 	lg := bits.Len(uint(size - 1)) // size rounded up to 1<<lg
 	x.tab = make([]uint64, 1<<lg)
 	x.shift = uint8(64 - lg)
@@ -71,8 +79,8 @@ func (x *prefixIndex) len() int {
 	return x.n
 }
 
-// find returns the slot findable by h. pre supplies each slot's hash.
-func (x *prefixIndex) find(h BlockHash, pre []prefixSlot) (BlockID, bool) {
+// find returns the slot findable by h.
+func (x *prefixIndex) find(h BlockHash) (BlockID, bool) {
 	if x.legacy != nil {
 		id, ok := x.legacy[h]
 		return id, ok
@@ -90,7 +98,7 @@ func (x *prefixIndex) find(h BlockHash, pre []prefixSlot) (BlockID, bool) {
 			return nilID, false
 		}
 		if e>>32 == tag {
-			if id := BlockID(uint32(e) - 1); pre[id].hash == h {
+			if id := BlockID(uint32(e) - 1); x.pre[id].hash == h {
 				return id, true
 			}
 		}
@@ -98,9 +106,8 @@ func (x *prefixIndex) find(h BlockHash, pre []prefixSlot) (BlockID, bool) {
 }
 
 // insert makes slot id findable by h unless another slot already is; it
-// reports whether it did. pre supplies each slot's hash (pre[id] need not
-// hold h yet).
-func (x *prefixIndex) insert(h BlockHash, id BlockID, pre []prefixSlot) bool {
+// reports whether it did. (The slot's recorded hash need not be h yet.)
+func (x *prefixIndex) insert(h BlockHash, id BlockID) bool {
 	if x.legacy != nil {
 		if _, taken := x.legacy[h]; taken {
 			return false
@@ -122,7 +129,7 @@ func (x *prefixIndex) insert(h BlockHash, id BlockID, pre []prefixSlot) bool {
 			x.n++
 			return true
 		}
-		if e>>32 == tag && pre[BlockID(uint32(e)-1)].hash == h {
+		if e>>32 == tag && x.pre[BlockID(uint32(e)-1)].hash == h {
 			return false
 		}
 	}
@@ -176,19 +183,24 @@ func (x *prefixIndex) remove(h BlockHash, id BlockID) bool {
 	return true
 }
 
-// each calls f for every entry with the slot's id, for Check. The flat
-// table keeps only a tag, so hasHash is false there and h is zero; legacy
-// entries report their hash.
-func (x *prefixIndex) each(f func(h BlockHash, hasHash bool, id BlockID)) {
-	if x.legacy != nil {
-		for h, id := range x.legacy {
-			f(h, true, id)
+// all iterates over the entries: each findable hash and its slot.
+func (x *prefixIndex) all() iter.Seq2[BlockHash, BlockID] {
+	return func(yield func(BlockHash, BlockID) bool) {
+		if x.legacy != nil {
+			for h, id := range x.legacy {
+				if !yield(h, id) {
+					return
+				}
+			}
+			return
 		}
-		return
-	}
-	for _, e := range x.tab {
-		if e != 0 {
-			f(0, false, BlockID(uint32(e)-1))
+		for _, e := range x.tab {
+			if e != 0 {
+				id := BlockID(uint32(e) - 1)
+				if !yield(x.pre[id].hash, id) {
+					return
+				}
+			}
 		}
 	}
 }
@@ -196,8 +208,9 @@ func (x *prefixIndex) each(f func(h BlockHash, hasHash bool, id BlockID)) {
 // check returns the first structural inconsistency of the table: an entry
 // whose tag does not match its slot's hash, a slot listed twice, an empty
 // position between an entry and its home (the entry would be unreachable),
-// or a count that disagrees with the entries. pre supplies the hashes.
-func (x *prefixIndex) check(pre []prefixSlot) error {
+// or a count that disagrees with the entries.
+func (x *prefixIndex) check() error {
+	pre := x.pre
 	if x.legacy != nil {
 		return nil
 	}

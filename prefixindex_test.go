@@ -14,7 +14,8 @@ type indexModel struct {
 }
 
 func newIndexModel(t testing.TB, n int) *indexModel {
-	return &indexModel{t: t, x: newPrefixIndex(n), pre: make([]prefixSlot, n),
+	pre := make([]prefixSlot, n)
+	return &indexModel{t: t, x: newPrefixIndex(pre), pre: pre,
 		model: make(map[BlockHash]BlockID), in: make([]bool, n)}
 }
 
@@ -25,7 +26,7 @@ func (m *indexModel) insert(id BlockID, h BlockHash) {
 	}
 	_, taken := m.model[h]
 	m.pre[id].hash = h
-	if got := m.x.insert(h, id, m.pre); got == taken {
+	if got := m.x.insert(h, id); got == taken {
 		m.t.Fatalf("insert %x → slot %d: inserted=%v, model says taken=%v", uint64(h), id, got, taken)
 	}
 	if !taken {
@@ -54,7 +55,7 @@ func (m *indexModel) verify(absent ...BlockHash) {
 		m.t.Fatalf("len %d, model %d", m.x.len(), len(m.model))
 	}
 	for h, id := range m.model {
-		if got, ok := m.x.find(h, m.pre); !ok || got != id {
+		if got, ok := m.x.find(h); !ok || got != id {
 			m.t.Fatalf("find %x = %d,%v; want %d", uint64(h), got, ok, id)
 		}
 	}
@@ -62,18 +63,28 @@ func (m *indexModel) verify(absent ...BlockHash) {
 		if _, in := m.model[h]; in {
 			continue
 		}
-		if got, ok := m.x.find(h, m.pre); ok {
+		if got, ok := m.x.find(h); ok {
 			m.t.Fatalf("find absent %x = slot %d", uint64(h), got)
 		}
 	}
-	if err := m.x.check(m.pre); err != nil {
+	if err := m.x.check(); err != nil {
 		m.t.Fatal(err)
+	}
+	n := 0
+	for h, id := range m.x.all() {
+		if m.model[h] != id {
+			m.t.Fatalf("all: %x → %d, model %d", uint64(h), id, m.model[h])
+		}
+		n++
+	}
+	if n != len(m.model) {
+		m.t.Fatalf("all: %d entries, model %d", n, len(m.model))
 	}
 }
 
 func TestPrefixIndexBasics(t *testing.T) {
 	m := newIndexModel(t, 8)
-	if _, ok := m.x.find(1, m.pre); ok || m.x.tab != nil {
+	if _, ok := m.x.find(1); ok || m.x.tab != nil {
 		t.Fatal("an empty index found something or allocated")
 	}
 	if m.x.remove(1, 0) {
@@ -230,16 +241,16 @@ func BenchmarkPrefixIndex(b *testing.B) {
 	const n = 1 << 18
 	for _, kind := range []string{"flat", "map"} {
 		b.Run(kind+"/evict-insert", func(b *testing.B) {
-			x := newPrefixIndex(n)
+			pre := make([]prefixSlot, n)
+			x := newPrefixIndex(pre)
 			if kind == "map" {
 				x.legacy = make(map[BlockHash]BlockID)
 			}
-			pre := make([]prefixSlot, n)
 			h := uint64(1)
 			for id := range BlockID(n) {
 				h = h*6364136223846793005 + 1442695040888963407
 				pre[id].hash = BlockHash(h)
-				x.insert(pre[id].hash, id, pre)
+				x.insert(pre[id].hash, id)
 			}
 			b.ResetTimer()
 			id := BlockID(0)
@@ -248,8 +259,8 @@ func BenchmarkPrefixIndex(b *testing.B) {
 				x.remove(pre[id].hash, id)
 				h = h*6364136223846793005 + 1442695040888963407
 				pre[id].hash = BlockHash(h)
-				x.insert(pre[id].hash, id, pre)
-				if _, ok := x.find(pre[(id*7919)&(n-1)].hash, pre); !ok {
+				x.insert(pre[id].hash, id)
+				if _, ok := x.find(pre[(id*7919)&(n-1)].hash); !ok {
 					b.Fatal("lost an entry")
 				}
 				id = (id + 1) & (n - 1)
