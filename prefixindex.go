@@ -246,3 +246,13 @@ func (x *prefixIndex) check() error {
 	}
 	return nil
 }
+
+// clear removes every entry.
+func (x *prefixIndex) clear() {
+	if x.legacy != nil {
+		clear(x.legacy)
+		return
+	}
+	clear(x.tab)
+	x.n = 0
+}

@@ -103,6 +103,12 @@ func TestPrefixIndexBasics(t *testing.T) {
 	m.remove(0)
 	m.insert(1, 100) // free again: now it goes in
 	m.verify(200, 100, 300)
+	m.x.clear()
+	clear(m.model)
+	clear(m.in)
+	m.verify(100, 200)
+	m.insert(3, 200)
+	m.verify(100)
 }
 
 // TestPrefixIndexCollidingRuns fills one probe run with hashes sharing a
