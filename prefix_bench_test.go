@@ -4,10 +4,13 @@ import (
 	"encoding/binary"
 	"fmt"
 	"slices"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/cespare/xxhash/v2"
+
+	"github.com/kvlease/kvlease/bench/trace"
 )
 
 var sink uint64
@@ -152,4 +155,107 @@ func BenchmarkEvictionChurn(b *testing.B) {
 	}
 	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*n), "ns/block")
 	b.ReportMetric(float64(b.Elapsed())/float64(bare), "x-unsealed-cycle")
+}
+
+// prodTrace is the production-shaped workload of issue 16, precomputed
+// once: a generated Mooncake trace (trace.ProductionMooncake: prompts of
+// about 12,000 tokens, ~750 blocks of 16, half of each a shared prefix
+// from 64 prefixes), each request's chained hashes and block count.
+var prodTrace = sync.OnceValue(func() (w struct {
+	hashes [][]BlockHash // full blocks of the prompt
+	blocks []int         // blocks the prompt occupies, the partial one included
+}) {
+	const bt = 16
+	tr := trace.FromMooncake(trace.GenerateMooncake(trace.ProductionMooncake()), 1)
+	var toks []int32
+	for _, r := range tr.Requests {
+		toks = r.Prompt.AppendTokens(toks[:0])
+		w.hashes = append(w.hashes, ChainHashes(0x6b766c65617365, toks, bt))
+		w.blocks = append(w.blocks, (len(toks)+bt-1)/bt)
+	}
+	return w
+})
+
+// prodReplay replays the production-shaped workload through p with live
+// requests in flight, as an engine's admission does: per request it
+// releases the oldest live one when live are in flight, AcquirePrefix of
+// the prompt (looking up every full block but the one holding the last
+// token), Seal of the full blocks that missed. ops counts block
+// operations as issue 16 does (each block acquired fresh or hit, sealed or
+// released counts one; the caller adds evictions from Stats).
+type prodReplay struct {
+	p     *Pool[[]byte]
+	ring  []*Lease[[]byte]
+	held  []int
+	next  int
+	ops   int64
+	hits  int64
+	looks int64
+}
+
+func newProdReplay(b *testing.B, live int, opts ...Option) *prodReplay {
+	mem, err := NewHostMemory(262144, 64)
+	if err != nil {
+		b.Fatal(err)
+	}
+	p, err := NewPool[[]byte](mem, append([]Option{WithLeakCheck(false)}, opts...)...)
+	if err != nil {
+		b.Fatal(err)
+	}
+	r := &prodReplay{p: p, ring: make([]*Lease[[]byte], live), held: make([]int, live)}
+	// Warm up: one pass over the trace fills the pool with cached blocks.
+	for range len(prodTrace().hashes) {
+		r.request(b)
+	}
+	r.ops, r.hits, r.looks = 0, 0, 0
+	return r
+}
+
+func (r *prodReplay) request(b *testing.B) {
+	w := prodTrace()
+	k := r.next % len(w.hashes)
+	slot := r.next % len(r.ring)
+	r.next++
+	if l := r.ring[slot]; l != nil {
+		l.Release()
+		r.ops += int64(r.held[slot])
+	}
+	hs, n := w.hashes[k], w.blocks[k]
+	look := hs[:n-1] // the full blocks before the one holding the last token
+	l, hits, err := r.p.AcquirePrefix("req", look, n)
+	if err != nil {
+		b.Fatal(err)
+	}
+	for i := hits; i < len(hs); i++ {
+		if err := l.Seal(i, hs[i]); err != nil {
+			b.Fatal(err)
+		}
+	}
+	r.ring[slot], r.held[slot] = l, n
+	r.ops += int64(n) + int64(len(hs)-hits)
+	r.hits += int64(hits)
+	r.looks += int64(len(look))
+}
+
+// BenchmarkProductionReplay is the replay issue 16 shapes after
+// production traffic: prompts of about 12,000 tokens (≈ 750 blocks), a
+// 262,144-block pool, 128 requests live, the pool kept full of cached
+// blocks so that nearly every fresh block evicts one. One op is one
+// request; ns/block-op is the pool's time per block operation (acquire,
+// hit, seal, release and evict each count one). Target: ≤ 15 ns.
+func BenchmarkProductionReplay(b *testing.B) {
+	r := newProdReplay(b, 128)
+	ev0 := r.p.Stats().Evictions
+	b.ReportAllocs()
+	b.ResetTimer()
+	for range b.N {
+		r.request(b)
+	}
+	b.StopTimer()
+	ev := int64(r.p.Stats().Evictions - ev0)
+	ops := r.ops + ev
+	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(ops), "ns/block-op")
+	b.ReportMetric(float64(ops)/float64(b.N), "block-ops/op")
+	b.ReportMetric(100*float64(r.hits)/float64(r.looks), "hit%")
+	b.ReportMetric(float64(ev)/float64(b.N), "evict/op")
 }

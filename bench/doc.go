@@ -24,18 +24,35 @@
 //
 // The baselines (package bench/baseline) are what an engine writes by
 // hand: "bare" is a mutex-guarded stack of free ids (pop n, push n, no
-// allocation), "chan" a buffered channel of ids, "map" a request-keyed
-// map of block tables plus a block→owner map.
+// allocation), "slots" the same plus one packed word per slot (a
+// generation bumped on hand-out and checked on return: the floor of any
+// allocator that hands out BlockRefs, rule 5), "chan" a buffered channel
+// of ids, "map" a request-keyed map of block tables plus a block→owner map.
 //
-// # Targets
+// # Targets (issue 16)
 //
-//   - Lease cycle (Acquire(n) + Release): x-bare ≤ 3 for 1 block, ≤ 2 for
-//     16 and 256 blocks.
-//   - Lease cycle with a transfer attached and resolved: x-bare ≤ 3
-//     against bare(16).
-//   - AcquireWait with many waiters on a nearly full pool: throughput
-//     within 3× of the uncontended cycle (x-uncontended ≤ 3). No lost
-//     wake-ups and FIFO order are asserted by tests, not timed.
+// The first targets (x-bare ≤ 2 at 16 and 256 blocks) were below the
+// per-block floor: SlotList alone is about 2× bare at 16 blocks and 10×
+// or more at 256. They are restated against that floor, measured in the
+// same run:
+//
+//   - Acquire(1) + Release: x-bare ≤ 3.
+//   - Acquire(16) + Release: x-slots ≤ 2; Acquire(256) + Release:
+//     x-slots ≤ 1.5.
+//   - Acquire(16) with one transfer attached, released and resolved:
+//     x-slots ≤ 3 against slots(16).
+//   - At most one allocation per cycle (the transfer, where there is one).
+//   - Parallel Acquire(4) + Release on all cores: x-bare ≤ 3 against a
+//     parallel bare list.
+//   - AcquireWait under contention: x-bare ≤ 1.1 against the bare FIFO of
+//     channels (BareList.PopWait) under the same contention.
+//   - ChainHashes per 16-token block: ≤ 1.1× chained xxhash64 over the same
+//     bytes (the root package's BenchmarkChainHashes, x-chained).
+//   - Prefix-heavy replay shaped like production (BenchmarkProductionReplay:
+//     ~750-block prompts, a 262,144-block pool, 128 live requests, nearly
+//     every fresh block evicting): ≤ 15 ns of pool time per block
+//     operation; the pool time of a prefix-heavy replay ≥ 2.5× faster than
+//     with the old map index, measured in the same run.
 //   - Trace replay (bench/replay, go run ./bench/cmd/replay): at least 10⁶
 //     block operations per second.
 //

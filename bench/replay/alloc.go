@@ -6,6 +6,7 @@ import (
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/bench/baseline"
+	"github.com/kvlease/kvlease/internal/benchswitch"
 )
 
 // Allocator is what the replayed engine allocates through: a kvlease pool
@@ -40,11 +41,25 @@ type Lease interface {
 // Kinds lists the allocators New knows, kvlease first.
 var Kinds = []string{"kvlease", "bare", "chan", "map"}
 
+// KVLeaseMapIndex is a kind New also knows: kvlease with its prefix
+// index in a Go map, as before issue 16 (internal/benchswitch), to
+// measure the flat index against it in the same run.
+const KVLeaseMapIndex = "kvlease-map"
+
 // New returns the allocator of the given kind over blocks blocks of
 // blockBytes bytes each.
 func New(kind string, blocks, blockBytes int) (Allocator, error) {
-	if kind == "kvlease" {
+	switch kind {
+	case "kvlease":
 		return NewKVLease(blocks, blockBytes)
+	case KVLeaseMapIndex:
+		benchswitch.MapIndex.Store(true)
+		defer benchswitch.MapIndex.Store(false)
+		a, err := NewKVLease(blocks, blockBytes)
+		if a != nil {
+			a.name = KVLeaseMapIndex
+		}
+		return a, err
 	}
 	return NewBaseline(kind, blocks, blockBytes)
 }
@@ -53,6 +68,7 @@ func New(kind string, blocks, blockBytes int) (Allocator, error) {
 type KVLease struct {
 	Pool *kvlease.Pool[[]byte]
 	mem  kvlease.Memory[[]byte]
+	name string
 }
 
 // NewKVLease makes a pool of blocks blocks of blockBytes bytes. The leak
@@ -67,11 +83,11 @@ func NewKVLease(blocks, blockBytes int) (*KVLease, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &KVLease{Pool: p, mem: mem}, nil
+	return &KVLease{Pool: p, mem: mem, name: "kvlease"}, nil
 }
 
-// Name returns "kvlease".
-func (a *KVLease) Name() string { return "kvlease" }
+// Name returns "kvlease" (or KVLeaseMapIndex).
+func (a *KVLease) Name() string { return a.name }
 
 // AcquirePrefix is Pool.AcquirePrefix.
 func (a *KVLease) AcquirePrefix(owner string, hashes []kvlease.BlockHash, n int) (Lease, int, error) {

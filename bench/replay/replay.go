@@ -121,6 +121,22 @@ type Result struct {
 	AcquireP99 time.Duration
 }
 
+// PoolOps counts block operations as issue 16 does: every block handed
+// out (acquired fresh or hit), sealed, given back (released or aborted) or
+// evicted counts one.
+func (r *Result) PoolOps() int64 {
+	return r.BlockOps() + r.Seals + r.Evictions()
+}
+
+// Evictions returns the cached blocks evicted in every pool.
+func (r *Result) Evictions() int64 {
+	ev := int64(0)
+	for _, p := range r.Pools {
+		ev += int64(p.Final.Evictions)
+	}
+	return ev
+}
+
 // BlockOps returns BlocksOut + BlocksIn.
 func (r *Result) BlockOps() int64 { return r.BlocksOut + r.BlocksIn }
 

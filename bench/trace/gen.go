@@ -97,6 +97,9 @@ func (r *rng) float() float64 { return float64(r.next()>>11) / (1 << 53) }
 // intn returns a uniform int in [0, n).
 func (r *rng) intn(n int) int { return int(r.next() % uint64(n)) }
 
+// expSample returns an exponential sample of mean 1.
+func expSample(r *rng) float64 { return -math.Log(1 - r.float()) }
+
 // around returns a length uniform in [mean/2, 3·mean/2], at least 1.
 func (r *rng) around(mean int) int {
 	lo := max(mean/2, 1)

@@ -81,6 +81,11 @@ type Prompt struct {
 	SuffixLen int     `json:"suffix_len,omitempty"`
 	Seed      uint64  `json:"seed,omitempty"`
 	Tokens    []int32 `json:"tokens,omitempty"`
+	// HashIDs, with HashLen, is a prompt converted from a Mooncake trace
+	// (see FromMooncake): HashLen tokens made of blocks of
+	// MooncakeBlockTokens tokens, block k being HashToken(HashIDs[k], i).
+	HashIDs []int64 `json:"hash_ids,omitempty"`
+	HashLen int     `json:"hash_len,omitempty"`
 }
 
 // Event is something that happens to a running request.
@@ -103,6 +108,9 @@ func (p Prompt) Len() int {
 	if p.Tokens != nil {
 		return len(p.Tokens)
 	}
+	if p.HashIDs != nil {
+		return p.HashLen
+	}
 	return p.PrefixLen + p.SuffixLen
 }
 
@@ -110,6 +118,12 @@ func (p Prompt) Len() int {
 func (p Prompt) AppendTokens(dst []int32) []int32 {
 	if p.Tokens != nil {
 		return append(dst, p.Tokens...)
+	}
+	if p.HashIDs != nil {
+		for i := range p.HashLen {
+			dst = append(dst, HashToken(p.HashIDs[i/MooncakeBlockTokens], i%MooncakeBlockTokens))
+		}
+		return dst
 	}
 	for i := range p.PrefixLen {
 		dst = append(dst, PrefixToken(p.PrefixID, i))
@@ -122,8 +136,8 @@ func (p Prompt) AppendTokens(dst []int32) []int32 {
 
 // OutputToken returns the j-th token the request generates (j from 0).
 func (r *Request) OutputToken(j int) int32 {
-	if r.Prompt.Tokens != nil {
-		return SuffixToken(r.Prompt.Seed, len(r.Prompt.Tokens)+j)
+	if r.Prompt.Tokens != nil || r.Prompt.HashIDs != nil {
+		return SuffixToken(r.Prompt.Seed, r.Prompt.Len()+j)
 	}
 	return SuffixToken(r.Prompt.Seed, r.Prompt.SuffixLen+j)
 }
@@ -187,6 +201,16 @@ func (t *Trace) Validate() error {
 		}
 		if p.PrefixLen < 0 || p.SuffixLen < 0 || p.PrefixID < 0 {
 			bad("negative prompt length or prefix id")
+		}
+		if p.HashIDs != nil {
+			if p.Tokens != nil || p.PrefixLen != 0 || p.SuffixLen != 0 {
+				bad("prompt has both hash ids and tokens or a description")
+			}
+			if want := (p.HashLen + MooncakeBlockTokens - 1) / MooncakeBlockTokens; len(p.HashIDs) != want {
+				bad("%d hash ids for %d tokens, want %d", len(p.HashIDs), p.HashLen, want)
+			}
+		} else if p.HashLen != 0 {
+			bad("hash_len without hash_ids")
 		}
 		if p.Len() <= 0 {
 			bad("empty prompt")

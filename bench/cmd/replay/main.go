@@ -42,6 +42,10 @@ func run() error {
 	g.Requests = 5000
 	var (
 		tracePath  = flag.String("trace", "", "replay this JSON-lines trace instead of generating one")
+		mooncake   = flag.String("mooncake", "", "replay this Mooncake trace (JSON lines: timestamp ms, input_length, output_length, hash_ids of 512-token blocks)")
+		genMoon    = flag.Int("gen-mooncake", 0, "generate a production-shaped Mooncake trace of this many requests (~12,000-token prompts, half shared) instead")
+		writeMoon  = flag.String("write-mooncake", "", "write the generated Mooncake trace to this file")
+		msPerStep  = flag.Float64("ms-per-step", 20, "Mooncake traces: milliseconds of trace time per engine step")
 		writePath  = flag.String("write-trace", "", "write the trace replayed to this file")
 		allocs     = flag.String("alloc", strings.Join(replay.Kinds, ","), "allocators to replay, comma separated")
 		runs       = flag.Int("runs", 3, "replays per allocator; the median by wall time is reported")
@@ -72,7 +76,40 @@ func run() error {
 
 	var tr *trace.Trace
 	source := ""
-	if *tracePath != "" {
+	if *mooncake != "" || *genMoon > 0 {
+		var reqs []trace.MooncakeRequest
+		if *mooncake != "" {
+			f, err := os.Open(*mooncake)
+			if err != nil {
+				return err
+			}
+			reqs, err = trace.ReadMooncake(f)
+			f.Close()
+			if err != nil {
+				return err
+			}
+			source = "mooncake " + *mooncake
+		} else {
+			mc := trace.ProductionMooncake()
+			mc.Requests = *genMoon
+			reqs = trace.GenerateMooncake(mc)
+			source = fmt.Sprintf("generated Mooncake, production shape, seed %d", mc.Seed)
+		}
+		if *writeMoon != "" {
+			f, err := os.Create(*writeMoon)
+			if err != nil {
+				return err
+			}
+			if err := trace.WriteMooncake(f, reqs); err != nil {
+				f.Close()
+				return err
+			}
+			if err := f.Close(); err != nil {
+				return err
+			}
+		}
+		tr = trace.FromMooncake(reqs, *msPerStep)
+	} else if *tracePath != "" {
 		f, err := os.Open(*tracePath)
 		if err != nil {
 			return err
@@ -197,12 +234,15 @@ func printTable(tr *trace.Trace, source string, cfg replay.Config, runs int, res
 	}
 	w.Flush()
 
-	if cfg.TimeCalls {
-		fmt.Println()
-		for _, r := range results {
-			fmt.Printf("%s: %v in allocator calls, %.1f ns per block op (clock reads included)\n",
-				r.Allocator, r.CallTime.Round(time.Microsecond), float64(r.CallTime.Nanoseconds())/float64(r.BlockOps()))
+	fmt.Println()
+	for _, r := range results {
+		fmt.Printf("%s: %d pool block ops (%d out, %d in, %d seals, %d evictions), hit rate %.1f%%",
+			r.Allocator, r.PoolOps(), r.BlocksOut, r.BlocksIn, r.Seals, r.Evictions(), 100*r.HitRate())
+		if cfg.TimeCalls {
+			fmt.Printf(", pool time %v, %.1f ns per pool block op (clock reads included)",
+				r.CallTime.Round(time.Microsecond), float64(r.CallTime.Nanoseconds())/float64(r.PoolOps()))
 		}
+		fmt.Println()
 	}
 	if len(results) > 1 && results[0].Allocator == "kvlease" {
 		fmt.Println()
