@@ -39,6 +39,9 @@ const (
 	// EventDuplicateSeal: Seal found another block already findable by the
 	// same hash; this block is sealed but private.
 	EventDuplicateSeal
+	// EventTrimmed: an open lease gave back its Blocks leading blocks
+	// with TrimTo (they follow the rules of a release).
+	EventTrimmed
 )
 
 var eventNames = [...]string{
@@ -56,6 +59,7 @@ var eventNames = [...]string{
 	EventDeadline:            "deadline",
 	EventLeaked:              "leaked",
 	EventDuplicateSeal:       "duplicate-seal",
+	EventTrimmed:             "trimmed",
 }
 
 func (k EventKind) String() string {
