@@ -15,7 +15,7 @@ import (
 // FuzzLifecycle decodes its input into a sequence of operations (acquire,
 // acquire prefix, acquire-wait, extend, attach range read/write, attach
 // whole, seal, release, abort, resolve, quarantine, late resolve, cancel,
-// close) and runs them against a pool and against fzModel, a small
+// close, trim) and runs them against a pool and against fzModel, a small
 // single-goroutine model of DESIGN.md's rules written independently of the
 // implementation: it derives every block's state from the leases and
 // transfers that hold it. After each step the pool's five counts, every
@@ -43,6 +43,12 @@ var fzSeeds = [][]byte{
 	{3, 0, 2, 5, 0, 0, 1, 3, 1, 8, 0, 10, 0, 0},
 	{7, 1, 3, 7, 0, 0, 5, 5, 0, 0, 0, 2, 1, 11, 0, 0, 9, 0, 10, 0, 0},
 	{5, 2, 0x21, 2, 1, 3, 6, 0, 0, 7, 0, 0, 4, 8, 0, 2, 0x31, 2, 1, 3},
+	// acquire 4, read-attach [0,2), seal block 0, trim to 2, quarantine,
+	// late resolve, trim past the end, extend, release.
+	{7, 0, 0, 4, 5, 0, 0, 0, 1, 3, 0, 0, 8, 0, 1, 1, 16, 0, 3, 12, 0, 0, 0, 11, 0, 1, 16, 0, 6, 4, 0, 2, 9, 0},
+	// acquire 3, attach whole, trim to 1, attach whole again, extend,
+	// trim to 3, abort (cancels both), resolve.
+	{6, 0, 0, 3, 7, 0, 0, 1, 16, 0, 2, 7, 0, 1, 1, 4, 0, 1, 16, 0, 4, 10, 0, 11, 0, 1, 11, 1, 1},
 }
 
 // fzIn reads the fuzz input; past its end every byte reads as 0.
@@ -70,11 +76,12 @@ type fzAtt struct {
 }
 
 type fzLease struct {
-	l      *kvlease.Lease[[]byte]
-	id     uint64
-	blocks []kvlease.BlockRef
-	closed bool
-	atts   []fzAtt
+	l       *kvlease.Lease[[]byte]
+	id      uint64
+	blocks  []kvlease.BlockRef
+	trimmed int // blocks before this index were given back by TrimTo
+	closed  bool
+	atts    []fzAtt
 }
 
 type fzTransfer struct {
@@ -144,7 +151,7 @@ func (m *fzModel) cover() (pend, quar []int, write []bool) {
 			}
 			from, to := a.from, a.to
 			if a.whole {
-				from, to = 0, len(ls.blocks)
+				to = len(ls.blocks) // from the first block held when it attached
 			}
 			for _, r := range ls.blocks[from:to] {
 				if st == kvlease.TransferPending {
@@ -478,10 +485,10 @@ func (m *fzModel) extend(ls *fzLease, n int) {
 	if n > 0 {
 		free, cached := m.available()
 		errs = fzApplicable(ls.closed, kvlease.ErrLeaseClosed, m.closed, kvlease.ErrPoolClosed,
-			len(ls.blocks)+n > m.cap, kvlease.ErrExceedsCapacity)
+			len(ls.blocks)-ls.trimmed+n > m.cap, kvlease.ErrExceedsCapacity)
 		if len(errs) == 0 && n > free+cached {
 			var own []int
-			for _, r := range ls.blocks {
+			for _, r := range ls.blocks[ls.trimmed:] {
 				own = append(own, int(r.ID))
 			}
 			errs = []error{m.exhausted(n, own)}
@@ -509,10 +516,11 @@ func (m *fzModel) attach(ls *fzLease, ti, from, to int, acc kvlease.Access, whol
 	var errs []error
 	if whole {
 		errs = fzApplicable(ls.closed, kvlease.ErrLeaseClosed)
+		from = ls.trimmed
 		err = ls.l.Attach(tr.t)
 		m.logf("lease %d: attach(t%d) → %v", ls.id, ti, err)
 	} else {
-		badRange := from < 0 || to > len(ls.blocks) || from > to
+		badRange := from < ls.trimmed || to > len(ls.blocks) || from > to
 		writeSealed := false
 		if !badRange && acc == kvlease.Write {
 			for _, r := range ls.blocks[from:to] {
@@ -538,7 +546,7 @@ func (m *fzModel) seal(ls *fzLease, i int, h kvlease.BlockHash) {
 		errs = append(errs, kvlease.ErrLeaseClosed)
 	}
 	noop := false
-	if i < 0 || i >= len(ls.blocks) {
+	if i < ls.trimmed || i >= len(ls.blocks) {
 		errs = append(errs, kvlease.ErrInvalidArgument)
 	} else if !ls.closed {
 		s := &m.slots[ls.blocks[i].ID]
@@ -579,7 +587,7 @@ func (m *fzModel) close(ls *fzLease, abort bool) {
 	}
 	ls.closed = true
 	// Tail first: each block becomes unreferenced at its own moment.
-	for i := len(ls.blocks) - 1; i >= 0; i-- {
+	for i := len(ls.blocks) - 1; i >= ls.trimmed; i-- {
 		before := m.heldSet()
 		m.slots[ls.blocks[i].ID].refs--
 		m.unheld(before)
@@ -595,6 +603,27 @@ func (m *fzModel) close(ls *fzLease, abort bool) {
 			m.cancelModel(ti)
 		}
 	}
+}
+
+// trim gives back the blocks before index i of an open lease, tail first,
+// as a release does.
+func (m *fzModel) trim(ls *fzLease, i int) {
+	errs := fzApplicable(ls.closed, kvlease.ErrLeaseClosed)
+	if !ls.closed && (i < 0 || i > len(ls.blocks)) {
+		errs = append(errs, kvlease.ErrInvalidArgument)
+	}
+	err := ls.l.TrimTo(i)
+	m.logf("lease %d: trimTo(%d) → %v", ls.id, i, err)
+	m.wantErr("TrimTo", err, errs...)
+	if err != nil || i <= ls.trimmed {
+		return
+	}
+	for k := i - 1; k >= ls.trimmed; k-- {
+		before := m.heldSet()
+		m.slots[ls.blocks[k].ID].refs--
+		m.unheld(before)
+	}
+	ls.trimmed = i
 }
 
 // cancelModel is what Cancel does to the model: the hook runs at most
@@ -712,9 +741,12 @@ func (m *fzModel) verify() {
 		if ls.l.Len() != len(ls.blocks) {
 			m.fatalf("lease %d: Len %d, model %d", ls.id, ls.l.Len(), len(ls.blocks))
 		}
-		ids := ls.l.AppendBlockIDs(nil, 0)
+		if got := ls.l.Trimmed(); got != ls.trimmed {
+			m.fatalf("lease %d: Trimmed %d, model %d", ls.id, got, ls.trimmed)
+		}
+		ids := ls.l.AppendBlockIDs(nil, ls.trimmed)
 		for i, r := range ls.blocks {
-			if ls.l.Ref(i) != r || ids[i] != r.ID {
+			if ls.l.Ref(i) != r || (i >= ls.trimmed && ids[i-ls.trimmed] != r.ID) {
 				m.fatalf("lease %d: Ref(%d) = %v, model %v", ls.id, i, ls.l.Ref(i), r)
 			}
 			_, err := m.p.Region(r)
@@ -726,14 +758,22 @@ func (m *fzModel) verify() {
 				m.fatalf("Region(%v) (slot at gen %d, %s): %v, want ErrStaleRef", r, m.slots[r.ID].gen, classes[r.ID], err)
 			}
 		}
-		_, err := ls.l.ReadRegion(0)
-		if ls.closed != errors.Is(err, kvlease.ErrLeaseClosed) || (!ls.closed && err != nil) {
-			m.fatalf("lease %d (closed=%v): ReadRegion(0): %v", ls.id, ls.closed, err)
+		if ls.trimmed < len(ls.blocks) {
+			_, err := ls.l.ReadRegion(ls.trimmed)
+			if ls.closed != errors.Is(err, kvlease.ErrLeaseClosed) || (!ls.closed && err != nil) {
+				m.fatalf("lease %d (closed=%v): ReadRegion(%d): %v", ls.id, ls.closed, ls.trimmed, err)
+			}
+		}
+		if ls.trimmed > 0 && !ls.closed {
+			if _, err := ls.l.ReadRegion(ls.trimmed - 1); !errors.Is(err, kvlease.ErrInvalidArgument) {
+				m.fatalf("lease %d: ReadRegion(%d) of a trimmed block: %v, want ErrInvalidArgument", ls.id, ls.trimmed-1, err)
+			}
 		}
 		if ls.l.Closed() != ls.closed {
 			m.fatalf("lease %d: Closed() = %v, model %v", ls.id, ls.l.Closed(), ls.closed)
 		}
-		for i, r := range ls.blocks {
+		for i := ls.trimmed; i < len(ls.blocks); i++ {
+			r := ls.blocks[i]
 			_, err := ls.l.Region(i)
 			s := &m.slots[r.ID]
 			switch {
@@ -840,7 +880,7 @@ func fzRun(t *testing.T, data []byte) *fzModel {
 	}
 
 	for m.step = 1; m.step <= fzMaxOps && in.more(); m.step++ {
-		op := in.u8() % 16
+		op := in.u8() % 17
 		switch op {
 		case 0, 1:
 			if len(m.leases) < fzMaxLeases {
@@ -935,6 +975,10 @@ func fzRun(t *testing.T, data []byte) *fzModel {
 				}
 				m.closed = true
 				m.logf("pool close")
+			}
+		case 16:
+			if ls := pickLease(); ls != nil {
+				m.trim(ls, in.u8()%(len(ls.blocks)+3)-1)
 			}
 		}
 		m.verify()

@@ -171,6 +171,7 @@ type leaseExtra struct {
 	timer   *time.Timer   // drain deadline
 	leak    runtime.Cleanup
 	watched bool // leak is registered
+	trimmed int  // blocks before this index were given back by TrimTo (trim.go)
 }
 
 func (l *lease) ext() *leaseExtra {
@@ -300,7 +301,7 @@ func (l *Lease[R]) Ref(i int) BlockRef { return l.ls.snapshot()[i] }
 // new tail each decode step. It allocates nothing when dst has room; a
 // from outside [0, Len()] panics like a slice expression.
 func (l *Lease[R]) AppendBlockIDs(dst []BlockID, from int) []BlockID {
-	for _, r := range l.ls.snapshot()[from:] {
+	for _, r := range l.ls.liveFrom(from) {
 		dst = append(dst, r.ID)
 	}
 	return dst
@@ -334,7 +335,7 @@ func (l *Lease[R]) region(i int, write bool) (R, error) {
 		c.mu.Unlock()
 		return zero, fmt.Errorf("kvlease: region %d of lease %d (%s): %w", i, l.ls.id, l.ls.owner, ErrLeaseClosed)
 	}
-	if i < 0 || i >= len(l.ls.blocks) {
+	if i < l.ls.first() || i >= len(l.ls.blocks) {
 		n := len(l.ls.blocks)
 		c.mu.Unlock()
 		return zero, fmt.Errorf("kvlease: region %d of lease %d (%s) with %d blocks: %w", i, l.ls.id, l.ls.owner, n, ErrInvalidArgument)
@@ -383,8 +384,8 @@ func (l *Lease[R]) appendRegions(dst []R, from int, write bool) ([]R, error) {
 		c.mu.Unlock()
 		return dst, fmt.Errorf("kvlease: regions of lease %d (%s): %w", l.ls.id, l.ls.owner, ErrLeaseClosed)
 	}
-	blocks := l.ls.blocks
-	if from < 0 || from > len(blocks) {
+	blocks, first := l.ls.blocks, l.ls.first()
+	if from < first || from > len(blocks) {
 		c.mu.Unlock()
 		return dst, fmt.Errorf("kvlease: regions from %d of lease %d (%s) with %d blocks: %w",
 			from, l.ls.id, l.ls.owner, len(blocks), ErrInvalidArgument)
@@ -481,7 +482,7 @@ func (l *lease) close(abort bool, cause error) {
 			ev.add(c.obs, Event{Kind: EventReleased, Owner: l.owner, Lease: l.id, Blocks: len(l.blocks)})
 		}
 	}
-	c.drop(l.blocks)
+	c.drop(l.blocks[l.first():])
 	if abort {
 		for i := range l.natts {
 			if a := l.att(i); a.applied != TransferResolved {
@@ -557,7 +558,7 @@ func (l *Lease[R]) Extend(n int) error {
 	var ev events
 	c.mu.Lock()
 	var err error
-	switch have := len(ls.blocks); {
+	switch have := len(ls.blocks) - ls.first(); {
 	case ls.closed:
 		err = fmt.Errorf("kvlease: extend lease %d (%s): %w", ls.id, ls.owner, ErrLeaseClosed)
 	case c.closed.Load():
@@ -566,8 +567,8 @@ func (l *Lease[R]) Extend(n int) error {
 		err = fmt.Errorf("kvlease: extend lease %d (%s) from %d by %d blocks: pool capacity is %d: %w",
 			ls.id, ls.owner, have, n, len(c.slots), ErrExceedsCapacity)
 	case c.available() < n:
-		held := 0 // usable blocks this lease holds already
-		for _, r := range ls.blocks {
+		held := 0 // usable blocks this lease holds already (trimmed ones it gave back)
+		for _, r := range ls.blocks[ls.first():] {
 			if c.slots[r.ID].quar == 0 {
 				held++
 			}
@@ -662,8 +663,8 @@ func (l *lease) attachLocked(t *Transfer, from, to int, acc Access, whole bool, 
 		return fmt.Errorf("kvlease: attach transfer %d to lease %d (%s): %w", t.id, l.id, l.owner, ErrLeaseClosed)
 	}
 	if whole {
-		from, to = 0, len(l.blocks)
-	} else if from < 0 || to > len(l.blocks) || from > to {
+		from, to = l.first(), len(l.blocks)
+	} else if from < l.first() || to > len(l.blocks) || from > to {
 		return fmt.Errorf("kvlease: attach transfer %d to blocks [%d,%d) of lease %d (%s) with %d blocks: %w",
 			t.id, from, to, l.id, l.owner, len(l.blocks), ErrInvalidArgument)
 	}
@@ -821,7 +822,7 @@ func (c *core) apply(l *lease, to TransferState, t *Transfer, ev *events) {
 	}
 	lo, hi := int(a.from), int(a.to)
 	if a.whole {
-		lo, hi = 0, len(l.blocks)
+		hi = len(l.blocks) // from the first block it gated (see TrimTo)
 	}
 	// Tail first, as Release does, so a chain enters the LRU from its end.
 	if from == TransferPending && to == TransferResolved {

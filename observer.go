@@ -46,6 +46,9 @@ const (
 	// EventQuarantineRecovered: late evidence brought the quarantined
 	// blocks back to or below the alert share (Blocks = quarantined now).
 	EventQuarantineRecovered
+	// EventTrimmed: an open lease gave back its Blocks leading blocks
+	// with TrimTo (they follow the rules of a release).
+	EventTrimmed
 )
 
 var eventNames = [...]string{
@@ -65,6 +68,7 @@ var eventNames = [...]string{
 	EventDuplicateSeal:       "duplicate-seal",
 	EventQuarantineAlert:     "quarantine-alert",
 	EventQuarantineRecovered: "quarantine-recovered",
+	EventTrimmed:             "trimmed",
 }
 
 func (k EventKind) String() string {

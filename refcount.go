@@ -42,7 +42,7 @@ func (l *lease) sealLocked(i int, h BlockHash, st *sealTokens, ev *events) error
 	if l.closed {
 		return fmt.Errorf("kvlease: seal block %d of lease %d (%s): %w", i, l.id, l.owner, ErrLeaseClosed)
 	}
-	if i < 0 || i >= len(l.blocks) {
+	if i < l.first() || i >= len(l.blocks) {
 		return fmt.Errorf("kvlease: seal block %d of lease %d (%s) with %d blocks: %w", i, l.id, l.owner, len(l.blocks), ErrInvalidArgument)
 	}
 	id := l.blocks[i].ID
@@ -116,7 +116,7 @@ func (l *Lease[R]) Share(owner string, n int) (*Lease[R], error) {
 		err = fmt.Errorf("kvlease: share lease %d (%s): %w", ls.id, ls.owner, ErrLeaseClosed)
 	case c.closed.Load():
 		err = fmt.Errorf("kvlease: share lease %d (%s): %w", ls.id, ls.owner, ErrPoolClosed)
-	case n <= 0 || n > len(ls.blocks):
+	case n <= 0 || n > len(ls.blocks) || ls.first() > 0:
 		err = fmt.Errorf("kvlease: share %d blocks of lease %d (%s) with %d blocks: %w", n, ls.id, ls.owner, len(ls.blocks), ErrInvalidArgument)
 	default:
 		for i, r := range ls.blocks[:n] {
