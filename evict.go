@@ -1,0 +1,158 @@
+package kvlease
+
+import "fmt"
+
+// EvictOwner is the owner of the leases an eviction hook receives.
+const EvictOwner = "kvlease/evict"
+
+// SetEvictHook installs hook as the pool's eviction hook (nil removes it):
+// the write-back half of a tiered cache. Without a hook, a cached block
+// chosen for eviction is handed out fresh at once and its content is lost.
+// With one, when an acquire (or Extend, or a served waiter) must evict and
+// the cache has more evictable blocks than the acquire still needs, the
+// least recently used block is not reused: it leaves the prefix index (it
+// is no longer findable here; KV events report it removed) but keeps its
+// content and generation, and is offered to the hook, and the acquire
+// takes the next victim instead. The evicting acquire is therefore never
+// blocked by the hook nor refused because of it: it only offers blocks it
+// could spare. Without such a surplus the victim is evicted as before.
+//
+// The offered blocks of one operation arrive as one open lease owned by
+// EvictOwner, with hashes[i] the hash block i was findable by. The hook
+// runs after the operation, with no lock held, on the goroutine that
+// evicted (an Acquire, a Release that served a waiter, a Resolve), so it
+// must be quick: start a copy (attach it to the lease as a Read) and
+// return. The hook owns the lease and must close it, typically right after
+// attaching the copy: the blocks then drain until the copy resolves and
+// only then become free (they are not cached again here: the lower tier
+// holds them now). An offered block is sealed, so read it with
+// Pool.Region(lease.Ref(i)). Until the hook's lease closes and its
+// transfers resolve, offered blocks count as Leased (then Draining) and are
+// not available to acquires.
+func (p *Pool[R]) SetEvictHook(hook func(offered *Lease[R], hashes []BlockHash)) {
+	c := &p.core
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if hook == nil {
+		c.hook = nil
+		return
+	}
+	c.hook = &evictHook[R]{p: p, fn: hook}
+}
+
+// offerer is what the non-generic core keeps of an eviction hook.
+type offerer interface {
+	// offer records slot id (already out of the LRU and the index, held
+	// by one reference) for delivery after the operation. Called with
+	// c.mu held; it must not call out.
+	offer(id BlockID, ev *events)
+}
+
+type evictHook[R any] struct {
+	p  *Pool[R]
+	fn func(*Lease[R], []BlockHash)
+}
+
+// evictBatch collects the blocks one operation offers. It is delivered as
+// one of the operation's events, so the hook runs wherever the operation
+// flushes its events: after every lock is released.
+type evictBatch[R any] struct {
+	h      *evictHook[R]
+	refs   []BlockRef
+	hashes []BlockHash
+}
+
+// offerVictim offers the least recently used cached block to the hook if
+// the cache has more evictable blocks than need, the blocks the current
+// fill still has to hand out. Called from takeFresh with c.mu held, the
+// free stack empty.
+func (c *core) offerVictim(need int, ev *events) {
+	if c.lruLen <= need {
+		return // no surplus: evict as if there were no hook
+	}
+	id := c.lruHead
+	c.lruRemove(id)
+	s := &c.slots[id]
+	// Out of the index (never hit here again), but the content stays:
+	// sealed, at the same generation, held by the offered lease.
+	delete(c.index, c.pre[id].hash)
+	if c.kv != nil {
+		c.kv.removed(c.pre[id].hash)
+	}
+	s.index = false
+	c.stats.evictions++
+	s.refs, s.class = 1, classLeased
+	c.counts[classCached]--
+	c.counts[classLeased]++
+	c.hook.offer(id, ev)
+}
+
+func (h *evictHook[R]) offer(id BlockID, ev *events) {
+	c := &h.p.core
+	ref := BlockRef{ID: id, Gen: c.slots[id].gen}
+	for i := len(ev.list) - 1; i >= 0; i-- {
+		if b, ok := ev.list[i].obs.(*evictBatch[R]); ok && b.h == h {
+			b.refs = append(b.refs, ref)
+			b.hashes = append(b.hashes, c.pre[id].hash)
+			return
+		}
+	}
+	b := &evictBatch[R]{h: h, refs: []BlockRef{ref}, hashes: []BlockHash{c.pre[id].hash}}
+	ev.add(b, Event{Kind: EventAcquired, Owner: EvictOwner, Blocks: 1})
+}
+
+// Observe delivers the batch: the held blocks become an open lease, handed
+// to the hook. Called by events.flush with no lock held.
+func (b *evictBatch[R]) Observe(Event) {
+	p := b.h.p
+	c := &p.core
+	var ev events
+	c.mu.Lock()
+	l := p.newLease(EvictOwner, len(b.refs))
+	copy(l.ls.blocks, b.refs)
+	c.opened(&l.ls, 0, &ev)
+	c.mu.Unlock()
+	ev.flush()
+	b.h.fn(l, b.hashes)
+}
+
+// AcquireHits acquires exactly the cached prefix of hashes and nothing
+// else: the longest run of leading hashes findable now, shared with
+// whoever else holds them, and no fresh block. It returns nil and no error
+// when nothing hits. What a tiered cache pins before it decides where the
+// rest of a prompt comes from. It obeys Acquire's rule about queued
+// waiters (a hit on a cached block takes it out of the evictable set) and
+// returns Acquire's errors. In verified mode nothing hits by hash alone.
+func (p *Pool[R]) AcquireHits(owner string, hashes []BlockHash) (*Lease[R], error) {
+	c := &p.core
+	if owner == "" {
+		return nil, c.reject(owner, len(hashes), fmt.Errorf("kvlease: acquire hits: empty owner: %w", ErrInvalidArgument))
+	}
+	var ev events
+	c.mu.Lock()
+	if c.closed.Load() {
+		c.mu.Unlock()
+		return nil, c.reject(owner, len(hashes), closedErr(owner, len(hashes)))
+	}
+	if q := c.queued(); q > 0 {
+		c.mu.Unlock()
+		return nil, c.reject(owner, len(hashes), &exhaustedError{op: "acquire", owner: owner, n: len(hashes), queued: q})
+	}
+	n := c.probe(hashes, nil)
+	if n == 0 {
+		c.stats.prefixQueries += uint64(len(hashes))
+		c.mu.Unlock()
+		return nil, nil
+	}
+	l := p.newLease(owner, n)
+	hits, err := c.fillPrefix(&l.ls, hashes, n, nil, &ev)
+	if err != nil { // cannot happen: hits need no fresh block
+		c.mu.Unlock()
+		ev.flush()
+		return nil, c.reject(owner, n, err)
+	}
+	c.opened(&l.ls, hits, &ev)
+	c.mu.Unlock()
+	ev.flush()
+	return l, nil
+}
