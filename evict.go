@@ -13,9 +13,14 @@ const EvictOwner = "kvlease/evict"
 // least recently used block is not reused: it leaves the prefix index (it
 // is no longer findable here; KV events report it removed) but keeps its
 // content and generation, and is offered to the hook, and the acquire
-// takes the next victim instead. The evicting acquire is therefore never
-// blocked by the hook nor refused because of it: it only offers blocks it
-// could spare. Without such a surplus the victim is evicted as before.
+// takes another victim instead. At its first eviction, a fill of n blocks
+// offers up to n victims in a row (so a chain evicted from its end reaches
+// the next tier whole), then evicts the next ones for itself as before:
+// their content is lost. The evicting acquire is therefore never blocked
+// by the hook nor refused because of it: it only offers blocks it could
+// spare. Without such a surplus victims are evicted as before. (A cache
+// that must lose nothing copies blocks when they are sealed instead:
+// write-through.)
 //
 // The offered blocks of one operation arrive as one open lease owned by
 // EvictOwner, with hashes[i] the hash block i was findable by. The hook
@@ -42,10 +47,10 @@ func (p *Pool[R]) SetEvictHook(hook func(offered *Lease[R], hashes []BlockHash))
 
 // offerer is what the non-generic core keeps of an eviction hook.
 type offerer interface {
-	// offer records slot id (already out of the LRU and the index, held
-	// by one reference) for delivery after the operation. Called with
-	// c.mu held; it must not call out.
-	offer(id BlockID, ev *events)
+	// offerVictims offers what the cache can spare before the evicting
+	// fill takes its next victim (see core.offerVictim). Called with c.mu
+	// held; it must not call out.
+	offerVictims(need int, ev *events)
 }
 
 type evictHook[R any] struct {
@@ -60,45 +65,92 @@ type evictBatch[R any] struct {
 	h      *evictHook[R]
 	refs   []BlockRef
 	hashes []BlockHash
+	taken  int // victims the operation took for itself
 }
 
-// offerVictim offers the least recently used cached block to the hook if
-// the cache has more evictable blocks than need, the blocks the current
-// fill still has to hand out. Called from takeFresh with c.mu held, the
-// free stack empty.
-func (c *core) offerVictim(need int, ev *events) {
-	if c.lruLen <= need {
-		return // no surplus: evict as if there were no hook
+// offerVictim runs before a fill evicts a victim for itself, need being
+// the blocks the fill still has to hand out (this one included). Called
+// from takeFresh with c.mu held, the free stack empty.
+func (c *core) offerVictim(need int, ev *events) { c.hook.offerVictims(need, ev) }
+
+// offerVictims offers the least recently used cached blocks, as long as
+// the cache keeps enough for the fill (more than need) and the operation
+// has offered fewer blocks than it evicts for itself: at its first
+// eviction a fill of need blocks offers up to need victims in a row, so
+// a chain evicted from its end reaches the next tier whole, then takes
+// the next need victims.
+func (h *evictHook[R]) offerVictims(need int, ev *events) {
+	c := &h.p.core
+	var b *evictBatch[R]
+	for i := len(ev.list) - 1; i >= 0; i-- {
+		if x, ok := ev.list[i].obs.(*evictBatch[R]); ok && x.h == h {
+			b = x
+			break
+		}
 	}
+	offered, taken := 0, 0
+	if b != nil {
+		offered, taken = len(b.refs), b.taken
+	}
+	for c.lruLen > need && offered < taken+need {
+		b = h.offerHead(b, ev)
+		offered++
+	}
+	if b != nil {
+		b.taken++
+	}
+}
+
+// offerHead moves the least recently used cached block into batch b
+// (made and queued on ev when nil) and returns b. Called with c.mu held.
+func (h *evictHook[R]) offerHead(b *evictBatch[R], ev *events) *evictBatch[R] {
+	c := &h.p.core
 	id := c.lruHead
 	c.lruRemove(id)
 	s := &c.slots[id]
 	// Out of the index (never hit here again), but the content stays:
 	// sealed, at the same generation, held by the offered lease.
-	delete(c.index, c.pre[id].hash)
+	hash := c.pre[id].hash
+	delete(c.index, hash)
 	if c.kv != nil {
-		c.kv.removed(c.pre[id].hash)
+		c.kv.removed(hash)
 	}
 	s.index = false
 	c.stats.evictions++
 	s.refs, s.class = 1, classLeased
 	c.counts[classCached]--
 	c.counts[classLeased]++
-	c.hook.offer(id, ev)
+	if b == nil {
+		b = &evictBatch[R]{h: h}
+		ev.add(b, Event{Kind: EventAcquired, Owner: EvictOwner})
+	}
+	b.refs = append(b.refs, BlockRef{ID: id, Gen: s.gen})
+	b.hashes = append(b.hashes, hash)
+	return b
 }
 
-func (h *evictHook[R]) offer(id BlockID, ev *events) {
-	c := &h.p.core
-	ref := BlockRef{ID: id, Gen: c.slots[id].gen}
-	for i := len(ev.list) - 1; i >= 0; i-- {
-		if b, ok := ev.list[i].obs.(*evictBatch[R]); ok && b.h == h {
-			b.refs = append(b.refs, ref)
-			b.hashes = append(b.hashes, c.pre[id].hash)
-			return
+// OfferCached offers up to k of the least recently used cached blocks to
+// the eviction hook now, as one lease, and returns how many it offered
+// (none without a hook). It is how a tier keeps a reserve of free blocks
+// ahead of demand (a watermark): offered blocks become free once their
+// copies resolve, so later acquires find free blocks and evict nothing
+// they would lose. The hook runs before OfferCached returns, on the
+// caller's goroutine, with no lock held.
+func (p *Pool[R]) OfferCached(k int) int {
+	c := &p.core
+	var ev events
+	c.mu.Lock()
+	h, _ := c.hook.(*evictHook[R])
+	n := 0
+	if h != nil {
+		var b *evictBatch[R]
+		for ; n < k && c.lruLen > 0; n++ {
+			b = h.offerHead(b, &ev)
 		}
 	}
-	b := &evictBatch[R]{h: h, refs: []BlockRef{ref}, hashes: []BlockHash{c.pre[id].hash}}
-	ev.add(b, Event{Kind: EventAcquired, Owner: EvictOwner, Blocks: 1})
+	c.mu.Unlock()
+	ev.flush()
+	return n
 }
 
 // Observe delivers the batch: the held blocks become an open lease, handed

@@ -244,3 +244,20 @@ func TestAcquireHits(t *testing.T) {
 	_, err = p.AcquireHits("h", hashes)
 	require.ErrorIs(t, err, ErrPoolClosed)
 }
+
+func TestOfferCached(t *testing.T) {
+	p := newTestPool(t, 8)
+	hashes := cachedChain(t, p, 4)
+	require.Zero(t, p.OfferCached(2), "no hook, no offer")
+	var got []offered
+	p.SetEvictHook(func(l *Lease[[]byte], h []BlockHash) { got = append(got, offered{l, h}) })
+	require.Equal(t, 2, p.OfferCached(2))
+	require.Len(t, got, 1)
+	require.Equal(t, []BlockHash{hashes[3], hashes[2]}, got[0].hashes)
+	require.Equal(t, 2, p.CachedPrefix(hashes))
+	got[0].l.Release()
+	require.Equal(t, 6, p.Stats().Free)
+	require.Equal(t, 2, p.OfferCached(5), "only what is cached")
+	got[1].l.Release()
+	require.Equal(t, 8, p.Stats().Free)
+}
