@@ -101,6 +101,7 @@ type core struct {
 	meta   []sealMeta  // verified mode: per-slot parent
 	tokens []int32     // verified mode: per-slot tokens, blockTokens each
 	stamp  uint32      // bumped per prefix probe
+	hook   offerer     // eviction hook (evict.go); nil without one
 }
 
 type counters struct {
@@ -474,7 +475,7 @@ func (c *core) fill(dst []BlockRef, ev *events) {
 	n := len(dst)
 	if len(c.free) < n {
 		for i := range dst {
-			dst[i] = c.takeFresh(ev)
+			dst[i] = c.takeFresh(ev, n-i)
 		}
 		return
 	}
@@ -500,14 +501,20 @@ func (c *core) fill(dst []BlockRef, ev *events) {
 
 // takeFresh hands out one block fresh: the top of the free stack, else the
 // least recently used cached block (evicted: its content is forfeit and it
-// leaves the prefix index). The caller checked available() ≥ 1.
-func (c *core) takeFresh(ev *events) BlockRef {
+// leaves the prefix index, or is first offered to the eviction hook when
+// the cache can spare it: see SetEvictHook). need counts this block and
+// the ones the caller still has to take. The caller checked available() ≥
+// need.
+func (c *core) takeFresh(ev *events, need int) BlockRef {
 	var id BlockID
 	if n := len(c.free); n > 0 {
 		id = c.free[n-1]
 		c.free = c.free[:n-1]
 		c.counts[classFree]--
 	} else {
+		if c.hook != nil {
+			c.offerVictim(need, ev)
+		}
 		id = c.lruHead
 		c.lruRemove(id)
 		c.counts[classCached]--

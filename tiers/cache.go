@@ -1,0 +1,233 @@
+package tiers
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+
+	"github.com/kvlease/kvlease"
+)
+
+// Policy says when device blocks are copied to the host tier.
+type Policy uint8
+
+const (
+	// WriteBack copies a device block to the host tier when the device
+	// pool evicts it (through the pool's eviction hook): no copy for
+	// blocks that are never evicted, nothing lost that is.
+	WriteBack Policy = iota + 1
+	// WriteThrough copies a device block to the host tier when it is
+	// sealed through Cache.Seal: every sealed block costs a copy, and an
+	// evicted block is already below.
+	WriteThrough
+)
+
+func (p Policy) String() string {
+	switch p {
+	case WriteBack:
+		return "write-back"
+	case WriteThrough:
+		return "write-through"
+	}
+	return "policy(?)"
+}
+
+// Config describes a tiered cache: a device pool (G1), a pinned host pool
+// (G2) and optionally a disk tier (G3), with the transports that copy
+// between device and host. Device and Host are required and must have the
+// same block size (and Disk too); the cache installs eviction hooks on
+// them (Device with WriteBack, Host when there is a Disk), so do not
+// install your own.
+type Config[D any] struct {
+	Device  *kvlease.Pool[D]
+	Host    *kvlease.Pool[[]byte]
+	Disk    *Disk // nil: two tiers
+	Offload kvlease.Transport[D, []byte]
+	Onload  kvlease.Transport[[]byte, D]
+	Policy  Policy // zero means WriteBack
+	// DeviceReserve and HostReserve are the free-block watermarks of
+	// write-back: after each Acquire (and each offload into the host), the
+	// cache offers the least recently used cached blocks of a pool whose
+	// free blocks (plus those already on their way down) are below its
+	// reserve (kvlease.Pool.OfferCached), so that acquires find free
+	// blocks instead of evicting, which loses what it evicts. Zero means
+	// an eighth of the pool; negative means none (eviction alone offers).
+	DeviceReserve, HostReserve int
+}
+
+// Cache is a tiered KV cache over a device pool, a pinned host pool and an
+// optional disk tier. It does not own the pools: it copies blocks between
+// them, each copy a kvlease.Transfer that gates both sides (a Read on the
+// source, a Write on the destination), and it seals a lower tier's block
+// only once the copy into it has resolved, so no tier ever serves a block
+// whose content is not known.
+//
+// Offload: with WriteBack the device pool offers its eviction victims
+// (see kvlease.Pool.SetEvictHook), with WriteThrough Seal copies each
+// sealed block; the host pool's victims go to the disk tier the same way.
+// Onboard: Acquire finds the longest prefix across tiers, device hits
+// first, then host, then disk, in chain order, and copies the lower tiers'
+// blocks into the device lease it returns (see Onboard).
+//
+// All methods are safe for concurrent use.
+type Cache[D any] struct {
+	dev     *kvlease.Pool[D]
+	host    *kvlease.Pool[[]byte]
+	disk    *Disk
+	offload kvlease.Transport[D, []byte]
+	onload  kvlease.Transport[[]byte, D]
+	policy  Policy
+
+	mu         sync.Mutex
+	devParent  []parentRec // by device BlockID: the parent a sealed block was sealed under
+	hostParent []parentRec // by host BlockID
+	closed     bool
+	wg         sync.WaitGroup // copy watchers
+	stop       chan struct{}  // closed by Close: watchers of stuck copies give up
+
+	stats counters
+
+	devReserve, hostReserve   int
+	devInflight, hostInflight atomic.Int64 // offered blocks not yet free
+}
+
+// parentRec remembers a block's parent hash at one generation.
+type parentRec struct {
+	gen    uint32
+	known  bool
+	parent kvlease.BlockHash
+}
+
+// ErrClosed is returned by a Cache's methods after Close.
+var ErrClosed = errors.New("tiers: cache closed")
+
+// New builds a tiered cache over cfg's pools and installs its eviction
+// hooks. Errors wrap kvlease.ErrInvalidArgument for a missing pool or
+// transport or mismatched block sizes.
+func New[D any](cfg Config[D]) (*Cache[D], error) {
+	switch {
+	case cfg.Device == nil || cfg.Host == nil:
+		return nil, fmt.Errorf("tiers: a device pool and a host pool are required: %w", kvlease.ErrInvalidArgument)
+	case cfg.Offload == nil || cfg.Onload == nil:
+		return nil, fmt.Errorf("tiers: offload and onload transports are required: %w", kvlease.ErrInvalidArgument)
+	case cfg.Device.BlockBytes() != cfg.Host.BlockBytes():
+		return nil, fmt.Errorf("tiers: device blocks of %d bytes, host blocks of %d: %w",
+			cfg.Device.BlockBytes(), cfg.Host.BlockBytes(), kvlease.ErrInvalidArgument)
+	case cfg.Disk != nil && cfg.Disk.BlockBytes() != cfg.Host.BlockBytes():
+		return nil, fmt.Errorf("tiers: disk blocks of %d bytes, host blocks of %d: %w",
+			cfg.Disk.BlockBytes(), cfg.Host.BlockBytes(), kvlease.ErrInvalidArgument)
+	}
+	if cfg.Policy == 0 {
+		cfg.Policy = WriteBack
+	}
+	if cfg.Policy != WriteBack && cfg.Policy != WriteThrough {
+		return nil, fmt.Errorf("tiers: unknown policy %d: %w", cfg.Policy, kvlease.ErrInvalidArgument)
+	}
+	c := &Cache[D]{
+		dev: cfg.Device, host: cfg.Host, disk: cfg.Disk,
+		offload: cfg.Offload, onload: cfg.Onload, policy: cfg.Policy,
+		devParent:  make([]parentRec, cfg.Device.Capacity()),
+		hostParent: make([]parentRec, cfg.Host.Capacity()),
+		stop:       make(chan struct{}),
+	}
+	c.devReserve = reserveOf(cfg.DeviceReserve, cfg.Device.Capacity())
+	c.hostReserve = reserveOf(cfg.HostReserve, cfg.Host.Capacity())
+	if c.policy == WriteBack {
+		c.dev.SetEvictHook(c.deviceEvicted)
+	} else {
+		c.devReserve = 0
+	}
+	if c.disk == nil {
+		c.hostReserve = 0
+	}
+	if c.disk != nil {
+		c.host.SetEvictHook(c.hostEvicted)
+	}
+	return c, nil
+}
+
+func reserveOf(r, capacity int) int {
+	switch {
+	case r < 0:
+		return 0
+	case r == 0:
+		return max(capacity/8, 1)
+	}
+	return min(r, capacity)
+}
+
+// keepReserve offers cached blocks of p to its hook while its free blocks
+// and those on their way down are fewer than reserve.
+func keepReserve[R any](p *kvlease.Pool[R], reserve int, inflight *atomic.Int64) {
+	if reserve == 0 {
+		return
+	}
+	if want := reserve - p.Stats().Free - int(inflight.Load()); want > 0 {
+		p.OfferCached(want)
+	}
+}
+
+// Policy returns the cache's offload policy.
+func (c *Cache[D]) Policy() Policy { return c.policy }
+
+// Close removes the cache's eviction hooks, stops waiting for copies that
+// never resolve (quarantined ones keep their blocks quarantined) and waits
+// for the watchers of the others. It does not close the pools or the disk.
+func (c *Cache[D]) Close() error {
+	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		return nil
+	}
+	c.closed = true
+	close(c.stop)
+	c.mu.Unlock()
+	c.dev.SetEvictHook(nil)
+	c.host.SetEvictHook(nil)
+	c.wg.Wait()
+	return nil
+}
+
+// watch runs fn once t resolves, on a goroutine of its own; if the cache
+// closes first (t quarantined and never resolved), fn runs with ok false.
+// It reports false when the cache is closed and fn will not run.
+func (c *Cache[D]) watch(t *kvlease.Transfer, fn func(ok bool)) bool {
+	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		return false
+	}
+	c.wg.Add(1)
+	c.mu.Unlock()
+	go func() {
+		defer c.wg.Done()
+		select {
+		case <-t.Done():
+			fn(true)
+		case <-c.stop:
+			select {
+			case <-t.Done():
+				fn(true)
+			default:
+				fn(false)
+			}
+		}
+	}()
+	return true
+}
+
+// setParent records the parent of a block at its current generation.
+func setParent(tab []parentRec, ref kvlease.BlockRef, parent kvlease.BlockHash, known bool) {
+	tab[ref.ID] = parentRec{gen: ref.Gen, known: known, parent: parent}
+}
+
+// getParent returns the parent recorded for ref, if it was recorded at
+// ref's generation.
+func getParent(tab []parentRec, ref kvlease.BlockRef) (kvlease.BlockHash, bool) {
+	r := tab[ref.ID]
+	if r.gen != ref.Gen || !r.known {
+		return 0, false
+	}
+	return r.parent, true
+}

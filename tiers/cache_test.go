@@ -1,0 +1,358 @@
+package tiers
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"os"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/cespare/xxhash/v2"
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvlease/kvlease"
+)
+
+const testBlockBytes = 256
+
+// stamp fills b with content that only hash h produces.
+func stamp(b []byte, h kvlease.BlockHash) {
+	var x [16]byte
+	for off := 0; off < len(b); off += 8 {
+		binary.LittleEndian.PutUint64(x[:], uint64(h))
+		binary.LittleEndian.PutUint64(x[8:], uint64(off))
+		binary.LittleEndian.PutUint64(b[off:], xxhash.Sum64(x[:]))
+	}
+}
+
+func holds(b []byte, h kvlease.BlockHash) bool {
+	want := make([]byte, len(b))
+	stamp(want, h)
+	return string(want) == string(b)
+}
+
+func chain(seed, n int) []kvlease.BlockHash {
+	toks := make([]int32, n*4)
+	for i := range toks {
+		toks[i] = int32(seed*100000 + i)
+	}
+	return kvlease.ChainHashes(kvlease.BlockHash(seed), toks, 4)
+}
+
+type rig struct {
+	c          *Cache[[]byte]
+	dev, host  *kvlease.Pool[[]byte]
+	disk       *Disk
+	offload    *faultCopy
+	onload     *faultCopy
+	closeTiers func()
+}
+
+// faultCopy wraps MemCopy with a switchable fault: fail (resolve with an
+// error, nothing copied) or quarantine (held until release is closed).
+type faultCopy struct {
+	mu      sync.Mutex
+	fail    bool
+	quar    bool
+	release chan struct{}
+}
+
+func (f *faultCopy) set(fail, quar bool, release chan struct{}) {
+	f.mu.Lock()
+	f.fail, f.quar, f.release = fail, quar, release
+	f.mu.Unlock()
+}
+
+func (f *faultCopy) Start(pairs []kvlease.CopyPair[[]byte, []byte], attach func(*kvlease.Transfer) error) (*kvlease.Transfer, error) {
+	f.mu.Lock()
+	fail, quar, rel := f.fail, f.quar, f.release
+	f.mu.Unlock()
+	if !fail && !quar {
+		return MemCopy{}.Start(pairs, attach)
+	}
+	t := kvlease.NewTransfer(nil)
+	if err := attach(t); err != nil {
+		t.Resolve(err)
+		return t, err
+	}
+	if fail {
+		go t.Resolve(errors.New("injected copy failure"))
+		return t, nil
+	}
+	t.Quarantine(errors.New("injected: device lost"))
+	go func() { <-rel; t.Resolve(nil) }()
+	return t, nil
+}
+
+func newRig(t *testing.T, devBlocks, hostBlocks, diskSlots int, policy Policy) *rig {
+	t.Helper()
+	r := &rig{offload: &faultCopy{}, onload: &faultCopy{}}
+	dm, err := kvlease.NewHostMemory(devBlocks, testBlockBytes)
+	require.NoError(t, err)
+	hm, err := kvlease.NewHostMemory(hostBlocks, testBlockBytes)
+	require.NoError(t, err)
+	r.dev, err = kvlease.NewPool[[]byte](dm)
+	require.NoError(t, err)
+	r.host, err = kvlease.NewPool[[]byte](hm)
+	require.NoError(t, err)
+	if diskSlots > 0 {
+		r.disk, err = OpenDisk(DiskConfig{Dir: t.TempDir(), Slots: diskSlots, BlockBytes: testBlockBytes, Workers: 2, Direct: true})
+		require.NoError(t, err)
+	}
+	r.c, err = New(Config[[]byte]{Device: r.dev, Host: r.host, Disk: r.disk, Offload: r.offload, Onload: r.onload, Policy: policy,
+		DeviceReserve: devBlocks / 2, HostReserve: hostBlocks / 2})
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		require.NoError(t, r.c.Close())
+		for _, p := range []*kvlease.Pool[[]byte]{r.dev, r.host} {
+			require.NoError(t, p.Check())
+		}
+		if r.disk != nil {
+			require.NoError(t, r.disk.Pool().Check())
+			require.NoError(t, r.disk.Close())
+		}
+	})
+	return r
+}
+
+// request runs one request over hashes: acquire across tiers, wait for
+// the onboard, check the onboarded content, compute (stamp) and seal the
+// rest, release. It returns the onboard.
+func (r *rig) request(t *testing.T, hashes []kvlease.BlockHash) *Onboard[[]byte] {
+	t.Helper()
+	o, err := r.c.Acquire("req", hashes, len(hashes))
+	require.NoError(t, err)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	valid, _ := o.Wait(ctx)
+	l := o.Lease
+	for k := range valid {
+		b, err := r.dev.Region(l.Ref(k))
+		require.NoError(t, err)
+		require.True(t, holds(b, hashes[k]), "block %d of the prefix holds the wrong content", k)
+	}
+	for k := valid; k < len(hashes); k++ {
+		b, err := l.Region(k)
+		require.NoError(t, err)
+		stamp(b, hashes[k])
+		parent := kvlease.BlockHash(0)
+		if k > 0 {
+			parent = hashes[k-1]
+		}
+		require.NoError(t, r.c.Seal(l, k, parent, hashes[k]))
+	}
+	l.Release()
+	return o
+}
+
+func settle(t *testing.T, p interface{ Stats() kvlease.Stats }) {
+	t.Helper()
+	require.Eventually(t, func() bool { s := p.Stats(); return s.Leased == 0 && s.Draining == 0 }, 5*time.Second, time.Millisecond)
+}
+
+func TestWriteBackOnboardFromHost(t *testing.T) {
+	r := newRig(t, 8, 32, 0, WriteBack)
+	a, b, c := chain(1, 4), chain(2, 4), chain(3, 4)
+	r.request(t, a)
+	r.request(t, b)
+	r.request(t, c) // evicts: a (least recent) is offered whole, b is lost
+	settle(t, r.host)
+	require.Equal(t, 4, r.host.CachedPrefix(a))
+	require.Zero(t, r.dev.CachedPrefix(a))
+
+	o := r.request(t, a)
+	require.Equal(t, 0, o.Hits(TierDevice))
+	require.Equal(t, 4, o.Hits(TierHost))
+	require.Equal(t, 4, o.Valid())
+	settle(t, r.dev)
+	require.Equal(t, 4, r.dev.CachedPrefix(a), "onboarded blocks are sealed on the device")
+	st := r.c.Stats()
+	require.EqualValues(t, 4, st.Tiers[TierHost].Hits)
+	require.EqualValues(t, 4, st.Tiers[TierHost].Onboarded)
+	require.GreaterOrEqual(t, st.Tiers[TierHost].Offloaded, uint64(4))
+	require.EqualValues(t, 16, st.Queried)
+}
+
+func TestWriteThroughCopiesOnSeal(t *testing.T) {
+	r := newRig(t, 8, 32, 0, WriteThrough)
+	a, b, c := chain(1, 4), chain(2, 4), chain(3, 4)
+	for _, h := range [][]kvlease.BlockHash{a, b, c} {
+		r.request(t, h)
+		settle(t, r.dev) // the write-through copies drain
+	}
+	settle(t, r.host)
+	for _, h := range [][]kvlease.BlockHash{a, b, c} {
+		require.Equal(t, 4, r.host.CachedPrefix(h))
+	}
+	o := r.request(t, b)
+	require.Equal(t, 4, o.Hits(TierHost)+o.Hits(TierDevice))
+	require.Equal(t, 4, o.Valid())
+}
+
+func TestMixedPrefixAcrossTiers(t *testing.T) {
+	r := newRig(t, 8, 8, 64, WriteBack)
+	// A long chain whose head stays on the device and whose tail went
+	// down: lookups go device, host, disk in chain order.
+	h := chain(7, 6)
+	r.request(t, h)
+	for i := range 12 {
+		r.request(t, chain(100+i, 3))
+		settle(t, r.host)
+	}
+	settle(t, r.dev)
+	t.Logf("dev %d host %d disk %d stats %+v", r.dev.CachedPrefix(h), r.host.CachedPrefix(h), r.disk.Pool().CachedPrefix(h), r.c.Stats())
+	o := r.request(t, h)
+	// Write-back may lose a chain's tail when a burst outruns the
+	// reserves; the head is below.
+	require.GreaterOrEqual(t, o.Prefix(), 4, "hits %d/%d/%d", o.Hits(TierDevice), o.Hits(TierHost), o.Hits(TierDisk))
+	require.Equal(t, o.Prefix(), o.Valid())
+	require.Positive(t, o.Hits(TierDisk))
+	st := r.c.Stats()
+	require.Positive(t, st.Tiers[TierDisk].Offloaded)
+	require.Positive(t, st.Tiers[TierDisk].Onboarded)
+}
+
+func TestOffloadFailureLeavesHostWithoutBlock(t *testing.T) {
+	r := newRig(t, 8, 32, 0, WriteBack)
+	r.offload.set(true, false, nil)
+	a := chain(1, 4)
+	r.request(t, a)
+	r.request(t, chain(2, 4))
+	r.request(t, chain(3, 4))
+	settle(t, r.host)
+	settle(t, r.dev)
+	require.Zero(t, r.host.CachedPrefix(a))
+	require.EqualValues(t, 4, r.c.Stats().Tiers[TierHost].CopyFailures)
+	require.Equal(t, 8, r.dev.Stats().Free+r.dev.Stats().Cached)
+}
+
+func TestOnloadFailureAndQuarantine(t *testing.T) {
+	r := newRig(t, 8, 32, 0, WriteBack)
+	a := chain(1, 4)
+	r.request(t, a)
+	r.request(t, chain(2, 4))
+	r.request(t, chain(3, 4))
+	settle(t, r.host)
+
+	r.onload.set(true, false, nil)
+	o, err := r.c.Acquire("req", a, 4)
+	require.NoError(t, err)
+	valid, err := o.Wait(context.Background())
+	require.Error(t, err)
+	require.Zero(t, valid)
+	o.Lease.Release()
+	settle(t, r.dev)
+	require.Zero(t, r.dev.CachedPrefix(a))
+	require.Equal(t, 4, r.host.CachedPrefix(a), "the host keeps its intact blocks")
+
+	rel := make(chan struct{})
+	r.onload.set(false, true, rel)
+	o, err = r.c.Acquire("req", a, 4)
+	require.NoError(t, err)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+	_, err = o.Wait(ctx)
+	cancel()
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.Equal(t, 4, r.dev.Stats().Quarantined)
+	require.Zero(t, r.dev.CachedPrefix(a), "quarantined writes never hit")
+	o.Lease.Abort(nil)
+	close(rel) // late evidence
+	<-o.Ready()
+	settle(t, r.dev)
+	require.Zero(t, r.dev.Stats().Quarantined)
+}
+
+func TestDiskRestartRebuildsIndex(t *testing.T) {
+	dir := t.TempDir()
+	cfg := DiskConfig{Dir: dir, Files: 2, Slots: 8, BlockBytes: testBlockBytes, Workers: 2}
+	d, err := OpenDisk(cfg)
+	require.NoError(t, err)
+	hashes := chain(5, 3)
+	dl, err := d.Pool().Acquire("w", 3)
+	require.NoError(t, err)
+	var writes []SlotWrite
+	for k, h := range hashes {
+		b := make([]byte, testBlockBytes)
+		stamp(b, h)
+		writes = append(writes, SlotWrite{Src: b, Dst: d.Region(dl.Ref(k).ID), Hash: h, Parent: 9, HasParent: true})
+	}
+	tr, err := d.Write(writes, func(t *kvlease.Transfer) error { return dl.Attach(t) })
+	require.NoError(t, err)
+	<-tr.Done()
+	require.NoError(t, tr.Err())
+	for k, h := range hashes {
+		require.NoError(t, dl.Seal(k, h))
+	}
+	slot2 := d.Region(dl.Ref(2).ID)
+	dl.Release()
+	require.NoError(t, d.Close())
+
+	d, err = OpenDisk(cfg)
+	require.NoError(t, err)
+	require.Equal(t, 3, d.Recovered())
+	require.Equal(t, 3, d.Pool().CachedPrefix(hashes))
+	require.NoError(t, d.Close())
+
+	// Tear slot 2: one byte of its block flipped on disk.
+	f, off := filepath.Join(dir, "tier-000.slots"), int64(int(slot2)/2)*int64(4096)
+	if slot2%2 == 1 {
+		f = filepath.Join(dir, "tier-001.slots")
+	}
+	file, err := os.OpenFile(f, os.O_RDWR, 0)
+	require.NoError(t, err)
+	_, err = file.WriteAt([]byte{0xff, 0xfe}, off+headerSize+10)
+	require.NoError(t, err)
+	require.NoError(t, file.Close())
+
+	d, err = OpenDisk(cfg)
+	require.NoError(t, err)
+	defer d.Close()
+	require.Equal(t, 2, d.Recovered())
+	require.Equal(t, 2, d.Pool().CachedPrefix(hashes))
+	l := d.Lookup("r", hashes)
+	require.Equal(t, 2, l.Len())
+	dst := make([]byte, testBlockBytes)
+	tr, err = d.Read([]SlotRead{{Src: d.Region(l.Ref(1).ID), Dst: dst, Hash: hashes[1]}}, func(t *kvlease.Transfer) error { return l.AttachRange(t, 1, 2, kvlease.Read) })
+	require.NoError(t, err)
+	<-tr.Done()
+	require.NoError(t, tr.Err())
+	require.True(t, holds(dst, hashes[1]))
+	l.Release()
+}
+
+func TestDiskCorruptSlotIsAMiss(t *testing.T) {
+	r := newRig(t, 4, 4, 32, WriteBack)
+	a := chain(1, 2)
+	r.request(t, a)
+	for i := range 8 {
+		r.request(t, chain(50+i, 2))
+		settle(t, r.host)
+	}
+	settle(t, r.dev)
+	require.Equal(t, 2, r.disk.Pool().CachedPrefix(a))
+	require.Zero(t, r.host.CachedPrefix(a))
+	// Corrupt every slot on disk behind the tier's back.
+	for _, df := range r.disk.files {
+		f, err := os.OpenFile(df.Name(), os.O_RDWR, 0)
+		require.NoError(t, err)
+		fi, err := f.Stat()
+		require.NoError(t, err)
+		junk := make([]byte, 4096)
+		for i := range junk {
+			junk[i] = 0xA5
+		}
+		for off := int64(0); off < fi.Size(); off += 4096 {
+			_, err := f.WriteAt(junk[:8], off)
+			require.NoError(t, err)
+		}
+		require.NoError(t, f.Close())
+	}
+	o := r.request(t, a)
+	require.Equal(t, 2, o.Hits(TierDisk))
+	require.Zero(t, o.Valid(), "a corrupt slot never onboards")
+	require.Positive(t, r.c.Stats().Tiers[TierDisk].CopyFailures)
+	require.Nil(t, r.disk.Lookup("again", a), "a slot that failed its read stops hitting")
+}

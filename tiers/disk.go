@@ -1,0 +1,458 @@
+package tiers
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"unsafe"
+
+	"github.com/cespare/xxhash/v2"
+
+	"github.com/kvlease/kvlease"
+)
+
+// DiskSlot names a slot of a disk tier: its number, 0..Blocks()-1. It is
+// the region type of the disk tier's pool.
+type DiskSlot int64
+
+// DiskConfig describes a disk tier.
+type DiskConfig struct {
+	// Dir holds the slot files (tier-NNN.slots); it is created if needed.
+	// Files already there with the same geometry are scanned and their
+	// valid slots are findable again (see OpenDisk).
+	Dir string
+	// Files is how many files the slots are striped over (default 1):
+	// slot s lives in file s mod Files.
+	Files int
+	// Slots is the number of blocks; BlockBytes the size of one (the
+	// host tier's block size).
+	Slots, BlockBytes int
+	// Workers bounds the concurrent disk I/O (default 4): every Read and
+	// Write is one job for one worker, queued when all are busy.
+	Workers int
+	// Direct opens the files with O_DIRECT where the system and the file
+	// system allow it (it falls back to buffered I/O otherwise: see
+	// Disk.Direct).
+	Direct bool
+	// BeforeIO, if set, runs in the worker before each slot is read or
+	// written. An error fails the job there: the transfer resolves with
+	// it (the worker provably stopped), and what was not written is never
+	// sealed, what was not read never onboarded. Tests and audits inject
+	// failures and stalls with it.
+	BeforeIO func(write bool, slot DiskSlot) error
+}
+
+// Disk is a disk tier (G3): fixed-size slots in preallocated files, each
+// slot a header (magic, block hash, parent hash, size, checksum) followed
+// by the block, read and written whole by a bounded pool of workers with
+// pread and pwrite. A slot whose checksum or hash does not match (torn by
+// a crash mid-write, corrupted at rest) is a miss, never wrong KV: a read
+// of it fails, and the slot stops serving hits until it is rewritten.
+//
+// The disk tier's index is its kvlease pool (Pool): a slot is findable by
+// its hash once sealed there, after the write into it resolved. OpenDisk
+// rebuilds that index by scanning the files, so a restart keeps the tier.
+// Disk implements kvlease.Memory[DiskSlot].
+type Disk struct {
+	cfg       DiskConfig
+	files     []*os.File
+	direct    bool
+	slotBytes int
+	pool      *kvlease.Pool[DiskSlot]
+	recovered int
+
+	jobs    chan *diskJob
+	workers sync.WaitGroup
+	submit  sync.RWMutex // held shared while queueing; Close takes it to close jobs
+	closed  bool         // guarded by submit
+
+	mu  sync.Mutex
+	bad map[DiskSlot]kvlease.BlockHash // slots that failed a read, by the hash they should hold
+}
+
+var _ kvlease.Memory[DiskSlot] = (*Disk)(nil)
+
+// ErrCorruptSlot is the outcome of a disk read that found a slot whose
+// checksum, size or hash did not match: the slot is a miss.
+var ErrCorruptSlot = errors.New("tiers: corrupt or torn disk slot")
+
+const (
+	slotMagic  = 0x3152454954564b4c // "LKVTIER1", little endian
+	headerSize = 64
+	diskAlign  = 4096
+)
+
+// OpenDisk opens (creating them if needed) the slot files of a disk tier
+// and rebuilds its index by scanning them: every slot whose header and
+// checksum are valid is findable again by its hash. Files of another size
+// are recreated empty. Errors wrap kvlease.ErrInvalidArgument for a bad
+// geometry, or the file system's error.
+func OpenDisk(cfg DiskConfig) (*Disk, error) {
+	if cfg.Files == 0 {
+		cfg.Files = 1
+	}
+	if cfg.Workers == 0 {
+		cfg.Workers = 4
+	}
+	if cfg.Dir == "" || cfg.Slots <= 0 || cfg.BlockBytes <= 0 || cfg.Files < 0 || cfg.Workers < 0 || cfg.Files > cfg.Slots {
+		return nil, fmt.Errorf("tiers: disk tier in %q with %d slots of %d bytes over %d files, %d workers: %w",
+			cfg.Dir, cfg.Slots, cfg.BlockBytes, cfg.Files, cfg.Workers, kvlease.ErrInvalidArgument)
+	}
+	if err := os.MkdirAll(cfg.Dir, 0o755); err != nil {
+		return nil, fmt.Errorf("tiers: disk tier: %w", err)
+	}
+	d := &Disk{
+		cfg:       cfg,
+		slotBytes: (headerSize + cfg.BlockBytes + diskAlign - 1) / diskAlign * diskAlign,
+		bad:       make(map[DiskSlot]kvlease.BlockHash),
+		direct:    cfg.Direct,
+	}
+	for f := range cfg.Files {
+		file, direct, err := openSlotFile(filepath.Join(cfg.Dir, fmt.Sprintf("tier-%03d.slots", f)),
+			int64(d.fileSlots(f))*int64(d.slotBytes), d.direct, d.slotBytes)
+		if err != nil {
+			d.closeFiles()
+			return nil, fmt.Errorf("tiers: disk tier: %w", err)
+		}
+		d.direct = d.direct && direct
+		d.files = append(d.files, file)
+	}
+	pool, err := kvlease.NewPool[DiskSlot](d)
+	if err != nil {
+		d.closeFiles()
+		return nil, err
+	}
+	d.pool = pool
+	if err := d.rebuild(); err != nil {
+		d.closeFiles()
+		return nil, err
+	}
+	d.jobs = make(chan *diskJob, cfg.Workers)
+	for range cfg.Workers {
+		d.workers.Add(1)
+		go d.work()
+	}
+	return d, nil
+}
+
+// fileSlots returns how many slots file f holds.
+func (d *Disk) fileSlots(f int) int {
+	n := d.cfg.Slots / d.cfg.Files
+	if f < d.cfg.Slots%d.cfg.Files {
+		n++
+	}
+	return n
+}
+
+// at returns the file and offset of slot s.
+func (d *Disk) at(s DiskSlot) (*os.File, int64) {
+	return d.files[int(s)%len(d.files)], int64(int(s)/len(d.files)) * int64(d.slotBytes)
+}
+
+// Blocks returns the number of slots.
+func (d *Disk) Blocks() int { return d.cfg.Slots }
+
+// BlockBytes returns the size of one block.
+func (d *Disk) BlockBytes() int { return d.cfg.BlockBytes }
+
+// Region returns the slot of block id.
+func (d *Disk) Region(id kvlease.BlockID) DiskSlot { return DiskSlot(id) }
+
+// Pool returns the disk tier's pool: its index and its slot allocator.
+func (d *Disk) Pool() *kvlease.Pool[DiskSlot] { return d.pool }
+
+// Direct reports whether the files are open with O_DIRECT.
+func (d *Disk) Direct() bool { return d.direct }
+
+// Recovered returns how many slots OpenDisk found valid and made findable.
+func (d *Disk) Recovered() int { return d.recovered }
+
+// rebuild scans every slot and seals the valid ones in the fresh pool.
+func (d *Disk) rebuild() error {
+	buf := alignedBuf(d.slotBytes)
+	type entry struct {
+		slot DiskSlot
+		hash kvlease.BlockHash
+	}
+	var valid []entry
+	for s := range DiskSlot(d.cfg.Slots) {
+		f, off := d.at(s)
+		if _, err := f.ReadAt(buf, off); err != nil {
+			return fmt.Errorf("tiers: disk tier scan of slot %d: %w", s, err)
+		}
+		if h, _, _, ok := d.decode(buf); ok {
+			valid = append(valid, entry{s, h})
+		}
+	}
+	if len(valid) == 0 {
+		return nil
+	}
+	// One lease over every slot of the fresh pool; seal each valid slot's
+	// block with the hash its header records.
+	l, err := d.pool.Acquire("tiers/scan", d.cfg.Slots)
+	if err != nil {
+		return err
+	}
+	pos := make([]int, d.cfg.Slots)
+	for i := range l.Len() {
+		pos[l.Ref(i).ID] = i
+	}
+	for _, e := range valid {
+		if err := l.Seal(pos[e.slot], e.hash); err == nil {
+			d.recovered++
+		}
+	}
+	l.Release()
+	d.recovered -= int(d.pool.Stats().DuplicateSeals)
+	return nil
+}
+
+// encode fills buf (one slot) with the header and the block.
+func (d *Disk) encode(buf []byte, w *SlotWrite) {
+	clear(buf[:headerSize])
+	binary.LittleEndian.PutUint64(buf[0:], slotMagic)
+	binary.LittleEndian.PutUint64(buf[8:], uint64(w.Hash))
+	binary.LittleEndian.PutUint64(buf[16:], uint64(w.Parent))
+	var flags uint64
+	if w.HasParent {
+		flags = 1
+	}
+	binary.LittleEndian.PutUint64(buf[24:], flags)
+	binary.LittleEndian.PutUint64(buf[32:], uint64(d.cfg.BlockBytes))
+	n := copy(buf[headerSize:headerSize+d.cfg.BlockBytes], w.Src)
+	clear(buf[headerSize+n:])
+	binary.LittleEndian.PutUint64(buf[40:], d.checksum(buf))
+}
+
+// checksum covers the header's first 40 bytes and the block.
+func (d *Disk) checksum(buf []byte) uint64 {
+	var x xxhash.Digest
+	x.Reset()
+	_, _ = x.Write(buf[:40])
+	_, _ = x.Write(buf[headerSize : headerSize+d.cfg.BlockBytes])
+	return x.Sum64()
+}
+
+// decode checks a slot read into buf; ok is false for anything but a
+// whole, valid slot.
+func (d *Disk) decode(buf []byte) (h, parent kvlease.BlockHash, hasParent, ok bool) {
+	if binary.LittleEndian.Uint64(buf[0:]) != slotMagic ||
+		binary.LittleEndian.Uint64(buf[32:]) != uint64(d.cfg.BlockBytes) ||
+		binary.LittleEndian.Uint64(buf[40:]) != d.checksum(buf) {
+		return 0, 0, false, false
+	}
+	return kvlease.BlockHash(binary.LittleEndian.Uint64(buf[8:])),
+		kvlease.BlockHash(binary.LittleEndian.Uint64(buf[16:])),
+		binary.LittleEndian.Uint64(buf[24:])&1 != 0, true
+}
+
+// SlotWrite is one block written to a disk slot: the block, and what the
+// slot's header records about it.
+type SlotWrite struct {
+	Src       []byte
+	Dst       DiskSlot
+	Hash      kvlease.BlockHash
+	Parent    kvlease.BlockHash
+	HasParent bool
+}
+
+// SlotRead is one block read from a disk slot that must hold Hash.
+type SlotRead struct {
+	Src  DiskSlot
+	Dst  []byte
+	Hash kvlease.BlockHash
+}
+
+type diskJob struct {
+	writes   []SlotWrite
+	reads    []SlotRead
+	t        *kvlease.Transfer
+	canceled atomic.Bool
+}
+
+// Write writes each block to its slot, as one job for one worker, and
+// returns its transfer, following kvlease.Transport's order: the transfer
+// is created and attach is called with it before any byte is written; if
+// attach fails nothing is written, the transfer is resolved with attach's
+// error and Write returns that error. The transfer resolves when the
+// worker has returned from the last write (with the first error, if any);
+// Cancel skips the slots not yet written. Errors wrap
+// kvlease.ErrInvalidArgument (no blocks, a slot out of range, a block of
+// the wrong size) or ErrClosed.
+func (d *Disk) Write(writes []SlotWrite, attach func(*kvlease.Transfer) error) (*kvlease.Transfer, error) {
+	for _, w := range writes {
+		if err := d.checkSlot(w.Dst, len(w.Src)); err != nil {
+			return nil, err
+		}
+	}
+	return d.start(&diskJob{writes: writes}, len(writes), attach)
+}
+
+// Read reads each slot into its block, as Write does in the other
+// direction. A slot that does not hold a valid block with the expected
+// hash fails the read with ErrCorruptSlot (the worker stops there) and
+// stops serving hits: Lookup ends before it from then on.
+func (d *Disk) Read(reads []SlotRead, attach func(*kvlease.Transfer) error) (*kvlease.Transfer, error) {
+	for _, r := range reads {
+		if err := d.checkSlot(r.Src, len(r.Dst)); err != nil {
+			return nil, err
+		}
+	}
+	return d.start(&diskJob{reads: reads}, len(reads), attach)
+}
+
+func (d *Disk) checkSlot(s DiskSlot, n int) error {
+	if s < 0 || int(s) >= d.cfg.Slots || n != d.cfg.BlockBytes {
+		return fmt.Errorf("tiers: disk slot %d of %d with a block of %d bytes (want %d): %w",
+			s, d.cfg.Slots, n, d.cfg.BlockBytes, kvlease.ErrInvalidArgument)
+	}
+	return nil
+}
+
+func (d *Disk) start(j *diskJob, n int, attach func(*kvlease.Transfer) error) (*kvlease.Transfer, error) {
+	if n == 0 || attach == nil {
+		return nil, fmt.Errorf("tiers: disk job of %d blocks (attach set: %v): %w", n, attach != nil, kvlease.ErrInvalidArgument)
+	}
+	d.submit.RLock()
+	defer d.submit.RUnlock()
+	if d.closed {
+		return nil, fmt.Errorf("tiers: disk tier: %w", ErrClosed)
+	}
+	j.t = kvlease.NewTransfer(func() { j.canceled.Store(true) })
+	if err := attach(j.t); err != nil {
+		j.t.Resolve(err)
+		return j.t, err
+	}
+	d.jobs <- j
+	return j.t, nil
+}
+
+// work is one disk worker.
+func (d *Disk) work() {
+	defer d.workers.Done()
+	buf := alignedBuf(d.slotBytes)
+	for j := range d.jobs {
+		j.t.Resolve(d.run(j, buf))
+	}
+}
+
+// run does one job; its error is the transfer's outcome.
+func (d *Disk) run(j *diskJob, buf []byte) error {
+	for i := range j.writes {
+		w := &j.writes[i]
+		if j.canceled.Load() {
+			return fmt.Errorf("tiers: disk write canceled before slot %d: %w", w.Dst, ErrCanceled)
+		}
+		if d.cfg.BeforeIO != nil {
+			if err := d.cfg.BeforeIO(true, w.Dst); err != nil {
+				return err
+			}
+		}
+		d.encode(buf, w)
+		f, off := d.at(w.Dst)
+		if _, err := f.WriteAt(buf, off); err != nil {
+			return fmt.Errorf("tiers: disk write of slot %d: %w", w.Dst, err)
+		}
+		d.mu.Lock()
+		delete(d.bad, w.Dst)
+		d.mu.Unlock()
+	}
+	for i := range j.reads {
+		r := &j.reads[i]
+		if j.canceled.Load() {
+			return fmt.Errorf("tiers: disk read canceled before slot %d: %w", r.Src, ErrCanceled)
+		}
+		if d.cfg.BeforeIO != nil {
+			if err := d.cfg.BeforeIO(false, r.Src); err != nil {
+				return err
+			}
+		}
+		f, off := d.at(r.Src)
+		if _, err := f.ReadAt(buf, off); err != nil {
+			return fmt.Errorf("tiers: disk read of slot %d: %w", r.Src, err)
+		}
+		if h, _, _, ok := d.decode(buf); !ok || h != r.Hash {
+			d.mu.Lock()
+			d.bad[r.Src] = r.Hash
+			d.mu.Unlock()
+			return fmt.Errorf("tiers: disk slot %d (want block %016x): %w", r.Src, uint64(r.Hash), ErrCorruptSlot)
+		}
+		copy(r.Dst, buf[headerSize:headerSize+d.cfg.BlockBytes])
+	}
+	return nil
+}
+
+// isBad reports whether slot s failed a read while it should hold h.
+func (d *Disk) isBad(s DiskSlot, h kvlease.BlockHash) bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	bh, ok := d.bad[s]
+	return ok && bh == h
+}
+
+// Lookup acquires the disk tier's hits for hashes: the longest prefix
+// findable on disk, ending before any slot that failed a read. nil when
+// nothing hits. The caller reads the slots and releases the lease.
+func (d *Disk) Lookup(owner string, hashes []kvlease.BlockHash) *kvlease.Lease[DiskSlot] {
+	l, err := d.pool.AcquireHits(owner, hashes)
+	if err != nil || l == nil {
+		return nil
+	}
+	for k := range l.Len() {
+		if d.isBad(DiskSlot(l.Ref(k).ID), hashes[k]) {
+			l.Release()
+			if k == 0 {
+				return nil
+			}
+			l, err = d.pool.AcquireHits(owner, hashes[:k])
+			if err != nil {
+				return nil
+			}
+			return l
+		}
+	}
+	return l
+}
+
+// Close stops the workers once the queued jobs are done (their transfers
+// resolve) and closes the files. Close the disk after every cache using it.
+func (d *Disk) Close() error {
+	d.submit.Lock()
+	if d.closed {
+		d.submit.Unlock()
+		return nil
+	}
+	d.closed = true
+	close(d.jobs)
+	d.submit.Unlock()
+	d.workers.Wait()
+	_ = d.pool.Close()
+	return d.closeFiles()
+}
+
+func (d *Disk) closeFiles() error {
+	var errs []error
+	for _, f := range d.files {
+		errs = append(errs, f.Close())
+	}
+	d.files = nil
+	return errors.Join(errs...)
+}
+
+// ErrCanceled is the outcome of a disk job whose transfer was canceled
+// before it finished: the slots after the cancel were not touched.
+var ErrCanceled = errors.New("tiers: canceled")
+
+// alignedBuf returns n bytes aligned for O_DIRECT.
+func alignedBuf(n int) []byte {
+	b := make([]byte, n+diskAlign)
+	off := diskAlign - int(uintptr(unsafe.Pointer(unsafe.SliceData(b)))%diskAlign)
+	if off == diskAlign {
+		off = 0
+	}
+	return b[off : off+n : off+n]
+}

@@ -1,0 +1,50 @@
+// Package tiers is a tiered KV cache over kvlease pools: a device pool
+// (G1), a pinned host pool (G2) and an optional disk tier (G3), as vLLM's
+// offloading connector, SGLang's HiCache and Dynamo's KVBM keep more KV
+// than fits in device memory.
+//
+// # Offload
+//
+// Every copy between tiers is a kvlease.Transfer that gates both sides: a
+// Read on the source block (it stays out of reuse until the copy
+// resolves) and a Write on the destination (it cannot be sealed or hit
+// while in flux). A destination block is sealed in its tier, and so
+// becomes findable there, only once its copy has resolved without error:
+// a failed or quarantined copy leaves the lower tier without the block.
+//
+// With WriteBack (the default), the device pool's eviction hook
+// (kvlease.Pool.SetEvictHook) offers each eviction victim it can spare;
+// the cache copies it into a fresh host block and lets it drain. The
+// evicting acquire is never blocked by the copy: it takes another victim.
+// With WriteThrough, Cache.Seal copies each block to the host as it is
+// sealed. The host pool's victims go to the disk tier the same way
+// (write-back) when there is one.
+//
+// # Onboard
+//
+// Cache.Acquire finds the longest prefix across the tiers, device hits
+// first, then host hits, then disk hits, in chain order, pins the lower
+// tiers' blocks, and returns an Onboard: a device lease whose onboarded
+// blocks are gated by Write transfers until their copies resolve. The
+// caller can wait (Onboard.Ready, Onboard.Wait with a context) or compute
+// the fresh rest of the lease meanwhile. Disk hits travel through a host
+// staging block, which joins the host tier. kvlease.Pool.AcquireHits is
+// the primitive underneath: exactly the cached prefix, no fresh blocks.
+//
+// # Disk
+//
+// A Disk keeps fixed-size slots in preallocated files, read and written by
+// a bounded pool of workers (pread/pwrite, O_DIRECT where the file system
+// allows). Each slot records its block hash, its parent hash and a
+// checksum, so a torn or corrupted slot is a miss, never wrong KV. OpenDisk
+// rebuilds the index by scanning the files: the tier survives a restart.
+//
+// # Metrics and events
+//
+// Cache.Stats counts, per tier, hits, blocks offloaded into it, blocks
+// onboarded from it, copy failures and offers dropped. For KV events,
+// give each pool its own publisher source with the tier's medium
+// (Tier.Medium: "GPU", "CPU", "DISK"): the device pool reports a block
+// removed when it is evicted, the host pool reports it stored when its
+// copy is sealed there.
+package tiers

@@ -1,0 +1,287 @@
+package tiers
+
+import (
+	"context"
+	"fmt"
+	"sync/atomic"
+
+	"github.com/kvlease/kvlease"
+)
+
+// Onboard is the result of Cache.Acquire: a device lease whose first
+// blocks are the prefix found across the tiers, and the copies bringing
+// the lower tiers' blocks in.
+//
+// Blocks 0..Hits(TierDevice)-1 are device hits, usable at once. The next
+// Hits(TierHost) blocks are being copied from the host tier, the next
+// Hits(TierDisk) from the disk tier (through a host staging block, which
+// also brings them back into the host tier). Until those copies resolve,
+// the onboarded blocks are gated by Write transfers: nobody can Seal them
+// or hit them, and their content must not be read. The rest of the lease
+// is fresh: the caller may compute into it at once.
+//
+// Ready is closed once every copy has resolved; Valid then says how many
+// leading blocks hold the prefix's content (all the hits, unless a copy
+// failed: the blocks after a failure hold nothing and must be computed).
+// The cache seals the onboarded valid blocks on the device when they
+// arrive, so later lookups hit them there. A copy that is quarantined
+// never resolves: Ready stays open, and the caller gives up through
+// Wait's context (then Abort the lease: its blocks stay quarantined until
+// late evidence).
+type Onboard[D any] struct {
+	Lease *kvlease.Lease[D]
+
+	hits  [numTiers]int
+	valid atomic.Int64
+	ready chan struct{}
+	err   error // set before ready closes
+}
+
+// Hits returns how many blocks of the prefix tier t supplied.
+func (o *Onboard[D]) Hits(t Tier) int { return o.hits[t] }
+
+// Prefix returns the length of the prefix found across all tiers.
+func (o *Onboard[D]) Prefix() int { return o.hits[TierDevice] + o.hits[TierHost] + o.hits[TierDisk] }
+
+// Ready returns a channel closed once every onboarding copy has resolved.
+func (o *Onboard[D]) Ready() <-chan struct{} { return o.ready }
+
+// Valid returns how many leading blocks of the lease hold the prefix's
+// content now: the device hits until Ready, then every block whose copy
+// succeeded (up to the first failure).
+func (o *Onboard[D]) Valid() int { return int(o.valid.Load()) }
+
+// Wait waits until Ready or ctx ends and returns Valid. The error is
+// ctx's, or the first copy failure (Valid then is shorter than Prefix).
+func (o *Onboard[D]) Wait(ctx context.Context) (int, error) {
+	select {
+	case <-o.ready:
+		return o.Valid(), o.err
+	case <-ctx.Done():
+		return o.Valid(), ctx.Err()
+	}
+}
+
+// Acquire looks hashes up across the tiers and returns a device lease of
+// n blocks (all or nothing, like kvlease.Pool.AcquirePrefix): the device's
+// cached prefix, then the host tier's hits for the following hashes, then
+// the disk tier's, in chain order, then fresh blocks. Hits below the device
+// are onboarded asynchronously (see Onboard). Only the first n hashes are
+// looked up. Errors are the device pool's AcquirePrefix errors, or
+// ErrClosed.
+func (c *Cache[D]) Acquire(owner string, hashes []kvlease.BlockHash, n int) (*Onboard[D], error) {
+	c.mu.Lock()
+	closed := c.closed
+	c.mu.Unlock()
+	if closed {
+		return nil, fmt.Errorf("tiers: acquire for %q: %w", owner, ErrClosed)
+	}
+	if len(hashes) > n {
+		hashes = hashes[:max(n, 0)]
+	}
+	l, d, err := c.dev.AcquirePrefix(owner, hashes, n)
+	if err != nil {
+		return nil, err
+	}
+	o := &Onboard[D]{Lease: l, ready: make(chan struct{})}
+	o.hits[TierDevice] = d
+	o.valid.Store(int64(d))
+	c.stats.queried.Add(uint64(len(hashes)))
+	c.stats.tiers[TierDevice].hits.Add(uint64(d))
+	rest := hashes[d:]
+
+	// Pin the host hits and the disk hits (and host staging blocks for
+	// the latter) before anything else can evict them.
+	hl, _ := c.host.AcquireHits(owner, rest)
+	h := 0
+	if hl != nil {
+		h = hl.Len()
+	}
+	var dl *kvlease.Lease[DiskSlot]
+	var stage *kvlease.Lease[[]byte]
+	m := 0
+	if c.disk != nil && h < len(rest) {
+		if dl = c.disk.Lookup(owner, rest[h:]); dl != nil {
+			if stage, err = c.host.Acquire(ownerStage, dl.Len()); err != nil {
+				dl.Release()
+				dl, stage = nil, nil
+			} else {
+				m = dl.Len()
+			}
+		}
+	}
+	o.hits[TierHost], o.hits[TierDisk] = h, m
+	keepReserve(c.dev, c.devReserve, &c.devInflight)
+	c.stats.tiers[TierHost].hits.Add(uint64(h))
+	c.stats.tiers[TierDisk].hits.Add(uint64(m))
+	if h+m == 0 {
+		close(o.ready)
+		return o, nil
+	}
+
+	// One gate of our own over every onboarded block, a Write: nobody
+	// seals or hits them until the copies are attached and resolved. The
+	// gate touches no memory itself, so a cancel (the caller aborted) may
+	// resolve it at once; the copies' own attachments still hold.
+	var canceled atomic.Bool
+	var gate *kvlease.Transfer
+	gate = kvlease.NewTransfer(func() { canceled.Store(true); gate.Resolve(ErrCanceled) })
+	if err := l.AttachRange(gate, d, d+h+m, kvlease.Write); err != nil {
+		gate.Resolve(err) // cannot happen: l is new and its blocks fresh
+	}
+
+	var ht *kvlease.Transfer
+	if h > 0 {
+		ht = c.copyIn(hl, l, 0, d, h)
+		hl.Release()
+	}
+	var dt *kvlease.Transfer
+	if m > 0 {
+		dt = c.readDisk(dl, stage, rest[h:h+m])
+		dl.Release()
+	}
+	done := func(t *kvlease.Transfer) bool {
+		if t == nil {
+			return false
+		}
+		select {
+		case <-t.Done():
+			return t.Err() == nil
+		case <-c.stop:
+			return false
+		}
+	}
+	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		gate.Resolve(ErrClosed)
+		if stage != nil {
+			stage.Release()
+		}
+		close(o.ready)
+		return o, nil
+	}
+	c.wg.Add(1)
+	c.mu.Unlock()
+	go func() {
+		defer c.wg.Done()
+		valid := d
+		var firstErr error
+		fail := func(t *kvlease.Transfer, tier Tier, blocks int, what string) {
+			c.stats.tiers[tier].failures.Add(uint64(blocks))
+			if firstErr == nil {
+				var cause error = ErrClosed
+				if t != nil && t.Err() != nil {
+					cause = t.Err()
+				}
+				firstErr = fmt.Errorf("tiers: onboard %d blocks from %s: %w", blocks, what, cause)
+			}
+		}
+		hostOK := h == 0 || done(ht)
+		if h > 0 {
+			if hostOK {
+				valid += h
+				c.stats.tiers[TierHost].onboarded.Add(uint64(h))
+			} else {
+				fail(ht, TierHost, h, "host")
+			}
+		}
+		if m > 0 {
+			diskOK := done(dt)
+			if diskOK {
+				// The staging blocks hold the disk's content: they join
+				// the host tier, then go on to the device.
+				for k, hh := range rest[h : h+m] {
+					if stage.Seal(k, hh) != nil {
+						diskOK = false
+						break
+					}
+				}
+			} else {
+				fail(dt, TierDisk, m, "disk")
+			}
+			if diskOK {
+				var t2 *kvlease.Transfer
+				if !canceled.Load() {
+					t2 = c.copyIn(stage, l, 0, d+h, m)
+				}
+				stage.Release()
+				if done(t2) {
+					c.stats.tiers[TierDisk].onboarded.Add(uint64(m))
+					if hostOK {
+						valid += m
+					}
+				} else {
+					fail(t2, TierDisk, m, "disk (via host)")
+				}
+			} else {
+				stage.Release()
+			}
+		}
+		gate.Resolve(nil)
+		for k := d; k < valid; k++ {
+			parent := kvlease.BlockHash(0)
+			if k > 0 {
+				parent = hashes[k-1]
+			}
+			if c.Seal(l, k, parent, hashes[k]) != nil {
+				break // closed by the caller, or sealed by it already
+			}
+		}
+		o.valid.Store(int64(valid))
+		o.err = firstErr
+		close(o.ready)
+	}()
+	return o, nil
+}
+
+// copyIn starts the onload of blocks src[from:from+n] into dst[at:at+n]
+// (a Read on the source, a Write on the destination) and returns its
+// transfer, or nil if it could not start.
+func (c *Cache[D]) copyIn(src *kvlease.Lease[[]byte], dst *kvlease.Lease[D], from, at, n int) *kvlease.Transfer {
+	pairs := make([]kvlease.CopyPair[[]byte, D], n)
+	for k := range n {
+		s, err1 := c.host.Region(src.Ref(from + k))
+		d, err2 := c.dev.Region(dst.Ref(at + k))
+		if err1 != nil || err2 != nil {
+			return nil
+		}
+		pairs[k] = kvlease.CopyPair[[]byte, D]{Src: s, Dst: d}
+	}
+	t, err := c.onload.Start(pairs, func(t *kvlease.Transfer) error {
+		if err := src.AttachRange(t, from, from+n, kvlease.Read); err != nil {
+			return err
+		}
+		return dst.AttachRange(t, at, at+n, kvlease.Write)
+	})
+	if err != nil {
+		if t != nil && t.State() == kvlease.TransferResolved {
+			return t // resolved with the error: done() reports it
+		}
+		return nil
+	}
+	return t
+}
+
+// readDisk starts reading the disk lease's slots into the staging lease
+// and returns the transfer, or nil if it could not start.
+func (c *Cache[D]) readDisk(dl *kvlease.Lease[DiskSlot], stage *kvlease.Lease[[]byte], hashes []kvlease.BlockHash) *kvlease.Transfer {
+	reads := make([]SlotRead, len(hashes))
+	for k := range hashes {
+		dst, err := c.host.Region(stage.Ref(k))
+		if err != nil {
+			return nil
+		}
+		reads[k] = SlotRead{Src: DiskSlot(dl.Ref(k).ID), Dst: dst, Hash: hashes[k]}
+	}
+	t, err := c.disk.Read(reads, func(t *kvlease.Transfer) error {
+		if err := dl.AttachRange(t, 0, len(hashes), kvlease.Read); err != nil {
+			return err
+		}
+		return stage.AttachRange(t, 0, len(hashes), kvlease.Write)
+	})
+	if err != nil && (t == nil || t.State() != kvlease.TransferResolved) {
+		return nil
+	}
+	return t
+}
