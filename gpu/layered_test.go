@@ -21,12 +21,12 @@ type countingStream struct {
 	ops         int
 }
 
-func (s *countingStream) submit(ops []copyOp, canceled *atomic.Bool) (fence, error, error) {
+func (s *countingStream) submit(ops []copyOp, kind copyKind, canceled *atomic.Bool) (fence, error, error) {
 	s.mu.Lock()
 	s.submissions++
 	s.ops += len(ops)
 	s.mu.Unlock()
-	return s.stream.submit(ops, canceled)
+	return s.stream.submit(ops, kind, canceled)
 }
 
 func (s *countingStream) counts() (int, int) {

@@ -225,7 +225,13 @@ func TestOffloadFailureLeavesHostWithoutBlock(t *testing.T) {
 	settle(t, r.host)
 	settle(t, r.dev)
 	require.Zero(t, r.host.CachedPrefix(a))
-	require.EqualValues(t, 4, r.c.Stats().Tiers[TierHost].CopyFailures)
+	// a's four blocks were offered and failed; whether b's were offered
+	// too (to refill the reserve) depends on when a's failures resolved,
+	// so count what is certain: every offered block failed, none landed.
+	hs := r.c.Stats().Tiers[TierHost]
+	require.GreaterOrEqual(t, hs.CopyFailures, uint64(4))
+	require.Zero(t, hs.Offloaded)
+	require.Zero(t, r.host.Stats().Cached, "a failed copy is never findable in the host")
 	require.Equal(t, 8, r.dev.Stats().Free+r.dev.Stats().Cached)
 }
 
