@@ -48,7 +48,8 @@ type DestinationConfig[R any] struct {
 }
 
 // NewDestination returns the destination half over pool and plane. The
-// envelope must be valid and its BlockBytes equal the pool's
+// envelope must be valid, its BlockBytes equal the pool's and its Layout
+// name the pool's layout if the pool's memory describes one
 // (ErrInvalidArgument).
 func NewDestination[R any](pool *kvlease.Pool[R], plane RecvPlane[R], cfg DestinationConfig[R]) (*Destination[R], error) {
 	if pool == nil || plane == nil {
@@ -59,6 +60,9 @@ func NewDestination[R any](pool *kvlease.Pool[R], plane RecvPlane[R], cfg Destin
 	}
 	if pool.BlockBytes() != cfg.Envelope.BlockBytes {
 		return nil, fmt.Errorf("kvlease: handoff destination: pool blocks of %d bytes, envelope %d: %w", pool.BlockBytes(), cfg.Envelope.BlockBytes, kvlease.ErrInvalidArgument)
+	}
+	if err := checkMemoryLayout("destination", pool.Memory(), cfg.Envelope); err != nil {
+		return nil, err
 	}
 	return &Destination[R]{pool: pool, plane: plane, cfg: cfg}, nil
 }
@@ -167,7 +171,7 @@ func (s *session[R]) propose(m *ProposeMsg) {
 	var err error
 	switch {
 	case m.Envelope != d.cfg.Envelope.Fingerprint():
-		err = fmt.Errorf("kvlease: handoff %d: envelope fingerprint %016x, ours %016x: %w", m.ID, m.Envelope, d.cfg.Envelope.Fingerprint(), kvlease.ErrInvalidArgument)
+		err = envelopeMismatch(m.ID, m.Envelope, d.cfg.Envelope)
 	case in.n > d.cfg.Envelope.BlocksFor(d.cfg.Envelope.MaxContextTokens):
 		err = fmt.Errorf("kvlease: handoff %d: %d blocks exceed a maximum-context request: %w", m.ID, in.n, kvlease.ErrExceedsCapacity)
 	case d.cfg.Decide != nil:

@@ -8,6 +8,7 @@ import (
 	"github.com/cespare/xxhash/v2"
 
 	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/layout"
 )
 
 // An Envelope is the operating limits of a serving deployment: how big a
@@ -47,6 +48,18 @@ type Envelope struct {
 	// MaxRunningRequests is the most requests running at once. Each holds
 	// at least one block.
 	MaxRunningRequests int
+	// Layout, if set, is the per-layer geometry of a block: how many
+	// layers and pieces per layer it has, the bytes of one piece and the
+	// element geometry (Tag). Only that counts (Layout.Fingerprint):
+	// Blocks and the strides are each pool's own arrangement, so a
+	// layer-separated device pool and a block-contiguous host pool agree
+	// when their pieces do. Leave it zero for pools whose blocks are
+	// opaque spans of BlockBytes; a pool whose memory describes a layout
+	// (it has a Layout() layout.Layout method, as gpu's layered memories
+	// and layout.Host do) needs its geometry named here, so that both
+	// sides of a handoff compare it: Propose and the halves refuse a
+	// mismatch (see layout.go).
+	Layout layout.Layout
 }
 
 // EnvelopeError reports every problem found in one envelope, or every
@@ -114,7 +127,9 @@ func blocksFor(tokens, blockTokens int) int {
 //     BlockTokens);
 //   - a maximum-context request fits in the pool;
 //   - the prefill chunk is no larger than the context;
-//   - every running request can hold at least one block.
+//   - every running request can hold at least one block;
+//   - a Layout, if set, has positive layers, pieces per layer and piece
+//     size, and its pieces add up to BlockBytes.
 func (e Envelope) Validate() error {
 	var ee *EnvelopeError
 	positive := func(field string, v int) bool {
@@ -156,8 +171,21 @@ func (e Envelope) Validate() error {
 		fail("MaxRunningRequests", "%d running requests need at least one block each, the pool has %d (PoolBlocks)",
 			e.MaxRunningRequests, e.PoolBlocks)
 	}
+	if e.HasLayout() {
+		l := e.Layout
+		switch {
+		case l.Layers <= 0 || l.KVs <= 0 || l.PieceBytes <= 0:
+			fail("Layout", "%d layers × %d pieces of %d bytes: all must be positive", l.Layers, l.KVs, l.PieceBytes)
+		case bb && l.BlockBytes() != e.BlockBytes:
+			fail("Layout", "%d layers × %d pieces of %d bytes make %d-byte blocks, BlockBytes is %d",
+				l.Layers, l.KVs, l.PieceBytes, l.BlockBytes(), e.BlockBytes)
+		}
+	}
 	return ee.err()
 }
+
+// HasLayout reports whether the envelope names a per-layer layout.
+func (e Envelope) HasLayout() bool { return e.Layout != layout.Layout{} }
 
 // BlocksFor returns the number of blocks that hold tokens tokens:
 // ceil(tokens / BlockTokens). It returns 0 for tokens ≤ 0 and panics if
@@ -239,7 +267,9 @@ var envelopeFields = [...]struct {
 // (listing each component's value) and every problem Validate finds in a
 // component's envelope (prefixed with the component's name). Every field
 // must be equal except PoolBlocks: pools may differ in size, but each must
-// hold a maximum-context request and every running request.
+// hold a maximum-context request and every running request. Of the
+// Layout, only the geometry must be equal (layers, pieces per layer,
+// piece size, Tag): strides and block counts are each pool's own.
 //
 // At least one component is needed, and names must be non-empty and
 // distinct (ErrInvalidArgument otherwise).
@@ -276,6 +306,21 @@ func AgreeEnvelopes(components ...NamedEnvelope) error {
 		}
 		ee.add(f.name, "%s", b.String())
 	}
+	layoutsDiffer := false
+	for _, c := range components[1:] {
+		if !sameGeometry(c.Envelope, components[0].Envelope) {
+			layoutsDiffer = true
+			break
+		}
+	}
+	if layoutsDiffer {
+		var b strings.Builder
+		b.WriteString("components disagree:")
+		for _, c := range components {
+			fmt.Fprintf(&b, " %s=%s", c.Name, geometry(c.Envelope))
+		}
+		ee.add("Layout", "%s", b.String())
+	}
 	for _, c := range components {
 		var ce *EnvelopeError
 		if err := c.Envelope.Validate(); err != nil {
@@ -291,14 +336,21 @@ func AgreeEnvelopes(components ...NamedEnvelope) error {
 	return ee.err()
 }
 
-// Fingerprint returns a hash of the fields AgreeEnvelopes compares (every
-// field but PoolBlocks). Two processes whose envelopes agree have equal
-// fingerprints; a destination refuses a proposal whose fingerprint
-// differs from its own.
+// Fingerprint returns a hash of what AgreeEnvelopes compares: every
+// field but PoolBlocks, and of the Layout only its geometry
+// (layout.Layout.Fingerprint). Two processes whose envelopes agree have
+// equal fingerprints; a destination refuses a proposal whose fingerprint
+// differs from its own, so a layout mismatch is refused at propose time.
+// An envelope without a Layout has the fingerprint it had before layouts
+// existed.
 func (e Envelope) Fingerprint() uint64 {
-	var b [8 * len(envelopeFields)]byte
+	var b [8*len(envelopeFields) + 8]byte
 	for i, f := range envelopeFields {
 		binary.LittleEndian.PutUint64(b[8*i:], uint64(f.get(e)))
 	}
+	if !e.HasLayout() {
+		return xxhash.Sum64(b[:8*len(envelopeFields)])
+	}
+	binary.LittleEndian.PutUint64(b[8*len(envelopeFields):], e.Layout.Fingerprint())
 	return xxhash.Sum64(b[:])
 }

@@ -337,9 +337,10 @@ type Handoff[S, D any] struct {
 // now) to the pool dst. Nothing is acquired yet; the destination answers
 // with Accept or Reject. Errors, and no handoff:
 //
-//   - ErrInvalidArgument: a nil lease or pool, an invalid envelope, or
+//   - ErrInvalidArgument: a nil lease or pool, an invalid envelope,
 //     pools whose block sizes differ from each other or from the
-//     envelope's BlockBytes;
+//     envelope's BlockBytes, or whose per-layer layouts differ from each
+//     other or from the envelope's Layout (see layout.go);
 //   - ErrLeaseClosed: src is already released or aborted;
 //   - ErrExceedsCapacity: src holds more blocks than a maximum-context
 //     request under the envelope.
@@ -357,6 +358,9 @@ func Propose[S, D any](src *kvlease.Lease[S], dst *kvlease.Pool[D], cfg Config) 
 	if sb != db || sb != eb {
 		return nil, fmt.Errorf("kvlease: propose handoff of lease %d (%s): block sizes differ: source pool %d bytes, destination pool %d bytes, envelope %d bytes: %w",
 			src.ID(), src.Owner(), sb, db, eb, kvlease.ErrInvalidArgument)
+	}
+	if err := checkLayouts("source", "destination", src.Pool().Memory(), dst.Memory(), cfg.Envelope); err != nil {
+		return nil, fmt.Errorf("kvlease: propose handoff of lease %d (%s): %w", src.ID(), src.Owner(), err)
 	}
 	n := src.Len()
 	if limit := cfg.Envelope.BlocksFor(cfg.Envelope.MaxContextTokens); n > limit {

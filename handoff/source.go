@@ -77,7 +77,8 @@ type Outgoing[R any] struct {
 // Propose offers all blocks of src (as they are now) under handoff id id,
 // with the chained hashes of its full blocks (at most src.Len()), which
 // the destination uses to take its own cache hits. Errors, and no
-// handoff: ErrInvalidArgument (nil lease, too many hashes), ErrLeaseClosed,
+// handoff: ErrInvalidArgument (nil lease, too many hashes, a pool whose
+// layout the envelope does not name), ErrLeaseClosed,
 // ErrExceedsCapacity (more blocks than a maximum-context request),
 // ErrState (id already used on this connection), ErrConnLost.
 func (s *Source[R]) Propose(id uint64, request string, src *kvlease.Lease[R], hashes []kvlease.BlockHash) (*Outgoing[R], error) {
@@ -86,6 +87,9 @@ func (s *Source[R]) Propose(id uint64, request string, src *kvlease.Lease[R], ha
 	}
 	if _, err := src.Region(0); errors.Is(err, kvlease.ErrLeaseClosed) {
 		return nil, fmt.Errorf("kvlease: handoff propose: %w", err)
+	}
+	if err := checkMemoryLayout("source", src.Pool().Memory(), s.cfg.Envelope); err != nil {
+		return nil, fmt.Errorf("kvlease: handoff propose %d: %w", id, err)
 	}
 	n := src.Len()
 	if limit := min(s.cfg.Envelope.BlocksFor(s.cfg.Envelope.MaxContextTokens), MaxBlocks); n > limit {
