@@ -255,3 +255,16 @@ func expand[S, D, PS, PD any](pairs []kvlease.CopyPair[S, D], dir string,
 	}
 	return out, nil
 }
+
+// Layout returns the layout of the block's memory (the zero Layout for
+// the zero block), so a HostBlock is a tcp.LayeredRegion: pinned host
+// blocks in a layout can cross a TCP handoff piece by piece.
+func (b HostBlock) Layout() layout.Layout {
+	if b.M == nil {
+		return layout.Layout{}
+	}
+	return b.M.lay
+}
+
+// Piece returns piece (layer, kv) of the block, as LayeredPinned.Piece.
+func (b HostBlock) Piece(layer, kv int) []byte { return b.M.Piece(b.ID, layer, kv) }

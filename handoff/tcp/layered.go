@@ -1,0 +1,301 @@
+package tcp
+
+import (
+	"bufio"
+	"encoding/binary"
+	"fmt"
+	"hash/crc32"
+	"io"
+	"net"
+	"sync"
+	"sync/atomic"
+
+	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/handoff"
+	"github.com/kvlease/kvlease/layout"
+)
+
+// The layered plane: pools whose blocks are per-layer pieces (a
+// layout.Layout over host memory: layout.Host, gpu's LayeredPinned) move a
+// block as all its pieces. It is a view over a Sender or a Receiver
+// (SendLayered, ReceiveLayered): the same dial, hello, tokens, listener,
+// stats, Close and evidence, one data connection and one Transfer per
+// handoff (per lease range), as the contiguous plane. Only the frames'
+// contents are gathered and scattered:
+//
+//   - the sender writes each block as one vectored write (writev on a TCP
+//     connection): the frame header and every piece of the block, in
+//     (layer, kv) order, straight from source memory; no copy and no
+//     allocation per piece or per block;
+//   - the receiver reads the frame into the block's pieces through one
+//     pooled read buffer per transfer (the pieces are scattered in its
+//     memory).
+//
+// The wire is the contiguous plane's: a block frame's length is the
+// layout's BlockBytes and its crc32c covers the pieces in (layer, kv)
+// order, i.e. the block in the contiguous layout. So the two planes
+// interoperate: a layered sender's blocks arrive block-contiguous in a
+// plain []byte pool, and a plain pool's blocks arrive in a layered one,
+// piece by piece. Which geometry both sides use is the handoff's
+// business: the envelope's Layout, compared at propose time.
+
+// LayeredRegion is a block in a layout, seen piece by piece: the region
+// type of a layered pool (layout.Block; gpu.HostBlock).
+type LayeredRegion interface {
+	// Layout returns the layout of the block's memory; the zero Layout
+	// for a zero region.
+	Layout() layout.Layout
+	// Piece returns piece (layer, kv) of the block.
+	Piece(layer, kv int) []byte
+}
+
+// LayeredSender is the layered view of a Sender: a
+// handoff.SendPlane[R] that sends each block as all its pieces.
+type LayeredSender[R LayeredRegion] struct{ s *Sender }
+
+// LayeredReceiver is the layered view of a Receiver: a
+// handoff.RecvPlane[R] on the receiver's listener.
+type LayeredReceiver[R LayeredRegion] struct{ r *Receiver }
+
+var (
+	_ handoff.SendPlane[layout.Block] = LayeredSender[layout.Block]{}
+	_ handoff.RecvPlane[layout.Block] = LayeredReceiver[layout.Block]{}
+)
+
+// SendLayered returns the layered view of s: its sends share s's
+// connections, stats and Close.
+func SendLayered[R LayeredRegion](s *Sender) LayeredSender[R] { return LayeredSender[R]{s} }
+
+// ReceiveLayered returns the layered view of r: prepared ids, the
+// listener, stats and Close are r's, so one listener serves contiguous
+// and layered handoffs alike.
+func ReceiveLayered[R LayeredRegion](r *Receiver) LayeredReceiver[R] { return LayeredReceiver[R]{r} }
+
+// regionsLayout returns the layout every region shares (its geometry:
+// layout.Layout.Compatible), or an error wrapping
+// kvlease.ErrInvalidArgument for a zero region or one that disagrees.
+func regionsLayout[R LayeredRegion](regions []R) (layout.Layout, error) {
+	var ref layout.Layout
+	for i, r := range regions {
+		l := r.Layout()
+		if l == (layout.Layout{}) {
+			return ref, fmt.Errorf("tcp: region %d has no layout: %w", i, kvlease.ErrInvalidArgument)
+		}
+		if i == 0 {
+			ref = l
+			continue
+		}
+		if err := ref.Compatible(l); err != nil {
+			return ref, fmt.Errorf("tcp: region %d: %w", i, err)
+		}
+	}
+	return ref, nil
+}
+
+// Send implements handoff.SendPlane as Sender.Send does, each block
+// written as its pieces. Regions whose layouts disagree are refused with
+// kvlease.ErrInvalidArgument before anything is dialled or attached.
+func (ls LayeredSender[R]) Send(id handoff.PlaneID, regions []R, accept []byte, attach func(*kvlease.Transfer) error) ([]byte, error) {
+	s := ls.s
+	addr, tok, err := parseAccept(accept)
+	if err != nil {
+		return nil, err
+	}
+	lay, err := regionsLayout(regions)
+	if err != nil {
+		return nil, err
+	}
+	raw, err := net.DialTimeout("tcp", addr, s.cfg.DialTimeout)
+	if err != nil {
+		return nil, fmt.Errorf("tcp: dial %s: %w", addr, err)
+	}
+	conn := s.cfg.wrap(raw)
+	var cancel atomic.Bool
+	t := kvlease.NewTransfer(func() { cancel.Store(true) })
+	if err := attach(t); err != nil {
+		_ = conn.Close()
+		t.Resolve(err) // nothing read the regions: evidence
+		return nil, err
+	}
+	s.mu.Lock()
+	s.conns[conn] = struct{}{}
+	s.mu.Unlock()
+	s.wg.Add(1)
+	s.stats.mu.Lock()
+	s.stats.s.Started++
+	s.stats.mu.Unlock()
+	go func() {
+		defer s.wg.Done()
+		n, err := writeLayered(conn, tok, regions, lay, &cancel)
+		_ = conn.Close()
+		s.mu.Lock()
+		delete(s.conns, conn)
+		s.mu.Unlock()
+		s.stats.outcome(err, n)
+		t.Resolve(err) // the loop has exited: no read of ours is in progress
+	}()
+	return nil, nil
+}
+
+func writeLayered[R LayeredRegion](conn net.Conn, tok [16]byte, regions []R, lay layout.Layout, cancel *atomic.Bool) (int64, error) {
+	bb := 0
+	if len(regions) > 0 {
+		bb = lay.BlockBytes()
+	}
+	var hdr [helloLength]byte
+	h := append(hdr[:0], 'K', 'D', version)
+	h = append(h, tok[:]...)
+	h = binary.LittleEndian.AppendUint32(h, uint32(len(regions)))
+	h = binary.LittleEndian.AppendUint32(h, uint32(bb))
+	if _, err := conn.Write(h); err != nil {
+		return 0, fmt.Errorf("tcp: hello: %w", err)
+	}
+	// One frame header, one iovec list and one Buffers for the whole
+	// transfer: a block costs one vectored write and no allocation.
+	fh := make([]byte, frameHeader)
+	bufs := make([][]byte, 0, 1+lay.PiecesPerBlock())
+	vec := new(net.Buffers)
+	var n int64
+	for i, r := range regions {
+		if cancel.Load() {
+			return n, fmt.Errorf("tcp: stopped before block %d of %d: %w", i, len(regions), ErrCanceled)
+		}
+		bufs = append(bufs[:0], fh)
+		var sum uint32
+		for l := range lay.Layers {
+			for kv := range lay.KVs {
+				p := r.Piece(l, kv)
+				if len(p) != lay.PieceBytes {
+					return n, fmt.Errorf("tcp: block %d of %d: piece (%d, %d) of %d bytes, want %d: %w",
+						i, len(regions), l, kv, len(p), lay.PieceBytes, kvlease.ErrInvalidArgument)
+				}
+				sum = crc32.Update(sum, castagnoli, p)
+				bufs = append(bufs, p)
+			}
+		}
+		binary.LittleEndian.PutUint32(fh[0:], uint32(i))
+		binary.LittleEndian.PutUint32(fh[4:], uint32(bb))
+		binary.LittleEndian.PutUint32(fh[8:], sum)
+		*vec = bufs
+		if _, err := vec.WriteTo(conn); err != nil {
+			return n, fmt.Errorf("tcp: block %d of %d: %w", i, len(regions), err)
+		}
+		n += int64(bb)
+	}
+	return n, nil
+}
+
+// Finish implements handoff.SendPlane: a push plane has its own evidence.
+func (LayeredSender[R]) Finish(handoff.PlaneID, error) {}
+
+// Prepare implements handoff.RecvPlane as Receiver.Prepare.
+func (lr LayeredReceiver[R]) Prepare(id handoff.PlaneID, blocks int) ([]byte, error) {
+	return lr.r.Prepare(id, blocks)
+}
+
+// Forget implements handoff.RecvPlane as Receiver.Forget.
+func (lr LayeredReceiver[R]) Forget(id handoff.PlaneID) { lr.r.Forget(id) }
+
+// Receive implements handoff.RecvPlane as Receiver.Receive does, each
+// block read into its pieces. Regions whose layouts disagree are refused
+// with kvlease.ErrInvalidArgument before anything is attached (the
+// prepared id is dropped, as for a wrong region count).
+func (lr LayeredReceiver[R]) Receive(id handoff.PlaneID, regions []R, _ []byte, attach func(*kvlease.Transfer) error) error {
+	r := lr.r
+	r.mu.Lock()
+	s := r.byID[id]
+	delete(r.byID, id)
+	r.mu.Unlock()
+	if s == nil {
+		return fmt.Errorf("tcp: receive: %v not prepared: %w", id, kvlease.ErrInvalidArgument)
+	}
+	if len(regions) != s.blocks {
+		r.dropSlot(s)
+		return fmt.Errorf("tcp: receive: %d regions for %d prepared blocks: %w", len(regions), s.blocks, kvlease.ErrInvalidArgument)
+	}
+	lay, err := regionsLayout(regions)
+	if err != nil {
+		r.dropSlot(s)
+		return fmt.Errorf("tcp: receive: %w", err)
+	}
+	cancel := make(chan struct{})
+	var once sync.Once
+	t := kvlease.NewTransfer(func() { once.Do(func() { close(cancel) }) })
+	if err := attach(t); err != nil {
+		r.dropSlot(s)
+		t.Resolve(err)
+		return err
+	}
+	r.stats.mu.Lock()
+	r.stats.s.Started++
+	r.stats.mu.Unlock()
+	r.wg.Add(1)
+	go func() {
+		defer r.wg.Done()
+		var n int64
+		var err error
+		select {
+		case c := <-s.conn:
+			p := c.(packed)
+			n, err = readLayered(p.Conn, regions, lay, cancel)
+			r.untrack(p.raw)
+		case <-cancel:
+			err = fmt.Errorf("tcp: canceled before the data connection came: %w", ErrCanceled)
+			r.dropSlot(s)
+		case <-r.stopped:
+			err = fmt.Errorf("tcp: receive: %w", ErrClosed)
+			r.dropSlot(s)
+		}
+		r.stats.outcome(err, n)
+		t.Resolve(err) // the loop has exited: no write of ours is in progress
+	}()
+	return nil
+}
+
+// readBufs pools the receivers' read buffers (one per running transfer).
+var readBufs = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, 64<<10) }}
+
+func readLayered[R LayeredRegion](c net.Conn, regions []R, lay layout.Layout, cancel <-chan struct{}) (int64, error) {
+	br := readBufs.Get().(*bufio.Reader)
+	br.Reset(c)
+	defer func() {
+		br.Reset(nil)
+		readBufs.Put(br)
+	}()
+	var fh [frameHeader]byte
+	var n int64
+	bb := lay.BlockBytes()
+	for i, r := range regions {
+		select {
+		case <-cancel:
+			return n, fmt.Errorf("tcp: stopped before block %d of %d: %w", i, len(regions), ErrCanceled)
+		default:
+		}
+		if _, err := io.ReadFull(br, fh[:]); err != nil {
+			return n, fmt.Errorf("tcp: block %d of %d: header: %w", i, len(regions), err)
+		}
+		idx, ln, want := binary.LittleEndian.Uint32(fh[0:]), binary.LittleEndian.Uint32(fh[4:]), binary.LittleEndian.Uint32(fh[8:])
+		if int(idx) != i || int(ln) != bb {
+			return n, fmt.Errorf("tcp: block %d of %d: frame says block %d of %d bytes, want %d: %w", i, len(regions), idx, ln, bb, ErrCorrupt)
+		}
+		var sum uint32
+		for l := range lay.Layers {
+			for kv := range lay.KVs {
+				p := r.Piece(l, kv)
+				if len(p) != lay.PieceBytes {
+					return n, fmt.Errorf("tcp: block %d of %d: piece (%d, %d) of %d bytes, want %d: %w",
+						i, len(regions), l, kv, len(p), lay.PieceBytes, kvlease.ErrInvalidArgument)
+				}
+				if _, err := io.ReadFull(br, p); err != nil {
+					return n, fmt.Errorf("tcp: block %d of %d, piece (%d, %d): %w", i, len(regions), l, kv, err)
+				}
+				sum = crc32.Update(sum, castagnoli, p)
+			}
+		}
+		if sum != want {
+			return n, fmt.Errorf("tcp: block %d of %d: crc32c %08x, frame says %08x: %w", i, len(regions), sum, want, ErrCorrupt)
+		}
+		n += int64(bb)
+	}
+	return n, nil
+}
