@@ -1,0 +1,73 @@
+package main
+
+import (
+	"bytes"
+	"regexp"
+	"strings"
+	"testing"
+)
+
+// TestRun runs the README's command and checks what it teaches: the hit
+// lengths per group, the trim under a pending offload, the layout round
+// trip in one submission per direction, and a clean marker check.
+func TestRun(t *testing.T) {
+	var out bytes.Buffer
+	n, err := run(&out, config{})
+	if err != nil {
+		t.Fatalf("%v\n%s", err, out.String())
+	}
+	s := out.String()
+	lines := strings.Split(strings.TrimSpace(s), "\n")
+	if last := lines[len(lines)-1]; last != "marker mismatches 0" || n != 0 {
+		t.Fatalf("last line %q, %d mismatches\n%s", last, n, s)
+	}
+	for _, want := range []string{
+		"admit A: 136 prompt tokens; cached prefix: full 0 blocks (0 tokens), swa 0 blocks (0 tokens); hit 0 tokens",
+		// The first trim happens while an offload reads the blocks: they
+		// drain, and come back cached once it resolves.
+		"A: offload of swa blocks 0-1 to host started",
+		"A token 136: swa window starts at block 2: trimmed blocks 0-1 (full leased 9 draining 0 cached 0 free 55, swa leased 3 draining 2 cached 0 free 27)",
+		"A: offload resolved: the trimmed blocks are back, cached for hits (full leased 9 draining 0 cached 0 free 55, swa leased 3 draining 0 cached 2 free 27)",
+		// Growth in every group.
+		"A token 160: full extends to 11 blocks",
+		"A token 160: swa extends to 6 blocks",
+		// One submission per direction for 12 blocks × 8 pieces.
+		"offload layer-separated → block-contiguous: 1 submission, 96 copies",
+		"onload block-contiguous → layer-separated: 1 submission, 96 copies",
+		// B shares the system prompt; the window group takes only the
+		// blocks of its window before the hit.
+		"admit B: 150 prompt tokens; cached prefix: full 6 blocks (96 tokens), swa 3 blocks (96 tokens); hit 96 tokens",
+		"  swa: shares blocks 1-2 (the 64 tokens before the hit), its lease starts at block 1, computes blocks 3-4",
+		// C has 112 tokens cached in the full group, but the hit valid in
+		// both groups is 96.
+		"admit C: 136 prompt tokens; cached prefix: full 7 blocks (112 tokens), swa 3 blocks (96 tokens); hit 96 tokens",
+		"release B, C: full leased 0 draining 0",
+	} {
+		if !strings.Contains(s, want) {
+			t.Errorf("output lacks %q", want)
+		}
+	}
+	if t.Failed() {
+		t.Log(s)
+	}
+	if strings.Contains(s, "MISMATCH") {
+		t.Fatalf("mismatches reported:\n%s", s)
+	}
+}
+
+// TestCorruptionIsCaught flips one byte of a cached block shared by B and
+// C: the marker check must see it where the block is shared.
+func TestCorruptionIsCaught(t *testing.T) {
+	var out bytes.Buffer
+	n, err := run(&out, config{corrupt: true})
+	if err != nil {
+		t.Fatalf("%v\n%s", err, out.String())
+	}
+	s := out.String()
+	if n == 0 || !strings.Contains(s, "MISMATCH B: group full block 2 layer 1 kv 1") {
+		t.Fatalf("%d mismatches for a corrupted shared block:\n%s", n, s)
+	}
+	if !regexp.MustCompile(`marker mismatches [1-9][0-9]*\n$`).MatchString(s) {
+		t.Fatalf("last line does not report the mismatches:\n%s", s)
+	}
+}
