@@ -2,25 +2,24 @@
 // package's CPU fallback: full-attention layers with 16-token blocks and
 // sliding-window layers (a 64-token window) with 32-token blocks, one pool
 // per KV-cache group, each in a per-layer layout (vLLM's
-// [2, blocks, block_tokens, heads, dim] tensors). It shows
+// [2, blocks, block_tokens, heads, dim] tensors). Run it with
+//
+//	go run ./examples/hybrid
+//
+// It shows:
 //
 //   - admission in both groups at once (groups.Coordinator), with one
 //     prefix hit length valid for both: the full group needs the whole
 //     prefix cached, the window group only the blocks of the window
 //     before the hit;
-//
 //   - decode growth (Extend in every group) and the window group trimming
 //     the blocks that fell out of its window, while an offload copy still
 //     reads them: they drain and come back (cached) only when it resolves;
-//
 //   - a layout round trip through the copy engine: layer-separated device
 //     blocks offloaded to block-contiguous pinned host blocks and onloaded
 //     into fresh device blocks, each direction one submission;
-//
 //   - markers: every sealed block's pieces are a function of its prefix
 //     hash, group, layer and K/V, checked wherever they show up.
-//
-//     go run ./examples/hybrid
 //
 // The last line is `marker mismatches N` (scripts read it; N is 0).
 package main
