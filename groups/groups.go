@@ -64,6 +64,35 @@ type Coordinator[R any] struct {
 	groups []Group[R]
 	align  int // least common multiple of the groups' block tokens
 	mu     sync.Mutex
+	// slab hands out Requests requestSlab at a time (one allocation per
+	// requestSlab admissions, as the pools carve their leases); spare is
+	// a Request a failed admission gave back. Guarded by mu.
+	slab  []Request[R]
+	spare *Request[R]
+}
+
+// requestSlab is how many Requests one allocation holds. A Request that
+// stays reachable keeps its slab's memory (a few KiB) alive.
+const requestSlab = 32
+
+// newRequest returns a zero Request. Called with c.mu held.
+func (c *Coordinator[R]) newRequest() *Request[R] {
+	if r := c.spare; r != nil {
+		c.spare = nil
+		return r
+	}
+	if len(c.slab) == 0 {
+		c.slab = make([]Request[R], requestSlab)
+	}
+	r := &c.slab[0]
+	c.slab = c.slab[1:]
+	return r
+}
+
+// giveBack returns a Request no caller has seen. Called with c.mu held.
+func (c *Coordinator[R]) giveBack(r *Request[R]) {
+	*r = Request[R]{}
+	c.spare = r
 }
 
 // New returns a coordinator over groups (at least one, at most 8). Errors
@@ -244,9 +273,10 @@ func (c *Coordinator[R]) Admit(owner string, hashes [][]kvlease.BlockHash, token
 	case hashes != nil && len(hashes) != len(c.groups):
 		return nil, 0, fmt.Errorf("groups: admit %q: hashes for %d groups, have %d: %w", owner, len(hashes), len(c.groups), ErrInvalidArgument)
 	}
-	r := &Request[R]{c: c, owner: owner, n: len(c.groups), tokens: tokens}
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	r := c.newRequest()
+	*r = Request[R]{c: c, owner: owner, n: len(c.groups), tokens: tokens}
 
 	// The longest hit the hashes allow in every group.
 	limit := tokens
@@ -264,6 +294,7 @@ func (c *Coordinator[R]) Admit(owner string, hashes [][]kvlease.BlockHash, token
 	// window before it.
 	hit, ok, err := c.take(r, hashes, limit, true)
 	if err != nil {
+		c.giveBack(r)
 		return nil, 0, err
 	}
 	for try := 0; !ok; try++ {
@@ -274,6 +305,7 @@ func (c *Coordinator[R]) Admit(owner string, hashes [][]kvlease.BlockHash, token
 			hit = c.plan(hashes, limit)
 		}
 		if hit, ok, err = c.take(r, hashes, hit, false); err != nil {
+			c.giveBack(r)
 			return nil, 0, err
 		}
 	}

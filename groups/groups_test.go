@@ -241,3 +241,35 @@ func TestTrimUnderTransfer(t *testing.T) {
 	<-r.Settled()
 	require.NoError(t, sw.Check())
 }
+
+// Requests come from slabs, and a failed admission hands its Request to
+// the next one: every admitted Request is its own, with nothing left from
+// a failure or from its slab neighbours.
+func TestAdmitRequestsAreDistinct(t *testing.T) {
+	c, full, sw := hybrid(t, 256, 512)
+	seen := map[*groups.Request[[]byte]]bool{}
+	var held []*groups.Request[[]byte]
+	for i := range 100 {
+		if i%3 == 0 {
+			_, _, err := c.Admit("too-big", nil, 1<<20)
+			require.ErrorIs(t, err, kvlease.ErrExceedsCapacity)
+		}
+		owner := string(rune('a' + i%26))
+		r, hit, err := c.Admit(owner, nil, 16)
+		require.NoError(t, err)
+		require.Zero(t, hit)
+		require.False(t, seen[r], "request %d reuses an admitted Request", i)
+		seen[r] = true
+		require.Equal(t, owner, r.Owner())
+		require.Equal(t, 16, r.Tokens())
+		require.Equal(t, 1, r.Lease(0).Len())
+		require.Equal(t, 2, r.Lease(1).Len())
+		require.Zero(t, r.Base(1))
+		held = append(held, r)
+	}
+	require.Equal(t, 100, full.Stats().Leased)
+	for _, r := range held {
+		r.Release()
+	}
+	require.Equal(t, 512, sw.Stats().Free)
+}
