@@ -2,6 +2,7 @@ package layout_test
 
 import (
 	"errors"
+	"fmt"
 	"testing"
 
 	"github.com/kvlease/kvlease"
@@ -62,4 +63,24 @@ func TestHostPiecesWhereTheLayoutSays(t *testing.T) {
 	if _, err := layout.NewHost(layout.Layout{}); !errors.Is(err, kvlease.ErrInvalidArgument) {
 		t.Fatalf("NewHost of the zero layout: %v", err)
 	}
+}
+
+// Host memory in a per-layer layout: a pool over it hands out whole
+// model blocks, and each block's pieces sit where the engine's tensors
+// expect them (layer l's K of block b at l·LayerStride + b·BlockStride).
+func ExampleHost() {
+	h, _ := layout.NewHost(layout.LayerSeparated(2, 2, 8, 64, "bf16 t16 h1 d2"))
+	p, _ := kvlease.NewPool[layout.Block](h)
+	l, _ := p.Acquire("req", 2)
+	fmt.Println("a lease of", l.Len(), "blocks of", p.BlockBytes(), "bytes")
+
+	b := h.Region(3)
+	copy(b.Piece(1, 0), "K of layer 1")
+	lay := h.Layout()
+	off := 1*lay.LayerStride + 3*lay.BlockStride
+	fmt.Printf("%d pieces per block; layer 1's K of block 3 at 1·%d + 3·%d: %q\n",
+		len(b.AppendPieces(nil)), lay.LayerStride, lay.BlockStride, h.Base()[off:off+12])
+	// Output:
+	// a lease of 2 blocks of 256 bytes
+	// 4 pieces per block; layer 1's K of block 3 at 1·1024 + 3·64: "K of layer 1"
 }
