@@ -57,8 +57,11 @@ type Envelope struct {
 	// opaque spans of BlockBytes; a pool whose memory describes a layout
 	// (it has a Layout() layout.Layout method, as gpu's layered memories
 	// and layout.Host do) needs its geometry named here, so that both
-	// sides of a handoff compare it: Propose and the halves refuse a
-	// mismatch (see layout.go).
+	// sides of a handoff compare it. Fingerprint covers it, so a
+	// destination refuses a proposal from a source in another layout at
+	// propose time; Propose, Source.Propose and NewDestination refuse a
+	// pool whose layout the envelope does not name or contradicts. Every
+	// such refusal wraps ErrInvalidArgument.
 	Layout layout.Layout
 }
 

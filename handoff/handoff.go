@@ -340,7 +340,7 @@ type Handoff[S, D any] struct {
 //   - ErrInvalidArgument: a nil lease or pool, an invalid envelope,
 //     pools whose block sizes differ from each other or from the
 //     envelope's BlockBytes, or whose per-layer layouts differ from each
-//     other or from the envelope's Layout (see layout.go);
+//     other or from the envelope's Layout;
 //   - ErrLeaseClosed: src is already released or aborted;
 //   - ErrExceedsCapacity: src holds more blocks than a maximum-context
 //     request under the envelope.

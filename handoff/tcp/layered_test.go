@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/gpu"
 	"github.com/kvlease/kvlease/handoff"
 	"github.com/kvlease/kvlease/handoff/tcp"
 	"github.com/kvlease/kvlease/layout"
@@ -455,3 +456,6 @@ func BenchmarkLayeredHandoff(b *testing.B) {
 	b.ReportMetric(baseNs, "contiguous-ns/op")
 	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/baseNs, "x-contiguous")
 }
+
+// Pinned host blocks in a layout cross a TCP handoff as they are.
+var _ tcp.LayeredRegion = gpu.HostBlock{}
