@@ -18,6 +18,8 @@
 //   - a layout round trip through the copy engine: layer-separated device
 //     blocks offloaded to block-contiguous pinned host blocks and onloaded
 //     into fresh device blocks, each direction one submission;
+//   - a handoff to a pool whose blocks are cut into other pieces, refused
+//     at propose time (the envelope names the layout);
 //   - markers: every sealed block's pieces are a function of its prefix
 //     hash, group, layer and K/V, checked wherever they show up.
 //
@@ -26,6 +28,7 @@ package main
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -35,6 +38,7 @@ import (
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/gpu"
 	"github.com/kvlease/kvlease/groups"
+	"github.com/kvlease/kvlease/handoff"
 	"github.com/kvlease/kvlease/layout"
 )
 
@@ -164,6 +168,9 @@ func run(w io.Writer, cfg config) (int, error) {
 		return 0, err
 	}
 	if err := e.roundTrip(a); err != nil {
+		return 0, err
+	}
+	if err := e.refusedHandoff(a); err != nil {
 		return 0, err
 	}
 	e.check(a)
@@ -552,5 +559,30 @@ func (e *engine) roundTrip(r *request) error {
 		e.checkBlock(r.name+"-onload", full, back, i, r.hashes[full][i])
 	}
 	back.Release()
+	return nil
+}
+
+// refusedHandoff proposes r's full-attention blocks to a decode pool whose
+// blocks hold the same bytes cut differently (8 layers of 128-byte
+// pieces): the envelope names the model's layout, and Propose refuses the
+// mismatch before anything is acquired or attached.
+func (e *engine) refusedHandoff(r *request) error {
+	s := specs[full]
+	other, err := layout.NewHost(layout.LayerSeparated(8, 2, 64, pieceBytes/2, s.tag))
+	if err != nil {
+		return err
+	}
+	decode, err := kvlease.NewPool[layout.Block](other)
+	if err != nil {
+		return err
+	}
+	env := handoff.Envelope{BlockTokens: s.spec.BlockTokens, BlockBytes: e.mem[full].BlockBytes(), PoolBlocks: 64,
+		MaxContextTokens: 1024, MaxPrefillTokens: 256, MaxRunningRequests: 8, Layout: e.mem[full].Layout()}
+	_, err = handoff.Propose(r.r.Lease(full), decode, handoff.Config{Envelope: env})
+	if !errors.Is(err, kvlease.ErrInvalidArgument) {
+		return fmt.Errorf("a handoff across layouts was not refused: %v", err)
+	}
+	fmt.Fprintf(e.w, "handoff of %s's full blocks to a pool of 8 layers × %d B pieces: refused at propose time, decode pool leased %d: %v\n",
+		r.name, pieceBytes/2, decode.Stats().Leased, err)
 	return nil
 }

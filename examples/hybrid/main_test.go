@@ -34,6 +34,9 @@ func TestRun(t *testing.T) {
 		// One submission per direction for 12 blocks × 8 pieces.
 		"offload layer-separated → block-contiguous: 1 submission, 96 copies",
 		"onload block-contiguous → layer-separated: 1 submission, 96 copies",
+		// A layout mismatch is refused before anything is acquired.
+		"handoff of A's full blocks to a pool of 8 layers × 128 B pieces: refused at propose time, decode pool leased 0: " +
+			"kvlease: propose handoff of lease 1 (A): kvlease: handoff: source layout 4×2×256B(bf16 t16 h1 d8), destination layout 8×2×128B(bf16 t16 h1 d8): layout: 4 layers vs 8",
 		// B shares the system prompt; the window group takes only the
 		// blocks of its window before the hit.
 		"admit B: 150 prompt tokens; cached prefix: full 6 blocks (96 tokens), swa 3 blocks (96 tokens); hit 96 tokens",
