@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net"
 	"os"
@@ -211,17 +212,20 @@ func TestNetDefaultRun(t *testing.T) {
 // processes: whatever the interleaving, the ledger stays clean.
 func TestNetManySeeds(t *testing.T) {
 	for seed := uint64(1); seed <= 3; seed++ {
-		cfg := DefaultConfig()
-		cfg.Seed, cfg.Requests, cfg.Quiet = seed, 40, true
-		cfg.FailRate, cfg.LostAckRate, cfg.AbortRate, cfg.EarlyAbortRate = 0.2, 0.2, 0.4, 0.1
-		var out bytes.Buffer
-		l, err := RunNet(cfg, &out)
-		if err != nil {
-			t.Fatalf("seed %d: %v\n%s", seed, err, out.String())
-		}
-		if p := l.Problems(); len(p) > 0 || l.Requests != 40 {
-			t.Fatalf("seed %d: %v\n%s", seed, p, out.String())
-		}
+		t.Run(fmt.Sprint("seed", seed), func(t *testing.T) {
+			t.Parallel() // each run is two processes, idle while its deadlines pass
+			cfg := DefaultConfig()
+			cfg.Seed, cfg.Requests, cfg.Quiet = seed, 40, true
+			cfg.FailRate, cfg.LostAckRate, cfg.AbortRate, cfg.EarlyAbortRate = 0.2, 0.2, 0.4, 0.1
+			var out bytes.Buffer
+			l, err := RunNet(cfg, &out)
+			if err != nil {
+				t.Fatalf("%v\n%s", err, out.String())
+			}
+			if p := l.Problems(); len(p) > 0 || l.Requests != 40 {
+				t.Fatalf("%v\n%s", p, out.String())
+			}
+		})
 	}
 }
 
