@@ -104,11 +104,12 @@ type decoder struct {
 
 // incoming is the decode side's record of one handoff.
 type incoming struct {
-	id   uint64
-	in   *handoff.Incoming[[]byte]
-	req  *request
-	refs []kvlease.BlockRef // the lease's blocks, at acceptance
-	ids  []kvlease.BlockID
+	id      uint64
+	in      *handoff.Incoming[[]byte]
+	req     *request
+	refs    []kvlease.BlockRef // the lease's blocks, at acceptance
+	regions [][]byte           // the regions of the blocks it wants, in order
+	ids     []kvlease.BlockID
 	// admitted: counted as running; final: OnFinal ran; aborted: the
 	// client went away mid-transfer; late: a block was written after it
 	// stopped being the lease's.
@@ -152,9 +153,15 @@ func (d *decoder) accepted(in *handoff.Incoming[[]byte]) {
 	for i := range refs {
 		refs[i] = l.Ref(i)
 	}
+	var regions [][]byte
+	for i := in.Hits(); i < l.Len(); i++ {
+		if b, err := l.Region(i); err == nil {
+			regions = append(regions, b)
+		}
+	}
 	d.mu.Lock()
 	inc := d.get(in.ID())
-	inc.in, inc.refs, inc.ids = in, refs, l.AppendBlockIDs(nil, 0)
+	inc.in, inc.refs, inc.regions, inc.ids = in, refs, regions, l.AppendBlockIDs(nil, 0)
 	d.mu.Unlock()
 }
 
@@ -213,43 +220,48 @@ func (p decodePlane) Prepare(id handoff.PlaneID, blocks int) ([]byte, error) {
 
 // recvConn is one data connection as the decode side reads it. Once its
 // hello names the handoff, every block the receiver reads into the lease
-// is audited before and after (the block must still be the lease's, at
-// its generation: leased or draining, never reclaimed), and the client of
-// a request that goes away mid-transfer aborts it from here, while its
-// block abortAt is being written.
+// is audited when its first byte is about to arrive and when its last
+// has (the block must still be the lease's, at its generation: leased or
+// draining, never reclaimed), and the client of a request that goes away
+// mid-transfer aborts it from here, while its block abortAt is being
+// written.
 type recvConn struct {
 	net.Conn
-	d      *decoder
-	pos    int64
-	hello  [tcpHello]byte
-	inc    *incoming
-	region []byte // the block being read, from its first byte
+	d       *decoder
+	hello   []byte // the hello's bytes so far
+	inc     *incoming
+	regions [][]byte // inc's wanted blocks, in order
+	next    int      // the next of them to arrive
+	left    int      // bytes of block next-1 still to come
 }
 
 func (c *recvConn) Read(p []byte) (int, error) {
-	block, off := dataPos(c.pos)
-	if block >= 0 && off == tcpFrameHeader && c.inc != nil && len(p) > 0 {
-		c.region = p
-		c.d.beforeWrite(c.inc, block, p)
+	i := -1 // the block this read fills
+	if len(p) > 0 && c.left > 0 {
+		if r := c.regions[c.next-1]; &p[0] == &r[len(r)-c.left] {
+			i = c.next - 1
+		}
+	}
+	if len(p) > 0 && i < 0 && c.next < len(c.regions) && &p[0] == &c.regions[c.next][0] {
+		i, c.left, c.next = c.next, len(c.regions[c.next]), c.next+1
+		c.d.beforeWrite(c.inc, i, p)
 	}
 	n, err := c.Conn.Read(p)
-	if block < 0 {
-		copy(c.hello[c.pos:], p[:n])
-		if c.pos+int64(n) >= tcpHello {
+	if c.inc == nil && len(c.hello) < tcpHello {
+		c.hello = append(c.hello, p[:min(n, tcpHello-len(c.hello))]...)
+		if len(c.hello) == tcpHello {
 			var tok [16]byte
 			copy(tok[:], c.hello[tcpTokenAt:])
 			c.d.mu.Lock()
-			if id, ok := c.d.tokens[tok]; ok {
-				c.inc = c.d.incs[id]
+			if id, ok := c.d.tokens[tok]; ok && c.d.incs[id] != nil {
+				c.inc, c.regions = c.d.incs[id], c.d.incs[id].regions
 			}
 			c.d.mu.Unlock()
 		}
 	}
-	c.pos += int64(n)
-	if c.region != nil {
-		if _, off := dataPos(c.pos); off == 0 {
-			c.d.audit(c.inc, block, c.region)
-			c.region = nil
+	if i >= 0 {
+		if c.left -= n; c.left == 0 {
+			c.d.audit(c.inc, i, c.regions[i])
 		}
 	}
 	return n, err
@@ -259,11 +271,12 @@ func (d *decoder) beforeWrite(inc *incoming, i int, p []byte) {
 	d.audit(inc, i, p)
 	d.mu.Lock()
 	in := inc.in
-	abort := inc.req != nil && i == inc.req.abortAt && !inc.aborted
+	block := in.Hits() + i
+	abort := inc.req != nil && block == inc.req.abortAt && !inc.aborted
 	inc.aborted = inc.aborted || abort
 	d.mu.Unlock()
 	if abort {
-		_ = in.Abort("frontend", fmt.Errorf("%w while block %d of %d was being written", errClientGone, i, in.Blocks()))
+		_ = in.Abort("frontend", fmt.Errorf("%w while block %d of %d was being written", errClientGone, block, in.Blocks()))
 	}
 	if d.lie && in.State() == handoff.Aborting {
 		in.Transfer().Resolve(nil) // "quiescent", says the transport, mid-copy

@@ -195,7 +195,9 @@ func TestNetDefaultRun(t *testing.T) {
 		"aborted       by prefill    abort [told over the control connection; nothing had moved]",
 		"aborting      by frontend   abort: client went away while block", // mid-transfer, on the decode side
 		"aborting      by decode     abort [told over the control connection; our own evidence still decides]",
-		"data connection cut (injected fault)", "header: EOF",
+		"failed        by transport  resolve-error [proof: our sender goroutine's last read of p returned]: tcp: block",
+		"data connection cut (injected fault)",
+		"failed        by transport  resolve-error [proof: our receiver goroutine writing d exited]: tcp: block",
 		"quarantined   by deadline   expire [no proof by the deadline: quarantined, never reused]",
 		"then resumed", "never resumed",
 		"[proof: our sender goroutine's last read of p returned]", "[proof: our receiver goroutine writing d exited]",

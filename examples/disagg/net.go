@@ -58,26 +58,16 @@ type decodeSpec struct {
 	Lie   bool
 }
 
-// The data connection's wire, as package handoff/tcp documents it: a
-// hello ("KD", version, 16-byte token, block count, block bytes), then one
-// frame per block: index, length and crc32c (4 bytes each), then the block.
+// A data connection of package handoff/tcp starts with a hello ("KD",
+// version, the 16-byte token of the Accept's plane bytes, block count,
+// block bytes): the decode side's audit reads the token to know whose
+// stream it is. The blocks themselves are recognised by their regions:
+// the planes move them straight between the regions and the socket, so a
+// write or read whose buffer starts at a block's region is that block.
 const (
-	tcpHello       = 2 + 1 + 16 + 4 + 4
-	tcpTokenAt     = 3
-	tcpFrameHeader = 12
+	tcpHello   = 2 + 1 + 16 + 4 + 4
+	tcpTokenAt = 3
 )
-
-// dataPos places byte pos of a data connection: in the hello (block -1,
-// off = pos), or at offset off of block i's frame (the header is 0..11,
-// the block's bytes start at tcpFrameHeader).
-func dataPos(pos int64) (block, off int) {
-	if pos < tcpHello {
-		return -1, int(pos)
-	}
-	frame := int64(tcpFrameHeader + envelope.BlockBytes)
-	q := pos - tcpHello
-	return int(q / frame), int(q % frame)
-}
 
 var (
 	errCut        = errors.New("data connection cut (injected fault)")
@@ -154,7 +144,7 @@ func (p prefillPlane) Send(id handoff.PlaneID, regions [][]byte, accept []byte, 
 	case <-w.stop:
 		return nil, errStopped
 	}
-	s := tcp.NewSender(tcp.Config{WrapConn: func(c net.Conn) net.Conn { return &sendConn{Conn: c, w: w, r: r} }})
+	s := tcp.NewSender(tcp.Config{WrapConn: func(c net.Conn) net.Conn { return &sendConn{Conn: c, w: w, r: r, regions: regions} }})
 	w.mu.Lock()
 	w.senders = append(w.senders, s)
 	w.mu.Unlock()
@@ -163,21 +153,23 @@ func (p prefillPlane) Send(id handoff.PlaneID, regions [][]byte, accept []byte, 
 
 func (prefillPlane) Finish(handoff.PlaneID, error) {}
 
-// sendConn is one data connection as the prefill side writes it: it
-// injects the request's cut or stall before a block's frame, and audits
-// every block it sends: the source block must still be the lease's
-// (leased or draining), never reclaimed.
+// sendConn is one data connection as the prefill side writes it. Before
+// a block's bytes go out it injects the request's cut or stall, and it
+// audits every block it sends, before and after: the source block must
+// still be the lease's (leased or draining), never reclaimed.
 type sendConn struct {
 	net.Conn
-	w   *prefillWorld
-	r   *netReq
-	pos int64
+	w       *prefillWorld
+	r       *netReq
+	regions [][]byte // the stream's blocks, in order
+	next    int      // the next of them to go out
 }
 
 func (c *sendConn) Write(p []byte) (int, error) {
-	block, off := dataPos(c.pos)
-	if block >= 0 && off == 0 {
-		switch block {
+	i := -1
+	if c.next < len(c.regions) && len(p) > 0 && &p[0] == &c.regions[c.next][0] {
+		i, c.next = c.next, c.next+1
+		switch c.r.out.From() + i {
 		case c.r.cutAt:
 			_ = c.Conn.Close()
 			return 0, errCut
@@ -188,16 +180,12 @@ func (c *sendConn) Write(p []byte) (int, error) {
 				return 0, errStopped
 			}
 		}
-	}
-	region := block >= 0 && off == tcpFrameHeader && len(p) > 0
-	if region {
-		c.w.audit(c.r, block, p)
+		c.w.audit(c.r, i, p)
 	}
 	n, err := c.Conn.Write(p)
-	if region && n == len(p) {
-		c.w.audit(c.r, block, p)
+	if i >= 0 && n == len(p) {
+		c.w.audit(c.r, i, p)
 	}
-	c.pos += int64(n)
 	return n, err
 }
 
