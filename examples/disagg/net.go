@@ -13,9 +13,9 @@ package main
 //     (told to this side, which aborts: the decode side follows its Abort);
 //   - the client going away mid-transfer (told to the decode side, which
 //     aborts while block k is being written: this side follows);
-//   - the data connection cut before block k (both sides fail, each on its
-//     own evidence: its own goroutine stopped);
-//   - the prefill sender stalling before block k past both deadlines: each
+//   - the data connection cut as block k is about to go out (both sides
+//     fail, each on its own evidence: its own goroutine stopped);
+//   - the prefill sender stalling at block k past both deadlines: each
 //     side quarantines what it cannot prove; when the sender resumes, each
 //     side's goroutine stops at the next block, and that late evidence
 //     lifts the quarantine. A sender that never resumes leaves both sides'
@@ -563,11 +563,11 @@ func printNetTimeline(out io.Writer, r *netReq) {
 	}
 	switch {
 	case r.stalls() && r.lateAck:
-		fmt.Fprintf(out, "      (the sender stalled before block %d past both deadlines, then resumed: each side's own goroutine stopped, that late evidence returned its blocks)\n", r.stallAt)
+		fmt.Fprintf(out, "      (the sender stalled as block %d was about to go out, past both deadlines, then resumed: each side's own goroutine stopped, that late evidence returned its blocks)\n", r.stallAt)
 	case r.stalls():
-		fmt.Fprintf(out, "      (the sender stalled before block %d and never resumed: no evidence ever came, its blocks stay quarantined on both sides, never reused)\n", r.stallAt)
+		fmt.Fprintf(out, "      (the sender stalled as block %d was about to go out and never resumed: no evidence ever came, its blocks stay quarantined on both sides, never reused)\n", r.stallAt)
 	case r.cutAt >= 0 && r.started:
-		fmt.Fprintf(out, "      (the data connection was cut before block %d: each side failed on its own goroutine's exit)\n", r.cutAt)
+		fmt.Fprintf(out, "      (the data connection was cut as block %d was about to go out: each side failed on its own goroutine's exit)\n", r.cutAt)
 	}
 }
 
