@@ -45,6 +45,11 @@ type DestinationConfig[R any] struct {
 	// OnFinal, if set, is called once for every handoff that becomes
 	// final (after OnDelivered for a delivered one).
 	OnFinal func(*Incoming[R])
+	// OnAccept, if set, receives each accepted handoff before its Accept
+	// is sent, so the caller holds the handle (to Abort it, say when the
+	// client goes away) before any block can move. It runs on the
+	// connection's read loop: it must not block.
+	OnAccept func(*Incoming[R])
 }
 
 // NewDestination returns the destination half over pool and plane. The
@@ -206,6 +211,9 @@ func (s *session[R]) propose(m *ProposeMsg) {
 	}
 	in.fire(d.cfg.Name, EventAccept, nil)
 	in.mu.Unlock()
+	if d.cfg.OnAccept != nil {
+		d.cfg.OnAccept(in)
+	}
 	if err := s.c.send(&AcceptMsg{ID: m.ID, From: uint32(in.from), Plane: accept}); err != nil {
 		_ = s.c.c.Close() // the read loop ends the session
 	}

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -12,6 +11,7 @@ import (
 	"time"
 
 	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/audit"
 	"github.com/kvlease/kvlease/handoff"
 	"github.com/kvlease/kvlease/handoff/inproc"
 )
@@ -32,12 +32,19 @@ type Config struct {
 	// BlockLatency is the transport's time per block (plus up to as much
 	// jitter).
 	BlockLatency time.Duration
-	Quiet        bool
+	// Deadline (-net only) is how long the prefill side lets a started
+	// transfer go without proof before it quarantines it; the decode side
+	// uses half of it. The in-process run uses the handoff's own 10 s.
+	Deadline time.Duration
+	Quiet    bool
 
 	// sabotage, if set, runs on the copy goroutine before each write,
 	// after the audit: the test uses it to make the transport lie and
 	// checks that the ledger catches it.
 	sabotage func(inproc.Write, handoff.State)
+	// lie (-net only) makes the decode process's transport lie the same
+	// way: it resolves an aborting transfer while still receiving.
+	lie bool
 }
 
 // DefaultConfig is the README's run.
@@ -47,6 +54,7 @@ func DefaultConfig() Config {
 		FailRate: 0.1, LostAckRate: 0.2, IgnoreCancelRate: 0.5, LateAckRate: 0.5,
 		AbortRate: 0.2, EarlyAbortRate: 0.05,
 		BlockLatency: 100 * time.Microsecond,
+		Deadline:     2 * time.Second,
 	}
 }
 
@@ -80,6 +88,20 @@ type Ledger struct {
 	// request's marker; LateWrites counts transfers that touched a block
 	// after it was reclaimed. Both must be 0.
 	MarkerMismatches, LateWrites int
+
+	// Two processes (-net) only. Disagreements counts requests whose
+	// prefill and decode sides ended in different states; ProtocolErrors
+	// the control messages either side refused; Child is how the decode
+	// process ended.
+	Disagreements, ProtocolErrors int
+	Child                         ChildExit
+}
+
+// ChildExit is how the decode process of a -net run ended.
+type ChildExit struct {
+	Ran    bool // a decode process was started
+	Exited bool // it exited by itself and was reaped
+	Code   int  // its exit status
 }
 
 // Rejected is the sum of all rejections.
@@ -109,6 +131,15 @@ func (l Ledger) Problems() []string {
 	if n := l.Delivered + l.Rejected() + l.Failed + l.Aborted + l.Quarantined; n != l.Requests {
 		out = append(out, fmt.Sprintf("%d of %d requests accounted for", n, l.Requests))
 	}
+	if l.Disagreements != 0 {
+		out = append(out, fmt.Sprintf("%d requests whose two sides ended differently", l.Disagreements))
+	}
+	if l.ProtocolErrors != 0 {
+		out = append(out, fmt.Sprintf("%d control messages refused", l.ProtocolErrors))
+	}
+	if l.Child.Ran && (!l.Child.Exited || l.Child.Code != 0) {
+		out = append(out, fmt.Sprintf("decode process: exited %v, status %d", l.Child.Exited, l.Child.Code))
+	}
 	return out
 }
 
@@ -120,6 +151,9 @@ type request struct {
 	abortAt        int  // abort mid-transfer before writing this block; -1 for never
 	earlyAbort     bool // abort after acceptance, before the transfer starts
 	lateAck        bool // a lost acknowledgement arrives late
+	// -net only (netFaults): the data connection stalls, or is cut,
+	// before this block; -1 for never.
+	stallAt, cutAt int
 
 	refused string // why the request never reached a handoff
 	src     *kvlease.Lease[[]byte]
@@ -136,26 +170,16 @@ var (
 	errNoAck      = errors.New("transport idle, transfer unacknowledged")
 )
 
-// marker fills block i of request id: the request's id and the block's
-// index, then the id's low byte repeated.
+// marker fills block i of request id with the audit package's marker
+// for (request id, block i): the same bytes in both processes, whatever
+// slot holds them (generation 0 stands for "any": the prefill and decode
+// pools number their slots independently).
 func marker(b []byte, id, i int) {
-	binary.LittleEndian.PutUint32(b[0:], uint32(id))
-	binary.LittleEndian.PutUint32(b[4:], uint32(i))
-	for j := 8; j < len(b); j++ {
-		b[j] = byte(id)
-	}
+	audit.Stamp(b, audit.Marker{Request: uint64(id), Block: uint32(i)})
 }
 
 func markerOK(b []byte, id, i int) bool {
-	if binary.LittleEndian.Uint32(b[0:]) != uint32(id) || binary.LittleEndian.Uint32(b[4:]) != uint32(i) {
-		return false
-	}
-	for _, c := range b[8:] {
-		if c != byte(id) {
-			return false
-		}
-	}
-	return true
+	return audit.Check(b, audit.Marker{Request: uint64(id), Block: uint32(i)}) == nil
 }
 
 // world is the shared state of one run.
@@ -206,23 +230,7 @@ func (w *world) audit(wr inproc.Write) {
 // Run runs the burst and writes the timeline (unless cfg.Quiet) and the
 // ledger to out.
 func Run(cfg Config, out io.Writer) (Ledger, error) {
-	if cfg.Requests < 0 {
-		return Ledger{}, fmt.Errorf("requests %d must not be negative", cfg.Requests)
-	}
-	for _, r := range []float64{cfg.LateAckRate, cfg.AbortRate, cfg.EarlyAbortRate} {
-		if !(r >= 0 && r <= 1) {
-			return Ledger{}, fmt.Errorf("rate %v outside [0, 1]", r)
-		}
-	}
-	// Every component runs with the same envelope; only the pool sizes
-	// differ. Check that once, at startup.
-	decodeEnv := envelope
-	decodeEnv.PoolBlocks = decodeBlocks
-	if err := handoff.AgreeEnvelopes(
-		handoff.NamedEnvelope{Name: "frontend", Envelope: envelope},
-		handoff.NamedEnvelope{Name: "prefill", Envelope: envelope},
-		handoff.NamedEnvelope{Name: "decode", Envelope: decodeEnv},
-	); err != nil {
+	if err := checkConfig(cfg); err != nil {
 		return Ledger{}, err
 	}
 
@@ -327,8 +335,34 @@ func Run(cfg Config, out io.Writer) (Ledger, error) {
 	w.mu.Lock()
 	l.LateWrites = len(w.lateWrites)
 	w.mu.Unlock()
-	printLedger(out, cfg, l)
+	printLedger(out, cfg, l, "acknowledgement never came")
 	return l, nil
+}
+
+// checkConfig refuses a bad run, and checks once, at startup, that every
+// component runs with the same envelope (only the pool sizes differ).
+func checkConfig(cfg Config) error {
+	if cfg.Requests < 0 {
+		return fmt.Errorf("requests %d must not be negative", cfg.Requests)
+	}
+	for _, r := range []float64{cfg.FailRate, cfg.LostAckRate, cfg.IgnoreCancelRate, cfg.LateAckRate, cfg.AbortRate, cfg.EarlyAbortRate} {
+		if !(r >= 0 && r <= 1) {
+			return fmt.Errorf("rate %v outside [0, 1]", r)
+		}
+	}
+	return handoff.AgreeEnvelopes(
+		handoff.NamedEnvelope{Name: "frontend", Envelope: envelope},
+		handoff.NamedEnvelope{Name: "prefill", Envelope: envelope},
+		handoff.NamedEnvelope{Name: "decode", Envelope: decodeEnvelope()},
+	)
+}
+
+// decodeEnvelope is the decode side's envelope: the deployment's, with
+// its own pool size.
+func decodeEnvelope() handoff.Envelope {
+	e := envelope
+	e.PoolBlocks = decodeBlocks
+	return e
 }
 
 func newPool(blocks int) (*kvlease.Pool[[]byte], error) {
@@ -345,7 +379,7 @@ func generate(cfg Config) []*request {
 	rng := rand.New(rand.NewPCG(cfg.Seed, 0x646973616767))
 	reqs := make([]*request, cfg.Requests)
 	for k := range reqs {
-		r := &request{id: k + 1, name: fmt.Sprintf("r%02d", k+1), abortAt: -1}
+		r := &request{id: k + 1, name: fmt.Sprintf("r%02d", k+1), abortAt: -1, stallAt: -1, cutAt: -1}
 		r.prompt = 16 + rng.IntN(960)
 		r.maxNew = 16 + rng.IntN(240)
 		abort, at, early, late := rng.Float64(), rng.Float64(), rng.Float64(), rng.Float64()
@@ -400,17 +434,28 @@ func (w *world) admit(r *request, running *int) {
 }
 
 func (l *Ledger) count(r *request) {
+	if r.refused != "" {
+		l.tally(r.refused, 0, false, false)
+		return
+	}
+	l.tally("", r.h.State(), errors.Is(r.h.Err(), errBusy), r.late)
+}
+
+// tally counts one request: refused before any handoff, or ended in st
+// (policy: a rejection by the decode side's policy, not its pool; lifted:
+// an abort whose quarantine late evidence lifted).
+func (l *Ledger) tally(refused string, st handoff.State, policy, lifted bool) {
 	switch {
-	case r.refused != "" && strings.HasPrefix(r.refused, "envelope"):
+	case refused != "" && strings.HasPrefix(refused, "envelope"):
 		l.RejectedEnvelope++
-	case r.refused != "":
+	case refused != "":
 		l.RejectedPrefill++
 	default:
-		switch r.h.State() {
+		switch st {
 		case handoff.Delivered:
 			l.Delivered++
 		case handoff.Rejected:
-			if errors.Is(r.h.Err(), errBusy) {
+			if policy {
 				l.RejectedPolicy++
 			} else {
 				l.RejectedDecode++
@@ -419,7 +464,7 @@ func (l *Ledger) count(r *request) {
 			l.Failed++
 		case handoff.Aborted:
 			l.Aborted++
-			if r.late {
+			if lifted {
 				l.AbortedLifted++
 			}
 		case handoff.Quarantined:
@@ -478,20 +523,27 @@ func printTimeline(out io.Writer, r *request) {
 	}
 }
 
-func printLedger(out io.Writer, cfg Config, l Ledger) {
+// printLedger writes the ledger; quarantined says why the quarantined
+// handoffs never got their evidence.
+func printLedger(out io.Writer, cfg Config, l Ledger, quarantined string) {
 	fmt.Fprintf(out, "\nledger: %d requests, seed %d\n", l.Requests, cfg.Seed)
 	fmt.Fprintf(out, "  delivered          %4d\n", l.Delivered)
 	fmt.Fprintf(out, "  rejected           %4d  (envelope %d, prefill pool %d, decode policy %d, decode pool %d)\n",
 		l.Rejected(), l.RejectedEnvelope, l.RejectedPrefill, l.RejectedPolicy, l.RejectedDecode)
 	fmt.Fprintf(out, "  failed             %4d\n", l.Failed)
 	fmt.Fprintf(out, "  aborted            %4d  (%d after a quarantine lifted by late evidence)\n", l.Aborted, l.AbortedLifted)
-	fmt.Fprintf(out, "  quarantined        %4d  (acknowledgement never came)\n", l.Quarantined)
+	fmt.Fprintf(out, "  quarantined        %4d  (%s)\n", l.Quarantined, quarantined)
 	for _, p := range []struct {
 		name string
 		s    kvlease.Stats
 	}{{"prefill", l.Prefill}, {"decode", l.Decode}} {
 		fmt.Fprintf(out, "  %-7s blocks free %4d of %d, quarantined %d, other %d\n",
 			p.name, p.s.Free, p.s.Capacity, p.s.Quarantined, p.s.Capacity-p.s.Free-p.s.Quarantined)
+	}
+	if l.Child.Ran {
+		fmt.Fprintf(out, "  sides disagree     %4d  (requests whose prefill and decode histories end differently)\n", l.Disagreements)
+		fmt.Fprintf(out, "  protocol errors    %4d  (control messages either side refused)\n", l.ProtocolErrors)
+		fmt.Fprintf(out, "  decode process     exit %d (a child of this process, reaped)\n", l.Child.Code)
 	}
 	fmt.Fprintf(out, "  marker mismatches  %4d\n", l.MarkerMismatches)
 	fmt.Fprintf(out, "  late writes        %4d  (transfers that touched reclaimed memory)\n", l.LateWrites)

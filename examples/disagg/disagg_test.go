@@ -2,14 +2,29 @@ package main
 
 import (
 	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"os"
 	"regexp"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
 	"github.com/kvlease/kvlease/handoff/inproc"
 )
+
+// TestMain makes the test binary the -net run's decode process when the
+// prefill side (a test) starts it again with decodeEnv set.
+func TestMain(m *testing.M) {
+	if spec, ok := os.LookupEnv(decodeEnv); ok {
+		os.Exit(decodeMain(spec, os.Stdin, os.Stdout, os.Stderr))
+	}
+	os.Exit(m.Run())
+}
 
 // TestDefaultRun runs the README's command with its fixed seed and checks
 // the ledger: every request accounted for, 0 marker mismatches, 0 late
@@ -139,4 +154,182 @@ func TestRanges(t *testing.T) {
 			t.Errorf("ranges(%v) = %q, want %q", tt.ids, got, tt.want)
 		}
 	}
+}
+
+// TestNetDefaultRun runs `go run ./examples/disagg -net` end to end: the
+// decode side is this test binary started again as a child process, and
+// every handoff crosses 127.0.0.1. The seed's burst meets every fault; the
+// ledger must be clean, the same every run, and the child must have exited
+// by itself with status 0.
+func TestNetDefaultRun(t *testing.T) {
+	var out bytes.Buffer
+	l, err := RunNet(DefaultConfig(), &out)
+	if err != nil {
+		t.Fatalf("%v\n%s", err, out.String())
+	}
+	if p := l.Problems(); len(p) > 0 {
+		t.Fatalf("problems: %v\n%s", p, out.String())
+	}
+	if l.MarkerMismatches != 0 || l.LateWrites != 0 || l.Disagreements != 0 || l.ProtocolErrors != 0 {
+		t.Fatalf("mismatches %d, late writes %d, disagreements %d, protocol errors %d\n%s", l.MarkerMismatches, l.LateWrites, l.Disagreements, l.ProtocolErrors, out.String())
+	}
+	if l.Child != (ChildExit{Ran: true, Exited: true, Code: 0}) {
+		t.Fatalf("decode process: %+v", l.Child)
+	}
+	// What never resumed stays quarantined, the same blocks on both sides.
+	if l.Prefill.Quarantined == 0 || l.Prefill.Quarantined != l.Decode.Quarantined {
+		t.Errorf("%d handoffs quarantined, %d/%d blocks", l.Quarantined, l.Prefill.Quarantined, l.Decode.Quarantined)
+	}
+	want := Ledger{Requests: 24, Delivered: 4, RejectedEnvelope: 4, RejectedPrefill: 2, RejectedPolicy: 2, RejectedDecode: 1,
+		Failed: 3, Aborted: 5, AbortedLifted: 1, Quarantined: 3, Child: l.Child}
+	got := l
+	got.Prefill, got.Decode = want.Prefill, want.Decode
+	if got != want {
+		t.Fatalf("ledger\n got %+v\nwant %+v\n%s", got, want, out.String())
+	}
+	text := out.String()
+	for _, s := range []string{
+		"rejected by envelope", "rejected by prefill pool", "running-request limit", "kvlease: exhausted",
+		"    prefill process", "    decode process",
+		"aborted       by frontend   abort: client went away", // before the start, on the prefill side
+		"aborted       by prefill    abort [told over the control connection; nothing had moved]",
+		"aborting      by frontend   abort: client went away while block", // mid-transfer, on the decode side
+		"aborting      by decode     abort [told over the control connection; our own evidence still decides]",
+		"failed        by transport  resolve-error [proof: our sender goroutine's last read of p returned]: tcp: block",
+		"data connection cut (injected fault)",
+		"failed        by transport  resolve-error [proof: our receiver goroutine writing d exited]: tcp: block",
+		"quarantined   by deadline   expire [no proof by the deadline: quarantined, never reused]",
+		"then resumed", "never resumed",
+		"[proof: our sender goroutine's last read of p returned]", "[proof: our receiver goroutine writing d exited]",
+		"delivered     by transport  resolve", "block markers: after delivery and before release; 0 mismatched",
+		"decode process     exit 0", "marker mismatches     0", "late writes           0",
+	} {
+		if !strings.Contains(text, s) {
+			t.Errorf("output lacks %q", s)
+		}
+	}
+}
+
+// TestNetManySeeds runs other bursts with harsher faults across the two
+// processes: whatever the interleaving, the ledger stays clean.
+func TestNetManySeeds(t *testing.T) {
+	for seed := uint64(1); seed <= 3; seed++ {
+		t.Run(fmt.Sprint("seed", seed), func(t *testing.T) {
+			t.Parallel() // each run is two processes, idle while its deadlines pass
+			cfg := DefaultConfig()
+			cfg.Seed, cfg.Requests, cfg.Quiet = seed, 40, true
+			cfg.FailRate, cfg.LostAckRate, cfg.AbortRate, cfg.EarlyAbortRate = 0.2, 0.2, 0.4, 0.1
+			var out bytes.Buffer
+			l, err := RunNet(cfg, &out)
+			if err != nil {
+				t.Fatalf("%v\n%s", err, out.String())
+			}
+			if p := l.Problems(); len(p) > 0 || l.Requests != 40 {
+				t.Fatalf("%v\n%s", p, out.String())
+			}
+		})
+	}
+}
+
+// TestNetAuditCatchesALyingTransport makes the decode process's transport
+// lie (it resolves an aborting transfer while still receiving) and checks
+// that the ledger reports the writes into reclaimed memory.
+func TestNetAuditCatchesALyingTransport(t *testing.T) {
+	cfg := DefaultConfig()
+	cfg.Quiet, cfg.lie = true, true
+	cfg.AbortRate, cfg.EarlyAbortRate, cfg.FailRate, cfg.LostAckRate = 1, 0, 0, 0
+	var out bytes.Buffer
+	l, err := RunNet(cfg, &out)
+	if err != nil {
+		t.Fatalf("%v\n%s", err, out.String())
+	}
+	if l.LateWrites == 0 || len(l.Problems()) == 0 {
+		t.Fatalf("a lying transport went unnoticed: %+v\n%s", l, out.String())
+	}
+}
+
+func TestNetBadConfig(t *testing.T) {
+	for _, cfg := range []Config{{Requests: -1, Deadline: time.Second}, {FailRate: 3, Deadline: time.Second}, {}} {
+		if _, err := RunNet(cfg, &bytes.Buffer{}); err == nil {
+			t.Errorf("RunNet(%+v) succeeded", cfg)
+		}
+	}
+}
+
+// startChild starts the decode process the way RunNet does and takes its
+// control connection.
+func startChild(t *testing.T) (*decodeProc, net.Conn) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	spec := decodeSpec{Ctl: ln.Addr().String(), Token: []byte("0123456789abcdef"), Cfg: DefaultConfig()}
+	child, err := startDecode(spec, os.Stderr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(child.kill)
+	conn, err := acceptChild(ln.(*net.TCPListener), spec.Token)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	return child, conn
+}
+
+// reap waits (bounded) for the child to exit by itself and returns its
+// stdout.
+func reap(t *testing.T, child *decodeProc) []byte {
+	t.Helper()
+	done := make(chan []byte, 1)
+	go func() {
+		b, _ := io.ReadAll(child.stdout)
+		done <- b
+	}()
+	select {
+	case b := <-done:
+		_ = child.reap()
+		return b
+	case <-time.After(60 * time.Second):
+		t.Fatal("the decode process did not exit")
+		return nil
+	}
+}
+
+// TestNetChildDiesWithItsParent: the decode process exits when its stdin
+// (a pipe from the prefill process, closed when that one dies) closes,
+// and when its control connection ends; and the prefill side can kill it.
+func TestNetChildDiesWithItsParent(t *testing.T) {
+	t.Run("stdin", func(t *testing.T) {
+		child, _ := startChild(t)
+		_ = child.stdin.Close()
+		reap(t, child)
+		if child.exit != (ChildExit{Ran: true, Exited: true, Code: 3}) {
+			t.Fatalf("decode process: %+v", child.exit)
+		}
+	})
+	t.Run("control", func(t *testing.T) {
+		child, conn := startChild(t)
+		_ = conn.Close()
+		b := reap(t, child)
+		if child.exit != (ChildExit{Ran: true, Exited: true, Code: 0}) {
+			t.Fatalf("decode process: %+v", child.exit)
+		}
+		var rep decodeReport
+		if err := json.Unmarshal(b, &rep); err != nil {
+			t.Fatalf("report %q: %v", b, err)
+		}
+		if len(rep.Handoffs) != 0 || rep.Decode.Free != decodeBlocks || len(rep.Errors) != 0 {
+			t.Fatalf("report of an idle decode process: %+v", rep)
+		}
+	})
+	t.Run("kill", func(t *testing.T) {
+		child, _ := startChild(t)
+		child.kill()
+		if !child.done || child.exit.Exited || child.cmd.ProcessState == nil {
+			t.Fatalf("decode process after kill: %+v, %v", child.exit, child.cmd.ProcessState)
+		}
+	})
 }

@@ -14,8 +14,20 @@
 // transition), then the ledger. Marker mismatches and late writes (a
 // transfer touching memory after it was reclaimed) must be 0.
 //
+// With -net the decode side is a second process, a child of this one
+// (this program started again; it dies with its parent), and every handoff
+// crosses 127.0.0.1: the two halves of package handoff speak the control
+// protocol over one connection and blocks move over handoff/tcp data
+// connections. The same burst meets the network's faults: a stream cut
+// mid-transfer (-fail), a prefill sender that stalls past both sides'
+// deadlines (-lost-ack) and may resume (-late-ack), clients that go away
+// before the start (told to the prefill side) or mid-transfer (told to the
+// decode side). Each side's history shows what proved each of its steps.
+//
 //	go run ./examples/disagg
 //	go run ./examples/disagg -requests 200 -seed 7 -lost-ack 0.2 -quiet
+//	go run ./examples/disagg -net
+//	go run ./examples/disagg -net -seed 7 -requests 60 -quiet
 package main
 
 import (
@@ -25,19 +37,29 @@ import (
 )
 
 func main() {
+	if spec, ok := os.LookupEnv(decodeEnv); ok {
+		os.Exit(decodeMain(spec, os.Stdin, os.Stdout, os.Stderr)) // the -net run's decode process
+	}
 	cfg := DefaultConfig()
+	netMode := false
 	flag.IntVar(&cfg.Requests, "requests", cfg.Requests, "requests in the burst")
 	flag.Uint64Var(&cfg.Seed, "seed", cfg.Seed, "seed for the requests and the transport's faults")
-	flag.Float64Var(&cfg.FailRate, "fail", cfg.FailRate, "probability a transfer fails (resolves with an error)")
-	flag.Float64Var(&cfg.LostAckRate, "lost-ack", cfg.LostAckRate, "probability a transfer's acknowledgement is lost")
-	flag.Float64Var(&cfg.LateAckRate, "late-ack", cfg.LateAckRate, "probability a lost acknowledgement arrives late (lifting the quarantine)")
-	flag.Float64Var(&cfg.IgnoreCancelRate, "ignore-cancel", cfg.IgnoreCancelRate, "probability the transport ignores a cancel")
+	flag.Float64Var(&cfg.FailRate, "fail", cfg.FailRate, "probability a transfer fails (resolves with an error; -net: its data connection is cut)")
+	flag.Float64Var(&cfg.LostAckRate, "lost-ack", cfg.LostAckRate, "probability a transfer's acknowledgement is lost (-net: its sender stalls past both sides' deadlines)")
+	flag.Float64Var(&cfg.LateAckRate, "late-ack", cfg.LateAckRate, "probability a lost acknowledgement arrives late, lifting the quarantine (-net: the stalled sender resumes)")
+	flag.Float64Var(&cfg.IgnoreCancelRate, "ignore-cancel", cfg.IgnoreCancelRate, "probability the transport ignores a cancel (in-process only: the tcp planes honour one at the next block)")
 	flag.Float64Var(&cfg.AbortRate, "abort", cfg.AbortRate, "probability the client goes away mid-transfer")
 	flag.Float64Var(&cfg.EarlyAbortRate, "early-abort", cfg.EarlyAbortRate, "probability the client goes away before the transfer starts")
 	flag.BoolVar(&cfg.Quiet, "quiet", cfg.Quiet, "print only the ledger")
+	flag.BoolVar(&netMode, "net", false, "run the decode side as a child process and hand off over TCP on 127.0.0.1 (-fail cuts streams, -lost-ack stalls them)")
+	flag.DurationVar(&cfg.Deadline, "deadline", cfg.Deadline, "-net: how long the prefill side waits for a started transfer's evidence before quarantining it (decode waits half)")
 	flag.Parse()
 
-	ledger, err := Run(cfg, os.Stdout)
+	run := Run
+	if netMode {
+		run = RunNet
+	}
+	ledger, err := run(cfg, os.Stdout)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "disagg:", err)
 		os.Exit(1)
