@@ -177,8 +177,10 @@ func appendLen(buf []byte, n int, fix, fixMax, c16, c32 byte) []byte {
 	return binary.BigEndian.AppendUint32(append(buf, c32), uint32(n))
 }
 
-func appendArrayLen(buf []byte, n int) []byte { return appendLen(buf, n, 0x90, 15, mpArray16, mpArray32) }
-func appendMapLen(buf []byte, n int) []byte   { return appendLen(buf, n, 0x80, 15, mpMap16, mpMap32) }
+func appendArrayLen(buf []byte, n int) []byte {
+	return appendLen(buf, n, 0x90, 15, mpArray16, mpArray32)
+}
+func appendMapLen(buf []byte, n int) []byte { return appendLen(buf, n, 0x80, 15, mpMap16, mpMap32) }
 
 func appendString(buf []byte, s string) []byte {
 	switch n := len(s); {
