@@ -414,8 +414,10 @@ func (p *Publisher) sendLoop() {
 			var sb [8]byte
 			binary.BigEndian.PutUint64(sb[:], seq)
 			msg := zmq4.NewMsgFrom(p.topic, sb[:], payload)
-			_ = p.send(msg) // zmq4's PUB queues; errors only when closing
-			p.ring.add(seq, payload)
+			_ = p.send(msg)      // zmq4's PUB queues; errors only when closing
+			if p.replay != nil { // kept only for a replay socket
+				p.ring.add(seq, payload)
+			}
 			seq++
 			p.batches.Add(1)
 			p.sent.Add(1)
