@@ -95,13 +95,20 @@ type kvEventLog struct {
 	// full. Grown on demand; an entry is meaningful while its slot is in the
 	// prefix index under that hash.
 	blocks []kvBlockRecord
+	// Tokens are copied, never allocated, on the allocator's path: a
+	// stored event's into ringTok at its ring index, a record's into
+	// slotTok at its slot (bt tokens each: SealTokens takes exactly one
+	// block). Both are allocated at the first SealTokens. Drains and
+	// snapshots copy them out for their caller.
+	bt               int
+	ringTok, slotTok []int32
 }
 
 // kvBlockRecord is what a snapshot re-announces about one findable block.
 type kvBlockRecord struct {
 	hash, parent BlockHash
 	hasParent    bool
-	tokens       []int32 // shared with the stored event: never written after
+	hasTokens    bool // its tokens are in slotTok
 }
 
 func newKVEventLog(n int) *kvEventLog {
@@ -134,7 +141,7 @@ func (k *kvEventLog) sealed(c *core, l *lease, i int, id BlockID, h BlockHash, s
 	hasParent := false
 	var tokens []int32
 	if st != nil {
-		tokens = slices.Clone(st.tokens)
+		tokens = st.tokens
 		if i > 0 {
 			parent, hasParent = st.parent, true
 		}
@@ -147,9 +154,26 @@ func (k *kvEventLog) sealed(c *core, l *lease, i int, id BlockID, h BlockHash, s
 		n := max(int(id)+1, 2*len(k.blocks), 64)
 		k.blocks = append(k.blocks, make([]kvBlockRecord, n-len(k.blocks))...)
 	}
-	k.blocks[id] = kvBlockRecord{hash: h, parent: parent, hasParent: hasParent, tokens: tokens}
-	k.push(KVEvent{Kind: KVBlockStored, BlockHash: h, ParentBlockHash: parent, HasParent: hasParent,
-		TokenIDs: tokens, BlockSize: c.cfg.blockTokens})
+	hasTokens := len(tokens) > 0 && len(tokens) == c.cfg.blockTokens
+	if hasTokens && k.ringTok == nil {
+		k.bt = c.cfg.blockTokens
+		k.ringTok = make([]int32, len(k.ring)*k.bt)
+		k.slotTok = make([]int32, len(c.slots)*k.bt)
+	}
+	k.blocks[id] = kvBlockRecord{hash: h, parent: parent, hasParent: hasParent, hasTokens: hasTokens}
+	e := KVEvent{Kind: KVBlockStored, BlockHash: h, ParentBlockHash: parent, HasParent: hasParent,
+		BlockSize: c.cfg.blockTokens}
+	if hasTokens {
+		copy(k.slotTok[int(id)*k.bt:], tokens)
+		if k.n < len(k.ring) { // else push drops it
+			j := (k.head + k.n) % len(k.ring)
+			e.TokenIDs = k.ringTok[j*k.bt : (j+1)*k.bt : (j+1)*k.bt]
+			copy(e.TokenIDs, tokens)
+		}
+	} else if len(tokens) > 0 {
+		e.TokenIDs = slices.Clone(tokens) // not one block: not recorded for snapshots
+	}
+	k.push(e)
 }
 
 func (k *kvEventLog) removed(h BlockHash) { k.push(KVEvent{Kind: KVBlockRemoved, BlockHash: h}) }
@@ -169,9 +193,25 @@ func (p *Pool[R]) DrainKVEvents(dst []KVEvent) (events []KVEvent, dropped uint64
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	k := c.kv
+	// Stored events' tokens live in the ring's token area, reused once
+	// drained: copy them out, in one allocation.
+	var tok []int32
+	if k.ringTok != nil {
+		total := 0
+		for i := range k.n {
+			total += len(k.ring[(k.head+i)%len(k.ring)].TokenIDs)
+		}
+		tok = make([]int32, 0, total)
+	}
 	for i := range k.n {
 		j := (k.head + i) % len(k.ring)
-		dst = append(dst, k.ring[j])
+		e := k.ring[j]
+		if n := len(e.TokenIDs); n > 0 {
+			lo := len(tok)
+			tok = append(tok, e.TokenIDs...)
+			e.TokenIDs = tok[lo : lo+n : lo+n]
+		}
+		dst = append(dst, e)
 		k.ring[j] = KVEvent{}
 	}
 	k.head, k.n = 0, 0
@@ -225,12 +265,22 @@ func (p *Pool[R]) SnapshotKVBlocks(dst []KVEvent) (seq uint64, blocks []KVEvent)
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	k := c.kv
-	rec := func(h BlockHash) (*kvBlockRecord, bool) {
+	type recAt struct {
+		*kvBlockRecord
+		id BlockID
+	}
+	rec := func(h BlockHash) (recAt, bool) {
 		id, ok := c.index[h]
 		if !ok || int(id) >= len(k.blocks) || k.blocks[id].hash != h {
-			return nil, false
+			return recAt{}, false
 		}
-		return &k.blocks[id], true
+		return recAt{&k.blocks[id], id}, true
+	}
+	// Every emitted block's tokens, copied out of slotTok: capacity for
+	// all of them up front, so the slices handed out stay put.
+	var tok []int32
+	if k.slotTok != nil {
+		tok = make([]int32, 0, len(c.index)*k.bt)
 	}
 	hashes := make([]BlockHash, 0, len(c.index))
 	for h := range c.index {
@@ -238,7 +288,7 @@ func (p *Pool[R]) SnapshotKVBlocks(dst []KVEvent) (seq uint64, blocks []KVEvent)
 	}
 	slices.Sort(hashes) // deterministic order among unrelated chains
 	done := make(map[BlockHash]bool, len(hashes))
-	var stack []*kvBlockRecord
+	var stack []recAt
 	for _, h := range hashes {
 		// Walk up to the oldest findable ancestor not yet emitted, then
 		// emit back down (bounded by the number of findable blocks, so a
@@ -253,8 +303,14 @@ func (p *Pool[R]) SnapshotKVBlocks(dst []KVEvent) (seq uint64, blocks []KVEvent)
 		}
 		for j := len(stack) - 1; j >= 0; j-- {
 			r := stack[j]
+			var tokens []int32
+			if r.hasTokens {
+				lo := len(tok)
+				tok = append(tok, k.slotTok[int(r.id)*k.bt:int(r.id+1)*k.bt]...)
+				tokens = tok[lo:len(tok):len(tok)]
+			}
 			dst = append(dst, KVEvent{Kind: KVBlockStored, BlockHash: r.hash, ParentBlockHash: r.parent,
-				HasParent: r.hasParent, TokenIDs: r.tokens, BlockSize: c.cfg.blockTokens})
+				HasParent: r.hasParent, TokenIDs: tokens, BlockSize: c.cfg.blockTokens})
 		}
 		stack = stack[:0]
 	}

@@ -246,6 +246,7 @@ func (l *lease) settledChan() chan struct{} {
 }
 
 type leakInfo struct {
+	c     *core
 	obs   Observer
 	owner string
 	id    uint64
@@ -259,9 +260,10 @@ func (l *lease) watchLeak() {
 	}
 	x := l.ext()
 	x.leak = runtime.AddCleanup(l, func(i leakInfo) {
+		i.c.leaked.Inc()
 		i.obs.Observe(Event{Kind: EventLeaked, Owner: i.owner, Lease: i.id,
 			Err: fmt.Errorf("kvlease: lease %d (%s) became unreachable while open; its blocks stay leased", i.id, i.owner)})
-	}, leakInfo{l.c.obs, l.owner, l.id})
+	}, leakInfo{l.c, l.c.obs, l.owner, l.id})
 	x.watched = true
 }
 
@@ -519,6 +521,12 @@ func (c *core) transition(l *lease, ev *events) {
 		panic(fmt.Sprintf("kvlease: lease %d: impossible transition %v → %v", l.id, prev, next))
 	}
 	l.state = next
+	switch {
+	case next == LeaseQuarantined:
+		c.stats.quarantines++
+	case prev == LeaseQuarantined:
+		c.stats.quarantineLifts++
+	}
 	if c.obs != nil {
 		switch {
 		case next == LeaseQuarantined:
@@ -835,6 +843,16 @@ func (c *core) apply(l *lease, to TransferState, t *Transfer, ev *events) {
 		l.pending--
 	} else {
 		l.quarantined--
+	}
+	if from == TransferPending {
+		switch {
+		case to == TransferQuarantined:
+			c.stats.transfersQuar++
+		case t.err != nil:
+			c.stats.transfersFailed++
+		default:
+			c.stats.transfersResolved++
+		}
 	}
 	kind := EventTransferResolved
 	if to == TransferQuarantined {

@@ -52,6 +52,25 @@ type Stats struct {
 	Evictions        uint64 // cached blocks evicted to make room
 	DuplicateSeals   uint64 // seals whose hash was already findable elsewhere
 	VerifyMismatches uint64 // verified-mode lookups whose hash matched but content did not
+
+	// Rejections by reason; they sum to Rejections.
+	RejectedExhausted       uint64 // ErrExhausted (not ErrQuarantineBound): no room now
+	RejectedQuarantineBound uint64 // ErrQuarantineBound: more than quarantine leaves usable
+	RejectedCanceled        uint64 // the caller's context ended while queued (AcquireWait)
+	RejectedClosed          uint64 // ErrPoolClosed
+	RejectedInvalid         uint64 // any other error: ErrInvalidArgument, ErrExceedsCapacity
+
+	// Transfers, counted once per lease a transfer gates, when the
+	// transfer first ends: resolved without error, resolved with an error
+	// (the memory is quiescent all the same), or quarantined (no proof).
+	TransfersResolved    uint64
+	TransfersFailed      uint64
+	TransfersQuarantined uint64
+	Quarantines          uint64 // leases that entered LeaseQuarantined
+	QuarantineLifts      uint64 // leases late evidence brought out of LeaseQuarantined
+	// LeakedLeases counts leases found unreachable while open. The
+	// detection is armed only with WithObserver; without one it stays 0.
+	LeakedLeases uint64
 }
 
 // Pool owns a Memory's blocks and hands them out as typed leases. All
@@ -91,6 +110,8 @@ type core struct {
 
 	closed     atomic.Bool
 	rejections atomic.Uint64 // counted without the lock: rejections come in storms
+	rejectedBy [numRejectReasons]atomic.Uint64
+	leaked     atomic.Uint64
 	nextLease  uint64
 	openLeases int
 	stats      counters
@@ -109,6 +130,32 @@ type counters struct {
 	prefixQueries, prefixHits, evictions, duplicateSeals uint64
 	prefixRefused                                        uint64
 	verifyMismatches                                     uint64
+	transfersResolved, transfersFailed, transfersQuar    uint64
+	quarantines, quarantineLifts                         uint64
+}
+
+// The reasons Stats splits Rejections into.
+const (
+	rejectExhausted = iota
+	rejectQuarantineBound
+	rejectCanceled
+	rejectClosed
+	rejectInvalid
+	numRejectReasons
+)
+
+func rejectReason(err error) int {
+	switch {
+	case errors.Is(err, ErrQuarantineBound):
+		return rejectQuarantineBound
+	case errors.Is(err, ErrExhausted):
+		return rejectExhausted
+	case errors.Is(err, ErrPoolClosed):
+		return rejectClosed
+	case errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
+		return rejectCanceled
+	}
+	return rejectInvalid
 }
 
 // NewPool makes a pool over mem: every block starts free. mem must be
@@ -461,6 +508,7 @@ func closedErr(owner string, n int) error {
 // reject counts and reports a failed acquire and returns err.
 func (c *core) reject(owner string, n int, err error) error {
 	c.rejections.Inc()
+	c.rejectedBy[rejectReason(err)].Inc()
 	if c.obs != nil {
 		c.obs.Observe(Event{Kind: EventRejected, Owner: owner, Blocks: n, Err: err})
 	}
@@ -755,6 +803,18 @@ func (p *Pool[R]) Stats() Stats {
 		Evictions:         c.stats.evictions,
 		DuplicateSeals:    c.stats.duplicateSeals,
 		VerifyMismatches:  c.stats.verifyMismatches,
+
+		RejectedExhausted:       c.rejectedBy[rejectExhausted].Load(),
+		RejectedQuarantineBound: c.rejectedBy[rejectQuarantineBound].Load(),
+		RejectedCanceled:        c.rejectedBy[rejectCanceled].Load(),
+		RejectedClosed:          c.rejectedBy[rejectClosed].Load(),
+		RejectedInvalid:         c.rejectedBy[rejectInvalid].Load(),
+		TransfersResolved:       c.stats.transfersResolved,
+		TransfersFailed:         c.stats.transfersFailed,
+		TransfersQuarantined:    c.stats.transfersQuar,
+		Quarantines:             c.stats.quarantines,
+		QuarantineLifts:         c.stats.quarantineLifts,
+		LeakedLeases:            c.leaked.Load(),
 	}
 }
 

@@ -50,6 +50,7 @@ const (
 	DefaultReplayBatches = 10_000
 	DefaultQueue         = 4096
 	DefaultBatchEvents   = 512
+	DefaultLinger        = time.Millisecond
 )
 
 // Config configures a Publisher. Only Endpoint is required.
@@ -85,6 +86,12 @@ type Config struct {
 	Queue int
 	// BatchEvents caps the events of one batch (DefaultBatchEvents).
 	BatchEvents int
+	// Linger is how long the publisher lets events gather after a pool
+	// signals the first ones, before it drains the pools: fewer, larger
+	// batches and fewer trips through the pools' locks, for at most this
+	// much latency (DefaultLinger; negative: drain at once). Flush does
+	// not wait for it.
+	Linger time.Duration
 
 	sendHook func(zmq4.Msg) error // tests: replaces the PUB socket's Send
 }
@@ -169,6 +176,9 @@ func NewPublisher(cfg Config, sources ...Source) (*Publisher, error) {
 	cfg.ReplayBatches = cmpOr(cfg.ReplayBatches, DefaultReplayBatches)
 	cfg.Queue = cmpOr(cfg.Queue, DefaultQueue)
 	cfg.BatchEvents = cmpOr(cfg.BatchEvents, DefaultBatchEvents)
+	if cfg.Linger == 0 {
+		cfg.Linger = DefaultLinger
+	}
 	if cfg.Topic == "" {
 		cfg.Topic = "kv@" + cfg.Pod + "@" + cfg.Model
 	}
@@ -358,12 +368,25 @@ func (p *Publisher) drainLoop() {
 	d := drainer{p: p, enc: newBatchEncoder(p.cfg.Encoding, p.cfg.DataParallelRank)}
 	retry := time.NewTicker(20 * time.Millisecond)
 	defer retry.Stop()
+	linger := time.NewTimer(time.Hour)
+	linger.Stop()
+	defer linger.Stop()
 	for {
 		var flushed chan struct{}
 		select {
 		case <-p.ctx.Done():
 			return
 		case <-p.wake:
+			if p.cfg.Linger > 0 {
+				linger.Reset(p.cfg.Linger)
+				select {
+				case <-p.ctx.Done():
+					return
+				case <-linger.C:
+				case flushed = <-p.flushes:
+					linger.Stop()
+				}
+			}
 		case flushed = <-p.flushes:
 		case <-p.resyncQ:
 			d.resync = true
@@ -391,8 +414,10 @@ func (p *Publisher) sendLoop() {
 			var sb [8]byte
 			binary.BigEndian.PutUint64(sb[:], seq)
 			msg := zmq4.NewMsgFrom(p.topic, sb[:], payload)
-			_ = p.send(msg) // zmq4's PUB queues; errors only when closing
-			p.ring.add(seq, payload)
+			_ = p.send(msg)      // zmq4's PUB queues; errors only when closing
+			if p.replay != nil { // kept only for a replay socket
+				p.ring.add(seq, payload)
+			}
 			seq++
 			p.batches.Add(1)
 			p.sent.Add(1)
@@ -407,7 +432,17 @@ type drainer struct {
 	buf    []kvlease.KVEvent
 	wire   []wireEvent
 	resync bool // a loss happened: clear and re-announce before anything else
+	// Arenas of one pass: the wire events' hashes and tokens are slices of
+	// them, valid until the events are encoded (convert's callers encode
+	// before the next convert resets them).
+	hashArena []uint64
+	tokArena  []int32
+	spans     []span
 }
+
+// span is where one wire event's hashes and tokens lie in the arenas
+// while convert still appends to them.
+type span struct{ hashLo, hashHi, tokLo, tokHi int }
 
 func (d *drainer) pass() {
 	p := d.p
@@ -438,6 +473,7 @@ func (d *drainer) pass() {
 // queue has room for all of it; otherwise it is retried later.
 func (d *drainer) doResync() {
 	p := d.p
+	d.hashArena, d.tokArena, d.spans = d.hashArena[:0], d.tokArena[:0], d.spans[:0]
 	d.wire = append(d.wire[:0], wireEvent{tag: tagAllBlocksCleared})
 	for _, s := range p.srcs {
 		// Empty the ring (and its drop count) first: every event drained
@@ -466,17 +502,24 @@ func (d *drainer) doResync() {
 
 // convert appends the wire events of evs to dst, merging chains; events
 // covered by the last snapshot are skipped. live says whether stored
-// events without tokens count as unpublishable.
+// events without tokens count as unpublishable. The events' hashes and
+// tokens live in the drainer's arenas: a merge extends the last event,
+// whose hashes and tokens are always the arenas' tails.
 func (d *drainer) convert(s *source, evs []kvlease.KVEvent, dst []wireEvent, live bool) []wireEvent {
 	p := d.p
+	if len(dst) == 0 {
+		d.hashArena, d.tokArena, d.spans = d.hashArena[:0], d.tokArena[:0], d.spans[:0]
+	}
+	base := len(dst)
 	for i := range evs {
 		e := &evs[i]
 		if e.Seq != 0 && e.Seq <= s.skipTo {
 			continue
 		}
 		var last *wireEvent
-		if len(dst) > 0 {
-			last = &dst[len(dst)-1]
+		var lastSpan *span
+		if len(dst) > base {
+			last, lastSpan = &dst[len(dst)-1], &d.spans[len(d.spans)-1]
 		}
 		switch e.Kind {
 		case kvlease.KVBlockStored:
@@ -491,24 +534,49 @@ func (d *drainer) convert(s *source, evs []kvlease.KVEvent, dst []wireEvent, liv
 				bs = len(e.TokenIDs)
 			}
 			if last != nil && last.tag == tagBlockStored && e.HasParent && last.medium == s.Medium &&
-				last.hashes[len(last.hashes)-1] == uint64(e.ParentBlockHash) && last.blockSize == bs &&
-				len(last.hashes) < maxMergedBlocks {
-				last.hashes = append(last.hashes, uint64(e.BlockHash))
-				last.tokens = append(last.tokens, e.TokenIDs...)
+				d.hashArena[lastSpan.hashHi-1] == uint64(e.ParentBlockHash) && last.blockSize == bs &&
+				lastSpan.hashHi-lastSpan.hashLo < maxMergedBlocks {
+				d.hashArena = append(d.hashArena, uint64(e.BlockHash))
+				d.tokArena = append(d.tokArena, e.TokenIDs...)
+				lastSpan.hashHi, lastSpan.tokHi = len(d.hashArena), len(d.tokArena)
 				continue
 			}
-			dst = append(dst, wireEvent{tag: tagBlockStored, hashes: []uint64{uint64(e.BlockHash)},
-				parent: uint64(e.ParentBlockHash), hasParent: e.HasParent,
-				tokens: append([]int32(nil), e.TokenIDs...), blockSize: bs,
+			sp := span{hashLo: len(d.hashArena), tokLo: len(d.tokArena)}
+			d.hashArena = append(d.hashArena, uint64(e.BlockHash))
+			d.tokArena = append(d.tokArena, e.TokenIDs...)
+			sp.hashHi, sp.tokHi = len(d.hashArena), len(d.tokArena)
+			d.spans = append(d.spans, sp)
+			dst = append(dst, wireEvent{tag: tagBlockStored,
+				parent: uint64(e.ParentBlockHash), hasParent: e.HasParent, blockSize: bs,
 				medium: s.Medium, loraName: s.LoraName, loraID: s.LoraID})
 		case kvlease.KVBlockRemoved:
-			if last != nil && last.tag == tagBlockRemoved && last.medium == s.Medium && len(last.hashes) < maxMergedBlocks {
-				last.hashes = append(last.hashes, uint64(e.BlockHash))
+			if last != nil && last.tag == tagBlockRemoved && last.medium == s.Medium &&
+				lastSpan.hashHi-lastSpan.hashLo < maxMergedBlocks {
+				d.hashArena = append(d.hashArena, uint64(e.BlockHash))
+				lastSpan.hashHi = len(d.hashArena)
 				continue
 			}
-			dst = append(dst, wireEvent{tag: tagBlockRemoved, hashes: []uint64{uint64(e.BlockHash)}, medium: s.Medium})
+			sp := span{hashLo: len(d.hashArena), tokLo: len(d.tokArena)}
+			d.hashArena = append(d.hashArena, uint64(e.BlockHash))
+			sp.hashHi, sp.tokHi = len(d.hashArena), len(d.tokArena)
+			d.spans = append(d.spans, sp)
+			dst = append(dst, wireEvent{tag: tagBlockRemoved, medium: s.Medium})
 		case kvlease.KVAllBlocksCleared:
+			d.spans = append(d.spans, span{hashLo: len(d.hashArena), hashHi: len(d.hashArena),
+				tokLo: len(d.tokArena), tokHi: len(d.tokArena)})
 			dst = append(dst, wireEvent{tag: tagAllBlocksCleared})
+		}
+	}
+	// The arenas are complete for these events: point them at their spans
+	// (full slice expressions, so nothing can append into a neighbour).
+	spans := d.spans[len(d.spans)-(len(dst)-base):]
+	for j := range dst[base:] {
+		sp, ev := spans[j], &dst[base+j]
+		if sp.hashHi > sp.hashLo {
+			ev.hashes = d.hashArena[sp.hashLo:sp.hashHi:sp.hashHi]
+		}
+		if sp.tokHi > sp.tokLo {
+			ev.tokens = d.tokArena[sp.tokLo:sp.tokHi:sp.tokHi]
 		}
 	}
 	return dst

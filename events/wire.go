@@ -2,9 +2,9 @@ package events
 
 import (
 	"bytes"
+	"encoding/binary"
 	"fmt"
-
-	"github.com/vmihailenco/msgpack/v5"
+	"math"
 )
 
 // Encoding selects how events are laid out inside a batch.
@@ -51,53 +51,40 @@ type wireEvent struct {
 	loraName  string // empty: lora_id and lora_name are nil
 }
 
-// batchEncoder encodes batches into a reused buffer.
+// batchEncoder encodes batches into a reused buffer. It writes msgpack
+// directly, in the forms msgpack/v5's Encoder picks (the shortest for
+// lengths and integers, except hashes: always the 9-byte uint64 form;
+// float64 timestamps), without reflection or an io.Writer per value.
 type batchEncoder struct {
-	enc      Encoding
-	dpRank   int
-	buf      bytes.Buffer
-	e        *msgpack.Encoder
-	wroteErr error
+	enc    Encoding
+	dpRank int
+	buf    []byte
 }
 
 func newBatchEncoder(enc Encoding, dpRank int) *batchEncoder {
-	b := &batchEncoder{enc: enc, dpRank: dpRank}
-	b.e = msgpack.NewEncoder(&b.buf)
-	return b
+	return &batchEncoder{enc: enc, dpRank: dpRank}
 }
 
 // encode returns a fresh payload: [ts, [events...], data_parallel_rank].
 func (b *batchEncoder) encode(ts float64, evs []wireEvent) []byte {
-	b.buf.Reset()
-	e := b.e
-	b.wroteErr = nil
-	b.w(e.EncodeArrayLen(3))
-	b.w(e.EncodeFloat64(ts))
-	b.w(e.EncodeArrayLen(len(evs)))
+	buf := appendArrayLen(b.buf[:0], 3)
+	buf = appendFloat64(buf, ts)
+	buf = appendArrayLen(buf, len(evs))
 	for i := range evs {
-		b.event(&evs[i])
+		buf = b.event(buf, &evs[i])
 	}
-	b.w(e.EncodeInt(int64(b.dpRank)))
-	if b.wroteErr != nil {
-		// Writing to a bytes.Buffer cannot fail; an error here is a bug.
-		panic(fmt.Sprintf("events: encode batch: %v", b.wroteErr))
-	}
-	return bytes.Clone(b.buf.Bytes())
+	buf = appendInt(buf, int64(b.dpRank))
+	b.buf = buf
+	return bytes.Clone(buf)
 }
 
-func (b *batchEncoder) w(err error) {
-	if err != nil && b.wroteErr == nil {
-		b.wroteErr = err
-	}
-}
-
-func (b *batchEncoder) event(ev *wireEvent) {
-	e := b.e
+func (b *batchEncoder) event(buf []byte, ev *wireEvent) []byte {
 	m := b.enc == MapEncoding
-	key := func(k string) {
+	key := func(buf []byte, k string) []byte {
 		if m {
-			b.w(e.EncodeString(k))
+			return appendString(buf, k)
 		}
+		return buf
 	}
 	fields := 0
 	switch ev.tag {
@@ -107,53 +94,141 @@ func (b *batchEncoder) event(ev *wireEvent) {
 		fields = 2 // block_hashes medium
 	}
 	if m {
-		b.w(e.EncodeMapLen(fields + 1))
-		b.w(e.EncodeString("type"))
+		buf = appendMapLen(buf, fields+1)
+		buf = appendString(buf, "type")
 	} else {
-		b.w(e.EncodeArrayLen(fields + 1))
+		buf = appendArrayLen(buf, fields+1)
 	}
-	b.w(e.EncodeString(ev.tag))
+	buf = appendString(buf, ev.tag)
 	if fields == 0 {
-		return
+		return buf
 	}
-	key("block_hashes")
-	b.w(e.EncodeArrayLen(len(ev.hashes)))
+	buf = key(buf, "block_hashes")
+	buf = appendArrayLen(buf, len(ev.hashes))
 	for _, h := range ev.hashes {
-		b.w(e.EncodeUint64(h)) // always the full 8-byte form
+		buf = appendUint64Full(buf, h) // always the full 8-byte form
 	}
 	if ev.tag == tagBlockStored {
-		key("parent_block_hash")
+		buf = key(buf, "parent_block_hash")
 		if ev.hasParent {
-			b.w(e.EncodeUint64(ev.parent))
+			buf = appendUint64Full(buf, ev.parent)
 		} else {
-			b.w(e.EncodeNil())
+			buf = append(buf, mpNil)
 		}
-		key("token_ids")
-		b.w(e.EncodeArrayLen(len(ev.tokens)))
+		buf = key(buf, "token_ids")
+		buf = appendArrayLen(buf, len(ev.tokens))
 		for _, t := range ev.tokens {
-			b.w(e.EncodeInt(int64(t)))
+			buf = appendInt(buf, int64(t))
 		}
-		key("block_size")
-		b.w(e.EncodeInt(int64(ev.blockSize)))
-		key("lora_id")
+		buf = key(buf, "block_size")
+		buf = appendInt(buf, int64(ev.blockSize))
+		buf = key(buf, "lora_id")
 		if ev.loraName != "" {
-			b.w(e.EncodeInt(int64(ev.loraID)))
+			buf = appendInt(buf, int64(ev.loraID))
 		} else {
-			b.w(e.EncodeNil())
+			buf = append(buf, mpNil)
 		}
 	}
-	key("medium")
+	buf = key(buf, "medium")
 	if ev.medium != "" {
-		b.w(e.EncodeString(ev.medium))
+		buf = appendString(buf, ev.medium)
 	} else {
-		b.w(e.EncodeNil())
+		buf = append(buf, mpNil)
 	}
 	if ev.tag == tagBlockStored {
-		key("lora_name")
+		buf = key(buf, "lora_name")
 		if ev.loraName != "" {
-			b.w(e.EncodeString(ev.loraName))
+			buf = appendString(buf, ev.loraName)
 		} else {
-			b.w(e.EncodeNil())
+			buf = append(buf, mpNil)
 		}
 	}
+	return buf
+}
+
+// msgpack codes.
+const (
+	mpNil     = 0xc0
+	mpFloat64 = 0xcb
+	mpUint8   = 0xcc
+	mpUint16  = 0xcd
+	mpUint32  = 0xce
+	mpUint64  = 0xcf
+	mpInt8    = 0xd0
+	mpInt16   = 0xd1
+	mpInt32   = 0xd2
+	mpInt64   = 0xd3
+	mpStr8    = 0xd9
+	mpStr16   = 0xda
+	mpStr32   = 0xdb
+	mpArray16 = 0xdc
+	mpArray32 = 0xdd
+	mpMap16   = 0xde
+	mpMap32   = 0xdf
+)
+
+func appendLen(buf []byte, n int, fix, fixMax, c16, c32 byte) []byte {
+	switch {
+	case n <= int(fixMax):
+		return append(buf, fix|byte(n))
+	case n <= math.MaxUint16:
+		return binary.BigEndian.AppendUint16(append(buf, c16), uint16(n))
+	}
+	return binary.BigEndian.AppendUint32(append(buf, c32), uint32(n))
+}
+
+func appendArrayLen(buf []byte, n int) []byte {
+	return appendLen(buf, n, 0x90, 15, mpArray16, mpArray32)
+}
+func appendMapLen(buf []byte, n int) []byte { return appendLen(buf, n, 0x80, 15, mpMap16, mpMap32) }
+
+func appendString(buf []byte, s string) []byte {
+	switch n := len(s); {
+	case n < 32:
+		buf = append(buf, 0xa0|byte(n))
+	case n < 256:
+		buf = append(buf, mpStr8, byte(n))
+	case n <= math.MaxUint16:
+		buf = binary.BigEndian.AppendUint16(append(buf, mpStr16), uint16(n))
+	default:
+		buf = binary.BigEndian.AppendUint32(append(buf, mpStr32), uint32(n))
+	}
+	return append(buf, s...)
+}
+
+func appendFloat64(buf []byte, f float64) []byte {
+	return binary.BigEndian.AppendUint64(append(buf, mpFloat64), math.Float64bits(f))
+}
+
+func appendUint64Full(buf []byte, v uint64) []byte {
+	return binary.BigEndian.AppendUint64(append(buf, mpUint64), v)
+}
+
+// appendInt writes n in the shortest form, as msgpack/v5's EncodeInt.
+func appendInt(buf []byte, n int64) []byte {
+	if n >= 0 {
+		u := uint64(n)
+		switch {
+		case u <= math.MaxInt8:
+			return append(buf, byte(u))
+		case u <= math.MaxUint8:
+			return append(buf, mpUint8, byte(u))
+		case u <= math.MaxUint16:
+			return binary.BigEndian.AppendUint16(append(buf, mpUint16), uint16(u))
+		case u <= math.MaxUint32:
+			return binary.BigEndian.AppendUint32(append(buf, mpUint32), uint32(u))
+		}
+		return appendUint64Full(buf, u)
+	}
+	switch {
+	case n >= -32:
+		return append(buf, byte(n))
+	case n >= math.MinInt8:
+		return append(buf, mpInt8, byte(n))
+	case n >= math.MinInt16:
+		return binary.BigEndian.AppendUint16(append(buf, mpInt16), uint16(n))
+	case n >= math.MinInt32:
+		return binary.BigEndian.AppendUint32(append(buf, mpInt32), uint32(n))
+	}
+	return binary.BigEndian.AppendUint64(append(buf, mpInt64), uint64(n))
 }

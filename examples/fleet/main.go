@@ -1,0 +1,495 @@
+// Command fleet runs a few engines' KV-cache workloads in one process,
+// publishes each engine's KV events in vLLM's wire format (map-encoded,
+// topic kv@<engine>@<model>) and serves Prometheus metrics, while a
+// router-like subscriber indexes the events; at the end it prints, for a
+// few prompts, which engine holds the longest cached prefix. It stops by
+// itself after -duration:
+//
+//	go run ./examples/fleet -events tcp://*:5557 -metrics 127.0.0.1:9400 -duration 10s
+//
+// One -events endpoint, several engines. Each engine has its own PUB
+// socket and its own topic, following vLLM's rule for bind vs connect:
+//
+//   - an endpoint that binds (it contains "*" or "::", or is ipc:// or
+//     inproc://) is the first engine's; engine i binds the same host at
+//     PORT+i, as vLLM offsets the port for data-parallel ranks (a free
+//     port when PORT is 0 or PORT+i is taken; ipc and inproc paths get a
+//     "-i" suffix). The subscriber dials every engine.
+//   - an endpoint that connects (tcp://127.0.0.1:PORT) is the router's:
+//     the subscriber binds it and every engine dials it, told apart by
+//     topic, as a router that lets engines dial in would be.
+//
+// Without flags every engine binds a free port and so does the metrics
+// server; the addresses are printed. Metrics are served at
+// http://ADDR/metrics under kvlease's names and vLLM's
+// (vllm:kv_cache_usage_perc and friends, engine label = engine name).
+package main
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/go-zeromq/zmq4"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/events"
+	"github.com/kvlease/kvlease/metrics"
+)
+
+const (
+	blockTokens  = 16
+	poolBlocks   = 64
+	familyBlocks = 6 // a family's shared prefix after the system block
+	suffixBlocks = 2 // each request's own tokens
+)
+
+func main() {
+	if err := run(os.Args[1:], os.Stdout); err != nil {
+		fmt.Fprintln(os.Stderr, "fleet:", err)
+		os.Exit(1)
+	}
+}
+
+type engine struct {
+	name   string
+	pool   *kvlease.Pool[[]byte]
+	pub    *events.Publisher
+	dialTo string // where the subscriber dials it ("" when it dials the subscriber)
+	family []int32
+}
+
+func run(args []string, out io.Writer) error {
+	fs := flag.NewFlagSet("fleet", flag.ContinueOnError)
+	eventsEP := fs.String("events", "tcp://*:0", "first engine's PUB endpoint (binds with * or ::, connects otherwise)")
+	metricsAddr := fs.String("metrics", "127.0.0.1:0", "address of the Prometheus /metrics server")
+	duration := fs.Duration("duration", 5*time.Second, "how long the workloads run")
+	nEngines := fs.Int("engines", 3, "number of engines")
+	model := fs.String("model", "llama", "model name (topic kv@<engine>@<model>)")
+	seed := fs.Uint64("seed", 1, "workload seed")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if *nEngines < 1 || *nEngines > 16 {
+		return fmt.Errorf("-engines %d: want 1..16", *nEngines)
+	}
+	if *duration <= 0 {
+		return fmt.Errorf("-duration %v: want a positive duration", *duration)
+	}
+
+	reg := prometheus.NewRegistry()
+	col, err := metrics.New(reg, metrics.Options{VLLM: &metrics.VLLMOptions{Model: *model, BlockTokens: blockTokens}})
+	if err != nil {
+		return err
+	}
+
+	// The subscriber first: in connect mode it owns the endpoint.
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	sub := zmq4.NewSub(ctx)
+	defer sub.Close()
+	bind := events.ShouldBind(*eventsEP)
+	if !bind {
+		if err := sub.Listen(*eventsEP); err != nil {
+			return fmt.Errorf("subscriber bind %s: %w", *eventsEP, err)
+		}
+		fmt.Fprintf(out, "router subscriber bound %s; engines dial it\n", *eventsEP)
+	}
+
+	rng := rand.New(rand.NewPCG(*seed, 0))
+	system := randomTokens(rng, blockTokens)
+	var engines []*engine
+	defer func() {
+		for _, e := range engines {
+			_ = e.pub.Close()
+		}
+	}()
+	for i := range *nEngines {
+		e := &engine{name: fmt.Sprintf("engine-%d", i)}
+		e.family = append(slices.Clone(system), randomTokens(rng, familyBlocks*blockTokens)...)
+		mem, err := kvlease.NewHostMemory(poolBlocks, 1024)
+		if err != nil {
+			return err
+		}
+		e.pool, err = kvlease.NewPool[[]byte](mem, kvlease.WithKVEvents(1<<14), kvlease.WithBlockTokens(blockTokens),
+			kvlease.WithObserver(col.Observer(e.name)))
+		if err != nil {
+			return err
+		}
+		cfg := events.Config{Pod: e.name, Model: *model}
+		if bind {
+			e.pub, err = bindEngine(cfg, *eventsEP, i, e.pool)
+		} else {
+			cfg.Endpoint = *eventsEP
+			e.pub, err = events.NewPublisher(cfg, events.Source{Pool: e.pool})
+		}
+		if err != nil {
+			return fmt.Errorf("%s: %w", e.name, err)
+		}
+		engines = append(engines, e)
+		where := "dials " + *eventsEP
+		if bind {
+			e.dialTo = dialAddr(e.pub, cfg.Endpoint)
+			where = "binds " + e.dialTo
+			if err := sub.Dial(e.dialTo); err != nil {
+				return fmt.Errorf("subscriber dial %s: %w", e.dialTo, err)
+			}
+		}
+		fmt.Fprintf(out, "engine %s events %s topic %s\n", e.name, where, e.pub.Topic())
+		if err := col.AddPool(e.name, e.pool); err != nil {
+			return err
+		}
+		if err := col.AddPublisher(e.name, e.pub); err != nil {
+			return err
+		}
+	}
+	if err := sub.SetOption(zmq4.OptionSubscribe, "kv@"); err != nil {
+		return err
+	}
+
+	ln, err := net.Listen("tcp", *metricsAddr)
+	if err != nil {
+		return fmt.Errorf("metrics listen %s: %w", *metricsAddr, err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	go func() { _ = srv.Serve(ln) }()
+	defer srv.Close()
+	fmt.Fprintf(out, "metrics http://%s/metrics\n", ln.Addr())
+
+	// A publisher only sends to subscribers it knows of: wait for ours, or
+	// its first events would be lost (ZeroMQ's slow joiner).
+	for _, e := range engines {
+		if err := waitFor(10*time.Second, func() bool { return len(e.pub.Subscriptions()) > 0 }); err != nil {
+			return fmt.Errorf("%s: subscriber never joined: %w", e.name, err)
+		}
+	}
+
+	idx := newIndexer()
+	subDone := make(chan struct{})
+	go func() {
+		defer close(subDone)
+		idx.consume(sub)
+	}()
+
+	fmt.Fprintf(out, "running %d engines for %v\n", len(engines), *duration)
+	wctx, wcancel := context.WithTimeout(ctx, *duration)
+	defer wcancel()
+	var wg sync.WaitGroup
+	for i, e := range engines {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			workload(wctx, e, rand.New(rand.NewPCG(*seed, uint64(i)+1)))
+		}()
+	}
+	wg.Wait()
+
+	// Drain: every batch published has reached the index.
+	for _, e := range engines {
+		fctx, fcancel := context.WithTimeout(ctx, 10*time.Second)
+		err := e.pub.Flush(fctx)
+		fcancel()
+		if err != nil {
+			return fmt.Errorf("%s: flush: %w", e.name, err)
+		}
+	}
+	caughtUp := waitFor(10*time.Second, func() bool {
+		for _, e := range engines {
+			if idx.batches(e.pub.Topic()) < e.pub.Stats().Batches {
+				return false
+			}
+		}
+		return true
+	}) == nil
+
+	for _, e := range engines {
+		st := e.pub.Stats()
+		ps := e.pool.Stats()
+		fmt.Fprintf(out, "events %s published %d in %d batches, dropped %d, received %d batches, blocks %d cached %d evicted %d\n",
+			e.name, st.Events, st.Batches, st.DroppedBatches+st.DroppedEvents, idx.batches(e.pub.Topic()),
+			idx.held(e.pub.Topic()), ps.Cached, ps.Evictions)
+	}
+	if !caughtUp {
+		fmt.Fprintln(out, "index: not every batch arrived (a subscriber loses what the PUB socket drops)")
+	}
+	if n := idx.badTokens(); n > 0 {
+		return fmt.Errorf("index: %d stored blocks whose tokens do not hash to their block hash", n)
+	}
+
+	// Route a few prompts: each family's prefix with a question nobody
+	// asked yet, and one prompt only the system block is shared with.
+	for _, e := range engines {
+		prompt := append(slices.Clone(e.family), randomTokens(rng, suffixBlocks*blockTokens)...)
+		route(out, idx, engines, "family of "+e.name, prompt)
+	}
+	route(out, idx, engines, "unseen", append(slices.Clone(system), randomTokens(rng, 4*blockTokens)...))
+
+	_ = srv.Close()
+	for _, e := range engines {
+		_ = e.pub.Close()
+	}
+	_ = sub.Close()
+	cancel()
+	<-subDone
+	fmt.Fprintln(out, "fleet: done")
+	return nil
+}
+
+// bindEngine binds engine i's publisher: the endpoint itself for engine
+// 0, PORT+i (or a free port) for the others.
+func bindEngine(cfg events.Config, ep string, i int, pool *kvlease.Pool[[]byte]) (*events.Publisher, error) {
+	cfg.Endpoint = ep
+	if i == 0 {
+		return events.NewPublisher(cfg, events.Source{Pool: pool})
+	}
+	if strings.HasPrefix(ep, "ipc://") || strings.HasPrefix(ep, "inproc://") {
+		cfg.Endpoint = ep + "-" + strconv.Itoa(i)
+		return events.NewPublisher(cfg, events.Source{Pool: pool})
+	}
+	host, port, err := splitTCP(ep)
+	if err != nil {
+		return nil, err
+	}
+	if port != 0 {
+		cfg.Endpoint = fmt.Sprintf("tcp://%s:%d", host, port+i)
+		if p, err := events.NewPublisher(cfg, events.Source{Pool: pool}); err == nil {
+			return p, nil
+		}
+	}
+	cfg.Endpoint = fmt.Sprintf("tcp://%s:0", host)
+	return events.NewPublisher(cfg, events.Source{Pool: pool})
+}
+
+func splitTCP(ep string) (string, int, error) {
+	rest, ok := strings.CutPrefix(ep, "tcp://")
+	if !ok {
+		return "", 0, fmt.Errorf("endpoint %q: want tcp://HOST:PORT, ipc:// or inproc://", ep)
+	}
+	i := strings.LastIndex(rest, ":")
+	if i < 0 {
+		return "", 0, fmt.Errorf("endpoint %q: no port", ep)
+	}
+	port, err := strconv.Atoi(rest[i+1:])
+	if err != nil || port < 0 || port > 65535 {
+		return "", 0, fmt.Errorf("endpoint %q: bad port", ep)
+	}
+	return rest[:i], port, nil
+}
+
+// dialAddr is where a local subscriber reaches a bound publisher.
+func dialAddr(p *events.Publisher, ep string) string {
+	if a, ok := p.Addr().(*net.TCPAddr); ok {
+		if a.IP == nil || a.IP.IsUnspecified() {
+			if strings.Contains(ep, "::") {
+				return fmt.Sprintf("tcp://[::1]:%d", a.Port)
+			}
+			return fmt.Sprintf("tcp://127.0.0.1:%d", a.Port)
+		}
+		return "tcp://" + a.String()
+	}
+	return ep
+}
+
+func randomTokens(rng *rand.Rand, n int) []int32 {
+	t := make([]int32, n)
+	for i := range t {
+		t[i] = rng.Int32N(32000)
+	}
+	return t
+}
+
+// workload serves requests of the engine's family until ctx ends: each
+// prompt is the family prefix plus tokens of its own, looked up in the
+// prefix cache, sealed where it missed, held a moment and released.
+func workload(ctx context.Context, e *engine, rng *rand.Rand) {
+	for r := 0; ctx.Err() == nil; r++ {
+		prompt := append(slices.Clone(e.family), randomTokens(rng, suffixBlocks*blockTokens)...)
+		full := len(prompt) / blockTokens
+		l, hits, err := e.pool.AcquirePrefixTokens(fmt.Sprintf("%s/req-%d", e.name, r), 0, prompt, full+1)
+		if err != nil {
+			time.Sleep(time.Millisecond)
+			continue
+		}
+		hashes := kvlease.ChainHashes(0, prompt, blockTokens)
+		for b := hits; b < full; b++ {
+			var parent kvlease.BlockHash
+			if b > 0 {
+				parent = hashes[b-1]
+			}
+			if _, err := l.SealTokens(b, parent, prompt[b*blockTokens:(b+1)*blockTokens]); err != nil {
+				break
+			}
+		}
+		select { // decoding
+		case <-ctx.Done():
+		case <-time.After(time.Millisecond):
+		}
+		l.Release()
+	}
+}
+
+// route prints which engine holds the longest prefix of prompt.
+func route(out io.Writer, idx *indexer, engines []*engine, name string, prompt []int32) {
+	hashes := kvlease.ChainHashes(0, prompt, blockTokens)
+	var best, others []string
+	bestN := -1
+	for _, e := range engines {
+		n := idx.prefix(e.pub.Topic(), hashes)
+		others = append(others, fmt.Sprintf("%s %d", e.name, n))
+		switch {
+		case n > bestN:
+			best, bestN = []string{e.name}, n
+		case n == bestN:
+			best = append(best, e.name)
+		}
+	}
+	on := best[0]
+	if len(best) > 1 {
+		on = strings.Join(best, " = ") + " (tie)"
+	}
+	fmt.Fprintf(out, "prompt %q (%d blocks): longest prefix on %s, %d blocks (%s)\n",
+		name, len(hashes), on, bestN, strings.Join(others, ", "))
+}
+
+func waitFor(limit time.Duration, ok func() bool) error {
+	deadline := time.Now().Add(limit)
+	for !ok() {
+		if time.Now().After(deadline) {
+			return errors.New("timed out")
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	return nil
+}
+
+// indexer is a minimal router-side index: per topic, the block hashes an
+// engine announced stored and not yet removed, checked against their
+// tokens (a router recomputes keys from tokens).
+type indexer struct {
+	mu     sync.Mutex
+	topics map[string]*engineIndex
+	bad    int
+}
+
+type engineIndex struct {
+	blocks  map[uint64]struct{}
+	batches uint64
+	next    uint64 // the seq expected next
+	gaps    uint64
+}
+
+func newIndexer() *indexer { return &indexer{topics: map[string]*engineIndex{}} }
+
+func (x *indexer) consume(sub zmq4.Socket) {
+	for {
+		msg, err := sub.Recv()
+		if err != nil {
+			return // closed
+		}
+		if len(msg.Frames) != 3 || len(msg.Frames[1]) != 8 {
+			continue
+		}
+		b, err := events.DecodeBatch(msg.Frames[2])
+		if err != nil {
+			continue
+		}
+		x.apply(string(msg.Frames[0]), binary.BigEndian.Uint64(msg.Frames[1]), b)
+	}
+}
+
+func (x *indexer) apply(topic string, seq uint64, b events.Batch) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	ei := x.topics[topic]
+	if ei == nil {
+		ei = &engineIndex{blocks: map[uint64]struct{}{}}
+		x.topics[topic] = ei
+	}
+	if seq != ei.next {
+		ei.gaps++
+	}
+	ei.next = seq + 1
+	ei.batches++
+	for _, ev := range b.Events {
+		switch ev.Type {
+		case "BlockStored":
+			parent := kvlease.BlockHash(0)
+			if ev.ParentBlockHash != nil {
+				parent = kvlease.BlockHash(*ev.ParentBlockHash)
+			}
+			for k, h := range ev.BlockHashes {
+				lo, hi := k*ev.BlockSize, (k+1)*ev.BlockSize
+				if hi > len(ev.TokenIDs) || uint64(kvlease.HashBlock(parent, ev.TokenIDs[lo:hi])) != h {
+					x.bad++
+					break
+				}
+				ei.blocks[h] = struct{}{}
+				parent = kvlease.BlockHash(h)
+			}
+		case "BlockRemoved":
+			for _, h := range ev.BlockHashes {
+				delete(ei.blocks, h)
+			}
+		case "AllBlocksCleared":
+			clear(ei.blocks)
+		}
+	}
+}
+
+func (x *indexer) batches(topic string) uint64 {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if ei := x.topics[topic]; ei != nil {
+		return ei.batches
+	}
+	return 0
+}
+
+func (x *indexer) held(topic string) int {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if ei := x.topics[topic]; ei != nil {
+		return len(ei.blocks)
+	}
+	return 0
+}
+
+func (x *indexer) badTokens() int {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	return x.bad
+}
+
+// prefix counts the leading hashes the topic's engine holds.
+func (x *indexer) prefix(topic string, hashes []kvlease.BlockHash) int {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	ei := x.topics[topic]
+	if ei == nil {
+		return 0
+	}
+	n := 0
+	for _, h := range hashes {
+		if _, ok := ei.blocks[uint64(h)]; !ok {
+			break
+		}
+		n++
+	}
+	return n
+}

@@ -1,0 +1,347 @@
+// Package metrics exports kvlease pools, KV-event publishers and handoffs
+// to Prometheus.
+//
+// A Collector reads a snapshot of every source it was given once per
+// scrape (Pool.Stats, Publisher.Stats): nothing is counted on the
+// allocator's hot path for it. The three duration histograms (transfer,
+// drain, quarantine) need to see transitions as they happen and are fed by
+// the Observer a Collector hands out for each pool (kvlease.WithObserver).
+// Handoff outcomes are counted by RecordHandoff or WatchHandoff.
+//
+// New registers the Collector on the Registerer it is given; the package
+// keeps no global state and registers nothing by itself.
+//
+// With Options.VLLM set, each pool is also exported under vLLM's names
+// (vllm:kv_cache_usage_perc, vllm:prefix_cache_queries_total and
+// vllm:prefix_cache_hits_total in tokens, vllm:cache_config_info), so a
+// scheduler that scores vLLM engines from their /metrics (llm-d's) can
+// score a Go engine unchanged. Those names contain colons, which
+// Prometheus reserves for recording rules and its linter reports; that is
+// vLLM's choice and the reason they are behind an option.
+package metrics
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/events"
+	"github.com/kvlease/kvlease/handoff"
+)
+
+// ErrInvalid is wrapped by the errors of New, AddPool and AddPublisher
+// for an argument they refuse (a nil source, a duplicate name).
+var ErrInvalid = errors.New("metrics: invalid argument")
+
+// StatsSource is what a pool exports: *kvlease.Pool of any region type.
+type StatsSource interface {
+	Stats() kvlease.Stats
+}
+
+// PublisherSource is what a KV-event publisher exports: *events.Publisher.
+type PublisherSource interface {
+	Stats() events.Stats
+}
+
+// DefaultBuckets are the duration histograms' buckets, in seconds: 10µs
+// to about 42s, a factor of 4 apart.
+var DefaultBuckets = prometheus.ExponentialBuckets(1e-5, 4, 12)
+
+// Options configures a Collector. The zero value is usable.
+type Options struct {
+	// Namespace prefixes every kvlease metric ("kvlease" when empty).
+	Namespace string
+	// ConstLabels are added to every metric (for example the engine's pod).
+	ConstLabels prometheus.Labels
+	// Buckets of the duration histograms in seconds (DefaultBuckets when nil).
+	Buckets []float64
+	// VLLM, when set, also exports each pool under vLLM's metric names.
+	VLLM *VLLMOptions
+}
+
+// VLLMOptions names what vLLM's metrics carry that a pool does not know.
+type VLLMOptions struct {
+	// Model is the model_name label.
+	Model string
+	// BlockTokens is the tokens per block: prefix queries and hits are
+	// counted in tokens, and it is cache_config_info's block_size.
+	BlockTokens int
+}
+
+// Collector is a prometheus.Collector over kvlease pools, KV-event
+// publishers and handoffs. Its methods are safe for concurrent use.
+type Collector struct {
+	opts Options
+	now  func() time.Time
+
+	mu    sync.Mutex
+	pools []namedPool
+	pubs  []namedPub
+	obs   map[string]*poolObserver
+
+	d descs
+
+	transfer, drain, quarantine *prometheus.HistogramVec
+	handoffs                    *prometheus.CounterVec
+}
+
+type namedPool struct {
+	name string
+	src  StatsSource
+}
+
+type namedPub struct {
+	name string
+	src  PublisherSource
+}
+
+type descs struct {
+	blocks, capacity, usable, quarLeased, openLeases, waiters   *prometheus.Desc
+	acquires, rejections                                        *prometheus.Desc
+	prefixQueries, prefixHits, prefixRefused                    *prometheus.Desc
+	evictions, dupSeals, verifyMismatches                       *prometheus.Desc
+	transfers, quarantines, quarantineLifts, leaked             *prometheus.Desc
+	evPublished, evBatches, evBlocks, evDropped, evBatchDropped *prometheus.Desc
+	evUnpublishable, evResyncs                                  *prometheus.Desc
+	vUsage, vQueries, vHits, vConfig                            *prometheus.Desc
+}
+
+// New makes a Collector and registers it on reg.
+func New(reg prometheus.Registerer, opts Options) (*Collector, error) {
+	if reg == nil {
+		return nil, fmt.Errorf("metrics: nil Registerer: %w", ErrInvalid)
+	}
+	if opts.VLLM != nil && opts.VLLM.BlockTokens <= 0 {
+		return nil, fmt.Errorf("metrics: VLLM.BlockTokens %d must be positive: %w", opts.VLLM.BlockTokens, ErrInvalid)
+	}
+	if opts.Namespace == "" {
+		opts.Namespace = "kvlease"
+	}
+	if opts.Buckets == nil {
+		opts.Buckets = DefaultBuckets
+	}
+	c := &Collector{opts: opts, now: time.Now, obs: map[string]*poolObserver{}}
+	ns, cl := opts.Namespace, opts.ConstLabels
+	d := func(name, help string, labels ...string) *prometheus.Desc {
+		return prometheus.NewDesc(prometheus.BuildFQName(ns, "", name), help, labels, cl)
+	}
+	pl := "pool"
+	c.d = descs{
+		blocks:           d("blocks", "Blocks by state (free, cached, leased, draining, quarantined); they sum to the capacity.", pl, "state"),
+		capacity:         d("capacity_blocks", "Blocks the pool owns.", pl),
+		usable:           d("usable_blocks", "Capacity minus quarantined blocks: the most that could be free while the quarantine lasts.", pl),
+		quarLeased:       d("quarantined_leased_blocks", "Quarantined blocks an open lease still holds.", pl),
+		openLeases:       d("open_leases", "Leases acquired and not yet closed.", pl),
+		waiters:          d("waiters", "Callers queued in AcquireWait.", pl),
+		acquires:         d("acquires_total", "Leases handed out.", pl),
+		rejections:       d("rejections_total", "Acquires that failed and allocated nothing, by reason.", pl, "reason"),
+		prefixQueries:    d("prefix_queries_total", "Blocks looked up by admitted prefix acquires.", pl),
+		prefixHits:       d("prefix_hits_total", "Blocks of admitted prefix acquires served from the cache.", pl),
+		prefixRefused:    d("prefix_refused_total", "Blocks looked up by prefix acquires that were then refused.", pl),
+		evictions:        d("evictions_total", "Cached blocks evicted to make room.", pl),
+		dupSeals:         d("duplicate_seals_total", "Seals whose hash was already findable in another block.", pl),
+		verifyMismatches: d("verify_mismatches_total", "Verified lookups whose hash matched but whose tokens did not.", pl),
+		transfers:        d("transfers_total", "Transfers ended, once per lease they gated, by outcome (resolved, failed, quarantined).", pl, "outcome"),
+		quarantines:      d("quarantines_total", "Leases that entered the quarantined state.", pl),
+		quarantineLifts:  d("quarantine_lifts_total", "Leases late evidence brought out of quarantine.", pl),
+		leaked:           d("leaked_leases_total", "Leases found unreachable while open (their blocks stay leased).", pl),
+
+		evPublished:     d("kv_events_published_total", "KV events handed to the PUB socket (a merged chain counts once).", "publisher"),
+		evBatches:       d("kv_event_batches_total", "KV event batches handed to the PUB socket.", "publisher"),
+		evBlocks:        d("kv_event_blocks_total", "Block hashes announced stored or removed.", "publisher"),
+		evDropped:       d("kv_events_dropped_total", "KV events the pools' rings dropped before the publisher drained them.", "publisher"),
+		evBatchDropped:  d("kv_event_batches_dropped_total", "KV event batches dropped because the queue to the socket was full.", "publisher"),
+		evUnpublishable: d("kv_events_unpublishable_total", "Stored events without tokens, which routers cannot key (not sent).", "publisher"),
+		evResyncs:       d("kv_event_resyncs_total", "AllBlocksCleared plus re-announcements sent after a loss.", "publisher"),
+	}
+	if v := opts.VLLM; v != nil {
+		vl := []string{"engine", "model_name"}
+		c.d.vUsage = prometheus.NewDesc("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", vl, cl)
+		c.d.vQueries = prometheus.NewDesc("vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of number of queried tokens.", vl, cl)
+		c.d.vHits = prometheus.NewDesc("vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.", vl, cl)
+		c.d.vConfig = prometheus.NewDesc("vllm:cache_config_info", "Information of the LLMEngine CacheConfig.",
+			[]string{"engine", "model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching"}, cl)
+	}
+	hist := func(name, help string) *prometheus.HistogramVec {
+		return prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: ns, Name: name, Help: help, ConstLabels: cl, Buckets: opts.Buckets,
+		}, []string{pl})
+	}
+	c.transfer = hist("transfer_duration_seconds", "From a transfer's attachment to a lease until it resolved or was quarantined.")
+	c.drain = hist("drain_duration_seconds", "From the close of a lease with transfers still pending until it settled.")
+	c.quarantine = hist("quarantine_duration_seconds", "From a lease entering quarantine until late evidence lifted it.")
+	c.handoffs = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: ns, Name: "handoffs_total", ConstLabels: cl,
+		Help: "Handoffs by outcome (delivered, rejected, failed, aborted, quarantined).",
+	}, []string{"outcome"})
+	for _, o := range handoffOutcomes {
+		c.handoffs.WithLabelValues(o.String())
+	}
+	if err := reg.Register(c); err != nil {
+		return nil, fmt.Errorf("metrics: register: %w", err)
+	}
+	return c, nil
+}
+
+// AddPool exports pool under the label pool=name.
+func (c *Collector) AddPool(name string, pool StatsSource) error {
+	if pool == nil || name == "" {
+		return fmt.Errorf("metrics: AddPool(%q, %v): need a name and a pool: %w", name, pool, ErrInvalid)
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if slices.ContainsFunc(c.pools, func(p namedPool) bool { return p.name == name }) {
+		return fmt.Errorf("metrics: pool %q added twice: %w", name, ErrInvalid)
+	}
+	c.pools = append(c.pools, namedPool{name, pool})
+	return nil
+}
+
+// AddPublisher exports a KV-event publisher under the label publisher=name.
+func (c *Collector) AddPublisher(name string, p PublisherSource) error {
+	if p == nil || name == "" {
+		return fmt.Errorf("metrics: AddPublisher(%q, %v): need a name and a publisher: %w", name, p, ErrInvalid)
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if slices.ContainsFunc(c.pubs, func(q namedPub) bool { return q.name == name }) {
+		return fmt.Errorf("metrics: publisher %q added twice: %w", name, ErrInvalid)
+	}
+	c.pubs = append(c.pubs, namedPub{name, p})
+	return nil
+}
+
+// The outcomes handoffs_total counts: the final states and Quarantined.
+var handoffOutcomes = []handoff.State{handoff.Delivered, handoff.Rejected, handoff.Failed, handoff.Aborted, handoff.Quarantined}
+
+// RecordHandoff counts one handoff that ended in s. Only final states and
+// Quarantined are outcomes; it reports false (and counts nothing) for
+// any other state.
+func (c *Collector) RecordHandoff(s handoff.State) bool {
+	if !slices.Contains(handoffOutcomes, s) {
+		return false
+	}
+	c.handoffs.WithLabelValues(s.String()).Inc()
+	return true
+}
+
+// Handoff is what WatchHandoff follows: *handoff.Handoff, *handoff.Outgoing
+// and *handoff.Incoming.
+type Handoff interface {
+	Done() <-chan struct{}
+	State() handoff.State
+}
+
+// WatchHandoff counts h's outcome once it is done (a final state). The
+// goroutine it starts ends with h; a handoff that stays quarantined is
+// never done, so its goroutine waits for late evidence (use RecordHandoff
+// to count quarantines as they happen).
+func (c *Collector) WatchHandoff(h Handoff) {
+	go func() {
+		<-h.Done()
+		c.RecordHandoff(h.State())
+	}()
+}
+
+// Describe implements prometheus.Collector.
+func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{
+		c.d.blocks, c.d.capacity, c.d.usable, c.d.quarLeased, c.d.openLeases, c.d.waiters,
+		c.d.acquires, c.d.rejections, c.d.prefixQueries, c.d.prefixHits, c.d.prefixRefused,
+		c.d.evictions, c.d.dupSeals, c.d.verifyMismatches,
+		c.d.transfers, c.d.quarantines, c.d.quarantineLifts, c.d.leaked,
+		c.d.evPublished, c.d.evBatches, c.d.evBlocks, c.d.evDropped, c.d.evBatchDropped,
+		c.d.evUnpublishable, c.d.evResyncs,
+	} {
+		ch <- d
+	}
+	if c.opts.VLLM != nil {
+		ch <- c.d.vUsage
+		ch <- c.d.vQueries
+		ch <- c.d.vHits
+		ch <- c.d.vConfig
+	}
+	c.transfer.Describe(ch)
+	c.drain.Describe(ch)
+	c.quarantine.Describe(ch)
+	c.handoffs.Describe(ch)
+}
+
+// Collect implements prometheus.Collector: one Stats snapshot per source.
+func (c *Collector) Collect(ch chan<- prometheus.Metric) {
+	c.mu.Lock()
+	pools := slices.Clone(c.pools)
+	pubs := slices.Clone(c.pubs)
+	c.mu.Unlock()
+	gauge := func(d *prometheus.Desc, v float64, l ...string) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, l...)
+	}
+	counter := func(d *prometheus.Desc, v uint64, l ...string) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, float64(v), l...)
+	}
+	for _, p := range pools {
+		st := p.src.Stats()
+		n := p.name
+		gauge(c.d.blocks, float64(st.Free), n, "free")
+		gauge(c.d.blocks, float64(st.Cached), n, "cached")
+		gauge(c.d.blocks, float64(st.Leased), n, "leased")
+		gauge(c.d.blocks, float64(st.Draining), n, "draining")
+		gauge(c.d.blocks, float64(st.Quarantined), n, "quarantined")
+		gauge(c.d.capacity, float64(st.Capacity), n)
+		gauge(c.d.usable, float64(st.Usable), n)
+		gauge(c.d.quarLeased, float64(st.QuarantinedLeased), n)
+		gauge(c.d.openLeases, float64(st.OpenLeases), n)
+		gauge(c.d.waiters, float64(st.Waiters), n)
+		counter(c.d.acquires, st.Acquires, n)
+		counter(c.d.rejections, st.RejectedExhausted, n, "exhausted")
+		counter(c.d.rejections, st.RejectedQuarantineBound, n, "quarantine_bound")
+		counter(c.d.rejections, st.RejectedCanceled, n, "canceled")
+		counter(c.d.rejections, st.RejectedClosed, n, "closed")
+		counter(c.d.rejections, st.RejectedInvalid, n, "invalid")
+		counter(c.d.prefixQueries, st.PrefixQueries, n)
+		counter(c.d.prefixHits, st.PrefixHits, n)
+		counter(c.d.prefixRefused, st.PrefixRefused, n)
+		counter(c.d.evictions, st.Evictions, n)
+		counter(c.d.dupSeals, st.DuplicateSeals, n)
+		counter(c.d.verifyMismatches, st.VerifyMismatches, n)
+		counter(c.d.transfers, st.TransfersResolved, n, "resolved")
+		counter(c.d.transfers, st.TransfersFailed, n, "failed")
+		counter(c.d.transfers, st.TransfersQuarantined, n, "quarantined")
+		counter(c.d.quarantines, st.Quarantines, n)
+		counter(c.d.quarantineLifts, st.QuarantineLifts, n)
+		counter(c.d.leaked, st.LeakedLeases, n)
+		if v := c.opts.VLLM; v != nil {
+			used := 0.0
+			if st.Capacity > 0 {
+				// vLLM counts cached (evictable) blocks as free.
+				used = float64(st.Capacity-st.Free-st.Cached) / float64(st.Capacity)
+			}
+			bt := uint64(v.BlockTokens)
+			gauge(c.d.vUsage, used, n, v.Model)
+			counter(c.d.vQueries, st.PrefixQueries*bt, n, v.Model)
+			counter(c.d.vHits, st.PrefixHits*bt, n, v.Model)
+			gauge(c.d.vConfig, 1, n, v.Model, strconv.Itoa(v.BlockTokens), strconv.Itoa(st.Capacity), "True")
+		}
+	}
+	for _, p := range pubs {
+		st := p.src.Stats()
+		n := p.name
+		counter(c.d.evPublished, st.Events, n)
+		counter(c.d.evBatches, st.Batches, n)
+		counter(c.d.evBlocks, st.Blocks, n)
+		counter(c.d.evDropped, st.DroppedEvents, n)
+		counter(c.d.evBatchDropped, st.DroppedBatches, n)
+		counter(c.d.evUnpublishable, st.Unpublishable, n)
+		counter(c.d.evResyncs, st.Resyncs, n)
+	}
+	c.transfer.Collect(ch)
+	c.drain.Collect(ch)
+	c.quarantine.Collect(ch)
+	c.handoffs.Collect(ch)
+}
