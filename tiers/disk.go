@@ -65,10 +65,14 @@ type Disk struct {
 	pool      *kvlease.Pool[DiskSlot]
 	recovered int
 
-	jobs    chan *diskJob
+	// The queue of jobs: unbounded, so that queueing never blocks the
+	// caller (an eviction hook on an acquiring goroutine) behind a slow
+	// disk; it holds at most one job per pool block in flight.
+	qmu     sync.Mutex
+	qcond   *sync.Cond
+	queue   []*diskJob
+	closed  bool // guarded by qmu
 	workers sync.WaitGroup
-	submit  sync.RWMutex // held shared while queueing; Close takes it to close jobs
-	closed  bool         // guarded by submit
 
 	mu  sync.Mutex
 	bad map[DiskSlot]kvlease.BlockHash // slots that failed a read, by the hash they should hold
@@ -131,7 +135,7 @@ func OpenDisk(cfg DiskConfig) (*Disk, error) {
 		d.closeFiles()
 		return nil, err
 	}
-	d.jobs = make(chan *diskJob, cfg.Workers)
+	d.qcond = sync.NewCond(&d.qmu)
 	for range cfg.Workers {
 		d.workers.Add(1)
 		go d.work()
@@ -317,8 +321,8 @@ func (d *Disk) start(j *diskJob, n int, attach func(*kvlease.Transfer) error) (*
 	if n == 0 || attach == nil {
 		return nil, fmt.Errorf("tiers: disk job of %d blocks (attach set: %v): %w", n, attach != nil, kvlease.ErrInvalidArgument)
 	}
-	d.submit.RLock()
-	defer d.submit.RUnlock()
+	d.qmu.Lock()
+	defer d.qmu.Unlock()
 	if d.closed {
 		return nil, fmt.Errorf("tiers: disk tier: %w", ErrClosed)
 	}
@@ -327,15 +331,33 @@ func (d *Disk) start(j *diskJob, n int, attach func(*kvlease.Transfer) error) (*
 		j.t.Resolve(err)
 		return j.t, err
 	}
-	d.jobs <- j
+	d.queue = append(d.queue, j)
+	d.qcond.Signal()
 	return j.t, nil
+}
+
+// next returns the next queued job, waiting for one; nil once the disk is
+// closed and the queue is empty.
+func (d *Disk) next() *diskJob {
+	d.qmu.Lock()
+	defer d.qmu.Unlock()
+	for len(d.queue) == 0 {
+		if d.closed {
+			return nil
+		}
+		d.qcond.Wait()
+	}
+	j := d.queue[0]
+	d.queue[0] = nil
+	d.queue = d.queue[1:]
+	return j
 }
 
 // work is one disk worker.
 func (d *Disk) work() {
 	defer d.workers.Done()
 	buf := alignedBuf(d.slotBytes)
-	for j := range d.jobs {
+	for j := d.next(); j != nil; j = d.next() {
 		j.t.Resolve(d.run(j, buf))
 	}
 }
@@ -421,14 +443,14 @@ func (d *Disk) Lookup(owner string, hashes []kvlease.BlockHash) *kvlease.Lease[D
 // Close stops the workers once the queued jobs are done (their transfers
 // resolve) and closes the files. Close the disk after every cache using it.
 func (d *Disk) Close() error {
-	d.submit.Lock()
+	d.qmu.Lock()
 	if d.closed {
-		d.submit.Unlock()
+		d.qmu.Unlock()
 		return nil
 	}
 	d.closed = true
-	close(d.jobs)
-	d.submit.Unlock()
+	d.qcond.Broadcast()
+	d.qmu.Unlock()
 	d.workers.Wait()
 	_ = d.pool.Close()
 	return d.closeFiles()
