@@ -80,20 +80,29 @@ func (c *Cache[D]) toHost(src *kvlease.Lease[D], from int, hashes []kvlease.Bloc
 		parents[j].parent, parents[j].known = getParent(c.devParent, ref)
 	}
 	c.mu.Unlock()
-	for j, p := range pos {
-		s, err1 := c.dev.Region(src.Ref(p))
-		d, err2 := c.host.Region(dst.Ref(j))
-		if err1 != nil || err2 != nil {
-			dst.Release()
-			st.dropped.Add(uint64(len(pos)))
-			return
-		}
-		pairs[j] = kvlease.CopyPair[D, []byte]{Src: s, Dst: d}
+	// One lock per lease for the regions, not one per block.
+	srcRegions, err1 := src.AppendReadRegions(make([]D, 0, src.Len()), 0)
+	dstRegions, err2 := dst.AppendRegions(make([][]byte, 0, len(pos)), 0)
+	if err1 != nil || err2 != nil {
+		dst.Release()
+		st.dropped.Add(uint64(len(pos)))
+		return
 	}
+	for j, p := range pos {
+		pairs[j] = kvlease.CopyPair[D, []byte]{Src: srcRegions[p], Dst: dstRegions[j]}
+	}
+	whole := release && len(pos) == src.Len() // the offered lease, every block copied
 	t, err := c.offload.Start(pairs, func(t *kvlease.Transfer) error {
-		for _, p := range pos {
-			if err := src.AttachRange(t, p, p+1, kvlease.Read); err != nil {
+		if whole {
+			// Every block is sealed: Attach gates them all as Reads.
+			if err := src.Attach(t); err != nil {
 				return err
+			}
+		} else {
+			for _, p := range pos {
+				if err := src.AttachRange(t, p, p+1, kvlease.Read); err != nil {
+					return err
+				}
 			}
 		}
 		return dst.AttachRange(t, 0, len(pos), kvlease.Write)
