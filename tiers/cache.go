@@ -83,8 +83,16 @@ type Cache[D any] struct {
 	devParent  []parentRec // by device BlockID: the parent a sealed block was sealed under
 	hostParent []parentRec // by host BlockID
 	closed     bool
-	wg         sync.WaitGroup // copy watchers
+	wg         sync.WaitGroup // copy watchers and the offload worker
 	stop       chan struct{}  // closed by Close: watchers of stuck copies give up
+
+	// The offload worker runs what the eviction hooks hand it, so that an
+	// evicting acquire only queues its offer: it never waits for the next
+	// tier's allocator, let alone the copy.
+	workMu   sync.Mutex
+	workCond *sync.Cond
+	work     []func()
+	workDone bool // set by Close once no hook can queue any more
 
 	stats counters
 
@@ -92,9 +100,12 @@ type Cache[D any] struct {
 	devInflight, hostInflight atomic.Int64 // offered blocks not yet free
 }
 
-// parentRec remembers a block's parent hash at one generation.
+// parentRec remembers the hash a slot was last sealed with and the parent
+// it was sealed under. It needs no generation: a later lookup passes the
+// hash it expects, and a block with the same hash has the same parent
+// (the hash chains it).
 type parentRec struct {
-	gen    uint32
+	hash   kvlease.BlockHash
 	known  bool
 	parent kvlease.BlockHash
 }
@@ -131,6 +142,9 @@ func New[D any](cfg Config[D]) (*Cache[D], error) {
 		hostParent: make([]parentRec, cfg.Host.Capacity()),
 		stop:       make(chan struct{}),
 	}
+	c.workCond = sync.NewCond(&c.workMu)
+	c.wg.Add(1)
+	go c.worker()
 	c.devReserve = reserveOf(cfg.DeviceReserve, cfg.Device.Capacity())
 	c.hostReserve = reserveOf(cfg.HostReserve, cfg.Host.Capacity())
 	if c.policy == WriteBack {
@@ -185,8 +199,49 @@ func (c *Cache[D]) Close() error {
 	c.mu.Unlock()
 	c.dev.SetEvictHook(nil)
 	c.host.SetEvictHook(nil)
+	c.workMu.Lock()
+	c.workDone = true
+	c.workCond.Broadcast()
+	c.workMu.Unlock()
 	c.wg.Wait()
 	return nil
+}
+
+// later queues fn for the offload worker. After Close it runs fn at once
+// (a hook that raced Close): fn only releases what it was handed then.
+func (c *Cache[D]) later(fn func()) {
+	c.workMu.Lock()
+	if c.workDone {
+		c.workMu.Unlock()
+		fn()
+		return
+	}
+	c.work = append(c.work, fn)
+	c.workCond.Signal()
+	c.workMu.Unlock()
+}
+
+// worker runs the queued offloads in order until Close, then what is
+// left.
+func (c *Cache[D]) worker() {
+	defer c.wg.Done()
+	var batch []func()
+	for {
+		c.workMu.Lock()
+		for len(c.work) == 0 && !c.workDone {
+			c.workCond.Wait()
+		}
+		if len(c.work) == 0 {
+			c.workMu.Unlock()
+			return
+		}
+		batch, c.work = c.work, batch[:0]
+		c.workMu.Unlock()
+		for i, fn := range batch {
+			fn()
+			batch[i] = nil
+		}
+	}
 }
 
 // watch runs fn once t resolves, on a goroutine of its own; if the cache
@@ -217,16 +272,16 @@ func (c *Cache[D]) watch(t *kvlease.Transfer, fn func(ok bool)) bool {
 	return true
 }
 
-// setParent records the parent of a block at its current generation.
-func setParent(tab []parentRec, ref kvlease.BlockRef, parent kvlease.BlockHash, known bool) {
-	tab[ref.ID] = parentRec{gen: ref.Gen, known: known, parent: parent}
+// setParent records that slot id holds hash h, sealed under parent.
+func setParent(tab []parentRec, id kvlease.BlockID, h, parent kvlease.BlockHash, known bool) {
+	tab[id] = parentRec{hash: h, known: known, parent: parent}
 }
 
-// getParent returns the parent recorded for ref, if it was recorded at
-// ref's generation.
-func getParent(tab []parentRec, ref kvlease.BlockRef) (kvlease.BlockHash, bool) {
-	r := tab[ref.ID]
-	if r.gen != ref.Gen || !r.known {
+// getParent returns the parent recorded for slot id if it was recorded
+// for hash h.
+func getParent(tab []parentRec, id kvlease.BlockID, h kvlease.BlockHash) (kvlease.BlockHash, bool) {
+	r := tab[id]
+	if r.hash != h || !r.known {
 		return 0, false
 	}
 	return r.parent, true

@@ -1,8 +1,9 @@
-//go:build !unix
+//go:build !linux
 
 package tiers
 
 import "time"
 
-// cpuTime is not measured here: the CPU-time metrics read zero.
-func cpuTime() time.Duration { return 0 }
+// cpuTime and threadTime are not measured here: their metrics are left out.
+func cpuTime() time.Duration    { return 0 }
+func threadTime() time.Duration { return 0 }

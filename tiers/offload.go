@@ -20,9 +20,9 @@ func (c *Cache[D]) Seal(l *kvlease.Lease[D], i int, parent, h kvlease.BlockHash)
 	if err := l.Seal(i, h); err != nil {
 		return err
 	}
-	ref := l.Ref(i)
+	id := l.Ref(i).ID
 	c.mu.Lock()
-	setParent(c.devParent, ref, parent, true)
+	setParent(c.devParent, id, h, parent, true)
 	c.mu.Unlock()
 	if c.policy == WriteThrough {
 		c.toHost(l, i, []kvlease.BlockHash{h}, false)
@@ -30,11 +30,12 @@ func (c *Cache[D]) Seal(l *kvlease.Lease[D], i int, parent, h kvlease.BlockHash)
 	return nil
 }
 
-// deviceEvicted is the device pool's eviction hook (WriteBack): copy the
-// offered blocks to the host tier, then let them go.
+// deviceEvicted is the device pool's eviction hook (WriteBack): queue the
+// offered blocks for the offload worker, which copies them to the host
+// tier, then lets them go.
 func (c *Cache[D]) deviceEvicted(l *kvlease.Lease[D], hashes []kvlease.BlockHash) {
 	c.devInflight.Add(int64(len(hashes)))
-	c.toHost(l, 0, hashes, true)
+	c.later(func() { c.toHost(l, 0, hashes, true) })
 }
 
 // toHost copies blocks from..from+len(hashes)-1 of device lease src into
@@ -74,10 +75,11 @@ func (c *Cache[D]) toHost(src *kvlease.Lease[D], from int, hashes []kvlease.Bloc
 	}
 	pairs := make([]kvlease.CopyPair[D, []byte], len(pos))
 	parents := make([]parentRec, len(pos))
+	srcIDs := src.AppendBlockIDs(make([]kvlease.BlockID, 0, src.Len()), 0)
+	dstIDs := dst.AppendBlockIDs(make([]kvlease.BlockID, 0, len(pos)), 0)
 	c.mu.Lock()
 	for j, p := range pos {
-		ref := src.Ref(p)
-		parents[j].parent, parents[j].known = getParent(c.devParent, ref)
+		parents[j].parent, parents[j].known = getParent(c.devParent, srcIDs[p], hs[j])
 	}
 	c.mu.Unlock()
 	// One lock per lease for the regions, not one per block.
@@ -114,16 +116,18 @@ func (c *Cache[D]) toHost(src *kvlease.Lease[D], from int, hashes []kvlease.Bloc
 	}
 	c.mu.Lock()
 	for j := range pos {
-		setParent(c.hostParent, dst.Ref(j), parents[j].parent, parents[j].known)
+		setParent(c.hostParent, dstIDs[j], hs[j], parents[j].parent, parents[j].known)
 	}
 	c.mu.Unlock()
 	watched = c.watch(t, func(done bool) {
 		defer func() {
-			dst.Release()
 			if release {
 				c.devInflight.Add(-int64(len(hashes)))
 			}
+			// Refill the host's reserve before dst closes: whoever waits
+			// for every tier to be quiet then sees the offers too.
 			keepReserve(c.host, c.hostReserve, &c.hostInflight)
+			dst.Release()
 		}()
 		if !done || t.Err() != nil {
 			st.failures.Add(uint64(len(pos)))
@@ -142,10 +146,16 @@ func (c *Cache[D]) toHost(src *kvlease.Lease[D], from int, hashes []kvlease.Bloc
 }
 
 // hostEvicted is the host pool's eviction hook when there is a disk tier:
-// write the offered blocks to fresh disk slots, sealed there once the
-// writes resolve.
+// queue the offered blocks for the offload worker, which writes them to
+// fresh disk slots, sealed there once the writes resolve.
 func (c *Cache[D]) hostEvicted(l *kvlease.Lease[[]byte], hashes []kvlease.BlockHash) {
 	c.hostInflight.Add(int64(len(hashes)))
+	c.later(func() { c.toDisk(l, hashes) })
+}
+
+// toDisk writes the offered host blocks of l to fresh disk slots and
+// closes l; it never blocks on the writes.
+func (c *Cache[D]) toDisk(l *kvlease.Lease[[]byte], hashes []kvlease.BlockHash) {
 	watched := false
 	defer func() {
 		l.Release()
@@ -174,22 +184,20 @@ func (c *Cache[D]) hostEvicted(l *kvlease.Lease[[]byte], hashes []kvlease.BlockH
 		return
 	}
 	writes := make([]SlotWrite, len(pos))
+	srcIDs := l.AppendBlockIDs(make([]kvlease.BlockID, 0, l.Len()), 0)
+	dstIDs := dst.AppendBlockIDs(make([]kvlease.BlockID, 0, len(pos)), 0)
+	srcRegions, err := l.AppendReadRegions(make([][]byte, 0, l.Len()), 0)
+	if err != nil {
+		dst.Release()
+		st.dropped.Add(uint64(len(pos)))
+		return
+	}
 	c.mu.Lock()
 	for j, p := range pos {
-		ref := l.Ref(p)
-		parent, known := getParent(c.hostParent, ref)
-		writes[j] = SlotWrite{Dst: d.Region(dst.Ref(j).ID), Hash: hs[j], Parent: parent, HasParent: known}
+		parent, known := getParent(c.hostParent, srcIDs[p], hs[j])
+		writes[j] = SlotWrite{Src: srcRegions[p], Dst: d.Region(dstIDs[j]), Hash: hs[j], Parent: parent, HasParent: known}
 	}
 	c.mu.Unlock()
-	for j, p := range pos {
-		src, err := c.host.Region(l.Ref(p))
-		if err != nil {
-			dst.Release()
-			st.dropped.Add(uint64(len(pos)))
-			return
-		}
-		writes[j].Src = src
-	}
 	t, err := d.Write(writes, func(t *kvlease.Transfer) error {
 		for _, p := range pos {
 			if err := l.AttachRange(t, p, p+1, kvlease.Read); err != nil {

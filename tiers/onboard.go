@@ -191,6 +191,16 @@ func (c *Cache[D]) Acquire(owner string, hashes []kvlease.BlockHash, n int) (*On
 			if diskOK {
 				// The staging blocks hold the disk's content: they join
 				// the host tier, then go on to the device.
+				ids := stage.AppendBlockIDs(make([]kvlease.BlockID, 0, m), 0)
+				c.mu.Lock()
+				for k, hh := range rest[h : h+m] {
+					// Block d+h+k of the chain: its parent is the hash
+					// before it, unknown for a chain's first block.
+					if at := d + h + k; at > 0 {
+						setParent(c.hostParent, ids[k], hh, hashes[at-1], true)
+					}
+				}
+				c.mu.Unlock()
 				for k, hh := range rest[h : h+m] {
 					if stage.Seal(k, hh) != nil {
 						diskOK = false
@@ -240,13 +250,17 @@ func (c *Cache[D]) Acquire(owner string, hashes []kvlease.BlockHash, n int) (*On
 // transfer, or nil if it could not start.
 func (c *Cache[D]) copyIn(src *kvlease.Lease[[]byte], dst *kvlease.Lease[D], from, at, n int) *kvlease.Transfer {
 	pairs := make([]kvlease.CopyPair[[]byte, D], n)
+	// One lock per lease for the regions, not one per block. The
+	// destination blocks are fresh and gated by Writes; later blocks of
+	// the lease may be sealed by now, so take them as read regions (the
+	// same memory) rather than be refused.
+	srcRegions, err1 := src.AppendReadRegions(make([][]byte, 0, src.Len()), from)
+	dstRegions, err2 := dst.AppendReadRegions(make([]D, 0, dst.Len()), at)
+	if err1 != nil || err2 != nil || len(srcRegions) < n || len(dstRegions) < n {
+		return nil
+	}
 	for k := range n {
-		s, err1 := c.host.Region(src.Ref(from + k))
-		d, err2 := c.dev.Region(dst.Ref(at + k))
-		if err1 != nil || err2 != nil {
-			return nil
-		}
-		pairs[k] = kvlease.CopyPair[[]byte, D]{Src: s, Dst: d}
+		pairs[k] = kvlease.CopyPair[[]byte, D]{Src: srcRegions[k], Dst: dstRegions[k]}
 	}
 	t, err := c.onload.Start(pairs, func(t *kvlease.Transfer) error {
 		if err := src.AttachRange(t, from, from+n, kvlease.Read); err != nil {
@@ -267,12 +281,13 @@ func (c *Cache[D]) copyIn(src *kvlease.Lease[[]byte], dst *kvlease.Lease[D], fro
 // and returns the transfer, or nil if it could not start.
 func (c *Cache[D]) readDisk(dl *kvlease.Lease[DiskSlot], stage *kvlease.Lease[[]byte], hashes []kvlease.BlockHash) *kvlease.Transfer {
 	reads := make([]SlotRead, len(hashes))
+	dsts, err := stage.AppendRegions(make([][]byte, 0, len(hashes)), 0)
+	if err != nil || len(dsts) < len(hashes) {
+		return nil
+	}
+	slots := dl.AppendBlockIDs(make([]kvlease.BlockID, 0, len(hashes)), 0)
 	for k := range hashes {
-		dst, err := c.host.Region(stage.Ref(k))
-		if err != nil {
-			return nil
-		}
-		reads[k] = SlotRead{Src: DiskSlot(dl.Ref(k).ID), Dst: dst, Hash: hashes[k]}
+		reads[k] = SlotRead{Src: DiskSlot(slots[k]), Dst: dsts[k], Hash: hashes[k]}
 	}
 	t, err := c.disk.Read(reads, func(t *kvlease.Transfer) error {
 		if err := dl.AttachRange(t, 0, len(hashes), kvlease.Read); err != nil {
