@@ -80,8 +80,9 @@ type Cache[D any] struct {
 	policy  Policy
 
 	mu         sync.Mutex
-	devParent  []parentRec // by device BlockID: the parent a sealed block was sealed under
+	devParent  []parentRec // by device BlockID: how a sealed block was sealed
 	hostParent []parentRec // by host BlockID
+	diskParent []parentRec // by disk slot
 	closed     bool
 	wg         sync.WaitGroup // copy watchers and the offload worker
 	stop       chan struct{}  // closed by Close: watchers of stuck copies give up
@@ -100,14 +101,20 @@ type Cache[D any] struct {
 	devInflight, hostInflight atomic.Int64 // offered blocks not yet free
 }
 
-// parentRec remembers the hash a slot was last sealed with and the parent
-// it was sealed under. It needs no generation: a later lookup passes the
-// hash it expects, and a block with the same hash has the same parent
-// (the hash chains it).
+// parentRec remembers how a slot was last sealed: its hash, the parent it
+// was sealed under (the previous block's hash, or the namespace seed),
+// whether that parent is a block (chained; false for a chain's first
+// block) and, when the caller sealed with tokens, the tokens. The copy of
+// a block in a lower tier is sealed with the same record, so its KV event
+// names the same parent and carries the same tokens. It needs no
+// generation: a lookup passes the hash it expects, and a block with the
+// same hash has the same parent and tokens (the hash chains them).
 type parentRec struct {
-	hash   kvlease.BlockHash
-	known  bool
-	parent kvlease.BlockHash
+	hash    kvlease.BlockHash
+	known   bool // parent is known
+	chained bool
+	parent  kvlease.BlockHash
+	tokens  []int32 // nil when sealed without tokens; never written after
 }
 
 // ErrClosed is returned by a Cache's methods after Close.
@@ -141,6 +148,9 @@ func New[D any](cfg Config[D]) (*Cache[D], error) {
 		devParent:  make([]parentRec, cfg.Device.Capacity()),
 		hostParent: make([]parentRec, cfg.Host.Capacity()),
 		stop:       make(chan struct{}),
+	}
+	if c.disk != nil {
+		c.diskParent = make([]parentRec, c.disk.Blocks())
 	}
 	c.workCond = sync.NewCond(&c.workMu)
 	c.wg.Add(1)
@@ -272,17 +282,27 @@ func (c *Cache[D]) watch(t *kvlease.Transfer, fn func(ok bool)) bool {
 	return true
 }
 
-// setParent records that slot id holds hash h, sealed under parent.
-func setParent(tab []parentRec, id kvlease.BlockID, h, parent kvlease.BlockHash, known bool) {
-	tab[id] = parentRec{hash: h, known: known, parent: parent}
+// getRec returns what tab records for slot id if it was recorded for
+// hash h, else a record that knows only h.
+func getRec(tab []parentRec, id kvlease.BlockID, h kvlease.BlockHash) parentRec {
+	if r := tab[id]; r.hash == h && r.known {
+		return r
+	}
+	return parentRec{hash: h}
 }
 
-// getParent returns the parent recorded for slot id if it was recorded
-// for hash h.
-func getParent(tab []parentRec, id kvlease.BlockID, h kvlease.BlockHash) (kvlease.BlockHash, bool) {
-	r := tab[id]
-	if r.hash != h || !r.known {
-		return 0, false
+// sealAs seals block i of l as r.hash. When r knows the block's tokens and
+// parent, SealChained gives its KV event the right parent and the tokens
+// (whatever the block's place in l); otherwise (or if the pool refuses
+// tokens: no WithBlockTokens) it is a plain Seal, whose event carries no
+// tokens. Callers seal a lease's blocks last to first, so that a plain
+// Seal never names the lease's previous block, which in a lower tier is
+// unrelated, as the parent.
+func sealAs[R any](l *kvlease.Lease[R], i int, r parentRec) error {
+	if r.tokens != nil && r.known && kvlease.HashBlock(r.parent, r.tokens) == r.hash {
+		if _, err := l.SealChained(i, r.parent, r.chained, r.tokens); err == nil {
+			return nil
+		}
 	}
-	return r.parent, true
+	return l.Seal(i, r.hash)
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"unsafe"
@@ -44,6 +45,10 @@ type DiskConfig struct {
 	// sealed, what was not read never onboarded. Tests and audits inject
 	// failures and stalls with it.
 	BeforeIO func(write bool, slot DiskSlot) error
+	// PoolOptions are options for the disk tier's pool (its index), such
+	// as kvlease.WithKVEvents and kvlease.WithBlockTokens for KV events
+	// with medium "DISK" (see Cache.EventSources).
+	PoolOptions []kvlease.Option
 }
 
 // Disk is a disk tier (G3): fixed-size slots in preallocated files, each
@@ -125,7 +130,7 @@ func OpenDisk(cfg DiskConfig) (*Disk, error) {
 		d.direct = d.direct && direct
 		d.files = append(d.files, file)
 	}
-	pool, err := kvlease.NewPool[DiskSlot](d)
+	pool, err := kvlease.NewPool[DiskSlot](d, cfg.PoolOptions...)
 	if err != nil {
 		d.closeFiles()
 		return nil, err
@@ -205,6 +210,9 @@ func (d *Disk) rebuild() error {
 	for i := range l.Len() {
 		pos[l.Ref(i).ID] = i
 	}
+	// Last lease position first: a block's KV event then never names the
+	// unrelated block before it in this lease as its parent.
+	slices.SortFunc(valid, func(a, b entry) int { return pos[b.slot] - pos[a.slot] })
 	for _, e := range valid {
 		if err := l.Seal(pos[e.slot], e.hash); err == nil {
 			d.recovered++

@@ -1,6 +1,8 @@
 package tiers
 
 import (
+	"slices"
+
 	"github.com/kvlease/kvlease"
 )
 
@@ -12,22 +14,45 @@ const (
 
 // Seal seals block i of a device lease with hash h under parent (the
 // previous block's hash, or the namespace seed for the first block), as
-// kvlease.Lease.Seal does, and records the parent for the disk tier's slot
-// headers. With WriteThrough it also starts copying the block to the host
-// tier (unless the host has it already): a Read on block i of l until the
-// copy resolves, so l may be released at once. Errors are Seal's.
+// kvlease.Lease.Seal does, and records the parent for the lower tiers
+// (their slot headers). With WriteThrough it also starts copying the block
+// to the host tier (unless the host has it already): a Read on block i of
+// l until the copy resolves, so l may be released at once. Errors are
+// Seal's. Prefer SealTokens when KV events are published: events without
+// tokens are not (routers key blocks by their tokens).
 func (c *Cache[D]) Seal(l *kvlease.Lease[D], i int, parent, h kvlease.BlockHash) error {
 	if err := l.Seal(i, h); err != nil {
 		return err
 	}
+	c.sealed(l, i, parentRec{hash: h, known: true, chained: i > 0, parent: parent})
+	return nil
+}
+
+// SealTokens seals block i of a device lease with the hash of its tokens
+// under parent, as kvlease.Lease.SealTokens does (the device pool needs
+// WithBlockTokens), and returns that hash. The cache keeps the tokens, so
+// the block's copies in the lower tiers are sealed with them too: every
+// tier's KV events then carry the block's tokens and its parent, each
+// with the tier's medium (EventSources). Otherwise as Seal.
+func (c *Cache[D]) SealTokens(l *kvlease.Lease[D], i int, parent kvlease.BlockHash, tokens []int32) (kvlease.BlockHash, error) {
+	h, err := l.SealTokens(i, parent, tokens)
+	if err != nil {
+		return h, err
+	}
+	c.sealed(l, i, parentRec{hash: h, known: true, chained: i > 0, parent: parent, tokens: slices.Clone(tokens)})
+	return h, nil
+}
+
+// sealed records block i of device lease l as r and, with WriteThrough,
+// starts its copy to the host.
+func (c *Cache[D]) sealed(l *kvlease.Lease[D], i int, r parentRec) {
 	id := l.Ref(i).ID
 	c.mu.Lock()
-	setParent(c.devParent, id, h, parent, true)
+	c.devParent[id] = r
 	c.mu.Unlock()
 	if c.policy == WriteThrough {
-		c.toHost(l, i, []kvlease.BlockHash{h}, false)
+		c.toHost(l, i, []kvlease.BlockHash{r.hash}, false)
 	}
-	return nil
 }
 
 // deviceEvicted is the device pool's eviction hook (WriteBack): queue the
@@ -79,7 +104,7 @@ func (c *Cache[D]) toHost(src *kvlease.Lease[D], from int, hashes []kvlease.Bloc
 	dstIDs := dst.AppendBlockIDs(make([]kvlease.BlockID, 0, len(pos)), 0)
 	c.mu.Lock()
 	for j, p := range pos {
-		parents[j].parent, parents[j].known = getParent(c.devParent, srcIDs[p], hs[j])
+		parents[j] = getRec(c.devParent, srcIDs[p], hs[j])
 	}
 	c.mu.Unlock()
 	// One lock per lease for the regions, not one per block.
@@ -116,7 +141,7 @@ func (c *Cache[D]) toHost(src *kvlease.Lease[D], from int, hashes []kvlease.Bloc
 	}
 	c.mu.Lock()
 	for j := range pos {
-		setParent(c.hostParent, dstIDs[j], hs[j], parents[j].parent, parents[j].known)
+		c.hostParent[dstIDs[j]] = parents[j]
 	}
 	c.mu.Unlock()
 	watched = c.watch(t, func(done bool) {
@@ -133,8 +158,8 @@ func (c *Cache[D]) toHost(src *kvlease.Lease[D], from int, hashes []kvlease.Bloc
 			st.failures.Add(uint64(len(pos)))
 			return
 		}
-		for j, h := range hs {
-			if dst.Seal(j, h) != nil {
+		for j := len(parents) - 1; j >= 0; j-- {
+			if sealAs(dst, j, parents[j]) != nil {
 				return
 			}
 		}
@@ -192,10 +217,12 @@ func (c *Cache[D]) toDisk(l *kvlease.Lease[[]byte], hashes []kvlease.BlockHash) 
 		st.dropped.Add(uint64(len(pos)))
 		return
 	}
+	recs := make([]parentRec, len(pos))
 	c.mu.Lock()
 	for j, p := range pos {
-		parent, known := getParent(c.hostParent, srcIDs[p], hs[j])
-		writes[j] = SlotWrite{Src: srcRegions[p], Dst: d.Region(dstIDs[j]), Hash: hs[j], Parent: parent, HasParent: known}
+		recs[j] = getRec(c.hostParent, srcIDs[p], hs[j])
+		c.diskParent[dstIDs[j]] = recs[j]
+		writes[j] = SlotWrite{Src: srcRegions[p], Dst: d.Region(dstIDs[j]), Hash: hs[j], Parent: recs[j].parent, HasParent: recs[j].known}
 	}
 	c.mu.Unlock()
 	t, err := d.Write(writes, func(t *kvlease.Transfer) error {
@@ -220,8 +247,8 @@ func (c *Cache[D]) toDisk(l *kvlease.Lease[[]byte], hashes []kvlease.BlockHash) 
 			st.failures.Add(uint64(len(pos)))
 			return
 		}
-		for j, h := range hs {
-			if dst.Seal(j, h) != nil {
+		for j := len(recs) - 1; j >= 0; j-- {
+			if sealAs(dst, j, recs[j]) != nil {
 				return
 			}
 		}

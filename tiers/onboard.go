@@ -111,6 +111,35 @@ func (c *Cache[D]) Acquire(owner string, hashes []kvlease.BlockHash, n int) (*On
 		}
 	}
 	o.hits[TierHost], o.hits[TierDisk] = h, m
+	// What the lower tiers know of each hit (parent, tokens), for the
+	// seals on the way up: the copies' KV events then match the originals'.
+	recs := make([]parentRec, h+m)
+	if h+m > 0 {
+		var ids []kvlease.BlockID
+		if h > 0 {
+			ids = hl.AppendBlockIDs(ids, 0)
+		}
+		c.mu.Lock()
+		for k := range h {
+			recs[k] = getRec(c.hostParent, ids[k], rest[k])
+		}
+		c.mu.Unlock()
+		if m > 0 {
+			ids = dl.AppendBlockIDs(ids[:0], 0)
+			c.mu.Lock()
+			for k := range m {
+				recs[h+k] = getRec(c.diskParent, ids[k], rest[h+k])
+			}
+			c.mu.Unlock()
+		}
+		for k := range recs {
+			if !recs[k].known && d+k > 0 {
+				// Unknown to the tier (a rebuilt disk): the chain says
+				// the parent; a chain's first block keeps none.
+				recs[k] = parentRec{hash: recs[k].hash, known: true, chained: true, parent: hashes[d+k-1]}
+			}
+		}
+	}
 	keepReserve(c.dev, c.devReserve, &c.devInflight)
 	c.stats.tiers[TierHost].hits.Add(uint64(h))
 	c.stats.tiers[TierDisk].hits.Add(uint64(m))
@@ -193,16 +222,12 @@ func (c *Cache[D]) Acquire(owner string, hashes []kvlease.BlockHash, n int) (*On
 				// the host tier, then go on to the device.
 				ids := stage.AppendBlockIDs(make([]kvlease.BlockID, 0, m), 0)
 				c.mu.Lock()
-				for k, hh := range rest[h : h+m] {
-					// Block d+h+k of the chain: its parent is the hash
-					// before it, unknown for a chain's first block.
-					if at := d + h + k; at > 0 {
-						setParent(c.hostParent, ids[k], hh, hashes[at-1], true)
-					}
+				for k := range m {
+					c.hostParent[ids[k]] = recs[h+k]
 				}
 				c.mu.Unlock()
-				for k, hh := range rest[h : h+m] {
-					if stage.Seal(k, hh) != nil {
+				for k := m - 1; k >= 0; k-- {
+					if sealAs(stage, k, recs[h+k]) != nil {
 						diskOK = false
 						break
 					}
@@ -229,14 +254,13 @@ func (c *Cache[D]) Acquire(owner string, hashes []kvlease.BlockHash, n int) (*On
 			}
 		}
 		gate.Resolve(nil)
+		// In chain order: a plain Seal (no tokens known) then names the
+		// block before, its parent, as a device lease's blocks do.
 		for k := d; k < valid; k++ {
-			parent := kvlease.BlockHash(0)
-			if k > 0 {
-				parent = hashes[k-1]
-			}
-			if c.Seal(l, k, parent, hashes[k]) != nil {
+			if sealAs(l, k, recs[k-d]) != nil {
 				break // closed by the caller, or sealed by it already
 			}
+			c.sealed(l, k, recs[k-d])
 		}
 		o.valid.Store(int64(valid))
 		o.err = firstErr
