@@ -24,7 +24,9 @@ func tokChain(seed, n int) ([]int32, []kvlease.BlockHash) {
 // tiers' stored events carry the parent and tokens of the device's
 // original, and no event anywhere names a wrong parent.
 func TestEventsCarryMediumParentsAndTokens(t *testing.T) {
-	opts := func() []kvlease.Option { return []kvlease.Option{kvlease.WithBlockTokens(4), kvlease.WithKVEvents(1 << 12)} }
+	opts := func() []kvlease.Option {
+		return []kvlease.Option{kvlease.WithBlockTokens(4), kvlease.WithKVEvents(1 << 12)}
+	}
 	dm, _ := kvlease.NewHostMemory(8, testBlockBytes)
 	hm, _ := kvlease.NewHostMemory(8, testBlockBytes)
 	dev, err := kvlease.NewPool[[]byte](dm, opts()...)
