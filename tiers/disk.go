@@ -279,20 +279,50 @@ type SlotRead struct {
 	Hash kvlease.BlockHash
 }
 
+// diskJob is one worker's part of a Read or Write: the parts of one call
+// share its transfer, which resolves when the last part is done.
 type diskJob struct {
-	writes   []SlotWrite
-	reads    []SlotRead
-	t        *kvlease.Transfer
-	canceled atomic.Bool
+	writes []SlotWrite
+	reads  []SlotRead
+	*diskCall
 }
 
-// Write writes each block to its slot, as one job for one worker, and
-// returns its transfer, following kvlease.Transport's order: the transfer
-// is created and attach is called with it before any byte is written; if
-// attach fails nothing is written, the transfer is resolved with attach's
-// error and Write returns that error. The transfer resolves when the
-// worker has returned from the last write (with the first error, if any);
-// Cancel skips the slots not yet written. Errors wrap
+// diskCall is one Read or Write, split over up to Workers jobs.
+type diskCall struct {
+	t        *kvlease.Transfer
+	canceled atomic.Bool
+	left     atomic.Int32
+	mu       sync.Mutex
+	err      error // the first part's error
+}
+
+// finish records one part's outcome and resolves the transfer after the
+// last part.
+func (c *diskCall) finish(err error) {
+	if err != nil {
+		c.mu.Lock()
+		if c.err == nil {
+			c.err = err
+		}
+		c.mu.Unlock()
+	}
+	if c.left.Add(-1) == 0 {
+		c.mu.Lock()
+		err := c.err
+		c.mu.Unlock()
+		c.t.Resolve(err)
+	}
+}
+
+// Write writes each block to its slot, split into up to Workers parts
+// that workers write in parallel (each part in order), and returns its
+// transfer, following kvlease.Transport's order: the transfer is created
+// and attach is called with it before any byte is written; if attach
+// fails nothing is written, the transfer is resolved with attach's error
+// and Write returns that error. The transfer resolves when every worker
+// has returned from its part's last write (with the first error, if any;
+// a part stops at its first error); Cancel skips the slots not yet
+// written. Errors wrap
 // kvlease.ErrInvalidArgument (no blocks, a slot out of range, a block of
 // the wrong size) or ErrClosed.
 func (d *Disk) Write(writes []SlotWrite, attach func(*kvlease.Transfer) error) (*kvlease.Transfer, error) {
@@ -306,7 +336,7 @@ func (d *Disk) Write(writes []SlotWrite, attach func(*kvlease.Transfer) error) (
 
 // Read reads each slot into its block, as Write does in the other
 // direction. A slot that does not hold a valid block with the expected
-// hash fails the read with ErrCorruptSlot (the worker stops there) and
+// hash fails the read with ErrCorruptSlot (its part stops there) and
 // stops serving hits: Lookup ends before it from then on.
 func (d *Disk) Read(reads []SlotRead, attach func(*kvlease.Transfer) error) (*kvlease.Transfer, error) {
 	for _, r := range reads {
@@ -334,14 +364,32 @@ func (d *Disk) start(j *diskJob, n int, attach func(*kvlease.Transfer) error) (*
 	if d.closed {
 		return nil, fmt.Errorf("tiers: disk tier: %w", ErrClosed)
 	}
-	j.t = kvlease.NewTransfer(func() { j.canceled.Store(true) })
-	if err := attach(j.t); err != nil {
-		j.t.Resolve(err)
-		return j.t, err
+	call := &diskCall{}
+	call.t = kvlease.NewTransfer(func() { call.canceled.Store(true) })
+	if err := attach(call.t); err != nil {
+		call.t.Resolve(err)
+		return call.t, err
 	}
-	d.queue = append(d.queue, j)
-	d.qcond.Signal()
-	return j.t, nil
+	// Split the call over the workers: a long prefix is read (or written)
+	// in parallel, each part in order.
+	parts := min(d.cfg.Workers, n)
+	call.left.Store(int32(parts))
+	for p := range parts {
+		lo, hi := p*n/parts, (p+1)*n/parts
+		part := &diskJob{diskCall: call}
+		if j.writes != nil {
+			part.writes = j.writes[lo:hi]
+		} else {
+			part.reads = j.reads[lo:hi]
+		}
+		d.queue = append(d.queue, part)
+	}
+	if parts == 1 {
+		d.qcond.Signal()
+	} else {
+		d.qcond.Broadcast()
+	}
+	return call.t, nil
 }
 
 // next returns the next queued job, waiting for one; nil once the disk is
@@ -366,7 +414,7 @@ func (d *Disk) work() {
 	defer d.workers.Done()
 	buf := alignedBuf(d.slotBytes)
 	for j := d.next(); j != nil; j = d.next() {
-		j.t.Resolve(d.run(j, buf))
+		j.finish(d.run(j, buf))
 	}
 }
 
