@@ -37,6 +37,9 @@ type Onboard[D any] struct {
 	err   error // set before ready closes
 }
 
+// readyNow is the Ready channel of every Onboard with nothing to onboard.
+var readyNow = func() chan struct{} { ch := make(chan struct{}); close(ch); return ch }()
+
 // Hits returns how many blocks of the prefix tier t supplied.
 func (o *Onboard[D]) Hits(t Tier) int { return o.hits[t] }
 
@@ -70,10 +73,7 @@ func (o *Onboard[D]) Wait(ctx context.Context) (int, error) {
 // looked up. Errors are the device pool's AcquirePrefix errors, or
 // ErrClosed.
 func (c *Cache[D]) Acquire(owner string, hashes []kvlease.BlockHash, n int) (*Onboard[D], error) {
-	c.mu.Lock()
-	closed := c.closed
-	c.mu.Unlock()
-	if closed {
+	if c.isClosed.Load() {
 		return nil, fmt.Errorf("tiers: acquire for %q: %w", owner, ErrClosed)
 	}
 	if len(hashes) > n {
@@ -83,7 +83,7 @@ func (c *Cache[D]) Acquire(owner string, hashes []kvlease.BlockHash, n int) (*On
 	if err != nil {
 		return nil, err
 	}
-	o := &Onboard[D]{Lease: l, ready: make(chan struct{})}
+	o := &Onboard[D]{Lease: l, ready: readyNow}
 	o.hits[TierDevice] = d
 	o.valid.Store(int64(d))
 	c.stats.queried.Add(uint64(len(hashes)))
@@ -144,9 +144,9 @@ func (c *Cache[D]) Acquire(owner string, hashes []kvlease.BlockHash, n int) (*On
 	c.stats.tiers[TierHost].hits.Add(uint64(h))
 	c.stats.tiers[TierDisk].hits.Add(uint64(m))
 	if h+m == 0 {
-		close(o.ready)
-		return o, nil
+		return o, nil // nothing to onboard: ready at once
 	}
+	o.ready = make(chan struct{})
 
 	// One gate of our own over every onboarded block, a Write: nobody
 	// seals or hits them until the copies are attached and resolved. The
