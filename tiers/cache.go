@@ -84,7 +84,7 @@ type Cache[D any] struct {
 	hostParent []parentRec // by host BlockID
 	diskParent []parentRec // by disk slot
 	closed     bool
-	isClosed   atomic.Bool // closed, for the lock-free check of Acquire
+	isClosed   atomic.Bool    // closed, for the lock-free check of Acquire
 	wg         sync.WaitGroup // copy watchers and the offload worker
 	stop       chan struct{}  // closed by Close: watchers of stuck copies give up
 
