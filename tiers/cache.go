@@ -151,7 +151,12 @@ func New[D any](cfg Config[D]) (*Cache[D], error) {
 		stop:       make(chan struct{}),
 	}
 	if c.disk != nil {
+		// What the disk's scan found: its rebuilt slots' parents and
+		// tokens, for the seals on the way up.
 		c.diskParent = make([]parentRec, c.disk.Blocks())
+		for slot, m := range c.disk.scanned {
+			c.diskParent[slot] = parentRec{hash: m.Hash, known: m.HasParent, chained: m.Chained, parent: m.Parent, tokens: m.Tokens}
+		}
 	}
 	c.workCond = sync.NewCond(&c.workMu)
 	c.wg.Add(1)

@@ -69,6 +69,7 @@ type Disk struct {
 	slotBytes int
 	pool      *kvlease.Pool[DiskSlot]
 	recovered int
+	scanned   map[DiskSlot]SlotMeta // what OpenDisk found in each recovered slot
 
 	// The queue of jobs: unbounded, so that queueing never blocks the
 	// caller (an eviction hook on an acquiring goroutine) behind a slow
@@ -90,7 +91,7 @@ var _ kvlease.Memory[DiskSlot] = (*Disk)(nil)
 var ErrCorruptSlot = errors.New("tiers: corrupt or torn disk slot")
 
 const (
-	slotMagic  = 0x3152454954564b4c // "LKVTIER1", little endian
+	slotMagic  = 0x3252454954564b4c // "LKVTIER2", little endian
 	headerSize = 64
 	diskAlign  = 4096
 )
@@ -177,15 +178,24 @@ func (d *Disk) Pool() *kvlease.Pool[DiskSlot] { return d.pool }
 // Direct reports whether the files are open with O_DIRECT.
 func (d *Disk) Direct() bool { return d.direct }
 
+// Scanned returns what OpenDisk found in slot s, if it recovered it.
+func (d *Disk) Scanned(s DiskSlot) (SlotMeta, bool) {
+	m, ok := d.scanned[s]
+	return m, ok
+}
+
 // Recovered returns how many slots OpenDisk found valid and made findable.
 func (d *Disk) Recovered() int { return d.recovered }
 
-// rebuild scans every slot and seals the valid ones in the fresh pool.
+// rebuild scans every slot and seals the valid ones in the fresh pool:
+// with their tokens and place in their chain (SealChained) when the slot
+// recorded them and the pool takes tokens, so that their KV events are
+// whole; by hash alone otherwise.
 func (d *Disk) rebuild() error {
 	buf := alignedBuf(d.slotBytes)
 	type entry struct {
 		slot DiskSlot
-		hash kvlease.BlockHash
+		meta SlotMeta
 	}
 	var valid []entry
 	for s := range DiskSlot(d.cfg.Slots) {
@@ -193,8 +203,8 @@ func (d *Disk) rebuild() error {
 		if _, err := f.ReadAt(buf, off); err != nil {
 			return fmt.Errorf("tiers: disk tier scan of slot %d: %w", s, err)
 		}
-		if h, _, _, ok := d.decode(buf); ok {
-			valid = append(valid, entry{s, h})
+		if m, ok := d.decode(buf); ok {
+			valid = append(valid, entry{s, m})
 		}
 	}
 	if len(valid) == 0 {
@@ -210,12 +220,15 @@ func (d *Disk) rebuild() error {
 	for i := range l.Len() {
 		pos[l.Ref(i).ID] = i
 	}
-	// Last lease position first: a block's KV event then never names the
-	// unrelated block before it in this lease as its parent.
+	// Last lease position first: a block sealed by hash alone then never
+	// names the unrelated block before it in this lease as its parent.
 	slices.SortFunc(valid, func(a, b entry) int { return pos[b.slot] - pos[a.slot] })
+	d.scanned = make(map[DiskSlot]SlotMeta, len(valid))
 	for _, e := range valid {
-		if err := l.Seal(pos[e.slot], e.hash); err == nil {
+		r := parentRec{hash: e.meta.Hash, known: e.meta.HasParent, chained: e.meta.Chained, parent: e.meta.Parent, tokens: e.meta.Tokens}
+		if err := sealAs(l, pos[e.slot], r); err == nil {
 			d.recovered++
+			d.scanned[e.slot] = e.meta
 		}
 	}
 	l.Release()
@@ -223,7 +236,15 @@ func (d *Disk) rebuild() error {
 	return nil
 }
 
-// encode fills buf (one slot) with the header and the block.
+// Header layout of a slot (little endian), then the block at headerSize,
+// then the block's tokens (4 bytes each) when they fit in the slot:
+//
+//	0 magic  8 hash  16 parent  24 flags (1 parent known, 2 parent is a block)
+//	32 block bytes  40 checksum  48 tokens recorded  52..63 zero
+//
+// The checksum covers the whole slot but itself.
+
+// encode fills buf (one slot) with the header, the block and its tokens.
 func (d *Disk) encode(buf []byte, w *SlotWrite) {
 	clear(buf[:headerSize])
 	binary.LittleEndian.PutUint64(buf[0:], slotMagic)
@@ -231,45 +252,86 @@ func (d *Disk) encode(buf []byte, w *SlotWrite) {
 	binary.LittleEndian.PutUint64(buf[16:], uint64(w.Parent))
 	var flags uint64
 	if w.HasParent {
-		flags = 1
+		flags |= 1
+	}
+	if w.Chained {
+		flags |= 2
 	}
 	binary.LittleEndian.PutUint64(buf[24:], flags)
 	binary.LittleEndian.PutUint64(buf[32:], uint64(d.cfg.BlockBytes))
-	n := copy(buf[headerSize:headerSize+d.cfg.BlockBytes], w.Src)
+	body := headerSize + d.cfg.BlockBytes
+	n := copy(buf[headerSize:body], w.Src)
 	clear(buf[headerSize+n:])
+	if len(w.Tokens) > 0 && body+4*len(w.Tokens) <= len(buf) {
+		binary.LittleEndian.PutUint32(buf[48:], uint32(len(w.Tokens)))
+		for i, t := range w.Tokens {
+			binary.LittleEndian.PutUint32(buf[body+4*i:], uint32(t))
+		}
+	}
 	binary.LittleEndian.PutUint64(buf[40:], d.checksum(buf))
 }
 
-// checksum covers the header's first 40 bytes and the block.
+// checksum covers the header (but the checksum itself), the block and the
+// tokens recorded.
 func (d *Disk) checksum(buf []byte) uint64 {
 	var x xxhash.Digest
 	x.Reset()
 	_, _ = x.Write(buf[:40])
-	_, _ = x.Write(buf[headerSize : headerSize+d.cfg.BlockBytes])
+	_, _ = x.Write(buf[48:]) // the rest of the header, the block, the tokens and the zero padding
 	return x.Sum64()
 }
 
 // decode checks a slot read into buf; ok is false for anything but a
 // whole, valid slot.
-func (d *Disk) decode(buf []byte) (h, parent kvlease.BlockHash, hasParent, ok bool) {
+func (d *Disk) decode(buf []byte) (m SlotMeta, ok bool) {
+	body := headerSize + d.cfg.BlockBytes
+	nt := int(binary.LittleEndian.Uint32(buf[48:]))
 	if binary.LittleEndian.Uint64(buf[0:]) != slotMagic ||
 		binary.LittleEndian.Uint64(buf[32:]) != uint64(d.cfg.BlockBytes) ||
+		nt < 0 || body+4*nt > len(buf) ||
 		binary.LittleEndian.Uint64(buf[40:]) != d.checksum(buf) {
-		return 0, 0, false, false
+		return SlotMeta{}, false
 	}
-	return kvlease.BlockHash(binary.LittleEndian.Uint64(buf[8:])),
-		kvlease.BlockHash(binary.LittleEndian.Uint64(buf[16:])),
-		binary.LittleEndian.Uint64(buf[24:])&1 != 0, true
+	flags := binary.LittleEndian.Uint64(buf[24:])
+	m = SlotMeta{
+		Hash:      kvlease.BlockHash(binary.LittleEndian.Uint64(buf[8:])),
+		Parent:    kvlease.BlockHash(binary.LittleEndian.Uint64(buf[16:])),
+		HasParent: flags&1 != 0,
+		Chained:   flags&2 != 0,
+	}
+	if nt > 0 {
+		m.Tokens = make([]int32, nt)
+		for i := range m.Tokens {
+			m.Tokens[i] = int32(binary.LittleEndian.Uint32(buf[body+4*i:]))
+		}
+	}
+	return m, true
+}
+
+// SlotMeta is what a slot's header records about its block: its hash, its
+// parent (HasParent: the parent is known; Chained: the parent is a block,
+// not the namespace seed of a chain's first block) and, when they fit in
+// the slot, its tokens.
+type SlotMeta struct {
+	Hash      kvlease.BlockHash
+	Parent    kvlease.BlockHash
+	HasParent bool
+	Chained   bool
+	Tokens    []int32
 }
 
 // SlotWrite is one block written to a disk slot: the block, and what the
-// slot's header records about it.
+// slot's header records about it (Tokens only when they fit in the slot's
+// padding after the block; a block of whole 4 KiB pages has room for
+// 1008).
 type SlotWrite struct {
 	Src       []byte
 	Dst       DiskSlot
 	Hash      kvlease.BlockHash
 	Parent    kvlease.BlockHash
 	HasParent bool
+	Chained   bool
+	Tokens    []int32
 }
 
 // SlotRead is one block read from a disk slot that must hold Hash.
@@ -453,7 +515,7 @@ func (d *Disk) run(j *diskJob, buf []byte) error {
 		if _, err := f.ReadAt(buf, off); err != nil {
 			return fmt.Errorf("tiers: disk read of slot %d: %w", r.Src, err)
 		}
-		if h, _, _, ok := d.decode(buf); !ok || h != r.Hash {
+		if m, ok := d.decode(buf); !ok || m.Hash != r.Hash {
 			d.mu.Lock()
 			d.bad[r.Src] = r.Hash
 			d.mu.Unlock()

@@ -128,3 +128,57 @@ func TestEventsCarryMediumParentsAndTokens(t *testing.T) {
 		require.Equal(t, stored[m], withTokens[m], "every %s stored event carries its tokens", m)
 	}
 }
+
+// A disk tier rebuilt by its scan re-announces its blocks with the parent
+// and tokens their slots recorded (when the tokens fit), so a restarted
+// tier's KV events are whole; tokens that do not fit are left out.
+func TestDiskRestartKeepsTokens(t *testing.T) {
+	dir := t.TempDir()
+	opts := []kvlease.Option{kvlease.WithBlockTokens(4), kvlease.WithKVEvents(64)}
+	cfg := DiskConfig{Dir: dir, Slots: 4, BlockBytes: testBlockBytes, Workers: 2, PoolOptions: opts}
+	d, err := OpenDisk(cfg)
+	require.NoError(t, err)
+	toks, hs := tokChain(3, 2)
+	long := make([]int32, 2000) // more than a slot's padding holds
+	dl, err := d.Pool().Acquire("w", 3)
+	require.NoError(t, err)
+	b := make([]byte, testBlockBytes)
+	stamp(b, hs[0])
+	writes := []SlotWrite{
+		{Src: b, Dst: d.Region(dl.Ref(0).ID), Hash: hs[0], Parent: 3, HasParent: true, Tokens: toks[:4]},
+		{Src: b, Dst: d.Region(dl.Ref(1).ID), Hash: hs[1], Parent: hs[0], HasParent: true, Chained: true, Tokens: toks[4:8]},
+		{Src: b, Dst: d.Region(dl.Ref(2).ID), Hash: 77, Parent: 5, HasParent: true, Chained: true, Tokens: long},
+	}
+	tr, err := d.Write(writes, func(t *kvlease.Transfer) error { return dl.Attach(t) })
+	require.NoError(t, err)
+	<-tr.Done()
+	require.NoError(t, tr.Err())
+	dl.Release()
+	require.NoError(t, d.Close())
+
+	d, err = OpenDisk(cfg)
+	require.NoError(t, err)
+	defer d.Close()
+	require.Equal(t, 3, d.Recovered())
+	m, ok := d.Scanned(writes[1].Dst)
+	require.True(t, ok)
+	require.Equal(t, SlotMeta{Hash: hs[1], Parent: hs[0], HasParent: true, Chained: true, Tokens: toks[4:8]}, m)
+	m, ok = d.Scanned(writes[2].Dst)
+	require.True(t, ok)
+	require.Nil(t, m.Tokens, "tokens that do not fit are not recorded")
+
+	evs, _ := d.Pool().DrainKVEvents(nil)
+	byHash := map[kvlease.BlockHash]kvlease.KVEvent{}
+	for _, e := range evs {
+		require.Equal(t, kvlease.KVBlockStored, e.Kind)
+		byHash[e.BlockHash] = e
+	}
+	require.Len(t, byHash, 3)
+	require.Equal(t, toks[:4], byHash[hs[0]].TokenIDs)
+	require.False(t, byHash[hs[0]].HasParent, "a chain's first block names no parent")
+	require.Equal(t, toks[4:8], byHash[hs[1]].TokenIDs)
+	require.True(t, byHash[hs[1]].HasParent)
+	require.Equal(t, hs[0], byHash[hs[1]].ParentBlockHash)
+	require.Nil(t, byHash[77].TokenIDs)
+	require.False(t, byHash[77].HasParent, "a block sealed by hash alone names no unrelated parent")
+}

@@ -222,7 +222,8 @@ func (c *Cache[D]) toDisk(l *kvlease.Lease[[]byte], hashes []kvlease.BlockHash) 
 	for j, p := range pos {
 		recs[j] = getRec(c.hostParent, srcIDs[p], hs[j])
 		c.diskParent[dstIDs[j]] = recs[j]
-		writes[j] = SlotWrite{Src: srcRegions[p], Dst: d.Region(dstIDs[j]), Hash: hs[j], Parent: recs[j].parent, HasParent: recs[j].known}
+		writes[j] = SlotWrite{Src: srcRegions[p], Dst: d.Region(dstIDs[j]), Hash: hs[j], Parent: recs[j].parent,
+			HasParent: recs[j].known, Chained: recs[j].chained, Tokens: recs[j].tokens}
 	}
 	c.mu.Unlock()
 	t, err := d.Write(writes, func(t *kvlease.Transfer) error {
