@@ -187,6 +187,7 @@ func (c *Cache[D]) Acquire(owner string, hashes []kvlease.BlockHash, n int) (*On
 		if stage != nil {
 			stage.Release()
 		}
+		o.err = fmt.Errorf("tiers: onboard of %d blocks for %q: %w", h+m, owner, ErrClosed)
 		close(o.ready)
 		return o, nil
 	}
