@@ -9,6 +9,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -147,6 +148,14 @@ type TiersReport struct {
 	// Pool.Check, counters that disagree with the driver's.
 	Mismatches, UnknownReads, Other int
 	Violations                      []string // the first few, described
+
+	// Events is how many KV events the tiers published (every tier's pool
+	// has them on); EventDrops how many their rings dropped (the view
+	// resynchronised from a snapshot then). Every stored event is checked
+	// (a block of the workload, its tokens, its parent when it names one)
+	// and, at rest, each tier's replayed events must match what its pool
+	// serves; failures count in Other.
+	Events, EventDrops int
 }
 
 // Total returns the number of violations.
@@ -169,6 +178,7 @@ func (r *TiersReport) Write(w io.Writer) error {
 		fmt.Fprintf(&b, "tier %s: hits %d offloaded %d onboarded %d copy failures %d dropped %d\n",
 			t, s.Hits, s.Offloaded, s.Onboarded, s.CopyFailures, s.Dropped)
 	}
+	fmt.Fprintf(&b, "KV events %d (dropped %d), checked against each tier's index\n", r.Events, r.EventDrops)
 	fmt.Fprintf(&b, "marker mismatches %d\nunknown reads %d\nother violations %d\n", r.Mismatches, r.UnknownReads, r.Other)
 	for _, v := range r.Violations {
 		fmt.Fprintf(&b, "  %s\n", v)
@@ -246,6 +256,98 @@ type tiersRun struct {
 
 	docs [][]kvlease.BlockHash
 	want []byte
+
+	// What every block of the workload is, for checking KV events: its
+	// parent (the seed for a chain's first block) and tokens.
+	blocks map[kvlease.BlockHash]blockInfo
+	// views replays each tier's KV events: the blocks it says are
+	// findable (device, host, disk).
+	views [3]map[kvlease.BlockHash]bool
+}
+
+type blockInfo struct {
+	parent kvlease.BlockHash
+	first  bool
+	tokens []int32
+}
+
+// tierBlockTokens is the tiers audit's block size in tokens.
+const tierBlockTokens = 4
+
+// addChain records a chain's blocks; hashes[k] is the block of tokens
+// toks[4k:4k+4] under hashes[k-1] (seed for k == 0).
+func (r *tiersRun) addChain(seed kvlease.BlockHash, toks []int32, hashes []kvlease.BlockHash) {
+	for k, h := range hashes {
+		info := blockInfo{parent: seed, first: k == 0, tokens: toks[tierBlockTokens*k : tierBlockTokens*(k+1)]}
+		if k > 0 {
+			info.parent = hashes[k-1]
+		}
+		r.blocks[h] = info
+	}
+}
+
+// drainEvents applies each tier's KV events to its view and checks each:
+// a block of the workload, stored with its tokens and, when it names a
+// parent, the right one. A ring that overflowed resynchronises the view
+// from the pool's snapshot (counted, not a violation).
+func (r *tiersRun) drainEvents() {
+	for t, src := range r.cache.EventSources() {
+		evs, dropped := src.Pool.DrainKVEvents(nil)
+		view := r.views[t]
+		if dropped > 0 {
+			r.rep.EventDrops += int(dropped)
+			_, hashes := src.Pool.(interface {
+				SnapshotKVCache() (uint64, []kvlease.BlockHash)
+			}).SnapshotKVCache()
+			clear(view)
+			for _, h := range hashes {
+				view[h] = true
+			}
+			continue
+		}
+		for _, e := range evs {
+			r.rep.Events++
+			switch e.Kind {
+			case kvlease.KVAllBlocksCleared:
+				clear(view)
+			case kvlease.KVBlockRemoved:
+				delete(view, e.BlockHash)
+			case kvlease.KVBlockStored:
+				view[e.BlockHash] = true
+				info, ok := r.blocks[e.BlockHash]
+				switch {
+				case !ok:
+					r.violate(&r.rep.Other, "%s stored an unknown block %016x", src.Medium, uint64(e.BlockHash))
+				case e.HasParent && (info.first || e.ParentBlockHash != info.parent):
+					r.violate(&r.rep.Other, "%s stored %016x under parent %016x, not its own", src.Medium, uint64(e.BlockHash), uint64(e.ParentBlockHash))
+				case e.TokenIDs == nil:
+					r.violate(&r.rep.Other, "%s stored %016x without its tokens", src.Medium, uint64(e.BlockHash))
+				case !slices.Equal(e.TokenIDs, info.tokens) || e.HasParent == info.first:
+					r.violate(&r.rep.Other, "%s stored %016x with tokens %v (parent named: %v), want %v", src.Medium, uint64(e.BlockHash), e.TokenIDs, e.HasParent, info.tokens)
+				}
+			}
+		}
+	}
+}
+
+// checkViews compares each tier's replayed events with what its pool can
+// actually serve (at rest: nothing changes meanwhile).
+func (r *tiersRun) checkViews() {
+	for t, src := range r.cache.EventSources() {
+		_, hashes := src.Pool.(interface {
+			SnapshotKVCache() (uint64, []kvlease.BlockHash)
+		}).SnapshotKVCache()
+		if len(hashes) != len(r.views[t]) {
+			r.violate(&r.rep.Other, "%s events say %d blocks are findable, the pool has %d", src.Medium, len(r.views[t]), len(hashes))
+			continue
+		}
+		for _, h := range hashes {
+			if !r.views[t][h] {
+				r.violate(&r.rep.Other, "%s pool serves %016x, its events never stored it", src.Medium, uint64(h))
+				break
+			}
+		}
+	}
 }
 
 func (r *tiersRun) chance(p float64) bool {
@@ -488,7 +590,10 @@ func (r *tiersRun) arrive(id int) *tiersReq {
 	}
 	hashes := append([]kvlease.BlockHash(nil), doc[:p]...)
 	for k := range r.intN(3) {
-		hashes = append(hashes, kvlease.HashBlock(hashes[len(hashes)-1], []int32{int32(id), int32(k), -1}))
+		toks := []int32{int32(id), int32(k), -1, -2}
+		h := kvlease.HashBlock(hashes[len(hashes)-1], toks)
+		r.blocks[h] = blockInfo{parent: hashes[len(hashes)-1], tokens: toks}
+		hashes = append(hashes, h)
 	}
 	o, err := r.cache.Acquire(fmt.Sprintf("r%d", id), hashes, len(hashes))
 	if err != nil {
@@ -496,6 +601,10 @@ func (r *tiersRun) arrive(id int) *tiersReq {
 			r.violate(&r.rep.Other, "request %d: acquire: %v", id, err)
 		}
 		r.rep.Refused++
+		// The blocks come back as copies land and offers are copied: let
+		// the copies, the cache's offload worker and the disk's workers
+		// run, as an engine waiting for memory would.
+		time.Sleep(50 * time.Microsecond)
 		return nil
 	}
 	r.rep.Requests++
@@ -542,8 +651,14 @@ func (r *tiersRun) complete(q *tiersReq) {
 		if k > 0 {
 			parent = q.hashes[k-1]
 		}
-		if err := r.cache.Seal(l, k, parent, q.hashes[k]); err != nil {
+		if k == 0 {
+			parent = kvlease.BlockHash(r.cfg.Seed)
+		}
+		h, err := r.cache.SealTokens(l, k, parent, r.blocks[q.hashes[k]].tokens)
+		if err != nil {
 			r.violate(&r.rep.Other, "request %d: seal %d: %v", q.id, k, err)
+		} else if h != q.hashes[k] {
+			r.violate(&r.rep.Other, "request %d: block %d sealed as %016x, want %016x", q.id, k, uint64(h), uint64(q.hashes[k]))
 		}
 	}
 	// Nothing wrote into the lease behind its back meanwhile.
@@ -605,6 +720,7 @@ func (r *tiersRun) sweep() {
 		dl.Release()
 	}
 	r.checkPools()
+	r.drainEvents()
 }
 
 func (r *tiersRun) checkPools() {
@@ -658,10 +774,15 @@ func RunTiers(cfg TiersConfig) (*TiersReport, error) {
 	if err != nil {
 		return nil, err
 	}
-	if r.dev, err = kvlease.NewPool[[]byte](dm); err != nil {
+	// Every tier publishes KV events (the ring holds far more than a
+	// sweep's worth), so the run checks them too.
+	opts := func() []kvlease.Option {
+		return []kvlease.Option{kvlease.WithBlockTokens(tierBlockTokens), kvlease.WithKVEvents(1 << 16)}
+	}
+	if r.dev, err = kvlease.NewPool[[]byte](dm, opts()...); err != nil {
 		return nil, err
 	}
-	if r.host, err = kvlease.NewPool[[]byte](hm); err != nil {
+	if r.host, err = kvlease.NewPool[[]byte](hm, opts()...); err != nil {
 		return nil, err
 	}
 	if cfg.DiskSlots > 0 {
@@ -673,7 +794,7 @@ func RunTiers(cfg TiersConfig) (*TiersReport, error) {
 			defer os.RemoveAll(r.dir)
 		}
 		r.disk, err = tiers.OpenDisk(tiers.DiskConfig{Dir: r.dir, Files: 2, Slots: cfg.DiskSlots,
-			BlockBytes: cfg.BlockBytes, Workers: 2, BeforeIO: r.beforeIO})
+			BlockBytes: cfg.BlockBytes, Workers: 2, BeforeIO: r.beforeIO, PoolOptions: opts()})
 		if err != nil {
 			return nil, err
 		}
@@ -683,13 +804,18 @@ func RunTiers(cfg TiersConfig) (*TiersReport, error) {
 	if err != nil {
 		return nil, err
 	}
+	r.blocks = make(map[kvlease.BlockHash]blockInfo)
+	for t := range r.views {
+		r.views[t] = make(map[kvlease.BlockHash]bool)
+	}
 	r.docs = make([][]kvlease.BlockHash, cfg.Docs)
 	for d := range r.docs {
-		toks := make([]int32, cfg.DocBlocks*4)
+		toks := make([]int32, cfg.DocBlocks*tierBlockTokens)
 		for i := range toks {
 			toks[i] = int32(d*1_000_003 + i)
 		}
-		r.docs[d] = kvlease.ChainHashes(kvlease.BlockHash(cfg.Seed), toks, 4)
+		r.docs[d] = kvlease.ChainHashes(kvlease.BlockHash(cfg.Seed), toks, tierBlockTokens)
+		r.addChain(kvlease.BlockHash(cfg.Seed), toks, r.docs[d])
 	}
 
 	var live []*tiersReq
@@ -766,6 +892,8 @@ func RunTiers(cfg TiersConfig) (*TiersReport, error) {
 		time.Sleep(100 * time.Microsecond)
 	}
 	r.checkPools()
+	r.drainEvents()
+	r.checkViews()
 	rep.Stats = r.cache.Stats()
 	for t := range rep.Hits {
 		if rep.Stats.Tiers[t].Hits != rep.Hits[t] {

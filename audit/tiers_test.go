@@ -44,7 +44,7 @@ func TestTiersAudit(t *testing.T) {
 				rep.Stats.Tiers[tiers.TierHost].Onboarded == 0 || rep.Stats.Tiers[tiers.TierDisk].Onboarded == 0 {
 				t.Errorf("the lower tiers never served: %+v", rep.Stats)
 			}
-			if rep.Stats.Tiers[tiers.TierHost].CopyFailures == 0 || rep.Checked == 0 {
+			if rep.Stats.Tiers[tiers.TierHost].CopyFailures == 0 || rep.Checked == 0 || rep.Events == 0 {
 				t.Errorf("no copy failure counted or nothing checked: %+v", rep)
 			}
 		})
