@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/kvlease/kvlease"
 )
@@ -91,10 +92,11 @@ type Cache[D any] struct {
 	// The offload worker runs what the eviction hooks hand it, so that an
 	// evicting acquire only queues its offer: it never waits for the next
 	// tier's allocator, let alone the copy.
-	workMu   sync.Mutex
-	workCond *sync.Cond
-	work     []func()
-	workDone bool // set by Close once no hook can queue any more
+	workMu     sync.Mutex
+	workCond   *sync.Cond
+	work       []func()
+	workDone   bool // set by Close once no hook can queue any more
+	workParked bool // the worker waits on workCond: a queued offer must wake it
 
 	stats counters
 
@@ -234,24 +236,48 @@ func (c *Cache[D]) later(fn func()) {
 		return
 	}
 	c.work = append(c.work, fn)
-	c.workCond.Signal()
+	if c.workParked {
+		c.workCond.Signal()
+	}
 	c.workMu.Unlock()
 }
+
+// While offers keep coming, the worker looks for more every workPoll for
+// up to workPolls times before it parks: waking a parked goroutine costs
+// the evicting acquire a system call (most of what the hook adds to it),
+// a worker that is awake costs it nothing. An idle cache parks after
+// about a millisecond.
+const (
+	workPoll  = 20 * time.Microsecond
+	workPolls = 50
+)
 
 // worker runs the queued offloads in order until Close, then what is
 // left.
 func (c *Cache[D]) worker() {
 	defer c.wg.Done()
 	var batch []func()
+	idle := 0
 	for {
 		c.workMu.Lock()
-		for len(c.work) == 0 && !c.workDone {
-			c.workCond.Wait()
+		if len(c.work) == 0 && !c.workDone {
+			if idle < workPolls {
+				c.workMu.Unlock()
+				idle++
+				time.Sleep(workPoll)
+				continue
+			}
+			c.workParked = true
+			for len(c.work) == 0 && !c.workDone {
+				c.workCond.Wait()
+			}
+			c.workParked = false
 		}
 		if len(c.work) == 0 {
 			c.workMu.Unlock()
 			return
 		}
+		idle = 0
 		batch, c.work = c.work, batch[:0]
 		c.workMu.Unlock()
 		for i, fn := range batch {
