@@ -31,7 +31,8 @@ import (
 // the blocks it knows and drops the event when it is missing, and the
 // namespace seed is never a block it knows). Every later block sealed with
 // SealTokens names its parent; one sealed with Seal names it when the block
-// before it in the lease is sealed.
+// before it in the lease is sealed. SealChained says where the block sits
+// in its chain explicitly, whatever its place in the lease.
 
 // KVEventKind names a KV event.
 type KVEventKind uint8
@@ -142,7 +143,7 @@ func (k *kvEventLog) sealed(c *core, l *lease, i int, id BlockID, h BlockHash, s
 	var tokens []int32
 	if st != nil {
 		tokens = st.tokens
-		if i > 0 {
+		if st.chain == chainChild || (st.chain == chainByLease && i > 0) {
 			parent, hasParent = st.parent, true
 		}
 	} else if i > 0 {

@@ -21,11 +21,22 @@ func (l *Lease[R]) Seal(i int, h BlockHash) error {
 }
 
 // sealTokens carries what verified mode records: the parent hash and the
-// block's tokens.
+// block's tokens; chain overrides where its KV event places the block in
+// its chain (SealChained).
 type sealTokens struct {
 	parent BlockHash
 	tokens []int32
+	chain  chainPlace
 }
+
+// chainPlace says where a sealed block sits in its chain, for its KV event.
+type chainPlace uint8
+
+const (
+	chainByLease  chainPlace = iota // block 0 of the lease starts a chain, later blocks follow parent
+	chainChild                      // parent is a block: the event names it, whatever i is
+	chainStartAny                   // the chain's first block: no parent, whatever i is
+)
 
 func (l *lease) seal(i int, h BlockHash, st *sealTokens) error {
 	c := l.c
@@ -93,6 +104,22 @@ func (l *lease) sealLocked(i int, h BlockHash, st *sealTokens, ev *events) error
 func (l *Lease[R]) SealTokens(i int, parent BlockHash, tokens []int32) (BlockHash, error) {
 	h := HashBlock(parent, tokens)
 	return h, l.ls.seal(i, h, &sealTokens{parent: parent, tokens: tokens})
+}
+
+// SealChained is SealTokens for a block whose place in its chain is not
+// its place in the lease, such as a lower tier's copy of a block (a tiered
+// cache offloads blocks of many chains in one lease). hasParent says
+// whether parent is a block, so that the block's KV event names it as the
+// parent even for block 0 of the lease, or the namespace seed (the block
+// starts its chain: the event names no parent, even for a later block of
+// the lease). The hash, the checks and the errors are SealTokens'.
+func (l *Lease[R]) SealChained(i int, parent BlockHash, hasParent bool, tokens []int32) (BlockHash, error) {
+	h := HashBlock(parent, tokens)
+	place := chainStartAny
+	if hasParent {
+		place = chainChild
+	}
+	return h, l.ls.seal(i, h, &sealTokens{parent: parent, tokens: tokens, chain: place})
 }
 
 // Share returns a second lease, owned by owner, over the first n blocks of

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/kvlease/kvlease"
 )
@@ -80,11 +81,22 @@ type Cache[D any] struct {
 	policy  Policy
 
 	mu         sync.Mutex
-	devParent  []parentRec // by device BlockID: the parent a sealed block was sealed under
+	devParent  []parentRec // by device BlockID: how a sealed block was sealed
 	hostParent []parentRec // by host BlockID
+	diskParent []parentRec // by disk slot
 	closed     bool
-	wg         sync.WaitGroup // copy watchers
+	isClosed   atomic.Bool    // closed, for the lock-free check of Acquire
+	wg         sync.WaitGroup // copy watchers and the offload worker
 	stop       chan struct{}  // closed by Close: watchers of stuck copies give up
+
+	// The offload worker runs what the eviction hooks hand it, so that an
+	// evicting acquire only queues its offer: it never waits for the next
+	// tier's allocator, let alone the copy.
+	workMu     sync.Mutex
+	workCond   *sync.Cond
+	work       []func()
+	workDone   bool // set by Close once no hook can queue any more
+	workParked bool // the worker waits on workCond: a queued offer must wake it
 
 	stats counters
 
@@ -92,11 +104,20 @@ type Cache[D any] struct {
 	devInflight, hostInflight atomic.Int64 // offered blocks not yet free
 }
 
-// parentRec remembers a block's parent hash at one generation.
+// parentRec remembers how a slot was last sealed: its hash, the parent it
+// was sealed under (the previous block's hash, or the namespace seed),
+// whether that parent is a block (chained; false for a chain's first
+// block) and, when the caller sealed with tokens, the tokens. The copy of
+// a block in a lower tier is sealed with the same record, so its KV event
+// names the same parent and carries the same tokens. It needs no
+// generation: a lookup passes the hash it expects, and a block with the
+// same hash has the same parent and tokens (the hash chains them).
 type parentRec struct {
-	gen    uint32
-	known  bool
-	parent kvlease.BlockHash
+	hash    kvlease.BlockHash
+	known   bool // parent is known
+	chained bool
+	parent  kvlease.BlockHash
+	tokens  []int32 // nil when sealed without tokens; never written after
 }
 
 // ErrClosed is returned by a Cache's methods after Close.
@@ -131,6 +152,17 @@ func New[D any](cfg Config[D]) (*Cache[D], error) {
 		hostParent: make([]parentRec, cfg.Host.Capacity()),
 		stop:       make(chan struct{}),
 	}
+	if c.disk != nil {
+		// What the disk's scan found: its rebuilt slots' parents and
+		// tokens, for the seals on the way up.
+		c.diskParent = make([]parentRec, c.disk.Blocks())
+		for slot, m := range c.disk.scanned {
+			c.diskParent[slot] = parentRec{hash: m.Hash, known: m.HasParent, chained: m.Chained, parent: m.Parent, tokens: m.Tokens}
+		}
+	}
+	c.workCond = sync.NewCond(&c.workMu)
+	c.wg.Add(1)
+	go c.worker()
 	c.devReserve = reserveOf(cfg.DeviceReserve, cfg.Device.Capacity())
 	c.hostReserve = reserveOf(cfg.HostReserve, cfg.Host.Capacity())
 	if c.policy == WriteBack {
@@ -181,12 +213,78 @@ func (c *Cache[D]) Close() error {
 		return nil
 	}
 	c.closed = true
+	c.isClosed.Store(true)
 	close(c.stop)
 	c.mu.Unlock()
 	c.dev.SetEvictHook(nil)
 	c.host.SetEvictHook(nil)
+	c.workMu.Lock()
+	c.workDone = true
+	c.workCond.Broadcast()
+	c.workMu.Unlock()
 	c.wg.Wait()
 	return nil
+}
+
+// later queues fn for the offload worker. After Close it runs fn at once
+// (a hook that raced Close): fn only releases what it was handed then.
+func (c *Cache[D]) later(fn func()) {
+	c.workMu.Lock()
+	if c.workDone {
+		c.workMu.Unlock()
+		fn()
+		return
+	}
+	c.work = append(c.work, fn)
+	if c.workParked {
+		c.workCond.Signal()
+	}
+	c.workMu.Unlock()
+}
+
+// While offers keep coming, the worker looks for more every workPoll for
+// up to workPolls times before it parks: waking a parked goroutine costs
+// the evicting acquire a system call (most of what the hook adds to it),
+// a worker that is awake costs it nothing. An idle cache parks after
+// about a millisecond.
+const (
+	workPoll  = 20 * time.Microsecond
+	workPolls = 50
+)
+
+// worker runs the queued offloads in order until Close, then what is
+// left.
+func (c *Cache[D]) worker() {
+	defer c.wg.Done()
+	var batch []func()
+	idle := 0
+	for {
+		c.workMu.Lock()
+		if len(c.work) == 0 && !c.workDone {
+			if idle < workPolls {
+				c.workMu.Unlock()
+				idle++
+				time.Sleep(workPoll)
+				continue
+			}
+			c.workParked = true
+			for len(c.work) == 0 && !c.workDone {
+				c.workCond.Wait()
+			}
+			c.workParked = false
+		}
+		if len(c.work) == 0 {
+			c.workMu.Unlock()
+			return
+		}
+		idle = 0
+		batch, c.work = c.work, batch[:0]
+		c.workMu.Unlock()
+		for i, fn := range batch {
+			fn()
+			batch[i] = nil
+		}
+	}
 }
 
 // watch runs fn once t resolves, on a goroutine of its own; if the cache
@@ -217,17 +315,27 @@ func (c *Cache[D]) watch(t *kvlease.Transfer, fn func(ok bool)) bool {
 	return true
 }
 
-// setParent records the parent of a block at its current generation.
-func setParent(tab []parentRec, ref kvlease.BlockRef, parent kvlease.BlockHash, known bool) {
-	tab[ref.ID] = parentRec{gen: ref.Gen, known: known, parent: parent}
+// getRec returns what tab records for slot id if it was recorded for
+// hash h, else a record that knows only h.
+func getRec(tab []parentRec, id kvlease.BlockID, h kvlease.BlockHash) parentRec {
+	if r := tab[id]; r.hash == h && r.known {
+		return r
+	}
+	return parentRec{hash: h}
 }
 
-// getParent returns the parent recorded for ref, if it was recorded at
-// ref's generation.
-func getParent(tab []parentRec, ref kvlease.BlockRef) (kvlease.BlockHash, bool) {
-	r := tab[ref.ID]
-	if r.gen != ref.Gen || !r.known {
-		return 0, false
+// sealAs seals block i of l as r.hash. When r knows the block's tokens and
+// parent, SealChained gives its KV event the right parent and the tokens
+// (whatever the block's place in l); otherwise (or if the pool refuses
+// tokens: no WithBlockTokens) it is a plain Seal, whose event carries no
+// tokens. Callers seal a lease's blocks last to first, so that a plain
+// Seal never names the lease's previous block, which in a lower tier is
+// unrelated, as the parent.
+func sealAs[R any](l *kvlease.Lease[R], i int, r parentRec) error {
+	if r.tokens != nil && r.known && kvlease.HashBlock(r.parent, r.tokens) == r.hash {
+		if _, err := l.SealChained(i, r.parent, r.chained, r.tokens); err == nil {
+			return nil
+		}
 	}
-	return r.parent, true
+	return l.Seal(i, r.hash)
 }

@@ -148,9 +148,16 @@ func (r *rig) request(t *testing.T, hashes []kvlease.BlockHash) *Onboard[[]byte]
 	return o
 }
 
-func settle(t *testing.T, p interface{ Stats() kvlease.Stats }) {
+// settle waits until no tier holds a leased or draining block: every
+// queued offload has run and every copy has resolved (an offload in the
+// worker's queue holds its offered lease open, a copy holds its blocks
+// draining, so all of them quiet at once means nothing is in flight).
+func (r *rig) settle(t *testing.T) {
 	t.Helper()
-	require.Eventually(t, func() bool { s := p.Stats(); return s.Leased == 0 && s.Draining == 0 }, 5*time.Second, time.Millisecond)
+	quiet := func(s kvlease.Stats) bool { return s.Leased == 0 && s.Draining == 0 }
+	require.Eventually(t, func() bool {
+		return quiet(r.dev.Stats()) && quiet(r.host.Stats()) && (r.disk == nil || quiet(r.disk.Pool().Stats()))
+	}, 5*time.Second, time.Millisecond)
 }
 
 func TestWriteBackOnboardFromHost(t *testing.T) {
@@ -159,7 +166,7 @@ func TestWriteBackOnboardFromHost(t *testing.T) {
 	r.request(t, a)
 	r.request(t, b)
 	r.request(t, c) // evicts: a (least recent) is offered whole, b is lost
-	settle(t, r.host)
+	r.settle(t)
 	require.Equal(t, 4, r.host.CachedPrefix(a))
 	require.Zero(t, r.dev.CachedPrefix(a))
 
@@ -167,7 +174,7 @@ func TestWriteBackOnboardFromHost(t *testing.T) {
 	require.Equal(t, 0, o.Hits(TierDevice))
 	require.Equal(t, 4, o.Hits(TierHost))
 	require.Equal(t, 4, o.Valid())
-	settle(t, r.dev)
+	r.settle(t)
 	require.Equal(t, 4, r.dev.CachedPrefix(a), "onboarded blocks are sealed on the device")
 	st := r.c.Stats()
 	require.EqualValues(t, 4, st.Tiers[TierHost].Hits)
@@ -181,9 +188,9 @@ func TestWriteThroughCopiesOnSeal(t *testing.T) {
 	a, b, c := chain(1, 4), chain(2, 4), chain(3, 4)
 	for _, h := range [][]kvlease.BlockHash{a, b, c} {
 		r.request(t, h)
-		settle(t, r.dev) // the write-through copies drain
+		r.settle(t) // the write-through copies drain
 	}
-	settle(t, r.host)
+	r.settle(t)
 	for _, h := range [][]kvlease.BlockHash{a, b, c} {
 		require.Equal(t, 4, r.host.CachedPrefix(h))
 	}
@@ -200,9 +207,9 @@ func TestMixedPrefixAcrossTiers(t *testing.T) {
 	r.request(t, h)
 	for i := range 12 {
 		r.request(t, chain(100+i, 3))
-		settle(t, r.host)
+		r.settle(t)
 	}
-	settle(t, r.dev)
+	r.settle(t)
 	t.Logf("dev %d host %d disk %d stats %+v", r.dev.CachedPrefix(h), r.host.CachedPrefix(h), r.disk.Pool().CachedPrefix(h), r.c.Stats())
 	o := r.request(t, h)
 	// Write-back may lose a chain's tail when a burst outruns the
@@ -222,8 +229,8 @@ func TestOffloadFailureLeavesHostWithoutBlock(t *testing.T) {
 	r.request(t, a)
 	r.request(t, chain(2, 4))
 	r.request(t, chain(3, 4))
-	settle(t, r.host)
-	settle(t, r.dev)
+	r.settle(t)
+	r.settle(t)
 	require.Zero(t, r.host.CachedPrefix(a))
 	// a's four blocks were offered and failed; whether b's were offered
 	// too (to refill the reserve) depends on when a's failures resolved,
@@ -241,7 +248,7 @@ func TestOnloadFailureAndQuarantine(t *testing.T) {
 	r.request(t, a)
 	r.request(t, chain(2, 4))
 	r.request(t, chain(3, 4))
-	settle(t, r.host)
+	r.settle(t)
 
 	r.onload.set(true, false, nil)
 	o, err := r.c.Acquire("req", a, 4)
@@ -250,7 +257,7 @@ func TestOnloadFailureAndQuarantine(t *testing.T) {
 	require.Error(t, err)
 	require.Zero(t, valid)
 	o.Lease.Release()
-	settle(t, r.dev)
+	r.settle(t)
 	require.Zero(t, r.dev.CachedPrefix(a))
 	require.Equal(t, 4, r.host.CachedPrefix(a), "the host keeps its intact blocks")
 
@@ -267,7 +274,7 @@ func TestOnloadFailureAndQuarantine(t *testing.T) {
 	o.Lease.Abort(nil)
 	close(rel) // late evidence
 	<-o.Ready()
-	settle(t, r.dev)
+	r.settle(t)
 	require.Zero(t, r.dev.Stats().Quarantined)
 }
 
@@ -335,9 +342,9 @@ func TestDiskCorruptSlotIsAMiss(t *testing.T) {
 	r.request(t, a)
 	for i := range 8 {
 		r.request(t, chain(50+i, 2))
-		settle(t, r.host)
+		r.settle(t)
 	}
-	settle(t, r.dev)
+	r.settle(t)
 	require.Equal(t, 2, r.disk.Pool().CachedPrefix(a))
 	require.Zero(t, r.host.CachedPrefix(a))
 	// Corrupt every slot on disk behind the tier's back.

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"unsafe"
@@ -44,6 +45,10 @@ type DiskConfig struct {
 	// sealed, what was not read never onboarded. Tests and audits inject
 	// failures and stalls with it.
 	BeforeIO func(write bool, slot DiskSlot) error
+	// PoolOptions are options for the disk tier's pool (its index), such
+	// as kvlease.WithKVEvents and kvlease.WithBlockTokens for KV events
+	// with medium "DISK" (see Cache.EventSources).
+	PoolOptions []kvlease.Option
 }
 
 // Disk is a disk tier (G3): fixed-size slots in preallocated files, each
@@ -64,11 +69,16 @@ type Disk struct {
 	slotBytes int
 	pool      *kvlease.Pool[DiskSlot]
 	recovered int
+	scanned   map[DiskSlot]SlotMeta // what OpenDisk found in each recovered slot
 
-	jobs    chan *diskJob
+	// The queue of jobs: unbounded, so that queueing never blocks the
+	// caller (an eviction hook on an acquiring goroutine) behind a slow
+	// disk; it holds at most one job per pool block in flight.
+	qmu     sync.Mutex
+	qcond   *sync.Cond
+	queue   []*diskJob
+	closed  bool // guarded by qmu
 	workers sync.WaitGroup
-	submit  sync.RWMutex // held shared while queueing; Close takes it to close jobs
-	closed  bool         // guarded by submit
 
 	mu  sync.Mutex
 	bad map[DiskSlot]kvlease.BlockHash // slots that failed a read, by the hash they should hold
@@ -81,7 +91,7 @@ var _ kvlease.Memory[DiskSlot] = (*Disk)(nil)
 var ErrCorruptSlot = errors.New("tiers: corrupt or torn disk slot")
 
 const (
-	slotMagic  = 0x3152454954564b4c // "LKVTIER1", little endian
+	slotMagic  = 0x3252454954564b4c // "LKVTIER2", little endian
 	headerSize = 64
 	diskAlign  = 4096
 )
@@ -121,7 +131,7 @@ func OpenDisk(cfg DiskConfig) (*Disk, error) {
 		d.direct = d.direct && direct
 		d.files = append(d.files, file)
 	}
-	pool, err := kvlease.NewPool[DiskSlot](d)
+	pool, err := kvlease.NewPool[DiskSlot](d, cfg.PoolOptions...)
 	if err != nil {
 		d.closeFiles()
 		return nil, err
@@ -131,7 +141,7 @@ func OpenDisk(cfg DiskConfig) (*Disk, error) {
 		d.closeFiles()
 		return nil, err
 	}
-	d.jobs = make(chan *diskJob, cfg.Workers)
+	d.qcond = sync.NewCond(&d.qmu)
 	for range cfg.Workers {
 		d.workers.Add(1)
 		go d.work()
@@ -168,15 +178,24 @@ func (d *Disk) Pool() *kvlease.Pool[DiskSlot] { return d.pool }
 // Direct reports whether the files are open with O_DIRECT.
 func (d *Disk) Direct() bool { return d.direct }
 
+// Scanned returns what OpenDisk found in slot s, if it recovered it.
+func (d *Disk) Scanned(s DiskSlot) (SlotMeta, bool) {
+	m, ok := d.scanned[s]
+	return m, ok
+}
+
 // Recovered returns how many slots OpenDisk found valid and made findable.
 func (d *Disk) Recovered() int { return d.recovered }
 
-// rebuild scans every slot and seals the valid ones in the fresh pool.
+// rebuild scans every slot and seals the valid ones in the fresh pool:
+// with their tokens and place in their chain (SealChained) when the slot
+// recorded them and the pool takes tokens, so that their KV events are
+// whole; by hash alone otherwise.
 func (d *Disk) rebuild() error {
 	buf := alignedBuf(d.slotBytes)
 	type entry struct {
 		slot DiskSlot
-		hash kvlease.BlockHash
+		meta SlotMeta
 	}
 	var valid []entry
 	for s := range DiskSlot(d.cfg.Slots) {
@@ -184,8 +203,8 @@ func (d *Disk) rebuild() error {
 		if _, err := f.ReadAt(buf, off); err != nil {
 			return fmt.Errorf("tiers: disk tier scan of slot %d: %w", s, err)
 		}
-		if h, _, _, ok := d.decode(buf); ok {
-			valid = append(valid, entry{s, h})
+		if m, ok := d.decode(buf); ok {
+			valid = append(valid, entry{s, m})
 		}
 	}
 	if len(valid) == 0 {
@@ -201,9 +220,15 @@ func (d *Disk) rebuild() error {
 	for i := range l.Len() {
 		pos[l.Ref(i).ID] = i
 	}
+	// Last lease position first: a block sealed by hash alone then never
+	// names the unrelated block before it in this lease as its parent.
+	slices.SortFunc(valid, func(a, b entry) int { return pos[b.slot] - pos[a.slot] })
+	d.scanned = make(map[DiskSlot]SlotMeta, len(valid))
 	for _, e := range valid {
-		if err := l.Seal(pos[e.slot], e.hash); err == nil {
+		r := parentRec{hash: e.meta.Hash, known: e.meta.HasParent, chained: e.meta.Chained, parent: e.meta.Parent, tokens: e.meta.Tokens}
+		if err := sealAs(l, pos[e.slot], r); err == nil {
 			d.recovered++
+			d.scanned[e.slot] = e.meta
 		}
 	}
 	l.Release()
@@ -211,7 +236,15 @@ func (d *Disk) rebuild() error {
 	return nil
 }
 
-// encode fills buf (one slot) with the header and the block.
+// Header layout of a slot (little endian), then the block at headerSize,
+// then the block's tokens (4 bytes each) when they fit in the slot:
+//
+//	0 magic  8 hash  16 parent  24 flags (1 parent known, 2 parent is a block)
+//	32 block bytes  40 checksum  48 tokens recorded  52..63 zero
+//
+// The checksum covers the whole slot but itself.
+
+// encode fills buf (one slot) with the header, the block and its tokens.
 func (d *Disk) encode(buf []byte, w *SlotWrite) {
 	clear(buf[:headerSize])
 	binary.LittleEndian.PutUint64(buf[0:], slotMagic)
@@ -219,45 +252,86 @@ func (d *Disk) encode(buf []byte, w *SlotWrite) {
 	binary.LittleEndian.PutUint64(buf[16:], uint64(w.Parent))
 	var flags uint64
 	if w.HasParent {
-		flags = 1
+		flags |= 1
+	}
+	if w.Chained {
+		flags |= 2
 	}
 	binary.LittleEndian.PutUint64(buf[24:], flags)
 	binary.LittleEndian.PutUint64(buf[32:], uint64(d.cfg.BlockBytes))
-	n := copy(buf[headerSize:headerSize+d.cfg.BlockBytes], w.Src)
+	body := headerSize + d.cfg.BlockBytes
+	n := copy(buf[headerSize:body], w.Src)
 	clear(buf[headerSize+n:])
+	if len(w.Tokens) > 0 && body+4*len(w.Tokens) <= len(buf) {
+		binary.LittleEndian.PutUint32(buf[48:], uint32(len(w.Tokens)))
+		for i, t := range w.Tokens {
+			binary.LittleEndian.PutUint32(buf[body+4*i:], uint32(t))
+		}
+	}
 	binary.LittleEndian.PutUint64(buf[40:], d.checksum(buf))
 }
 
-// checksum covers the header's first 40 bytes and the block.
+// checksum covers the header (but the checksum itself), the block and the
+// tokens recorded.
 func (d *Disk) checksum(buf []byte) uint64 {
 	var x xxhash.Digest
 	x.Reset()
 	_, _ = x.Write(buf[:40])
-	_, _ = x.Write(buf[headerSize : headerSize+d.cfg.BlockBytes])
+	_, _ = x.Write(buf[48:]) // the rest of the header, the block, the tokens and the zero padding
 	return x.Sum64()
 }
 
 // decode checks a slot read into buf; ok is false for anything but a
 // whole, valid slot.
-func (d *Disk) decode(buf []byte) (h, parent kvlease.BlockHash, hasParent, ok bool) {
+func (d *Disk) decode(buf []byte) (m SlotMeta, ok bool) {
+	body := headerSize + d.cfg.BlockBytes
+	nt := int(binary.LittleEndian.Uint32(buf[48:]))
 	if binary.LittleEndian.Uint64(buf[0:]) != slotMagic ||
 		binary.LittleEndian.Uint64(buf[32:]) != uint64(d.cfg.BlockBytes) ||
+		nt < 0 || body+4*nt > len(buf) ||
 		binary.LittleEndian.Uint64(buf[40:]) != d.checksum(buf) {
-		return 0, 0, false, false
+		return SlotMeta{}, false
 	}
-	return kvlease.BlockHash(binary.LittleEndian.Uint64(buf[8:])),
-		kvlease.BlockHash(binary.LittleEndian.Uint64(buf[16:])),
-		binary.LittleEndian.Uint64(buf[24:])&1 != 0, true
+	flags := binary.LittleEndian.Uint64(buf[24:])
+	m = SlotMeta{
+		Hash:      kvlease.BlockHash(binary.LittleEndian.Uint64(buf[8:])),
+		Parent:    kvlease.BlockHash(binary.LittleEndian.Uint64(buf[16:])),
+		HasParent: flags&1 != 0,
+		Chained:   flags&2 != 0,
+	}
+	if nt > 0 {
+		m.Tokens = make([]int32, nt)
+		for i := range m.Tokens {
+			m.Tokens[i] = int32(binary.LittleEndian.Uint32(buf[body+4*i:]))
+		}
+	}
+	return m, true
+}
+
+// SlotMeta is what a slot's header records about its block: its hash, its
+// parent (HasParent: the parent is known; Chained: the parent is a block,
+// not the namespace seed of a chain's first block) and, when they fit in
+// the slot, its tokens.
+type SlotMeta struct {
+	Hash      kvlease.BlockHash
+	Parent    kvlease.BlockHash
+	HasParent bool
+	Chained   bool
+	Tokens    []int32
 }
 
 // SlotWrite is one block written to a disk slot: the block, and what the
-// slot's header records about it.
+// slot's header records about it (Tokens only when they fit in the slot's
+// padding after the block; a block of whole 4 KiB pages has room for
+// 1008).
 type SlotWrite struct {
 	Src       []byte
 	Dst       DiskSlot
 	Hash      kvlease.BlockHash
 	Parent    kvlease.BlockHash
 	HasParent bool
+	Chained   bool
+	Tokens    []int32
 }
 
 // SlotRead is one block read from a disk slot that must hold Hash.
@@ -267,20 +341,50 @@ type SlotRead struct {
 	Hash kvlease.BlockHash
 }
 
+// diskJob is one worker's part of a Read or Write: the parts of one call
+// share its transfer, which resolves when the last part is done.
 type diskJob struct {
-	writes   []SlotWrite
-	reads    []SlotRead
-	t        *kvlease.Transfer
-	canceled atomic.Bool
+	writes []SlotWrite
+	reads  []SlotRead
+	*diskCall
 }
 
-// Write writes each block to its slot, as one job for one worker, and
-// returns its transfer, following kvlease.Transport's order: the transfer
-// is created and attach is called with it before any byte is written; if
-// attach fails nothing is written, the transfer is resolved with attach's
-// error and Write returns that error. The transfer resolves when the
-// worker has returned from the last write (with the first error, if any);
-// Cancel skips the slots not yet written. Errors wrap
+// diskCall is one Read or Write, split over up to Workers jobs.
+type diskCall struct {
+	t        *kvlease.Transfer
+	canceled atomic.Bool
+	left     atomic.Int32
+	mu       sync.Mutex
+	err      error // the first part's error
+}
+
+// finish records one part's outcome and resolves the transfer after the
+// last part.
+func (c *diskCall) finish(err error) {
+	if err != nil {
+		c.mu.Lock()
+		if c.err == nil {
+			c.err = err
+		}
+		c.mu.Unlock()
+	}
+	if c.left.Add(-1) == 0 {
+		c.mu.Lock()
+		err := c.err
+		c.mu.Unlock()
+		c.t.Resolve(err)
+	}
+}
+
+// Write writes each block to its slot, split into up to Workers parts
+// that workers write in parallel (each part in order), and returns its
+// transfer, following kvlease.Transport's order: the transfer is created
+// and attach is called with it before any byte is written; if attach
+// fails nothing is written, the transfer is resolved with attach's error
+// and Write returns that error. The transfer resolves when every worker
+// has returned from its part's last write (with the first error, if any;
+// a part stops at its first error); Cancel skips the slots not yet
+// written. Errors wrap
 // kvlease.ErrInvalidArgument (no blocks, a slot out of range, a block of
 // the wrong size) or ErrClosed.
 func (d *Disk) Write(writes []SlotWrite, attach func(*kvlease.Transfer) error) (*kvlease.Transfer, error) {
@@ -294,7 +398,7 @@ func (d *Disk) Write(writes []SlotWrite, attach func(*kvlease.Transfer) error) (
 
 // Read reads each slot into its block, as Write does in the other
 // direction. A slot that does not hold a valid block with the expected
-// hash fails the read with ErrCorruptSlot (the worker stops there) and
+// hash fails the read with ErrCorruptSlot (its part stops there) and
 // stops serving hits: Lookup ends before it from then on.
 func (d *Disk) Read(reads []SlotRead, attach func(*kvlease.Transfer) error) (*kvlease.Transfer, error) {
 	for _, r := range reads {
@@ -317,26 +421,62 @@ func (d *Disk) start(j *diskJob, n int, attach func(*kvlease.Transfer) error) (*
 	if n == 0 || attach == nil {
 		return nil, fmt.Errorf("tiers: disk job of %d blocks (attach set: %v): %w", n, attach != nil, kvlease.ErrInvalidArgument)
 	}
-	d.submit.RLock()
-	defer d.submit.RUnlock()
+	d.qmu.Lock()
+	defer d.qmu.Unlock()
 	if d.closed {
 		return nil, fmt.Errorf("tiers: disk tier: %w", ErrClosed)
 	}
-	j.t = kvlease.NewTransfer(func() { j.canceled.Store(true) })
-	if err := attach(j.t); err != nil {
-		j.t.Resolve(err)
-		return j.t, err
+	call := &diskCall{}
+	call.t = kvlease.NewTransfer(func() { call.canceled.Store(true) })
+	if err := attach(call.t); err != nil {
+		call.t.Resolve(err)
+		return call.t, err
 	}
-	d.jobs <- j
-	return j.t, nil
+	// Split the call over the workers: a long prefix is read (or written)
+	// in parallel, each part in order.
+	parts := min(d.cfg.Workers, n)
+	call.left.Store(int32(parts))
+	for p := range parts {
+		lo, hi := p*n/parts, (p+1)*n/parts
+		part := &diskJob{diskCall: call}
+		if j.writes != nil {
+			part.writes = j.writes[lo:hi]
+		} else {
+			part.reads = j.reads[lo:hi]
+		}
+		d.queue = append(d.queue, part)
+	}
+	if parts == 1 {
+		d.qcond.Signal()
+	} else {
+		d.qcond.Broadcast()
+	}
+	return call.t, nil
+}
+
+// next returns the next queued job, waiting for one; nil once the disk is
+// closed and the queue is empty.
+func (d *Disk) next() *diskJob {
+	d.qmu.Lock()
+	defer d.qmu.Unlock()
+	for len(d.queue) == 0 {
+		if d.closed {
+			return nil
+		}
+		d.qcond.Wait()
+	}
+	j := d.queue[0]
+	d.queue[0] = nil
+	d.queue = d.queue[1:]
+	return j
 }
 
 // work is one disk worker.
 func (d *Disk) work() {
 	defer d.workers.Done()
 	buf := alignedBuf(d.slotBytes)
-	for j := range d.jobs {
-		j.t.Resolve(d.run(j, buf))
+	for j := d.next(); j != nil; j = d.next() {
+		j.finish(d.run(j, buf))
 	}
 }
 
@@ -375,7 +515,7 @@ func (d *Disk) run(j *diskJob, buf []byte) error {
 		if _, err := f.ReadAt(buf, off); err != nil {
 			return fmt.Errorf("tiers: disk read of slot %d: %w", r.Src, err)
 		}
-		if h, _, _, ok := d.decode(buf); !ok || h != r.Hash {
+		if m, ok := d.decode(buf); !ok || m.Hash != r.Hash {
 			d.mu.Lock()
 			d.bad[r.Src] = r.Hash
 			d.mu.Unlock()
@@ -421,14 +561,14 @@ func (d *Disk) Lookup(owner string, hashes []kvlease.BlockHash) *kvlease.Lease[D
 // Close stops the workers once the queued jobs are done (their transfers
 // resolve) and closes the files. Close the disk after every cache using it.
 func (d *Disk) Close() error {
-	d.submit.Lock()
+	d.qmu.Lock()
 	if d.closed {
-		d.submit.Unlock()
+		d.qmu.Unlock()
 		return nil
 	}
 	d.closed = true
-	close(d.jobs)
-	d.submit.Unlock()
+	d.qcond.Broadcast()
+	d.qmu.Unlock()
 	d.workers.Wait()
 	_ = d.pool.Close()
 	return d.closeFiles()

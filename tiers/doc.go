@@ -14,8 +14,12 @@
 //
 // With WriteBack (the default), the device pool's eviction hook
 // (kvlease.Pool.SetEvictHook) offers each eviction victim it can spare;
-// the cache copies it into a fresh host block and lets it drain. The
-// evicting acquire is never blocked by the copy: it takes another victim.
+// the hook only queues the offer, and the cache's offload worker copies it
+// into a fresh host block and lets it drain. The evicting acquire is never
+// blocked by the copy, nor by the host's allocator: it takes another
+// victim. Free-block reserves (Config.DeviceReserve, HostReserve) offer
+// least recently used blocks ahead of demand, so that acquires find free
+// blocks instead of evicting what they would lose.
 // With WriteThrough, Cache.Seal copies each block to the host as it is
 // sealed. The host pool's victims go to the disk tier the same way
 // (write-back) when there is one.
@@ -37,14 +41,20 @@
 // a bounded pool of workers (pread/pwrite, O_DIRECT where the file system
 // allows). Each slot records its block hash, its parent hash and a
 // checksum, so a torn or corrupted slot is a miss, never wrong KV. OpenDisk
-// rebuilds the index by scanning the files: the tier survives a restart.
+// rebuilds the index by scanning the files: the tier survives a restart
+// (slots whose header or checksum is bad are left out). The disk's queue
+// of jobs is unbounded, so queueing never blocks a caller behind a slow
+// disk.
 //
 // # Metrics and events
 //
 // Cache.Stats counts, per tier, hits, blocks offloaded into it, blocks
 // onboarded from it, copy failures and offers dropped. For KV events,
-// give each pool its own publisher source with the tier's medium
-// (Tier.Medium: "GPU", "CPU", "DISK"): the device pool reports a block
+// create the pools with kvlease.WithKVEvents (and WithBlockTokens; the
+// disk's through DiskConfig.PoolOptions), seal with Cache.SealTokens, and
+// publish Cache.EventSources: one source per tier with its medium
+// (Tier.Medium: "GPU", "CPU", "DISK"). The device pool reports a block
 // removed when it is evicted, the host pool reports it stored when its
-// copy is sealed there.
+// copy is sealed there, the disk likewise; a lower tier's stored event
+// carries the original's parent and tokens (kvlease.Lease.SealChained).
 package tiers

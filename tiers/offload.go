@@ -1,6 +1,8 @@
 package tiers
 
 import (
+	"slices"
+
 	"github.com/kvlease/kvlease"
 )
 
@@ -12,29 +14,53 @@ const (
 
 // Seal seals block i of a device lease with hash h under parent (the
 // previous block's hash, or the namespace seed for the first block), as
-// kvlease.Lease.Seal does, and records the parent for the disk tier's slot
-// headers. With WriteThrough it also starts copying the block to the host
-// tier (unless the host has it already): a Read on block i of l until the
-// copy resolves, so l may be released at once. Errors are Seal's.
+// kvlease.Lease.Seal does, and records the parent for the lower tiers
+// (their slot headers). With WriteThrough it also starts copying the block
+// to the host tier (unless the host has it already): a Read on block i of
+// l until the copy resolves, so l may be released at once. Errors are
+// Seal's. Prefer SealTokens when KV events are published: events without
+// tokens are not (routers key blocks by their tokens).
 func (c *Cache[D]) Seal(l *kvlease.Lease[D], i int, parent, h kvlease.BlockHash) error {
 	if err := l.Seal(i, h); err != nil {
 		return err
 	}
-	ref := l.Ref(i)
-	c.mu.Lock()
-	setParent(c.devParent, ref, parent, true)
-	c.mu.Unlock()
-	if c.policy == WriteThrough {
-		c.toHost(l, i, []kvlease.BlockHash{h}, false)
-	}
+	c.sealed(l, i, parentRec{hash: h, known: true, chained: i > 0, parent: parent})
 	return nil
 }
 
-// deviceEvicted is the device pool's eviction hook (WriteBack): copy the
-// offered blocks to the host tier, then let them go.
+// SealTokens seals block i of a device lease with the hash of its tokens
+// under parent, as kvlease.Lease.SealTokens does (the device pool needs
+// WithBlockTokens), and returns that hash. The cache keeps the tokens, so
+// the block's copies in the lower tiers are sealed with them too: every
+// tier's KV events then carry the block's tokens and its parent, each
+// with the tier's medium (EventSources). Otherwise as Seal.
+func (c *Cache[D]) SealTokens(l *kvlease.Lease[D], i int, parent kvlease.BlockHash, tokens []int32) (kvlease.BlockHash, error) {
+	h, err := l.SealTokens(i, parent, tokens)
+	if err != nil {
+		return h, err
+	}
+	c.sealed(l, i, parentRec{hash: h, known: true, chained: i > 0, parent: parent, tokens: slices.Clone(tokens)})
+	return h, nil
+}
+
+// sealed records block i of device lease l as r and, with WriteThrough,
+// starts its copy to the host.
+func (c *Cache[D]) sealed(l *kvlease.Lease[D], i int, r parentRec) {
+	id := l.Ref(i).ID
+	c.mu.Lock()
+	c.devParent[id] = r
+	c.mu.Unlock()
+	if c.policy == WriteThrough {
+		c.toHost(l, i, []kvlease.BlockHash{r.hash}, false)
+	}
+}
+
+// deviceEvicted is the device pool's eviction hook (WriteBack): queue the
+// offered blocks for the offload worker, which copies them to the host
+// tier, then lets them go.
 func (c *Cache[D]) deviceEvicted(l *kvlease.Lease[D], hashes []kvlease.BlockHash) {
 	c.devInflight.Add(int64(len(hashes)))
-	c.toHost(l, 0, hashes, true)
+	c.later(func() { c.toHost(l, 0, hashes, true) })
 }
 
 // toHost copies blocks from..from+len(hashes)-1 of device lease src into
@@ -74,26 +100,36 @@ func (c *Cache[D]) toHost(src *kvlease.Lease[D], from int, hashes []kvlease.Bloc
 	}
 	pairs := make([]kvlease.CopyPair[D, []byte], len(pos))
 	parents := make([]parentRec, len(pos))
+	srcIDs := src.AppendBlockIDs(make([]kvlease.BlockID, 0, src.Len()), 0)
+	dstIDs := dst.AppendBlockIDs(make([]kvlease.BlockID, 0, len(pos)), 0)
 	c.mu.Lock()
 	for j, p := range pos {
-		ref := src.Ref(p)
-		parents[j].parent, parents[j].known = getParent(c.devParent, ref)
+		parents[j] = getRec(c.devParent, srcIDs[p], hs[j])
 	}
 	c.mu.Unlock()
-	for j, p := range pos {
-		s, err1 := c.dev.Region(src.Ref(p))
-		d, err2 := c.host.Region(dst.Ref(j))
-		if err1 != nil || err2 != nil {
-			dst.Release()
-			st.dropped.Add(uint64(len(pos)))
-			return
-		}
-		pairs[j] = kvlease.CopyPair[D, []byte]{Src: s, Dst: d}
+	// One lock per lease for the regions, not one per block.
+	srcRegions, err1 := src.AppendReadRegions(make([]D, 0, src.Len()), 0)
+	dstRegions, err2 := dst.AppendRegions(make([][]byte, 0, len(pos)), 0)
+	if err1 != nil || err2 != nil {
+		dst.Release()
+		st.dropped.Add(uint64(len(pos)))
+		return
 	}
+	for j, p := range pos {
+		pairs[j] = kvlease.CopyPair[D, []byte]{Src: srcRegions[p], Dst: dstRegions[j]}
+	}
+	whole := release && len(pos) == src.Len() // the offered lease, every block copied
 	t, err := c.offload.Start(pairs, func(t *kvlease.Transfer) error {
-		for _, p := range pos {
-			if err := src.AttachRange(t, p, p+1, kvlease.Read); err != nil {
+		if whole {
+			// Every block is sealed: Attach gates them all as Reads.
+			if err := src.Attach(t); err != nil {
 				return err
+			}
+		} else {
+			for _, p := range pos {
+				if err := src.AttachRange(t, p, p+1, kvlease.Read); err != nil {
+					return err
+				}
 			}
 		}
 		return dst.AttachRange(t, 0, len(pos), kvlease.Write)
@@ -105,23 +141,25 @@ func (c *Cache[D]) toHost(src *kvlease.Lease[D], from int, hashes []kvlease.Bloc
 	}
 	c.mu.Lock()
 	for j := range pos {
-		setParent(c.hostParent, dst.Ref(j), parents[j].parent, parents[j].known)
+		c.hostParent[dstIDs[j]] = parents[j]
 	}
 	c.mu.Unlock()
 	watched = c.watch(t, func(done bool) {
 		defer func() {
-			dst.Release()
 			if release {
 				c.devInflight.Add(-int64(len(hashes)))
 			}
+			// Refill the host's reserve before dst closes: whoever waits
+			// for every tier to be quiet then sees the offers too.
 			keepReserve(c.host, c.hostReserve, &c.hostInflight)
+			dst.Release()
 		}()
 		if !done || t.Err() != nil {
 			st.failures.Add(uint64(len(pos)))
 			return
 		}
-		for j, h := range hs {
-			if dst.Seal(j, h) != nil {
+		for j := len(parents) - 1; j >= 0; j-- {
+			if sealAs(dst, j, parents[j]) != nil {
 				return
 			}
 		}
@@ -133,10 +171,16 @@ func (c *Cache[D]) toHost(src *kvlease.Lease[D], from int, hashes []kvlease.Bloc
 }
 
 // hostEvicted is the host pool's eviction hook when there is a disk tier:
-// write the offered blocks to fresh disk slots, sealed there once the
-// writes resolve.
+// queue the offered blocks for the offload worker, which writes them to
+// fresh disk slots, sealed there once the writes resolve.
 func (c *Cache[D]) hostEvicted(l *kvlease.Lease[[]byte], hashes []kvlease.BlockHash) {
 	c.hostInflight.Add(int64(len(hashes)))
+	c.later(func() { c.toDisk(l, hashes) })
+}
+
+// toDisk writes the offered host blocks of l to fresh disk slots and
+// closes l; it never blocks on the writes.
+func (c *Cache[D]) toDisk(l *kvlease.Lease[[]byte], hashes []kvlease.BlockHash) {
 	watched := false
 	defer func() {
 		l.Release()
@@ -165,22 +209,23 @@ func (c *Cache[D]) hostEvicted(l *kvlease.Lease[[]byte], hashes []kvlease.BlockH
 		return
 	}
 	writes := make([]SlotWrite, len(pos))
+	srcIDs := l.AppendBlockIDs(make([]kvlease.BlockID, 0, l.Len()), 0)
+	dstIDs := dst.AppendBlockIDs(make([]kvlease.BlockID, 0, len(pos)), 0)
+	srcRegions, err := l.AppendReadRegions(make([][]byte, 0, l.Len()), 0)
+	if err != nil {
+		dst.Release()
+		st.dropped.Add(uint64(len(pos)))
+		return
+	}
+	recs := make([]parentRec, len(pos))
 	c.mu.Lock()
 	for j, p := range pos {
-		ref := l.Ref(p)
-		parent, known := getParent(c.hostParent, ref)
-		writes[j] = SlotWrite{Dst: d.Region(dst.Ref(j).ID), Hash: hs[j], Parent: parent, HasParent: known}
+		recs[j] = getRec(c.hostParent, srcIDs[p], hs[j])
+		c.diskParent[dstIDs[j]] = recs[j]
+		writes[j] = SlotWrite{Src: srcRegions[p], Dst: d.Region(dstIDs[j]), Hash: hs[j], Parent: recs[j].parent,
+			HasParent: recs[j].known, Chained: recs[j].chained, Tokens: recs[j].tokens}
 	}
 	c.mu.Unlock()
-	for j, p := range pos {
-		src, err := c.host.Region(l.Ref(p))
-		if err != nil {
-			dst.Release()
-			st.dropped.Add(uint64(len(pos)))
-			return
-		}
-		writes[j].Src = src
-	}
 	t, err := d.Write(writes, func(t *kvlease.Transfer) error {
 		for _, p := range pos {
 			if err := l.AttachRange(t, p, p+1, kvlease.Read); err != nil {
@@ -203,8 +248,8 @@ func (c *Cache[D]) hostEvicted(l *kvlease.Lease[[]byte], hashes []kvlease.BlockH
 			st.failures.Add(uint64(len(pos)))
 			return
 		}
-		for j, h := range hs {
-			if dst.Seal(j, h) != nil {
+		for j := len(recs) - 1; j >= 0; j-- {
+			if sealAs(dst, j, recs[j]) != nil {
 				return
 			}
 		}

@@ -37,6 +37,9 @@ type Onboard[D any] struct {
 	err   error // set before ready closes
 }
 
+// readyNow is the Ready channel of every Onboard with nothing to onboard.
+var readyNow = func() chan struct{} { ch := make(chan struct{}); close(ch); return ch }()
+
 // Hits returns how many blocks of the prefix tier t supplied.
 func (o *Onboard[D]) Hits(t Tier) int { return o.hits[t] }
 
@@ -70,10 +73,7 @@ func (o *Onboard[D]) Wait(ctx context.Context) (int, error) {
 // looked up. Errors are the device pool's AcquirePrefix errors, or
 // ErrClosed.
 func (c *Cache[D]) Acquire(owner string, hashes []kvlease.BlockHash, n int) (*Onboard[D], error) {
-	c.mu.Lock()
-	closed := c.closed
-	c.mu.Unlock()
-	if closed {
+	if c.isClosed.Load() {
 		return nil, fmt.Errorf("tiers: acquire for %q: %w", owner, ErrClosed)
 	}
 	if len(hashes) > n {
@@ -83,7 +83,7 @@ func (c *Cache[D]) Acquire(owner string, hashes []kvlease.BlockHash, n int) (*On
 	if err != nil {
 		return nil, err
 	}
-	o := &Onboard[D]{Lease: l, ready: make(chan struct{})}
+	o := &Onboard[D]{Lease: l, ready: readyNow}
 	o.hits[TierDevice] = d
 	o.valid.Store(int64(d))
 	c.stats.queried.Add(uint64(len(hashes)))
@@ -111,13 +111,42 @@ func (c *Cache[D]) Acquire(owner string, hashes []kvlease.BlockHash, n int) (*On
 		}
 	}
 	o.hits[TierHost], o.hits[TierDisk] = h, m
+	// What the lower tiers know of each hit (parent, tokens), for the
+	// seals on the way up: the copies' KV events then match the originals'.
+	recs := make([]parentRec, h+m)
+	if h+m > 0 {
+		var ids []kvlease.BlockID
+		if h > 0 {
+			ids = hl.AppendBlockIDs(ids, 0)
+		}
+		c.mu.Lock()
+		for k := range h {
+			recs[k] = getRec(c.hostParent, ids[k], rest[k])
+		}
+		c.mu.Unlock()
+		if m > 0 {
+			ids = dl.AppendBlockIDs(ids[:0], 0)
+			c.mu.Lock()
+			for k := range m {
+				recs[h+k] = getRec(c.diskParent, ids[k], rest[h+k])
+			}
+			c.mu.Unlock()
+		}
+		for k := range recs {
+			if !recs[k].known && d+k > 0 {
+				// Unknown to the tier (a rebuilt disk): the chain says
+				// the parent; a chain's first block keeps none.
+				recs[k] = parentRec{hash: recs[k].hash, known: true, chained: true, parent: hashes[d+k-1]}
+			}
+		}
+	}
 	keepReserve(c.dev, c.devReserve, &c.devInflight)
 	c.stats.tiers[TierHost].hits.Add(uint64(h))
 	c.stats.tiers[TierDisk].hits.Add(uint64(m))
 	if h+m == 0 {
-		close(o.ready)
-		return o, nil
+		return o, nil // nothing to onboard: ready at once
 	}
+	o.ready = make(chan struct{})
 
 	// One gate of our own over every onboarded block, a Write: nobody
 	// seals or hits them until the copies are attached and resolved. The
@@ -158,6 +187,7 @@ func (c *Cache[D]) Acquire(owner string, hashes []kvlease.BlockHash, n int) (*On
 		if stage != nil {
 			stage.Release()
 		}
+		o.err = fmt.Errorf("tiers: onboard of %d blocks for %q: %w", h+m, owner, ErrClosed)
 		close(o.ready)
 		return o, nil
 	}
@@ -191,8 +221,14 @@ func (c *Cache[D]) Acquire(owner string, hashes []kvlease.BlockHash, n int) (*On
 			if diskOK {
 				// The staging blocks hold the disk's content: they join
 				// the host tier, then go on to the device.
-				for k, hh := range rest[h : h+m] {
-					if stage.Seal(k, hh) != nil {
+				ids := stage.AppendBlockIDs(make([]kvlease.BlockID, 0, m), 0)
+				c.mu.Lock()
+				for k := range m {
+					c.hostParent[ids[k]] = recs[h+k]
+				}
+				c.mu.Unlock()
+				for k := m - 1; k >= 0; k-- {
+					if sealAs(stage, k, recs[h+k]) != nil {
 						diskOK = false
 						break
 					}
@@ -219,14 +255,13 @@ func (c *Cache[D]) Acquire(owner string, hashes []kvlease.BlockHash, n int) (*On
 			}
 		}
 		gate.Resolve(nil)
+		// In chain order: a plain Seal (no tokens known) then names the
+		// block before, its parent, as a device lease's blocks do.
 		for k := d; k < valid; k++ {
-			parent := kvlease.BlockHash(0)
-			if k > 0 {
-				parent = hashes[k-1]
-			}
-			if c.Seal(l, k, parent, hashes[k]) != nil {
+			if sealAs(l, k, recs[k-d]) != nil {
 				break // closed by the caller, or sealed by it already
 			}
+			c.sealed(l, k, recs[k-d])
 		}
 		o.valid.Store(int64(valid))
 		o.err = firstErr
@@ -240,13 +275,17 @@ func (c *Cache[D]) Acquire(owner string, hashes []kvlease.BlockHash, n int) (*On
 // transfer, or nil if it could not start.
 func (c *Cache[D]) copyIn(src *kvlease.Lease[[]byte], dst *kvlease.Lease[D], from, at, n int) *kvlease.Transfer {
 	pairs := make([]kvlease.CopyPair[[]byte, D], n)
+	// One lock per lease for the regions, not one per block. The
+	// destination blocks are fresh and gated by Writes; later blocks of
+	// the lease may be sealed by now, so take them as read regions (the
+	// same memory) rather than be refused.
+	srcRegions, err1 := src.AppendReadRegions(make([][]byte, 0, src.Len()), from)
+	dstRegions, err2 := dst.AppendReadRegions(make([]D, 0, dst.Len()), at)
+	if err1 != nil || err2 != nil || len(srcRegions) < n || len(dstRegions) < n {
+		return nil
+	}
 	for k := range n {
-		s, err1 := c.host.Region(src.Ref(from + k))
-		d, err2 := c.dev.Region(dst.Ref(at + k))
-		if err1 != nil || err2 != nil {
-			return nil
-		}
-		pairs[k] = kvlease.CopyPair[[]byte, D]{Src: s, Dst: d}
+		pairs[k] = kvlease.CopyPair[[]byte, D]{Src: srcRegions[k], Dst: dstRegions[k]}
 	}
 	t, err := c.onload.Start(pairs, func(t *kvlease.Transfer) error {
 		if err := src.AttachRange(t, from, from+n, kvlease.Read); err != nil {
@@ -267,12 +306,13 @@ func (c *Cache[D]) copyIn(src *kvlease.Lease[[]byte], dst *kvlease.Lease[D], fro
 // and returns the transfer, or nil if it could not start.
 func (c *Cache[D]) readDisk(dl *kvlease.Lease[DiskSlot], stage *kvlease.Lease[[]byte], hashes []kvlease.BlockHash) *kvlease.Transfer {
 	reads := make([]SlotRead, len(hashes))
+	dsts, err := stage.AppendRegions(make([][]byte, 0, len(hashes)), 0)
+	if err != nil || len(dsts) < len(hashes) {
+		return nil
+	}
+	slots := dl.AppendBlockIDs(make([]kvlease.BlockID, 0, len(hashes)), 0)
 	for k := range hashes {
-		dst, err := c.host.Region(stage.Ref(k))
-		if err != nil {
-			return nil
-		}
-		reads[k] = SlotRead{Src: DiskSlot(dl.Ref(k).ID), Dst: dst, Hash: hashes[k]}
+		reads[k] = SlotRead{Src: DiskSlot(slots[k]), Dst: dsts[k], Hash: hashes[k]}
 	}
 	t, err := c.disk.Read(reads, func(t *kvlease.Transfer) error {
 		if err := dl.AttachRange(t, 0, len(hashes), kvlease.Read); err != nil {

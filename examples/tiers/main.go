@@ -20,6 +20,7 @@ import (
 	"encoding/binary"
 	"flag"
 	"fmt"
+	"io"
 	"math/rand/v2"
 	"os"
 	"time"
@@ -45,7 +46,7 @@ func main() {
 		policy   = flag.String("policy", "write-back", "write-back or write-through")
 	)
 	flag.Parse()
-	if err := run(*requests, *seed, *devN, *hostN, *diskN, *docs, *docLen, *policy); err != nil {
+	if err := run(os.Stdout, *requests, *seed, *devN, *hostN, *diskN, *docs, *docLen, *policy); err != nil {
 		fmt.Fprintln(os.Stderr, "tiers:", err)
 		os.Exit(1)
 	}
@@ -62,10 +63,15 @@ func stamp(b []byte, h kvlease.BlockHash) {
 	}
 }
 
-func run(requests int, seed uint64, devN, hostN, diskN, docs, docLen int, policyName string) error {
-	pol := tiers.WriteBack
-	if policyName == "write-through" {
+func run(w io.Writer, requests int, seed uint64, devN, hostN, diskN, docs, docLen int, policyName string) error {
+	var pol tiers.Policy
+	switch policyName {
+	case "write-back":
+		pol = tiers.WriteBack
+	case "write-through":
 		pol = tiers.WriteThrough
+	default:
+		return fmt.Errorf("unknown policy %q (write-back or write-through)", policyName)
 	}
 	dev := gpu.OpenHost()
 	devMem, err := dev.AllocDevice(devN, blockBytes)
@@ -200,12 +206,12 @@ func run(requests int, seed uint64, devN, hostN, diskN, docs, docLen int, policy
 	}
 	st := cache.Stats()
 	for t := tiers.TierDevice; t <= tiers.TierDisk; t++ {
-		fmt.Printf("tier %s hits %d of %d\n", t, st.Tiers[t].Hits, st.Queried)
+		fmt.Fprintf(w, "tier %s hits %d of %d\n", t, st.Tiers[t].Hits, st.Queried)
 	}
 	tiered := st.Tiers[0].Hits + st.Tiers[1].Hits + st.Tiers[2].Hits
 	pct := func(n int) float64 { return 100 * float64(n) / float64(queried) }
-	fmt.Printf("hit rate device-only %.1f%% tiered %.1f%% unbounded %.1f%%\n", pct(plainHits), pct(int(tiered)), pct(unboundedHits))
-	fmt.Printf("offloaded host %d disk %d, onboarded host %d disk %d, copy failures %d\n",
+	fmt.Fprintf(w, "hit rate device-only %.1f%% tiered %.1f%% unbounded %.1f%%\n", pct(plainHits), pct(int(tiered)), pct(unboundedHits))
+	fmt.Fprintf(w, "offloaded host %d disk %d, onboarded host %d disk %d, copy failures %d\n",
 		st.Tiers[1].Offloaded, st.Tiers[2].Offloaded, st.Tiers[1].Onboarded, st.Tiers[2].Onboarded,
 		st.Tiers[0].CopyFailures+st.Tiers[1].CopyFailures+st.Tiers[2].CopyFailures)
 
@@ -224,6 +230,6 @@ func run(requests int, seed uint64, devN, hostN, diskN, docs, docLen int, policy
 	_ = devMem.Close()
 	_ = hostMem.Close()
 	_ = dev.Close()
-	fmt.Printf("marker mismatches %d\n", mismatches)
+	fmt.Fprintf(w, "marker mismatches %d\n", mismatches)
 	return nil
 }

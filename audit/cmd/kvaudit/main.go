@@ -8,6 +8,13 @@
 //	go run ./audit/cmd/kvaudit -ops 1000000 -seed 7
 //	go run ./audit/cmd/kvaudit -duration 30s -workers 8 -blocks 1024
 //	go run ./audit/cmd/kvaudit -seed 7 -replay trace.txt
+//
+// With -tiers it runs the tiers audit instead (audit.RunTiers): -ops
+// requests onboard their prefixes across a device, a host and a disk tier
+// while copies fail, stall and are quarantined and disk slots fail or are
+// corrupted; every onboarded block's marker is checked.
+//
+//	go run ./audit/cmd/kvaudit -tiers -ops 3000 -seed 7
 package main
 
 import (
@@ -20,6 +27,7 @@ import (
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/audit"
+	"github.com/kvlease/kvlease/tiers"
 )
 
 func main() {
@@ -67,12 +75,17 @@ func run(args []string, stdout, stderr io.Writer) int {
 	replay := fs.String("replay", "", "replay the trace in this file (as the report prints it) instead of drawing operations")
 	traceOut := fs.String("trace-out", "", "write the trace of the first violation to this file, for -replay")
 	quiet := fs.Bool("quiet", false, "no progress lines")
+	tiersMode := fs.Bool("tiers", false, "run the tiers audit (device, host and disk tiers; -ops requests, -seed)")
+	writeThrough := fs.Bool("write-through", false, "with -tiers: the write-through policy (default write-back)")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
 	if fs.NArg() > 0 {
 		fmt.Fprintf(stderr, "kvaudit: unexpected arguments %q\n", fs.Args())
 		return 2
+	}
+	if *tiersMode {
+		return runTiers(fs, cfg.Seed, cfg.Ops, *writeThrough, stdout, stderr)
 	}
 	if *pools != "" {
 		cfg.PoolBlocks = nil
@@ -126,6 +139,32 @@ func run(args []string, stdout, stderr io.Writer) int {
 			fmt.Fprintf(stderr, "kvaudit: %v\n", err)
 			return 2
 		}
+	}
+	if !rep.OK() {
+		return 1
+	}
+	return 0
+}
+
+// runTiers runs the tiers audit with the default tiers configuration,
+// the seed and -ops requests.
+func runTiers(fs *flag.FlagSet, seed uint64, ops int, writeThrough bool, stdout, stderr io.Writer) int {
+	tc := audit.DefaultTiersConfig()
+	tc.Seed = seed
+	if isSet(fs, "ops") {
+		tc.Requests = ops
+	}
+	if writeThrough {
+		tc.Policy = tiers.WriteThrough
+	}
+	rep, err := audit.RunTiers(tc)
+	if err != nil {
+		fmt.Fprintf(stderr, "kvaudit: %v\n", err)
+		return 2
+	}
+	if err := rep.Write(stdout); err != nil {
+		fmt.Fprintf(stderr, "kvaudit: %v\n", err)
+		return 2
 	}
 	if !rep.OK() {
 		return 1

@@ -61,3 +61,21 @@ func TestBadFlags(t *testing.T) {
 		}
 	}
 }
+
+func TestTiersMode(t *testing.T) {
+	for _, args := range [][]string{{"-tiers", "-ops", "300", "-seed", "3"}, {"-tiers", "-write-through", "-ops", "300"}} {
+		var out, errs strings.Builder
+		if code := run(args, &out, &errs); code != 0 {
+			t.Fatalf("%q: exit %d\n%s\n%s", args, code, out.String(), errs.String())
+		}
+		lines := strings.Split(strings.TrimSpace(out.String()), "\n")
+		if lines[len(lines)-1] != "OK" || !strings.Contains(out.String(), "marker mismatches 0") ||
+			!strings.Contains(out.String(), "unknown reads 0") || !strings.Contains(out.String(), "requests") {
+			t.Errorf("%q: report:\n%s", args, out.String())
+		}
+	}
+	var out, errs strings.Builder
+	if code := run([]string{"-tiers", "-ops", "-1"}, &out, &errs); code != 2 {
+		t.Errorf("-tiers -ops -1: exit %d, want 2", code)
+	}
+}

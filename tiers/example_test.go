@@ -1,0 +1,75 @@
+package tiers_test
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/tiers"
+)
+
+// A device pool of 8 blocks over a host tier of 32: three prompts of four
+// blocks do not fit the device, so the least recently used one goes down
+// to the host (write-back), and asking for it again onboards it from
+// there.
+func ExampleCache() {
+	dm, _ := kvlease.NewHostMemory(8, 64)
+	hm, _ := kvlease.NewHostMemory(32, 64)
+	dev, _ := kvlease.NewPool[[]byte](dm, kvlease.WithBlockTokens(4))
+	host, _ := kvlease.NewPool[[]byte](hm, kvlease.WithBlockTokens(4))
+	cache, err := tiers.New(tiers.Config[[]byte]{
+		Device: dev, Host: host, Offload: tiers.MemCopy{}, Onload: tiers.MemCopy{},
+		DeviceReserve: -1, // eviction alone offers blocks down
+	})
+	if err != nil {
+		panic(err)
+	}
+	defer cache.Close()
+
+	quiet := func() { // as an engine's step would, let the copies land
+		for dev.Stats().Leased+dev.Stats().Draining+host.Stats().Leased+host.Stats().Draining > 0 {
+			time.Sleep(100 * time.Microsecond)
+		}
+	}
+	serve := func(doc int32) {
+		tokens := make([]int32, 16)
+		for i := range tokens {
+			tokens[i] = doc*100 + int32(i)
+		}
+		hashes := kvlease.ChainHashes(7, tokens, 4)
+		o, err := cache.Acquire("req", hashes, len(hashes))
+		if err != nil {
+			panic(err)
+		}
+		valid, err := o.Wait(context.Background())
+		if err != nil {
+			panic(err)
+		}
+		// Compute (here: nothing) and seal what did not hit.
+		parent := kvlease.BlockHash(7)
+		if valid > 0 {
+			parent = hashes[valid-1]
+		}
+		for k := valid; k < len(hashes); k++ {
+			if parent, err = cache.SealTokens(o.Lease, k, parent, tokens[4*k:4*k+4]); err != nil {
+				panic(err)
+			}
+		}
+		o.Lease.Release()
+		quiet()
+		fmt.Printf("doc %d: device %d host %d fresh %d\n", doc, o.Hits(tiers.TierDevice), o.Hits(tiers.TierHost), len(hashes)-o.Prefix())
+	}
+	serve(1)
+	serve(2)
+	serve(3) // evicts: doc 1 goes down to the host, doc 2 is lost
+	serve(1)
+	st := cache.Stats().Tiers[tiers.TierHost]
+	fmt.Printf("host tier: offloaded %d onboarded %d\n", st.Offloaded, st.Onboarded)
+	// Output:
+	// doc 1: device 0 host 0 fresh 4
+	// doc 2: device 0 host 0 fresh 4
+	// doc 3: device 0 host 0 fresh 4
+	// doc 1: device 0 host 4 fresh 0
+	// host tier: offloaded 4 onboarded 4
+}
