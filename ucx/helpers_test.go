@@ -19,7 +19,10 @@ import (
 func init() {
 	os.Setenv("UCX_TLS", "tcp")
 	os.Setenv("UCX_NET_DEVICES", "lo")
-	os.Setenv("UCX_WARN_UNUSED_ENV_VARS", "n")
+	if os.Getenv("UCX_LOG_LEVEL") == "" {
+		// The fault suite makes UCX log the peers' failures it causes.
+		os.Setenv("UCX_LOG_LEVEL", "fatal")
+	}
 }
 
 const blockBytes = 4096
@@ -45,13 +48,47 @@ func hostPool(t testing.TB, blocks int) *kvlease.Pool[[]byte] {
 // stamp writes the marker of (seed, i) into block i of l.
 func stamp(t testing.TB, l *kvlease.Lease[[]byte], seed uint32) {
 	t.Helper()
+	if err := stampLease(l, seed); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func stampLease(l *kvlease.Lease[[]byte], seed uint32) error {
+	for i := range l.Len() {
+		r, err := l.Region(i)
+		if err != nil {
+			return err
+		}
+		mark(r, seed, i)
+	}
+	return nil
+}
+
+// regionsOf returns the lease's regions (to check the memory itself once
+// the lease is closed).
+func regionsOf(t testing.TB, l *kvlease.Lease[[]byte]) [][]byte {
+	t.Helper()
+	var out [][]byte
 	for i := range l.Len() {
 		r, err := l.Region(i)
 		if err != nil {
 			t.Fatal(err)
 		}
-		mark(r, seed, i)
+		out = append(out, r)
 	}
+	return out
+}
+
+// markedRegions reports the first region that is not marker (seed, i).
+func markedRegions(rs [][]byte, seed uint32) error {
+	for i, r := range rs {
+		want := make([]byte, len(r))
+		mark(want, seed, i)
+		if string(r) != string(want) {
+			return fmt.Errorf("block %d is not marker (%d, %d)", i, seed, i)
+		}
+	}
+	return nil
 }
 
 func mark(b []byte, seed uint32, i int) {

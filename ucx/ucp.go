@@ -519,8 +519,8 @@ func (e *endpoint) get(local uintptr, n int, m *memh, raddr uint64, k *rkey, b b
 // op is one request we wait for (C memory).
 type op struct{ o *C.kvu_op }
 
-func newOp() op        { return op{(*C.kvu_op)(C.calloc(1, C.size_t(unsafe.Sizeof(C.kvu_op{}))))} }
-func (o op) free()     { C.free(unsafe.Pointer(o.o)) }
+func newOp() op         { return op{(*C.kvu_op)(C.calloc(1, C.size_t(unsafe.Sizeof(C.kvu_op{}))))} }
+func (o op) free()      { C.free(unsafe.Pointer(o.o)) }
 func (o op) done() bool { return o.o.done != 0 }
 func (o op) err() error { return status(o.o.status) }
 
