@@ -297,14 +297,24 @@ func TestProcsAbortMidRead(t *testing.T) {
 		// the source revokes (its evidence) and tells the destination,
 		// whose remaining gets find nothing.
 		p := startPeer(t, "source", "KVUCX_SEED=51", "KVUCX_ABORT=1")
+		said := make(chan string, 1)
 		cfg := ucx.Config{MaxGet: blockBytes, Window: 1, BeforeGet: func(_ handoff.PlaneID, block int) {
 			if block == 3 {
+				// On the reader's thread: no t.Fatal here.
 				p.tell("abort")
-				p.expect("aborted aborted")
+				select {
+				case line := <-p.lines:
+					said <- line
+				case <-time.After(30 * time.Second):
+					said <- "silence"
+				}
 			}
 		}}
 		d := newLocalDest(t, p.conn, cfg, 20*time.Second)
 		in := d.final(t)
+		if line := <-said; line != "aborted aborted" {
+			t.Fatalf("peer said %q after the abort", line)
+		}
 		if st := in.State(); st != handoff.Aborted && st != handoff.Failed {
 			t.Fatalf("destination %v: %v", st, in.History())
 		}

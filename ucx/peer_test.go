@@ -82,16 +82,21 @@ func peerMain(role string) int {
 			say("error %v", err)
 			return 1
 		}
+		aborted := make(chan struct{})
 		if os.Getenv("KVUCX_ABORT") != "" {
 			go func() {
+				defer close(aborted)
 				if line, _ := stdin.ReadString('\n'); strings.TrimSpace(line) == "abort" {
 					_ = o.Abort("prefill", errors.New("client went away"))
 					o.Wait(20 * time.Second)
 					say("aborted %v", o.State())
 				}
 			}()
+		} else {
+			close(aborted)
 		}
 		st := o.Wait(60 * time.Second)
+		<-aborted
 		say("source %v markers %s", st, verdict(markedRegions(regions, seed)))
 		lease.Release()
 		_ = src.Close()

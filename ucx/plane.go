@@ -44,6 +44,10 @@ type Config struct {
 	// sides) are read with one get up to this size (1 MiB when zero; a
 	// value below the block size reads one block per get).
 	MaxGet int
+	// ConnectSpins bounds the progress calls the destination spends
+	// connecting to a handoff's source before it gives up (before
+	// anything is attached; 1e6 when zero).
+	ConnectSpins int
 	// BeforeGet, if set, runs on the destination's worker thread before
 	// the get that starts at block is posted (fault injection: tests stop
 	// or abort a handoff there). It must not call into the plane.
@@ -56,6 +60,9 @@ func (c *Config) defaults() {
 	}
 	if c.MaxGet <= 0 {
 		c.MaxGet = 1 << 20
+	}
+	if c.ConnectSpins <= 0 {
+		c.ConnectSpins = 1_000_000
 	}
 }
 
@@ -273,7 +280,7 @@ func (s *Sender) Send(id handoff.PlaneID, regions [][]byte, accept []byte, attac
 // progress, which never runs again).
 func (j *sendJob) teardown() {
 	if j.w != nil {
-		j.w.destroy(nil)
+		j.w.destroy(j.w.settle)
 	}
 	for _, m := range j.memhs {
 		_ = j.s.ctx.unmap(m)
@@ -578,6 +585,11 @@ func (r *Receiver) Receive(id handoff.PlaneID, regions [][]byte, startBytes []by
 	}
 	if cerr := j.w.call(func() {
 		if j.ep, err = j.w.connect(st.addr); err != nil {
+			return
+		}
+		// Finish the handshake before anything is attached: a flush of
+		// the fresh endpoint completes once it is wired up.
+		if err = j.w.flushWait(j.ep, r.cfg.ConnectSpins); err != nil {
 			return
 		}
 		for _, rr := range st.runs {

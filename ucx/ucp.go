@@ -171,6 +171,25 @@ static int kvu_get(ucp_ep_h ep, uintptr_t buf, size_t len, ucp_mem_h memh, uint6
 	return 0;
 }
 
+// kvu_worker_flush flushes w, progressing it at most spins times. It
+// returns UCS_INPROGRESS when the flush did not complete (the request is
+// then left to ucp_worker_destroy).
+static ucs_status_t kvu_worker_flush(ucp_worker_h w, int spins) {
+	ucp_request_param_t p;
+	memset(&p, 0, sizeof p);
+	ucs_status_ptr_t r = ucp_worker_flush_nbx(w, &p);
+	if (r == NULL) return UCS_OK;
+	if (UCS_PTR_IS_ERR(r)) return UCS_PTR_STATUS(r);
+	ucs_status_t st = UCS_INPROGRESS;
+	for (int i = 0; i < spins; i++) {
+		ucp_worker_progress(w);
+		st = ucp_request_check_status(r);
+		if (st != UCS_INPROGRESS) break;
+	}
+	ucp_request_free(r); // released by UCX once complete, if it is not yet
+	return st;
+}
+
 // kvu_flush posts an endpoint flush; like kvu_get.
 static int kvu_flush(ucp_ep_h ep, kvu_op *o, ucs_status_t *st) {
 	ucp_request_param_t p;
@@ -420,6 +439,12 @@ func (w *worker) destroy(before func()) {
 	}
 }
 
+// settle lets the worker finish its connection handshakes before it is
+// destroyed: a bounded worker flush. UCX 1.13 aborts the process when
+// ucp_worker_destroy purges a pending wireup reply; the flush sends it.
+// Worker thread only.
+func (w *worker) settle() { C.kvu_worker_flush(w.h, 20000) }
+
 // address returns the worker's address (ucp_worker_get_address). Worker
 // thread only.
 func (w *worker) address() ([]byte, error) {
@@ -537,4 +562,28 @@ func (e *endpoint) flush(o op) (bool, error) {
 	}
 	o.o.done, o.o.status = 1, st
 	return true, fmt.Errorf("ucx: ucp_ep_flush_nbx: %w", Status(st))
+}
+
+// flushWait flushes e and progresses the worker until the flush completes
+// (at most spins progress calls). Worker thread only.
+func (w *worker) flushWait(e *endpoint, spins int) error {
+	o := newOp()
+	done, err := e.flush(o)
+	for i := 0; !done && i < spins; i++ {
+		C.kvu_progress(w.h)
+		done = o.done()
+		if ferr := e.failed(); ferr != nil && !done {
+			// The flush's callback may still run: its state stays
+			// allocated (a few bytes) rather than freed under it.
+			return ferr
+		}
+	}
+	if !done {
+		return errors.New("ucx: endpoint flush did not complete")
+	}
+	defer o.free()
+	if err != nil {
+		return err
+	}
+	return o.err()
 }
