@@ -25,7 +25,7 @@ const suiteBlocks = 8
 // localDest is the test process as the destination.
 type localDest struct {
 	pool   *kvlease.Pool[[]byte]
-	recv   *ucx.Receiver
+	recv   *ucx.Receiver[[]byte]
 	finals chan *handoff.Incoming[[]byte]
 	served chan error
 }
@@ -79,7 +79,7 @@ func allFree(t *testing.T, what string, p *kvlease.Pool[[]byte]) {
 // localSource is the test process as the source.
 type localSource struct {
 	pool   *kvlease.Pool[[]byte]
-	sender *ucx.Sender
+	sender *ucx.Sender[[]byte]
 	src    *handoff.Source[[]byte]
 	lease  *kvlease.Lease[[]byte]
 	mem    [][]byte // the lease's regions

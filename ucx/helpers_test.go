@@ -121,8 +121,8 @@ type loop struct {
 	srcPool, dstPool *kvlease.Pool[[]byte]
 	src              *handoff.Source[[]byte]
 	dst              *handoff.Destination[[]byte]
-	sender           *ucx.Sender
-	recv             *ucx.Receiver
+	sender           *ucx.Sender[[]byte]
+	recv             *ucx.Receiver[[]byte]
 
 	mu       sync.Mutex
 	finals   map[uint64]*handoff.Incoming[[]byte]

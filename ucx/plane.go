@@ -94,40 +94,77 @@ func (c *counters) get() Stats {
 	return c.s
 }
 
-// run is a span of contiguous regions: blocks consecutive regions
-// starting at addr.
+// MemoryType says where a region's memory lives, as UCX registers it
+// (ucp_mem_map's memory_type).
+type MemoryType int
+
+const (
+	// Host is CPU memory: Go memory (kvlease.HostMemory) or pinned host
+	// memory (a gpu.PinnedArena).
+	Host MemoryType = iota
+	// CUDA is device memory (a gpu.DeviceArena): registered as
+	// UCS_MEMORY_TYPE_CUDA, which needs a UCX built with CUDA support.
+	CUDA
+)
+
+// Span is a region as the plane registers it: its address, its length
+// and its memory type.
+type Span struct {
+	Addr   uintptr
+	Len    int
+	Memory MemoryType
+	pin    unsafe.Pointer // Go memory to pin while registered
+}
+
+// HostBytes locates a []byte region (Go or pinned host memory). Go
+// memory stays pinned (runtime.Pinner) while a handoff has it registered.
+func HostBytes(b []byte) Span {
+	p := unsafe.Pointer(unsafe.SliceData(b))
+	return Span{Addr: uintptr(p), Len: len(b), Memory: Host, pin: p}
+}
+
+// run is a stretch of contiguous spans of one memory type: blocks
+// consecutive regions starting at addr.
 type run struct {
 	addr   uintptr
 	blocks int
+	mem    MemoryType
 }
 
-func addrOf(b []byte) uintptr { return uintptr(unsafe.Pointer(unsafe.SliceData(b))) }
-
-// runsOf coalesces regions (all of bb bytes) into contiguous runs.
-func runsOf(regions [][]byte, bb int) []run {
+// runsOf coalesces spans (all of bb bytes) into contiguous runs.
+func runsOf(spans []Span, bb int) []run {
 	var out []run
-	for _, r := range regions {
-		a := addrOf(r)
-		if n := len(out); n > 0 && out[n-1].addr+uintptr(out[n-1].blocks*bb) == a {
+	for _, sp := range spans {
+		if n := len(out); n > 0 && out[n-1].mem == sp.Memory && out[n-1].addr+uintptr(out[n-1].blocks*bb) == sp.Addr {
 			out[n-1].blocks++
 			continue
 		}
-		out = append(out, run{addr: a, blocks: 1})
+		out = append(out, run{addr: sp.Addr, blocks: 1, mem: sp.Memory})
 	}
 	return out
 }
 
-func blockBytesOf(regions [][]byte) (int, error) {
+// locate turns regions into spans of one common size, pinning Go memory.
+func locate[R any](loc func(R) Span, regions []R, pin *runtime.Pinner) ([]Span, int, error) {
 	if len(regions) == 0 {
-		return 0, fmt.Errorf("ucx: no regions: %w", kvlease.ErrInvalidArgument)
+		return nil, 0, fmt.Errorf("ucx: no regions: %w", kvlease.ErrInvalidArgument)
 	}
-	bb := len(regions[0])
+	spans := make([]Span, len(regions))
 	for i, r := range regions {
-		if len(r) != bb || bb == 0 {
-			return 0, fmt.Errorf("ucx: region %d of %d bytes, want %d: %w", i, len(r), bb, kvlease.ErrInvalidArgument)
+		spans[i] = loc(r)
+	}
+	bb := spans[0].Len
+	for i, sp := range spans {
+		if sp.Len != bb || bb <= 0 || sp.Addr == 0 || (sp.Memory != Host && sp.Memory != CUDA) {
+			return nil, 0, fmt.Errorf("ucx: region %d at %#x of %d bytes (memory %d), want %d bytes: %w", i, sp.Addr, sp.Len, sp.Memory, bb, kvlease.ErrInvalidArgument)
 		}
 	}
-	return bb, nil
+	for _, sp := range spans {
+		if sp.pin != nil {
+			pin.Pin(sp.pin)
+		}
+	}
+	return spans, bb, nil
 }
 
 // Sender is the source side's plane: for each handoff it starts a UCX
@@ -135,33 +172,42 @@ func blockBytesOf(regions [][]byte) (int, error) {
 // ucp_mem_map per contiguous run) and puts the worker's address and the
 // packed remote keys in the Start bytes. Finish, or a cancel, revokes
 // them. It is safe for concurrent use.
-type Sender struct {
+type Sender[R any] struct {
 	cfg   Config
 	ctx   *context
+	loc   func(R) Span
 	stats counters
 
 	mu     sync.Mutex
-	jobs   map[handoff.PlaneID]*sendJob
+	jobs   map[handoff.PlaneID]*sendJob[R]
 	closed bool
 	wg     sync.WaitGroup
 }
 
-var _ handoff.SendPlane[[]byte] = (*Sender)(nil)
+var _ handoff.SendPlane[[]byte] = (*Sender[[]byte])(nil)
 
 // NewSender initialises UCX (ucp_init; UCX_TLS and the other UCX_*
-// environment variables apply) and returns a sender plane.
-func NewSender(cfg Config) (*Sender, error) {
+// environment variables apply) and returns a sender plane for host
+// memory regions.
+func NewSender(cfg Config) (*Sender[[]byte], error) { return NewSenderOf(cfg, HostBytes) }
+
+// NewSenderOf returns a sender plane for regions of any type, located by
+// loc (see the package doc for device memory).
+func NewSenderOf[R any](cfg Config, loc func(R) Span) (*Sender[R], error) {
+	if loc == nil {
+		return nil, fmt.Errorf("ucx: nil locator: %w", kvlease.ErrInvalidArgument)
+	}
 	cfg.defaults()
 	ctx, err := newContext()
 	if err != nil {
 		return nil, err
 	}
-	return &Sender{cfg: cfg, ctx: ctx, jobs: make(map[handoff.PlaneID]*sendJob)}, nil
+	return &Sender[R]{cfg: cfg, ctx: ctx, loc: loc, jobs: make(map[handoff.PlaneID]*sendJob[R])}, nil
 }
 
 // sendJob is one handoff's registration.
-type sendJob struct {
-	s     *Sender
+type sendJob[R any] struct {
+	s     *Sender[R]
 	id    handoff.PlaneID
 	w     *worker
 	memhs []*memh
@@ -182,17 +228,13 @@ func parseAccept(b []byte) (int, error) {
 // size and, per contiguous run, its address, its block count and its
 // packed remote key. The transfer resolves on Finish or a cancel, after
 // the revocation (see the package doc).
-func (s *Sender) Send(id handoff.PlaneID, regions [][]byte, accept []byte, attach func(*kvlease.Transfer) error) ([]byte, error) {
+func (s *Sender[R]) Send(id handoff.PlaneID, regions []R, accept []byte, attach func(*kvlease.Transfer) error) ([]byte, error) {
 	blocks, err := parseAccept(accept)
 	if err != nil {
 		return nil, err
 	}
 	if blocks != len(regions) {
 		return nil, fmt.Errorf("ucx: destination prepared %d blocks, source sends %d: %w", blocks, len(regions), ErrCorrupt)
-	}
-	bb, err := blockBytesOf(regions)
-	if err != nil {
-		return nil, err
 	}
 	s.mu.Lock()
 	if s.closed {
@@ -203,7 +245,7 @@ func (s *Sender) Send(id handoff.PlaneID, regions [][]byte, accept []byte, attac
 		s.mu.Unlock()
 		return nil, fmt.Errorf("ucx: send: %v already sending: %w", id, kvlease.ErrInvalidArgument)
 	}
-	j := &sendJob{s: s, id: id}
+	j := &sendJob[R]{s: s, id: id}
 	s.jobs[id] = j
 	s.wg.Add(1)
 	s.mu.Unlock()
@@ -216,14 +258,14 @@ func (s *Sender) Send(id handoff.PlaneID, regions [][]byte, accept []byte, attac
 		s.wg.Done()
 		return nil, err
 	}
-	j.w, err = s.ctx.newWorker()
+	spans, bb, err := locate(s.loc, regions, &j.pin)
 	if err != nil {
 		return fail(err)
 	}
-	runs := runsOf(regions, bb)
-	for _, r := range regions {
-		j.pin.Pin(unsafe.SliceData(r))
+	if j.w, err = s.ctx.newWorker(); err != nil {
+		return fail(err)
 	}
+	runs := runsOf(spans, bb)
 	start := []byte{'K', 'U', version}
 	start = binary.LittleEndian.AppendUint32(start, uint32(bb))
 	start = binary.LittleEndian.AppendUint32(start, uint32(len(regions)))
@@ -238,7 +280,7 @@ func (s *Sender) Send(id handoff.PlaneID, regions [][]byte, accept []byte, attac
 	start = append(start, addr...)
 	start = binary.LittleEndian.AppendUint16(start, uint16(len(runs)))
 	for _, r := range runs {
-		m, err := s.ctx.memMap(r.addr, r.blocks*bb, false)
+		m, err := s.ctx.memMap(r.addr, r.blocks*bb, r.mem == CUDA)
 		if err != nil {
 			return fail(err)
 		}
@@ -278,7 +320,7 @@ func (s *Sender) Send(id handoff.PlaneID, regions [][]byte, accept []byte, attac
 // working) and the handoff's worker is destroyed (ucp_worker_destroy:
 // the software-emulated gets of UCX_TLS=tcp are served by this worker's
 // progress, which never runs again).
-func (j *sendJob) teardown() {
+func (j *sendJob[R]) teardown() {
 	if j.w != nil {
 		j.w.destroy(j.w.settle)
 	}
@@ -290,7 +332,7 @@ func (j *sendJob) teardown() {
 }
 
 // revoke tears the job down and resolves its transfer with cause, once.
-func (j *sendJob) revoke(cause error) {
+func (j *sendJob[R]) revoke(cause error) {
 	j.once.Do(func() {
 		j.teardown()
 		j.s.mu.Lock()
@@ -312,7 +354,7 @@ func (j *sendJob) revoke(cause error) {
 // (peer nil: sent after its gets and its flush completed) the transfer
 // resolves nil; otherwise the revocation is the evidence and the outcome
 // wraps ErrRevoked.
-func (s *Sender) Finish(id handoff.PlaneID, peer error) {
+func (s *Sender[R]) Finish(id handoff.PlaneID, peer error) {
 	s.mu.Lock()
 	j := s.jobs[id]
 	s.mu.Unlock()
@@ -327,14 +369,14 @@ func (s *Sender) Finish(id handoff.PlaneID, peer error) {
 }
 
 // Stats returns what the sender did.
-func (s *Sender) Stats() Stats { return s.stats.get() }
+func (s *Sender[R]) Stats() Stats { return s.stats.get() }
 
 // Close revokes every handoff still registered (their transfers resolve
 // with ErrClosed and ErrRevoked) and releases UCX.
-func (s *Sender) Close() error {
+func (s *Sender[R]) Close() error {
 	s.mu.Lock()
 	s.closed = true
-	all := make([]*sendJob, 0, len(s.jobs))
+	all := make([]*sendJob[R], 0, len(s.jobs))
 	for _, j := range s.jobs {
 		all = append(all, j)
 	}
@@ -354,34 +396,43 @@ func (s *Sender) Close() error {
 // the remote keys and reads the blocks with ucp_get_nbx into its own
 // registered regions, then flushes the endpoint. It is safe for
 // concurrent use.
-type Receiver struct {
+type Receiver[R any] struct {
 	cfg   Config
 	ctx   *context
+	loc   func(R) Span
 	stats counters
 
 	mu       sync.Mutex
 	prepared map[handoff.PlaneID]int
-	jobs     map[*recvJob]struct{}
+	jobs     map[*recvJob[R]]struct{}
 	closed   bool
 	wg       sync.WaitGroup
 }
 
-var _ handoff.RecvPlane[[]byte] = (*Receiver)(nil)
+var _ handoff.RecvPlane[[]byte] = (*Receiver[[]byte])(nil)
 
-// NewReceiver initialises UCX and returns a receiver plane.
-func NewReceiver(cfg Config) (*Receiver, error) {
+// NewReceiver initialises UCX and returns a receiver plane for host
+// memory regions.
+func NewReceiver(cfg Config) (*Receiver[[]byte], error) { return NewReceiverOf(cfg, HostBytes) }
+
+// NewReceiverOf returns a receiver plane for regions of any type, located
+// by loc (see the package doc for device memory).
+func NewReceiverOf[R any](cfg Config, loc func(R) Span) (*Receiver[R], error) {
+	if loc == nil {
+		return nil, fmt.Errorf("ucx: nil locator: %w", kvlease.ErrInvalidArgument)
+	}
 	cfg.defaults()
 	ctx, err := newContext()
 	if err != nil {
 		return nil, err
 	}
-	return &Receiver{cfg: cfg, ctx: ctx, prepared: make(map[handoff.PlaneID]int), jobs: make(map[*recvJob]struct{})}, nil
+	return &Receiver[R]{cfg: cfg, ctx: ctx, loc: loc, prepared: make(map[handoff.PlaneID]int), jobs: make(map[*recvJob[R]]struct{})}, nil
 }
 
 // Prepare implements handoff.RecvPlane: the Accept bytes carry the block
 // count (the source's worker address travels in Start: the source owns
 // the registration, the destination connects to it).
-func (r *Receiver) Prepare(id handoff.PlaneID, blocks int) ([]byte, error) {
+func (r *Receiver[R]) Prepare(id handoff.PlaneID, blocks int) ([]byte, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.closed {
@@ -399,7 +450,7 @@ func (r *Receiver) Prepare(id handoff.PlaneID, blocks int) ([]byte, error) {
 }
 
 // Forget implements handoff.RecvPlane.
-func (r *Receiver) Forget(id handoff.PlaneID) {
+func (r *Receiver[R]) Forget(id handoff.PlaneID) {
 	r.mu.Lock()
 	delete(r.prepared, id)
 	r.mu.Unlock()
@@ -484,8 +535,8 @@ func parseStart(b []byte) (*start, error) {
 
 // recvJob is one handoff being read. Everything but the atomic flags is
 // owned by its worker's thread once the job is polled.
-type recvJob struct {
-	r       *Receiver
+type recvJob[R any] struct {
+	r       *Receiver[R]
 	id      handoff.PlaneID
 	w       *worker
 	ep      *endpoint
@@ -543,7 +594,7 @@ func planGets(st *start, local []run, dm []*memh, bb, maxGet int) []getOp {
 // handoff worker, registers the destination regions, attaches the
 // transfer and reads on the handoff worker's thread. The transfer
 // resolves as the package doc says.
-func (r *Receiver) Receive(id handoff.PlaneID, regions [][]byte, startBytes []byte, attach func(*kvlease.Transfer) error) error {
+func (r *Receiver[R]) Receive(id handoff.PlaneID, regions []R, startBytes []byte, attach func(*kvlease.Transfer) error) error {
 	r.mu.Lock()
 	blocks, ok := r.prepared[id]
 	delete(r.prepared, id)
@@ -559,24 +610,24 @@ func (r *Receiver) Receive(id handoff.PlaneID, regions [][]byte, startBytes []by
 	if err != nil {
 		return err
 	}
-	bb, err := blockBytesOf(regions)
+	j := &recvJob[R]{r: r, id: id}
+	spans, bb, err := locate(r.loc, regions, &j.pin)
 	if err != nil {
+		j.pin.Unpin()
 		return err
 	}
 	if len(regions) != blocks || st.blocks != blocks || st.blockBytes != bb {
+		j.pin.Unpin()
 		return fmt.Errorf("ucx: receive: start describes %d blocks of %d bytes; %d prepared, %d regions of %d: %w",
 			st.blocks, st.blockBytes, blocks, len(regions), bb, ErrCorrupt)
 	}
-	j := &recvJob{r: r, id: id}
 	if j.w, err = r.ctx.newWorker(); err != nil {
+		j.pin.Unpin()
 		return err
 	}
-	local := runsOf(regions, bb)
-	for _, reg := range regions {
-		j.pin.Pin(unsafe.SliceData(reg))
-	}
+	local := runsOf(spans, bb)
 	for _, lr := range local {
-		m, err := r.ctx.memMap(lr.addr, lr.blocks*bb, false)
+		m, err := r.ctx.memMap(lr.addr, lr.blocks*bb, lr.mem == CUDA)
 		if err != nil {
 			j.teardown()
 			return err
@@ -636,7 +687,7 @@ func (r *Receiver) Receive(id handoff.PlaneID, regions [][]byte, startBytes []by
 }
 
 // step advances the job on its worker's thread; true when it is done.
-func (j *recvJob) step() bool {
+func (j *recvJob[R]) step() bool {
 	if j.dead {
 		return true
 	}
@@ -709,7 +760,7 @@ func (j *recvJob) step() bool {
 // teardown releases the job's UCX resources: remote keys and the
 // endpoint (forced close: only after the flush's evidence or as part of
 // a revocation), the worker, the destination's registrations.
-func (j *recvJob) teardown() {
+func (j *recvJob[R]) teardown() {
 	if j.w != nil {
 		j.w.destroy(func() {
 			j.dead = true
@@ -732,7 +783,7 @@ func (j *recvJob) teardown() {
 
 // finish tears the job down and resolves its transfer, once. revoked
 // says the evidence is the teardown itself.
-func (j *recvJob) finish(out error, revoked bool) {
+func (j *recvJob[R]) finish(out error, revoked bool) {
 	j.once.Do(func() {
 		j.teardown()
 		j.b.free()
@@ -757,15 +808,15 @@ func (j *recvJob) finish(out error, revoked bool) {
 }
 
 // Stats returns what the receiver did.
-func (r *Receiver) Stats() Stats { return r.stats.get() }
+func (r *Receiver[R]) Stats() Stats { return r.stats.get() }
 
 // Close revokes every handoff still reading (the operator's way out of a
 // silent source: each job's endpoint is closed, its worker destroyed and
 // its registrations unmapped, and that is its evidence) and releases UCX.
-func (r *Receiver) Close() error {
+func (r *Receiver[R]) Close() error {
 	r.mu.Lock()
 	r.closed = true
-	all := make([]*recvJob, 0, len(r.jobs))
+	all := make([]*recvJob[R], 0, len(r.jobs))
 	for j := range r.jobs {
 		all = append(all, j)
 	}

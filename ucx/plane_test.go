@@ -1,9 +1,12 @@
 package ucx_test
 
 import (
+	"errors"
 	"testing"
 
+	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
+	"github.com/kvlease/kvlease/ucx"
 )
 
 func TestLoopbackDelivered(t *testing.T) {
@@ -34,4 +37,115 @@ func TestLoopbackDelivered(t *testing.T) {
 	in.Lease().Release()
 	lease.Release()
 	t.Logf("send %+v recv %+v", l.sender.Stats(), l.recv.Stats())
+}
+
+func TestSendRefusesTooManyRuns(t *testing.T) {
+	// 200 blocks, no two adjacent: 200 registrations, whose keys do not
+	// fit the Start bytes. Send refuses before attaching anything.
+	sender, err := ucx.NewSender(ucx.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sender.Close()
+	recv, err := ucx.NewReceiver(ucx.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer recv.Close()
+	buf := make([]byte, 400*64)
+	var regions [][]byte
+	for i := range 200 {
+		regions = append(regions, buf[i*128:i*128+64:i*128+64])
+	}
+	id := handoff.PlaneID{Session: 1, Handoff: 1}
+	accept, err := recv.Prepare(id, len(regions))
+	if err != nil {
+		t.Fatal(err)
+	}
+	attached := false
+	_, err = sender.Send(id, regions, accept, func(*kvlease.Transfer) error { attached = true; return nil })
+	if !errors.Is(err, kvlease.ErrExceedsCapacity) || attached {
+		t.Fatalf("Send of 200 runs: %v (attached %v)", err, attached)
+	}
+	// The same blocks made contiguous are one run and go.
+	contiguous := make([][]byte, 200)
+	for i := range contiguous {
+		contiguous[i] = buf[i*64 : (i+1)*64 : (i+1)*64]
+	}
+	start, err := sender.Send(id, contiguous, accept, func(t *kvlease.Transfer) error { attached = true; return nil })
+	if err != nil || !attached || len(start) > handoff.MaxPlane {
+		t.Fatalf("Send of one run: %v (attached %v, %d start bytes)", err, attached, len(start))
+	}
+	sender.Finish(id, errors.New("test over"))
+	recv.Forget(id)
+	if s := sender.Stats(); s.Started != 1 || s.Revoked != 1 {
+		t.Fatalf("sender %+v", s)
+	}
+}
+
+func TestBadPlaneBytes(t *testing.T) {
+	sender, err := ucx.NewSender(ucx.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sender.Close()
+	recv, err := ucx.NewReceiver(ucx.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer recv.Close()
+	buf := make([]byte, 4*blockBytes)
+	regions := [][]byte{buf[:blockBytes], buf[blockBytes : 2*blockBytes]}
+	attach := func(*kvlease.Transfer) error { t.Fatal("attached on bad plane bytes"); return nil }
+	id := handoff.PlaneID{Session: 2, Handoff: 7}
+	for _, accept := range [][]byte{nil, []byte("KU"), {'K', 'U', 9, 2, 0, 0, 0}, {'K', 'U', 1, 3, 0, 0, 0}} {
+		if _, err := sender.Send(id, regions, accept, attach); !errors.Is(err, ucx.ErrCorrupt) {
+			t.Fatalf("accept %q: %v", accept, err)
+		}
+	}
+	if err := recv.Receive(id, regions, nil, attach); !errors.Is(err, kvlease.ErrInvalidArgument) {
+		t.Fatalf("receive unprepared: %v", err)
+	}
+	accept, err := recv.Prepare(id, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := recv.Prepare(id, 2); !errors.Is(err, kvlease.ErrInvalidArgument) {
+		t.Fatalf("prepare twice: %v", err)
+	}
+	ok := func(*kvlease.Transfer) error { return nil }
+	good, err := sender.Send(id, regions, accept, ok)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sender.Finish(id, errors.New("test over"))
+	// Every truncation of good Start bytes, and a few corruptions, are
+	// refused with ErrCorrupt before anything is attached.
+	bad := [][]byte{append(append([]byte(nil), good...), 0), {'K', 'U', 2}}
+	for n := range len(good) {
+		bad = append(bad, good[:n])
+	}
+	for _, b := range bad {
+		recv.Forget(id)
+		if _, err := recv.Prepare(id, 2); err != nil {
+			t.Fatal(err)
+		}
+		if err := recv.Receive(id, regions, b, attach); !errors.Is(err, ucx.ErrCorrupt) {
+			t.Fatalf("start of %d bytes: %v", len(b), err)
+		}
+	}
+	// The right bytes for the wrong regions: one block too few.
+	if _, err := recv.Prepare(id, 1); err != nil {
+		t.Fatal(err)
+	}
+	if err := recv.Receive(id, regions[:1], good, attach); !errors.Is(err, ucx.ErrCorrupt) {
+		t.Fatalf("start for 2 blocks into 1: %v", err)
+	}
+	// Regions of different sizes.
+	if _, err := recv.Prepare(id, 2); err != nil {
+		t.Fatal(err)
+	}
+	if err := recv.Receive(id, [][]byte{buf[:blockBytes], buf[blockBytes : blockBytes+8]}, good, attach); !errors.Is(err, kvlease.ErrInvalidArgument) {
+		t.Fatalf("uneven regions: %v", err)
+	}
 }
