@@ -82,9 +82,12 @@
 // blocks.
 //
 // UCX 1.13 aborts the process when ucp_worker_destroy purges a wireup
-// reply that is still pending; the plane therefore finishes the
-// handshake before attaching, and flushes a source worker (bounded)
-// before destroying it.
+// reply that is still pending (the peer stopped before taking it). The
+// plane therefore finishes the handshake before attaching, and flushes a
+// source worker (bounded) before destroying it; when that flush cannot
+// complete, the worker is abandoned instead: never progressed again (so
+// it serves no get: the revocation holds), never freed (Abandoned counts
+// them; each keeps a few sockets until the process exits).
 //
 // # Device memory
 //

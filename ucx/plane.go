@@ -694,7 +694,7 @@ func (j *recvJob[R]) step() bool {
 	if err := j.ep.failed(); err != nil {
 		// The peer is gone: UCX completes what was outstanding without
 		// the peer's word. Not evidence: revoke.
-		go j.finish(fmt.Errorf("ucx: %w: %w", err, ErrRevoked), true)
+		go j.finish(fmt.Errorf("%w: %w", err, ErrRevoked), true)
 		return true
 	}
 	completed := j.inline + j.b.completed()
@@ -726,7 +726,7 @@ func (j *recvJob[R]) step() bool {
 	if !j.flushed && (stopping || j.next == len(j.plan)) {
 		j.flushed = true
 		if _, err := j.ep.flush(j.fl); err != nil {
-			go j.finish(fmt.Errorf("ucx: %w: %w", err, ErrRevoked), true)
+			go j.finish(fmt.Errorf("%w: %w", err, ErrRevoked), true)
 			return true
 		}
 	}

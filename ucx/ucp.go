@@ -210,6 +210,7 @@ import (
 	"fmt"
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"unsafe"
 )
 
@@ -238,8 +239,19 @@ func status(st C.ucs_status_t) error {
 // Receiver; UCP_PARAM_FIELD_MT_WORKERS_SHARED makes mem_map safe from any
 // thread).
 type context struct {
-	h C.ucp_context_h
+	h         C.ucp_context_h
+	abandoned atomic.Int64 // workers abandoned (see settle): the context must outlive them
 }
+
+// abandoned counts the workers of this process abandoned instead of
+// destroyed (see worker.settle).
+var abandoned atomic.Int64
+
+// Abandoned returns how many UCX workers this process abandoned rather
+// than destroy: a revocation whose peer never finished its handshake
+// (UCX 1.13 cannot destroy such a worker). Each holds a few sockets and
+// some memory until the process exits; none is ever progressed again.
+func Abandoned() int64 { return abandoned.Load() }
 
 func newContext() (*context, error) {
 	var h C.ucp_context_h
@@ -249,7 +261,12 @@ func newContext() (*context, error) {
 	return &context{h: h}, nil
 }
 
-func (c *context) close() { C.ucp_cleanup(c.h) }
+// close releases the context, unless a worker of it was abandoned.
+func (c *context) close() {
+	if c.abandoned.Load() == 0 {
+		C.ucp_cleanup(c.h)
+	}
+}
 
 // memh is one registration (ucp_mem_map) of a run of contiguous memory.
 type memh struct {
@@ -307,13 +324,15 @@ type worker struct {
 	// Owned by the worker's thread.
 	pollers []func() bool // run after each progress; true when finished
 	stop    bool
+	abandon bool // stop without ucp_worker_destroy (see settle)
+	ctx     *context
 }
 
 var errWorkerGone = errors.New("ucx: worker destroyed")
 
 // newWorker creates a worker and starts its thread.
 func (c *context) newWorker() (*worker, error) {
-	w := &worker{exited: make(chan struct{})}
+	w := &worker{exited: make(chan struct{}), ctx: c}
 	ready := make(chan error, 1)
 	go w.loop(c, ready)
 	if err := <-ready; err != nil {
@@ -371,7 +390,12 @@ func (w *worker) loop(c *context, ready chan<- error) {
 			C.kvu_wait(w.h, w.efd, w.wake, 200)
 		}
 	}
-	C.ucp_worker_destroy(w.h)
+	if w.abandon {
+		c.abandoned.Add(1)
+		abandoned.Add(1)
+	} else {
+		C.ucp_worker_destroy(w.h)
+	}
 	C.close(w.wake)
 	// Anything queued after the stop runs against a destroyed worker:
 	// run nothing, but let callers waiting in call return.
@@ -441,9 +465,16 @@ func (w *worker) destroy(before func()) {
 
 // settle lets the worker finish its connection handshakes before it is
 // destroyed: a bounded worker flush. UCX 1.13 aborts the process when
-// ucp_worker_destroy purges a pending wireup reply; the flush sends it.
-// Worker thread only.
-func (w *worker) settle() { C.kvu_worker_flush(w.h, 20000) }
+// ucp_worker_destroy purges a wireup reply still pending (the peer never
+// took it: it is stopped or hung). When the flush does not complete, the
+// worker is abandoned instead of destroyed: never progressed again
+// (nothing of it runs, so it serves no get), never freed. Worker thread
+// only.
+func (w *worker) settle() {
+	if C.kvu_worker_flush(w.h, 20000) == C.UCS_INPROGRESS {
+		w.abandon = true
+	}
+}
 
 // address returns the worker's address (ucp_worker_get_address). Worker
 // thread only.
