@@ -618,3 +618,6 @@ func (w *worker) flushWait(e *endpoint, spins int) error {
 	}
 	return o.err()
 }
+
+// progressOnce progresses the worker until it is idle. Worker thread only.
+func (w *worker) progressOnce() { C.kvu_progress(w.h) }
