@@ -171,16 +171,17 @@ func RunDecode(Config) int {
 		verb, arg, _ := strings.Cut(in.Text(), " ")
 		id, _ := strconv.ParseUint(arg, 10, 64)
 		switch verb {
-		case "go":
-			if ch := d.goCh[id]; ch != nil {
-				close(ch)
-				d.goCh[id] = nil
+		case "go", "resume":
+			chans := d.goCh
+			if verb == "resume" {
+				chans = d.resume
 			}
-		case "resume":
-			if ch := d.resume[id]; ch != nil {
+			d.mu.Lock()
+			if ch := chans[id]; ch != nil {
 				close(ch)
-				d.resume[id] = nil
+				chans[id] = nil
 			}
+			d.mu.Unlock()
 		case "report":
 			d.report()
 			return 0 // a reader that never resumed stays blocked: exit
@@ -231,15 +232,17 @@ func (d *decode) report() {
 	d.say("summary %s", js)
 }
 
-// settled reports whether every proposed handoff is final, but for those
-// stalled for good, and no block is still draining (a stalled handoff's
-// blocks have been quarantined at its deadline).
+// settled reports whether every attached handoff is final, but for those
+// stalled for good, whose transfers must be quarantined (their deadline
+// passed), and no block is still draining.
 func (d *decode) settled() bool {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	for id, t := range d.transfers {
-		p := d.plans[id]
-		if d.finals[id] == nil && !(p.stallAt >= 0 && !p.late && t.State() != kvlease.TransferResolved) {
+		if d.finals[id] != nil {
+			continue
+		}
+		if p := d.plans[id]; p.stallAt < 0 || p.late || t.State() != kvlease.TransferQuarantined {
 			return false
 		}
 	}
