@@ -214,6 +214,9 @@ type sendJob[R any] struct {
 	pin   runtime.Pinner
 	t     *kvlease.Transfer
 	once  sync.Once
+	// attached is set under Sender.mu once attach succeeded: Close
+	// revokes those; Send itself revokes one attached after Close.
+	attached bool
 }
 
 func parseAccept(b []byte) (int, error) {
@@ -297,9 +300,12 @@ func (s *Sender[R]) Send(id handoff.PlaneID, regions []R, accept []byte, attach 
 	if len(start) > handoff.MaxPlane {
 		return fail(fmt.Errorf("ucx: %d runs need %d start bytes, more than %d: %w", len(runs), len(start), handoff.MaxPlane, kvlease.ErrExceedsCapacity))
 	}
-	j.t = kvlease.NewTransfer(func() {
+	t := kvlease.NewTransfer(func() {
 		go j.revoke(fmt.Errorf("ucx: source canceled: %w", ErrRevoked))
 	})
+	s.mu.Lock()
+	j.t = t
+	s.mu.Unlock()
 	if err := attach(j.t); err != nil {
 		// Nothing was published: the registration never left this
 		// process, so tearing it down is evidence.
@@ -312,6 +318,15 @@ func (s *Sender[R]) Send(id handoff.PlaneID, regions []R, accept []byte, attach 
 		return nil, err
 	}
 	s.stats.add(func(st *Stats) { st.Started++ })
+	s.mu.Lock()
+	j.attached = true
+	closed := s.closed
+	s.mu.Unlock()
+	if closed {
+		// Close ran while we registered: it did not see this transfer.
+		j.revoke(fmt.Errorf("%w: %w", ErrClosed, ErrRevoked))
+		return nil, fmt.Errorf("ucx: send: %w", ErrClosed)
+	}
 	return start, nil
 }
 
@@ -357,6 +372,9 @@ func (j *sendJob[R]) revoke(cause error) {
 func (s *Sender[R]) Finish(id handoff.PlaneID, peer error) {
 	s.mu.Lock()
 	j := s.jobs[id]
+	if j != nil && !j.attached {
+		j = nil // still in Send: its attach fails, or its cancel revokes
+	}
 	s.mu.Unlock()
 	if j == nil {
 		return
@@ -378,13 +396,13 @@ func (s *Sender[R]) Close() error {
 	s.closed = true
 	all := make([]*sendJob[R], 0, len(s.jobs))
 	for _, j := range s.jobs {
-		all = append(all, j)
+		if j.attached { // the others are in Send, which sees closed
+			all = append(all, j)
+		}
 	}
 	s.mu.Unlock()
 	for _, j := range all {
-		if j.t != nil {
-			j.revoke(fmt.Errorf("%w: %w", ErrClosed, ErrRevoked))
-		}
+		j.revoke(fmt.Errorf("%w: %w", ErrClosed, ErrRevoked))
 	}
 	s.wg.Wait()
 	s.ctx.close()
