@@ -73,13 +73,13 @@
 //
 // # Limits
 //
-// The Start bytes must fit handoff.MaxPlane (4096): with UCX_TLS=tcp a
-// worker address takes about 50 bytes and each run 24 (a 10-byte key),
-// so a handoff may span about 160 separate runs of blocks; transports
-// with larger keys allow fewer. A handoff that needs more fails at Send
-// with ErrExceedsCapacity before anything is attached. Blocks a pool
-// hands out together are usually contiguous, so a run usually holds many
-// blocks.
+// The Start bytes carry the run table inline while it fits
+// handoff.MaxPlane (4096): with UCX_TLS=tcp a worker address takes about
+// 50 bytes and each run 24 (a 10-byte key), so about 160 runs. A handoff
+// with more runs (a fragmented lease of a long context) registers a copy
+// of the table in C memory with the handoff and sends its address, length
+// and key instead; the destination reads it with one get before anything
+// is attached.
 //
 // UCX 1.13 aborts the process when ucp_worker_destroy purges a wireup
 // reply that is still pending (the peer stopped before taking it). The

@@ -32,6 +32,9 @@ var (
 
 const (
 	version = 1
+	// How the Start bytes carry the run table: inline, or as the
+	// address, length and key of a registered copy the destination reads.
+	tableInline, tableRemote = 0, 1
 	// acceptLength is "KU", version, block count.
 	acceptLength = 2 + 1 + 4
 )
@@ -214,6 +217,7 @@ type sendJob[R any] struct {
 	pin   runtime.Pinner
 	t     *kvlease.Transfer
 	once  sync.Once
+	table cbuf // the run table, when it does not fit the Start bytes
 	// attached is set under Sender.mu once attach succeeded: Close
 	// revokes those; Send itself revokes one attached after Close.
 	attached bool
@@ -281,7 +285,7 @@ func (s *Sender[R]) Send(id handoff.PlaneID, regions []R, accept []byte, attach 
 	}
 	start = binary.LittleEndian.AppendUint16(start, uint16(len(addr)))
 	start = append(start, addr...)
-	start = binary.LittleEndian.AppendUint16(start, uint16(len(runs)))
+	table := binary.LittleEndian.AppendUint32(nil, uint32(len(runs)))
 	for _, r := range runs {
 		m, err := s.ctx.memMap(r.addr, r.blocks*bb, r.mem == CUDA)
 		if err != nil {
@@ -292,13 +296,35 @@ func (s *Sender[R]) Send(id handoff.PlaneID, regions []R, accept []byte, attach 
 		if err != nil {
 			return fail(err)
 		}
-		start = binary.LittleEndian.AppendUint64(start, uint64(r.addr))
-		start = binary.LittleEndian.AppendUint32(start, uint32(r.blocks))
+		table = binary.LittleEndian.AppendUint64(table, uint64(r.addr))
+		table = binary.LittleEndian.AppendUint32(table, uint32(r.blocks))
+		table = binary.LittleEndian.AppendUint16(table, uint16(len(key)))
+		table = append(table, key...)
+	}
+	if len(start)+1+len(table) <= handoff.MaxPlane {
+		start = append(append(start, tableInline), table...)
+	} else {
+		// Too many runs for the Start bytes: the destination reads the
+		// table itself, from C memory registered with the handoff.
+		j.table = newCbuf(len(table))
+		copy(j.table.bytes(), table)
+		m, err := s.ctx.memMap(j.table.addr(), j.table.n, false)
+		if err != nil {
+			return fail(err)
+		}
+		j.memhs = append(j.memhs, m)
+		key, err := s.ctx.rkeyPack(m)
+		if err != nil {
+			return fail(err)
+		}
+		start = append(start, tableRemote)
+		start = binary.LittleEndian.AppendUint64(start, uint64(j.table.addr()))
+		start = binary.LittleEndian.AppendUint32(start, uint32(j.table.n))
 		start = binary.LittleEndian.AppendUint16(start, uint16(len(key)))
 		start = append(start, key...)
-	}
-	if len(start) > handoff.MaxPlane {
-		return fail(fmt.Errorf("ucx: %d runs need %d start bytes, more than %d: %w", len(runs), len(start), handoff.MaxPlane, kvlease.ErrExceedsCapacity))
+		if len(start) > handoff.MaxPlane {
+			return fail(fmt.Errorf("ucx: start bytes %d exceed %d: %w", len(start), handoff.MaxPlane, kvlease.ErrExceedsCapacity))
+		}
 	}
 	t := kvlease.NewTransfer(func() {
 		go j.revoke(fmt.Errorf("ucx: source canceled: %w", ErrRevoked))
@@ -343,6 +369,10 @@ func (j *sendJob[R]) teardown() {
 		_ = j.s.ctx.unmap(m)
 	}
 	j.memhs = nil
+	if j.table.p != nil {
+		j.table.free()
+		j.table = cbuf{}
+	}
 	j.pin.Unpin()
 }
 
@@ -479,6 +509,7 @@ type start struct {
 	blockBytes, blocks int
 	addr               []byte
 	runs               []remoteRun
+	table              *remoteRun // the run table to read (blocks is its length), or nil
 }
 
 type remoteRun struct {
@@ -523,32 +554,71 @@ func parseStart(b []byte) (*start, error) {
 	}
 	s := &start{blockBytes: r.u32(), blocks: r.u32()}
 	s.addr = append([]byte(nil), r.take(r.u16())...)
-	n := r.u16()
-	total := 0
-	for range n {
-		if r.err != nil {
-			break
+	mode := r.take(1)
+	if r.err != nil {
+		return nil, r.err
+	}
+	if len(s.addr) == 0 || s.blockBytes <= 0 || s.blocks <= 0 || s.blocks > handoff.MaxBlocks {
+		return nil, fmt.Errorf("ucx: start bytes: %d blocks of %d bytes, address of %d bytes: %w", s.blocks, s.blockBytes, len(s.addr), ErrCorrupt)
+	}
+	switch mode[0] {
+	case tableInline:
+		var err error
+		s.runs, err = parseRuns(r.b, s.blocks)
+		return s, err
+	case tableRemote:
+		t := &remoteRun{}
+		if a := r.take(8); a != nil {
+			t.addr = binary.LittleEndian.Uint64(a)
 		}
+		t.blocks = r.u32() // the table's length in bytes
+		t.key = append([]byte(nil), r.take(r.u16())...)
+		if r.err != nil {
+			return nil, r.err
+		}
+		if len(r.b) != 0 || t.blocks < 4 || t.blocks > maxTable(s.blocks) || len(t.key) == 0 {
+			return nil, fmt.Errorf("ucx: start bytes: run table of %d bytes for %d blocks: %w", t.blocks, s.blocks, ErrCorrupt)
+		}
+		s.table = t
+		return s, nil
+	}
+	return nil, fmt.Errorf("ucx: start bytes: table mode %d: %w", mode[0], ErrCorrupt)
+}
+
+// maxTable bounds a run table for blocks blocks: one run per block, each
+// with a key of at most 1 KiB.
+func maxTable(blocks int) int { return 4 + blocks*(8+4+2+1024) }
+
+// parseRuns parses a run table: a count, then per run its address, block
+// count and key. The runs must cover exactly blocks blocks.
+func parseRuns(b []byte, blocks int) ([]remoteRun, error) {
+	r := &reader{b: b}
+	n := r.u32()
+	if r.err != nil || n <= 0 || n > blocks {
+		return nil, fmt.Errorf("ucx: run table: %d runs for %d blocks: %w", n, blocks, ErrCorrupt)
+	}
+	total := 0
+	runs := make([]remoteRun, 0, n)
+	for range n {
 		var rr remoteRun
 		if a := r.take(8); a != nil {
 			rr.addr = binary.LittleEndian.Uint64(a)
 		}
 		rr.blocks = r.u32()
 		rr.key = append([]byte(nil), r.take(r.u16())...)
-		if rr.blocks <= 0 || rr.blocks > s.blocks-total {
-			return nil, fmt.Errorf("ucx: start bytes: run of %d blocks after %d of %d: %w", rr.blocks, total, s.blocks, ErrCorrupt)
+		if r.err != nil {
+			return nil, r.err
+		}
+		if rr.blocks <= 0 || rr.blocks > blocks-total {
+			return nil, fmt.Errorf("ucx: run table: run of %d blocks after %d of %d: %w", rr.blocks, total, blocks, ErrCorrupt)
 		}
 		total += rr.blocks
-		s.runs = append(s.runs, rr)
+		runs = append(runs, rr)
 	}
-	if r.err != nil {
-		return nil, r.err
+	if len(r.b) != 0 || total != blocks {
+		return nil, fmt.Errorf("ucx: run table: %d trailing bytes, runs of %d blocks for %d: %w", len(r.b), total, blocks, ErrCorrupt)
 	}
-	if len(r.b) != 0 || total != s.blocks || len(s.addr) == 0 || s.blockBytes <= 0 {
-		return nil, fmt.Errorf("ucx: start bytes: %d trailing bytes, runs of %d blocks for %d, address of %d bytes: %w",
-			len(r.b), total, s.blocks, len(s.addr), ErrCorrupt)
-	}
-	return s, nil
+	return runs, nil
 }
 
 // recvJob is one handoff being read. Everything but the atomic flags is
@@ -661,6 +731,11 @@ func (r *Receiver[R]) Receive(id handoff.PlaneID, regions []R, startBytes []byte
 		if err = j.w.flushWait(j.ep, r.cfg.ConnectSpins); err != nil {
 			return
 		}
+		if st.table != nil {
+			if st.runs, err = j.readTable(st); err != nil {
+				return
+			}
+		}
 		for _, rr := range st.runs {
 			k, kerr := j.ep.unpack(rr.key)
 			if kerr != nil {
@@ -702,6 +777,26 @@ func (r *Receiver[R]) Receive(id handoff.PlaneID, regions []R, startBytes []byte
 		go j.finish(fmt.Errorf("ucx: receive: %w", errWorkerGone), true)
 	}
 	return nil
+}
+
+// readTable reads the source's run table (before anything is attached:
+// into C memory of ours, not into a region). Worker thread only.
+func (j *recvJob[R]) readTable(st *start) ([]remoteRun, error) {
+	k, err := j.ep.unpack(st.table.key)
+	if err != nil {
+		return nil, err
+	}
+	buf := newCbuf(st.table.blocks)
+	done, err := j.w.getWait(j.ep, buf, st.table.addr, k, j.r.cfg.ConnectSpins)
+	if !done {
+		return nil, err // the get may still use buf and the key: both stay allocated
+	}
+	k.destroy()
+	defer buf.free()
+	if err != nil {
+		return nil, err
+	}
+	return parseRuns(buf.bytes(), st.blocks)
 }
 
 // step advances the job on its worker's thread; true when it is done.

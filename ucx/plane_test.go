@@ -39,9 +39,10 @@ func TestLoopbackDelivered(t *testing.T) {
 	t.Logf("send %+v recv %+v", l.sender.Stats(), l.recv.Stats())
 }
 
-func TestSendRefusesTooManyRuns(t *testing.T) {
+func TestManyRunsReadTheTable(t *testing.T) {
 	// 200 blocks, no two adjacent: 200 registrations, whose keys do not
-	// fit the Start bytes. Send refuses before attaching anything.
+	// fit the Start bytes. The destination reads the run table from the
+	// source first, then the blocks.
 	sender, err := ucx.NewSender(ucx.Config{})
 	if err != nil {
 		t.Fatal(err)
@@ -52,33 +53,65 @@ func TestSendRefusesTooManyRuns(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer recv.Close()
-	buf := make([]byte, 400*64)
-	var regions [][]byte
-	for i := range 200 {
-		regions = append(regions, buf[i*128:i*128+64:i*128+64])
+	const n, size = 200, 64
+	srcBuf, dstBuf := make([]byte, 2*n*size), make([]byte, 2*n*size)
+	var src, dst [][]byte
+	for i := range n {
+		src = append(src, srcBuf[2*i*size:(2*i+1)*size:(2*i+1)*size])
+		dst = append(dst, dstBuf[2*i*size:(2*i+1)*size:(2*i+1)*size])
+		mark(src[i], 77, i)
 	}
-	id := handoff.PlaneID{Session: 1, Handoff: 1}
-	accept, err := recv.Prepare(id, len(regions))
-	if err != nil {
-		t.Fatal(err)
+	for _, inline := range []bool{false, true} {
+		id := handoff.PlaneID{Session: 1, Handoff: 1}
+		s, d := src, dst
+		if inline { // 20 runs fit the Start bytes
+			id.Handoff, s, d = 2, src[:20], dst[:20]
+		}
+		accept, err := recv.Prepare(id, len(d))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var st, dt *kvlease.Transfer
+		start, err := sender.Send(id, s, accept, func(t *kvlease.Transfer) error { st = t; return nil })
+		if err != nil || st == nil || len(start) > handoff.MaxPlane {
+			t.Fatalf("Send of %d runs: %v (%d start bytes)", len(s), err, len(start))
+		}
+		if !inline {
+			// Every truncation of table-mode Start bytes is refused.
+			for n := range len(start) {
+				bad := handoff.PlaneID{Session: 9, Handoff: uint64(n)}
+				if _, err := recv.Prepare(bad, len(d)); err != nil {
+					t.Fatal(err)
+				}
+				err := recv.Receive(bad, d, start[:n], func(*kvlease.Transfer) error { t.Fatal("attached"); return nil })
+				if !errors.Is(err, ucx.ErrCorrupt) {
+					t.Fatalf("start of %d of %d bytes: %v", n, len(start), err)
+				}
+			}
+		}
+		if err := recv.Receive(id, d, start, func(t *kvlease.Transfer) error { dt = t; return nil }); err != nil {
+			t.Fatal(err)
+		}
+		<-dt.Done()
+		if err := dt.Err(); err != nil {
+			t.Fatal(err)
+		}
+		if err := markedRegions(d, 77); err != nil {
+			t.Fatalf("%d runs: %v", len(d), err)
+		}
+		for i := range d { // the gaps between the blocks are untouched
+			if gap := dstBuf[(2*i+1)*size : (2*i+2)*size]; string(gap) != string(make([]byte, size)) {
+				t.Fatalf("gap after block %d written", i)
+			}
+		}
+		sender.Finish(id, nil)
+		<-st.Done()
+		if err := st.Err(); err != nil {
+			t.Fatal(err)
+		}
+		clear(dstBuf)
 	}
-	attached := false
-	_, err = sender.Send(id, regions, accept, func(*kvlease.Transfer) error { attached = true; return nil })
-	if !errors.Is(err, kvlease.ErrExceedsCapacity) || attached {
-		t.Fatalf("Send of 200 runs: %v (attached %v)", err, attached)
-	}
-	// The same blocks made contiguous are one run and go.
-	contiguous := make([][]byte, 200)
-	for i := range contiguous {
-		contiguous[i] = buf[i*64 : (i+1)*64 : (i+1)*64]
-	}
-	start, err := sender.Send(id, contiguous, accept, func(t *kvlease.Transfer) error { attached = true; return nil })
-	if err != nil || !attached || len(start) > handoff.MaxPlane {
-		t.Fatalf("Send of one run: %v (attached %v, %d start bytes)", err, attached, len(start))
-	}
-	sender.Finish(id, errors.New("test over"))
-	recv.Forget(id)
-	if s := sender.Stats(); s.Started != 1 || s.Revoked != 1 {
+	if s := sender.Stats(); s.Started != 2 || s.Completed != 2 {
 		t.Fatalf("sender %+v", s)
 	}
 }

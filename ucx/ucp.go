@@ -621,3 +621,43 @@ func (w *worker) flushWait(e *endpoint, spins int) error {
 
 // progressOnce progresses the worker until it is idle. Worker thread only.
 func (w *worker) progressOnce() { C.kvu_progress(w.h) }
+
+// cbuf is C memory (the run table a source exposes, the copy a
+// destination reads it into): outside the Go heap, so UCX may hold it.
+type cbuf struct {
+	p unsafe.Pointer
+	n int
+}
+
+func newCbuf(n int) cbuf { return cbuf{p: C.malloc(C.size_t(max(n, 1))), n: n} }
+
+func (b cbuf) addr() uintptr { return uintptr(b.p) }
+func (b cbuf) bytes() []byte { return unsafe.Slice((*byte)(b.p), b.n) }
+func (b cbuf) free()         { C.free(b.p) }
+
+// getWait reads n bytes from raddr into b with one get and progresses
+// the worker until it completes (at most spins progress calls). Worker
+// thread only. On a get that did not complete, b and its completion
+// state must stay allocated: it reports false.
+func (w *worker) getWait(e *endpoint, b cbuf, raddr uint64, k *rkey, spins int) (bool, error) {
+	bt := newBatch()
+	done, err := e.get(b.addr(), b.n, nil, raddr, k, bt)
+	if err != nil {
+		bt.free()
+		return true, err
+	}
+	for i := 0; !done && bt.completed() == 0 && i < spins; i++ {
+		C.kvu_progress(w.h)
+		if e.failed() != nil && bt.completed() == 0 {
+			return false, e.failed()
+		}
+	}
+	if !done && bt.completed() == 0 {
+		return false, errors.New("ucx: get did not complete")
+	}
+	defer bt.free()
+	if bt.failedN() > 0 {
+		return true, fmt.Errorf("ucx: ucp_get_nbx: %w", bt.firstErr())
+	}
+	return true, nil
+}
