@@ -76,6 +76,7 @@ func (cfg *Config) Flags(fs *flag.FlagSet) {
 	fs.Float64Var(&cfg.EarlyAbortRate, "early-abort", cfg.EarlyAbortRate, "probability the client goes away right after its proposal")
 	fs.DurationVar(&cfg.Deadline, "deadline", cfg.Deadline, "both halves' deadline for evidence")
 	fs.BoolVar(&cfg.Quiet, "quiet", cfg.Quiet, "print only the ledger")
+	fs.Bool("net", true, "accepted for the root example's command lines: this example always runs two processes")
 }
 
 func (cfg Config) validate() error {
