@@ -317,7 +317,7 @@ type worker struct {
 	wake C.int
 
 	mu      sync.Mutex
-	queue   []func()
+	queue   []task
 	stopped bool
 	exited  chan struct{}
 
@@ -363,8 +363,8 @@ func (w *worker) loop(c *context, ready chan<- error) {
 		q := w.queue
 		w.queue = nil
 		w.mu.Unlock()
-		for _, f := range q {
-			f()
+		for _, t := range q {
+			t.f()
 		}
 		if w.stop {
 			break
@@ -396,48 +396,47 @@ func (w *worker) loop(c *context, ready chan<- error) {
 	} else {
 		C.ucp_worker_destroy(w.h)
 	}
-	C.close(w.wake)
-	// Anything queued after the stop runs against a destroyed worker:
-	// run nothing, but let callers waiting in call return.
+	// Anything queued after the stop would run against a destroyed
+	// worker: it never runs; callers waiting in call are let go.
 	w.mu.Lock()
 	w.stopped = true
+	C.close(w.wake)
 	q := w.queue
 	w.queue = nil
 	w.mu.Unlock()
-	for _, f := range q {
-		f()
+	for _, t := range q {
+		if t.gone != nil {
+			t.gone()
+		}
 	}
 }
 
+// task is a function queued for the worker's thread; gone, if set, runs
+// instead when the worker was destroyed first.
+type task struct{ f, gone func() }
+
 // do queues f to run on the worker's thread. It reports false when the
 // worker is destroyed (f then never runs).
-func (w *worker) do(f func()) bool {
+func (w *worker) do(f func()) bool { return w.queueTask(task{f: f}) }
+
+func (w *worker) queueTask(t task) bool {
 	w.mu.Lock()
 	if w.stopped {
 		w.mu.Unlock()
 		return false
 	}
-	w.queue = append(w.queue, f)
+	w.queue = append(w.queue, t)
+	C.kvu_wake(w.wake) // under mu: the fd closes only once stopped is set
 	w.mu.Unlock()
-	C.kvu_wake(w.wake)
 	return true
 }
 
-// call runs f on the worker's thread and waits for it.
+// call runs f on the worker's thread and waits for it; errWorkerGone
+// when the worker was destroyed first.
 func (w *worker) call(f func()) error {
 	done := make(chan struct{})
 	ran := false
-	if !w.do(func() {
-		defer close(done)
-		w.mu.Lock()
-		gone := w.stopped
-		w.mu.Unlock()
-		if gone {
-			return
-		}
-		ran = true
-		f()
-	}) {
+	if !w.queueTask(task{f: func() { ran = true; f(); close(done) }, gone: func() { close(done) }}) {
 		return errWorkerGone
 	}
 	<-done
