@@ -182,3 +182,62 @@ func TestBadPlaneBytes(t *testing.T) {
 		t.Fatalf("uneven regions: %v", err)
 	}
 }
+
+func TestCancelIsARequest(t *testing.T) {
+	// A reader stuck mid-transfer is cancelled: nothing resolves (the
+	// cancel is a request). Once it can go on, it posts no more gets and
+	// a flush after the posted ones completes: that is the evidence, and
+	// the outcome is ErrCanceled.
+	stuck, release := make(chan struct{}), make(chan struct{})
+	recv, err := ucx.NewReceiver(ucx.Config{MaxGet: 64, Window: 1, BeforeGet: func(_ handoff.PlaneID, block int) {
+		if block == 2 {
+			close(stuck)
+			<-release
+		}
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer recv.Close()
+	sender, err := ucx.NewSender(ucx.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sender.Close()
+	src, dst := make([]byte, 8*64), make([]byte, 8*64)
+	var sr, dr [][]byte
+	for i := range 8 {
+		sr, dr = append(sr, src[i*64:(i+1)*64:(i+1)*64]), append(dr, dst[i*64:(i+1)*64:(i+1)*64])
+		mark(sr[i], 5, i)
+	}
+	id := handoff.PlaneID{Session: 3, Handoff: 3}
+	accept, _ := recv.Prepare(id, 8)
+	start, err := sender.Send(id, sr, accept, func(*kvlease.Transfer) error { return nil })
+	if err != nil {
+		t.Fatal(err)
+	}
+	var dt *kvlease.Transfer
+	if err := recv.Receive(id, dr, start, func(t *kvlease.Transfer) error { dt = t; return nil }); err != nil {
+		t.Fatal(err)
+	}
+	<-stuck
+	dt.Cancel()
+	if dt.State() != kvlease.TransferPending {
+		t.Fatalf("a cancel resolved the transfer: %v", dt.State())
+	}
+	close(release)
+	<-dt.Done()
+	if err := dt.Err(); !errors.Is(err, ucx.ErrCanceled) {
+		t.Fatalf("after the cancel: %v", err)
+	}
+	if err := markedRegions(dr[:2], 5); err != nil {
+		t.Fatalf("the blocks read before the cancel: %v", err)
+	}
+	if string(dst[2*64:]) != string(make([]byte, 6*64)) {
+		t.Fatal("blocks after the cancel were written")
+	}
+	if s := recv.Stats(); s.Canceled != 1 || s.Revoked != 0 {
+		t.Fatalf("receiver %+v", s)
+	}
+	sender.Finish(id, errors.New("test over"))
+}
