@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Numbers for the UCX data plane, over UCX_TLS=tcp on loopback:
+#  - BenchmarkPull256x64K: one handoff of 256 blocks of 64 KiB through the
+#    planes (worker per handoff on each side, handshake, registration,
+#    gets, flush, revocation), next to ucx_perftest's get bandwidth at the
+#    same message size and window, measured in the same run (ratio = ours
+#    over perftest; the target is >= 0.8). get=64KiB reads one block per
+#    get like perftest; get=1MiB is the plane's default coalescing.
+#  - BenchmarkRegister256: ucp_mem_map + ucp_rkey_pack + ucp_mem_unmap of
+#    256 blocks of 64 KiB (256 runs, and 1 run), next to one get of the
+#    same 16 MiB (get-ns; ratio = registration over get).
+# Needs libucx-dev and ucx-utils (ucx_perftest).
+set -euo pipefail
+cd "$(dirname "$0")"
+export UCX_TLS=tcp UCX_NET_DEVICES=lo
+ucx_info -v | head -1
+go test -run '^$' -bench 'Pull256x64K|Register256' -benchtime "${BENCHTIME:-10x}" -count "${COUNT:-3}" -benchmem .

@@ -1,0 +1,12 @@
+module github.com/kvlease/kvlease/ucx
+
+go 1.26.8
+
+require github.com/kvlease/kvlease v0.0.0
+
+require (
+	github.com/cespare/xxhash/v2 v2.3.0 // indirect
+	go.uber.org/atomic v1.12.0 // indirect
+)
+
+replace github.com/kvlease/kvlease => ../

@@ -1,0 +1,227 @@
+package ucx_test
+
+import (
+	"encoding/binary"
+	"fmt"
+	"net"
+	"os"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/handoff"
+	"github.com/kvlease/kvlease/ucx"
+)
+
+// UCX over TCP on loopback only: shared-memory transports lack
+// peer-failure handling, and nothing leaves the machine.
+func init() {
+	os.Setenv("UCX_TLS", "tcp")
+	os.Setenv("UCX_NET_DEVICES", "lo")
+	if os.Getenv("UCX_LOG_LEVEL") == "" {
+		// The fault suite makes UCX log the peers' failures it causes.
+		os.Setenv("UCX_LOG_LEVEL", "fatal")
+	}
+}
+
+const blockBytes = 4096
+
+func env(poolBlocks int) handoff.Envelope {
+	return handoff.Envelope{BlockTokens: 16, BlockBytes: blockBytes, PoolBlocks: poolBlocks,
+		MaxContextTokens: 16 * 64, MaxPrefillTokens: 512, MaxRunningRequests: 4}
+}
+
+func hostPool(t testing.TB, blocks int) *kvlease.Pool[[]byte] {
+	t.Helper()
+	mem, err := kvlease.NewHostMemory(blocks, blockBytes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := kvlease.NewPool[[]byte](mem)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// stamp writes the marker of (seed, i) into block i of l.
+func stamp(t testing.TB, l *kvlease.Lease[[]byte], seed uint32) {
+	t.Helper()
+	if err := stampLease(l, seed); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func stampLease(l *kvlease.Lease[[]byte], seed uint32) error {
+	for i := range l.Len() {
+		r, err := l.Region(i)
+		if err != nil {
+			return err
+		}
+		mark(r, seed, i)
+	}
+	return nil
+}
+
+// regionsOf returns the lease's regions (to check the memory itself once
+// the lease is closed).
+func regionsOf(t testing.TB, l *kvlease.Lease[[]byte]) [][]byte {
+	t.Helper()
+	var out [][]byte
+	for i := range l.Len() {
+		r, err := l.Region(i)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, r)
+	}
+	return out
+}
+
+// markedRegions reports the first region that is not marker (seed, i).
+func markedRegions(rs [][]byte, seed uint32) error {
+	for i, r := range rs {
+		want := make([]byte, len(r))
+		mark(want, seed, i)
+		if string(r) != string(want) {
+			return fmt.Errorf("block %d is not marker (%d, %d)", i, seed, i)
+		}
+	}
+	return nil
+}
+
+func mark(b []byte, seed uint32, i int) {
+	binary.LittleEndian.PutUint32(b, seed)
+	binary.LittleEndian.PutUint32(b[4:], uint32(i))
+	for j := 8; j < len(b); j++ {
+		b[j] = byte(seed) + byte(i) + byte(j%7)
+	}
+}
+
+// marked reports the first block of l whose content is not (seed, i).
+func marked(l *kvlease.Lease[[]byte], seed uint32) error {
+	for i := range l.Len() {
+		r, err := l.Region(i)
+		if err != nil {
+			return err
+		}
+		want := make([]byte, len(r))
+		mark(want, seed, i)
+		if string(r) != string(want) {
+			return fmt.Errorf("block %d is not marker (%d, %d)", i, seed, i)
+		}
+	}
+	return nil
+}
+
+// loop is both halves in one process over 127.0.0.1, each with its own
+// UCX context.
+type loop struct {
+	srcPool, dstPool *kvlease.Pool[[]byte]
+	src              *handoff.Source[[]byte]
+	dst              *handoff.Destination[[]byte]
+	sender           *ucx.Sender[[]byte]
+	recv             *ucx.Receiver[[]byte]
+
+	mu       sync.Mutex
+	finals   map[uint64]*handoff.Incoming[[]byte]
+	serveErr chan error
+}
+
+type loopConfig struct {
+	deadline   time.Duration
+	recv, send ucx.Config
+	keepLeases bool
+}
+
+func newLoop(t *testing.T, lc loopConfig) *loop {
+	t.Helper()
+	l := &loop{srcPool: hostPool(t, 64), dstPool: hostPool(t, 64), finals: map[uint64]*handoff.Incoming[[]byte]{}, serveErr: make(chan error, 1)}
+	ctlLn, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if l.recv, err = ucx.NewReceiver(lc.recv); err != nil {
+		t.Fatal(err)
+	}
+	if l.sender, err = ucx.NewSender(lc.send); err != nil {
+		t.Fatal(err)
+	}
+	dl := lc.deadline
+	if dl == 0 {
+		dl = 10 * time.Second
+	}
+	l.dst, err = handoff.NewDestination(l.dstPool, l.recv, handoff.DestinationConfig[[]byte]{
+		HalfConfig: handoff.HalfConfig{Envelope: env(64), Name: "decode", Peer: "prefill", Deadline: dl},
+		OnDelivered: func(in *handoff.Incoming[[]byte]) {
+			if !lc.keepLeases {
+				in.Lease().Release()
+			}
+		},
+		OnFinal: func(in *handoff.Incoming[[]byte]) {
+			l.mu.Lock()
+			l.finals[in.ID()] = in
+			l.mu.Unlock()
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		c, err := ctlLn.Accept()
+		_ = ctlLn.Close()
+		if err != nil {
+			l.serveErr <- err
+			return
+		}
+		l.serveErr <- l.dst.Serve(c)
+	}()
+	c, err := net.Dial("tcp", ctlLn.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	l.src, err = handoff.NewSource(c, l.sender, handoff.HalfConfig{Envelope: env(64), Name: "prefill", Peer: "decode", Deadline: dl})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = l.src.Close()
+		<-l.serveErr
+		_ = l.sender.Close()
+		_ = l.recv.Close()
+		for _, p := range []*kvlease.Pool[[]byte]{l.srcPool, l.dstPool} {
+			if err := p.Check(); err != nil {
+				t.Error(err)
+			}
+		}
+	})
+	return l
+}
+
+func waitFinal(t *testing.T, in interface {
+	Done() <-chan struct{}
+	State() handoff.State
+}) {
+	t.Helper()
+	select {
+	case <-in.Done():
+	case <-time.After(20 * time.Second):
+		t.Fatalf("still %v after 20 s", in.State())
+	}
+}
+
+func waitIncoming(t *testing.T, l *loop, id uint64) *handoff.Incoming[[]byte] {
+	t.Helper()
+	for range 2000 {
+		l.mu.Lock()
+		in := l.finals[id]
+		l.mu.Unlock()
+		if in != nil {
+			return in
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	t.Fatalf("destination never finished handoff %d", id)
+	return nil
+}

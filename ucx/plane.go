@@ -1,0 +1,943 @@
+package ucx
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"unsafe"
+
+	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/handoff"
+)
+
+var (
+	// ErrCorrupt wraps plane bytes (Accept or Start) that are malformed or
+	// do not match the regions they describe.
+	ErrCorrupt = errors.New("ucx: malformed plane bytes")
+	// ErrCanceled is the outcome of a transfer that honoured a cancel:
+	// its remaining gets were never posted and a flush completed after
+	// the posted ones.
+	ErrCanceled = errors.New("ucx: transfer canceled")
+	// ErrRevoked wraps the outcome of a transfer whose evidence is a
+	// revocation: the handoff's registration was unmapped and its worker
+	// destroyed, so nothing of UCX in this process touches the regions
+	// any more.
+	ErrRevoked = errors.New("ucx: registration revoked")
+	// ErrClosed is the cause recorded for transfers revoked by Close.
+	ErrClosed = errors.New("ucx: plane closed")
+)
+
+const (
+	version = 1
+	// How the Start bytes carry the run table: inline, or as the
+	// address, length and key of a registered copy the destination reads.
+	tableInline, tableRemote = 0, 1
+	// acceptLength is "KU", version, block count.
+	acceptLength = 2 + 1 + 4
+)
+
+// Config configures a Sender or a Receiver. The zero value is usable.
+type Config struct {
+	// Window bounds the gets one handoff has outstanding (16 when zero).
+	Window int
+	// MaxGet bounds the bytes of one get: contiguous blocks (on both
+	// sides) are read with one get up to this size (1 MiB when zero; a
+	// value below the block size reads one block per get).
+	MaxGet int
+	// ConnectSpins bounds the progress calls the destination spends
+	// connecting to a handoff's source before it gives up (before
+	// anything is attached; 1e6 when zero).
+	ConnectSpins int
+	// BeforeGet, if set, runs on the destination's worker thread before
+	// the get that starts at block is posted (fault injection: tests stop
+	// or abort a handoff there). It must not call into the plane.
+	BeforeGet func(id handoff.PlaneID, block int)
+}
+
+func (c *Config) defaults() {
+	if c.Window <= 0 {
+		c.Window = 16
+	}
+	if c.MaxGet <= 0 {
+		c.MaxGet = 1 << 20
+	}
+	if c.ConnectSpins <= 0 {
+		c.ConnectSpins = 1_000_000
+	}
+}
+
+// Stats counts what a plane did.
+type Stats struct {
+	// Started counts attached transfers; Completed those resolved with
+	// every block delivered (destination) or with the destination's done
+	// (source); Canceled those that stopped on a cancel with a completed
+	// flush; Revoked those whose evidence is a revocation.
+	Started, Completed, Canceled, Revoked int
+	// Bytes counts bytes read by completed gets (destination).
+	Bytes int64
+}
+
+type counters struct {
+	mu sync.Mutex
+	s  Stats
+}
+
+func (c *counters) add(f func(*Stats)) {
+	c.mu.Lock()
+	f(&c.s)
+	c.mu.Unlock()
+}
+
+func (c *counters) get() Stats {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.s
+}
+
+// MemoryType says where a region's memory lives, as UCX registers it
+// (ucp_mem_map's memory_type).
+type MemoryType int
+
+const (
+	// Host is CPU memory: Go memory (kvlease.HostMemory) or pinned host
+	// memory (a gpu.PinnedArena).
+	Host MemoryType = iota
+	// CUDA is device memory (a gpu.DeviceArena): registered as
+	// UCS_MEMORY_TYPE_CUDA, which needs a UCX built with CUDA support.
+	CUDA
+)
+
+// Span is a region as the plane registers it: its address, its length
+// and its memory type.
+type Span struct {
+	Addr   uintptr
+	Len    int
+	Memory MemoryType
+	pin    unsafe.Pointer // Go memory to pin while registered
+}
+
+// HostBytes locates a []byte region (Go or pinned host memory). Go
+// memory stays pinned (runtime.Pinner) while a handoff has it registered.
+func HostBytes(b []byte) Span {
+	p := unsafe.Pointer(unsafe.SliceData(b))
+	return Span{Addr: uintptr(p), Len: len(b), Memory: Host, pin: p}
+}
+
+// run is a stretch of contiguous spans of one memory type: blocks
+// consecutive regions starting at addr.
+type run struct {
+	addr   uintptr
+	blocks int
+	mem    MemoryType
+}
+
+// runsOf coalesces spans (all of bb bytes) into contiguous runs.
+func runsOf(spans []Span, bb int) []run {
+	var out []run
+	for _, sp := range spans {
+		if n := len(out); n > 0 && out[n-1].mem == sp.Memory && out[n-1].addr+uintptr(out[n-1].blocks*bb) == sp.Addr {
+			out[n-1].blocks++
+			continue
+		}
+		out = append(out, run{addr: sp.Addr, blocks: 1, mem: sp.Memory})
+	}
+	return out
+}
+
+// locate turns regions into spans of one common size, pinning Go memory.
+func locate[R any](loc func(R) Span, regions []R, pin *runtime.Pinner) ([]Span, int, error) {
+	if len(regions) == 0 {
+		return nil, 0, fmt.Errorf("ucx: no regions: %w", kvlease.ErrInvalidArgument)
+	}
+	spans := make([]Span, len(regions))
+	for i, r := range regions {
+		spans[i] = loc(r)
+	}
+	bb := spans[0].Len
+	for i, sp := range spans {
+		if sp.Len != bb || bb <= 0 || sp.Addr == 0 || (sp.Memory != Host && sp.Memory != CUDA) {
+			return nil, 0, fmt.Errorf("ucx: region %d at %#x of %d bytes (memory %d), want %d bytes: %w", i, sp.Addr, sp.Len, sp.Memory, bb, kvlease.ErrInvalidArgument)
+		}
+	}
+	for _, sp := range spans {
+		if sp.pin != nil {
+			pin.Pin(sp.pin)
+		}
+	}
+	return spans, bb, nil
+}
+
+// Sender is the source side's plane: for each handoff it starts a UCX
+// worker of the handoff's own, registers the source regions (one
+// ucp_mem_map per contiguous run) and puts the worker's address and the
+// packed remote keys in the Start bytes. Finish, or a cancel, revokes
+// them. It is safe for concurrent use.
+type Sender[R any] struct {
+	cfg   Config
+	ctx   *context
+	loc   func(R) Span
+	stats counters
+
+	mu     sync.Mutex
+	jobs   map[handoff.PlaneID]*sendJob[R]
+	closed bool
+	wg     sync.WaitGroup
+}
+
+var _ handoff.SendPlane[[]byte] = (*Sender[[]byte])(nil)
+
+// NewSender initialises UCX (ucp_init; UCX_TLS and the other UCX_*
+// environment variables apply) and returns a sender plane for host
+// memory regions.
+func NewSender(cfg Config) (*Sender[[]byte], error) { return NewSenderOf(cfg, HostBytes) }
+
+// NewSenderOf returns a sender plane for regions of any type, located by
+// loc (see the package doc for device memory).
+func NewSenderOf[R any](cfg Config, loc func(R) Span) (*Sender[R], error) {
+	if loc == nil {
+		return nil, fmt.Errorf("ucx: nil locator: %w", kvlease.ErrInvalidArgument)
+	}
+	cfg.defaults()
+	ctx, err := newContext()
+	if err != nil {
+		return nil, err
+	}
+	return &Sender[R]{cfg: cfg, ctx: ctx, loc: loc, jobs: make(map[handoff.PlaneID]*sendJob[R])}, nil
+}
+
+// sendJob is one handoff's registration.
+type sendJob[R any] struct {
+	s     *Sender[R]
+	id    handoff.PlaneID
+	w     *worker
+	memhs []*memh
+	pin   runtime.Pinner
+	t     *kvlease.Transfer
+	once  sync.Once
+	table cbuf // the run table, when it does not fit the Start bytes
+	// attached is set under Sender.mu once attach succeeded: Close
+	// revokes those; Send itself revokes one attached after Close.
+	attached bool
+}
+
+func parseAccept(b []byte) (int, error) {
+	if len(b) != acceptLength || b[0] != 'K' || b[1] != 'U' || b[2] != version {
+		return 0, fmt.Errorf("ucx: accept bytes of %d: %w", len(b), ErrCorrupt)
+	}
+	return int(binary.LittleEndian.Uint32(b[3:])), nil
+}
+
+// Send registers regions for this handoff alone, attaches the transfer
+// and returns the Start bytes: the handoff worker's address, the block
+// size and, per contiguous run, its address, its block count and its
+// packed remote key. The transfer resolves on Finish or a cancel, after
+// the revocation (see the package doc).
+func (s *Sender[R]) Send(id handoff.PlaneID, regions []R, accept []byte, attach func(*kvlease.Transfer) error) ([]byte, error) {
+	blocks, err := parseAccept(accept)
+	if err != nil {
+		return nil, err
+	}
+	if blocks != len(regions) {
+		return nil, fmt.Errorf("ucx: destination prepared %d blocks, source sends %d: %w", blocks, len(regions), ErrCorrupt)
+	}
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil, fmt.Errorf("ucx: send: %w", ErrClosed)
+	}
+	if _, dup := s.jobs[id]; dup {
+		s.mu.Unlock()
+		return nil, fmt.Errorf("ucx: send: %v already sending: %w", id, kvlease.ErrInvalidArgument)
+	}
+	j := &sendJob[R]{s: s, id: id}
+	s.jobs[id] = j
+	s.wg.Add(1)
+	s.mu.Unlock()
+
+	fail := func(err error) ([]byte, error) {
+		j.teardown()
+		s.mu.Lock()
+		delete(s.jobs, id)
+		s.mu.Unlock()
+		s.wg.Done()
+		return nil, err
+	}
+	spans, bb, err := locate(s.loc, regions, &j.pin)
+	if err != nil {
+		return fail(err)
+	}
+	if j.w, err = s.ctx.newWorker(); err != nil {
+		return fail(err)
+	}
+	runs := runsOf(spans, bb)
+	start := []byte{'K', 'U', version}
+	start = binary.LittleEndian.AppendUint32(start, uint32(bb))
+	start = binary.LittleEndian.AppendUint32(start, uint32(len(regions)))
+	var addr []byte
+	if cerr := j.w.call(func() { addr, err = j.w.address() }); cerr != nil {
+		err = cerr
+	}
+	if err != nil {
+		return fail(err)
+	}
+	start = binary.LittleEndian.AppendUint16(start, uint16(len(addr)))
+	start = append(start, addr...)
+	table := binary.LittleEndian.AppendUint32(nil, uint32(len(runs)))
+	for _, r := range runs {
+		m, err := s.ctx.memMap(r.addr, r.blocks*bb, r.mem == CUDA)
+		if err != nil {
+			return fail(err)
+		}
+		j.memhs = append(j.memhs, m)
+		key, err := s.ctx.rkeyPack(m)
+		if err != nil {
+			return fail(err)
+		}
+		table = binary.LittleEndian.AppendUint64(table, uint64(r.addr))
+		table = binary.LittleEndian.AppendUint32(table, uint32(r.blocks))
+		table = binary.LittleEndian.AppendUint16(table, uint16(len(key)))
+		table = append(table, key...)
+	}
+	if len(start)+1+len(table) <= handoff.MaxPlane {
+		start = append(append(start, tableInline), table...)
+	} else {
+		// Too many runs for the Start bytes: the destination reads the
+		// table itself, from C memory registered with the handoff.
+		j.table = newCbuf(len(table))
+		copy(j.table.bytes(), table)
+		m, err := s.ctx.memMap(j.table.addr(), j.table.n, false)
+		if err != nil {
+			return fail(err)
+		}
+		j.memhs = append(j.memhs, m)
+		key, err := s.ctx.rkeyPack(m)
+		if err != nil {
+			return fail(err)
+		}
+		start = append(start, tableRemote)
+		start = binary.LittleEndian.AppendUint64(start, uint64(j.table.addr()))
+		start = binary.LittleEndian.AppendUint32(start, uint32(j.table.n))
+		start = binary.LittleEndian.AppendUint16(start, uint16(len(key)))
+		start = append(start, key...)
+		if len(start) > handoff.MaxPlane {
+			return fail(fmt.Errorf("ucx: start bytes %d exceed %d: %w", len(start), handoff.MaxPlane, kvlease.ErrExceedsCapacity))
+		}
+	}
+	t := kvlease.NewTransfer(func() {
+		go j.revoke(fmt.Errorf("ucx: source canceled: %w", ErrRevoked))
+	})
+	s.mu.Lock()
+	j.t = t
+	s.mu.Unlock()
+	if err := attach(j.t); err != nil {
+		// Nothing was published: the registration never left this
+		// process, so tearing it down is evidence.
+		j.teardown()
+		j.t.Resolve(err)
+		s.mu.Lock()
+		delete(s.jobs, id)
+		s.mu.Unlock()
+		s.wg.Done()
+		return nil, err
+	}
+	s.stats.add(func(st *Stats) { st.Started++ })
+	s.mu.Lock()
+	j.attached = true
+	closed := s.closed
+	s.mu.Unlock()
+	if closed {
+		// Close ran while we registered: it did not see this transfer.
+		j.revoke(fmt.Errorf("%w: %w", ErrClosed, ErrRevoked))
+		return nil, fmt.Errorf("ucx: send: %w", ErrClosed)
+	}
+	return start, nil
+}
+
+// teardown revokes everything the job exposed: each registration is
+// unmapped (ucp_mem_unmap: a hardware transport's remote key stops
+// working) and the handoff's worker is destroyed (ucp_worker_destroy:
+// the software-emulated gets of UCX_TLS=tcp are served by this worker's
+// progress, which never runs again).
+func (j *sendJob[R]) teardown() {
+	if j.w != nil {
+		j.w.destroy(j.w.settle)
+	}
+	for _, m := range j.memhs {
+		_ = j.s.ctx.unmap(m)
+	}
+	j.memhs = nil
+	if j.table.p != nil {
+		j.table.free()
+		j.table = cbuf{}
+	}
+	j.pin.Unpin()
+}
+
+// revoke tears the job down and resolves its transfer with cause, once.
+func (j *sendJob[R]) revoke(cause error) {
+	j.once.Do(func() {
+		j.teardown()
+		j.s.mu.Lock()
+		delete(j.s.jobs, j.id)
+		j.s.mu.Unlock()
+		j.s.stats.add(func(st *Stats) {
+			if cause == nil {
+				st.Completed++
+			} else {
+				st.Revoked++
+			}
+		})
+		j.t.Resolve(cause) // after the revocation: evidence
+		j.s.wg.Done()
+	})
+}
+
+// Finish revokes the handoff's registration. With the destination's done
+// (peer nil: sent after its gets and its flush completed) the transfer
+// resolves nil; otherwise the revocation is the evidence and the outcome
+// wraps ErrRevoked.
+func (s *Sender[R]) Finish(id handoff.PlaneID, peer error) {
+	s.mu.Lock()
+	j := s.jobs[id]
+	if j != nil && !j.attached {
+		j = nil // still in Send: its attach fails, or its cancel revokes
+	}
+	s.mu.Unlock()
+	if j == nil {
+		return
+	}
+	if peer == nil {
+		j.revoke(nil)
+		return
+	}
+	j.revoke(fmt.Errorf("ucx: destination gave no done (%v): %w", peer, ErrRevoked))
+}
+
+// Stats returns what the sender did.
+func (s *Sender[R]) Stats() Stats { return s.stats.get() }
+
+// Close revokes every handoff still registered (their transfers resolve
+// with ErrClosed and ErrRevoked) and releases UCX.
+func (s *Sender[R]) Close() error {
+	s.mu.Lock()
+	s.closed = true
+	all := make([]*sendJob[R], 0, len(s.jobs))
+	for _, j := range s.jobs {
+		if j.attached { // the others are in Send, which sees closed
+			all = append(all, j)
+		}
+	}
+	s.mu.Unlock()
+	for _, j := range all {
+		j.revoke(fmt.Errorf("%w: %w", ErrClosed, ErrRevoked))
+	}
+	s.wg.Wait()
+	s.ctx.close()
+	return nil
+}
+
+// Receiver is the destination side's plane: for each handoff it starts a
+// UCX worker of its own, connects to the source's handoff worker, unpacks
+// the remote keys and reads the blocks with ucp_get_nbx into its own
+// registered regions, then flushes the endpoint. It is safe for
+// concurrent use.
+type Receiver[R any] struct {
+	cfg   Config
+	ctx   *context
+	loc   func(R) Span
+	stats counters
+
+	mu       sync.Mutex
+	prepared map[handoff.PlaneID]int
+	jobs     map[*recvJob[R]]struct{}
+	closed   bool
+	wg       sync.WaitGroup
+}
+
+var _ handoff.RecvPlane[[]byte] = (*Receiver[[]byte])(nil)
+
+// NewReceiver initialises UCX and returns a receiver plane for host
+// memory regions.
+func NewReceiver(cfg Config) (*Receiver[[]byte], error) { return NewReceiverOf(cfg, HostBytes) }
+
+// NewReceiverOf returns a receiver plane for regions of any type, located
+// by loc (see the package doc for device memory).
+func NewReceiverOf[R any](cfg Config, loc func(R) Span) (*Receiver[R], error) {
+	if loc == nil {
+		return nil, fmt.Errorf("ucx: nil locator: %w", kvlease.ErrInvalidArgument)
+	}
+	cfg.defaults()
+	ctx, err := newContext()
+	if err != nil {
+		return nil, err
+	}
+	return &Receiver[R]{cfg: cfg, ctx: ctx, loc: loc, prepared: make(map[handoff.PlaneID]int), jobs: make(map[*recvJob[R]]struct{})}, nil
+}
+
+// Prepare implements handoff.RecvPlane: the Accept bytes carry the block
+// count (the source's worker address travels in Start: the source owns
+// the registration, the destination connects to it).
+func (r *Receiver[R]) Prepare(id handoff.PlaneID, blocks int) ([]byte, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return nil, fmt.Errorf("ucx: prepare: %w", ErrClosed)
+	}
+	if _, dup := r.prepared[id]; dup {
+		return nil, fmt.Errorf("ucx: prepare: %v already prepared: %w", id, kvlease.ErrInvalidArgument)
+	}
+	if blocks <= 0 {
+		return nil, fmt.Errorf("ucx: prepare %d blocks: %w", blocks, kvlease.ErrInvalidArgument)
+	}
+	r.prepared[id] = blocks
+	b := []byte{'K', 'U', version}
+	return binary.LittleEndian.AppendUint32(b, uint32(blocks)), nil
+}
+
+// Forget implements handoff.RecvPlane.
+func (r *Receiver[R]) Forget(id handoff.PlaneID) {
+	r.mu.Lock()
+	delete(r.prepared, id)
+	r.mu.Unlock()
+}
+
+// start is the parsed Start bytes.
+type start struct {
+	blockBytes, blocks int
+	addr               []byte
+	runs               []remoteRun
+	table              *remoteRun // the run table to read (blocks is its length), or nil
+}
+
+type remoteRun struct {
+	addr   uint64
+	blocks int
+	key    []byte
+}
+
+type reader struct {
+	b   []byte
+	err error
+}
+
+func (r *reader) take(n int) []byte {
+	if r.err != nil || n > len(r.b) {
+		r.err = fmt.Errorf("ucx: start bytes end early: %w", ErrCorrupt)
+		return nil
+	}
+	out := r.b[:n]
+	r.b = r.b[n:]
+	return out
+}
+
+func (r *reader) u16() int {
+	if b := r.take(2); b != nil {
+		return int(binary.LittleEndian.Uint16(b))
+	}
+	return 0
+}
+
+func (r *reader) u32() int {
+	if b := r.take(4); b != nil {
+		return int(binary.LittleEndian.Uint32(b))
+	}
+	return 0
+}
+
+func parseStart(b []byte) (*start, error) {
+	r := &reader{b: b}
+	if h := r.take(3); h == nil || h[0] != 'K' || h[1] != 'U' || h[2] != version {
+		return nil, fmt.Errorf("ucx: start bytes: bad header: %w", ErrCorrupt)
+	}
+	s := &start{blockBytes: r.u32(), blocks: r.u32()}
+	s.addr = append([]byte(nil), r.take(r.u16())...)
+	mode := r.take(1)
+	if r.err != nil {
+		return nil, r.err
+	}
+	if len(s.addr) == 0 || s.blockBytes <= 0 || s.blocks <= 0 || s.blocks > handoff.MaxBlocks {
+		return nil, fmt.Errorf("ucx: start bytes: %d blocks of %d bytes, address of %d bytes: %w", s.blocks, s.blockBytes, len(s.addr), ErrCorrupt)
+	}
+	switch mode[0] {
+	case tableInline:
+		var err error
+		s.runs, err = parseRuns(r.b, s.blocks)
+		return s, err
+	case tableRemote:
+		t := &remoteRun{}
+		if a := r.take(8); a != nil {
+			t.addr = binary.LittleEndian.Uint64(a)
+		}
+		t.blocks = r.u32() // the table's length in bytes
+		t.key = append([]byte(nil), r.take(r.u16())...)
+		if r.err != nil {
+			return nil, r.err
+		}
+		if len(r.b) != 0 || t.blocks < 4 || t.blocks > maxTable(s.blocks) || len(t.key) == 0 {
+			return nil, fmt.Errorf("ucx: start bytes: run table of %d bytes for %d blocks: %w", t.blocks, s.blocks, ErrCorrupt)
+		}
+		s.table = t
+		return s, nil
+	}
+	return nil, fmt.Errorf("ucx: start bytes: table mode %d: %w", mode[0], ErrCorrupt)
+}
+
+// maxTable bounds a run table for blocks blocks: one run per block, each
+// with a key of at most 1 KiB.
+func maxTable(blocks int) int { return 4 + blocks*(8+4+2+1024) }
+
+// parseRuns parses a run table: a count, then per run its address, block
+// count and key. The runs must cover exactly blocks blocks.
+func parseRuns(b []byte, blocks int) ([]remoteRun, error) {
+	r := &reader{b: b}
+	n := r.u32()
+	if r.err != nil || n <= 0 || n > blocks {
+		return nil, fmt.Errorf("ucx: run table: %d runs for %d blocks: %w", n, blocks, ErrCorrupt)
+	}
+	total := 0
+	runs := make([]remoteRun, 0, n)
+	for range n {
+		var rr remoteRun
+		if a := r.take(8); a != nil {
+			rr.addr = binary.LittleEndian.Uint64(a)
+		}
+		rr.blocks = r.u32()
+		rr.key = append([]byte(nil), r.take(r.u16())...)
+		if r.err != nil {
+			return nil, r.err
+		}
+		if rr.blocks <= 0 || rr.blocks > blocks-total {
+			return nil, fmt.Errorf("ucx: run table: run of %d blocks after %d of %d: %w", rr.blocks, total, blocks, ErrCorrupt)
+		}
+		total += rr.blocks
+		runs = append(runs, rr)
+	}
+	if len(r.b) != 0 || total != blocks {
+		return nil, fmt.Errorf("ucx: run table: %d trailing bytes, runs of %d blocks for %d: %w", len(r.b), total, blocks, ErrCorrupt)
+	}
+	return runs, nil
+}
+
+// recvJob is one handoff being read. Everything but the atomic flags is
+// owned by its worker's thread once the job is polled.
+type recvJob[R any] struct {
+	r       *Receiver[R]
+	id      handoff.PlaneID
+	w       *worker
+	ep      *endpoint
+	keys    []*rkey
+	memhs   []*memh
+	pin     runtime.Pinner
+	t       *kvlease.Transfer
+	plan    []getOp
+	next    int // gets posted
+	inline  int // gets that completed at once
+	b       batch
+	fl      op
+	flushed bool // the flush is posted
+	postErr error
+	bytes   int64
+	dead    bool // torn down: step must not touch UCX
+
+	canceled atomic.Bool
+	once     sync.Once
+}
+
+// getOp is one get: n bytes from raddr into local.
+type getOp struct {
+	block int
+	local uintptr
+	n     int
+	m     *memh
+	raddr uint64
+	key   int // index into keys
+}
+
+// plan splits the blocks into gets: consecutive blocks contiguous on both
+// sides (within one run each) share a get, up to maxGet bytes.
+func planGets(st *start, local []run, dm []*memh, bb, maxGet int) []getOp {
+	var out []getOp
+	ri, roff := 0, 0 // remote run, block within it
+	li, loff := 0, 0
+	for blk := 0; blk < st.blocks; {
+		rr, lr := st.runs[ri], local[li]
+		n := min(rr.blocks-roff, lr.blocks-loff, max(1, maxGet/bb))
+		out = append(out, getOp{block: blk, local: lr.addr + uintptr(loff*bb), n: n * bb, m: dm[li],
+			raddr: rr.addr + uint64(roff*bb), key: ri})
+		blk += n
+		if roff += n; roff == rr.blocks {
+			ri, roff = ri+1, 0
+		}
+		if loff += n; loff == lr.blocks {
+			li, loff = li+1, 0
+		}
+	}
+	return out
+}
+
+// Receive implements handoff.RecvPlane: it connects to the source's
+// handoff worker, registers the destination regions, attaches the
+// transfer and reads on the handoff worker's thread. The transfer
+// resolves as the package doc says.
+func (r *Receiver[R]) Receive(id handoff.PlaneID, regions []R, startBytes []byte, attach func(*kvlease.Transfer) error) error {
+	r.mu.Lock()
+	blocks, ok := r.prepared[id]
+	delete(r.prepared, id)
+	closed := r.closed
+	r.mu.Unlock()
+	if !ok {
+		return fmt.Errorf("ucx: receive: %v not prepared: %w", id, kvlease.ErrInvalidArgument)
+	}
+	if closed {
+		return fmt.Errorf("ucx: receive: %w", ErrClosed)
+	}
+	st, err := parseStart(startBytes)
+	if err != nil {
+		return err
+	}
+	j := &recvJob[R]{r: r, id: id}
+	spans, bb, err := locate(r.loc, regions, &j.pin)
+	if err != nil {
+		j.pin.Unpin()
+		return err
+	}
+	if len(regions) != blocks || st.blocks != blocks || st.blockBytes != bb {
+		j.pin.Unpin()
+		return fmt.Errorf("ucx: receive: start describes %d blocks of %d bytes; %d prepared, %d regions of %d: %w",
+			st.blocks, st.blockBytes, blocks, len(regions), bb, ErrCorrupt)
+	}
+	if j.w, err = r.ctx.newWorker(); err != nil {
+		j.pin.Unpin()
+		return err
+	}
+	local := runsOf(spans, bb)
+	for _, lr := range local {
+		m, err := r.ctx.memMap(lr.addr, lr.blocks*bb, lr.mem == CUDA)
+		if err != nil {
+			j.teardown()
+			return err
+		}
+		j.memhs = append(j.memhs, m)
+	}
+	if cerr := j.w.call(func() {
+		if j.ep, err = j.w.connect(st.addr); err != nil {
+			return
+		}
+		// Finish the handshake before anything is attached: a flush of
+		// the fresh endpoint completes once it is wired up.
+		if err = j.w.flushWait(j.ep, r.cfg.ConnectSpins); err != nil {
+			return
+		}
+		if st.table != nil {
+			if st.runs, err = j.readTable(st); err != nil {
+				return
+			}
+		}
+		for _, rr := range st.runs {
+			k, kerr := j.ep.unpack(rr.key)
+			if kerr != nil {
+				err = kerr
+				return
+			}
+			j.keys = append(j.keys, k)
+		}
+	}); cerr != nil {
+		err = cerr
+	}
+	if err != nil {
+		j.teardown()
+		return err
+	}
+	j.plan = planGets(st, local, j.memhs, bb, r.cfg.MaxGet)
+	j.t = kvlease.NewTransfer(func() {
+		j.canceled.Store(true)
+		j.w.do(func() {}) // wake the worker
+	})
+	if err := attach(j.t); err != nil {
+		j.teardown() // nothing was read: evidence
+		j.t.Resolve(err)
+		return err
+	}
+	r.mu.Lock()
+	if r.closed {
+		r.mu.Unlock()
+		j.teardown()
+		j.t.Resolve(fmt.Errorf("ucx: receive: %w", ErrClosed))
+		return nil
+	}
+	r.jobs[j] = struct{}{}
+	r.wg.Add(1)
+	r.mu.Unlock()
+	r.stats.add(func(s *Stats) { s.Started++ })
+	j.b, j.fl = newBatch(), newOp()
+	if !j.w.do(func() { j.w.pollers = append(j.w.pollers, j.step) }) {
+		go j.finish(fmt.Errorf("ucx: receive: %w", errWorkerGone), true)
+	}
+	return nil
+}
+
+// readTable reads the source's run table (before anything is attached:
+// into C memory of ours, not into a region). Worker thread only.
+func (j *recvJob[R]) readTable(st *start) ([]remoteRun, error) {
+	k, err := j.ep.unpack(st.table.key)
+	if err != nil {
+		return nil, err
+	}
+	buf := newCbuf(st.table.blocks)
+	done, err := j.w.getWait(j.ep, buf, st.table.addr, k, j.r.cfg.ConnectSpins)
+	if !done {
+		return nil, err // the get may still use buf and the key: both stay allocated
+	}
+	k.destroy()
+	defer buf.free()
+	if err != nil {
+		return nil, err
+	}
+	return parseRuns(buf.bytes(), st.blocks)
+}
+
+// step advances the job on its worker's thread; true when it is done.
+func (j *recvJob[R]) step() bool {
+	if j.dead {
+		return true
+	}
+	if err := j.ep.failed(); err != nil {
+		// The peer is gone: UCX completes what was outstanding without
+		// the peer's word. Not evidence: revoke.
+		go j.finish(fmt.Errorf("%w: %w", err, ErrRevoked), true)
+		return true
+	}
+	completed := j.inline + j.b.completed()
+	stopping := j.canceled.Load() || j.postErr != nil || j.b.failedN() > 0
+	for !stopping && j.next < len(j.plan) && j.next-completed < j.r.cfg.Window {
+		g := j.plan[j.next]
+		if hook := j.r.cfg.BeforeGet; hook != nil {
+			hook(j.id, g.block)
+			if j.canceled.Load() {
+				stopping = true
+				break
+			}
+		}
+		done, err := j.ep.get(g.local, g.n, g.m, g.raddr, j.keys[g.key], j.b)
+		if err != nil {
+			j.postErr = err
+			stopping = true
+			break
+		}
+		j.next++
+		if done {
+			j.inline++
+			completed++
+		}
+	}
+	if completed < j.next {
+		return false // wait for the posted gets
+	}
+	if !j.flushed && (stopping || j.next == len(j.plan)) {
+		j.flushed = true
+		if _, err := j.ep.flush(j.fl); err != nil {
+			go j.finish(fmt.Errorf("%w: %w", err, ErrRevoked), true)
+			return true
+		}
+	}
+	if !j.flushed || !j.fl.done() {
+		return false
+	}
+	if err := j.fl.err(); err != nil {
+		// A flush that failed proves nothing: revoke.
+		go j.finish(fmt.Errorf("ucx: flush: %w: %w", err, ErrRevoked), true)
+		return true
+	}
+	// Every posted get completed and a flush after them completed:
+	// evidence. The outcome says whether every block arrived.
+	var out error
+	switch {
+	case j.b.failedN() > 0:
+		out = fmt.Errorf("ucx: %d of %d gets failed: %w", j.b.failedN(), j.next, j.b.firstErr())
+	case j.postErr != nil:
+		out = j.postErr
+	case j.next < len(j.plan):
+		out = fmt.Errorf("ucx: stopped after %d of %d gets: %w", j.next, len(j.plan), ErrCanceled)
+	default:
+		for _, g := range j.plan {
+			j.bytes += int64(g.n)
+		}
+	}
+	go j.finish(out, false)
+	return true
+}
+
+// teardown releases the job's UCX resources: remote keys and the
+// endpoint (forced close: only after the flush's evidence or as part of
+// a revocation), the worker, the destination's registrations.
+func (j *recvJob[R]) teardown() {
+	if j.w != nil {
+		j.w.destroy(func() {
+			j.dead = true
+			for _, k := range j.keys {
+				k.destroy()
+			}
+			j.keys = nil
+			if j.ep != nil {
+				_ = j.w.closeEP(j.ep, true)
+				j.ep = nil
+			}
+		})
+	}
+	for _, m := range j.memhs {
+		_ = j.r.ctx.unmap(m)
+	}
+	j.memhs = nil
+	j.pin.Unpin()
+}
+
+// finish tears the job down and resolves its transfer, once. revoked
+// says the evidence is the teardown itself.
+func (j *recvJob[R]) finish(out error, revoked bool) {
+	j.once.Do(func() {
+		j.teardown()
+		j.b.free()
+		j.fl.free()
+		j.r.mu.Lock()
+		delete(j.r.jobs, j)
+		j.r.mu.Unlock()
+		j.r.stats.add(func(s *Stats) {
+			switch {
+			case revoked:
+				s.Revoked++
+			case out == nil:
+				s.Completed++
+				s.Bytes += j.bytes
+			case errors.Is(out, ErrCanceled):
+				s.Canceled++
+			}
+		})
+		j.t.Resolve(out)
+		j.r.wg.Done()
+	})
+}
+
+// Stats returns what the receiver did.
+func (r *Receiver[R]) Stats() Stats { return r.stats.get() }
+
+// Close revokes every handoff still reading (the operator's way out of a
+// silent source: each job's endpoint is closed, its worker destroyed and
+// its registrations unmapped, and that is its evidence) and releases UCX.
+func (r *Receiver[R]) Close() error {
+	r.mu.Lock()
+	r.closed = true
+	all := make([]*recvJob[R], 0, len(r.jobs))
+	for j := range r.jobs {
+		all = append(all, j)
+	}
+	r.mu.Unlock()
+	for _, j := range all {
+		j.finish(fmt.Errorf("%w: %w", ErrClosed, ErrRevoked), true)
+	}
+	r.wg.Wait()
+	r.ctx.close()
+	return nil
+}

@@ -1,0 +1,243 @@
+package ucx_test
+
+import (
+	"errors"
+	"testing"
+
+	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/handoff"
+	"github.com/kvlease/kvlease/ucx"
+)
+
+func TestLoopbackDelivered(t *testing.T) {
+	l := newLoop(t, loopConfig{keepLeases: true})
+	lease, err := l.srcPool.Acquire("r1", 10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stamp(t, lease, 11)
+	o, err := l.src.Propose(1, "r1", lease, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFinal(t, o)
+	if o.State() != handoff.Delivered {
+		t.Fatalf("source %v: %v", o.State(), o.History())
+	}
+	in := waitIncoming(t, l, 1)
+	if in.State() != handoff.Delivered {
+		t.Fatalf("destination %v: %v", in.State(), in.History())
+	}
+	if err := marked(in.Lease(), 11); err != nil {
+		t.Fatal(err)
+	}
+	if err := marked(lease, 11); err != nil {
+		t.Fatalf("source blocks changed: %v", err)
+	}
+	in.Lease().Release()
+	lease.Release()
+	t.Logf("send %+v recv %+v", l.sender.Stats(), l.recv.Stats())
+}
+
+func TestManyRunsReadTheTable(t *testing.T) {
+	// 200 blocks, no two adjacent: 200 registrations, whose keys do not
+	// fit the Start bytes. The destination reads the run table from the
+	// source first, then the blocks.
+	sender, err := ucx.NewSender(ucx.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sender.Close()
+	recv, err := ucx.NewReceiver(ucx.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer recv.Close()
+	const n, size = 200, 64
+	srcBuf, dstBuf := make([]byte, 2*n*size), make([]byte, 2*n*size)
+	var src, dst [][]byte
+	for i := range n {
+		src = append(src, srcBuf[2*i*size:(2*i+1)*size:(2*i+1)*size])
+		dst = append(dst, dstBuf[2*i*size:(2*i+1)*size:(2*i+1)*size])
+		mark(src[i], 77, i)
+	}
+	for _, inline := range []bool{false, true} {
+		id := handoff.PlaneID{Session: 1, Handoff: 1}
+		s, d := src, dst
+		if inline { // 20 runs fit the Start bytes
+			id.Handoff, s, d = 2, src[:20], dst[:20]
+		}
+		accept, err := recv.Prepare(id, len(d))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var st, dt *kvlease.Transfer
+		start, err := sender.Send(id, s, accept, func(t *kvlease.Transfer) error { st = t; return nil })
+		if err != nil || st == nil || len(start) > handoff.MaxPlane {
+			t.Fatalf("Send of %d runs: %v (%d start bytes)", len(s), err, len(start))
+		}
+		if !inline {
+			// Every truncation of table-mode Start bytes is refused.
+			for n := range len(start) {
+				bad := handoff.PlaneID{Session: 9, Handoff: uint64(n)}
+				if _, err := recv.Prepare(bad, len(d)); err != nil {
+					t.Fatal(err)
+				}
+				err := recv.Receive(bad, d, start[:n], func(*kvlease.Transfer) error { t.Fatal("attached"); return nil })
+				if !errors.Is(err, ucx.ErrCorrupt) {
+					t.Fatalf("start of %d of %d bytes: %v", n, len(start), err)
+				}
+			}
+		}
+		if err := recv.Receive(id, d, start, func(t *kvlease.Transfer) error { dt = t; return nil }); err != nil {
+			t.Fatal(err)
+		}
+		<-dt.Done()
+		if err := dt.Err(); err != nil {
+			t.Fatal(err)
+		}
+		if err := markedRegions(d, 77); err != nil {
+			t.Fatalf("%d runs: %v", len(d), err)
+		}
+		for i := range d { // the gaps between the blocks are untouched
+			if gap := dstBuf[(2*i+1)*size : (2*i+2)*size]; string(gap) != string(make([]byte, size)) {
+				t.Fatalf("gap after block %d written", i)
+			}
+		}
+		sender.Finish(id, nil)
+		<-st.Done()
+		if err := st.Err(); err != nil {
+			t.Fatal(err)
+		}
+		clear(dstBuf)
+	}
+	if s := sender.Stats(); s.Started != 2 || s.Completed != 2 {
+		t.Fatalf("sender %+v", s)
+	}
+}
+
+func TestBadPlaneBytes(t *testing.T) {
+	sender, err := ucx.NewSender(ucx.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sender.Close()
+	recv, err := ucx.NewReceiver(ucx.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer recv.Close()
+	buf := make([]byte, 4*blockBytes)
+	regions := [][]byte{buf[:blockBytes], buf[blockBytes : 2*blockBytes]}
+	attach := func(*kvlease.Transfer) error { t.Fatal("attached on bad plane bytes"); return nil }
+	id := handoff.PlaneID{Session: 2, Handoff: 7}
+	for _, accept := range [][]byte{nil, []byte("KU"), {'K', 'U', 9, 2, 0, 0, 0}, {'K', 'U', 1, 3, 0, 0, 0}} {
+		if _, err := sender.Send(id, regions, accept, attach); !errors.Is(err, ucx.ErrCorrupt) {
+			t.Fatalf("accept %q: %v", accept, err)
+		}
+	}
+	if err := recv.Receive(id, regions, nil, attach); !errors.Is(err, kvlease.ErrInvalidArgument) {
+		t.Fatalf("receive unprepared: %v", err)
+	}
+	accept, err := recv.Prepare(id, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := recv.Prepare(id, 2); !errors.Is(err, kvlease.ErrInvalidArgument) {
+		t.Fatalf("prepare twice: %v", err)
+	}
+	ok := func(*kvlease.Transfer) error { return nil }
+	good, err := sender.Send(id, regions, accept, ok)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sender.Finish(id, errors.New("test over"))
+	// Every truncation of good Start bytes, and a few corruptions, are
+	// refused with ErrCorrupt before anything is attached.
+	bad := [][]byte{append(append([]byte(nil), good...), 0), {'K', 'U', 2}}
+	for n := range len(good) {
+		bad = append(bad, good[:n])
+	}
+	for _, b := range bad {
+		recv.Forget(id)
+		if _, err := recv.Prepare(id, 2); err != nil {
+			t.Fatal(err)
+		}
+		if err := recv.Receive(id, regions, b, attach); !errors.Is(err, ucx.ErrCorrupt) {
+			t.Fatalf("start of %d bytes: %v", len(b), err)
+		}
+	}
+	// The right bytes for the wrong regions: one block too few.
+	if _, err := recv.Prepare(id, 1); err != nil {
+		t.Fatal(err)
+	}
+	if err := recv.Receive(id, regions[:1], good, attach); !errors.Is(err, ucx.ErrCorrupt) {
+		t.Fatalf("start for 2 blocks into 1: %v", err)
+	}
+	// Regions of different sizes.
+	if _, err := recv.Prepare(id, 2); err != nil {
+		t.Fatal(err)
+	}
+	if err := recv.Receive(id, [][]byte{buf[:blockBytes], buf[blockBytes : blockBytes+8]}, good, attach); !errors.Is(err, kvlease.ErrInvalidArgument) {
+		t.Fatalf("uneven regions: %v", err)
+	}
+}
+
+func TestCancelIsARequest(t *testing.T) {
+	// A reader stuck mid-transfer is cancelled: nothing resolves (the
+	// cancel is a request). Once it can go on, it posts no more gets and
+	// a flush after the posted ones completes: that is the evidence, and
+	// the outcome is ErrCanceled.
+	stuck, release := make(chan struct{}), make(chan struct{})
+	recv, err := ucx.NewReceiver(ucx.Config{MaxGet: 64, Window: 1, BeforeGet: func(_ handoff.PlaneID, block int) {
+		if block == 2 {
+			close(stuck)
+			<-release
+		}
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer recv.Close()
+	sender, err := ucx.NewSender(ucx.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sender.Close()
+	src, dst := make([]byte, 8*64), make([]byte, 8*64)
+	var sr, dr [][]byte
+	for i := range 8 {
+		sr, dr = append(sr, src[i*64:(i+1)*64:(i+1)*64]), append(dr, dst[i*64:(i+1)*64:(i+1)*64])
+		mark(sr[i], 5, i)
+	}
+	id := handoff.PlaneID{Session: 3, Handoff: 3}
+	accept, _ := recv.Prepare(id, 8)
+	start, err := sender.Send(id, sr, accept, func(*kvlease.Transfer) error { return nil })
+	if err != nil {
+		t.Fatal(err)
+	}
+	var dt *kvlease.Transfer
+	if err := recv.Receive(id, dr, start, func(t *kvlease.Transfer) error { dt = t; return nil }); err != nil {
+		t.Fatal(err)
+	}
+	<-stuck
+	dt.Cancel()
+	if dt.State() != kvlease.TransferPending {
+		t.Fatalf("a cancel resolved the transfer: %v", dt.State())
+	}
+	close(release)
+	<-dt.Done()
+	if err := dt.Err(); !errors.Is(err, ucx.ErrCanceled) {
+		t.Fatalf("after the cancel: %v", err)
+	}
+	if err := markedRegions(dr[:2], 5); err != nil {
+		t.Fatalf("the blocks read before the cancel: %v", err)
+	}
+	if string(dst[2*64:]) != string(make([]byte, 6*64)) {
+		t.Fatal("blocks after the cancel were written")
+	}
+	if s := recv.Stats(); s.Canceled != 1 || s.Revoked != 0 {
+		t.Fatalf("receiver %+v", s)
+	}
+	sender.Finish(id, errors.New("test over"))
+}

@@ -1,0 +1,662 @@
+package ucx
+
+/*
+#cgo LDFLAGS: -lucp -lucs
+#include <ucp/api/ucp.h>
+#include <poll.h>
+#include <unistd.h>
+#include <stdlib.h>
+#include <string.h>
+#include <stdint.h>
+#include <sys/eventfd.h>
+
+// kvu_batch counts the completions of a group of requests (one handoff's
+// gets). It lives in C memory and is touched only on its worker's thread
+// (callbacks run inside ucp_worker_progress).
+typedef struct {
+	int completed;
+	int failed;
+	ucs_status_t first;
+} kvu_batch;
+
+// kvu_op is one request whose completion we wait for (a flush).
+typedef struct {
+	int done;
+	ucs_status_t status;
+} kvu_op;
+
+// kvu_ep is an endpoint's error state, set by UCX's error handler.
+typedef struct {
+	int failed;
+	ucs_status_t status;
+} kvu_ep;
+
+static void kvu_batch_cb(void *req, ucs_status_t st, void *user) {
+	kvu_batch *b = (kvu_batch *)user;
+	b->completed++;
+	if (st != UCS_OK) {
+		if (b->failed == 0) b->first = st;
+		b->failed++;
+	}
+	ucp_request_free(req);
+}
+
+static void kvu_op_cb(void *req, ucs_status_t st, void *user) {
+	kvu_op *o = (kvu_op *)user;
+	o->status = st;
+	o->done = 1;
+	ucp_request_free(req);
+}
+
+static void kvu_ep_err(void *arg, ucp_ep_h ep, ucs_status_t st) {
+	kvu_ep *e = (kvu_ep *)arg;
+	if (!e->failed) e->status = st;
+	e->failed = 1;
+}
+
+static ucs_status_t kvu_init(ucp_context_h *ctx) {
+	ucp_config_t *cfg;
+	ucs_status_t st = ucp_config_read(NULL, NULL, &cfg);
+	if (st != UCS_OK) return st;
+	ucp_params_t p;
+	memset(&p, 0, sizeof p);
+	p.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+	p.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+	p.mt_workers_shared = 1;
+	st = ucp_init(&p, cfg, ctx);
+	ucp_config_release(cfg);
+	return st;
+}
+
+static ucs_status_t kvu_worker(ucp_context_h ctx, ucp_worker_h *w, int *efd) {
+	ucp_worker_params_t p;
+	memset(&p, 0, sizeof p);
+	p.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+	p.thread_mode = UCS_THREAD_MODE_SINGLE;
+	ucs_status_t st = ucp_worker_create(ctx, &p, w);
+	if (st != UCS_OK) return st;
+	st = ucp_worker_get_efd(*w, efd);
+	if (st != UCS_OK) ucp_worker_destroy(*w);
+	return st;
+}
+
+static int kvu_eventfd(void) { return eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC); }
+
+static void kvu_wake(int fd) {
+	uint64_t one = 1;
+	ssize_t n = write(fd, &one, sizeof one);
+	(void)n;
+}
+
+// kvu_progress progresses w until it has nothing more to do (bounded).
+static int kvu_progress(ucp_worker_h w) {
+	int total = 0;
+	for (int i = 0; i < 1024; i++) {
+		unsigned n = ucp_worker_progress(w);
+		if (n == 0) break;
+		total += n;
+	}
+	return total;
+}
+
+// kvu_wait arms w and waits up to ms for its event fd or our wake fd.
+static void kvu_wait(ucp_worker_h w, int efd, int wakefd, int ms) {
+	if (ucp_worker_arm(w) == UCS_ERR_BUSY) return;
+	struct pollfd f[2] = {{efd, POLLIN, 0}, {wakefd, POLLIN, 0}};
+	int n = poll(f, 2, ms);
+	if (n > 0 && (f[1].revents & POLLIN)) {
+		uint64_t v;
+		ssize_t r = read(wakefd, &v, sizeof v);
+		(void)r;
+	}
+}
+
+static ucs_status_t kvu_ep_create(ucp_worker_h w, const void *addr, kvu_ep *e, ucp_ep_h *ep) {
+	ucp_ep_params_t p;
+	memset(&p, 0, sizeof p);
+	p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+		UCP_EP_PARAM_FIELD_ERR_HANDLER;
+	p.address = (const ucp_address_t *)addr;
+	p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+	p.err_handler.cb = kvu_ep_err;
+	p.err_handler.arg = e;
+	return ucp_ep_create(w, &p, ep);
+}
+
+// kvu_ep_close closes ep (forced or flushing) and progresses w until the
+// close completes. It returns the close's status.
+static ucs_status_t kvu_ep_close(ucp_worker_h w, ucp_ep_h ep, int force) {
+	ucp_request_param_t p;
+	memset(&p, 0, sizeof p);
+	p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+	p.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+	ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &p);
+	if (r == NULL) return UCS_OK;
+	if (UCS_PTR_IS_ERR(r)) return UCS_PTR_STATUS(r);
+	ucs_status_t st;
+	for (int i = 0; i < 1000000; i++) {
+		ucp_worker_progress(w);
+		st = ucp_request_check_status(r);
+		if (st != UCS_INPROGRESS) break;
+	}
+	ucp_request_free(r);
+	return st;
+}
+
+static ucs_status_t kvu_mem_map(ucp_context_h ctx, uintptr_t addr, size_t len, int cuda, ucp_mem_h *memh) {
+	ucp_mem_map_params_t p;
+	memset(&p, 0, sizeof p);
+	p.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+		UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+	p.address = (void *)addr;
+	p.length = len;
+	p.memory_type = cuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
+	return ucp_mem_map(ctx, &p, memh);
+}
+
+// kvu_get posts one get. It returns 1 when the get completed at once
+// (status in *st), 0 when its completion will be counted in b, -1 on an
+// immediate error (in *st).
+static int kvu_get(ucp_ep_h ep, uintptr_t buf, size_t len, ucp_mem_h memh, uint64_t raddr, ucp_rkey_h rkey,
+		kvu_batch *b, ucs_status_t *st) {
+	ucp_request_param_t p;
+	memset(&p, 0, sizeof p);
+	p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
+	p.cb.send = kvu_batch_cb;
+	p.user_data = b;
+	p.memh = memh;
+	ucs_status_ptr_t r = ucp_get_nbx(ep, (void *)buf, len, raddr, rkey, &p);
+	if (r == NULL) { *st = UCS_OK; return 1; }
+	if (UCS_PTR_IS_ERR(r)) { *st = UCS_PTR_STATUS(r); return -1; }
+	return 0;
+}
+
+// kvu_worker_flush flushes w, progressing it at most spins times. It
+// returns UCS_INPROGRESS when the flush did not complete (the request is
+// then left to ucp_worker_destroy).
+static ucs_status_t kvu_worker_flush(ucp_worker_h w, int spins) {
+	ucp_request_param_t p;
+	memset(&p, 0, sizeof p);
+	ucs_status_ptr_t r = ucp_worker_flush_nbx(w, &p);
+	if (r == NULL) return UCS_OK;
+	if (UCS_PTR_IS_ERR(r)) return UCS_PTR_STATUS(r);
+	ucs_status_t st = UCS_INPROGRESS;
+	for (int i = 0; i < spins; i++) {
+		ucp_worker_progress(w);
+		st = ucp_request_check_status(r);
+		if (st != UCS_INPROGRESS) break;
+	}
+	ucp_request_free(r); // released by UCX once complete, if it is not yet
+	return st;
+}
+
+// kvu_flush posts an endpoint flush; like kvu_get.
+static int kvu_flush(ucp_ep_h ep, kvu_op *o, ucs_status_t *st) {
+	ucp_request_param_t p;
+	memset(&p, 0, sizeof p);
+	p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+	p.cb.send = kvu_op_cb;
+	p.user_data = o;
+	ucs_status_ptr_t r = ucp_ep_flush_nbx(ep, &p);
+	if (r == NULL) { *st = UCS_OK; return 1; }
+	if (UCS_PTR_IS_ERR(r)) { *st = UCS_PTR_STATUS(r); return -1; }
+	return 0;
+}
+*/
+import "C"
+
+import (
+	"errors"
+	"fmt"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"unsafe"
+)
+
+// Status is a UCX status code (ucs_status_t) as an error.
+type Status int
+
+// Error returns UCX's text for the status.
+func (s Status) Error() string {
+	return fmt.Sprintf("ucx: %s (%d)", C.GoString(C.ucs_status_string(C.ucs_status_t(s))), int(s))
+}
+
+// Is lets errors.Is match the package's sentinels: a cancelled request
+// matches ErrCanceled.
+func (s Status) Is(target error) bool {
+	return target == ErrCanceled && C.ucs_status_t(s) == C.UCS_ERR_CANCELED
+}
+
+func status(st C.ucs_status_t) error {
+	if st == C.UCS_OK {
+		return nil
+	}
+	return Status(st)
+}
+
+// context is one ucp_context (shared by the workers of a Sender or a
+// Receiver; UCP_PARAM_FIELD_MT_WORKERS_SHARED makes mem_map safe from any
+// thread).
+type context struct {
+	h         C.ucp_context_h
+	abandoned atomic.Int64 // workers abandoned (see settle): the context must outlive them
+}
+
+// abandoned counts the workers of this process abandoned instead of
+// destroyed (see worker.settle).
+var abandoned atomic.Int64
+
+// Abandoned returns how many UCX workers this process abandoned rather
+// than destroy: a revocation whose peer never finished its handshake
+// (UCX 1.13 cannot destroy such a worker). Each holds a few sockets and
+// some memory until the process exits; none is ever progressed again.
+func Abandoned() int64 { return abandoned.Load() }
+
+func newContext() (*context, error) {
+	var h C.ucp_context_h
+	if err := status(C.kvu_init(&h)); err != nil {
+		return nil, fmt.Errorf("ucx: ucp_init: %w", err)
+	}
+	return &context{h: h}, nil
+}
+
+// close releases the context, unless a worker of it was abandoned.
+func (c *context) close() {
+	if c.abandoned.Load() == 0 {
+		C.ucp_cleanup(c.h)
+	}
+}
+
+// memh is one registration (ucp_mem_map) of a run of contiguous memory.
+type memh struct {
+	h    C.ucp_mem_h
+	addr uintptr
+	len  int
+}
+
+func (c *context) memMap(addr uintptr, n int, cuda bool) (*memh, error) {
+	var h C.ucp_mem_h
+	cu := C.int(0)
+	if cuda {
+		cu = 1
+	}
+	if err := status(C.kvu_mem_map(c.h, C.uintptr_t(addr), C.size_t(n), cu, &h)); err != nil {
+		return nil, fmt.Errorf("ucx: ucp_mem_map of %d bytes: %w", n, err)
+	}
+	return &memh{h: h, addr: addr, len: n}, nil
+}
+
+// unmap revokes the registration: ucp_mem_unmap.
+func (c *context) unmap(m *memh) error {
+	if err := status(C.ucp_mem_unmap(c.h, m.h)); err != nil {
+		return fmt.Errorf("ucx: ucp_mem_unmap: %w", err)
+	}
+	return nil
+}
+
+// rkeyPack packs m's remote key (ucp_rkey_pack).
+func (c *context) rkeyPack(m *memh) ([]byte, error) {
+	var buf unsafe.Pointer
+	var n C.size_t
+	if err := status(C.ucp_rkey_pack(c.h, m.h, &buf, &n)); err != nil {
+		return nil, fmt.Errorf("ucx: ucp_rkey_pack: %w", err)
+	}
+	b := C.GoBytes(buf, C.int(n))
+	C.ucp_rkey_buffer_release(buf)
+	return b, nil
+}
+
+// worker is one ucp_worker in UCS_THREAD_MODE_SINGLE, driven by one
+// goroutine locked to its OS thread: every UCX call on the worker, its
+// endpoints and requests runs on that thread (do/call), and so do the
+// completion callbacks (inside ucp_worker_progress).
+type worker struct {
+	h    C.ucp_worker_h
+	efd  C.int
+	wake C.int
+
+	mu      sync.Mutex
+	queue   []task
+	stopped bool
+	exited  chan struct{}
+
+	// Owned by the worker's thread.
+	pollers []func() bool // run after each progress; true when finished
+	stop    bool
+	abandon bool // stop without ucp_worker_destroy (see settle)
+	ctx     *context
+}
+
+var errWorkerGone = errors.New("ucx: worker destroyed")
+
+// newWorker creates a worker and starts its thread.
+func (c *context) newWorker() (*worker, error) {
+	w := &worker{exited: make(chan struct{}), ctx: c}
+	ready := make(chan error, 1)
+	go w.loop(c, ready)
+	if err := <-ready; err != nil {
+		return nil, err
+	}
+	return w, nil
+}
+
+func (w *worker) loop(c *context, ready chan<- error) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	defer close(w.exited)
+	var efd C.int
+	if err := status(C.kvu_worker(c.h, &w.h, &efd)); err != nil {
+		ready <- fmt.Errorf("ucx: ucp_worker_create: %w", err)
+		return
+	}
+	w.efd = efd
+	w.wake = C.kvu_eventfd()
+	if w.wake < 0 {
+		C.ucp_worker_destroy(w.h)
+		ready <- errors.New("ucx: eventfd failed")
+		return
+	}
+	ready <- nil
+	for {
+		w.mu.Lock()
+		q := w.queue
+		w.queue = nil
+		w.mu.Unlock()
+		for _, t := range q {
+			t.f()
+		}
+		if w.stop {
+			break
+		}
+		C.kvu_progress(w.h)
+		live := w.pollers[:0]
+		for _, p := range w.pollers {
+			if !p() {
+				live = append(live, p)
+			}
+		}
+		clear(w.pollers[len(live):])
+		w.pollers = live
+		w.mu.Lock()
+		more := len(w.queue) > 0
+		w.mu.Unlock()
+		if more {
+			continue
+		}
+		if len(w.pollers) > 0 {
+			C.kvu_wait(w.h, w.efd, w.wake, 10)
+		} else {
+			C.kvu_wait(w.h, w.efd, w.wake, 200)
+		}
+	}
+	if w.abandon {
+		c.abandoned.Add(1)
+		abandoned.Add(1)
+	} else {
+		C.ucp_worker_destroy(w.h)
+	}
+	// Anything queued after the stop would run against a destroyed
+	// worker: it never runs; callers waiting in call are let go.
+	w.mu.Lock()
+	w.stopped = true
+	C.close(w.wake)
+	q := w.queue
+	w.queue = nil
+	w.mu.Unlock()
+	for _, t := range q {
+		if t.gone != nil {
+			t.gone()
+		}
+	}
+}
+
+// task is a function queued for the worker's thread; gone, if set, runs
+// instead when the worker was destroyed first.
+type task struct{ f, gone func() }
+
+// do queues f to run on the worker's thread. It reports false when the
+// worker is destroyed (f then never runs).
+func (w *worker) do(f func()) bool { return w.queueTask(task{f: f}) }
+
+func (w *worker) queueTask(t task) bool {
+	w.mu.Lock()
+	if w.stopped {
+		w.mu.Unlock()
+		return false
+	}
+	w.queue = append(w.queue, t)
+	C.kvu_wake(w.wake) // under mu: the fd closes only once stopped is set
+	w.mu.Unlock()
+	return true
+}
+
+// call runs f on the worker's thread and waits for it; errWorkerGone
+// when the worker was destroyed first.
+func (w *worker) call(f func()) error {
+	done := make(chan struct{})
+	ran := false
+	if !w.queueTask(task{f: func() { ran = true; f(); close(done) }, gone: func() { close(done) }}) {
+		return errWorkerGone
+	}
+	<-done
+	if !ran {
+		return errWorkerGone
+	}
+	return nil
+}
+
+// destroy stops the loop and destroys the worker (ucp_worker_destroy,
+// which closes its endpoints and frees its requests), then waits for the
+// thread to exit. After it returns no UCX callback of this worker can run.
+func (w *worker) destroy(before func()) {
+	if w.do(func() {
+		if before != nil {
+			before()
+		}
+		w.stop = true
+	}) {
+		<-w.exited
+	} else {
+		<-w.exited
+	}
+}
+
+// settle lets the worker finish its connection handshakes before it is
+// destroyed: a bounded worker flush. UCX 1.13 aborts the process when
+// ucp_worker_destroy purges a wireup reply still pending (the peer never
+// took it: it is stopped or hung). When the flush does not complete, the
+// worker is abandoned instead of destroyed: never progressed again
+// (nothing of it runs, so it serves no get), never freed. Worker thread
+// only.
+func (w *worker) settle() {
+	if C.kvu_worker_flush(w.h, 20000) == C.UCS_INPROGRESS {
+		w.abandon = true
+	}
+}
+
+// address returns the worker's address (ucp_worker_get_address). Worker
+// thread only.
+func (w *worker) address() ([]byte, error) {
+	var a *C.ucp_address_t
+	var n C.size_t
+	if err := status(C.ucp_worker_get_address(w.h, &a, &n)); err != nil {
+		return nil, fmt.Errorf("ucx: ucp_worker_get_address: %w", err)
+	}
+	b := C.GoBytes(unsafe.Pointer(a), C.int(n))
+	C.ucp_worker_release_address(w.h, a)
+	return b, nil
+}
+
+// endpoint is a ucp_ep with its error state. Worker thread only.
+type endpoint struct {
+	h   C.ucp_ep_h
+	err *C.kvu_ep // C memory: UCX's error handler writes it
+}
+
+func (w *worker) connect(addr []byte) (*endpoint, error) {
+	ca := C.CBytes(addr)
+	defer C.free(ca)
+	e := &endpoint{err: (*C.kvu_ep)(C.calloc(1, C.size_t(unsafe.Sizeof(C.kvu_ep{}))))}
+	if err := status(C.kvu_ep_create(w.h, ca, e.err, &e.h)); err != nil {
+		C.free(unsafe.Pointer(e.err))
+		return nil, fmt.Errorf("ucx: ucp_ep_create: %w", err)
+	}
+	return e, nil
+}
+
+// failed returns the endpoint's error, once UCX reported one.
+func (e *endpoint) failed() error {
+	if e.err.failed == 0 {
+		return nil
+	}
+	return fmt.Errorf("ucx: endpoint failed: %w", Status(e.err.status))
+}
+
+// close closes the endpoint (ucp_ep_close_nbx, forced or flushing) and
+// waits for the close to complete; the error state is freed afterwards.
+func (w *worker) closeEP(e *endpoint, force bool) error {
+	f := C.int(0)
+	if force {
+		f = 1
+	}
+	err := status(C.kvu_ep_close(w.h, e.h, f))
+	C.free(unsafe.Pointer(e.err))
+	e.err = nil
+	return err
+}
+
+// rkey is an unpacked remote key. Worker thread only.
+type rkey struct{ h C.ucp_rkey_h }
+
+func (e *endpoint) unpack(b []byte) (*rkey, error) {
+	cb := C.CBytes(b)
+	defer C.free(cb)
+	var h C.ucp_rkey_h
+	if err := status(C.ucp_ep_rkey_unpack(e.h, cb, &h)); err != nil {
+		return nil, fmt.Errorf("ucx: ucp_ep_rkey_unpack: %w", err)
+	}
+	return &rkey{h: h}, nil
+}
+
+func (k *rkey) destroy() { C.ucp_rkey_destroy(k.h) }
+
+// batch counts a group of requests' completions (C memory).
+type batch struct{ b *C.kvu_batch }
+
+func newBatch() batch {
+	return batch{(*C.kvu_batch)(C.calloc(1, C.size_t(unsafe.Sizeof(C.kvu_batch{}))))}
+}
+
+func (b batch) free()           { C.free(unsafe.Pointer(b.b)) }
+func (b batch) completed() int  { return int(b.b.completed) }
+func (b batch) failedN() int    { return int(b.b.failed) }
+func (b batch) firstErr() error { return status(b.b.first) }
+
+// get posts ucp_get_nbx of n bytes from raddr into local. It returns
+// whether it completed at once, and an immediate error.
+func (e *endpoint) get(local uintptr, n int, m *memh, raddr uint64, k *rkey, b batch) (bool, error) {
+	var st C.ucs_status_t
+	var mh C.ucp_mem_h
+	if m != nil {
+		mh = m.h
+	}
+	r := C.kvu_get(e.h, C.uintptr_t(local), C.size_t(n), mh, C.uint64_t(raddr), k.h, b.b, &st)
+	switch r {
+	case 1:
+		return true, nil
+	case 0:
+		return false, nil
+	}
+	return false, fmt.Errorf("ucx: ucp_get_nbx: %w", Status(st))
+}
+
+// op is one request we wait for (C memory).
+type op struct{ o *C.kvu_op }
+
+func newOp() op         { return op{(*C.kvu_op)(C.calloc(1, C.size_t(unsafe.Sizeof(C.kvu_op{}))))} }
+func (o op) free()      { C.free(unsafe.Pointer(o.o)) }
+func (o op) done() bool { return o.o.done != 0 }
+func (o op) err() error { return status(o.o.status) }
+
+// flush posts ucp_ep_flush_nbx; completion is recorded in o (done at once
+// when it returns true).
+func (e *endpoint) flush(o op) (bool, error) {
+	var st C.ucs_status_t
+	switch C.kvu_flush(e.h, o.o, &st) {
+	case 1:
+		o.o.done, o.o.status = 1, C.UCS_OK
+		return true, nil
+	case 0:
+		return false, nil
+	}
+	o.o.done, o.o.status = 1, st
+	return true, fmt.Errorf("ucx: ucp_ep_flush_nbx: %w", Status(st))
+}
+
+// flushWait flushes e and progresses the worker until the flush completes
+// (at most spins progress calls). Worker thread only.
+func (w *worker) flushWait(e *endpoint, spins int) error {
+	o := newOp()
+	done, err := e.flush(o)
+	for i := 0; !done && i < spins; i++ {
+		C.kvu_progress(w.h)
+		done = o.done()
+		if ferr := e.failed(); ferr != nil && !done {
+			// The flush's callback may still run: its state stays
+			// allocated (a few bytes) rather than freed under it.
+			return ferr
+		}
+	}
+	if !done {
+		return errors.New("ucx: endpoint flush did not complete")
+	}
+	defer o.free()
+	if err != nil {
+		return err
+	}
+	return o.err()
+}
+
+// progressOnce progresses the worker until it is idle. Worker thread only.
+func (w *worker) progressOnce() { C.kvu_progress(w.h) }
+
+// cbuf is C memory (the run table a source exposes, the copy a
+// destination reads it into): outside the Go heap, so UCX may hold it.
+type cbuf struct {
+	p unsafe.Pointer
+	n int
+}
+
+func newCbuf(n int) cbuf { return cbuf{p: C.malloc(C.size_t(max(n, 1))), n: n} }
+
+func (b cbuf) addr() uintptr { return uintptr(b.p) }
+func (b cbuf) bytes() []byte { return unsafe.Slice((*byte)(b.p), b.n) }
+func (b cbuf) free()         { C.free(b.p) }
+
+// getWait reads n bytes from raddr into b with one get and progresses
+// the worker until it completes (at most spins progress calls). Worker
+// thread only. On a get that did not complete, b and its completion
+// state must stay allocated: it reports false.
+func (w *worker) getWait(e *endpoint, b cbuf, raddr uint64, k *rkey, spins int) (bool, error) {
+	bt := newBatch()
+	done, err := e.get(b.addr(), b.n, nil, raddr, k, bt)
+	if err != nil {
+		bt.free()
+		return true, err
+	}
+	for i := 0; !done && bt.completed() == 0 && i < spins; i++ {
+		C.kvu_progress(w.h)
+		if e.failed() != nil && bt.completed() == 0 {
+			return false, e.failed()
+		}
+	}
+	if !done && bt.completed() == 0 {
+		return false, errors.New("ucx: get did not complete")
+	}
+	defer bt.free()
+	if bt.failedN() > 0 {
+		return true, fmt.Errorf("ucx: ucp_get_nbx: %w", bt.firstErr())
+	}
+	return true, nil
+}
