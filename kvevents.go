@@ -197,8 +197,8 @@ func (p *Pool[R]) SnapshotKVCache() (seq uint64, hashes []BlockHash) {
 	c := &p.core
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	hashes = make([]BlockHash, 0, len(c.index))
-	for h := range c.index {
+	hashes = make([]BlockHash, 0, c.index.len())
+	for h := range c.index.all() {
 		hashes = append(hashes, h)
 	}
 	slices.Sort(hashes)
@@ -226,14 +226,14 @@ func (p *Pool[R]) SnapshotKVBlocks(dst []KVEvent) (seq uint64, blocks []KVEvent)
 	defer c.mu.Unlock()
 	k := c.kv
 	rec := func(h BlockHash) (*kvBlockRecord, bool) {
-		id, ok := c.index[h]
+		id, ok := c.index.find(h)
 		if !ok || int(id) >= len(k.blocks) || k.blocks[id].hash != h {
 			return nil, false
 		}
 		return &k.blocks[id], true
 	}
-	hashes := make([]BlockHash, 0, len(c.index))
-	for h := range c.index {
+	hashes := make([]BlockHash, 0, c.index.len())
+	for h := range c.index.all() {
 		hashes = append(hashes, h)
 	}
 	slices.Sort(hashes) // deterministic order among unrelated chains

@@ -79,7 +79,7 @@ type core struct {
 	lruLen           int
 
 	counts [numClasses]int
-	index  map[BlockHash]BlockID // prefix index; nil until the first Seal
+	index  prefixIndex // BlockHash → the slot findable by it; its table made by the first Seal
 
 	waiters []*waiter // FIFO; waiters[head:] are queued
 	whead   int
@@ -132,6 +132,7 @@ func NewPool[R any](mem Memory[R], opts ...Option) (*Pool[R], error) {
 	c.cfg, c.obs = cfg, cfg.obs
 	c.slots = make([]slot, n)
 	c.pre = make([]prefixSlot, n)
+	c.index = newPrefixIndex(c.pre)
 	c.free = make([]BlockID, n)
 	for i := range c.free {
 		// Lowest ids on top: the first acquire gets block 0.
@@ -841,8 +842,9 @@ func (p *Pool[R]) Check() error {
 			}
 		}
 		if s.index {
-			if h := c.pre[i].hash; !s.sealed || c.index[h] != BlockID(i) {
-				bad("slot %d: marked indexed but index[%x]=%d sealed=%v", i, h, c.index[h], s.sealed)
+			h := c.pre[i].hash
+			if got, ok := c.index.find(h); !s.sealed || !ok || got != BlockID(i) {
+				bad("slot %d: marked indexed but index[%x]=%d (found %v) sealed=%v", i, h, got, ok, s.sealed)
 			}
 		}
 	}
@@ -885,7 +887,10 @@ func (p *Pool[R]) Check() error {
 	if n != c.lruLen || onLRUN != c.lruLen {
 		bad("LRU: %d linked, %d counted, %d slots cached", n, c.lruLen, onLRUN)
 	}
-	for h, id := range c.index {
+	if err := c.index.check(); err != nil {
+		bad("%v", err)
+	}
+	for h, id := range c.index.all() {
 		if s := &c.slots[id]; !s.index || c.pre[id].hash != h {
 			bad("index[%x] = slot %d, which is indexed=%v with hash %x", h, id, s.index, c.pre[id].hash)
 		}
