@@ -95,13 +95,17 @@ type core struct {
 	openLeases int
 	stats      counters
 
-	cfg    config
-	obs    Observer
-	kv     *kvEventLog // nil unless WithKVEvents
-	meta   []sealMeta  // verified mode: per-slot parent
-	tokens []int32     // verified mode: per-slot tokens, blockTokens each
-	stamp  uint32      // bumped per prefix probe
-	hook   offerer     // eviction hook (evict.go); nil without one
+	cfg config
+	obs Observer
+	// watchOpens: a leak check, an observer or a checked build wants to
+	// hear of every lease opened (fixed when the pool is made; one field
+	// test instead of three keeps opened inlinable).
+	watchOpens bool
+	kv         *kvEventLog // nil unless WithKVEvents
+	meta       []sealMeta  // verified mode: per-slot parent
+	tokens     []int32     // verified mode: per-slot tokens, blockTokens each
+	stamp      uint32      // bumped per prefix probe
+	hook       offerer     // eviction hook (evict.go); nil without one
 }
 
 type counters struct {
@@ -130,6 +134,7 @@ func NewPool[R any](mem Memory[R], opts ...Option) (*Pool[R], error) {
 	p := &Pool[R]{mem: mem}
 	c := &p.core
 	c.cfg, c.obs = cfg, cfg.obs
+	c.watchOpens = cfg.leakCheck || cfg.obs != nil || invariants.Enabled
 	c.slots = make([]slot, n)
 	c.pre = make([]prefixSlot, n)
 	c.index = newPrefixIndex(c.pre)
@@ -193,8 +198,11 @@ func (p *Pool[R]) Acquire(owner string, n int) (*Lease[R], error) {
 // acquire is Acquire and AcquirePrefix.
 func (p *Pool[R]) acquire(owner string, hashes []BlockHash, v *verifier, n int) (*Lease[R], int, error) {
 	c := &p.core
-	if err := c.precheck(owner, n); err != nil {
-		return nil, 0, c.reject(owner, n, err)
+	// precheck's argument tests, inline (the call cost 38 instructions a
+	// cycle); a closed pool is refused under the lock below, after them,
+	// and precheckErr keeps precheck's order of errors.
+	if owner == "" || n <= 0 || n > len(c.slots) {
+		return nil, 0, c.reject(owner, n, c.precheckErr(owner, n))
 	}
 	c.mu.Lock()
 	if c.closed.Load() {
@@ -350,12 +358,21 @@ func (c *core) compactWaiters() {
 // first that does not fit, and raises or clears the quarantine alert.
 // Called with c.mu held after anything that may have returned blocks or
 // changed the quarantine.
+//
+// serve itself is the test, small enough to inline into every release
+// (a call cost 17 instructions a cycle, callgrind); serveAll does the work.
 func (c *core) serve(ev *events) {
+	if c.whead != len(c.waiters) || (c.counts[classQuarantined] > c.alertLimit) != c.alerted {
+		c.serveAll(ev)
+	}
+}
+
+func (c *core) serveAll(ev *events) {
 	if (c.counts[classQuarantined] > c.alertLimit) != c.alerted {
 		c.quarantineAlert(ev)
 	}
 	if c.whead == len(c.waiters) {
-		return // nobody waits: the common case, kept inlinable
+		return
 	}
 	c.serveSlow(ev)
 }
@@ -538,7 +555,7 @@ func (c *core) opened(l *lease, hits int, ev *events) {
 	l.state = LeaseActive
 	c.openLeases++
 	c.stats.acquires++
-	if c.cfg.leakCheck || c.obs != nil || invariants.Enabled {
+	if c.watchOpens {
 		c.watchOpened(l, hits, ev)
 	}
 }
