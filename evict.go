@@ -49,8 +49,10 @@ func (p *Pool[R]) SetEvictHook(hook func(offered *Lease[R], hashes []BlockHash))
 type offerer interface {
 	// offerVictims offers what the cache can spare before the evicting
 	// fill takes its next victim (see core.offerVictim). Called with c.mu
-	// held; it must not call out.
-	offerVictims(need int, ev *events)
+	// held; it must not call out. It takes and returns the operation's
+	// event list rather than a pointer to its events, which an interface
+	// call would move to the heap on every acquire and release.
+	offerVictims(need int, list []observed) []observed
 }
 
 type evictHook[R any] struct {
@@ -71,7 +73,7 @@ type evictBatch[R any] struct {
 // offerVictim runs before a fill evicts a victim for itself, need being
 // the blocks the fill still has to hand out (this one included). Called
 // from takeFresh with c.mu held, the free stack empty.
-func (c *core) offerVictim(need int, ev *events) { c.hook.offerVictims(need, ev) }
+func (c *core) offerVictim(need int, ev *events) { ev.list = c.hook.offerVictims(need, ev.list) }
 
 // offerVictims offers the least recently used cached blocks, as long as
 // the cache keeps enough for the fill (more than need) and the operation
@@ -79,7 +81,8 @@ func (c *core) offerVictim(need int, ev *events) { c.hook.offerVictims(need, ev)
 // eviction a fill of need blocks offers up to need victims in a row, so
 // a chain evicted from its end reaches the next tier whole, then takes
 // the next need victims.
-func (h *evictHook[R]) offerVictims(need int, ev *events) {
+func (h *evictHook[R]) offerVictims(need int, list []observed) []observed {
+	ev := &events{list: list}
 	c := &h.p.core
 	var b *evictBatch[R]
 	for i := len(ev.list) - 1; i >= 0; i-- {
@@ -99,6 +102,7 @@ func (h *evictHook[R]) offerVictims(need int, ev *events) {
 	if b != nil {
 		b.taken++
 	}
+	return ev.list
 }
 
 // offerHead moves the least recently used cached block into batch b
@@ -111,7 +115,7 @@ func (h *evictHook[R]) offerHead(b *evictBatch[R], ev *events) *evictBatch[R] {
 	// Out of the index (never hit here again), but the content stays:
 	// sealed, at the same generation, held by the offered lease.
 	hash := c.pre[id].hash
-	delete(c.index, hash)
+	c.index.remove(hash, id)
 	if c.kv != nil {
 		c.kv.removed(hash)
 	}

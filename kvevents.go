@@ -238,8 +238,8 @@ func (p *Pool[R]) SnapshotKVCache() (seq uint64, hashes []BlockHash) {
 	c := &p.core
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	hashes = make([]BlockHash, 0, len(c.index))
-	for h := range c.index {
+	hashes = make([]BlockHash, 0, c.index.len())
+	for h := range c.index.all() {
 		hashes = append(hashes, h)
 	}
 	slices.Sort(hashes)
@@ -271,7 +271,7 @@ func (p *Pool[R]) SnapshotKVBlocks(dst []KVEvent) (seq uint64, blocks []KVEvent)
 		id BlockID
 	}
 	rec := func(h BlockHash) (recAt, bool) {
-		id, ok := c.index[h]
+		id, ok := c.index.find(h)
 		if !ok || int(id) >= len(k.blocks) || k.blocks[id].hash != h {
 			return recAt{}, false
 		}
@@ -281,10 +281,10 @@ func (p *Pool[R]) SnapshotKVBlocks(dst []KVEvent) (seq uint64, blocks []KVEvent)
 	// all of them up front, so the slices handed out stay put.
 	var tok []int32
 	if k.slotTok != nil {
-		tok = make([]int32, 0, len(c.index)*k.bt)
+		tok = make([]int32, 0, c.index.len()*k.bt)
 	}
-	hashes := make([]BlockHash, 0, len(c.index))
-	for h := range c.index {
+	hashes := make([]BlockHash, 0, c.index.len())
+	for h := range c.index.all() {
 		hashes = append(hashes, h)
 	}
 	slices.Sort(hashes) // deterministic order among unrelated chains

@@ -464,8 +464,7 @@ func (l *Lease[R]) Abort(cause error) {
 func (l *lease) close(abort bool, cause error) {
 	c := l.c
 	var ev events
-	var cancel [4]*Transfer
-	toCancel := cancel[:0]
+	var toCancel []*Transfer
 	c.mu.Lock()
 	if l.closed {
 		c.mu.Unlock()
@@ -473,7 +472,9 @@ func (l *lease) close(abort bool, cause error) {
 	}
 	l.closed = true
 	c.openLeases--
-	if x := l.extra; x != nil && x.watched {
+	// x is loaded once: nothing below, under the lock, sets l.extra.
+	x := l.extra
+	if x != nil && x.watched {
 		x.leak.Stop()
 		x.watched = false
 	}
@@ -484,15 +485,21 @@ func (l *lease) close(abort bool, cause error) {
 			ev.add(c.obs, Event{Kind: EventReleased, Owner: l.owner, Lease: l.id, Blocks: len(l.blocks)})
 		}
 	}
-	c.drop(l.blocks[l.first():])
+	from := 0 // l.first()
+	if x != nil {
+		from = x.trimmed
+	}
+	c.drop(l.blocks[from:])
 	if abort {
+		var cancel [4]*Transfer // zeroed only on this path
+		toCancel = cancel[:0]
 		for i := range l.natts {
 			if a := l.att(i); a.applied != TransferResolved {
 				toCancel = append(toCancel, a.t)
 			}
 		}
 	}
-	if l.pending|l.quarantined == 0 && l.state == LeaseActive && l.settledChan() == nil && c.obs == nil {
+	if l.pending|l.quarantined == 0 && l.state == LeaseActive && (x == nil || x.settled == nil) && c.obs == nil {
 		// Nothing gates it and nobody watches: Active → Settled directly.
 		l.state = LeaseSettled
 	} else {

@@ -98,7 +98,7 @@ type core struct {
 	lruLen           int
 
 	counts [numClasses]int
-	index  map[BlockHash]BlockID // prefix index; nil until the first Seal
+	index  prefixIndex // BlockHash → the slot findable by it; its table made by the first Seal
 
 	waiters []*waiter // FIFO; waiters[head:] are queued
 	whead   int
@@ -116,13 +116,17 @@ type core struct {
 	openLeases int
 	stats      counters
 
-	cfg    config
-	obs    Observer
-	kv     *kvEventLog // nil unless WithKVEvents
-	meta   []sealMeta  // verified mode: per-slot parent
-	tokens []int32     // verified mode: per-slot tokens, blockTokens each
-	stamp  uint32      // bumped per prefix probe
-	hook   offerer     // eviction hook (evict.go); nil without one
+	cfg config
+	obs Observer
+	// watchOpens: a leak check, an observer or a checked build wants to
+	// hear of every lease opened (fixed when the pool is made; one field
+	// test instead of three keeps opened inlinable).
+	watchOpens bool
+	kv         *kvEventLog // nil unless WithKVEvents
+	meta       []sealMeta  // verified mode: per-slot parent
+	tokens     []int32     // verified mode: per-slot tokens, blockTokens each
+	stamp      uint32      // bumped per prefix probe
+	hook       offerer     // eviction hook (evict.go); nil without one
 }
 
 type counters struct {
@@ -177,8 +181,10 @@ func NewPool[R any](mem Memory[R], opts ...Option) (*Pool[R], error) {
 	p := &Pool[R]{mem: mem}
 	c := &p.core
 	c.cfg, c.obs = cfg, cfg.obs
+	c.watchOpens = cfg.leakCheck || cfg.obs != nil || invariants.Enabled
 	c.slots = make([]slot, n)
 	c.pre = make([]prefixSlot, n)
+	c.index = newPrefixIndex(c.pre)
 	c.free = make([]BlockID, n)
 	for i := range c.free {
 		// Lowest ids on top: the first acquire gets block 0.
@@ -239,8 +245,11 @@ func (p *Pool[R]) Acquire(owner string, n int) (*Lease[R], error) {
 // acquire is Acquire and AcquirePrefix.
 func (p *Pool[R]) acquire(owner string, hashes []BlockHash, v *verifier, n int) (*Lease[R], int, error) {
 	c := &p.core
-	if err := c.precheck(owner, n); err != nil {
-		return nil, 0, c.reject(owner, n, err)
+	// precheck's argument tests, inline (the call cost 38 instructions a
+	// cycle); a closed pool is refused under the lock below, after them,
+	// and precheckErr keeps precheck's order of errors.
+	if owner == "" || n <= 0 || n > len(c.slots) {
+		return nil, 0, c.reject(owner, n, c.precheckErr(owner, n))
 	}
 	c.mu.Lock()
 	if c.closed.Load() {
@@ -396,12 +405,21 @@ func (c *core) compactWaiters() {
 // first that does not fit, and raises or clears the quarantine alert.
 // Called with c.mu held after anything that may have returned blocks or
 // changed the quarantine.
+//
+// serve itself is the test, small enough to inline into every release
+// (a call cost 17 instructions a cycle, callgrind); serveAll does the work.
 func (c *core) serve(ev *events) {
+	if c.whead != len(c.waiters) || (c.counts[classQuarantined] > c.alertLimit) != c.alerted {
+		c.serveAll(ev)
+	}
+}
+
+func (c *core) serveAll(ev *events) {
 	if (c.counts[classQuarantined] > c.alertLimit) != c.alerted {
 		c.quarantineAlert(ev)
 	}
 	if c.whead == len(c.waiters) {
-		return // nobody waits: the common case, kept inlinable
+		return
 	}
 	c.serveSlow(ev)
 }
@@ -585,7 +603,7 @@ func (c *core) opened(l *lease, hits int, ev *events) {
 	l.state = LeaseActive
 	c.openLeases++
 	c.stats.acquires++
-	if c.cfg.leakCheck || c.obs != nil || invariants.Enabled {
+	if c.watchOpens {
 		c.watchOpened(l, hits, ev)
 	}
 }
@@ -901,8 +919,9 @@ func (p *Pool[R]) Check() error {
 			}
 		}
 		if s.index {
-			if h := c.pre[i].hash; !s.sealed || c.index[h] != BlockID(i) {
-				bad("slot %d: marked indexed but index[%x]=%d sealed=%v", i, h, c.index[h], s.sealed)
+			h := c.pre[i].hash
+			if got, ok := c.index.find(h); !s.sealed || !ok || got != BlockID(i) {
+				bad("slot %d: marked indexed but index[%x]=%d (found %v) sealed=%v", i, h, got, ok, s.sealed)
 			}
 		}
 	}
@@ -945,7 +964,10 @@ func (p *Pool[R]) Check() error {
 	if n != c.lruLen || onLRUN != c.lruLen {
 		bad("LRU: %d linked, %d counted, %d slots cached", n, c.lruLen, onLRUN)
 	}
-	for h, id := range c.index {
+	if err := c.index.check(); err != nil {
+		bad("%v", err)
+	}
+	for h, id := range c.index.all() {
 		if s := &c.slots[id]; !s.index || c.pre[id].hash != h {
 			bad("index[%x] = slot %d, which is indexed=%v with hash %x", h, id, s.index, c.pre[id].hash)
 		}

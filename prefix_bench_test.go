@@ -11,6 +11,7 @@ import (
 	"github.com/cespare/xxhash/v2"
 
 	"github.com/kvlease/kvlease/bench/trace"
+	"github.com/kvlease/kvlease/internal/benchswitch"
 )
 
 var sink uint64
@@ -237,24 +238,109 @@ func (r *prodReplay) request(b *testing.B) {
 	r.looks += int64(len(look))
 }
 
+// newProdReplayMapIndex is newProdReplay with the pool's prefix index in a
+// Go map, as before issue 16 (benchswitch.MapIndex, read when the pool is
+// made).
+func newProdReplayMapIndex(b *testing.B, live int) *prodReplay {
+	benchswitch.MapIndex.Store(true)
+	defer benchswitch.MapIndex.Store(false)
+	return newProdReplay(b, live)
+}
+
+// prodSlots is the per-block floor of the production replay: the same
+// requests' blocks handed out and given back by the slot list (a
+// generation bumped and checked per block, no prefix cache) over the same
+// 262,144 slots with the same number live. It counts its block ops (each
+// block popped or pushed counts one).
+type prodSlots struct {
+	sl   *slotList
+	ring [][]BlockRef
+	next int
+	ops  int64
+}
+
+func newProdSlots(live int) *prodSlots {
+	return &prodSlots{sl: newSlotList(262144), ring: make([][]BlockRef, live)}
+}
+
+func (s *prodSlots) request(b *testing.B) {
+	w := prodTrace()
+	n := w.blocks[s.next%len(w.blocks)]
+	slot := s.next % len(s.ring)
+	s.next++
+	if refs := s.ring[slot]; len(refs) > 0 {
+		if !s.sl.push(refs) {
+			b.Fatal("slot list: stale ref")
+		}
+		s.ops += int64(len(refs))
+	}
+	refs := s.ring[slot]
+	if cap(refs) < n {
+		refs = make([]BlockRef, 0, n)
+	}
+	s.ring[slot] = s.sl.pop(refs, n)
+	s.ops += int64(n)
+}
+
 // BenchmarkProductionReplay is the replay issue 16 shapes after
 // production traffic: prompts of about 12,000 tokens (≈ 750 blocks), a
 // 262,144-block pool, 128 requests live, the pool kept full of cached
 // blocks so that nearly every fresh block evicts one. One op is one
 // request; ns/block-op is the pool's time per block operation (acquire,
 // hit, seal, release and evict each count one). Target: ≤ 15 ns.
+//
+// alone runs the replay by itself. paired runs two floors interleaved
+// with it (see interleave), each on its own warmed pool (so the three
+// share the cache, and each round starts colder than alone): the same replay with the prefix index in a Go map, as
+// before issue 16 (map-index-ns/block-op, x-map-index: below 1 is faster),
+// and the slot list handing out and taking back the same requests' blocks
+// without a prefix cache (slots-ns/block-op per block popped or pushed,
+// x-slots: ns/block-op over it).
 func BenchmarkProductionReplay(b *testing.B) {
+	b.Run("alone", func(b *testing.B) {
+		r := newProdReplay(b, 128)
+		ev0 := r.p.Stats().Evictions
+		b.ReportAllocs()
+		b.ResetTimer()
+		for range b.N {
+			r.request(b)
+		}
+		b.StopTimer()
+		ev := int64(r.p.Stats().Evictions - ev0)
+		ops := r.ops + ev
+		b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(ops), "ns/block-op")
+		b.ReportMetric(float64(ops)/float64(b.N), "block-ops/op")
+		b.ReportMetric(100*float64(r.hits)/float64(r.looks), "hit%")
+		b.ReportMetric(float64(ev)/float64(b.N), "evict/op")
+	})
+	b.Run("paired", benchProductionPaired)
+}
+
+func benchProductionPaired(b *testing.B) {
 	r := newProdReplay(b, 128)
-	ev0 := r.p.Stats().Evictions
-	b.ReportAllocs()
-	b.ResetTimer()
-	for range b.N {
-		r.request(b)
+	old := newProdReplayMapIndex(b, 128)
+	sl := newProdSlots(128)
+	for range len(prodTrace().blocks) {
+		sl.request(b)
 	}
-	b.StopTimer()
+	sl.ops = 0
+	ev0, oev0 := r.p.Stats().Evictions, old.p.Stats().Evictions
+	b.ReportAllocs()
+	spent := interleave(b, func() { r.request(b) }, func() { old.request(b) }, func() { sl.request(b) })
 	ev := int64(r.p.Stats().Evictions - ev0)
 	ops := r.ops + ev
-	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(ops), "ns/block-op")
+	oops := old.ops + int64(old.p.Stats().Evictions-oev0)
+	if oops != ops {
+		b.Fatalf("the map index replay did %d block ops, the flat one %d", oops, ops)
+	}
+	ns := float64(b.Elapsed().Nanoseconds()) / float64(ops)
+	mapNs := float64(spent[0].Nanoseconds()) / float64(oops)
+	slotNs := float64(spent[1].Nanoseconds()) / float64(sl.ops)
+	b.ReportMetric(ns, "ns/block-op")
+	b.ReportMetric(mapNs, "map-index-ns/block-op")
+	b.ReportMetric(ns/mapNs, "x-map-index")
+	b.ReportMetric(slotNs, "slots-ns/block-op")
+	b.ReportMetric(ns/slotNs, "x-slots")
 	b.ReportMetric(float64(ops)/float64(b.N), "block-ops/op")
 	b.ReportMetric(100*float64(r.hits)/float64(r.looks), "hit%")
 	b.ReportMetric(float64(ev)/float64(b.N), "evict/op")

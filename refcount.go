@@ -74,17 +74,13 @@ func (l *lease) sealLocked(i int, h BlockHash, st *sealTokens, ev *events) error
 	}
 	s.sealed, c.pre[id].hash = true, h
 	c.recordSeal(id, st)
-	if c.index == nil {
-		c.index = make(map[BlockHash]BlockID)
-	}
-	if _, taken := c.index[h]; taken {
+	if !c.index.insert(h, id) {
 		c.stats.duplicateSeals++
 		if c.obs != nil {
 			ev.add(c.obs, Event{Kind: EventDuplicateSeal, Owner: l.owner, Lease: l.id, Blocks: 1})
 		}
 		return nil
 	}
-	c.index[h] = id
 	s.index = true
 	if c.kv != nil {
 		c.kv.sealed(c, l, i, id, h, st)
@@ -201,12 +197,12 @@ func (p *Pool[R]) ResetCache(mode ...ResetMode) int {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	n := 0
-	quiet := c.kv != nil && (c.lruLen == len(c.index) || all)
+	quiet := c.kv != nil && (c.lruLen == c.index.len() || all)
 	for c.lruHead != nilID {
 		id := c.lruHead
 		c.lruRemove(id)
 		s := &c.slots[id]
-		delete(c.index, c.pre[id].hash)
+		c.index.remove(c.pre[id].hash, id)
 		if c.kv != nil && !quiet {
 			c.kv.removed(c.pre[id].hash)
 		}
@@ -220,11 +216,11 @@ func (p *Pool[R]) ResetCache(mode ...ResetMode) int {
 	}
 	if all {
 		// What is left is in use: unfindable from now on, still sealed.
-		for h, id := range c.index {
-			delete(c.index, h)
+		for _, id := range c.index.all() {
 			c.slots[id].index = false
 			n++
 		}
+		c.index.clear()
 	}
 	if quiet && n > 0 {
 		c.kv.cleared()
@@ -283,12 +279,12 @@ func (c *core) probe(hashes []BlockHash, v *verifier) int {
 // capacity, so the caller's stack buffer never grows), sparing the caller
 // a second lookup.
 func (c *core) probeIDs(hashes []BlockHash, v *verifier, ids []BlockID) (int, []BlockID) {
-	if c.index == nil {
+	if c.index.len() == 0 {
 		return 0, ids
 	}
 	c.stamp++
 	for k, h := range hashes {
-		id, ok := c.index[h]
+		id, ok := c.index.find(h)
 		if !ok {
 			return k, ids
 		}
@@ -373,13 +369,14 @@ func (c *core) hitID(ids []BlockID, hashes []BlockHash, k int) BlockID {
 	if k < len(ids) {
 		return ids[k]
 	}
-	return c.index[hashes[k]]
+	id, _ := c.index.find(hashes[k])
+	return id
 }
 
 // evict takes a cached block out of the prefix index: its content is
 // forfeit. Called with c.mu held, the block already off the LRU.
 func (c *core) evict(id BlockID) {
-	delete(c.index, c.pre[id].hash)
+	c.index.remove(c.pre[id].hash, id)
 	if c.kv != nil {
 		c.kv.removed(c.pre[id].hash)
 	}

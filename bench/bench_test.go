@@ -370,7 +370,7 @@ func newPrefixWorkload(reqs, shared, unique int) *prefixWorkload {
 
 // cycle is one request: AcquirePrefix, seal what missed, release. With
 // chain it hashes the prompt first, as an engine does per request.
-func (w *prefixWorkload) cycle(b *testing.B, p *kvlease.Pool[[]byte], r int, chain bool) {
+func (w *prefixWorkload) cycle(b testing.TB, p *kvlease.Pool[[]byte], r int, chain bool) {
 	hs := w.hashes[r%len(w.hashes)]
 	if chain {
 		hs = kvlease.ChainHashes(1, w.tokens[r%len(w.tokens)], blockTokens)

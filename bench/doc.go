@@ -52,10 +52,15 @@
 //     ~750-block prompts, a 262,144-block pool, 128 live requests, nearly
 //     every fresh block evicting): ≤ 15 ns of pool time per block
 //     operation; the pool time of a prefix-heavy replay ≥ 2.5× faster than
-//     with the old map index, measured in the same run.
+//     with the old map index, measured in the same run
+//     (BenchmarkReplayIndex, replay.KVLeaseMapIndex).
+//   - EvictionChurn per block ≤ 2× an unsealed lease cycle, AcquirePrefix
+//     per hit block ≤ 10 ns (root package).
 //   - Trace replay (bench/replay, go run ./bench/cmd/replay): at least 10⁶
 //     block operations per second.
 //
 // The trace format and its generator live in bench/trace; the replaying
-// engine in bench/replay; README.md has the measured table.
+// engine in bench/replay; bench/instr/instr.py takes callgrind
+// instruction counts, which do not depend on the machine's load;
+// README.md has the measured tables.
 package bench
