@@ -23,9 +23,12 @@ import (
 // Resolve(nil) (every wanted block arrived intact and nothing of ours
 // writes them any more); the lease is then the OnDelivered callback's.
 // Failed is its transfer's Resolve(err): the lease is released. Abort
-// (either side, or the control connection lost) aborts the lease, whose
-// blocks drain until the plane proves it stopped writing; a transfer
-// with no evidence by the deadline is quarantined until late evidence.
+// (either side) aborts the lease, whose blocks drain until the plane
+// proves it stopped writing; a transfer with no evidence by the deadline
+// is quarantined until late evidence. Losing the control connection
+// aborts what had not started and asks a started transfer to stop: it
+// is not evidence, so the plane's own decides (Failed when the data
+// stopped short).
 type Destination[R any] struct {
 	pool  *kvlease.Pool[R]
 	plane RecvPlane[R]
@@ -45,6 +48,11 @@ type DestinationConfig[R any] struct {
 	// OnFinal, if set, is called once for every handoff that becomes
 	// final (after OnDelivered for a delivered one).
 	OnFinal func(*Incoming[R])
+	// OnAccept, if set, receives each accepted handoff before its Accept
+	// is sent, so the caller holds the handle (to Abort it, say when the
+	// client goes away) before any block can move. It runs on the
+	// connection's read loop: it must not block.
+	OnAccept func(*Incoming[R])
 }
 
 // NewDestination returns the destination half over pool and plane. The
@@ -76,9 +84,9 @@ type session[R any] struct {
 
 // Serve serves one control connection until it ends, and returns why
 // (io.EOF for a clean close, an error wrapping ErrProtocol for a malformed
-// frame). When it returns, every handoff of the connection that was not
-// final is aborted (ErrConnLost): its blocks drain until the plane's
-// evidence.
+// frame). When it returns, every handoff of the connection that had not
+// started is aborted (ErrConnLost); a started one is asked to stop and
+// ends by its plane's evidence: Failed when its data stopped short.
 func (d *Destination[R]) Serve(conn net.Conn) error {
 	s := &session[R]{d: d, c: newCtrl(conn, d.cfg.FrameTimeout), id: sessions.Add(1), in: make(map[uint64]*Incoming[R])}
 	for {
@@ -127,8 +135,26 @@ func (s *session[R]) end(cause error) {
 	}
 	s.mu.Unlock()
 	for _, in := range all {
-		_ = in.abort(s.d.cfg.Name, s.lost, false)
+		in.connLost(s.lost)
 	}
+}
+
+// connLost ends a handoff whose control connection is gone. One not yet
+// started is aborted (its lease's blocks return at once). A started one
+// is not: losing the source's word is not evidence about our memory. Its
+// transfer is asked to stop, and the plane's evidence decides: Failed
+// when it stopped short (a dead peer's data connection dies too), or
+// Delivered when every block had already arrived intact.
+func (in *Incoming[R]) connLost(lost error) {
+	in.mu.Lock()
+	if in.state == Transferring || in.state == Aborting || in.state == Quarantined {
+		t := in.t
+		in.mu.Unlock()
+		t.Cancel()
+		return
+	}
+	in.mu.Unlock()
+	_ = in.abort(in.s.d.cfg.Name, lost, false)
 }
 
 // Incoming is one handoff seen from the destination. All methods are safe
@@ -202,6 +228,9 @@ func (s *session[R]) propose(m *ProposeMsg) {
 	}
 	in.fire(d.cfg.Name, EventAccept, nil)
 	in.mu.Unlock()
+	if d.cfg.OnAccept != nil {
+		d.cfg.OnAccept(in)
+	}
 	if err := s.c.send(&AcceptMsg{ID: m.ID, From: uint32(in.from), Plane: accept}); err != nil {
 		_ = s.c.c.Close() // the read loop ends the session
 	}

@@ -79,6 +79,10 @@ type Config struct {
 	// WrapConn, if set, wraps every data connection (tests use it to
 	// observe or break the stream).
 	WrapConn func(net.Conn) net.Conn
+	// OnError, if set, is told why the receiver refused a data
+	// connection (garbage, half a hello, an unknown token): an error
+	// wrapping ErrCorrupt. A refusal changes nothing else.
+	OnError func(error)
 }
 
 func (c *Config) defaults() {
@@ -334,11 +338,14 @@ func (r *Receiver) untrack(c net.Conn) {
 	_ = c.Close()
 }
 
-func (r *Receiver) refuse(raw net.Conn) {
+func (r *Receiver) refuse(raw net.Conn, why error) {
 	r.untrack(raw)
 	r.stats.mu.Lock()
 	r.stats.s.Refused++
 	r.stats.mu.Unlock()
+	if r.cfg.OnError != nil {
+		r.cfg.OnError(fmt.Errorf("tcp: data connection from %v refused: %w", raw.RemoteAddr(), why))
+	}
 }
 
 // hello reads and checks a data connection's hello, then hands it to its
@@ -347,8 +354,12 @@ func (r *Receiver) refuse(raw net.Conn) {
 func (r *Receiver) hello(c, raw net.Conn) {
 	var h [helloLength]byte
 	_ = c.SetReadDeadline(time.Now().Add(r.cfg.HelloTimeout))
-	if _, err := io.ReadFull(c, h[:]); err != nil || h[0] != 'K' || h[1] != 'D' || h[2] != version {
-		r.refuse(raw)
+	if n, err := io.ReadFull(c, h[:]); err != nil {
+		r.refuse(raw, fmt.Errorf("half a hello (%d of %d bytes): %w (%w)", n, helloLength, ErrCorrupt, err))
+		return
+	}
+	if h[0] != 'K' || h[1] != 'D' || h[2] != version {
+		r.refuse(raw, fmt.Errorf("hello starts %q, want \"KD\" version %d: %w", h[:3], version, ErrCorrupt))
 		return
 	}
 	_ = c.SetReadDeadline(time.Time{})
@@ -364,7 +375,7 @@ func (r *Receiver) hello(c, raw net.Conn) {
 	}
 	r.mu.Unlock()
 	if s == nil {
-		r.refuse(raw)
+		r.refuse(raw, fmt.Errorf("hello for %d blocks names no prepared handoff: %w", blocks, ErrCorrupt))
 		return
 	}
 	s.conn <- connPair{c, raw}.pack()
