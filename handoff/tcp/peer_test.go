@@ -20,6 +20,7 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"runtime/pprof"
 	"strconv"
 	"strings"
 	"sync"
@@ -62,6 +63,9 @@ type peerConfig struct {
 	// Bench (dest): no marker checks, leases released on delivery; the
 	// peer also serves a raw sink and an echo for the baselines.
 	Bench bool
+	// Profile, if set, is where the peer writes its CPU profile (until
+	// "exit").
+	Profile string
 }
 
 // envFor is the envelope of the tests: blocks of 16 tokens, a context of
@@ -251,6 +255,20 @@ func runPeer(spec string) int {
 	}
 	if cfg.Deadline == 0 {
 		cfg.Deadline = bound
+	}
+	if cfg.Profile != "" {
+		f, err := os.Create(cfg.Profile)
+		if err == nil {
+			err = pprof.StartCPUProfile(f)
+		}
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 2
+		}
+		defer func() {
+			pprof.StopCPUProfile()
+			_ = f.Close()
+		}()
 	}
 	var outMu sync.Mutex
 	out := bufio.NewWriter(os.Stdout)
@@ -516,9 +534,11 @@ func destPeer(cfg peerConfig, pool *kvlease.Pool[[]byte], ctl *ctlConn, half han
 	}, nil
 }
 
+var sinkBuf []byte // the sink's destination area (one copy at a time)
+
 // benchServers serves the baselines of the benchmarks in the peer
 // process: a raw sink (reads a 4-byte length, then that many bytes into
-// one reused buffer, then answers one byte) and an echo of 64-byte
+// a destination area of that size, then answers one byte) and an echo of 64-byte
 // messages. It reports their addresses.
 func benchServers(say func(string, ...any)) error {
 	sink, err := net.Listen("tcp", "127.0.0.1:0")
@@ -537,18 +557,20 @@ func benchServers(say func(string, ...any)) error {
 			}
 			go func() {
 				defer c.Close()
-				buf := make([]byte, 64<<10)
 				var hdr [4]byte
 				for {
 					if _, err := io.ReadFull(c, hdr[:]); err != nil {
 						return
 					}
-					for left := int(uint32(hdr[0]) | uint32(hdr[1])<<8 | uint32(hdr[2])<<16 | uint32(hdr[3])<<24); left > 0; {
-						n, err := c.Read(buf[:min(left, len(buf))])
-						if err != nil {
-							return
-						}
-						left -= n
+					// Into a destination area as large as the copy (as a
+					// handoff writes its blocks), reused from copy to copy
+					// (as the pool's memory is).
+					n := int(uint32(hdr[0]) | uint32(hdr[1])<<8 | uint32(hdr[2])<<16 | uint32(hdr[3])<<24)
+					if len(sinkBuf) < n {
+						sinkBuf = make([]byte, n)
+					}
+					if _, err := io.ReadFull(c, sinkBuf[:n]); err != nil {
+						return
 					}
 					if _, err := c.Write(hdr[:1]); err != nil {
 						return
@@ -643,6 +665,22 @@ func startPeer(t testing.TB, cfg peerConfig) *peer {
 	}()
 	t.Cleanup(func() { p.kill() })
 	return p
+}
+
+// stop asks the peer to exit, waits for it (within bound), and reaps it.
+func (p *peer) stop() {
+	_, _ = fmt.Fprintln(p.stdin, "exit")
+	done := make(chan struct{})
+	go func() {
+		for range p.lines {
+		}
+		close(done)
+	}()
+	select {
+	case <-done:
+	case <-time.After(bound):
+	}
+	p.kill()
 }
 
 // kill kills (SIGKILL, also when stopped) and reaps the peer.

@@ -62,9 +62,10 @@ var (
 )
 
 const (
-	version     = 1
-	helloLength = 2 + 1 + 16 + 4 + 4
-	frameHeader = 12
+	version      = 1
+	helloLength  = 2 + 1 + 16 + 4 + 4
+	frameHeader  = 8 // index, length
+	frameTrailer = 4 // crc32c
 )
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
@@ -220,25 +221,43 @@ func (s *Sender) write(conn net.Conn, tok [16]byte, regions [][]byte, cancel *at
 	if _, err := conn.Write(h); err != nil {
 		return 0, fmt.Errorf("tcp: hello: %w", err)
 	}
-	var fh [frameHeader]byte
+	// One gathered write per block (writev on a *net.TCPConn): the
+	// previous block's checksum, this block's header, the region itself.
+	// The checksum is computed right after the write, over bytes still in
+	// cache, which is why it trails its block. The small buffers and the
+	// vector are allocated once per transfer, not per block; one block
+	// per write keeps a cancel honoured at the next block boundary.
+	meta := new([frameTrailer + frameHeader]byte) // trailer of block i-1, header of block i
+	iov := new([2][]byte)
+	var bufs net.Buffers
 	var n int64
 	for i, r := range regions {
 		if cancel.Load() {
 			return n, fmt.Errorf("tcp: stopped before block %d of %d: %w", i, len(regions), ErrCanceled)
 		}
-		binary.LittleEndian.PutUint32(fh[0:], uint32(i))
-		binary.LittleEndian.PutUint32(fh[4:], uint32(len(r)))
-		binary.LittleEndian.PutUint32(fh[8:], crc32.Checksum(r, castagnoli))
-		if _, err := conn.Write(fh[:]); err != nil {
+		binary.LittleEndian.PutUint32(meta[frameTrailer:], uint32(i))
+		binary.LittleEndian.PutUint32(meta[frameTrailer+4:], uint32(len(r)))
+		iov[0], iov[1] = meta[:], r
+		if i == 0 {
+			iov[0] = meta[frameTrailer:]
+		}
+		bufs = iov[:]
+		if _, err := bufs.WriteTo(conn); err != nil {
 			return n, fmt.Errorf("tcp: block %d of %d: %w", i, len(regions), err)
 		}
-		if _, err := conn.Write(r); err != nil {
-			return n, fmt.Errorf("tcp: block %d of %d: %w", i, len(regions), err)
-		}
+		binary.LittleEndian.PutUint32(meta[:], crc32.Checksum(r, castagnoli))
 		n += int64(len(r))
+	}
+	if len(regions) > 0 {
+		if _, err := conn.Write(meta[:frameTrailer]); err != nil {
+			return n, fmt.Errorf("tcp: checksum of block %d of %d: %w", len(regions)-1, len(regions), err)
+		}
 	}
 	return n, nil
 }
+
+// batchBlocks is the most blocks one scattered read fills.
+const batchBlocks = 16
 
 // Finish implements handoff.SendPlane: a push plane has its own evidence.
 func (s *Sender) Finish(handoff.PlaneID, error) {}
@@ -496,31 +515,108 @@ func (r *Receiver) dropSlot(s *slot) {
 	}
 }
 
+// read receives the blocks into regions: each frame's header into a
+// small buffer, its block straight into its region, several frames per
+// system call where the connection allows (readv). Each header is
+// checked when it is complete, each block's checksum follows its bytes
+// as they arrive (no second pass) and is checked when the block is.
+// Cancel is honoured before each read; a read in progress is not
+// interrupted.
 func (r *Receiver) read(c net.Conn, regions [][]byte, cancel <-chan struct{}) (int64, error) {
-	var fh [frameHeader]byte
+	const metaLen = frameHeader + frameTrailer
+	k := min(len(regions), batchBlocks)
+	metas := make([]byte, metaLen*k) // block b's header and trailer in slot b%k
+	meta := func(b int) []byte { return metas[metaLen*(b%k) : metaLen*(b%k+1)] }
+	sc := newScatter(c, 3*k)
+	bufs := make([][]byte, 0, 3*k)
 	var n int64
-	for i, dst := range regions {
+	i, pos := 0, 0 // the current block, and how far into its frame we are
+	var got uint32 // its checksum so far
+	for i < len(regions) {
 		select {
 		case <-cancel:
 			return n, fmt.Errorf("tcp: stopped before block %d of %d: %w", i, len(regions), ErrCanceled)
 		default:
 		}
-		if _, err := io.ReadFull(c, fh[:]); err != nil {
-			return n, fmt.Errorf("tcp: block %d of %d: header: %w", i, len(regions), err)
+		bufs = bufs[:0]
+		for b := i; b < min(len(regions), i+k); b++ {
+			p := 0
+			if b == i {
+				p = pos
+			}
+			m, body := meta(b), len(regions[b])
+			if p < frameHeader {
+				bufs = append(bufs, m[p:frameHeader])
+				p = frameHeader
+			}
+			if p < frameHeader+body {
+				bufs = append(bufs, regions[b][p-frameHeader:])
+				p = frameHeader + body
+			}
+			bufs = append(bufs, m[frameHeader+p-frameHeader-body:])
 		}
-		idx, ln, sum := binary.LittleEndian.Uint32(fh[0:]), binary.LittleEndian.Uint32(fh[4:]), binary.LittleEndian.Uint32(fh[8:])
-		if int(idx) != i || int(ln) != len(dst) {
-			return n, fmt.Errorf("tcp: block %d of %d: frame says block %d of %d bytes, want %d: %w", i, len(regions), idx, ln, len(dst), ErrCorrupt)
+		m, err := sc.read(bufs)
+		if m == 0 && err == nil {
+			err = io.ErrNoProgress
 		}
-		if _, err := io.ReadFull(c, dst); err != nil {
-			return n, fmt.Errorf("tcp: block %d of %d: %w", i, len(regions), err)
+		for m > 0 {
+			dst := regions[i]
+			bodyEnd := frameHeader + len(dst)
+			switch {
+			case pos < frameHeader:
+				t := min(m, frameHeader-pos)
+				pos, m = pos+t, m-t
+				if pos < frameHeader {
+					continue
+				}
+				h := meta(i)
+				if idx, ln := binary.LittleEndian.Uint32(h[0:]), binary.LittleEndian.Uint32(h[4:]); int(idx) != i || int(ln) != len(dst) {
+					return n, fmt.Errorf("tcp: block %d of %d: frame says block %d of %d bytes, want %d: %w", i, len(regions), idx, ln, len(dst), ErrCorrupt)
+				}
+			case pos < bodyEnd:
+				off := pos - frameHeader
+				t := min(m, len(dst)-off)
+				got = crc32.Update(got, castagnoli, dst[off:off+t])
+				pos, m = pos+t, m-t
+			default:
+				t := min(m, bodyEnd+frameTrailer-pos)
+				pos, m = pos+t, m-t
+				if pos < bodyEnd+frameTrailer {
+					continue
+				}
+				if sum := binary.LittleEndian.Uint32(meta(i)[frameHeader:]); got != sum {
+					return n, fmt.Errorf("tcp: block %d of %d: crc32c %08x, frame says %08x: %w", i, len(regions), got, sum, ErrCorrupt)
+				}
+				n += int64(len(dst))
+				i, pos, got = i+1, 0, 0
+			}
 		}
-		if got := crc32.Checksum(dst, castagnoli); got != sum {
-			return n, fmt.Errorf("tcp: block %d of %d: crc32c %08x, frame says %08x: %w", i, len(regions), got, sum, ErrCorrupt)
+		if err != nil && i < len(regions) {
+			if err == io.EOF {
+				err = io.ErrUnexpectedEOF
+			}
+			return n, fmt.Errorf("tcp: block %d of %d: %d of %d frame bytes: %w", i, len(regions), pos, frameHeader+len(regions[i])+frameTrailer, err)
 		}
-		n += int64(len(dst))
 	}
 	return n, nil
+}
+
+// scatter reads into a sequence of buffers, filling them in order; it
+// returns how many bytes it read (perhaps fewer than they hold).
+type scatter interface {
+	read(bufs [][]byte) (int, error)
+}
+
+// plainScatter reads into the first buffer with one Read.
+type plainScatter struct{ c net.Conn }
+
+func (s plainScatter) read(bufs [][]byte) (int, error) {
+	for _, b := range bufs {
+		if len(b) > 0 {
+			return s.c.Read(b)
+		}
+	}
+	return 0, nil
 }
 
 // Stats returns what the receiver did.
