@@ -59,6 +59,9 @@ var (
 	ErrCorrupt = errors.New("tcp: corrupt data frame")
 	// ErrClosed is the outcome of transfers stopped by Close.
 	ErrClosed = errors.New("tcp: plane closed")
+	// ErrNoData is the outcome of a receive whose data connection did not
+	// arrive within Config.HelloTimeout: nothing was written.
+	ErrNoData = errors.New("tcp: data connection never came")
 )
 
 const (
@@ -75,7 +78,8 @@ type Config struct {
 	// DialTimeout bounds the sender's dial (5 s when zero).
 	DialTimeout time.Duration
 	// HelloTimeout bounds the receiver's wait for a data connection's
-	// hello once it is accepted (5 s when zero).
+	// hello once it is accepted, and a Receive's wait for its data
+	// connection (5 s when zero).
 	HelloTimeout time.Duration
 	// WrapConn, if set, wraps every data connection (tests use it to
 	// observe or break the stream).
@@ -486,6 +490,8 @@ func (r *Receiver) Receive(id handoff.PlaneID, regions [][]byte, _ []byte, attac
 		defer r.wg.Done()
 		var n int64
 		var err error
+		wait := time.NewTimer(r.cfg.HelloTimeout)
+		defer wait.Stop()
 		select {
 		case c := <-s.conn:
 			p := c.(packed)
@@ -496,6 +502,9 @@ func (r *Receiver) Receive(id handoff.PlaneID, regions [][]byte, _ []byte, attac
 			r.dropSlot(s)
 		case <-r.stopped:
 			err = fmt.Errorf("tcp: receive: %w", ErrClosed)
+			r.dropSlot(s)
+		case <-wait.C:
+			err = fmt.Errorf("tcp: receive: no data connection within %v: %w", r.cfg.HelloTimeout, ErrNoData)
 			r.dropSlot(s)
 		}
 		r.stats.outcome(err, n)

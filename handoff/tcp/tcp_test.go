@@ -84,6 +84,7 @@ type loopConfig struct {
 	wrapSend   func(net.Conn) net.Conn
 	wrapRecv   func(net.Conn) net.Conn
 	keepLeases bool
+	hello      time.Duration // the receiver's HelloTimeout
 }
 
 func newLoop(t *testing.T, lc loopConfig) *loop {
@@ -97,7 +98,7 @@ func newLoop(t *testing.T, lc loopConfig) *loop {
 	if err != nil {
 		t.Fatal(err)
 	}
-	l.recv = tcp.NewReceiver(dataLn, tcp.Config{WrapConn: lc.wrapRecv})
+	l.recv = tcp.NewReceiver(dataLn, tcp.Config{WrapConn: lc.wrapRecv, HelloTimeout: lc.hello})
 	l.sender = tcp.NewSender(tcp.Config{WrapConn: lc.wrapSend})
 	dl := lc.deadline
 	if dl == 0 {
@@ -273,5 +274,118 @@ func TestLoopbackRejected(t *testing.T) {
 	lease2.Release()
 	if s := l.dstPool.Stats(); s.Free != 64 {
 		t.Fatalf("destination %+v", s)
+	}
+}
+
+// chunkConn writes in pieces of at most size bytes, each its own write
+// (so the receiver sees frames split at every possible boundary), and
+// flips the byte at offset flip of the stream (-1: none).
+type chunkConn struct {
+	net.Conn
+	size int
+	flip int64
+	off  int64
+}
+
+func (c *chunkConn) Write(p []byte) (int, error) {
+	total := 0
+	for len(p) > 0 {
+		n := min(len(p), c.size)
+		piece := append([]byte(nil), p[:n]...)
+		if c.flip >= c.off && c.flip < c.off+int64(n) {
+			piece[c.flip-c.off] ^= 0x40
+		}
+		m, err := c.Conn.Write(piece)
+		total += m
+		c.off += int64(m)
+		if err != nil {
+			return total, err
+		}
+		p = p[n:]
+	}
+	return total, nil
+}
+
+// TestLoopbackChunked: a stream arriving in small odd pieces (every
+// frame split across reads, headers and checksums too) is received
+// intact by the scattered reads.
+func TestLoopbackChunked(t *testing.T) {
+	for _, size := range []int{1, 7, 4099} {
+		l := newLoop(t, loopConfig{keepLeases: true, wrapSend: func(c net.Conn) net.Conn {
+			return &chunkConn{Conn: c, size: size, flip: -1}
+		}})
+		lease, _ := l.srcPool.Acquire("r", 5)
+		stamp(t, lease, 9)
+		o, err := l.src.Propose(1, "r", lease, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		waitFinal(t, o)
+		in := waitIncoming(t, l, 1)
+		if o.State() != handoff.Delivered || in.State() != handoff.Delivered {
+			t.Fatalf("pieces of %d: source %v, destination %v: %v", size, o.State(), in.State(), in.History())
+		}
+		if err := marked(in.Lease(), 9); err != nil {
+			t.Fatalf("pieces of %d: %v", size, err)
+		}
+		in.Lease().Release()
+		lease.Release()
+	}
+}
+
+// TestLoopbackCorrupt: a flipped byte in a header, a block or a
+// checksum fails the transfer on the destination with ErrCorrupt; the
+// source learns it from Done and fails too; every block returns.
+func TestLoopbackCorrupt(t *testing.T) {
+	const hello = 27
+	frame := int64(8 + blockBytes + 4)
+	cases := map[string]int64{
+		"header index":  hello + frame + 1,                // block 1's index
+		"header length": hello + 2*frame + 5,              // block 2's length
+		"block":         hello + frame + 8 + 100,          // inside block 1
+		"checksum":      hello + 2*frame + 8 + blockBytes, // block 2's crc32c
+		"last checksum": hello + 4*frame - 1,
+		"hello token":   5,
+	}
+	for name, at := range cases {
+		t.Run(name, func(t *testing.T) {
+			l := newLoop(t, loopConfig{hello: 200 * time.Millisecond, wrapSend: func(c net.Conn) net.Conn {
+				return &chunkConn{Conn: c, size: 1 << 20, flip: at}
+			}})
+			lease, _ := l.srcPool.Acquire("r", 4)
+			stamp(t, lease, 3)
+			o, err := l.src.Propose(1, "r", lease, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			waitFinal(t, o)
+			if o.State() != handoff.Failed {
+				t.Fatalf("source %v: %v", o.State(), o.History())
+			}
+			if name == "hello token" {
+				// An unknown token: the destination refused the data
+				// connection; its receive gave up waiting for the right
+				// one, having written nothing.
+				in := waitIncoming(t, l, 1)
+				if in.State() != handoff.Failed || !errors.Is(in.Err(), tcp.ErrNoData) {
+					t.Fatalf("destination %v %v", in.State(), in.Err())
+				}
+				if s := l.recv.Stats(); s.Refused != 1 || s.Bytes != 0 {
+					t.Fatalf("receiver %+v", s)
+				}
+			} else {
+				in := waitIncoming(t, l, 1)
+				if in.State() != handoff.Failed || !errors.Is(in.Err(), tcp.ErrCorrupt) {
+					t.Fatalf("destination %v %v", in.State(), in.Err())
+				}
+				if s := l.recv.Stats(); s.Failed != 1 || s.Completed != 0 {
+					t.Fatalf("receiver %+v", s)
+				}
+			}
+			lease.Release()
+			if s := l.dstPool.Stats(); s.Free != 64 || s.Cached != 0 {
+				t.Fatalf("destination pool %+v", s)
+			}
+		})
 	}
 }
