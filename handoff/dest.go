@@ -1,6 +1,7 @@
 package handoff
 
 import (
+	"errors"
 	"fmt"
 	"net"
 	"sync"
@@ -15,9 +16,12 @@ import (
 // proposal it checks the envelope fingerprint and the policy (Decide),
 // looks the proposed hashes up in its own prefix cache, takes the hits
 // (shared, not copied), acquires the missing blocks, and asks the source
-// for those alone. Delivered blocks are sealed with their hashes on
-// arrival, so the decode side's cache fills instead of holding private
-// duplicates.
+// for those alone. Delivered blocks are sealed on arrival, so the decode
+// side's cache fills instead of holding private duplicates. A proposal
+// with tokens (Source.ProposeTokens) is looked up with
+// AcquirePrefixTokens and sealed with SealTokens: in verified mode
+// (kvlease.WithVerifiedPrefix) every hit is checked against the tokens,
+// and hash-only proposals simply miss.
 //
 // What makes the destination final: Delivered is its own transfer's
 // Resolve(nil) (every wanted block arrived intact and nothing of ours
@@ -165,12 +169,45 @@ type Incoming[R any] struct {
 	id      uint64
 	request string
 	hashes  []kvlease.BlockHash
+	seed    kvlease.BlockHash
+	tokens  []int32
 	n, from int
 	lease   *kvlease.Lease[R]
 	t       *kvlease.Transfer
 }
 
 func (in *Incoming[R]) pid() PlaneID { return PlaneID{Session: in.s.id, Handoff: in.id} }
+
+// checkTokens refuses a proposal whose tokens do not match it: more
+// tokens than its blocks hold, or hashes that are not their chain.
+func checkTokens(m *ProposeMsg, bt int) error {
+	if len(m.Tokens) > int(m.Blocks)*bt {
+		return fmt.Errorf("kvlease: handoff %d: %d tokens for %d blocks of %d: %w", m.ID, len(m.Tokens), m.Blocks, bt, kvlease.ErrInvalidArgument)
+	}
+	want := kvlease.ChainHashes(m.Seed, m.Tokens, bt)
+	if len(want) != len(m.Hashes) {
+		return fmt.Errorf("kvlease: handoff %d: %d hashes for %d full blocks of tokens: %w", m.ID, len(m.Hashes), len(want), kvlease.ErrInvalidArgument)
+	}
+	for i, h := range m.Hashes {
+		if h != want[i] {
+			return fmt.Errorf("kvlease: handoff %d: hash %d is not the chain of its tokens: %w", m.ID, i, kvlease.ErrInvalidArgument)
+		}
+	}
+	return nil
+}
+
+// acquire takes the destination lease: with tokens, AcquirePrefixTokens
+// (in verified mode every hit is checked against them); a pool without a
+// block size cannot, and takes the hash hits instead.
+func acquire[R any](pool *kvlease.Pool[R], owner string, m *ProposeMsg, n int) (*kvlease.Lease[R], int, error) {
+	if len(m.Tokens) > 0 {
+		l, from, err := pool.AcquirePrefixTokens(owner, m.Seed, m.Tokens, n)
+		if err == nil || !errors.Is(err, kvlease.ErrInvalidArgument) {
+			return l, from, err
+		}
+	}
+	return pool.AcquirePrefix(owner, m.Hashes, n)
+}
 
 // propose answers a proposal: Reject or Accept.
 func (s *session[R]) propose(m *ProposeMsg) {
@@ -184,7 +221,7 @@ func (s *session[R]) propose(m *ProposeMsg) {
 		_ = s.c.send(&RejectMsg{ID: m.ID, Code: RejectDuplicate, Reason: err.Error()})
 		return
 	}
-	in := &Incoming[R]{machine: newMachine(), s: s, id: m.ID, request: m.Request, hashes: m.Hashes, n: int(m.Blocks)}
+	in := &Incoming[R]{machine: newMachine(), s: s, id: m.ID, request: m.Request, hashes: m.Hashes, seed: m.Seed, tokens: m.Tokens, n: int(m.Blocks)}
 	s.in[m.ID] = in
 	in.mu.Lock()
 	in.fire(d.cfg.Peer, EventPropose, nil)
@@ -196,6 +233,8 @@ func (s *session[R]) propose(m *ProposeMsg) {
 		err = fmt.Errorf("kvlease: handoff %d: envelope fingerprint %016x, ours %016x: %w", m.ID, m.Envelope, d.cfg.Envelope.Fingerprint(), kvlease.ErrInvalidArgument)
 	case in.n > d.cfg.Envelope.BlocksFor(d.cfg.Envelope.MaxContextTokens):
 		err = fmt.Errorf("kvlease: handoff %d: %d blocks exceed a maximum-context request: %w", m.ID, in.n, kvlease.ErrExceedsCapacity)
+	case len(m.Tokens) > 0 && checkTokens(m, d.cfg.Envelope.BlockTokens) != nil:
+		err = checkTokens(m, d.cfg.Envelope.BlockTokens)
 	case d.cfg.Decide != nil:
 		if derr := d.cfg.Decide(m); derr != nil {
 			err = fmt.Errorf("kvlease: handoff %d: %w (%w)", m.ID, derr, ErrRejected)
@@ -207,7 +246,7 @@ func (s *session[R]) propose(m *ProposeMsg) {
 		if owner == "" {
 			owner = fmt.Sprintf("handoff-%d", m.ID)
 		}
-		in.lease, in.from, err = d.pool.AcquirePrefix(owner, m.Hashes, in.n)
+		in.lease, in.from, err = acquire(d.pool, owner, m, in.n)
 	}
 	if err == nil && in.from < in.n {
 		accept, err = d.plane.Prepare(in.pid(), in.n-in.from)
@@ -352,13 +391,7 @@ func (in *Incoming[R]) current() bool {
 	err := in.t.Err()
 	from := in.state
 	if err == nil && from == Transferring {
-		// Sealed on arrival: the decode side's cache fills.
-		for i := in.from; i < min(in.n, len(in.hashes)); i++ {
-			if serr := in.lease.Seal(i, in.hashes[i]); serr != nil {
-				err = fmt.Errorf("kvlease: handoff %d: seal block %d: %w", in.id, i, serr)
-				break
-			}
-		}
+		in.seal()
 	}
 	if err == nil {
 		in.fire("transport", EventResolve, nil)
@@ -377,6 +410,38 @@ func (in *Incoming[R]) current() bool {
 	}
 	go in.final()
 	return true
+}
+
+// seal seals the delivered full blocks on arrival, so the decode side's
+// cache fills: with their tokens when the proposal carried them (the
+// only way in verified mode), else with their hashes. A block the pool
+// refuses to seal (a pool without a block size given tokens, a verified
+// pool given only hashes) ends the chain there and is reported: the
+// blocks arrived intact all the same, so the handoff is still
+// delivered. Called with in.mu held.
+func (in *Incoming[R]) seal() {
+	bt := in.s.d.cfg.Envelope.BlockTokens
+	for i := in.from; i < min(in.n, len(in.hashes)); i++ {
+		var err error
+		if len(in.tokens) > 0 {
+			parent := in.seed
+			if i > 0 {
+				parent = in.hashes[i-1]
+			}
+			_, err = in.lease.SealTokens(i, parent, in.tokens[i*bt:(i+1)*bt])
+		}
+		if len(in.tokens) == 0 || err != nil {
+			if serr := in.lease.Seal(i, in.hashes[i]); serr == nil {
+				err = nil
+			} else if err == nil {
+				err = serr
+			}
+		}
+		if err != nil {
+			in.s.d.cfg.report(fmt.Errorf("kvlease: handoff %d: delivered block %d left unsealed (and the %d after it): %w", in.id, i, min(in.n, len(in.hashes))-i-1, err))
+			return
+		}
+	}
 }
 
 // final runs the callbacks of a final handoff, once.

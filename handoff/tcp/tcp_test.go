@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -20,13 +21,13 @@ func env(poolBlocks int) handoff.Envelope {
 		MaxContextTokens: 16 * 64, MaxPrefillTokens: 512, MaxRunningRequests: 4}
 }
 
-func hostPool(t testing.TB, blocks int) *kvlease.Pool[[]byte] {
+func hostPool(t testing.TB, blocks int, opts ...kvlease.Option) *kvlease.Pool[[]byte] {
 	t.Helper()
 	mem, err := kvlease.NewHostMemory(blocks, blockBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
-	p, err := kvlease.NewPool[[]byte](mem)
+	p, err := kvlease.NewPool[[]byte](mem, opts...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -85,11 +86,13 @@ type loopConfig struct {
 	wrapRecv   func(net.Conn) net.Conn
 	keepLeases bool
 	hello      time.Duration // the receiver's HelloTimeout
+	dstOpts    []kvlease.Option
+	onError    func(error) // the destination's protocol errors
 }
 
 func newLoop(t *testing.T, lc loopConfig) *loop {
 	t.Helper()
-	l := &loop{srcPool: hostPool(t, 64), dstPool: hostPool(t, 64), finals: map[uint64]*handoff.Incoming[[]byte]{}, serveErr: make(chan error, 1)}
+	l := &loop{srcPool: hostPool(t, 64), dstPool: hostPool(t, 64, lc.dstOpts...), finals: map[uint64]*handoff.Incoming[[]byte]{}, serveErr: make(chan error, 1)}
 	ctlLn, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -105,7 +108,7 @@ func newLoop(t *testing.T, lc loopConfig) *loop {
 		dl = 10 * time.Second
 	}
 	l.dst, err = handoff.NewDestination(l.dstPool, l.recv, handoff.DestinationConfig[[]byte]{
-		HalfConfig: handoff.HalfConfig{Envelope: env(64), Name: "decode", Peer: "prefill", Deadline: dl},
+		HalfConfig: handoff.HalfConfig{Envelope: env(64), Name: "decode", Peer: "prefill", Deadline: dl, OnError: lc.onError},
 		Decide:     lc.decide,
 		OnDelivered: func(in *handoff.Incoming[[]byte]) {
 			l.mu.Lock()
@@ -388,4 +391,92 @@ func TestLoopbackCorrupt(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestLoopbackTokens: a proposal with tokens fills a verified-mode
+// destination's cache (SealTokens on arrival) and its repeat hits
+// there, checked against the tokens; a hash-only proposal to a verified
+// pool misses and is still delivered (its blocks stay unsealed, which
+// is reported); a plain pool takes tokens through their hashes.
+func TestLoopbackTokens(t *testing.T) {
+	const seed = kvlease.BlockHash(7)
+	tokens := make([]int32, 16*9+5) // 9 full blocks and a partial tenth
+	for i := range tokens {
+		tokens[i] = int32(1000 + i)
+	}
+	hashes := kvlease.ChainHashes(seed, tokens, 16)
+	run := func(t *testing.T, l *loop, id uint64, tokened bool) *handoff.Incoming[[]byte] {
+		t.Helper()
+		lease, _ := l.srcPool.Acquire("r", 10)
+		stamp(t, lease, 5)
+		var o *handoff.Outgoing[[]byte]
+		var err error
+		if tokened {
+			o, err = l.src.ProposeTokens(id, "r", lease, seed, tokens)
+		} else {
+			o, err = l.src.Propose(id, "r", lease, hashes)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		waitFinal(t, o)
+		in := waitIncoming(t, l, id)
+		if o.State() != handoff.Delivered || in.State() != handoff.Delivered {
+			t.Fatalf("handoff %d: source %v, destination %v: %v", id, o.State(), in.State(), in.History())
+		}
+		if err := marked(in.Lease(), 5); err != nil {
+			t.Fatal(err)
+		}
+		in.Lease().Release()
+		lease.Release()
+		return in
+	}
+	t.Run("verified", func(t *testing.T) {
+		var mu sync.Mutex
+		var reported []error
+		l := newLoop(t, loopConfig{keepLeases: true, dstOpts: []kvlease.Option{kvlease.WithVerifiedPrefix(16)},
+			onError: func(err error) { mu.Lock(); reported = append(reported, err); mu.Unlock() }})
+		if in := run(t, l, 1, true); in.Hits() != 0 {
+			t.Fatalf("%d hits in an empty cache", in.Hits())
+		}
+		if got := l.dstPool.CachedPrefixTokens(seed, tokens); got != 9 {
+			t.Fatalf("verified destination holds %d of the 9 delivered full blocks", got)
+		}
+		before := l.recv.Stats().Bytes
+		if in := run(t, l, 2, true); in.Hits() != 9 {
+			t.Fatalf("repeat: %d hits, want 9", in.Hits())
+		}
+		if moved := l.recv.Stats().Bytes - before; moved != blockBytes {
+			t.Fatalf("repeat moved %d bytes, want one block", moved)
+		}
+		// Hashes alone prove nothing to a verified pool.
+		if in := run(t, l, 3, false); in.Hits() != 0 {
+			t.Fatalf("hash-only proposal: %d verified hits", in.Hits())
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		if len(reported) != 1 || !strings.Contains(reported[0].Error(), "unsealed") || !errors.Is(reported[0], kvlease.ErrInvalidArgument) {
+			t.Fatalf("reported %v", reported)
+		}
+	})
+	t.Run("plain", func(t *testing.T) {
+		l := newLoop(t, loopConfig{keepLeases: true})
+		run(t, l, 1, true)
+		if got := l.dstPool.CachedPrefix(hashes); got != 9 {
+			t.Fatalf("plain destination holds %d of the 9 delivered full blocks", got)
+		}
+		if in := run(t, l, 2, true); in.Hits() != 9 {
+			t.Fatalf("repeat: %d hits, want 9", in.Hits())
+		}
+	})
+	t.Run("bad input", func(t *testing.T) {
+		l := newLoop(t, loopConfig{})
+		lease, _ := l.srcPool.Acquire("r", 2)
+		defer lease.Release()
+		for name, toks := range map[string][]int32{"none": nil, "more than the blocks hold": make([]int32, 33)} {
+			if _, err := l.src.ProposeTokens(9, "r", lease, seed, toks); !errors.Is(err, kvlease.ErrInvalidArgument) {
+				t.Errorf("%s: %v", name, err)
+			}
+		}
+	})
 }
