@@ -1,37 +1,52 @@
 // Package tcp is a pure-Go data plane for cross-process handoffs: the
 // source pushes blocks over a TCP data connection that it dials to the
 // destination's data listener, one connection per handoff, while the
-// control messages travel on the handoff's control connection. Sender
-// implements handoff.SendPlane[[]byte], Receiver handoff.RecvPlane[[]byte].
+// control messages travel on the handoff's control connection (package
+// handoff's Source and Destination). Sender implements
+// handoff.SendPlane[[]byte], Receiver handoff.RecvPlane[[]byte].
 //
 // Wire. The Accept message's plane bytes are the listener's address and a
-// random 16-byte token. The data connection starts with a hello
-// ("KD", version, token, block count, block bytes) that must arrive within
-// Config.HelloTimeout, then carries one frame per block: index (4 bytes
-// LE), length (4 bytes LE), crc32c of the block (4 bytes LE), then the
-// block. Blocks move straight between the lease's regions and the socket:
-// the sender writes the region itself, the receiver reads into the region
-// itself; no per-block allocation. A length, index or checksum that is not
-// what the receiver expects ends the transfer with an error.
+// random 16-byte token. The data connection starts with a hello ("KD",
+// version, token, block count, block bytes) that must arrive within
+// Config.HelloTimeout (and a Receive waits no longer than that for its
+// connection: ErrNoData), then carries one frame per block: index
+// (4 bytes LE), length (4 bytes LE), the block, and its crc32c
+// (Castagnoli, 4 bytes LE). The checksum trails its block so that the
+// sender computes it right after writing the block, over bytes still in
+// cache, and the receiver as each read delivers them: no second pass
+// over memory. An index, length or checksum that is not what the
+// receiver expects ends the transfer with ErrCorrupt; garbage, half a
+// hello or an unknown token on the data port is refused (Stats.Refused,
+// Config.OnError) and changes nothing.
 //
-// Evidence (what resolves each side's kvlease.Transfer):
+// Blocks move straight between the leases' regions and the socket: the
+// sender hands each region to one gathered write (writev) with its frame
+// header, the receiver reads straight into the regions, up to 16 frames
+// per system call (readv) on Linux. Nothing is allocated per block.
 //
-//   - the sender's Read transfer resolves when its writer goroutine's last
-//     read of source memory has returned: the loop has exited (finished,
-//     failed or cancelled), so no Write of ours is in progress;
-//   - the receiver's Write transfer resolves when the goroutine writing
-//     into its memory has exited (finished, failed or cancelled);
-//   - a connection that dies mid-transfer ends both loops with an error,
-//     so both sides resolve with that error (Failed): each can prove its
-//     own goroutine stopped;
-//   - a peer that stalls leaves our loop blocked in the kernel; Cancel is
-//     a request, honoured at the next block boundary, and does not close
-//     the socket under a blocked read or write. So a stall past the
-//     handoff's deadline leaves the affected side quarantined, and only
-//     later evidence lifts it (the peer resumes and the loop stops at the
-//     next block, or the connection dies), never time. Close is the
-//     operator's way out: it closes every connection, and the loops'
-//     return is then the evidence.
+// Evidence. Each side resolves its own kvlease.Transfer only with proof
+// about its own memory:
+//
+//   - the sender's Read resolves when its last read of source memory has
+//     returned: its writer goroutine has exited (finished, failed or
+//     cancelled), so no write of ours is in progress;
+//   - the receiver's Write resolves when the goroutine writing into its
+//     memory has exited (finished, failed or cancelled);
+//   - a connection that dies mid-transfer ends in Resolve(err) (Failed)
+//     on both sides, because both sides can prove their own goroutines
+//     stopped: the dead connection fails the blocked write or read, and
+//     the loop returns;
+//   - a peer that stalls past the drain deadline leaves the affected side
+//     quarantined; only later evidence lifts it, never time. A stalled
+//     peer leaves our loop blocked in the kernel, and a Cancel is only a
+//     request, honoured before the next block is written or the next
+//     read is issued: it does not close the socket under a blocked read
+//     or write. The handoff's deadline then quarantines the transfer, and
+//     the loop's return (the peer resumes and the loop stops at the next
+//     block, or the connection dies) is the late evidence.
+//
+// Close is the operator's way out: it closes every connection, and the
+// loops' return is then the evidence.
 package tcp
 
 import (

@@ -74,6 +74,7 @@ type loop struct {
 	recv             *tcp.Receiver
 
 	mu        sync.Mutex
+	accepted  map[uint64]*handoff.Incoming[[]byte]
 	delivered []*handoff.Incoming[[]byte]
 	finals    map[uint64]*handoff.Incoming[[]byte]
 	serveErr  chan error
@@ -92,7 +93,7 @@ type loopConfig struct {
 
 func newLoop(t *testing.T, lc loopConfig) *loop {
 	t.Helper()
-	l := &loop{srcPool: hostPool(t, 64), dstPool: hostPool(t, 64, lc.dstOpts...), finals: map[uint64]*handoff.Incoming[[]byte]{}, serveErr: make(chan error, 1)}
+	l := &loop{srcPool: hostPool(t, 64), dstPool: hostPool(t, 64, lc.dstOpts...), finals: map[uint64]*handoff.Incoming[[]byte]{}, accepted: map[uint64]*handoff.Incoming[[]byte]{}, serveErr: make(chan error, 1)}
 	ctlLn, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -110,6 +111,11 @@ func newLoop(t *testing.T, lc loopConfig) *loop {
 	l.dst, err = handoff.NewDestination(l.dstPool, l.recv, handoff.DestinationConfig[[]byte]{
 		HalfConfig: handoff.HalfConfig{Envelope: env(64), Name: "decode", Peer: "prefill", Deadline: dl, OnError: lc.onError},
 		Decide:     lc.decide,
+		OnAccept: func(in *handoff.Incoming[[]byte]) {
+			l.mu.Lock()
+			l.accepted[in.ID()] = in
+			l.mu.Unlock()
+		},
 		OnDelivered: func(in *handoff.Incoming[[]byte]) {
 			l.mu.Lock()
 			l.delivered = append(l.delivered, in)
@@ -479,4 +485,58 @@ func TestLoopbackTokens(t *testing.T) {
 			}
 		}
 	})
+}
+
+// TestLoopbackAbort: an abort on either side while the stream is held
+// mid-way reaches the other side over the control connection; both
+// drain until their own loop stops, and end Aborted with every block
+// back.
+func TestLoopbackAbort(t *testing.T) {
+	for _, who := range []string{"source", "destination"} {
+		t.Run(who, func(t *testing.T) {
+			held, release := make(chan struct{}), make(chan struct{})
+			l := newLoop(t, loopConfig{wrapSend: func(c net.Conn) net.Conn {
+				return &holdConn{Conn: c, left: 27 + 2*(12+blockBytes), onHold: func() { close(held) }, release: release}
+			}})
+			lease, _ := l.srcPool.Acquire("r", 8)
+			stamp(t, lease, 2)
+			o, err := l.src.Propose(1, "r", lease, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			<-held
+			l.mu.Lock()
+			in := l.accepted[1]
+			l.mu.Unlock()
+			waitState(t, "destination", in.State, handoff.Transferring)
+			var other func() []handoff.Step
+			var peer string
+			if who == "source" {
+				err, other, peer = o.Abort("prefill", nil), in.History, "prefill"
+			} else {
+				err, other, peer = in.Abort("decode", nil), o.History, "decode"
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			step := waitStep(t, other, handoff.EventAbort)
+			if step.By != peer || !errors.Is(step.Err, handoff.ErrPeer) || !errors.Is(step.Err, kvlease.ErrAborted) {
+				t.Errorf("the other side's abort step: %v", step)
+			}
+			if lease.State() == kvlease.LeaseActive {
+				t.Error("the abort left the source lease open")
+			}
+			close(release)
+			waitFinal(t, o)
+			waitFinal(t, in)
+			if o.State() != handoff.Aborted || in.State() != handoff.Aborted {
+				t.Fatalf("source %v, destination %v", o.State(), in.State())
+			}
+			for _, p := range []*kvlease.Pool[[]byte]{l.srcPool, l.dstPool} {
+				if s := p.Stats(); s.Free != 64 {
+					t.Fatalf("%+v", s)
+				}
+			}
+		})
+	}
 }
