@@ -174,6 +174,7 @@ type Incoming[R any] struct {
 	n, from int
 	lease   *kvlease.Lease[R]
 	t       *kvlease.Transfer
+	sealErr error // why a delivered block was left unsealed
 }
 
 func (in *Incoming[R]) pid() PlaneID { return PlaneID{Session: in.s.id, Handoff: in.id} }
@@ -438,7 +439,8 @@ func (in *Incoming[R]) seal() {
 			}
 		}
 		if err != nil {
-			in.s.d.cfg.report(fmt.Errorf("kvlease: handoff %d: delivered block %d left unsealed (and the %d after it): %w", in.id, i, min(in.n, len(in.hashes))-i-1, err))
+			// Reported by final, outside our lock.
+			in.sealErr = fmt.Errorf("kvlease: handoff %d: delivered block %d left unsealed (and the %d after it): %w", in.id, i, min(in.n, len(in.hashes))-i-1, err)
 			return
 		}
 	}
@@ -448,8 +450,11 @@ func (in *Incoming[R]) seal() {
 func (in *Incoming[R]) final() {
 	d := in.s.d
 	in.mu.Lock()
-	st := in.state
+	st, sealErr := in.state, in.sealErr
 	in.mu.Unlock()
+	if sealErr != nil {
+		d.cfg.report(sealErr)
+	}
 	if st == Delivered {
 		if d.cfg.OnDelivered != nil {
 			d.cfg.OnDelivered(in)

@@ -3,6 +3,7 @@ package handoff
 import (
 	"errors"
 	"net"
+	"strings"
 	"testing"
 	"time"
 
@@ -171,5 +172,126 @@ func TestCheckTokens(t *testing.T) {
 	}
 	if err := checkTokens(&ProposeMsg{ID: 1, Blocks: 3, Seed: 3, Tokens: tokens, Hashes: good}, 16); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestSourceRefusesBadMessages: a raw destination sends the source
+// duplicated, reordered, unknown and wrong-direction messages; each is
+// reported as an ErrProtocol error and changes nothing; a corrupted
+// frame ends the connection, which rejects only what had not started.
+func TestSourceRefusesBadMessages(t *testing.T) {
+	pool := newHostPool(t, 32, hbBytes)
+	plane := newManualPlane()
+	// A real socket: its buffers let each side write before the other reads.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := ln.Accept()
+	_ = ln.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	errs := make(chan error, 16)
+	src, err := NewSource(a, plane, HalfConfig{Envelope: testEnvelope(), Deadline: -1, OnError: func(err error) { errs <- err }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer src.Close()
+	var buf []byte
+	read := func() Message {
+		t.Helper()
+		_ = b.SetReadDeadline(time.Now().Add(10 * time.Second))
+		m, nb, err := ReadFrame(b, buf)
+		buf = nb
+		if err != nil {
+			t.Fatal(err)
+		}
+		return m
+	}
+	write := func(m Message) {
+		t.Helper()
+		_ = b.SetWriteDeadline(time.Now().Add(10 * time.Second))
+		if _, err := b.Write(AppendFrame(nil, m)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	refused := func(substr string) {
+		t.Helper()
+		select {
+		case err := <-errs:
+			if !errors.Is(err, ErrProtocol) || !strings.Contains(err.Error(), substr) {
+				t.Fatalf("reported %v, want ErrProtocol and %q", err, substr)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatalf("nothing reported, want %q", substr)
+		}
+	}
+	lease, _ := pool.Acquire("r", 3)
+	defer lease.Release()
+	o, err := src.Propose(1, "r", lease, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m, ok := read().(*ProposeMsg); !ok || m.ID != 1 || m.Blocks != 3 {
+		t.Fatalf("proposal %#v", m)
+	}
+	write(&DoneMsg{ID: 1}) // before Accept and Start
+	refused("done while proposed")
+	write(&AcceptMsg{ID: 1, From: 4}) // more blocks than proposed
+	refused("accept wants blocks from 4 of 3")
+	write(&AcceptMsg{ID: 1, Plane: []byte("x")})
+	tr := plane.next(t)
+	if m, ok := read().(*StartMsg); !ok || m.ID != 1 {
+		t.Fatalf("start %#v", m)
+	}
+	write(&AcceptMsg{ID: 1}) // a duplicate
+	refused("accept while transferring")
+	write(&DoneMsg{ID: 99})
+	refused("unknown handoff 99")
+	write(&ProposeMsg{ID: 5, Blocks: 1}) // the wrong direction
+	refused("unexpected propose")
+	write(&AckMsg{ID: 7, Of: MsgAbort})
+	refused("unknown handoff 7")
+	if s := o.State(); s != Transferring {
+		t.Fatalf("source %v after refused messages", s)
+	}
+	write(&DoneMsg{ID: 1})
+	if m, ok := read().(*AckMsg); !ok || m.ID != 1 || m.Of != MsgDone {
+		t.Fatalf("ack %#v", m)
+	}
+	write(&DoneMsg{ID: 1}) // a duplicate: no second Ack
+	refused("done while transferring")
+	tr.Resolve(nil)
+	if s := o.State(); s != Delivered {
+		t.Fatalf("source %v", s)
+	}
+	// A second handoff, not yet started, then a corrupted frame.
+	lease2, _ := pool.Acquire("r2", 2)
+	defer lease2.Release()
+	o2, _ := src.Propose(2, "r2", lease2, nil)
+	read()
+	bad := AppendFrame(nil, &AcceptMsg{ID: 2})
+	bad[len(bad)-1] ^= 1
+	if _, err := b.Write(bad); err != nil {
+		t.Fatal(err)
+	}
+	<-o2.Done()
+	if s, err := o2.State(), o2.Err(); s != Rejected || !errors.Is(err, ErrConnLost) || !errors.Is(err, ErrProtocol) {
+		t.Fatalf("unstarted handoff after a corrupted frame: %v %v", s, err)
+	}
+	if s := o.State(); s != Delivered {
+		t.Fatalf("the delivered handoff became %v", s)
+	}
+	if _, err := src.Propose(3, "r", lease, nil); !errors.Is(err, ErrConnLost) {
+		t.Fatalf("propose on a lost connection: %v", err)
+	}
+	if s := pool.Stats(); s.Leased != 5 || s.Quarantined != 0 {
+		t.Fatalf("%+v", s)
 	}
 }

@@ -257,8 +257,9 @@ func (o *Outgoing[R]) accepted(m *AcceptMsg) {
 		return
 	}
 	if kind, _ := o.fire(s.cfg.Peer, EventAccept, nil); kind != edgeMove {
+		st := o.state
 		o.mu.Unlock()
-		s.cfg.report(fmt.Errorf("kvlease: handoff %d: accept while %v: %w", o.id, o.state, ErrProtocol))
+		s.cfg.report(fmt.Errorf("kvlease: handoff %d: accept while %v: %w", o.id, st, ErrProtocol))
 		return
 	}
 	o.from = int(m.From)
@@ -341,14 +342,16 @@ func (o *Outgoing[R]) rejected(m *RejectMsg) {
 	err := peerErr("reject", m.Reason, m.Code.sentinel())
 	o.mu.Lock()
 	kind, _ := o.fire(o.s.cfg.Peer, EventReject, err)
-	if kind == edgeRefuse && o.state == Transferring {
+	st := o.state
+	if kind == edgeRefuse && st == Transferring {
 		// A reject that crossed our Start: the destination will not
 		// receive. Our transfer stops; its evidence makes us Failed.
 		o.setPeer(err)
-	} else if kind == edgeRefuse {
-		o.s.cfg.report(fmt.Errorf("kvlease: handoff %d: reject while %v: %w", o.id, o.state, ErrProtocol))
 	}
 	o.mu.Unlock()
+	if kind == edgeRefuse && st != Transferring {
+		o.s.cfg.report(fmt.Errorf("kvlease: handoff %d: reject while %v: %w", o.id, st, ErrProtocol))
+	}
 	o.poke()
 }
 
