@@ -334,6 +334,10 @@ func runPeer(spec string) int {
 			say("released")
 		case "exit":
 			return 0
+		case "rusage":
+			var ru syscall.Rusage
+			_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
+			say("rusage %v", time.Duration(ru.Utime.Nano()+ru.Stime.Nano()))
 		default:
 			if !run(f) {
 				say("unknown command %q", in.Text())
