@@ -354,8 +354,11 @@ func (in *Incoming[R]) watch(t *kvlease.Transfer) {
 		<-t.Done()
 	}
 	in.mu.Lock()
-	in.current()
+	msg, ok := in.settle()
 	in.mu.Unlock()
+	if ok {
+		in.finish(msg) // on this goroutine: one hop fewer to the source
+	}
 }
 
 func (in *Incoming[R]) expire() {
@@ -378,16 +381,25 @@ func (in *Incoming[R]) expire() {
 }
 
 // current records the transfer's evidence once it has come (so State is
-// current as soon as Resolve returns): Delivered seals the wanted blocks
-// and tells the source; Failed releases the lease and tells the source.
-// It reports whether the handoff is final. Called with in.mu held; it
-// may release and retake it to run callbacks and send.
+// current as soon as Resolve returns): see settle. It tells the source
+// and runs the callbacks on a goroutine of their own (the caller holds
+// in.mu). It reports whether the handoff is final. Called with in.mu
+// held.
 func (in *Incoming[R]) current() bool {
-	if in.state.Final() {
-		return true
+	if msg, ok := in.settle(); ok {
+		go in.finish(msg)
 	}
-	if in.t == nil || in.t.State() != kvlease.TransferResolved {
-		return false
+	return in.state.Final()
+}
+
+// settle records the transfer's evidence if it has come and is not
+// recorded yet: Delivered seals the wanted blocks, Failed releases the
+// lease. It returns the Done message to send (nil when the source was
+// not waiting for one) and whether it recorded anything; the caller
+// then calls finish, without in.mu. Called with in.mu held.
+func (in *Incoming[R]) settle() (*DoneMsg, bool) {
+	if in.state.Final() || in.t == nil || in.t.State() != kvlease.TransferResolved {
+		return nil, false
 	}
 	err := in.t.Err()
 	from := in.state
@@ -402,15 +414,23 @@ func (in *Incoming[R]) current() bool {
 	if in.state == Failed {
 		in.lease.Release()
 	}
-	if from == Transferring {
-		msg := &DoneMsg{ID: in.id}
-		if err != nil {
-			msg.Err = err.Error()
-		}
-		go func() { _ = in.s.c.send(msg) }()
+	if from != Transferring {
+		return nil, true
 	}
-	go in.final()
-	return true
+	msg := &DoneMsg{ID: in.id}
+	if err != nil {
+		msg.Err = err.Error()
+	}
+	return msg, true
+}
+
+// finish tells the source the outcome (msg, if any) first, since it is
+// waiting, then runs the final callbacks.
+func (in *Incoming[R]) finish(msg *DoneMsg) {
+	if msg != nil {
+		_ = in.s.c.send(msg)
+	}
+	in.final()
 }
 
 // seal seals the delivered full blocks on arrival, so the decode side's

@@ -368,6 +368,7 @@ func (o *Outgoing[R]) doneMsg(m *DoneMsg) {
 		return
 	}
 	o.setPeer(err)
+	o.current() // final now if our own evidence is in: no hop to the watcher
 	o.mu.Unlock()
 	_ = o.s.c.send(&AckMsg{ID: o.id, Of: MsgDone})
 	o.poke()
