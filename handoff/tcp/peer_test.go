@@ -1,3 +1,5 @@
+//go:build unix
+
 package tcp_test
 
 // The peer process of the cross-process tests and benchmarks: the test
@@ -34,10 +36,6 @@ import (
 )
 
 const peerEnv = "KVLEASE_TCP_PEER"
-
-// bound is the longest any wait of the suite may take: a bound, never an
-// expectation.
-const bound = 20 * time.Second
 
 func TestMain(m *testing.M) {
 	if v := os.Getenv(peerEnv); v != "" {
@@ -132,54 +130,6 @@ func statsLine(p *kvlease.Pool[[]byte], ps tcp.Stats) string {
 	return fmt.Sprintf("free=%d cached=%d leased=%d draining=%d quarantined=%d open=%d check=%s started=%d completed=%d failed=%d canceled=%d refused=%d bytes=%d",
 		s.Free, s.Cached, s.Leased, s.Draining, s.Quarantined, s.OpenLeases, check,
 		ps.Started, ps.Completed, ps.Failed, ps.Canceled, ps.Refused, ps.Bytes)
-}
-
-// holdConn holds a data stream once limit bytes have passed (in Write
-// on the source, in Read on the destination) until release is closed.
-type holdConn struct {
-	net.Conn
-	left    int64 // bytes before the hold; -1 once held or never
-	onHold  func()
-	release <-chan struct{}
-}
-
-func (c *holdConn) hold() {
-	c.left = -1
-	c.onHold()
-	select {
-	case <-c.release:
-	case <-time.After(bound):
-	}
-}
-
-func (c *holdConn) Write(p []byte) (int, error) {
-	if c.left < 0 || int64(len(p)) <= c.left {
-		if c.left >= 0 {
-			c.left -= int64(len(p))
-		}
-		return c.Conn.Write(p)
-	}
-	n, err := c.Conn.Write(p[:c.left])
-	if err != nil {
-		return n, err
-	}
-	c.hold()
-	m, err := c.Conn.Write(p[n:])
-	return n + m, err
-}
-
-func (c *holdConn) Read(p []byte) (int, error) {
-	if c.left == 0 {
-		c.hold()
-	}
-	if c.left > 0 && int64(len(p)) > c.left {
-		p = p[:c.left]
-	}
-	n, err := c.Conn.Read(p)
-	if c.left > 0 {
-		c.left -= int64(n)
-	}
-	return n, err
 }
 
 // ctlConn wraps a control connection: gate holds back every read's
@@ -334,10 +284,6 @@ func runPeer(spec string) int {
 			say("released")
 		case "exit":
 			return 0
-		case "rusage":
-			var ru syscall.Rusage
-			_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
-			say("rusage %v", time.Duration(ru.Utime.Nano()+ru.Stime.Nano()))
 		default:
 			if !run(f) {
 				say("unknown command %q", in.Text())

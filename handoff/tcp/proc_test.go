@@ -1,3 +1,5 @@
+//go:build unix
+
 package tcp_test
 
 // The cross-process fault suite: every case runs one half here and the
@@ -26,36 +28,6 @@ const (
 	procBlockBytes = 4096
 	procPool       = 64
 )
-
-// waitState polls state until it is want (within bound).
-func waitState(t testing.TB, what string, state func() handoff.State, want handoff.State) {
-	t.Helper()
-	end := time.Now().Add(bound)
-	for {
-		s := state()
-		if s == want {
-			return
-		}
-		if s.Final() || time.Now().After(end) {
-			t.Fatalf("%s is %v, want %v", what, s, want)
-		}
-		time.Sleep(time.Millisecond)
-	}
-}
-
-// waitStep waits (within bound) for a step of event e in history.
-func waitStep(t testing.TB, history func() []handoff.Step, e handoff.Event) handoff.Step {
-	t.Helper()
-	for end := time.Now().Add(bound); time.Now().Before(end); time.Sleep(time.Millisecond) {
-		for _, s := range history() {
-			if s.Event == e {
-				return s
-			}
-		}
-	}
-	t.Fatalf("no %v step in %v", e, history())
-	return handoff.Step{}
-}
 
 func waitDone(t testing.TB, what string, done <-chan struct{}, state func() handoff.State) handoff.State {
 	t.Helper()

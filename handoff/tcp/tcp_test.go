@@ -540,3 +540,85 @@ func TestLoopbackAbort(t *testing.T) {
 		})
 	}
 }
+
+// bound is the longest any wait of the suite may take: a bound, never an
+// expectation.
+const bound = 20 * time.Second
+
+// holdConn holds a data stream once limit bytes have passed (in Write
+// on the source, in Read on the destination) until release is closed.
+type holdConn struct {
+	net.Conn
+	left    int64 // bytes before the hold; -1 once held or never
+	onHold  func()
+	release <-chan struct{}
+}
+
+func (c *holdConn) hold() {
+	c.left = -1
+	c.onHold()
+	select {
+	case <-c.release:
+	case <-time.After(bound):
+	}
+}
+
+func (c *holdConn) Write(p []byte) (int, error) {
+	if c.left < 0 || int64(len(p)) <= c.left {
+		if c.left >= 0 {
+			c.left -= int64(len(p))
+		}
+		return c.Conn.Write(p)
+	}
+	n, err := c.Conn.Write(p[:c.left])
+	if err != nil {
+		return n, err
+	}
+	c.hold()
+	m, err := c.Conn.Write(p[n:])
+	return n + m, err
+}
+
+func (c *holdConn) Read(p []byte) (int, error) {
+	if c.left == 0 {
+		c.hold()
+	}
+	if c.left > 0 && int64(len(p)) > c.left {
+		p = p[:c.left]
+	}
+	n, err := c.Conn.Read(p)
+	if c.left > 0 {
+		c.left -= int64(n)
+	}
+	return n, err
+}
+
+// waitState polls state until it is want (within bound).
+func waitState(t testing.TB, what string, state func() handoff.State, want handoff.State) {
+	t.Helper()
+	end := time.Now().Add(bound)
+	for {
+		s := state()
+		if s == want {
+			return
+		}
+		if s.Final() || time.Now().After(end) {
+			t.Fatalf("%s is %v, want %v", what, s, want)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// waitStep waits (within bound) for a step of event e in history.
+func waitStep(t testing.TB, history func() []handoff.Step, e handoff.Event) handoff.Step {
+	t.Helper()
+	for end := time.Now().Add(bound); time.Now().Before(end); time.Sleep(time.Millisecond) {
+		for _, s := range history() {
+			if s.Event == e {
+				return s
+			}
+		}
+	}
+	t.Fatalf("no %v step in %v", e, history())
+	return handoff.Step{}
+}
