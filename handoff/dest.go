@@ -1,6 +1,7 @@
 package handoff
 
 import (
+	"errors"
 	"fmt"
 	"net"
 	"sync"
@@ -15,17 +16,23 @@ import (
 // proposal it checks the envelope fingerprint and the policy (Decide),
 // looks the proposed hashes up in its own prefix cache, takes the hits
 // (shared, not copied), acquires the missing blocks, and asks the source
-// for those alone. Delivered blocks are sealed with their hashes on
-// arrival, so the decode side's cache fills instead of holding private
-// duplicates.
+// for those alone. Delivered blocks are sealed on arrival, so the decode
+// side's cache fills instead of holding private duplicates. A proposal
+// with tokens (Source.ProposeTokens) is looked up with
+// AcquirePrefixTokens and sealed with SealTokens: in verified mode
+// (kvlease.WithVerifiedPrefix) every hit is checked against the tokens,
+// and hash-only proposals simply miss.
 //
 // What makes the destination final: Delivered is its own transfer's
 // Resolve(nil) (every wanted block arrived intact and nothing of ours
 // writes them any more); the lease is then the OnDelivered callback's.
 // Failed is its transfer's Resolve(err): the lease is released. Abort
-// (either side, or the control connection lost) aborts the lease, whose
-// blocks drain until the plane proves it stopped writing; a transfer
-// with no evidence by the deadline is quarantined until late evidence.
+// (either side) aborts the lease, whose blocks drain until the plane
+// proves it stopped writing; a transfer with no evidence by the deadline
+// is quarantined until late evidence. Losing the control connection
+// aborts what had not started and asks a started transfer to stop: it
+// is not evidence, so the plane's own decides (Failed when the data
+// stopped short).
 type Destination[R any] struct {
 	pool  *kvlease.Pool[R]
 	plane RecvPlane[R]
@@ -85,9 +92,9 @@ type session[R any] struct {
 
 // Serve serves one control connection until it ends, and returns why
 // (io.EOF for a clean close, an error wrapping ErrProtocol for a malformed
-// frame). When it returns, every handoff of the connection that was not
-// final is aborted (ErrConnLost): its blocks drain until the plane's
-// evidence.
+// frame). When it returns, every handoff of the connection that had not
+// started is aborted (ErrConnLost); a started one is asked to stop and
+// ends by its plane's evidence: Failed when its data stopped short.
 func (d *Destination[R]) Serve(conn net.Conn) error {
 	s := &session[R]{d: d, c: newCtrl(conn, d.cfg.FrameTimeout), id: sessions.Add(1), in: make(map[uint64]*Incoming[R])}
 	for {
@@ -136,8 +143,26 @@ func (s *session[R]) end(cause error) {
 	}
 	s.mu.Unlock()
 	for _, in := range all {
-		_ = in.abort(s.d.cfg.Name, s.lost, false)
+		in.connLost(s.lost)
 	}
+}
+
+// connLost ends a handoff whose control connection is gone. One not yet
+// started is aborted (its lease's blocks return at once). A started one
+// is not: losing the source's word is not evidence about our memory. Its
+// transfer is asked to stop, and the plane's evidence decides: Failed
+// when it stopped short (a dead peer's data connection dies too), or
+// Delivered when every block had already arrived intact.
+func (in *Incoming[R]) connLost(lost error) {
+	in.mu.Lock()
+	if in.state == Transferring || in.state == Aborting || in.state == Quarantined {
+		t := in.t
+		in.mu.Unlock()
+		t.Cancel()
+		return
+	}
+	in.mu.Unlock()
+	_ = in.abort(in.s.d.cfg.Name, lost, false)
 }
 
 // Incoming is one handoff seen from the destination. All methods are safe
@@ -148,12 +173,46 @@ type Incoming[R any] struct {
 	id      uint64
 	request string
 	hashes  []kvlease.BlockHash
+	seed    kvlease.BlockHash
+	tokens  []int32
 	n, from int
 	lease   *kvlease.Lease[R]
 	t       *kvlease.Transfer
+	sealErr error // why a delivered block was left unsealed
 }
 
 func (in *Incoming[R]) pid() PlaneID { return PlaneID{Session: in.s.id, Handoff: in.id} }
+
+// checkTokens refuses a proposal whose tokens do not match it: more
+// tokens than its blocks hold, or hashes that are not their chain.
+func checkTokens(m *ProposeMsg, bt int) error {
+	if len(m.Tokens) > int(m.Blocks)*bt {
+		return fmt.Errorf("kvlease: handoff %d: %d tokens for %d blocks of %d: %w", m.ID, len(m.Tokens), m.Blocks, bt, kvlease.ErrInvalidArgument)
+	}
+	want := kvlease.ChainHashes(m.Seed, m.Tokens, bt)
+	if len(want) != len(m.Hashes) {
+		return fmt.Errorf("kvlease: handoff %d: %d hashes for %d full blocks of tokens: %w", m.ID, len(m.Hashes), len(want), kvlease.ErrInvalidArgument)
+	}
+	for i, h := range m.Hashes {
+		if h != want[i] {
+			return fmt.Errorf("kvlease: handoff %d: hash %d is not the chain of its tokens: %w", m.ID, i, kvlease.ErrInvalidArgument)
+		}
+	}
+	return nil
+}
+
+// acquire takes the destination lease: with tokens, AcquirePrefixTokens
+// (in verified mode every hit is checked against them); a pool without a
+// block size cannot, and takes the hash hits instead.
+func acquire[R any](pool *kvlease.Pool[R], owner string, m *ProposeMsg, n int) (*kvlease.Lease[R], int, error) {
+	if len(m.Tokens) > 0 {
+		l, from, err := pool.AcquirePrefixTokens(owner, m.Seed, m.Tokens, n)
+		if err == nil || !errors.Is(err, kvlease.ErrInvalidArgument) {
+			return l, from, err
+		}
+	}
+	return pool.AcquirePrefix(owner, m.Hashes, n)
+}
 
 // propose answers a proposal: Reject or Accept.
 func (s *session[R]) propose(m *ProposeMsg) {
@@ -167,7 +226,7 @@ func (s *session[R]) propose(m *ProposeMsg) {
 		_ = s.c.send(&RejectMsg{ID: m.ID, Code: RejectDuplicate, Reason: err.Error()})
 		return
 	}
-	in := &Incoming[R]{machine: newMachine(), s: s, id: m.ID, request: m.Request, hashes: m.Hashes, n: int(m.Blocks)}
+	in := &Incoming[R]{machine: newMachine(), s: s, id: m.ID, request: m.Request, hashes: m.Hashes, seed: m.Seed, tokens: m.Tokens, n: int(m.Blocks)}
 	s.in[m.ID] = in
 	in.mu.Lock()
 	in.fire(d.cfg.Peer, EventPropose, nil)
@@ -179,6 +238,8 @@ func (s *session[R]) propose(m *ProposeMsg) {
 		err = envelopeMismatch(m.ID, m.Envelope, d.cfg.Envelope)
 	case in.n > d.cfg.Envelope.BlocksFor(d.cfg.Envelope.MaxContextTokens):
 		err = fmt.Errorf("kvlease: handoff %d: %d blocks exceed a maximum-context request: %w", m.ID, in.n, kvlease.ErrExceedsCapacity)
+	case len(m.Tokens) > 0 && checkTokens(m, d.cfg.Envelope.BlockTokens) != nil:
+		err = checkTokens(m, d.cfg.Envelope.BlockTokens)
 	case d.cfg.Decide != nil:
 		if derr := d.cfg.Decide(m); derr != nil {
 			err = fmt.Errorf("kvlease: handoff %d: %w (%w)", m.ID, derr, ErrRejected)
@@ -190,7 +251,7 @@ func (s *session[R]) propose(m *ProposeMsg) {
 		if owner == "" {
 			owner = fmt.Sprintf("handoff-%d", m.ID)
 		}
-		in.lease, in.from, err = d.pool.AcquirePrefix(owner, m.Hashes, in.n)
+		in.lease, in.from, err = acquire(d.pool, owner, m, in.n)
 	}
 	if err == nil && in.from < in.n {
 		accept, err = d.plane.Prepare(in.pid(), in.n-in.from)
@@ -297,8 +358,11 @@ func (in *Incoming[R]) watch(t *kvlease.Transfer) {
 		<-t.Done()
 	}
 	in.mu.Lock()
-	in.current()
+	msg, ok := in.settle()
 	in.mu.Unlock()
+	if ok {
+		in.finish(msg) // on this goroutine: one hop fewer to the source
+	}
 }
 
 func (in *Incoming[R]) expire() {
@@ -321,27 +385,30 @@ func (in *Incoming[R]) expire() {
 }
 
 // current records the transfer's evidence once it has come (so State is
-// current as soon as Resolve returns): Delivered seals the wanted blocks
-// and tells the source; Failed releases the lease and tells the source.
-// It reports whether the handoff is final. Called with in.mu held; it
-// may release and retake it to run callbacks and send.
+// current as soon as Resolve returns): see settle. It tells the source
+// and runs the callbacks on a goroutine of their own (the caller holds
+// in.mu). It reports whether the handoff is final. Called with in.mu
+// held.
 func (in *Incoming[R]) current() bool {
-	if in.state.Final() {
-		return true
+	if msg, ok := in.settle(); ok {
+		go in.finish(msg)
 	}
-	if in.t == nil || in.t.State() != kvlease.TransferResolved {
-		return false
+	return in.state.Final()
+}
+
+// settle records the transfer's evidence if it has come and is not
+// recorded yet: Delivered seals the wanted blocks, Failed releases the
+// lease. It returns the Done message to send (nil when the source was
+// not waiting for one) and whether it recorded anything; the caller
+// then calls finish, without in.mu. Called with in.mu held.
+func (in *Incoming[R]) settle() (*DoneMsg, bool) {
+	if in.state.Final() || in.t == nil || in.t.State() != kvlease.TransferResolved {
+		return nil, false
 	}
 	err := in.t.Err()
 	from := in.state
 	if err == nil && from == Transferring {
-		// Sealed on arrival: the decode side's cache fills.
-		for i := in.from; i < min(in.n, len(in.hashes)); i++ {
-			if serr := in.lease.Seal(i, in.hashes[i]); serr != nil {
-				err = fmt.Errorf("kvlease: handoff %d: seal block %d: %w", in.id, i, serr)
-				break
-			}
-		}
+		in.seal()
 	}
 	if err == nil {
 		in.fire("transport", EventResolve, nil)
@@ -351,23 +418,67 @@ func (in *Incoming[R]) current() bool {
 	if in.state == Failed {
 		in.lease.Release()
 	}
-	if from == Transferring {
-		msg := &DoneMsg{ID: in.id}
-		if err != nil {
-			msg.Err = err.Error()
-		}
-		go func() { _ = in.s.c.send(msg) }()
+	if from != Transferring {
+		return nil, true
 	}
-	go in.final()
-	return true
+	msg := &DoneMsg{ID: in.id}
+	if err != nil {
+		msg.Err = err.Error()
+	}
+	return msg, true
+}
+
+// finish tells the source the outcome (msg, if any) first, since it is
+// waiting, then runs the final callbacks.
+func (in *Incoming[R]) finish(msg *DoneMsg) {
+	if msg != nil {
+		_ = in.s.c.send(msg)
+	}
+	in.final()
+}
+
+// seal seals the delivered full blocks on arrival, so the decode side's
+// cache fills: with their tokens when the proposal carried them (the
+// only way in verified mode), else with their hashes. A block the pool
+// refuses to seal (a pool without a block size given tokens, a verified
+// pool given only hashes) ends the chain there and is reported: the
+// blocks arrived intact all the same, so the handoff is still
+// delivered. Called with in.mu held.
+func (in *Incoming[R]) seal() {
+	bt := in.s.d.cfg.Envelope.BlockTokens
+	for i := in.from; i < min(in.n, len(in.hashes)); i++ {
+		var err error
+		if len(in.tokens) > 0 {
+			parent := in.seed
+			if i > 0 {
+				parent = in.hashes[i-1]
+			}
+			_, err = in.lease.SealTokens(i, parent, in.tokens[i*bt:(i+1)*bt])
+		}
+		if len(in.tokens) == 0 || err != nil {
+			if serr := in.lease.Seal(i, in.hashes[i]); serr == nil {
+				err = nil
+			} else if err == nil {
+				err = serr
+			}
+		}
+		if err != nil {
+			// Reported by final, outside our lock.
+			in.sealErr = fmt.Errorf("kvlease: handoff %d: delivered block %d left unsealed (and the %d after it): %w", in.id, i, min(in.n, len(in.hashes))-i-1, err)
+			return
+		}
+	}
 }
 
 // final runs the callbacks of a final handoff, once.
 func (in *Incoming[R]) final() {
 	d := in.s.d
 	in.mu.Lock()
-	st := in.state
+	st, sealErr := in.state, in.sealErr
 	in.mu.Unlock()
+	if sealErr != nil {
+		d.cfg.report(sealErr)
+	}
 	if st == Delivered {
 		if d.cfg.OnDelivered != nil {
 			d.cfg.OnDelivered(in)

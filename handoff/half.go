@@ -77,7 +77,9 @@ type HalfConfig struct {
 	// write (DefaultFrameTimeout when zero).
 	FrameTimeout time.Duration
 	// OnError, if set, is told every protocol error that changed nothing
-	// (an unknown id, a message the state does not allow).
+	// (an unknown id, a message the state does not allow) and, on the
+	// destination, every delivered block its pool would not seal. It is
+	// called without the half's locks held, and must not block long.
 	OnError func(error)
 }
 

@@ -22,13 +22,14 @@ import (
 // The checksum (Castagnoli) covers the first eight header bytes and the
 // payload. Every payload starts with the handoff id (8 bytes LE). Strings
 // and opaque bytes are a 2-byte length and the bytes; the hashes of a
-// proposal are a 4-byte count and 8 bytes each. A reader checks the
+// proposal are a 4-byte count and 8 bytes each, optionally followed by
+// its tokens: a 4-byte count, the 8-byte namespace seed, 4 bytes each. A reader checks the
 // length against MaxFrame before it allocates, and a frame that has begun
 // must arrive whole within the connection's frame timeout.
 //
 // Who sends what (S = source side, D = destination side):
 //
-//	S→D Propose  {id, request, blocks, envelope fingerprint, chained hashes}
+//	S→D Propose  {id, request, blocks, envelope fingerprint, chained hashes[, seed, tokens]}
 //	D→S Accept   {id, first block wanted (the prefix hits), data-plane bytes}
 //	D→S Reject   {id, code, reason}          (instead of Accept, or after it while no Start came)
 //	S→D Start    {id, data-plane bytes}      (the source's transfer is attached)
@@ -94,12 +95,18 @@ type Message interface {
 // ProposeMsg offers a handoff: the source holds Blocks blocks of request
 // Request whose full blocks have the chained hashes Hashes (at most
 // Blocks of them), under the envelope whose Fingerprint is Envelope.
+// Tokens, when present, are the tokens whose KV the blocks hold and Seed
+// their namespace: Hashes is then ChainHashes(Seed, Tokens), and a
+// destination in verified mode checks its hits and seals what arrives
+// with them (Source.ProposeTokens).
 type ProposeMsg struct {
 	ID       uint64
 	Request  string
 	Blocks   uint32
 	Envelope uint64
 	Hashes   []kvlease.BlockHash
+	Seed     kvlease.BlockHash
+	Tokens   []int32
 }
 
 // AcceptMsg accepts a handoff: the destination holds a lease of all the
@@ -227,6 +234,13 @@ func (m *ProposeMsg) appendPayload(b []byte) []byte {
 	for _, h := range m.Hashes {
 		b = le.AppendUint64(b, uint64(h))
 	}
+	if len(m.Tokens) > 0 {
+		b = le.AppendUint32(b, uint32(len(m.Tokens)))
+		b = le.AppendUint64(b, uint64(m.Seed))
+		for _, t := range m.Tokens {
+			b = le.AppendUint32(b, uint32(t))
+		}
+	}
 	return b
 }
 
@@ -335,12 +349,27 @@ func ParseProposeMsg(p []byte) (*ProposeMsg, error) {
 		r.fail(fmt.Sprintf("%d blocks outside 1..%d", m.Blocks, MaxBlocks))
 	case n > m.Blocks:
 		r.fail(fmt.Sprintf("%d hashes for %d blocks", n, m.Blocks))
-	case int(n)*8 != len(r.b):
+	case int(n)*8 > len(r.b):
 		r.fail(fmt.Sprintf("%d hashes in %d bytes", n, len(r.b)))
 	default:
 		m.Hashes = make([]kvlease.BlockHash, n)
 		for i := range m.Hashes {
 			m.Hashes[i] = kvlease.BlockHash(r.u64("hash"))
+		}
+		if len(r.b) == 0 {
+			break
+		}
+		nt := r.u32("token count")
+		m.Seed = kvlease.BlockHash(r.u64("seed"))
+		switch {
+		case r.err != nil:
+		case nt == 0 || int(nt)*4 != len(r.b):
+			r.fail(fmt.Sprintf("%d tokens in %d bytes", nt, len(r.b)))
+		default:
+			m.Tokens = make([]int32, nt)
+			for i := range m.Tokens {
+				m.Tokens[i] = int32(r.u32("token"))
+			}
 		}
 	}
 	if err := r.end(); err != nil {

@@ -14,6 +14,7 @@ func sampleMessages() []Message {
 	return []Message{
 		&ProposeMsg{ID: 1, Request: "req-1", Blocks: 4, Envelope: 0xfeed, Hashes: []kvlease.BlockHash{1, 2, 3}},
 		&ProposeMsg{ID: 2, Blocks: 1, Hashes: []kvlease.BlockHash{}},
+		&ProposeMsg{ID: 11, Request: "verified", Blocks: 3, Envelope: 1, Hashes: []kvlease.BlockHash{4, 5}, Seed: 77, Tokens: []int32{1, -2, 3, 1 << 30}},
 		&AcceptMsg{ID: 3, From: 2, Plane: []byte("addr+token")},
 		&RejectMsg{ID: 4, Code: RejectExhausted, Reason: "full"},
 		&StartMsg{ID: 5},
@@ -72,6 +73,10 @@ func TestProtoMalformed(t *testing.T) {
 		"ack of propose":   AppendFrameRaw(MsgAck, (&AckMsg{ID: 1, Of: MsgPropose}).appendPayload(nil)),
 		"oversize plane":   AppendFrameRaw(MsgStart, appendBytes(le.AppendUint64(nil, 1), make([]byte, MaxPlane+1))),
 		"accept from huge": AppendFrameRaw(MsgAccept, (&AcceptMsg{ID: 1, From: MaxBlocks + 1}).appendPayload(nil)),
+		"half a hash":      AppendFrameRaw(MsgPropose, (&ProposeMsg{ID: 1, Blocks: 2, Hashes: []kvlease.BlockHash{1, 2}}).appendPayload(nil)[:40]),
+		"half token count": AppendFrameRaw(MsgPropose, append((&ProposeMsg{ID: 1, Blocks: 2, Hashes: []kvlease.BlockHash{1}}).appendPayload(nil), 1, 0)),
+		"tokens short":     AppendFrameRaw(MsgPropose, (&ProposeMsg{ID: 1, Blocks: 2, Hashes: []kvlease.BlockHash{1}, Tokens: []int32{1, 2}}).appendPayload(nil)[:50]),
+		"zero tokens":      AppendFrameRaw(MsgPropose, append(le.AppendUint64(le.AppendUint32((&ProposeMsg{ID: 1, Blocks: 2}).appendPayload(nil), 0), 5), 1, 2, 3, 4)),
 	}
 	for name, b := range cases {
 		m, _, err := ReadFrame(bytes.NewReader(b), nil)

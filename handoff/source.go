@@ -82,6 +82,33 @@ type Outgoing[R any] struct {
 // ErrExceedsCapacity (more blocks than a maximum-context request),
 // ErrState (id already used on this connection), ErrConnLost.
 func (s *Source[R]) Propose(id uint64, request string, src *kvlease.Lease[R], hashes []kvlease.BlockHash) (*Outgoing[R], error) {
+	return s.propose(id, request, src, hashes, 0, nil)
+}
+
+// ProposeTokens is Propose for a lease whose blocks hold the KV of
+// tokens (at most src.Len() blocks of the envelope's BlockTokens) under
+// the namespace seed: the hashes are ChainHashes(seed, tokens), and the
+// tokens travel too, so that a destination in verified mode
+// (kvlease.WithVerifiedPrefix) checks its hits against them
+// (AcquirePrefixTokens) and seals what arrives with them (SealTokens).
+// Errors as Propose; ErrInvalidArgument also for no tokens, more tokens
+// than the lease's blocks hold, or more than one frame carries.
+func (s *Source[R]) ProposeTokens(id uint64, request string, src *kvlease.Lease[R], seed kvlease.BlockHash, tokens []int32) (*Outgoing[R], error) {
+	if src == nil {
+		return nil, fmt.Errorf("kvlease: handoff propose: nil lease: %w", kvlease.ErrInvalidArgument)
+	}
+	bt := s.cfg.Envelope.BlockTokens
+	hashes := kvlease.ChainHashes(seed, tokens, bt)
+	// The payload: id, request, blocks, fingerprint, hashes, tokens.
+	size := 8 + 2 + len(request) + 4 + 8 + 4 + 8*len(hashes) + 4 + 8 + 4*len(tokens)
+	if len(tokens) == 0 || len(tokens) > src.Len()*bt || size > MaxFrame {
+		return nil, fmt.Errorf("kvlease: handoff propose %d: %d tokens for %d blocks of %d (a proposal of %d bytes, at most %d): %w",
+			id, len(tokens), src.Len(), bt, size, MaxFrame, kvlease.ErrInvalidArgument)
+	}
+	return s.propose(id, request, src, hashes, seed, tokens)
+}
+
+func (s *Source[R]) propose(id uint64, request string, src *kvlease.Lease[R], hashes []kvlease.BlockHash, seed kvlease.BlockHash, tokens []int32) (*Outgoing[R], error) {
 	if src == nil {
 		return nil, fmt.Errorf("kvlease: handoff propose: nil lease: %w", kvlease.ErrInvalidArgument)
 	}
@@ -113,7 +140,7 @@ func (s *Source[R]) Propose(id uint64, request string, src *kvlease.Lease[R], ha
 	o.fire(s.cfg.Name, EventPropose, nil)
 	o.mu.Unlock()
 	s.mu.Unlock()
-	msg := &ProposeMsg{ID: id, Request: request, Blocks: uint32(n), Envelope: s.cfg.Envelope.Fingerprint(), Hashes: hashes}
+	msg := &ProposeMsg{ID: id, Request: request, Blocks: uint32(n), Envelope: s.cfg.Envelope.Fingerprint(), Hashes: hashes, Seed: seed, Tokens: tokens}
 	if err := s.c.send(msg); err != nil {
 		s.connLost(err)
 		return o, nil // the connection loss rejected it; History says so
@@ -234,8 +261,9 @@ func (o *Outgoing[R]) accepted(m *AcceptMsg) {
 		return
 	}
 	if kind, _ := o.fire(s.cfg.Peer, EventAccept, nil); kind != edgeMove {
+		st := o.state
 		o.mu.Unlock()
-		s.cfg.report(fmt.Errorf("kvlease: handoff %d: accept while %v: %w", o.id, o.state, ErrProtocol))
+		s.cfg.report(fmt.Errorf("kvlease: handoff %d: accept while %v: %w", o.id, st, ErrProtocol))
 		return
 	}
 	o.from = int(m.From)
@@ -318,14 +346,16 @@ func (o *Outgoing[R]) rejected(m *RejectMsg) {
 	err := peerErr("reject", m.Reason, m.Code.sentinel())
 	o.mu.Lock()
 	kind, _ := o.fire(o.s.cfg.Peer, EventReject, err)
-	if kind == edgeRefuse && o.state == Transferring {
+	st := o.state
+	if kind == edgeRefuse && st == Transferring {
 		// A reject that crossed our Start: the destination will not
 		// receive. Our transfer stops; its evidence makes us Failed.
 		o.setPeer(err)
-	} else if kind == edgeRefuse {
-		o.s.cfg.report(fmt.Errorf("kvlease: handoff %d: reject while %v: %w", o.id, o.state, ErrProtocol))
 	}
 	o.mu.Unlock()
+	if kind == edgeRefuse && st != Transferring {
+		o.s.cfg.report(fmt.Errorf("kvlease: handoff %d: reject while %v: %w", o.id, st, ErrProtocol))
+	}
 	o.poke()
 }
 
@@ -342,6 +372,7 @@ func (o *Outgoing[R]) doneMsg(m *DoneMsg) {
 		return
 	}
 	o.setPeer(err)
+	o.current() // final now if our own evidence is in: no hop to the watcher
 	o.mu.Unlock()
 	_ = o.s.c.send(&AckMsg{ID: o.id, Of: MsgDone})
 	o.poke()

@@ -1,37 +1,52 @@
 // Package tcp is a pure-Go data plane for cross-process handoffs: the
 // source pushes blocks over a TCP data connection that it dials to the
 // destination's data listener, one connection per handoff, while the
-// control messages travel on the handoff's control connection. Sender
-// implements handoff.SendPlane[[]byte], Receiver handoff.RecvPlane[[]byte].
+// control messages travel on the handoff's control connection (package
+// handoff's Source and Destination). Sender implements
+// handoff.SendPlane[[]byte], Receiver handoff.RecvPlane[[]byte].
 //
 // Wire. The Accept message's plane bytes are the listener's address and a
-// random 16-byte token. The data connection starts with a hello
-// ("KD", version, token, block count, block bytes) that must arrive within
-// Config.HelloTimeout, then carries one frame per block: index (4 bytes
-// LE), length (4 bytes LE), crc32c of the block (4 bytes LE), then the
-// block. Blocks move straight between the lease's regions and the socket:
-// the sender writes the region itself, the receiver reads into the region
-// itself; no per-block allocation. A length, index or checksum that is not
-// what the receiver expects ends the transfer with an error.
+// random 16-byte token. The data connection starts with a hello ("KD",
+// version, token, block count, block bytes) that must arrive within
+// Config.HelloTimeout (and a Receive waits no longer than that for its
+// connection: ErrNoData), then carries one frame per block: index
+// (4 bytes LE), length (4 bytes LE), the block, and its crc32c
+// (Castagnoli, 4 bytes LE). The checksum trails its block so that the
+// sender computes it right after writing the block, over bytes still in
+// cache, and the receiver as each read delivers them: no second pass
+// over memory. An index, length or checksum that is not what the
+// receiver expects ends the transfer with ErrCorrupt; garbage, half a
+// hello or an unknown token on the data port is refused (Stats.Refused,
+// Config.OnError) and changes nothing.
 //
-// Evidence (what resolves each side's kvlease.Transfer):
+// Blocks move straight between the leases' regions and the socket: the
+// sender hands each region to one gathered write (writev) with its frame
+// header, the receiver reads straight into the regions, up to 16 frames
+// per system call (readv) on Linux. Nothing is allocated per block.
 //
-//   - the sender's Read transfer resolves when its writer goroutine's last
-//     read of source memory has returned: the loop has exited (finished,
-//     failed or cancelled), so no Write of ours is in progress;
-//   - the receiver's Write transfer resolves when the goroutine writing
-//     into its memory has exited (finished, failed or cancelled);
-//   - a connection that dies mid-transfer ends both loops with an error,
-//     so both sides resolve with that error (Failed): each can prove its
-//     own goroutine stopped;
-//   - a peer that stalls leaves our loop blocked in the kernel; Cancel is
-//     a request, honoured at the next block boundary, and does not close
-//     the socket under a blocked read or write. So a stall past the
-//     handoff's deadline leaves the affected side quarantined, and only
-//     later evidence lifts it (the peer resumes and the loop stops at the
-//     next block, or the connection dies), never time. Close is the
-//     operator's way out: it closes every connection, and the loops'
-//     return is then the evidence.
+// Evidence. Each side resolves its own kvlease.Transfer only with proof
+// about its own memory:
+//
+//   - the sender's Read resolves when its last read of source memory has
+//     returned: its writer goroutine has exited (finished, failed or
+//     cancelled), so no write of ours is in progress;
+//   - the receiver's Write resolves when the goroutine writing into its
+//     memory has exited (finished, failed or cancelled);
+//   - a connection that dies mid-transfer ends in Resolve(err) (Failed)
+//     on both sides, because both sides can prove their own goroutines
+//     stopped: the dead connection fails the blocked write or read, and
+//     the loop returns;
+//   - a peer that stalls past the drain deadline leaves the affected side
+//     quarantined; only later evidence lifts it, never time. A stalled
+//     peer leaves our loop blocked in the kernel, and a Cancel is only a
+//     request, honoured before the next block is written or the next
+//     read is issued: it does not close the socket under a blocked read
+//     or write. The handoff's deadline then quarantines the transfer, and
+//     the loop's return (the peer resumes and the loop stops at the next
+//     block, or the connection dies) is the late evidence.
+//
+// Close is the operator's way out: it closes every connection, and the
+// loops' return is then the evidence.
 package tcp
 
 import (
@@ -59,12 +74,16 @@ var (
 	ErrCorrupt = errors.New("tcp: corrupt data frame")
 	// ErrClosed is the outcome of transfers stopped by Close.
 	ErrClosed = errors.New("tcp: plane closed")
+	// ErrNoData is the outcome of a receive whose data connection did not
+	// arrive within Config.HelloTimeout: nothing was written.
+	ErrNoData = errors.New("tcp: data connection never came")
 )
 
 const (
-	version     = 1
-	helloLength = 2 + 1 + 16 + 4 + 4
-	frameHeader = 12
+	version      = 1
+	helloLength  = 2 + 1 + 16 + 4 + 4
+	frameHeader  = 8 // index, length
+	frameTrailer = 4 // crc32c
 )
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
@@ -74,11 +93,16 @@ type Config struct {
 	// DialTimeout bounds the sender's dial (5 s when zero).
 	DialTimeout time.Duration
 	// HelloTimeout bounds the receiver's wait for a data connection's
-	// hello once it is accepted (5 s when zero).
+	// hello once it is accepted, and a Receive's wait for its data
+	// connection (5 s when zero).
 	HelloTimeout time.Duration
 	// WrapConn, if set, wraps every data connection (tests use it to
 	// observe or break the stream).
 	WrapConn func(net.Conn) net.Conn
+	// OnError, if set, is told why the receiver refused a data
+	// connection (garbage, half a hello, an unknown token): an error
+	// wrapping ErrCorrupt. A refusal changes nothing else.
+	OnError func(error)
 }
 
 func (c *Config) defaults() {
@@ -216,25 +240,43 @@ func (s *Sender) write(conn net.Conn, tok [16]byte, regions [][]byte, cancel *at
 	if _, err := conn.Write(h); err != nil {
 		return 0, fmt.Errorf("tcp: hello: %w", err)
 	}
-	var fh [frameHeader]byte
+	// One gathered write per block (writev on a *net.TCPConn): the
+	// previous block's checksum, this block's header, the region itself.
+	// The checksum is computed right after the write, over bytes still in
+	// cache, which is why it trails its block. The small buffers and the
+	// vector are allocated once per transfer, not per block; one block
+	// per write keeps a cancel honoured at the next block boundary.
+	meta := new([frameTrailer + frameHeader]byte) // trailer of block i-1, header of block i
+	iov := new([2][]byte)
+	var bufs net.Buffers
 	var n int64
 	for i, r := range regions {
 		if cancel.Load() {
 			return n, fmt.Errorf("tcp: stopped before block %d of %d: %w", i, len(regions), ErrCanceled)
 		}
-		binary.LittleEndian.PutUint32(fh[0:], uint32(i))
-		binary.LittleEndian.PutUint32(fh[4:], uint32(len(r)))
-		binary.LittleEndian.PutUint32(fh[8:], crc32.Checksum(r, castagnoli))
-		if _, err := conn.Write(fh[:]); err != nil {
+		binary.LittleEndian.PutUint32(meta[frameTrailer:], uint32(i))
+		binary.LittleEndian.PutUint32(meta[frameTrailer+4:], uint32(len(r)))
+		iov[0], iov[1] = meta[:], r
+		if i == 0 {
+			iov[0] = meta[frameTrailer:]
+		}
+		bufs = iov[:]
+		if _, err := bufs.WriteTo(conn); err != nil {
 			return n, fmt.Errorf("tcp: block %d of %d: %w", i, len(regions), err)
 		}
-		if _, err := conn.Write(r); err != nil {
-			return n, fmt.Errorf("tcp: block %d of %d: %w", i, len(regions), err)
-		}
+		binary.LittleEndian.PutUint32(meta[:], crc32.Checksum(r, castagnoli))
 		n += int64(len(r))
+	}
+	if len(regions) > 0 {
+		if _, err := conn.Write(meta[:frameTrailer]); err != nil {
+			return n, fmt.Errorf("tcp: checksum of block %d of %d: %w", len(regions)-1, len(regions), err)
+		}
 	}
 	return n, nil
 }
+
+// batchBlocks is the most blocks one scattered read fills.
+const batchBlocks = 16
 
 // Finish implements handoff.SendPlane: a push plane has its own evidence.
 func (s *Sender) Finish(handoff.PlaneID, error) {}
@@ -334,11 +376,14 @@ func (r *Receiver) untrack(c net.Conn) {
 	_ = c.Close()
 }
 
-func (r *Receiver) refuse(raw net.Conn) {
+func (r *Receiver) refuse(raw net.Conn, why error) {
 	r.untrack(raw)
 	r.stats.mu.Lock()
 	r.stats.s.Refused++
 	r.stats.mu.Unlock()
+	if r.cfg.OnError != nil {
+		r.cfg.OnError(fmt.Errorf("tcp: data connection from %v refused: %w", raw.RemoteAddr(), why))
+	}
 }
 
 // hello reads and checks a data connection's hello, then hands it to its
@@ -347,8 +392,12 @@ func (r *Receiver) refuse(raw net.Conn) {
 func (r *Receiver) hello(c, raw net.Conn) {
 	var h [helloLength]byte
 	_ = c.SetReadDeadline(time.Now().Add(r.cfg.HelloTimeout))
-	if _, err := io.ReadFull(c, h[:]); err != nil || h[0] != 'K' || h[1] != 'D' || h[2] != version {
-		r.refuse(raw)
+	if n, err := io.ReadFull(c, h[:]); err != nil {
+		r.refuse(raw, fmt.Errorf("half a hello (%d of %d bytes): %w (%w)", n, helloLength, ErrCorrupt, err))
+		return
+	}
+	if h[0] != 'K' || h[1] != 'D' || h[2] != version {
+		r.refuse(raw, fmt.Errorf("hello starts %q, want \"KD\" version %d: %w", h[:3], version, ErrCorrupt))
 		return
 	}
 	_ = c.SetReadDeadline(time.Time{})
@@ -364,7 +413,7 @@ func (r *Receiver) hello(c, raw net.Conn) {
 	}
 	r.mu.Unlock()
 	if s == nil {
-		r.refuse(raw)
+		r.refuse(raw, fmt.Errorf("hello for %d blocks names no prepared handoff: %w", blocks, ErrCorrupt))
 		return
 	}
 	s.conn <- connPair{c, raw}.pack()
@@ -456,6 +505,8 @@ func (r *Receiver) Receive(id handoff.PlaneID, regions [][]byte, _ []byte, attac
 		defer r.wg.Done()
 		var n int64
 		var err error
+		wait := time.NewTimer(r.cfg.HelloTimeout)
+		defer wait.Stop()
 		select {
 		case c := <-s.conn:
 			p := c.(packed)
@@ -466,6 +517,9 @@ func (r *Receiver) Receive(id handoff.PlaneID, regions [][]byte, _ []byte, attac
 			r.dropSlot(s)
 		case <-r.stopped:
 			err = fmt.Errorf("tcp: receive: %w", ErrClosed)
+			r.dropSlot(s)
+		case <-wait.C:
+			err = fmt.Errorf("tcp: receive: no data connection within %v: %w", r.cfg.HelloTimeout, ErrNoData)
 			r.dropSlot(s)
 		}
 		r.stats.outcome(err, n)
@@ -485,31 +539,108 @@ func (r *Receiver) dropSlot(s *slot) {
 	}
 }
 
+// read receives the blocks into regions: each frame's header into a
+// small buffer, its block straight into its region, several frames per
+// system call where the connection allows (readv). Each header is
+// checked when it is complete, each block's checksum follows its bytes
+// as they arrive (no second pass) and is checked when the block is.
+// Cancel is honoured before each read; a read in progress is not
+// interrupted.
 func (r *Receiver) read(c net.Conn, regions [][]byte, cancel <-chan struct{}) (int64, error) {
-	var fh [frameHeader]byte
+	const metaLen = frameHeader + frameTrailer
+	k := min(len(regions), batchBlocks)
+	metas := make([]byte, metaLen*k) // block b's header and trailer in slot b%k
+	meta := func(b int) []byte { return metas[metaLen*(b%k) : metaLen*(b%k+1)] }
+	sc := newScatter(c, 3*k)
+	bufs := make([][]byte, 0, 3*k)
 	var n int64
-	for i, dst := range regions {
+	i, pos := 0, 0 // the current block, and how far into its frame we are
+	var got uint32 // its checksum so far
+	for i < len(regions) {
 		select {
 		case <-cancel:
 			return n, fmt.Errorf("tcp: stopped before block %d of %d: %w", i, len(regions), ErrCanceled)
 		default:
 		}
-		if _, err := io.ReadFull(c, fh[:]); err != nil {
-			return n, fmt.Errorf("tcp: block %d of %d: header: %w", i, len(regions), err)
+		bufs = bufs[:0]
+		for b := i; b < min(len(regions), i+k); b++ {
+			p := 0
+			if b == i {
+				p = pos
+			}
+			m, body := meta(b), len(regions[b])
+			if p < frameHeader {
+				bufs = append(bufs, m[p:frameHeader])
+				p = frameHeader
+			}
+			if p < frameHeader+body {
+				bufs = append(bufs, regions[b][p-frameHeader:])
+				p = frameHeader + body
+			}
+			bufs = append(bufs, m[frameHeader+p-frameHeader-body:])
 		}
-		idx, ln, sum := binary.LittleEndian.Uint32(fh[0:]), binary.LittleEndian.Uint32(fh[4:]), binary.LittleEndian.Uint32(fh[8:])
-		if int(idx) != i || int(ln) != len(dst) {
-			return n, fmt.Errorf("tcp: block %d of %d: frame says block %d of %d bytes, want %d: %w", i, len(regions), idx, ln, len(dst), ErrCorrupt)
+		m, err := sc.read(bufs)
+		if m == 0 && err == nil {
+			err = io.ErrNoProgress
 		}
-		if _, err := io.ReadFull(c, dst); err != nil {
-			return n, fmt.Errorf("tcp: block %d of %d: %w", i, len(regions), err)
+		for m > 0 {
+			dst := regions[i]
+			bodyEnd := frameHeader + len(dst)
+			switch {
+			case pos < frameHeader:
+				t := min(m, frameHeader-pos)
+				pos, m = pos+t, m-t
+				if pos < frameHeader {
+					continue
+				}
+				h := meta(i)
+				if idx, ln := binary.LittleEndian.Uint32(h[0:]), binary.LittleEndian.Uint32(h[4:]); int(idx) != i || int(ln) != len(dst) {
+					return n, fmt.Errorf("tcp: block %d of %d: frame says block %d of %d bytes, want %d: %w", i, len(regions), idx, ln, len(dst), ErrCorrupt)
+				}
+			case pos < bodyEnd:
+				off := pos - frameHeader
+				t := min(m, len(dst)-off)
+				got = crc32.Update(got, castagnoli, dst[off:off+t])
+				pos, m = pos+t, m-t
+			default:
+				t := min(m, bodyEnd+frameTrailer-pos)
+				pos, m = pos+t, m-t
+				if pos < bodyEnd+frameTrailer {
+					continue
+				}
+				if sum := binary.LittleEndian.Uint32(meta(i)[frameHeader:]); got != sum {
+					return n, fmt.Errorf("tcp: block %d of %d: crc32c %08x, frame says %08x: %w", i, len(regions), got, sum, ErrCorrupt)
+				}
+				n += int64(len(dst))
+				i, pos, got = i+1, 0, 0
+			}
 		}
-		if got := crc32.Checksum(dst, castagnoli); got != sum {
-			return n, fmt.Errorf("tcp: block %d of %d: crc32c %08x, frame says %08x: %w", i, len(regions), got, sum, ErrCorrupt)
+		if err != nil && i < len(regions) {
+			if err == io.EOF {
+				err = io.ErrUnexpectedEOF
+			}
+			return n, fmt.Errorf("tcp: block %d of %d: %d of %d frame bytes: %w", i, len(regions), pos, frameHeader+len(regions[i])+frameTrailer, err)
 		}
-		n += int64(len(dst))
 	}
 	return n, nil
+}
+
+// scatter reads into a sequence of buffers, filling them in order; it
+// returns how many bytes it read (perhaps fewer than they hold).
+type scatter interface {
+	read(bufs [][]byte) (int, error)
+}
+
+// plainScatter reads into the first buffer with one Read.
+type plainScatter struct{ c net.Conn }
+
+func (s plainScatter) read(bufs [][]byte) (int, error) {
+	for _, b := range bufs {
+		if len(b) > 0 {
+			return s.c.Read(b)
+		}
+	}
+	return 0, nil
 }
 
 // Stats returns what the receiver did.

@@ -1,0 +1,297 @@
+package handoff
+
+import (
+	"errors"
+	"net"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvlease/kvlease"
+)
+
+// Tests of the two halves over a control connection with manual data
+// planes: the test decides when each side's transfer resolves.
+
+// manualPlane is a SendPlane and a RecvPlane that attach a transfer and
+// hand it to the test; nothing moves until the test resolves it.
+type manualPlane struct {
+	transfers chan *kvlease.Transfer
+}
+
+func newManualPlane() *manualPlane { return &manualPlane{transfers: make(chan *kvlease.Transfer, 8)} }
+
+func (p *manualPlane) attach(attach func(*kvlease.Transfer) error) error {
+	t := kvlease.NewTransfer(nil)
+	if err := attach(t); err != nil {
+		t.Resolve(err)
+		return err
+	}
+	p.transfers <- t
+	return nil
+}
+
+func (p *manualPlane) Send(_ PlaneID, _ [][]byte, _ []byte, attach func(*kvlease.Transfer) error) ([]byte, error) {
+	return nil, p.attach(attach)
+}
+func (p *manualPlane) Finish(PlaneID, error) {}
+func (p *manualPlane) Prepare(PlaneID, int) ([]byte, error) {
+	return []byte("manual"), nil
+}
+func (p *manualPlane) Receive(_ PlaneID, _ [][]byte, _ []byte, attach func(*kvlease.Transfer) error) error {
+	return p.attach(attach)
+}
+func (p *manualPlane) Forget(PlaneID) {}
+
+func (p *manualPlane) next(t *testing.T) *kvlease.Transfer {
+	t.Helper()
+	select {
+	case tr := <-p.transfers:
+		return tr
+	case <-time.After(10 * time.Second):
+		t.Fatal("no transfer attached")
+		return nil
+	}
+}
+
+type halves struct {
+	srcPool, dstPool *kvlease.Pool[[]byte]
+	src              *Source[[]byte]
+	send, recv       *manualPlane
+	incoming         chan *Incoming[[]byte]
+}
+
+func newHalves(t *testing.T, deadline time.Duration) *halves {
+	t.Helper()
+	h := &halves{srcPool: newHostPool(t, 32, hbBytes), dstPool: newHostPool(t, 32, hbBytes),
+		send: newManualPlane(), recv: newManualPlane(), incoming: make(chan *Incoming[[]byte], 8)}
+	a, b := net.Pipe()
+	dst, err := NewDestination(h.dstPool, h.recv, DestinationConfig[[]byte]{
+		HalfConfig: HalfConfig{Envelope: testEnvelope(), Deadline: deadline},
+		OnAccept:   func(in *Incoming[[]byte]) { h.incoming <- in },
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	served := make(chan struct{})
+	go func() { _ = dst.Serve(b); close(served) }()
+	if h.src, err = NewSource(a, h.send, HalfConfig{Envelope: testEnvelope(), Deadline: deadline}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = h.src.Close()
+		<-served
+		for _, p := range []*kvlease.Pool[[]byte]{h.srcPool, h.dstPool} {
+			if err := p.Check(); err != nil {
+				t.Error(err)
+			}
+		}
+	})
+	return h
+}
+
+func waitHalf(t *testing.T, what string, state func() State, want State) {
+	t.Helper()
+	for end := time.Now().Add(10 * time.Second); time.Now().Before(end); time.Sleep(time.Millisecond) {
+		if state() == want {
+			return
+		}
+	}
+	t.Fatalf("%s is %v, want %v", what, state(), want)
+}
+
+// TestHalvesStateCurrentAfterResolve: on both halves, State says what
+// the evidence says as soon as Resolve returns: the destination's
+// delivery, and the late evidence that lifts either side's quarantine
+// (issue 12, item 7), with the blocks already back.
+func TestHalvesStateCurrentAfterResolve(t *testing.T) {
+	for range 20 {
+		h := newHalves(t, -1)
+		lease, _ := h.srcPool.Acquire("r", 3)
+		o, err := h.src.Propose(1, "r", lease, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		in := <-h.incoming
+		st, dt := h.send.next(t), h.recv.next(t)
+		dt.Resolve(nil)
+		if s := in.State(); s != Delivered {
+			t.Fatalf("destination right after Resolve: %v", s)
+		}
+		st.Resolve(nil)
+		waitHalf(t, "source", o.State, Delivered)
+		lease.Release()
+	}
+	for range 20 {
+		h := newHalves(t, 20*time.Millisecond)
+		lease, _ := h.srcPool.Acquire("r", 3)
+		o, err := h.src.Propose(1, "r", lease, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		in := <-h.incoming
+		st, dt := h.send.next(t), h.recv.next(t)
+		waitHalf(t, "source", o.State, Quarantined)
+		waitHalf(t, "destination", in.State, Quarantined)
+		if q := h.srcPool.Stats().Quarantined; q != 3 {
+			t.Fatalf("source quarantines %d blocks, want 3", q)
+		}
+		st.Resolve(errors.New("late"))
+		if s := o.State(); s != Aborted {
+			t.Fatalf("source right after the late Resolve: %v", s)
+		}
+		if s := h.srcPool.Stats(); s.Quarantined != 0 || s.Free != 32 {
+			t.Fatalf("source pool right after the late Resolve: %+v", s)
+		}
+		dt.Resolve(errors.New("late"))
+		if s := in.State(); s != Aborted {
+			t.Fatalf("destination right after the late Resolve: %v", s)
+		}
+		if s := h.dstPool.Stats(); s.Quarantined != 0 || s.Free != 32 {
+			t.Fatalf("destination pool right after the late Resolve: %+v", s)
+		}
+	}
+}
+
+func TestCheckTokens(t *testing.T) {
+	tokens := make([]int32, 40)
+	for i := range tokens {
+		tokens[i] = int32(i)
+	}
+	good := kvlease.ChainHashes(3, tokens, 16)
+	cases := map[string]*ProposeMsg{
+		"too many tokens": {ID: 1, Blocks: 2, Seed: 3, Tokens: make([]int32, 33)},
+		"missing hash":    {ID: 1, Blocks: 3, Seed: 3, Tokens: tokens, Hashes: good[:1]},
+		"wrong seed":      {ID: 1, Blocks: 3, Seed: 4, Tokens: tokens, Hashes: good},
+		"wrong hash":      {ID: 1, Blocks: 3, Seed: 3, Tokens: tokens, Hashes: []kvlease.BlockHash{good[0], good[0]}},
+	}
+	for name, m := range cases {
+		if err := checkTokens(m, 16); !errors.Is(err, kvlease.ErrInvalidArgument) {
+			t.Errorf("%s: %v", name, err)
+		}
+	}
+	if err := checkTokens(&ProposeMsg{ID: 1, Blocks: 3, Seed: 3, Tokens: tokens, Hashes: good}, 16); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestSourceRefusesBadMessages: a raw destination sends the source
+// duplicated, reordered, unknown and wrong-direction messages; each is
+// reported as an ErrProtocol error and changes nothing; a corrupted
+// frame ends the connection, which rejects only what had not started.
+func TestSourceRefusesBadMessages(t *testing.T) {
+	pool := newHostPool(t, 32, hbBytes)
+	plane := newManualPlane()
+	// A real socket: its buffers let each side write before the other reads.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := ln.Accept()
+	_ = ln.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	errs := make(chan error, 16)
+	src, err := NewSource(a, plane, HalfConfig{Envelope: testEnvelope(), Deadline: -1, OnError: func(err error) { errs <- err }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer src.Close()
+	var buf []byte
+	read := func() Message {
+		t.Helper()
+		_ = b.SetReadDeadline(time.Now().Add(10 * time.Second))
+		m, nb, err := ReadFrame(b, buf)
+		buf = nb
+		if err != nil {
+			t.Fatal(err)
+		}
+		return m
+	}
+	write := func(m Message) {
+		t.Helper()
+		_ = b.SetWriteDeadline(time.Now().Add(10 * time.Second))
+		if _, err := b.Write(AppendFrame(nil, m)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	refused := func(substr string) {
+		t.Helper()
+		select {
+		case err := <-errs:
+			if !errors.Is(err, ErrProtocol) || !strings.Contains(err.Error(), substr) {
+				t.Fatalf("reported %v, want ErrProtocol and %q", err, substr)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatalf("nothing reported, want %q", substr)
+		}
+	}
+	lease, _ := pool.Acquire("r", 3)
+	defer lease.Release()
+	o, err := src.Propose(1, "r", lease, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m, ok := read().(*ProposeMsg); !ok || m.ID != 1 || m.Blocks != 3 {
+		t.Fatalf("proposal %#v", m)
+	}
+	write(&DoneMsg{ID: 1}) // before Accept and Start
+	refused("done while proposed")
+	write(&AcceptMsg{ID: 1, From: 4}) // more blocks than proposed
+	refused("accept wants blocks from 4 of 3")
+	write(&AcceptMsg{ID: 1, Plane: []byte("x")})
+	tr := plane.next(t)
+	if m, ok := read().(*StartMsg); !ok || m.ID != 1 {
+		t.Fatalf("start %#v", m)
+	}
+	write(&AcceptMsg{ID: 1}) // a duplicate
+	refused("accept while transferring")
+	write(&DoneMsg{ID: 99})
+	refused("unknown handoff 99")
+	write(&ProposeMsg{ID: 5, Blocks: 1}) // the wrong direction
+	refused("unexpected propose")
+	write(&AckMsg{ID: 7, Of: MsgAbort})
+	refused("unknown handoff 7")
+	if s := o.State(); s != Transferring {
+		t.Fatalf("source %v after refused messages", s)
+	}
+	write(&DoneMsg{ID: 1})
+	if m, ok := read().(*AckMsg); !ok || m.ID != 1 || m.Of != MsgDone {
+		t.Fatalf("ack %#v", m)
+	}
+	write(&DoneMsg{ID: 1}) // a duplicate: no second Ack
+	refused("done while transferring")
+	tr.Resolve(nil)
+	if s := o.State(); s != Delivered {
+		t.Fatalf("source %v", s)
+	}
+	// A second handoff, not yet started, then a corrupted frame.
+	lease2, _ := pool.Acquire("r2", 2)
+	defer lease2.Release()
+	o2, _ := src.Propose(2, "r2", lease2, nil)
+	read()
+	bad := AppendFrame(nil, &AcceptMsg{ID: 2})
+	bad[len(bad)-1] ^= 1
+	if _, err := b.Write(bad); err != nil {
+		t.Fatal(err)
+	}
+	<-o2.Done()
+	if s, err := o2.State(), o2.Err(); s != Rejected || !errors.Is(err, ErrConnLost) || !errors.Is(err, ErrProtocol) {
+		t.Fatalf("unstarted handoff after a corrupted frame: %v %v", s, err)
+	}
+	if s := o.State(); s != Delivered {
+		t.Fatalf("the delivered handoff became %v", s)
+	}
+	if _, err := src.Propose(3, "r", lease, nil); !errors.Is(err, ErrConnLost) {
+		t.Fatalf("propose on a lost connection: %v", err)
+	}
+	if s := pool.Stats(); s.Leased != 5 || s.Quarantined != 0 {
+		t.Fatalf("%+v", s)
+	}
+}

@@ -1,0 +1,79 @@
+package tcp_test
+
+import (
+	"bytes"
+	"fmt"
+	"net"
+
+	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/handoff"
+	"github.com/kvlease/kvlease/handoff/tcp"
+)
+
+// Both halves of a handoff over 127.0.0.1: the decode side serves a
+// control connection and a data listener, the prefill side proposes a
+// lease and the blocks move over TCP. (In a deployment each half lives
+// in its own process; see the package's cross-process tests.)
+func Example() {
+	env := handoff.Envelope{BlockTokens: 16, BlockBytes: 4096, PoolBlocks: 64,
+		MaxContextTokens: 1024, MaxPrefillTokens: 512, MaxRunningRequests: 4}
+	newPool := func() *kvlease.Pool[[]byte] {
+		mem, _ := kvlease.NewHostMemory(env.PoolBlocks, env.BlockBytes)
+		p, _ := kvlease.NewPool[[]byte](mem)
+		return p
+	}
+
+	// The decode side.
+	decode := newPool()
+	dataLn, _ := net.Listen("tcp", "127.0.0.1:0")
+	recv := tcp.NewReceiver(dataLn, tcp.Config{})
+	defer recv.Close()
+	delivered := make(chan *handoff.Incoming[[]byte], 1)
+	dst, _ := handoff.NewDestination(decode, recv, handoff.DestinationConfig[[]byte]{
+		HalfConfig:  handoff.HalfConfig{Envelope: env, Name: "decode", Peer: "prefill"},
+		OnDelivered: func(in *handoff.Incoming[[]byte]) { delivered <- in },
+	})
+	ctlLn, _ := net.Listen("tcp", "127.0.0.1:0")
+	served := make(chan error, 1)
+	go func() {
+		c, err := ctlLn.Accept()
+		_ = ctlLn.Close()
+		if err == nil {
+			err = dst.Serve(c)
+		}
+		served <- err
+	}()
+
+	// The prefill side.
+	prefill := newPool()
+	conn, _ := net.Dial("tcp", ctlLn.Addr().String())
+	sender := tcp.NewSender(tcp.Config{})
+	defer sender.Close()
+	src, _ := handoff.NewSource(conn, sender, handoff.HalfConfig{Envelope: env, Name: "prefill", Peer: "decode"})
+	lease, _ := prefill.Acquire("req-1", 4)
+	for i := range lease.Len() {
+		r, _ := lease.Region(i)
+		copy(r, fmt.Sprintf("KV of block %d", i))
+	}
+	o, _ := src.Propose(1, "req-1", lease, nil)
+	<-o.Done()
+	in := <-delivered
+
+	for _, s := range o.History() {
+		fmt.Printf("prefill: %v → %v  %s/%v\n", s.From, s.To, s.By, s.Event)
+	}
+	first, _ := in.Lease().ReadRegion(3)
+	fmt.Printf("decode: %v, %d blocks, block 3 holds %q\n", in.State(), in.Blocks(), bytes.TrimRight(first[:16], "\x00"))
+	in.Lease().Release()
+	lease.Release()
+	_ = src.Close()
+	<-served
+	fmt.Println("decode pool:", decode.Stats().Free, "free")
+	// Output:
+	// prefill: none → proposed  prefill/propose
+	// prefill: proposed → accepted  decode/accept
+	// prefill: accepted → transferring  transport/attach
+	// prefill: transferring → delivered  transport/resolve
+	// decode: delivered, 4 blocks, block 3 holds "KV of block 3"
+	// decode pool: 64 free
+}

@@ -1,0 +1,8 @@
+//go:build !linux
+
+package tcp
+
+import "net"
+
+// newScatter returns a scatter reader over c: one Read per call.
+func newScatter(c net.Conn, _ int) scatter { return plainScatter{c} }
