@@ -9,6 +9,7 @@ import (
 	"net"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
@@ -150,17 +151,19 @@ func writeLayered[R LayeredRegion](conn net.Conn, tok [16]byte, regions []R, lay
 	if _, err := conn.Write(h); err != nil {
 		return 0, fmt.Errorf("tcp: hello: %w", err)
 	}
-	// One frame header, one iovec list and one Buffers for the whole
-	// transfer: a block costs one vectored write and no allocation.
-	fh := make([]byte, frameHeader)
-	bufs := make([][]byte, 0, 1+lay.PiecesPerBlock())
+	// One frame header, one trailer, one iovec list and one Buffers for
+	// the whole transfer: a block costs one vectored write (header, every
+	// piece, its trailing crc32c) and no allocation.
+	fh := make([]byte, frameHeader+frameTrailer)
+	hdr8, trailer := fh[:frameHeader], fh[frameHeader:]
+	bufs := make([][]byte, 0, 2+lay.PiecesPerBlock())
 	vec := new(net.Buffers)
 	var n int64
 	for i, r := range regions {
 		if cancel.Load() {
 			return n, fmt.Errorf("tcp: stopped before block %d of %d: %w", i, len(regions), ErrCanceled)
 		}
-		bufs = append(bufs[:0], fh)
+		bufs = append(bufs[:0], hdr8)
 		var sum uint32
 		for l := range lay.Layers {
 			for kv := range lay.KVs {
@@ -173,9 +176,10 @@ func writeLayered[R LayeredRegion](conn net.Conn, tok [16]byte, regions []R, lay
 				bufs = append(bufs, p)
 			}
 		}
-		binary.LittleEndian.PutUint32(fh[0:], uint32(i))
-		binary.LittleEndian.PutUint32(fh[4:], uint32(bb))
-		binary.LittleEndian.PutUint32(fh[8:], sum)
+		binary.LittleEndian.PutUint32(hdr8[0:], uint32(i))
+		binary.LittleEndian.PutUint32(hdr8[4:], uint32(bb))
+		binary.LittleEndian.PutUint32(trailer, sum)
+		bufs = append(bufs, trailer)
 		*vec = bufs
 		if _, err := vec.WriteTo(conn); err != nil {
 			return n, fmt.Errorf("tcp: block %d of %d: %w", i, len(regions), err)
@@ -234,6 +238,8 @@ func (lr LayeredReceiver[R]) Receive(id handoff.PlaneID, regions []R, _ []byte, 
 		defer r.wg.Done()
 		var n int64
 		var err error
+		wait := time.NewTimer(r.cfg.HelloTimeout)
+		defer wait.Stop()
 		select {
 		case c := <-s.conn:
 			p := c.(packed)
@@ -244,6 +250,9 @@ func (lr LayeredReceiver[R]) Receive(id handoff.PlaneID, regions []R, _ []byte, 
 			r.dropSlot(s)
 		case <-r.stopped:
 			err = fmt.Errorf("tcp: receive: %w", ErrClosed)
+			r.dropSlot(s)
+		case <-wait.C:
+			err = fmt.Errorf("tcp: receive: no data connection within %v: %w", r.cfg.HelloTimeout, ErrNoData)
 			r.dropSlot(s)
 		}
 		r.stats.outcome(err, n)
@@ -263,6 +272,7 @@ func readLayered[R LayeredRegion](c net.Conn, regions []R, lay layout.Layout, ca
 		readBufs.Put(br)
 	}()
 	var fh [frameHeader]byte
+	var tr [frameTrailer]byte
 	var n int64
 	bb := lay.BlockBytes()
 	for i, r := range regions {
@@ -274,7 +284,7 @@ func readLayered[R LayeredRegion](c net.Conn, regions []R, lay layout.Layout, ca
 		if _, err := io.ReadFull(br, fh[:]); err != nil {
 			return n, fmt.Errorf("tcp: block %d of %d: header: %w", i, len(regions), err)
 		}
-		idx, ln, want := binary.LittleEndian.Uint32(fh[0:]), binary.LittleEndian.Uint32(fh[4:]), binary.LittleEndian.Uint32(fh[8:])
+		idx, ln := binary.LittleEndian.Uint32(fh[0:]), binary.LittleEndian.Uint32(fh[4:])
 		if int(idx) != i || int(ln) != bb {
 			return n, fmt.Errorf("tcp: block %d of %d: frame says block %d of %d bytes, want %d: %w", i, len(regions), idx, ln, bb, ErrCorrupt)
 		}
@@ -292,7 +302,10 @@ func readLayered[R LayeredRegion](c net.Conn, regions []R, lay layout.Layout, ca
 				sum = crc32.Update(sum, castagnoli, p)
 			}
 		}
-		if sum != want {
+		if _, err := io.ReadFull(br, tr[:]); err != nil {
+			return n, fmt.Errorf("tcp: block %d of %d: checksum: %w", i, len(regions), err)
+		}
+		if want := binary.LittleEndian.Uint32(tr[:]); sum != want {
 			return n, fmt.Errorf("tcp: block %d of %d: crc32c %08x, frame says %08x: %w", i, len(regions), sum, want, ErrCorrupt)
 		}
 		n += int64(bb)
