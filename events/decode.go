@@ -41,6 +41,9 @@ func DecodeBatch(payload []byte) (Batch, error) {
 	if len(payload) > MaxPayload {
 		return b, fmt.Errorf("events: payload of %d bytes: %w", len(payload), ErrMalformed)
 	}
+	if err := checkShape(payload); err != nil {
+		return b, err
+	}
 	var top any
 	if err := msgpack.Unmarshal(payload, &top); err != nil {
 		return b, fmt.Errorf("events: %v: %w", err, ErrMalformed)
