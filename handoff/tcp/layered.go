@@ -9,7 +9,6 @@ import (
 	"net"
 	"sync"
 	"sync/atomic"
-	"time"
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
@@ -97,45 +96,16 @@ func regionsLayout[R LayeredRegion](regions []R) (layout.Layout, error) {
 // written as its pieces. Regions whose layouts disagree are refused with
 // kvlease.ErrInvalidArgument before anything is dialled or attached.
 func (ls LayeredSender[R]) Send(id handoff.PlaneID, regions []R, accept []byte, attach func(*kvlease.Transfer) error) ([]byte, error) {
-	s := ls.s
-	addr, tok, err := parseAccept(accept)
-	if err != nil {
+	if _, _, err := parseAccept(accept); err != nil {
 		return nil, err
 	}
 	lay, err := regionsLayout(regions)
 	if err != nil {
 		return nil, err
 	}
-	raw, err := net.DialTimeout("tcp", addr, s.cfg.DialTimeout)
-	if err != nil {
-		return nil, fmt.Errorf("tcp: dial %s: %w", addr, err)
-	}
-	conn := s.cfg.wrap(raw)
-	var cancel atomic.Bool
-	t := kvlease.NewTransfer(func() { cancel.Store(true) })
-	if err := attach(t); err != nil {
-		_ = conn.Close()
-		t.Resolve(err) // nothing read the regions: evidence
-		return nil, err
-	}
-	s.mu.Lock()
-	s.conns[conn] = struct{}{}
-	s.mu.Unlock()
-	s.wg.Add(1)
-	s.stats.mu.Lock()
-	s.stats.s.Started++
-	s.stats.mu.Unlock()
-	go func() {
-		defer s.wg.Done()
-		n, err := writeLayered(conn, tok, regions, lay, &cancel)
-		_ = conn.Close()
-		s.mu.Lock()
-		delete(s.conns, conn)
-		s.mu.Unlock()
-		s.stats.outcome(err, n)
-		t.Resolve(err) // the loop has exited: no read of ours is in progress
-	}()
-	return nil, nil
+	return ls.s.start(accept, attach, func(conn net.Conn, tok [16]byte, cancel *atomic.Bool) (int64, error) {
+		return writeLayered(conn, tok, regions, lay, cancel)
+	})
 }
 
 func writeLayered[R LayeredRegion](conn net.Conn, tok [16]byte, regions []R, lay layout.Layout, cancel *atomic.Bool) (int64, error) {
@@ -205,60 +175,14 @@ func (lr LayeredReceiver[R]) Forget(id handoff.PlaneID) { lr.r.Forget(id) }
 // with kvlease.ErrInvalidArgument before anything is attached (the
 // prepared id is dropped, as for a wrong region count).
 func (lr LayeredReceiver[R]) Receive(id handoff.PlaneID, regions []R, _ []byte, attach func(*kvlease.Transfer) error) error {
-	r := lr.r
-	r.mu.Lock()
-	s := r.byID[id]
-	delete(r.byID, id)
-	r.mu.Unlock()
-	if s == nil {
-		return fmt.Errorf("tcp: receive: %v not prepared: %w", id, kvlease.ErrInvalidArgument)
-	}
-	if len(regions) != s.blocks {
-		r.dropSlot(s)
-		return fmt.Errorf("tcp: receive: %d regions for %d prepared blocks: %w", len(regions), s.blocks, kvlease.ErrInvalidArgument)
-	}
-	lay, err := regionsLayout(regions)
-	if err != nil {
-		r.dropSlot(s)
-		return fmt.Errorf("tcp: receive: %w", err)
-	}
-	cancel := make(chan struct{})
-	var once sync.Once
-	t := kvlease.NewTransfer(func() { once.Do(func() { close(cancel) }) })
-	if err := attach(t); err != nil {
-		r.dropSlot(s)
-		t.Resolve(err)
+	var lay layout.Layout
+	check := func() (err error) {
+		lay, err = regionsLayout(regions)
 		return err
 	}
-	r.stats.mu.Lock()
-	r.stats.s.Started++
-	r.stats.mu.Unlock()
-	r.wg.Add(1)
-	go func() {
-		defer r.wg.Done()
-		var n int64
-		var err error
-		wait := time.NewTimer(r.cfg.HelloTimeout)
-		defer wait.Stop()
-		select {
-		case c := <-s.conn:
-			p := c.(packed)
-			n, err = readLayered(p.Conn, regions, lay, cancel)
-			r.untrack(p.raw)
-		case <-cancel:
-			err = fmt.Errorf("tcp: canceled before the data connection came: %w", ErrCanceled)
-			r.dropSlot(s)
-		case <-r.stopped:
-			err = fmt.Errorf("tcp: receive: %w", ErrClosed)
-			r.dropSlot(s)
-		case <-wait.C:
-			err = fmt.Errorf("tcp: receive: no data connection within %v: %w", r.cfg.HelloTimeout, ErrNoData)
-			r.dropSlot(s)
-		}
-		r.stats.outcome(err, n)
-		t.Resolve(err) // the loop has exited: no write of ours is in progress
-	}()
-	return nil
+	return lr.r.receive(id, len(regions), check, attach, func(c net.Conn, cancel <-chan struct{}) (int64, error) {
+		return readLayered(c, regions, lay, cancel)
+	})
 }
 
 // readBufs pools the receivers' read buffers (one per running transfer).

@@ -182,10 +182,6 @@ func parseAccept(b []byte) (string, [16]byte, error) {
 // the transfer and streams the regions on a goroutine of its own. The
 // transfer resolves when that goroutine's last write has returned.
 func (s *Sender) Send(id handoff.PlaneID, regions [][]byte, accept []byte, attach func(*kvlease.Transfer) error) ([]byte, error) {
-	addr, tok, err := parseAccept(accept)
-	if err != nil {
-		return nil, err
-	}
 	bb := 0
 	if len(regions) > 0 {
 		bb = len(regions[0])
@@ -194,6 +190,21 @@ func (s *Sender) Send(id handoff.PlaneID, regions [][]byte, accept []byte, attac
 		if len(r) != bb {
 			return nil, fmt.Errorf("tcp: region %d of %d bytes, want %d: %w", i, len(r), bb, kvlease.ErrInvalidArgument)
 		}
+	}
+	return s.start(accept, attach, func(conn net.Conn, tok [16]byte, cancel *atomic.Bool) (int64, error) {
+		return s.write(conn, tok, regions, cancel)
+	})
+}
+
+// start is the body of a send, shared by the contiguous and the layered
+// planes: it dials the destination that accept names, attaches a fresh
+// transfer, and runs write on a goroutine of its own whose return
+// resolves the transfer (the sender's evidence). Argument checks come
+// before it: nothing is dialled for regions that are refused.
+func (s *Sender) start(accept []byte, attach func(*kvlease.Transfer) error, write func(conn net.Conn, tok [16]byte, cancel *atomic.Bool) (int64, error)) ([]byte, error) {
+	addr, tok, err := parseAccept(accept)
+	if err != nil {
+		return nil, err
 	}
 	raw, err := net.DialTimeout("tcp", addr, s.cfg.DialTimeout)
 	if err != nil {
@@ -216,7 +227,7 @@ func (s *Sender) Send(id handoff.PlaneID, regions [][]byte, accept []byte, attac
 	s.stats.mu.Unlock()
 	go func() {
 		defer s.wg.Done()
-		n, err := s.write(conn, tok, regions, &cancel)
+		n, err := write(conn, tok, &cancel)
 		_ = conn.Close()
 		s.mu.Lock()
 		delete(s.conns, conn)
@@ -478,6 +489,19 @@ func (r *Receiver) Forget(id handoff.PlaneID) {
 // source's data connection has arrived. The transfer resolves when that
 // goroutine has exited.
 func (r *Receiver) Receive(id handoff.PlaneID, regions [][]byte, _ []byte, attach func(*kvlease.Transfer) error) error {
+	return r.receive(id, len(regions), nil, attach, func(c net.Conn, cancel <-chan struct{}) (int64, error) {
+		return r.read(c, regions, cancel)
+	})
+}
+
+// receive is the body of a receive, shared by the contiguous and the
+// layered planes: it takes the prepared slot for id (blocks regions),
+// runs check (nil: none), attaches a fresh transfer, and waits on a
+// goroutine of its own for the data connection and runs read on it; the
+// goroutine's return resolves the transfer (the receiver's evidence). A
+// refusal before the attach drops the prepared slot.
+func (r *Receiver) receive(id handoff.PlaneID, blocks int, check func() error, attach func(*kvlease.Transfer) error,
+	read func(c net.Conn, cancel <-chan struct{}) (int64, error)) error {
 	r.mu.Lock()
 	s := r.byID[id]
 	delete(r.byID, id)
@@ -485,9 +509,15 @@ func (r *Receiver) Receive(id handoff.PlaneID, regions [][]byte, _ []byte, attac
 	if s == nil {
 		return fmt.Errorf("tcp: receive: %v not prepared: %w", id, kvlease.ErrInvalidArgument)
 	}
-	if len(regions) != s.blocks {
+	if blocks != s.blocks {
 		r.dropSlot(s)
-		return fmt.Errorf("tcp: receive: %d regions for %d prepared blocks: %w", len(regions), s.blocks, kvlease.ErrInvalidArgument)
+		return fmt.Errorf("tcp: receive: %d regions for %d prepared blocks: %w", blocks, s.blocks, kvlease.ErrInvalidArgument)
+	}
+	if check != nil {
+		if err := check(); err != nil {
+			r.dropSlot(s)
+			return fmt.Errorf("tcp: receive: %w", err)
+		}
 	}
 	cancel := make(chan struct{})
 	var once sync.Once
@@ -510,7 +540,7 @@ func (r *Receiver) Receive(id handoff.PlaneID, regions [][]byte, _ []byte, attac
 		select {
 		case c := <-s.conn:
 			p := c.(packed)
-			n, err = r.read(p.Conn, regions, cancel)
+			n, err = read(p.Conn, cancel)
 			r.untrack(p.raw)
 		case <-cancel:
 			err = fmt.Errorf("tcp: canceled before the data connection came: %w", ErrCanceled)
