@@ -134,8 +134,8 @@ func HostBytes(b []byte) Span {
 }
 
 // Sender is the source side's plane: for each handoff it starts a UCX
-// worker of the handoff's own, registers the source regions (one
-// ucp_mem_map per contiguous run) and puts the worker's address and the
+// worker of the handoff's own, registers the regions' pieces (one
+// ucp_mem_map per contiguous run of them) and puts the worker's address and the
 // packed remote keys in the Start bytes. Finish, or a cancel, revokes
 // them. It is safe for concurrent use.
 type Sender[R any] struct {
@@ -197,10 +197,12 @@ func parseAccept(b []byte) (int, error) {
 	return int(binary.LittleEndian.Uint32(b[3:])), nil
 }
 
-// Send registers regions for this handoff alone, attaches the transfer
-// and returns the Start bytes: the handoff worker's address, the block
-// size and, per contiguous run, its address, its block count and its
-// packed remote key. The transfer resolves on Finish or a cancel, after
+// Send registers the regions' pieces for this handoff alone, attaches
+// the transfer and returns the Start bytes: the handoff worker's address,
+// a block's piece sizes, per contiguous run of pieces its address, its
+// length and its packed remote key, and where the pieces lie (the
+// segments). Regions whose pieces disagree or overlap are refused with
+// kvlease.ErrInvalidArgument before anything is registered. The transfer resolves on Finish or a cancel, after
 // the revocation (see the package doc).
 func (s *Sender[R]) Send(id handoff.PlaneID, regions []R, accept []byte, attach func(*kvlease.Transfer) error) ([]byte, error) {
 	blocks, err := parseAccept(accept)
@@ -524,7 +526,11 @@ func parseStart(b []byte) (*start, error) {
 	if h := r.take(3); h == nil || h[0] != 'K' || h[1] != 'U' || h[2] != version {
 		return nil, fmt.Errorf("ucx: start bytes: bad header: %w", ErrCorrupt)
 	}
-	s := &start{sizes: make([]int, r.u16())}
+	np := r.u16()
+	if r.err == nil && (np == 0 || np > maxPieces) {
+		return nil, fmt.Errorf("ucx: start bytes: blocks of %d pieces: %w", np, ErrCorrupt)
+	}
+	s := &start{sizes: make([]int, np)}
 	for i := range s.sizes {
 		if s.sizes[i] = r.u32(); r.err == nil && s.sizes[i] <= 0 {
 			return nil, fmt.Errorf("ucx: start bytes: piece %d of %d bytes: %w", i, s.sizes[i], ErrCorrupt)
