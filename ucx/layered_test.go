@@ -460,3 +460,63 @@ func TestLayeredHandoff(t *testing.T) {
 		t.Fatalf("receiver %+v", s)
 	}
 }
+
+func TestLayeredCancelBetweenPieces(t *testing.T) {
+	// A cancel stops a layered read between gets as it stops a plain one:
+	// the blocks read before it are whole, nothing after it is written,
+	// and a flush after the posted gets is the evidence (ErrCanceled).
+	stuck, release := make(chan struct{}), make(chan struct{})
+	sender, recv := layeredPlanes(t, ucx.Config{MaxGet: lPiece, Window: 1, BeforeGet: func(_ handoff.PlaneID, block int) {
+		if block == 2 {
+			select {
+			case <-stuck:
+			default:
+				close(stuck)
+				<-release
+			}
+		}
+	}})
+	src := newHost(t, layout.LayerSeparated(lLayers, 2, 16, lPiece, lTag))
+	dst := newHost(t, layout.LayerSeparated(lLayers, 2, 16, lPiece, lTag))
+	ids := []int{4, 5, 6, 7}
+	sb, db := blocksOf(src, ids), blocksOf(dst, ids)
+	for i, b := range sb {
+		stampBlock(b, 40, i)
+	}
+	id := handoff.PlaneID{Session: 8, Handoff: 1}
+	accept, err := recv.Prepare(id, len(db))
+	if err != nil {
+		t.Fatal(err)
+	}
+	start, err := sender.Send(id, sb, accept, func(*kvlease.Transfer) error { return nil })
+	if err != nil {
+		t.Fatal(err)
+	}
+	var dt *kvlease.Transfer
+	if err := recv.Receive(id, db, start, func(t *kvlease.Transfer) error { dt = t; return nil }); err != nil {
+		t.Fatal(err)
+	}
+	<-stuck
+	dt.Cancel()
+	if dt.State() != kvlease.TransferPending {
+		t.Fatalf("a cancel resolved the transfer: %v", dt.State())
+	}
+	close(release)
+	<-dt.Done()
+	if err := dt.Err(); !errors.Is(err, ucx.ErrCanceled) {
+		t.Fatalf("after the cancel: %v", err)
+	}
+	// One piece per get, block by block: blocks 0 and 1 arrived whole.
+	for i, b := range db[:2] {
+		if err := checkBlock(b, 40, i); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := untouched(dst, ids[:2]); err != nil {
+		t.Fatal(err)
+	}
+	if s := recv.Stats(); s.Canceled != 1 || s.Gets != 2*lLayers*2 {
+		t.Fatalf("receiver %+v, want %d gets", s, 2*lLayers*2)
+	}
+	sender.Finish(id, errors.New("test over"))
+}
