@@ -14,17 +14,23 @@
 //
 // # Pull model
 //
-// The destination reads; the source only exposes. For each handoff the
-// source starts a UCX worker of the handoff's own, registers the source
-// regions with ucp_mem_map (one registration per contiguous run of
-// blocks, this handoff's alone: revoking it revokes nothing else), packs
-// a remote key per run (ucp_rkey_pack) and sends, in the Start message's
-// plane bytes, the worker's address, the block size and each run's
-// address, block count and key. The destination starts a worker of its
-// own, connects to the source's (ucp_ep_create with peer error handling;
-// a flush of the fresh endpoint completes the handshake before anything
-// is attached), unpacks the keys (ucp_ep_rkey_unpack), registers its own
-// regions, and reads with ucp_get_nbx — contiguous blocks with one get,
+// The destination reads; the source only exposes. A block is a list of
+// pieces (Span): a plain block is one piece, a block of per-layer KV its
+// Layers·KVs pieces in (layer, kv) order (see Layered blocks). For each
+// handoff the source starts a UCX worker of the handoff's own, registers
+// the handoff's pieces with ucp_mem_map (one registration per contiguous
+// run of them, this handoff's alone: revoking it revokes nothing else,
+// and nothing outside the pieces is registered), packs a remote key per
+// run (ucp_rkey_pack) and sends, in the Start message's plane bytes, the
+// worker's address, the piece sizes of a block, each run's address,
+// length and key, and the segments: where the pieces lie, as maximal
+// contiguous stretches in block or piece order (omitted when they are the
+// runs themselves, as for a contiguous lease). The destination starts a
+// worker of its own, connects to the source's (ucp_ep_create with peer
+// error handling; a flush of the fresh endpoint completes the handshake
+// before anything is attached), unpacks the keys (ucp_ep_rkey_unpack),
+// registers its own pieces the same way, and reads with ucp_get_nbx —
+// what is contiguous on both sides with one get, up to Config.MaxGet,
 // Config.Window gets outstanding — then flushes the endpoint
 // (ucp_ep_flush_nbx). The Accept bytes carry only the block count.
 //
@@ -71,15 +77,51 @@
 //     complete: late evidence), the connection fails (revocation), or the
 //     operator calls Close (revocation of everything still reading).
 //
+// # Layered blocks
+//
+// NewLayeredSender and NewLayeredReceiver take regions that are blocks of
+// per-layer KV in host memory (LayeredRegion: layout.Block over a
+// layout.Host, gpu.HostBlock over a gpu.LayeredPinned); NewSenderOfPieces
+// and NewReceiverOfPieces take any region type with a function that lists
+// its pieces (device memory: Spans with Memory CUDA). A block moves as all
+// its pieces, and a handoff is still one Transfer per side, with the same
+// evidence:
+//
+//   - registrations: in a layer-separated layout ([layers][K, V][blocks]
+//     [piece]) the pieces of consecutive blocks in one layer and kind are
+//     adjacent, so a lease of r stretches of consecutive blocks registers
+//     r·Layers·KVs runs; a contiguous layout registers r (Stats counts
+//     them and their bytes, which are exactly the pieces');
+//   - gets: each destination piece reads the source bytes at the same
+//     offset of the block in piece order; pieces adjacent on both sides
+//     share a get (both layer-separated: one get per layer and kind per
+//     stretch of blocks consecutive on both sides; both contiguous: one
+//     per stretch of blocks), otherwise one get per piece.
+//
+// The two sides may lay memory out differently (strides, layer-separated
+// or contiguous), but their pieces must agree: the same number of pieces
+// of the same sizes, or one side a single piece of the whole block (a
+// plain []byte block holds a layered block's pieces one after the other,
+// as the contiguous layout does, so the contiguous planes and the layered
+// ones interoperate). Anything else is refused with ErrCorrupt before the
+// destination registers, connects or attaches. That the pieces mean the
+// same (layers, kinds, element type) is the envelope's Layout, compared at
+// propose time; regions of one side that disagree among themselves (or
+// overlap) are refused with kvlease.ErrInvalidArgument before anything is
+// registered.
+//
 // # Limits
 //
 // The Start bytes carry the run table inline while it fits
 // handoff.MaxPlane (4096): with UCX_TLS=tcp a worker address takes about
-// 50 bytes and each run 24 (a 10-byte key), so about 160 runs. A handoff
-// with more runs (a fragmented lease of a long context) registers a copy
-// of the table in C memory with the handoff and sends its address, length
-// and key instead; the destination reads it with one get before anything
-// is attached.
+// 50 bytes and each run 28 (a 10-byte key), so about 140 runs when the
+// segments are the runs (a contiguous lease in block order, a
+// layer-separated one in piece order), fewer when the segments are
+// listed (16 bytes each). A handoff with more (a fragmented lease of a
+// long context) registers a copy of the table in C memory with the
+// handoff and sends its address, length and key instead; the destination
+// reads it with one get before anything is attached. A block has at most
+// 512 pieces.
 //
 // UCX 1.13 aborts the process when ucp_worker_destroy purges a wireup
 // reply that is still pending (the peer stopped before taking it). The
@@ -102,6 +144,20 @@
 //	}
 //	sender, err := ucx.NewSenderOf(ucx.Config{}, loc)     // SendPlane[gpu.DevicePtr]
 //	receiver, err := ucx.NewReceiverOf(ucx.Config{}, loc) // RecvPlane[gpu.DevicePtr]
+//
+// A gpu.LayeredDevice's blocks list their pieces the same way:
+//
+//	pieces := func(b gpu.DeviceBlock, dst []ucx.Span) []ucx.Span {
+//		lay := b.M.Layout()
+//		for l := range lay.Layers {
+//			for kv := range lay.KVs {
+//				p := b.M.Piece(b.ID, l, kv)
+//				dst = append(dst, ucx.Span{Addr: uintptr(p), Len: lay.PieceBytes, Memory: ucx.CUDA})
+//			}
+//		}
+//		return dst
+//	}
+//	sender, err := ucx.NewSenderOfPieces(ucx.Config{}, pieces)
 //
 // A gpu.PinnedArena's regions are []byte and use NewSender as they are.
 // This needs a UCX built with CUDA support (ucx_info -d lists cuda_copy

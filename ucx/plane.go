@@ -31,7 +31,7 @@ var (
 )
 
 const (
-	version = 1
+	version = 2
 	// How the Start bytes carry the run table: inline, or as the
 	// address, length and key of a registered copy the destination reads.
 	tableInline, tableRemote = 0, 1
@@ -78,6 +78,13 @@ type Stats struct {
 	Started, Completed, Canceled, Revoked int
 	// Bytes counts bytes read by completed gets (destination).
 	Bytes int64
+	// Registrations counts the ucp_mem_map calls on region memory (one
+	// per contiguous run of a handoff's pieces; a run table's copy is not
+	// counted) and RegisteredBytes their bytes: exactly the pieces'.
+	Registrations   int
+	RegisteredBytes int64
+	// Gets counts the gets posted (destination).
+	Gets int
 }
 
 type counters struct {
@@ -126,60 +133,16 @@ func HostBytes(b []byte) Span {
 	return Span{Addr: uintptr(p), Len: len(b), Memory: Host, pin: p}
 }
 
-// run is a stretch of contiguous spans of one memory type: blocks
-// consecutive regions starting at addr.
-type run struct {
-	addr   uintptr
-	blocks int
-	mem    MemoryType
-}
-
-// runsOf coalesces spans (all of bb bytes) into contiguous runs.
-func runsOf(spans []Span, bb int) []run {
-	var out []run
-	for _, sp := range spans {
-		if n := len(out); n > 0 && out[n-1].mem == sp.Memory && out[n-1].addr+uintptr(out[n-1].blocks*bb) == sp.Addr {
-			out[n-1].blocks++
-			continue
-		}
-		out = append(out, run{addr: sp.Addr, blocks: 1, mem: sp.Memory})
-	}
-	return out
-}
-
-// locate turns regions into spans of one common size, pinning Go memory.
-func locate[R any](loc func(R) Span, regions []R, pin *runtime.Pinner) ([]Span, int, error) {
-	if len(regions) == 0 {
-		return nil, 0, fmt.Errorf("ucx: no regions: %w", kvlease.ErrInvalidArgument)
-	}
-	spans := make([]Span, len(regions))
-	for i, r := range regions {
-		spans[i] = loc(r)
-	}
-	bb := spans[0].Len
-	for i, sp := range spans {
-		if sp.Len != bb || bb <= 0 || sp.Addr == 0 || (sp.Memory != Host && sp.Memory != CUDA) {
-			return nil, 0, fmt.Errorf("ucx: region %d at %#x of %d bytes (memory %d), want %d bytes: %w", i, sp.Addr, sp.Len, sp.Memory, bb, kvlease.ErrInvalidArgument)
-		}
-	}
-	for _, sp := range spans {
-		if sp.pin != nil {
-			pin.Pin(sp.pin)
-		}
-	}
-	return spans, bb, nil
-}
-
 // Sender is the source side's plane: for each handoff it starts a UCX
-// worker of the handoff's own, registers the source regions (one
-// ucp_mem_map per contiguous run) and puts the worker's address and the
+// worker of the handoff's own, registers the regions' pieces (one
+// ucp_mem_map per contiguous run of them) and puts the worker's address and the
 // packed remote keys in the Start bytes. Finish, or a cancel, revokes
 // them. It is safe for concurrent use.
 type Sender[R any] struct {
-	cfg   Config
-	ctx   *context
-	loc   func(R) Span
-	stats counters
+	cfg    Config
+	ctx    *context
+	pieces func(R, []Span) []Span
+	stats  counters
 
 	mu     sync.Mutex
 	jobs   map[handoff.PlaneID]*sendJob[R]
@@ -200,12 +163,16 @@ func NewSenderOf[R any](cfg Config, loc func(R) Span) (*Sender[R], error) {
 	if loc == nil {
 		return nil, fmt.Errorf("ucx: nil locator: %w", kvlease.ErrInvalidArgument)
 	}
+	return newSender(cfg, onePiece(loc))
+}
+
+func newSender[R any](cfg Config, pieces func(R, []Span) []Span) (*Sender[R], error) {
 	cfg.defaults()
 	ctx, err := newContext()
 	if err != nil {
 		return nil, err
 	}
-	return &Sender[R]{cfg: cfg, ctx: ctx, loc: loc, jobs: make(map[handoff.PlaneID]*sendJob[R])}, nil
+	return &Sender[R]{cfg: cfg, ctx: ctx, pieces: pieces, jobs: make(map[handoff.PlaneID]*sendJob[R])}, nil
 }
 
 // sendJob is one handoff's registration.
@@ -230,10 +197,12 @@ func parseAccept(b []byte) (int, error) {
 	return int(binary.LittleEndian.Uint32(b[3:])), nil
 }
 
-// Send registers regions for this handoff alone, attaches the transfer
-// and returns the Start bytes: the handoff worker's address, the block
-// size and, per contiguous run, its address, its block count and its
-// packed remote key. The transfer resolves on Finish or a cancel, after
+// Send registers the regions' pieces for this handoff alone, attaches
+// the transfer and returns the Start bytes: the handoff worker's address,
+// a block's piece sizes, per contiguous run of pieces its address, its
+// length and its packed remote key, and where the pieces lie (the
+// segments). Regions whose pieces disagree or overlap are refused with
+// kvlease.ErrInvalidArgument before anything is registered. The transfer resolves on Finish or a cancel, after
 // the revocation (see the package doc).
 func (s *Sender[R]) Send(id handoff.PlaneID, regions []R, accept []byte, attach func(*kvlease.Transfer) error) ([]byte, error) {
 	blocks, err := parseAccept(accept)
@@ -265,16 +234,22 @@ func (s *Sender[R]) Send(id handoff.PlaneID, regions []R, accept []byte, attach 
 		s.wg.Done()
 		return nil, err
 	}
-	spans, bb, err := locate(s.loc, regions, &j.pin)
+	g, err := locate(s.pieces, regions, &j.pin)
+	if err != nil {
+		return fail(err)
+	}
+	regs, err := registrations(g.spans)
 	if err != nil {
 		return fail(err)
 	}
 	if j.w, err = s.ctx.newWorker(); err != nil {
 		return fail(err)
 	}
-	runs := runsOf(spans, bb)
 	start := []byte{'K', 'U', version}
-	start = binary.LittleEndian.AppendUint32(start, uint32(bb))
+	start = binary.LittleEndian.AppendUint16(start, uint16(len(g.sizes)))
+	for _, n := range g.sizes {
+		start = binary.LittleEndian.AppendUint32(start, uint32(n))
+	}
 	start = binary.LittleEndian.AppendUint32(start, uint32(len(regions)))
 	var addr []byte
 	if cerr := j.w.call(func() { addr, err = j.w.address() }); cerr != nil {
@@ -285,22 +260,20 @@ func (s *Sender[R]) Send(id handoff.PlaneID, regions []R, accept []byte, attach 
 	}
 	start = binary.LittleEndian.AppendUint16(start, uint16(len(addr)))
 	start = append(start, addr...)
-	table := binary.LittleEndian.AppendUint32(nil, uint32(len(runs)))
-	for _, r := range runs {
-		m, err := s.ctx.memMap(r.addr, r.blocks*bb, r.mem == CUDA)
+	keys := make([][]byte, len(regs))
+	for i, r := range regs {
+		m, err := s.ctx.memMap(r.addr, r.n, r.mem == CUDA)
 		if err != nil {
 			return fail(err)
 		}
+		s.stats.add(func(st *Stats) { st.Registrations++; st.RegisteredBytes += int64(r.n) })
 		j.memhs = append(j.memhs, m)
-		key, err := s.ctx.rkeyPack(m)
-		if err != nil {
+		if keys[i], err = s.ctx.rkeyPack(m); err != nil {
 			return fail(err)
 		}
-		table = binary.LittleEndian.AppendUint64(table, uint64(r.addr))
-		table = binary.LittleEndian.AppendUint32(table, uint32(r.blocks))
-		table = binary.LittleEndian.AppendUint16(table, uint16(len(key)))
-		table = append(table, key...)
 	}
+	segs, pieceMajor := segmentsOf(g)
+	table := appendTable(nil, regs, keys, segs, pieceMajor)
 	if len(start)+1+len(table) <= handoff.MaxPlane {
 		start = append(append(start, tableInline), table...)
 	} else {
@@ -445,10 +418,10 @@ func (s *Sender[R]) Close() error {
 // registered regions, then flushes the endpoint. It is safe for
 // concurrent use.
 type Receiver[R any] struct {
-	cfg   Config
-	ctx   *context
-	loc   func(R) Span
-	stats counters
+	cfg    Config
+	ctx    *context
+	pieces func(R, []Span) []Span
+	stats  counters
 
 	mu       sync.Mutex
 	prepared map[handoff.PlaneID]int
@@ -469,12 +442,16 @@ func NewReceiverOf[R any](cfg Config, loc func(R) Span) (*Receiver[R], error) {
 	if loc == nil {
 		return nil, fmt.Errorf("ucx: nil locator: %w", kvlease.ErrInvalidArgument)
 	}
+	return newReceiver(cfg, onePiece(loc))
+}
+
+func newReceiver[R any](cfg Config, pieces func(R, []Span) []Span) (*Receiver[R], error) {
 	cfg.defaults()
 	ctx, err := newContext()
 	if err != nil {
 		return nil, err
 	}
-	return &Receiver[R]{cfg: cfg, ctx: ctx, loc: loc, prepared: make(map[handoff.PlaneID]int), jobs: make(map[*recvJob[R]]struct{})}, nil
+	return &Receiver[R]{cfg: cfg, ctx: ctx, pieces: pieces, prepared: make(map[handoff.PlaneID]int), jobs: make(map[*recvJob[R]]struct{})}, nil
 }
 
 // Prepare implements handoff.RecvPlane: the Accept bytes carry the block
@@ -506,16 +483,13 @@ func (r *Receiver[R]) Forget(id handoff.PlaneID) {
 
 // start is the parsed Start bytes.
 type start struct {
-	blockBytes, blocks int
-	addr               []byte
-	runs               []remoteRun
-	table              *remoteRun // the run table to read (blocks is its length), or nil
-}
-
-type remoteRun struct {
-	addr   uint64
+	sizes  []int // the source's piece sizes, one block's
 	blocks int
-	key    []byte
+	addr   []byte
+	table  []byte     // the run table, when inline
+	remote *remoteRun // the run table to read (n is its length), or nil
+	regs   []remoteRun
+	pieces []remotePiece
 }
 
 type reader struct {
@@ -552,73 +526,45 @@ func parseStart(b []byte) (*start, error) {
 	if h := r.take(3); h == nil || h[0] != 'K' || h[1] != 'U' || h[2] != version {
 		return nil, fmt.Errorf("ucx: start bytes: bad header: %w", ErrCorrupt)
 	}
-	s := &start{blockBytes: r.u32(), blocks: r.u32()}
+	np := r.u16()
+	if r.err == nil && (np == 0 || np > maxPieces) {
+		return nil, fmt.Errorf("ucx: start bytes: blocks of %d pieces: %w", np, ErrCorrupt)
+	}
+	s := &start{sizes: make([]int, np)}
+	for i := range s.sizes {
+		if s.sizes[i] = r.u32(); r.err == nil && s.sizes[i] <= 0 {
+			return nil, fmt.Errorf("ucx: start bytes: piece %d of %d bytes: %w", i, s.sizes[i], ErrCorrupt)
+		}
+	}
+	s.blocks = r.u32()
 	s.addr = append([]byte(nil), r.take(r.u16())...)
 	mode := r.take(1)
 	if r.err != nil {
 		return nil, r.err
 	}
-	if len(s.addr) == 0 || s.blockBytes <= 0 || s.blocks <= 0 || s.blocks > handoff.MaxBlocks {
-		return nil, fmt.Errorf("ucx: start bytes: %d blocks of %d bytes, address of %d bytes: %w", s.blocks, s.blockBytes, len(s.addr), ErrCorrupt)
+	if len(s.addr) == 0 || len(s.sizes) == 0 || len(s.sizes) > maxPieces || s.blocks <= 0 || s.blocks > handoff.MaxBlocks {
+		return nil, fmt.Errorf("ucx: start bytes: %d blocks of %d pieces, address of %d bytes: %w", s.blocks, len(s.sizes), len(s.addr), ErrCorrupt)
 	}
 	switch mode[0] {
 	case tableInline:
-		var err error
-		s.runs, err = parseRuns(r.b, s.blocks)
-		return s, err
-	case tableRemote:
-		t := &remoteRun{}
-		if a := r.take(8); a != nil {
-			t.addr = binary.LittleEndian.Uint64(a)
+		if len(r.b) == 0 {
+			return nil, fmt.Errorf("ucx: start bytes: no run table: %w", ErrCorrupt)
 		}
-		t.blocks = r.u32() // the table's length in bytes
+		s.table = r.b
+		return s, nil
+	case tableRemote:
+		t := &remoteRun{addr: r.u64(), n: uint64(r.u32())}
 		t.key = append([]byte(nil), r.take(r.u16())...)
 		if r.err != nil {
 			return nil, r.err
 		}
-		if len(r.b) != 0 || t.blocks < 4 || t.blocks > maxTable(s.blocks) || len(t.key) == 0 {
-			return nil, fmt.Errorf("ucx: start bytes: run table of %d bytes for %d blocks: %w", t.blocks, s.blocks, ErrCorrupt)
+		if len(r.b) != 0 || t.n < 4 || t.n > uint64(maxTable(s.blocks*len(s.sizes))) || len(t.key) == 0 {
+			return nil, fmt.Errorf("ucx: start bytes: run table of %d bytes for %d blocks: %w", t.n, s.blocks, ErrCorrupt)
 		}
-		s.table = t
+		s.remote = t
 		return s, nil
 	}
 	return nil, fmt.Errorf("ucx: start bytes: table mode %d: %w", mode[0], ErrCorrupt)
-}
-
-// maxTable bounds a run table for blocks blocks: one run per block, each
-// with a key of at most 1 KiB.
-func maxTable(blocks int) int { return 4 + blocks*(8+4+2+1024) }
-
-// parseRuns parses a run table: a count, then per run its address, block
-// count and key. The runs must cover exactly blocks blocks.
-func parseRuns(b []byte, blocks int) ([]remoteRun, error) {
-	r := &reader{b: b}
-	n := r.u32()
-	if r.err != nil || n <= 0 || n > blocks {
-		return nil, fmt.Errorf("ucx: run table: %d runs for %d blocks: %w", n, blocks, ErrCorrupt)
-	}
-	total := 0
-	runs := make([]remoteRun, 0, n)
-	for range n {
-		var rr remoteRun
-		if a := r.take(8); a != nil {
-			rr.addr = binary.LittleEndian.Uint64(a)
-		}
-		rr.blocks = r.u32()
-		rr.key = append([]byte(nil), r.take(r.u16())...)
-		if r.err != nil {
-			return nil, r.err
-		}
-		if rr.blocks <= 0 || rr.blocks > blocks-total {
-			return nil, fmt.Errorf("ucx: run table: run of %d blocks after %d of %d: %w", rr.blocks, total, blocks, ErrCorrupt)
-		}
-		total += rr.blocks
-		runs = append(runs, rr)
-	}
-	if len(r.b) != 0 || total != blocks {
-		return nil, fmt.Errorf("ucx: run table: %d trailing bytes, runs of %d blocks for %d: %w", len(r.b), total, blocks, ErrCorrupt)
-	}
-	return runs, nil
 }
 
 // recvJob is one handoff being read. Everything but the atomic flags is
@@ -633,8 +579,9 @@ type recvJob[R any] struct {
 	pin     runtime.Pinner
 	t       *kvlease.Transfer
 	plan    []getOp
-	next    int // gets posted
-	inline  int // gets that completed at once
+	lregs   []run // the destination's registrations (memhs)
+	next    int   // gets posted
+	inline  int   // gets that completed at once
 	b       batch
 	fl      op
 	flushed bool // the flush is posted
@@ -648,34 +595,12 @@ type recvJob[R any] struct {
 
 // getOp is one get: n bytes from raddr into local.
 type getOp struct {
-	block int
+	block int // of its first byte
 	local uintptr
 	n     int
-	m     *memh
+	m     int // index into memhs
 	raddr uint64
 	key   int // index into keys
-}
-
-// plan splits the blocks into gets: consecutive blocks contiguous on both
-// sides (within one run each) share a get, up to maxGet bytes.
-func planGets(st *start, local []run, dm []*memh, bb, maxGet int) []getOp {
-	var out []getOp
-	ri, roff := 0, 0 // remote run, block within it
-	li, loff := 0, 0
-	for blk := 0; blk < st.blocks; {
-		rr, lr := st.runs[ri], local[li]
-		n := min(rr.blocks-roff, lr.blocks-loff, max(1, maxGet/bb))
-		out = append(out, getOp{block: blk, local: lr.addr + uintptr(loff*bb), n: n * bb, m: dm[li],
-			raddr: rr.addr + uint64(roff*bb), key: ri})
-		blk += n
-		if roff += n; roff == rr.blocks {
-			ri, roff = ri+1, 0
-		}
-		if loff += n; loff == lr.blocks {
-			li, loff = li+1, 0
-		}
-	}
-	return out
 }
 
 // Receive implements handoff.RecvPlane: it connects to the source's
@@ -699,27 +624,41 @@ func (r *Receiver[R]) Receive(id handoff.PlaneID, regions []R, startBytes []byte
 		return err
 	}
 	j := &recvJob[R]{r: r, id: id}
-	spans, bb, err := locate(r.loc, regions, &j.pin)
+	g, err := locate(r.pieces, regions, &j.pin)
 	if err != nil {
 		j.pin.Unpin()
 		return err
 	}
-	if len(regions) != blocks || st.blocks != blocks || st.blockBytes != bb {
+	if len(regions) != blocks || st.blocks != blocks {
 		j.pin.Unpin()
-		return fmt.Errorf("ucx: receive: start describes %d blocks of %d bytes; %d prepared, %d regions of %d: %w",
-			st.blocks, st.blockBytes, blocks, len(regions), bb, ErrCorrupt)
+		return fmt.Errorf("ucx: receive: start describes %d blocks; %d prepared, %d regions: %w",
+			st.blocks, blocks, len(regions), ErrCorrupt)
+	}
+	if err := matchPieces(st.sizes, g.sizes); err != nil {
+		j.pin.Unpin()
+		return err
+	}
+	if st.table != nil {
+		if st.regs, st.pieces, err = parseTable(st.table, st.blocks, st.sizes); err != nil {
+			j.pin.Unpin()
+			return err
+		}
+	}
+	if j.lregs, err = registrations(g.spans); err != nil {
+		j.pin.Unpin()
+		return err
 	}
 	if j.w, err = r.ctx.newWorker(); err != nil {
 		j.pin.Unpin()
 		return err
 	}
-	local := runsOf(spans, bb)
-	for _, lr := range local {
-		m, err := r.ctx.memMap(lr.addr, lr.blocks*bb, lr.mem == CUDA)
+	for _, lr := range j.lregs {
+		m, err := r.ctx.memMap(lr.addr, lr.n, lr.mem == CUDA)
 		if err != nil {
 			j.teardown()
 			return err
 		}
+		r.stats.add(func(st *Stats) { st.Registrations++; st.RegisteredBytes += int64(lr.n) })
 		j.memhs = append(j.memhs, m)
 	}
 	if cerr := j.w.call(func() {
@@ -731,12 +670,12 @@ func (r *Receiver[R]) Receive(id handoff.PlaneID, regions []R, startBytes []byte
 		if err = j.w.flushWait(j.ep, r.cfg.ConnectSpins); err != nil {
 			return
 		}
-		if st.table != nil {
-			if st.runs, err = j.readTable(st); err != nil {
+		if st.remote != nil {
+			if st.regs, st.pieces, err = j.readTable(st); err != nil {
 				return
 			}
 		}
-		for _, rr := range st.runs {
+		for _, rr := range st.regs {
 			k, kerr := j.ep.unpack(rr.key)
 			if kerr != nil {
 				err = kerr
@@ -751,7 +690,7 @@ func (r *Receiver[R]) Receive(id handoff.PlaneID, regions []R, startBytes []byte
 		j.teardown()
 		return err
 	}
-	j.plan = planGets(st, local, j.memhs, bb, r.cfg.MaxGet)
+	j.plan = planGets(st.sizes, st.pieces, g, j.lregs, r.cfg.MaxGet)
 	j.t = kvlease.NewTransfer(func() {
 		j.canceled.Store(true)
 		j.w.do(func() {}) // wake the worker
@@ -781,22 +720,22 @@ func (r *Receiver[R]) Receive(id handoff.PlaneID, regions []R, startBytes []byte
 
 // readTable reads the source's run table (before anything is attached:
 // into C memory of ours, not into a region). Worker thread only.
-func (j *recvJob[R]) readTable(st *start) ([]remoteRun, error) {
-	k, err := j.ep.unpack(st.table.key)
+func (j *recvJob[R]) readTable(st *start) ([]remoteRun, []remotePiece, error) {
+	k, err := j.ep.unpack(st.remote.key)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	buf := newCbuf(st.table.blocks)
-	done, err := j.w.getWait(j.ep, buf, st.table.addr, k, j.r.cfg.ConnectSpins)
+	buf := newCbuf(int(st.remote.n))
+	done, err := j.w.getWait(j.ep, buf, st.remote.addr, k, j.r.cfg.ConnectSpins)
 	if !done {
-		return nil, err // the get may still use buf and the key: both stay allocated
+		return nil, nil, err // the get may still use buf and the key: both stay allocated
 	}
 	k.destroy()
 	defer buf.free()
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	return parseRuns(buf.bytes(), st.blocks)
+	return parseTable(buf.bytes(), st.blocks, st.sizes)
 }
 
 // step advances the job on its worker's thread; true when it is done.
@@ -821,7 +760,7 @@ func (j *recvJob[R]) step() bool {
 				break
 			}
 		}
-		done, err := j.ep.get(g.local, g.n, g.m, g.raddr, j.keys[g.key], j.b)
+		done, err := j.ep.get(g.local, g.n, j.memhs[g.m], g.raddr, j.keys[g.key], j.b)
 		if err != nil {
 			j.postErr = err
 			stopping = true
@@ -905,6 +844,7 @@ func (j *recvJob[R]) finish(out error, revoked bool) {
 		delete(j.r.jobs, j)
 		j.r.mu.Unlock()
 		j.r.stats.add(func(s *Stats) {
+			s.Gets += j.next
 			switch {
 			case revoked:
 				s.Revoked++
