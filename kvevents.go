@@ -3,6 +3,7 @@ package kvlease
 import (
 	"fmt"
 	"slices"
+	"sync"
 )
 
 // KV events tell a cache-aware router which prefix blocks a pool can serve.
@@ -85,8 +86,15 @@ func WithKVEvents(buffer int) Option {
 const maxKVEvents = 1 << 24
 
 // kvEventLog is the bounded ring of KV events, guarded by the pool's mutex.
+// A drain swaps the ring (and its token area) with a spare under the
+// pool's mutex, an O(1) critical section, and copies the events out of
+// the swapped-out ring after unlocking, so a consumer never holds the
+// allocator up for longer than the swap; drainMu keeps a second drain from
+// swapping back a ring the first is still reading.
 type kvEventLog struct {
 	ring    []KVEvent
+	spare   []KVEvent
+	drainMu sync.Mutex
 	head, n int
 	seq     uint64 // last sequence number given out
 	dropped uint64 // since the last drain
@@ -101,8 +109,8 @@ type kvEventLog struct {
 	// slotTok at its slot (bt tokens each: SealTokens takes exactly one
 	// block). Both are allocated at the first SealTokens. Drains and
 	// snapshots copy them out for their caller.
-	bt               int
-	ringTok, slotTok []int32
+	bt                         int
+	ringTok, spareTok, slotTok []int32
 }
 
 // kvBlockRecord is what a snapshot re-announces about one findable block.
@@ -113,7 +121,7 @@ type kvBlockRecord struct {
 }
 
 func newKVEventLog(n int) *kvEventLog {
-	return &kvEventLog{ring: make([]KVEvent, n), ready: make(chan struct{}, 1)}
+	return &kvEventLog{ring: make([]KVEvent, n), spare: make([]KVEvent, n), ready: make(chan struct{}, 1)}
 }
 
 func (k *kvEventLog) push(e KVEvent) {
@@ -125,9 +133,14 @@ func (k *kvEventLog) push(e KVEvent) {
 	}
 	k.ring[(k.head+k.n)%len(k.ring)] = e
 	k.n++
-	select {
-	case k.ready <- struct{}{}:
-	default:
+	// The hint is level-triggered (drain until empty after each
+	// receive), so only the push into an empty ring needs to send it: a
+	// non-empty ring already has one pending or being served.
+	if k.n == 1 {
+		select {
+		case k.ready <- struct{}{}:
+		default:
+		}
 	}
 }
 
@@ -159,6 +172,7 @@ func (k *kvEventLog) sealed(c *core, l *lease, i int, id BlockID, h BlockHash, s
 	if hasTokens && k.ringTok == nil {
 		k.bt = c.cfg.blockTokens
 		k.ringTok = make([]int32, len(k.ring)*k.bt)
+		k.spareTok = make([]int32, len(k.ring)*k.bt)
 		k.slotTok = make([]int32, len(c.slots)*k.bt)
 	}
 	k.blocks[id] = kvBlockRecord{hash: h, parent: parent, hasParent: hasParent, hasTokens: hasTokens}
@@ -191,32 +205,37 @@ func (p *Pool[R]) DrainKVEvents(dst []KVEvent) (events []KVEvent, dropped uint64
 	if c.kv == nil {
 		return dst, 0
 	}
-	c.mu.Lock()
-	defer c.mu.Unlock()
 	k := c.kv
-	// Stored events' tokens live in the ring's token area, reused once
-	// drained: copy them out, in one allocation.
+	k.drainMu.Lock()
+	defer k.drainMu.Unlock()
+	c.mu.Lock()
+	ring, head, n := k.ring, k.head, k.n
+	k.ring, k.spare = k.spare, k.ring
+	k.ringTok, k.spareTok = k.spareTok, k.ringTok
+	k.head, k.n = 0, 0
+	dropped, k.dropped = k.dropped, 0
+	c.mu.Unlock()
+	// Stored events' tokens live in the swapped-out token area, written
+	// again only after the next swap: copy them out, in one allocation.
+	total := 0
+	for i := range n {
+		total += len(ring[(head+i)%len(ring)].TokenIDs)
+	}
 	var tok []int32
-	if k.ringTok != nil {
-		total := 0
-		for i := range k.n {
-			total += len(k.ring[(k.head+i)%len(k.ring)].TokenIDs)
-		}
+	if total > 0 {
 		tok = make([]int32, 0, total)
 	}
-	for i := range k.n {
-		j := (k.head + i) % len(k.ring)
-		e := k.ring[j]
+	for i := range n {
+		j := (head + i) % len(ring)
+		e := ring[j]
 		if n := len(e.TokenIDs); n > 0 {
 			lo := len(tok)
 			tok = append(tok, e.TokenIDs...)
 			e.TokenIDs = tok[lo : lo+n : lo+n]
 		}
 		dst = append(dst, e)
-		k.ring[j] = KVEvent{}
+		ring[j] = KVEvent{}
 	}
-	k.head, k.n = 0, 0
-	dropped, k.dropped = k.dropped, 0
 	return dst, dropped
 }
 
