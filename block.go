@@ -99,6 +99,9 @@ var (
 	headLeased   = headOf(1, classLeased)
 	headFree     = headOf(0, classFree)
 	headDraining = headOf(0, classDraining)
+	// gatesOnePin is gates() of a slot with one pending pin and no
+	// quarantined one.
+	gatesOnePin = (&slot{pins: 1}).gates()
 )
 
 // prefixSlot is the per-block state only the prefix cache uses, kept apart
