@@ -717,9 +717,18 @@ func dropFast(slots []slot, blocks []BlockRef, room []BlockID, k int) (i, top, d
 func (c *core) dropSlow(blocks []BlockRef) {
 	slots, free := c.slots, c.free
 	freed, drained, cached := 0, 0, 0
+	indexedLeased, indexedCached := headIndexedLeased, headIndexedCached
 	for i := len(blocks) - 1; i >= 0; i-- {
 		id := blocks[i].ID
 		s := &slots[id]
+		if s.head() == indexedLeased && s.gates() == 0 {
+			// The common case of a prefix hit or a sealed block: findable
+			// content this lease alone held. Cached, most recent.
+			s.setHead(indexedCached)
+			c.lruPush(id)
+			cached++
+			continue
+		}
 		s.refs--
 		switch {
 		case s.refs|s.pins|s.quar == 0 && !s.sealed: // (indexed implies sealed)
