@@ -581,8 +581,7 @@ func (c *core) takeFresh(ev *events, need int) BlockRef {
 		if c.hook != nil {
 			c.offerVictim(need, ev)
 		}
-		id = c.lruHead
-		c.lruRemove(id)
+		id = c.lruPopHead()
 		c.counts[classCached]--
 		c.evict(id)
 	}
@@ -774,6 +773,23 @@ func (c *core) lruPush(id BlockID) {
 	}
 	c.lruTail = id
 	c.lruLen++
+}
+
+// lruPopHead takes the least recently used block off the LRU (which is
+// not empty) and returns it: lruRemove of the head, whose prev is known.
+func (c *core) lruPopHead() BlockID {
+	id := c.lruHead
+	p := &c.pre[id]
+	next := p.next
+	c.lruHead = next
+	if next == nilID {
+		c.lruTail = nilID
+	} else {
+		c.pre[next].prev = nilID
+	}
+	p.next = nilID // (p.prev is nilID already)
+	c.lruLen--
+	return id
 }
 
 func (c *core) lruRemove(id BlockID) {

@@ -69,8 +69,10 @@ func (l *lease) sealLocked(i int, h BlockHash, st *sealTokens, ev *events) error
 		return fmt.Errorf("kvlease: seal block %d of lease %d (%s): a transfer is still writing it: %w",
 			i, l.id, l.owner, ErrInvalidArgument)
 	}
-	if err := c.checkSealTokens(st); err != nil {
-		return fmt.Errorf("kvlease: seal block %d of lease %d (%s): %w", i, l.id, l.owner, err)
+	if st != nil || c.meta != nil { // (a plain Seal on a plain pool has nothing to check)
+		if err := c.checkSealTokens(st); err != nil {
+			return fmt.Errorf("kvlease: seal block %d of lease %d (%s): %w", i, l.id, l.owner, err)
+		}
 	}
 	s.sealed, c.pre[id].hash = true, h
 	c.recordSeal(id, st)
@@ -414,12 +416,17 @@ func (c *core) hitID(ids []BlockID, hashes []BlockHash, k int) BlockID {
 // evict takes a cached block out of the prefix index: its content is
 // forfeit. Called with c.mu held, the block already off the LRU.
 func (c *core) evict(id BlockID) {
-	c.index.remove(c.pre[id].hash, id)
+	p := &c.pre[id]
+	c.index.remove(p.hash, id)
 	if c.kv != nil {
-		c.kv.removed(c.pre[id].hash)
+		c.kv.removed(p.hash)
 	}
-	c.slots[id].index = false
-	c.unseal(id)
+	// unseal, with the slot's flags cleared at once.
+	s := &c.slots[id]
+	s.index, s.sealed, p.hash = false, false, 0
+	if c.meta != nil {
+		c.meta[id] = sealMeta{}
+	}
 	c.stats.evictions++
 }
 
