@@ -273,47 +273,54 @@ func (p *Pool[R]) CachedPrefix(hashes []BlockHash) int {
 // block named twice ends the prefix (a lease holds a block once per
 // position, and chained hashes never repeat).
 func (c *core) probe(hashes []BlockHash, v *verifier) int {
-	n, _ := c.probeIDs(hashes, v, nil)
+	n, _, _ := c.probeIDs(hashes, v, nil)
 	return n
 }
 
 // probeIDs is probe that also appends the hit slots to ids (up to its
 // capacity, so the caller's stack buffer never grows), sparing the caller
-// a second lookup.
-func (c *core) probeIDs(hashes []BlockHash, v *verifier, ids []BlockID) (int, []BlockID) {
+// a second lookup, and counts the hits that are cached (on the LRU: they
+// stop being evictable when leased).
+func (c *core) probeIDs(hashes []BlockHash, v *verifier, ids []BlockID) (int, []BlockID, int) {
 	if c.index.len() == 0 {
-		return 0, ids
+		return 0, ids, 0
 	}
 	c.stamp++
 	if c.index.legacy == nil && c.meta == nil {
 		return probeFlat(&c.index, c.slots, c.pre, c.stamp, hashes, ids)
 	}
+	cached := 0
 	for k, h := range hashes {
 		id, ok := c.index.find(h)
 		if !ok {
-			return k, ids
+			return k, ids, cached
 		}
-		if c.slots[id].wpins > 0 || c.pre[id].mark == c.stamp {
-			return k, ids
+		s := &c.slots[id]
+		if s.wpins > 0 || c.pre[id].mark == c.stamp {
+			return k, ids, cached
 		}
 		if c.meta != nil && !c.verify(id, k, v) {
-			return k, ids
+			return k, ids, cached
 		}
 		c.pre[id].mark = c.stamp
+		if s.class == classCached {
+			cached++
+		}
 		if len(ids) < cap(ids) {
 			ids = append(ids, id)
 		}
 	}
-	return len(hashes), ids
+	return len(hashes), ids, cached
 }
 
 // probeFlat is probeIDs for the flat index without verification: the
 // index's probe written into the loop, one probe per hash, with the
 // tables in registers (find's call, its map switch and the reloads it
 // forced cost about a third of a hit: callgrind).
-func probeFlat(x *prefixIndex, slots []slot, pre []prefixSlot, stamp uint32, hashes []BlockHash, ids []BlockID) (int, []BlockID) {
+func probeFlat(x *prefixIndex, slots []slot, pre []prefixSlot, stamp uint32, hashes []BlockHash, ids []BlockID) (int, []BlockID, int) {
 	tab, shift := x.tab, x.shift
 	mask := uint64(len(tab) - 1)
+	cached := 0
 	for k, h := range hashes {
 		m := uint64(h) * indexMix
 		tag := m >> 32
@@ -322,7 +329,7 @@ func probeFlat(x *prefixIndex, slots []slot, pre []prefixSlot, stamp uint32, has
 		for i := m >> shift; ; i = (i + 1) & mask {
 			e := tab[i]
 			if e == 0 {
-				return k, ids
+				return k, ids, cached
 			}
 			if e>>32 == tag {
 				id = BlockID(uint32(e) - 1)
@@ -331,15 +338,19 @@ func probeFlat(x *prefixIndex, slots []slot, pre []prefixSlot, stamp uint32, has
 				}
 			}
 		}
-		if slots[id].wpins > 0 || p.mark == stamp {
-			return k, ids
+		s := &slots[id]
+		if s.wpins > 0 || p.mark == stamp {
+			return k, ids, cached
 		}
 		p.mark = stamp
+		if s.class == classCached {
+			cached++
+		}
 		if len(ids) < cap(ids) {
 			ids = append(ids, id)
 		}
 	}
-	return len(hashes), ids
+	return len(hashes), ids, cached
 }
 
 // fillPrefix fills l with n blocks: the cached prefix of hashes, then
@@ -349,13 +360,8 @@ func (c *core) fillPrefix(l *lease, hashes []BlockHash, n int, v *verifier, ev *
 		hashes = hashes[:n]
 	}
 	var buf [64]BlockID
-	hits, ids := c.probeIDs(hashes, v, buf[:0])
-	lruHits := 0 // hit blocks that stop being evictable
-	for k := range hits {
-		if c.slots[c.hitID(ids, hashes, k)].class == classCached {
-			lruHits++
-		}
-	}
+	// lruHits: hit blocks that stop being evictable.
+	hits, ids, lruHits := c.probeIDs(hashes, v, buf[:0])
 	if fresh, avail := n-hits, c.available()-lruHits; fresh > avail {
 		// Refused lookups are counted apart: a request refused three times
 		// then admitted is one lookup, not four (as vLLM counts).
