@@ -714,6 +714,7 @@ func dropFast(slots []slot, blocks []BlockRef, room []BlockID, k int) (i, top, d
 // headers in registers: the compiler cannot prove the slot stores leave
 // c.free alone.
 func (c *core) dropSlow(blocks []BlockRef) {
+	blocks = blocks[:c.cacheFast(blocks)]
 	slots, free := c.slots, c.free
 	freed, drained, cached := 0, 0, 0
 	indexedLeased, indexedCached := headIndexedLeased, headIndexedCached
@@ -760,6 +761,40 @@ func (c *core) dropSlow(blocks []BlockRef) {
 	c.counts[classFree] += freed
 	c.counts[classCached] += cached
 	c.counts[classDraining] += drained
+}
+
+// cacheFast is dropSlow's loop over its most common case, tail first: a
+// sealed, indexed block its lease alone held, no transfer gating it, is
+// cached (pushed at the LRU's most recent end). It stops at the first
+// block with any other outcome and returns how many blocks are left. One
+// loop with the LRU's tail in a register. Called with c.mu held.
+func (c *core) cacheFast(blocks []BlockRef) int {
+	slots, pre := c.slots, c.pre
+	head, tail := c.lruHead, c.lruTail
+	leased, cached := headIndexedLeased, headIndexedCached
+	i := len(blocks)
+	for ; i > 0; i-- {
+		id := blocks[i-1].ID
+		s := &slots[id]
+		if s.head() != leased || s.gates() != 0 {
+			break
+		}
+		s.setHead(cached)
+		p := &pre[id]
+		p.prev, p.next = tail, nilID
+		if tail == nilID {
+			head = id
+		} else {
+			pre[tail].next = id
+		}
+		tail = id
+	}
+	n := len(blocks) - i
+	c.lruHead, c.lruTail = head, tail
+	c.lruLen += n
+	c.counts[classLeased] -= n
+	c.counts[classCached] += n
+	return i
 }
 
 // lruPush appends id at the most recently used end.

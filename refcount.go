@@ -318,7 +318,7 @@ func (c *core) probeIDs(hashes []BlockHash, v *verifier, ids []BlockID) (int, []
 // tables in registers (find's call, its map switch and the reloads it
 // forced cost about a third of a hit: callgrind).
 func probeFlat(x *prefixIndex, slots []slot, pre []prefixSlot, stamp uint32, hashes []BlockHash, ids []BlockID) (int, []BlockID, int) {
-	tab, shift := x.tab, x.shift
+	tab, shift := x.tab, x.shift&63 // (the mask spares the shift's range check)
 	mask := uint64(len(tab) - 1)
 	cached := 0
 	for k, h := range hashes {
@@ -380,8 +380,10 @@ func (c *core) fillPrefix(l *lease, hashes []BlockHash, n int, v *verifier, ev *
 	// Queries and hits are counted together, for admitted lookups only.
 	c.stats.prefixQueries += uint64(len(hashes))
 	c.stats.prefixHits += uint64(hits)
-	revived := 0 // cached blocks that become leased
-	for k := range hits {
+	// The common case first: recorded hits that were cached.
+	done := c.reviveCached(l.blocks, ids[:min(hits, len(ids))])
+	revived := 0 // cached blocks that become leased, after the first done
+	for k := done; k < hits; k++ {
 		id := c.hitID(ids, hashes, k)
 		s := &c.slots[id]
 		s.refs++
@@ -407,6 +409,44 @@ func (c *core) fillPrefix(l *lease, hashes []BlockHash, n int, v *verifier, ev *
 	c.counts[classLeased] += revived
 	c.fill(l.blocks[hits:n], ev)
 	return hits, nil
+}
+
+// reviveCached leases the leading hits ids that are cached (unheld, on
+// the LRU), taking each off the LRU, into blocks[k], and returns how many
+// it did: it stops at the first hit in any other class. One loop with the
+// LRU's ends in registers. Called with c.mu held.
+func (c *core) reviveCached(blocks []BlockRef, ids []BlockID) int {
+	slots, pre := c.slots, c.pre
+	head, tail := c.lruHead, c.lruTail
+	k := 0
+	for ; k < len(ids) && k < len(blocks); k++ {
+		id := ids[k]
+		s := &slots[id]
+		if s.class != classCached {
+			break
+		}
+		s.refs++
+		s.class = classLeased
+		p := &pre[id]
+		prev, next := p.prev, p.next
+		if prev == nilID {
+			head = next
+		} else {
+			pre[prev].next = next
+		}
+		if next == nilID {
+			tail = prev
+		} else {
+			pre[next].prev = prev
+		}
+		p.prev, p.next = nilID, nilID
+		blocks[k] = BlockRef{ID: id, Gen: s.gen}
+	}
+	c.lruHead, c.lruTail = head, tail
+	c.lruLen -= k
+	c.counts[classCached] -= k
+	c.counts[classLeased] += k
+	return k
 }
 
 // hitID returns the slot of hit k: from ids when the probe recorded it,
