@@ -665,36 +665,35 @@ func (c *core) settleSlot(id BlockID) {
 // general loop cost twice the instructions (callgrind). The first block
 // that is neither hands the rest to dropSlow.
 func (c *core) drop(blocks []BlockRef) {
-	// The free stack never holds more than capacity ids, so its spare
-	// capacity has room for every block: no append.
-	k0 := len(c.free)
-	i, k, drained := dropFast(c.slots, blocks, c.free[:cap(c.free)], k0)
-	freed := k - k0
-	c.free = c.free[:k]
-	c.counts[classLeased] -= freed + drained
-	c.counts[classFree] += freed
-	c.counts[classDraining] += drained
-	if i > 0 {
+	if i := c.dropFast(blocks); i > 0 {
 		c.dropSlow(blocks[:i])
 	}
 }
 
 // dropFast is drop's loop over the common cases, tail first: a block this
-// lease alone holds, unsealed, goes onto the free stack room[k:] when no
-// transfer gates it and drains when only pending ones do. It stops at the
-// first block that is neither and returns how many blocks are left for
-// dropSlow, the new top of room and how many drained. A leaf, so that its
-// loop keeps everything in registers.
-func dropFast(slots []slot, blocks []BlockRef, room []BlockID, k int) (i, top, drained int) {
+// lease alone holds, unsealed, goes onto the free stack when no transfer
+// gates it and drains when only pending ones do. It stops at the first
+// block that is neither and returns how many blocks are left for
+// dropSlow. It calls nothing, so that its loop keeps everything in
+// registers (with dropSlow's call in the same function, the loop reloaded
+// its slices from the stack: callgrind).
+func (c *core) dropFast(blocks []BlockRef) int {
+	slots := c.slots
+	// The free stack never holds more than capacity ids, so its spare
+	// capacity has room for every block: no append.
+	room := c.free[:cap(c.free)]
+	k0 := len(c.free)
+	k, drained := k0, 0
 	leased, free, draining := headLeased, headFree, headDraining
-	for i = len(blocks); i > 0 && k < len(room); i-- {
+	i := len(blocks)
+	for ; i > 0 && k < len(room); i-- {
 		id := blocks[i-1].ID
 		s := &slots[id]
 		if s.head() != leased {
 			break // shared, sealed or quarantined
 		}
 		// Leased by this lease alone, unsealed.
-		if g := s.gates(); g == 0 {
+		if s.gates() == 0 {
 			s.setHead(free)
 			room[k] = id
 			k++
@@ -705,7 +704,12 @@ func dropFast(slots []slot, blocks []BlockRef, room []BlockID, k int) (i, top, d
 			break
 		}
 	}
-	return i, k, drained
+	freed := k - k0
+	c.free = c.free[:k] // (not room[:k]: its write barrier spilled the loop)
+	c.counts[classLeased] -= freed + drained
+	c.counts[classFree] += freed
+	c.counts[classDraining] += drained
+	return i
 }
 
 // dropSlow is drop for blocks that may be shared, sealed or gated. The
