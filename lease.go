@@ -729,7 +729,10 @@ func (l *lease) attachLocked(t *Transfer, from, to int, acc Access, whole bool, 
 	if c.obs != nil {
 		ev.add(c.obs, Event{Kind: EventAttached, Owner: l.owner, Lease: l.id, Transfer: t.id, Blocks: to - from})
 	}
-	c.transition(l, ev)
+	// (A pending transfer on an active lease changes nothing: no call.)
+	if nextLeaseState(l.closed, int(l.pending), int(l.quarantined)) != l.state {
+		c.transition(l, ev)
+	}
 	return nil
 }
 
