@@ -99,6 +99,12 @@ var (
 	headLeased   = headOf(1, classLeased)
 	headFree     = headOf(0, classFree)
 	headDraining = headOf(0, classDraining)
+	// A sealed, indexed block one lease holds, and the same cached.
+	headIndexedLeased = (&slot{refs: 1, class: classLeased, sealed: true, index: true}).head()
+	headIndexedCached = (&slot{class: classCached, sealed: true, index: true}).head()
+	// gatesOnePin is gates() of a slot with one pending pin and no
+	// quarantined one.
+	gatesOnePin = (&slot{pins: 1}).gates()
 )
 
 // prefixSlot is the per-block state only the prefix cache uses, kept apart

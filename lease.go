@@ -489,7 +489,10 @@ func (l *lease) close(abort bool, cause error) {
 	if x != nil {
 		from = x.trimmed
 	}
-	c.drop(l.blocks[from:])
+	// c.drop, by hand: its call would be one more per cycle.
+	if i := c.dropFast(l.blocks[from:]); i > 0 {
+		c.dropSlow(l.blocks[from : from+i])
+	}
 	if abort {
 		var cancel [4]*Transfer // zeroed only on this path
 		toCancel = cancel[:0]
@@ -702,12 +705,7 @@ func (l *lease) attachLocked(t *Transfer, from, to int, acc Access, whole bool, 
 		if acc == Write {
 			w = 1
 		}
-		slots := c.slots
-		for _, r := range l.blocks[from:to] {
-			s := &slots[r.ID]
-			s.pins++
-			s.wpins += w
-		}
+		pinPending(c.slots, l.blocks[from:to], w)
 	} else {
 		for i := from; i < to; i++ {
 			id := l.blocks[i].ID
@@ -731,8 +729,24 @@ func (l *lease) attachLocked(t *Transfer, from, to int, acc Access, whole bool, 
 	if c.obs != nil {
 		ev.add(c.obs, Event{Kind: EventAttached, Owner: l.owner, Lease: l.id, Transfer: t.id, Blocks: to - from})
 	}
-	c.transition(l, ev)
+	// (A pending transfer on an active lease changes nothing: no call.)
+	if nextLeaseState(l.closed, int(l.pending), int(l.quarantined)) != l.state {
+		c.transition(l, ev)
+	}
 	return nil
+}
+
+// pinPending adds one pending pin, and w write pins, to each block: a
+// leaf, so that its loop keeps everything in registers (inlined into
+// attachLocked, it spilled its counter: callgrind).
+//
+//go:noinline
+func pinPending(slots []slot, blocks []BlockRef, w int32) {
+	for _, r := range blocks {
+		s := &slots[r.ID]
+		s.pins++
+		s.wpins += w
+	}
 }
 
 // pin records one more attachment of a transfer in state st over the slot.
@@ -759,10 +773,14 @@ func (c *core) resolveRange(blocks []BlockRef, write, whole bool) {
 		w = 1
 	}
 	slots := c.slots
-	room := c.free[:cap(c.free)] // see drop: no append needed
-	k := len(c.free)
-	freed := 0
-	for i := len(blocks) - 1; i >= 0; i-- {
+	k0 := len(c.free)
+	i, k := unpinFast(slots, blocks, c.free[:cap(c.free)], k0, w, whole)
+	c.free = c.free[:k]
+	freed := k - k0
+	c.counts[classDraining] -= freed
+	c.counts[classFree] += freed
+	// The rest, from the first block unpinFast left: settleSlot's cases.
+	for i--; i >= 0; i-- {
 		id := blocks[i].ID
 		s := &slots[id]
 		s.pins--
@@ -771,23 +789,38 @@ func (c *core) resolveRange(blocks []BlockRef, write, whole bool) {
 		} else {
 			s.wpins -= w
 		}
-		switch {
-		case s.head() == headDraining && s.pins|s.quar == 0 && k < len(room):
-			s.setHead(headFree)
-			room[k] = id
-			k++
-			freed++
-		case s.refs > 0 && s.quar == 0:
-			// An open lease still holds it: still leased.
-		default:
-			c.free = c.free[:k]
-			c.settleSlot(id)
-			room, k = c.free[:cap(c.free)], len(c.free)
+		if s.refs > 0 && s.quar == 0 {
+			continue // an open lease still holds it: still leased
 		}
+		c.settleSlot(id)
 	}
-	c.free = c.free[:k]
-	c.counts[classDraining] -= freed
-	c.counts[classFree] += freed
+}
+
+// unpinFast is resolveRange's loop over its common outcome, tail first:
+// a block that was draining on this one pending pin alone (so unsealed:
+// its write pin, if any, is w, or 1 for a whole-lease attachment) is
+// unpinned and goes onto the free stack room[k:]. It stops before the
+// first block with any other outcome, and returns how many blocks are
+// left (that one included) and the new top of room. A leaf, so that its
+// loop keeps everything in registers.
+func unpinFast(slots []slot, blocks []BlockRef, room []BlockID, k int, w int32, whole bool) (i, top int) {
+	if whole {
+		w = 1
+	}
+	draining, free, one := headDraining, headFree, gatesOnePin
+	for i = len(blocks); i > 0 && k < len(room); i-- {
+		id := blocks[i-1].ID
+		s := &slots[id]
+		if s.head() != draining || s.gates() != one {
+			break
+		}
+		s.pins = 0
+		s.wpins -= w
+		s.setHead(free)
+		room[k] = id
+		k++
+	}
+	return i, k
 }
 
 // applyRange moves the pins of blocks lo..hi-1 of attachment a from

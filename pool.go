@@ -581,8 +581,7 @@ func (c *core) takeFresh(ev *events, need int) BlockRef {
 		if c.hook != nil {
 			c.offerVictim(need, ev)
 		}
-		id = c.lruHead
-		c.lruRemove(id)
+		id = c.lruPopHead()
 		c.counts[classCached]--
 		c.evict(id)
 	}
@@ -666,14 +665,27 @@ func (c *core) settleSlot(id BlockID) {
 // general loop cost twice the instructions (callgrind). The first block
 // that is neither hands the rest to dropSlow.
 func (c *core) drop(blocks []BlockRef) {
+	if i := c.dropFast(blocks); i > 0 {
+		c.dropSlow(blocks[:i])
+	}
+}
+
+// dropFast is drop's loop over the common cases, tail first: a block this
+// lease alone holds, unsealed, goes onto the free stack when no transfer
+// gates it and drains when only pending ones do. It stops at the first
+// block that is neither and returns how many blocks are left for
+// dropSlow. It calls nothing, so that its loop keeps everything in
+// registers (with dropSlow's call in the same function, the loop reloaded
+// its slices from the stack: callgrind).
+func (c *core) dropFast(blocks []BlockRef) int {
 	slots := c.slots
 	// The free stack never holds more than capacity ids, so its spare
 	// capacity has room for every block: no append.
 	room := c.free[:cap(c.free)]
-	k := len(c.free)
-	i := len(blocks)
-	drained := 0
+	k0 := len(c.free)
+	k, drained := k0, 0
 	leased, free, draining := headLeased, headFree, headDraining
+	i := len(blocks)
 	for ; i > 0 && k < len(room); i-- {
 		id := blocks[i-1].ID
 		s := &slots[id]
@@ -692,14 +704,12 @@ func (c *core) drop(blocks []BlockRef) {
 			break
 		}
 	}
-	freed := k - len(c.free)
-	c.free = c.free[:k]
+	freed := k - k0
+	c.free = c.free[:k] // (not room[:k]: its write barrier spilled the loop)
 	c.counts[classLeased] -= freed + drained
 	c.counts[classFree] += freed
 	c.counts[classDraining] += drained
-	if i > 0 {
-		c.dropSlow(blocks[:i])
-	}
+	return i
 }
 
 // dropSlow is drop for blocks that may be shared, sealed or gated. The
@@ -708,11 +718,21 @@ func (c *core) drop(blocks []BlockRef) {
 // headers in registers: the compiler cannot prove the slot stores leave
 // c.free alone.
 func (c *core) dropSlow(blocks []BlockRef) {
+	blocks = blocks[:c.cacheFast(blocks)]
 	slots, free := c.slots, c.free
 	freed, drained, cached := 0, 0, 0
+	indexedLeased, indexedCached := headIndexedLeased, headIndexedCached
 	for i := len(blocks) - 1; i >= 0; i-- {
 		id := blocks[i].ID
 		s := &slots[id]
+		if s.head() == indexedLeased && s.gates() == 0 {
+			// The common case of a prefix hit or a sealed block: findable
+			// content this lease alone held. Cached, most recent.
+			s.setHead(indexedCached)
+			c.lruPush(id)
+			cached++
+			continue
+		}
 		s.refs--
 		switch {
 		case s.refs|s.pins|s.quar == 0 && !s.sealed: // (indexed implies sealed)
@@ -747,6 +767,40 @@ func (c *core) dropSlow(blocks []BlockRef) {
 	c.counts[classDraining] += drained
 }
 
+// cacheFast is dropSlow's loop over its most common case, tail first: a
+// sealed, indexed block its lease alone held, no transfer gating it, is
+// cached (pushed at the LRU's most recent end). It stops at the first
+// block with any other outcome and returns how many blocks are left. One
+// loop with the LRU's tail in a register. Called with c.mu held.
+func (c *core) cacheFast(blocks []BlockRef) int {
+	slots, pre := c.slots, c.pre
+	head, tail := c.lruHead, c.lruTail
+	leased, cached := headIndexedLeased, headIndexedCached
+	i := len(blocks)
+	for ; i > 0; i-- {
+		id := blocks[i-1].ID
+		s := &slots[id]
+		if s.head() != leased || s.gates() != 0 {
+			break
+		}
+		s.setHead(cached)
+		p := &pre[id]
+		p.prev, p.next = tail, nilID
+		if tail == nilID {
+			head = id
+		} else {
+			pre[tail].next = id
+		}
+		tail = id
+	}
+	n := len(blocks) - i
+	c.lruHead, c.lruTail = head, tail
+	c.lruLen += n
+	c.counts[classLeased] -= n
+	c.counts[classCached] += n
+	return i
+}
+
 // lruPush appends id at the most recently used end.
 func (c *core) lruPush(id BlockID) {
 	p := &c.pre[id]
@@ -758,6 +812,23 @@ func (c *core) lruPush(id BlockID) {
 	}
 	c.lruTail = id
 	c.lruLen++
+}
+
+// lruPopHead takes the least recently used block off the LRU (which is
+// not empty) and returns it: lruRemove of the head, whose prev is known.
+func (c *core) lruPopHead() BlockID {
+	id := c.lruHead
+	p := &c.pre[id]
+	next := p.next
+	c.lruHead = next
+	if next == nilID {
+		c.lruTail = nilID
+	} else {
+		c.pre[next].prev = nilID
+	}
+	p.next = nilID // (p.prev is nilID already)
+	c.lruLen--
+	return id
 }
 
 func (c *core) lruRemove(id BlockID) {

@@ -69,8 +69,10 @@ func (l *lease) sealLocked(i int, h BlockHash, st *sealTokens, ev *events) error
 		return fmt.Errorf("kvlease: seal block %d of lease %d (%s): a transfer is still writing it: %w",
 			i, l.id, l.owner, ErrInvalidArgument)
 	}
-	if err := c.checkSealTokens(st); err != nil {
-		return fmt.Errorf("kvlease: seal block %d of lease %d (%s): %w", i, l.id, l.owner, err)
+	if st != nil || c.meta != nil { // (a plain Seal on a plain pool has nothing to check)
+		if err := c.checkSealTokens(st); err != nil {
+			return fmt.Errorf("kvlease: seal block %d of lease %d (%s): %w", i, l.id, l.owner, err)
+		}
 	}
 	s.sealed, c.pre[id].hash = true, h
 	c.recordSeal(id, st)
@@ -271,35 +273,84 @@ func (p *Pool[R]) CachedPrefix(hashes []BlockHash) int {
 // block named twice ends the prefix (a lease holds a block once per
 // position, and chained hashes never repeat).
 func (c *core) probe(hashes []BlockHash, v *verifier) int {
-	n, _ := c.probeIDs(hashes, v, nil)
+	n, _, _ := c.probeIDs(hashes, v, nil)
 	return n
 }
 
 // probeIDs is probe that also appends the hit slots to ids (up to its
 // capacity, so the caller's stack buffer never grows), sparing the caller
-// a second lookup.
-func (c *core) probeIDs(hashes []BlockHash, v *verifier, ids []BlockID) (int, []BlockID) {
+// a second lookup, and counts the hits that are cached (on the LRU: they
+// stop being evictable when leased).
+func (c *core) probeIDs(hashes []BlockHash, v *verifier, ids []BlockID) (int, []BlockID, int) {
 	if c.index.len() == 0 {
-		return 0, ids
+		return 0, ids, 0
 	}
 	c.stamp++
+	if c.index.legacy == nil && c.meta == nil {
+		return probeFlat(&c.index, c.slots, c.pre, c.stamp, hashes, ids)
+	}
+	cached := 0
 	for k, h := range hashes {
 		id, ok := c.index.find(h)
 		if !ok {
-			return k, ids
+			return k, ids, cached
 		}
-		if c.slots[id].wpins > 0 || c.pre[id].mark == c.stamp {
-			return k, ids
+		s := &c.slots[id]
+		if s.wpins > 0 || c.pre[id].mark == c.stamp {
+			return k, ids, cached
 		}
 		if c.meta != nil && !c.verify(id, k, v) {
-			return k, ids
+			return k, ids, cached
 		}
 		c.pre[id].mark = c.stamp
+		if s.class == classCached {
+			cached++
+		}
 		if len(ids) < cap(ids) {
 			ids = append(ids, id)
 		}
 	}
-	return len(hashes), ids
+	return len(hashes), ids, cached
+}
+
+// probeFlat is probeIDs for the flat index without verification: the
+// index's probe written into the loop, one probe per hash, with the
+// tables in registers (find's call, its map switch and the reloads it
+// forced cost about a third of a hit: callgrind).
+func probeFlat(x *prefixIndex, slots []slot, pre []prefixSlot, stamp uint32, hashes []BlockHash, ids []BlockID) (int, []BlockID, int) {
+	tab, shift := x.tab, x.shift&63 // (the mask spares the shift's range check)
+	mask := uint64(len(tab) - 1)
+	cached := 0
+	for k, h := range hashes {
+		m := uint64(h) * indexMix
+		tag := m >> 32
+		var p *prefixSlot
+		var id BlockID
+		for i := m >> shift; ; i = (i + 1) & mask {
+			e := tab[i]
+			if e == 0 {
+				return k, ids, cached
+			}
+			if e>>32 == tag {
+				id = BlockID(uint32(e) - 1)
+				if p = &pre[id]; p.hash == h {
+					break
+				}
+			}
+		}
+		s := &slots[id]
+		if s.wpins > 0 || p.mark == stamp {
+			return k, ids, cached
+		}
+		p.mark = stamp
+		if s.class == classCached {
+			cached++
+		}
+		if len(ids) < cap(ids) {
+			ids = append(ids, id)
+		}
+	}
+	return len(hashes), ids, cached
 }
 
 // fillPrefix fills l with n blocks: the cached prefix of hashes, then
@@ -309,13 +360,8 @@ func (c *core) fillPrefix(l *lease, hashes []BlockHash, n int, v *verifier, ev *
 		hashes = hashes[:n]
 	}
 	var buf [64]BlockID
-	hits, ids := c.probeIDs(hashes, v, buf[:0])
-	lruHits := 0 // hit blocks that stop being evictable
-	for k := range hits {
-		if c.slots[c.hitID(ids, hashes, k)].class == classCached {
-			lruHits++
-		}
-	}
+	// lruHits: hit blocks that stop being evictable.
+	hits, ids, lruHits := c.probeIDs(hashes, v, buf[:0])
 	if fresh, avail := n-hits, c.available()-lruHits; fresh > avail {
 		// Refused lookups are counted apart: a request refused three times
 		// then admitted is one lookup, not four (as vLLM counts).
@@ -334,8 +380,10 @@ func (c *core) fillPrefix(l *lease, hashes []BlockHash, n int, v *verifier, ev *
 	// Queries and hits are counted together, for admitted lookups only.
 	c.stats.prefixQueries += uint64(len(hashes))
 	c.stats.prefixHits += uint64(hits)
-	revived := 0 // cached blocks that become leased
-	for k := range hits {
+	// The common case first: recorded hits that were cached.
+	done := c.reviveCached(l.blocks, ids[:min(hits, len(ids))])
+	revived := 0 // cached blocks that become leased, after the first done
+	for k := done; k < hits; k++ {
 		id := c.hitID(ids, hashes, k)
 		s := &c.slots[id]
 		s.refs++
@@ -363,6 +411,44 @@ func (c *core) fillPrefix(l *lease, hashes []BlockHash, n int, v *verifier, ev *
 	return hits, nil
 }
 
+// reviveCached leases the leading hits ids that are cached (unheld, on
+// the LRU), taking each off the LRU, into blocks[k], and returns how many
+// it did: it stops at the first hit in any other class. One loop with the
+// LRU's ends in registers. Called with c.mu held.
+func (c *core) reviveCached(blocks []BlockRef, ids []BlockID) int {
+	slots, pre := c.slots, c.pre
+	head, tail := c.lruHead, c.lruTail
+	k := 0
+	for ; k < len(ids) && k < len(blocks); k++ {
+		id := ids[k]
+		s := &slots[id]
+		if s.class != classCached {
+			break
+		}
+		s.refs++
+		s.class = classLeased
+		p := &pre[id]
+		prev, next := p.prev, p.next
+		if prev == nilID {
+			head = next
+		} else {
+			pre[prev].next = next
+		}
+		if next == nilID {
+			tail = prev
+		} else {
+			pre[next].prev = prev
+		}
+		p.prev, p.next = nilID, nilID
+		blocks[k] = BlockRef{ID: id, Gen: s.gen}
+	}
+	c.lruHead, c.lruTail = head, tail
+	c.lruLen -= k
+	c.counts[classCached] -= k
+	c.counts[classLeased] += k
+	return k
+}
+
 // hitID returns the slot of hit k: from ids when the probe recorded it,
 // else from the index.
 func (c *core) hitID(ids []BlockID, hashes []BlockHash, k int) BlockID {
@@ -376,12 +462,17 @@ func (c *core) hitID(ids []BlockID, hashes []BlockHash, k int) BlockID {
 // evict takes a cached block out of the prefix index: its content is
 // forfeit. Called with c.mu held, the block already off the LRU.
 func (c *core) evict(id BlockID) {
-	c.index.remove(c.pre[id].hash, id)
+	p := &c.pre[id]
+	c.index.remove(p.hash, id)
 	if c.kv != nil {
-		c.kv.removed(c.pre[id].hash)
+		c.kv.removed(p.hash)
 	}
-	c.slots[id].index = false
-	c.unseal(id)
+	// unseal, with the slot's flags cleared at once.
+	s := &c.slots[id]
+	s.index, s.sealed, p.hash = false, false, 0
+	if c.meta != nil {
+		c.meta[id] = sealMeta{}
+	}
 	c.stats.evictions++
 }
 
