@@ -21,7 +21,6 @@
 package metrics
 
 import (
-	"errors"
 	"fmt"
 	"slices"
 	"strconv"
@@ -36,8 +35,9 @@ import (
 )
 
 // ErrInvalid is wrapped by the errors of New, AddPool and AddPublisher
-// for an argument they refuse (a nil source, a duplicate name).
-var ErrInvalid = errors.New("metrics: invalid argument")
+// for an argument they refuse (a nil source, a duplicate name). It wraps
+// kvlease.ErrInvalidArgument, so either sentinel matches with errors.Is.
+var ErrInvalid = fmt.Errorf("metrics: invalid argument: %w", kvlease.ErrInvalidArgument)
 
 // StatsSource is what a pool exports: *kvlease.Pool of any region type.
 type StatsSource interface {

@@ -313,6 +313,7 @@ kvlease_handoffs_total{outcome="rejected"} 0
 func TestCollectorErrors(t *testing.T) {
 	_, err := New(nil, Options{})
 	require.ErrorIs(t, err, ErrInvalid)
+	require.ErrorIs(t, err, kvlease.ErrInvalidArgument)
 	_, err = New(prometheus.NewRegistry(), Options{VLLM: &VLLMOptions{Model: "m"}})
 	require.ErrorIs(t, err, ErrInvalid)
 	reg := prometheus.NewRegistry()
