@@ -17,8 +17,9 @@ import (
 )
 
 // ErrInvalidConfig is wrapped by NewPublisher's errors for a configuration
-// it refuses (no endpoint, no source, a negative size).
-var ErrInvalidConfig = errors.New("events: invalid configuration")
+// it refuses (no endpoint, no source, a negative size). It wraps
+// kvlease.ErrInvalidArgument, so either sentinel matches with errors.Is.
+var ErrInvalidConfig = fmt.Errorf("events: invalid configuration: %w", kvlease.ErrInvalidArgument)
 
 // ErrClosed is returned by Flush after Close.
 var ErrClosed = errors.New("events: publisher closed")
