@@ -81,8 +81,8 @@ type Collector struct {
 	now  func() time.Time
 
 	mu    sync.Mutex
-	pools []namedPool
-	pubs  []namedPub
+	pools []named[StatsSource]
+	pubs  []named[PublisherSource]
 	obs   map[string]*poolObserver
 
 	d descs
@@ -91,14 +91,24 @@ type Collector struct {
 	handoffs                    *prometheus.CounterVec
 }
 
-type namedPool struct {
+// named is a source exported under a label value.
+type named[S any] struct {
 	name string
-	src  StatsSource
+	src  S
 }
 
-type namedPub struct {
-	name string
-	src  PublisherSource
+// addNamed appends src to *list as name, refusing an empty name, a nil
+// source (isNil) or a name already in the list; what names a kind of
+// source ("pool", "publisher") in the errors.
+func addNamed[S any](list *[]named[S], what, name string, src S, isNil bool) error {
+	if isNil || name == "" {
+		return fmt.Errorf("metrics: add %s %q: need a name and a %s: %w", what, name, what, ErrInvalid)
+	}
+	if slices.ContainsFunc(*list, func(n named[S]) bool { return n.name == name }) {
+		return fmt.Errorf("metrics: %s %q added twice: %w", what, name, ErrInvalid)
+	}
+	*list = append(*list, named[S]{name, src})
+	return nil
 }
 
 type descs struct {
@@ -191,30 +201,16 @@ func New(reg prometheus.Registerer, opts Options) (*Collector, error) {
 
 // AddPool exports pool under the label pool=name.
 func (c *Collector) AddPool(name string, pool StatsSource) error {
-	if pool == nil || name == "" {
-		return fmt.Errorf("metrics: AddPool(%q, %v): need a name and a pool: %w", name, pool, ErrInvalid)
-	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if slices.ContainsFunc(c.pools, func(p namedPool) bool { return p.name == name }) {
-		return fmt.Errorf("metrics: pool %q added twice: %w", name, ErrInvalid)
-	}
-	c.pools = append(c.pools, namedPool{name, pool})
-	return nil
+	return addNamed(&c.pools, "pool", name, pool, pool == nil)
 }
 
 // AddPublisher exports a KV-event publisher under the label publisher=name.
 func (c *Collector) AddPublisher(name string, p PublisherSource) error {
-	if p == nil || name == "" {
-		return fmt.Errorf("metrics: AddPublisher(%q, %v): need a name and a publisher: %w", name, p, ErrInvalid)
-	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if slices.ContainsFunc(c.pubs, func(q namedPub) bool { return q.name == name }) {
-		return fmt.Errorf("metrics: publisher %q added twice: %w", name, ErrInvalid)
-	}
-	c.pubs = append(c.pubs, namedPub{name, p})
-	return nil
+	return addNamed(&c.pubs, "publisher", name, p, p == nil)
 }
 
 // The outcomes handoffs_total counts: the final states and Quarantined.

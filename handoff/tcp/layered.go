@@ -137,10 +137,9 @@ func writeLayered[R LayeredRegion](conn net.Conn, tok [16]byte, regions []R, lay
 		var sum uint32
 		for l := range lay.Layers {
 			for kv := range lay.KVs {
-				p := r.Piece(l, kv)
-				if len(p) != lay.PieceBytes {
-					return n, fmt.Errorf("tcp: block %d of %d: piece (%d, %d) of %d bytes, want %d: %w",
-						i, len(regions), l, kv, len(p), lay.PieceBytes, kvlease.ErrInvalidArgument)
+				p, err := piece(r, l, kv, lay, i, len(regions))
+				if err != nil {
+					return n, err
 				}
 				sum = crc32.Update(sum, castagnoli, p)
 				bufs = append(bufs, p)
@@ -185,6 +184,17 @@ func (lr LayeredReceiver[R]) Receive(id handoff.PlaneID, regions []R, _ []byte, 
 	})
 }
 
+// piece returns piece (l, kv) of r, block i of n, refusing one whose
+// length is not the layout's (a region that lies about its layout).
+func piece[R LayeredRegion](r R, l, kv int, lay layout.Layout, i, n int) ([]byte, error) {
+	p := r.Piece(l, kv)
+	if len(p) != lay.PieceBytes {
+		return nil, fmt.Errorf("tcp: block %d of %d: piece (%d, %d) of %d bytes, want %d: %w",
+			i, n, l, kv, len(p), lay.PieceBytes, kvlease.ErrInvalidArgument)
+	}
+	return p, nil
+}
+
 // readBufs pools the receivers' read buffers (one per running transfer).
 var readBufs = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, 64<<10) }}
 
@@ -215,10 +225,9 @@ func readLayered[R LayeredRegion](c net.Conn, regions []R, lay layout.Layout, ca
 		var sum uint32
 		for l := range lay.Layers {
 			for kv := range lay.KVs {
-				p := r.Piece(l, kv)
-				if len(p) != lay.PieceBytes {
-					return n, fmt.Errorf("tcp: block %d of %d: piece (%d, %d) of %d bytes, want %d: %w",
-						i, len(regions), l, kv, len(p), lay.PieceBytes, kvlease.ErrInvalidArgument)
+				p, err := piece(r, l, kv, lay, i, len(regions))
+				if err != nil {
+					return n, err
 				}
 				if _, err := io.ReadFull(br, p); err != nil {
 					return n, fmt.Errorf("tcp: block %d of %d, piece (%d, %d): %w", i, len(regions), l, kv, err)
