@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"io"
 	"math/rand/v2"
-	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -14,6 +13,7 @@ import (
 	"github.com/kvlease/kvlease/audit"
 	"github.com/kvlease/kvlease/handoff"
 	"github.com/kvlease/kvlease/handoff/inproc"
+	"github.com/kvlease/kvlease/internal/ledger"
 )
 
 // Config is one run of the example.
@@ -68,80 +68,11 @@ var envelope = handoff.Envelope{
 
 const decodeBlocks = 384
 
-// Ledger is what a run ends with.
-type Ledger struct {
-	Requests  int
-	Delivered int
-	// Rejections, by who refused: the envelope (Admit), the prefill pool
-	// (exhausted), the decode side's policy (too many running) and the
-	// decode pool (exhausted).
-	RejectedEnvelope, RejectedPrefill, RejectedPolicy, RejectedDecode int
-	Failed                                                            int
-	// Aborted counts every aborted handoff; AbortedLifted those whose
-	// quarantine late evidence lifted.
-	Aborted, AbortedLifted int
-	// Quarantined handoffs never got their late evidence.
-	Quarantined int
-
-	Prefill, Decode kvlease.Stats // the pools at the end
-	// MarkerMismatches counts delivered blocks whose content was not their
-	// request's marker; LateWrites counts transfers that touched a block
-	// after it was reclaimed. Both must be 0.
-	MarkerMismatches, LateWrites int
-
-	// Two processes (-net) only. Disagreements counts requests whose
-	// prefill and decode sides ended in different states; ProtocolErrors
-	// the control messages either side refused; Child is how the decode
-	// process ended.
-	Disagreements, ProtocolErrors int
-	Child                         ChildExit
-}
+// Ledger is what a run ends with (shared with the ucx module's example).
+type Ledger = ledger.Ledger
 
 // ChildExit is how the decode process of a -net run ended.
-type ChildExit struct {
-	Ran    bool // a decode process was started
-	Exited bool // it exited by itself and was reaped
-	Code   int  // its exit status
-}
-
-// Rejected is the sum of all rejections.
-func (l Ledger) Rejected() int {
-	return l.RejectedEnvelope + l.RejectedPrefill + l.RejectedPolicy + l.RejectedDecode
-}
-
-// Problems lists the isolation failures the ledger shows: marker
-// mismatches, late writes, blocks neither free nor quarantined at the end,
-// requests unaccounted for. Empty means the run was clean.
-func (l Ledger) Problems() []string {
-	var out []string
-	if l.MarkerMismatches != 0 {
-		out = append(out, fmt.Sprintf("%d marker mismatches", l.MarkerMismatches))
-	}
-	if l.LateWrites != 0 {
-		out = append(out, fmt.Sprintf("%d transfers touched reclaimed memory", l.LateWrites))
-	}
-	for _, p := range []struct {
-		name string
-		s    kvlease.Stats
-	}{{"prefill", l.Prefill}, {"decode", l.Decode}} {
-		if p.s.Free+p.s.Quarantined != p.s.Capacity {
-			out = append(out, fmt.Sprintf("%s pool: %d blocks neither free nor quarantined", p.name, p.s.Capacity-p.s.Free-p.s.Quarantined))
-		}
-	}
-	if n := l.Delivered + l.Rejected() + l.Failed + l.Aborted + l.Quarantined; n != l.Requests {
-		out = append(out, fmt.Sprintf("%d of %d requests accounted for", n, l.Requests))
-	}
-	if l.Disagreements != 0 {
-		out = append(out, fmt.Sprintf("%d requests whose two sides ended differently", l.Disagreements))
-	}
-	if l.ProtocolErrors != 0 {
-		out = append(out, fmt.Sprintf("%d control messages refused", l.ProtocolErrors))
-	}
-	if l.Child.Ran && (!l.Child.Exited || l.Child.Code != 0) {
-		out = append(out, fmt.Sprintf("decode process: exited %v, status %d", l.Child.Exited, l.Child.Code))
-	}
-	return out
-}
+type ChildExit = ledger.ChildExit
 
 // request is one synthetic request and what happened to it.
 type request struct {
@@ -326,7 +257,7 @@ func Run(cfg Config, out io.Writer) (Ledger, error) {
 	}
 
 	for _, r := range reqs {
-		l.count(r)
+		count(&l, r)
 		if !cfg.Quiet {
 			printTimeline(out, r)
 		}
@@ -433,18 +364,18 @@ func (w *world) admit(r *request, running *int) {
 	}
 }
 
-func (l *Ledger) count(r *request) {
+func count(l *Ledger, r *request) {
 	if r.refused != "" {
-		l.tally(r.refused, 0, false, false)
+		tally(l, r.refused, 0, false, false)
 		return
 	}
-	l.tally("", r.h.State(), errors.Is(r.h.Err(), errBusy), r.late)
+	tally(l, "", r.h.State(), errors.Is(r.h.Err(), errBusy), r.late)
 }
 
 // tally counts one request: refused before any handoff, or ended in st
 // (policy: a rejection by the decode side's policy, not its pool; lifted:
 // an abort whose quarantine late evidence lifted).
-func (l *Ledger) tally(refused string, st handoff.State, policy, lifted bool) {
+func tally(l *Ledger, refused string, st handoff.State, policy, lifted bool) {
 	switch {
 	case refused != "" && strings.HasPrefix(refused, "envelope"):
 		l.RejectedEnvelope++
@@ -474,26 +405,7 @@ func (l *Ledger) tally(refused string, st handoff.State, policy, lifted bool) {
 }
 
 // ranges renders a set of block ids compactly: "3-7,9,12-13".
-func ranges(ids []kvlease.BlockID) string {
-	ids = slices.Sorted(slices.Values(ids))
-	var b strings.Builder
-	for i := 0; i < len(ids); {
-		j := i
-		for j+1 < len(ids) && ids[j+1] == ids[j]+1 {
-			j++
-		}
-		if b.Len() > 0 {
-			b.WriteByte(',')
-		}
-		if j > i {
-			fmt.Fprintf(&b, "%d-%d", ids[i], ids[j])
-		} else {
-			fmt.Fprintf(&b, "%d", ids[i])
-		}
-		i = j + 1
-	}
-	return b.String()
-}
+var ranges = ledger.Ranges
 
 func printTimeline(out io.Writer, r *request) {
 	fmt.Fprintf(out, "%s %4d+%-3d tokens", r.name, r.prompt, r.maxNew)

@@ -12,7 +12,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
 	"github.com/kvlease/kvlease/handoff/inproc"
 )
@@ -138,21 +137,6 @@ func TestBadConfig(t *testing.T) {
 	l, err := Run(Config{Seed: 1}, &bytes.Buffer{})
 	if err != nil || l.Requests != 0 || len(l.Problems()) != 0 {
 		t.Fatalf("empty burst: %+v %v", l, err)
-	}
-}
-
-func TestRanges(t *testing.T) {
-	for _, tt := range []struct {
-		ids  []int32
-		want string
-	}{{nil, ""}, {[]int32{3}, "3"}, {[]int32{5, 4, 3, 9, 12, 11}, "3-5,9,11-12"}} {
-		var ids []kvlease.BlockID
-		for _, id := range tt.ids {
-			ids = append(ids, kvlease.BlockID(id))
-		}
-		if got := ranges(ids); got != tt.want {
-			t.Errorf("ranges(%v) = %q, want %q", tt.ids, got, tt.want)
-		}
 	}
 }
 

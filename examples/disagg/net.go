@@ -327,9 +327,9 @@ func runNet(cfg Config, out, childErr io.Writer) (l Ledger, err error) {
 				l.Disagreements++
 			}
 			st := r.out.State()
-			l.tally("", st, errors.Is(r.out.Err(), handoff.ErrRejected), st == handoff.Aborted && wasQuarantined(r.out.History()))
+			tally(&l, "", st, errors.Is(r.out.Err(), handoff.ErrRejected), st == handoff.Aborted && wasQuarantined(r.out.History()))
 		} else {
-			l.tally(r.refused, 0, false, false)
+			tally(&l, r.refused, 0, false, false)
 		}
 		if !cfg.Quiet {
 			printNetTimeline(out, r)

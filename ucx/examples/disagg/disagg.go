@@ -20,6 +20,7 @@ import (
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
+	"github.com/kvlease/kvlease/internal/ledger"
 	"github.com/kvlease/kvlease/ucx"
 )
 
@@ -165,57 +166,9 @@ func markerOK(b []byte, id, i int) bool {
 	return true
 }
 
-// Ledger is what a run ends with.
-type Ledger struct {
-	Requests  int
-	Delivered int
-	// Rejections, by who refused: the envelope (Admit), the prefill pool
-	// (exhausted), the decode side's policy (too many running) and the
-	// decode pool (exhausted).
-	RejectedEnvelope, RejectedPrefill, RejectedPolicy, RejectedDecode int
-	Failed                                                            int
-	// Aborted counts every aborted handoff; AbortedLifted those whose
-	// quarantine late evidence lifted.
-	Aborted, AbortedLifted int
-	// Quarantined handoffs never got their late evidence.
-	Quarantined int
-
-	Prefill, Decode kvlease.Stats // the pools at the end
-	// MarkerMismatches counts delivered blocks whose content was not their
-	// request's marker; LateWrites counts gets posted into a handoff whose
-	// transfer had already resolved. Both must be 0.
-	MarkerMismatches, LateWrites int
-}
-
-// Rejected is the sum of all rejections.
-func (l Ledger) Rejected() int {
-	return l.RejectedEnvelope + l.RejectedPrefill + l.RejectedPolicy + l.RejectedDecode
-}
-
-// Problems lists the isolation failures the ledger shows: marker
-// mismatches, late writes, blocks neither free nor quarantined at the end,
-// requests unaccounted for. Empty means the run was clean.
-func (l Ledger) Problems() []string {
-	var out []string
-	if l.MarkerMismatches != 0 {
-		out = append(out, fmt.Sprintf("%d marker mismatches", l.MarkerMismatches))
-	}
-	if l.LateWrites != 0 {
-		out = append(out, fmt.Sprintf("%d gets into handoffs already resolved", l.LateWrites))
-	}
-	for _, p := range []struct {
-		name string
-		s    kvlease.Stats
-	}{{"prefill", l.Prefill}, {"decode", l.Decode}} {
-		if p.s.Free+p.s.Quarantined != p.s.Capacity {
-			out = append(out, fmt.Sprintf("%s pool: %d blocks neither free nor quarantined", p.name, p.s.Capacity-p.s.Free-p.s.Quarantined))
-		}
-	}
-	if n := l.Delivered + l.Rejected() + l.Failed + l.Aborted + l.Quarantined; n != l.Requests {
-		out = append(out, fmt.Sprintf("%d of %d requests accounted for", n, l.Requests))
-	}
-	return out
-}
+// Ledger is what a run ends with: the root example's ledger (its
+// two-process fields stay zero here but for the counts it shares).
+type Ledger = ledger.Ledger
 
 // step is one History step as the decode process reports it.
 type step struct {
@@ -502,7 +455,7 @@ func Run(cfg Config, out io.Writer) (Ledger, error) {
 	}
 	_ = sender.Close()
 	for _, r := range reqs {
-		l.count(r)
+		count(&l, r)
 		if !cfg.Quiet {
 			printTimeline(out, r)
 		}
@@ -522,7 +475,7 @@ func lifted(h []step) bool {
 	return slices.ContainsFunc(h, func(s step) bool { return s.To == handoff.Quarantined.String() })
 }
 
-func (l *Ledger) count(r *request) {
+func count(l *Ledger, r *request) {
 	switch {
 	case r.refused != "" && strings.HasPrefix(r.refused, "envelope"):
 		l.RejectedEnvelope++
@@ -562,26 +515,7 @@ func (l *Ledger) count(r *request) {
 }
 
 // ranges renders a set of block ids compactly: "3-7,9,12-13".
-func ranges(ids []kvlease.BlockID) string {
-	ids = slices.Sorted(slices.Values(ids))
-	var b strings.Builder
-	for i := 0; i < len(ids); {
-		j := i
-		for j+1 < len(ids) && ids[j+1] == ids[j]+1 {
-			j++
-		}
-		if b.Len() > 0 {
-			b.WriteByte(',')
-		}
-		if j > i {
-			fmt.Fprintf(&b, "%d-%d", ids[i], ids[j])
-		} else {
-			fmt.Fprintf(&b, "%d", ids[i])
-		}
-		i = j + 1
-	}
-	return b.String()
-}
+var ranges = ledger.Ranges
 
 func printSteps(out io.Writer, side string, h []step) {
 	for _, s := range h {
