@@ -16,7 +16,7 @@ func BenchmarkRegister256(b *testing.B) {
 	os.Setenv("UCX_TLS", "tcp")
 	os.Setenv("UCX_NET_DEVICES", "lo")
 	const n, size = 256, 64 << 10
-	c, err := newContext()
+	c, err := newContext(true)
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -217,14 +217,41 @@ func TestProcsPeerKilled(t *testing.T) {
 
 func TestProcsPeerStopped(t *testing.T) {
 	t.Run("peer-is-source", func(t *testing.T) {
-		// The source stops (SIGSTOP) with the destination's gets
-		// outstanding, past the destination's deadline: the
+		// Pushed: the source stops (SIGSTOP) after its third block,
+		// past the destination's deadline, which quarantines the blocks
+		// and cancels. The cancel withdraws the receives no message
+		// matched (ucp_request_cancel), and their completions are
+		// evidence of our own: the quarantine lifts and the blocks come
+		// back while the source is still stopped (pulled, they wait for
+		// the source: see peer-is-source/pull). Resumed, the source
+		// hears the abort and revokes.
+		p := startPeer(t, "source", "KVUCX_SEED=43", "KVUCX_DEADLINE_MS=60000", "KVUCX_STALL=3")
+		d := newLocalDest(t, p.conn, ucx.Config{Window: 4}, 300*time.Millisecond)
+		p.expect("sending 3")
+		p.stop()
+		in := d.final(t)
+		if st := in.State(); st != handoff.Aborted {
+			t.Fatalf("destination %v: %v", st, in.History())
+		}
+		allFree(t, "destination", d.pool)
+		if s := d.recv.Stats(); s.Canceled != 1 || s.Revoked != 0 || s.Completed != 0 {
+			t.Fatalf("receiver %+v", s)
+		}
+		p.tell("go")
+		p.resume()
+		p.expect("source aborted markers ok")
+		p.expect("pool free 64 quarantined 0")
+		p.waitExit()
+	})
+	t.Run("peer-is-source/pull", func(t *testing.T) {
+		// Pulled: the source stops (SIGSTOP) with the destination's
+		// gets outstanding, past the destination's deadline: the
 		// destination's blocks are quarantined, and the cancel that the
 		// deadline sends is not evidence. Resumed (SIGCONT), the source
 		// serves the gets or revokes; either is late evidence that
 		// lifts the quarantine.
-		p := startPeer(t, "source", "KVUCX_SEED=41", "KVUCX_DEADLINE_MS=60000")
-		cfg := ucx.Config{MaxGet: blockBytes, Window: 4, BeforeGet: func(_ handoff.PlaneID, block int) {
+		p := startPeer(t, "source", "KVUCX_SEED=41", "KVUCX_DEADLINE_MS=60000", "KVUCX_PULL=1")
+		cfg := ucx.Config{Pull: true, MaxGet: blockBytes, Window: 4, BeforeGet: func(_ handoff.PlaneID, block int) {
 			if block == 2 {
 				p.stop()
 			}

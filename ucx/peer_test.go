@@ -42,9 +42,10 @@ func say(format string, args ...any) { fmt.Printf("KV "+format+"\n", args...) }
 
 // peerMain is the peer process: role "source" proposes one handoff of
 // KVUCX_BLOCKS blocks stamped with KVUCX_SEED; role "dest" serves one.
-// KVUCX_STALL (dest) stops its reader before the get of that block until
-// a line arrives on stdin; KVUCX_ABORT (source) aborts when "abort"
-// arrives on stdin.
+// KVUCX_STALL stops the destination's reader before the receive (or
+// get) of that block, or the source's sender before its message, until a
+// line arrives on stdin; KVUCX_ABORT (source) aborts when "abort"
+// arrives on stdin; KVUCX_PULL=1 selects the pull model.
 func peerMain(role string) int {
 	seed := uint32(envInt("KVUCX_SEED", 1))
 	blocks := envInt("KVUCX_BLOCKS", 8)
@@ -57,9 +58,16 @@ func peerMain(role string) int {
 	mem, _ := kvlease.NewHostMemory(64, blockBytes)
 	pool, _ := kvlease.NewPool[[]byte](mem)
 	stdin := bufio.NewReader(os.Stdin)
-	cfg := ucx.Config{MaxGet: blockBytes, Window: 2}
+	cfg := ucx.Config{MaxGet: blockBytes, Window: 2, Pull: os.Getenv("KVUCX_PULL") == "1"}
+	stall := envInt("KVUCX_STALL", -1)
 	switch role {
 	case "source":
+		cfg.BeforeSend = func(_ handoff.PlaneID, block int) {
+			if block == stall {
+				say("sending %d", block)
+				_, _ = stdin.ReadString('\n')
+			}
+		}
 		sender, err := ucx.NewSender(cfg)
 		if err != nil {
 			say("error %v", err)
@@ -104,7 +112,6 @@ func peerMain(role string) int {
 		s := pool.Stats()
 		say("pool free %d quarantined %d", s.Free, s.Quarantined)
 	case "dest":
-		stall := envInt("KVUCX_STALL", -1)
 		cfg.BeforeGet = func(_ handoff.PlaneID, block int) {
 			if block == stall {
 				say("reading %d", block)

@@ -52,9 +52,24 @@ type Config struct {
 	// anything is attached; 1e6 when zero).
 	ConnectSpins int
 	// BeforeGet, if set, runs on the destination's worker thread before
-	// the get that starts at block is posted (fault injection: tests stop
-	// or abort a handoff there). It must not call into the plane.
+	// the get that starts at block is posted (pull), or before the
+	// receive of block is posted (push): fault injection, tests stop or
+	// abort a handoff there. It must not call into the plane.
 	BeforeGet func(id handoff.PlaneID, block int)
+	// BeforeSend, if set, runs on the source's worker thread before the
+	// message of block is posted (push model; fault injection). It must
+	// not call into the plane.
+	BeforeSend func(id handoff.PlaneID, block int)
+	// Pull selects the pull model (the destination reads the source's
+	// registered pieces with ucp_get_nbx) instead of the default push
+	// model (the source sends its pieces as tagged messages). Both sides
+	// must agree: a sender refuses the other model's Accept bytes. Pull
+	// trusts the destination with the source process's memory: UCX 1.13
+	// serves, in software, a get whose remote key names no hardware
+	// registration, from any address the destination asks for, on every
+	// transport (see Trust in the package doc). Set it only when the
+	// destination is as trusted as the source process itself.
+	Pull bool
 }
 
 func (c *Config) defaults() {
@@ -83,8 +98,11 @@ type Stats struct {
 	// counted) and RegisteredBytes their bytes: exactly the pieces'.
 	Registrations   int
 	RegisteredBytes int64
-	// Gets counts the gets posted (destination).
+	// Gets counts the gets posted (destination, pull model).
 	Gets int
+	// Messages counts the block messages posted: sends on the source,
+	// receives on the destination (push model).
+	Messages int
 }
 
 type counters struct {
@@ -143,6 +161,7 @@ type Sender[R any] struct {
 	ctx    *context
 	pieces func(R, []Span) []Span
 	stats  counters
+	keys   sessionKeys
 
 	mu     sync.Mutex
 	jobs   map[handoff.PlaneID]*sendJob[R]
@@ -168,7 +187,7 @@ func NewSenderOf[R any](cfg Config, loc func(R) Span) (*Sender[R], error) {
 
 func newSender[R any](cfg Config, pieces func(R, []Span) []Span) (*Sender[R], error) {
 	cfg.defaults()
-	ctx, err := newContext()
+	ctx, err := newContext(cfg.Pull)
 	if err != nil {
 		return nil, err
 	}
@@ -188,9 +207,13 @@ type sendJob[R any] struct {
 	// attached is set under Sender.mu once attach succeeded: Close
 	// revokes those; Send itself revokes one attached after Close.
 	attached bool
+	push     *pushSend // the push model's state, or nil
 }
 
 func parseAccept(b []byte) (int, error) {
+	if len(b) > 2 && b[0] == 'K' && b[1] == 'U' && b[2] == pushVersion {
+		return 0, fmt.Errorf("ucx: the destination expects the push model, this sender pulls (Config.Pull): %w", ErrCorrupt)
+	}
 	if len(b) != acceptLength || b[0] != 'K' || b[1] != 'U' || b[2] != version {
 		return 0, fmt.Errorf("ucx: accept bytes of %d: %w", len(b), ErrCorrupt)
 	}
@@ -205,6 +228,14 @@ func parseAccept(b []byte) (int, error) {
 // kvlease.ErrInvalidArgument before anything is registered. The transfer resolves on Finish or a cancel, after
 // the revocation (see the package doc).
 func (s *Sender[R]) Send(id handoff.PlaneID, regions []R, accept []byte, attach func(*kvlease.Transfer) error) ([]byte, error) {
+	if !s.cfg.Pull {
+		return s.sendPush(id, regions, accept, attach)
+	}
+	return s.sendPull(id, regions, accept, attach)
+}
+
+// sendPull is Send in the pull model.
+func (s *Sender[R]) sendPull(id handoff.PlaneID, regions []R, accept []byte, attach func(*kvlease.Transfer) error) ([]byte, error) {
 	blocks, err := parseAccept(accept)
 	if err != nil {
 		return nil, err
@@ -336,7 +367,17 @@ func (s *Sender[R]) Send(id handoff.PlaneID, regions []R, accept []byte, attach 
 // progress, which never runs again).
 func (j *sendJob[R]) teardown() {
 	if j.w != nil {
-		j.w.destroy(j.w.settle)
+		j.w.destroy(func() {
+			if j.push != nil && j.push.ep != nil {
+				// A revocation: whatever is still being sent stops.
+				_ = j.w.closeEP(j.push.ep, true)
+				j.push.ep = nil
+			}
+			j.w.settle()
+		})
+	}
+	if j.push != nil {
+		j.push.free()
 	}
 	for _, m := range j.memhs {
 		_ = j.s.ctx.unmap(m)
@@ -422,9 +463,10 @@ type Receiver[R any] struct {
 	ctx    *context
 	pieces func(R, []Span) []Span
 	stats  counters
+	keys   sessionKeys
 
 	mu       sync.Mutex
-	prepared map[handoff.PlaneID]int
+	prepared map[handoff.PlaneID]*prepared
 	jobs     map[*recvJob[R]]struct{}
 	closed   bool
 	wg       sync.WaitGroup
@@ -447,38 +489,74 @@ func NewReceiverOf[R any](cfg Config, loc func(R) Span) (*Receiver[R], error) {
 
 func newReceiver[R any](cfg Config, pieces func(R, []Span) []Span) (*Receiver[R], error) {
 	cfg.defaults()
-	ctx, err := newContext()
+	ctx, err := newContext(cfg.Pull)
 	if err != nil {
 		return nil, err
 	}
-	return &Receiver[R]{cfg: cfg, ctx: ctx, pieces: pieces, prepared: make(map[handoff.PlaneID]int), jobs: make(map[*recvJob[R]]struct{})}, nil
+	return &Receiver[R]{cfg: cfg, ctx: ctx, pieces: pieces, prepared: make(map[handoff.PlaneID]*prepared), jobs: make(map[*recvJob[R]]struct{})}, nil
 }
 
 // Prepare implements handoff.RecvPlane: the Accept bytes carry the block
 // count (the source's worker address travels in Start: the source owns
 // the registration, the destination connects to it).
 func (r *Receiver[R]) Prepare(id handoff.PlaneID, blocks int) ([]byte, error) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.closed {
-		return nil, fmt.Errorf("ucx: prepare: %w", ErrClosed)
-	}
-	if _, dup := r.prepared[id]; dup {
-		return nil, fmt.Errorf("ucx: prepare: %v already prepared: %w", id, kvlease.ErrInvalidArgument)
-	}
-	if blocks <= 0 {
+	if blocks <= 0 || blocks > handoff.MaxBlocks {
 		return nil, fmt.Errorf("ucx: prepare %d blocks: %w", blocks, kvlease.ErrInvalidArgument)
 	}
-	r.prepared[id] = blocks
-	b := []byte{'K', 'U', version}
-	return binary.LittleEndian.AppendUint32(b, uint32(blocks)), nil
+	p := &prepared{blocks: blocks}
+	var accept []byte
+	if r.cfg.Pull {
+		accept = binary.LittleEndian.AppendUint32([]byte{'K', 'U', version}, uint32(blocks))
+	} else {
+		var err error
+		if accept, err = r.preparePush(p); err != nil {
+			return nil, err
+		}
+	}
+	r.mu.Lock()
+	_, dup := r.prepared[id]
+	closed := r.closed
+	if !dup && !closed {
+		r.prepared[id] = p
+	}
+	r.mu.Unlock()
+	if dup || closed {
+		p.release()
+		if closed {
+			return nil, fmt.Errorf("ucx: prepare: %w", ErrClosed)
+		}
+		return nil, fmt.Errorf("ucx: prepare: %v already prepared: %w", id, kvlease.ErrInvalidArgument)
+	}
+	return accept, nil
 }
 
-// Forget implements handoff.RecvPlane.
+// prepared is a handoff between Prepare and Receive: its block count
+// and, in the push model, the worker its messages arrive at and the salt
+// of their tags.
+type prepared struct {
+	blocks int
+	w      *worker
+	salt   uint32
+}
+
+// release destroys a prepared worker that will never receive.
+func (p *prepared) release() {
+	if p.w != nil {
+		p.w.destroy(p.w.settle)
+		p.w = nil
+	}
+}
+
+// Forget implements handoff.RecvPlane: in the push model it destroys the
+// handoff's worker (nothing was received into a region: no transfer).
 func (r *Receiver[R]) Forget(id handoff.PlaneID) {
 	r.mu.Lock()
+	p := r.prepared[id]
 	delete(r.prepared, id)
 	r.mu.Unlock()
+	if p != nil {
+		p.release()
+	}
 }
 
 // start is the parsed Start bytes.
@@ -587,7 +665,8 @@ type recvJob[R any] struct {
 	flushed bool // the flush is posted
 	postErr error
 	bytes   int64
-	dead    bool // torn down: step must not touch UCX
+	dead    bool      // torn down: step must not touch UCX
+	push    *pushRecv // the push model's state, or nil
 
 	canceled atomic.Bool
 	once     sync.Once
@@ -609,7 +688,7 @@ type getOp struct {
 // resolves as the package doc says.
 func (r *Receiver[R]) Receive(id handoff.PlaneID, regions []R, startBytes []byte, attach func(*kvlease.Transfer) error) error {
 	r.mu.Lock()
-	blocks, ok := r.prepared[id]
+	p, ok := r.prepared[id]
 	delete(r.prepared, id)
 	closed := r.closed
 	r.mu.Unlock()
@@ -617,8 +696,13 @@ func (r *Receiver[R]) Receive(id handoff.PlaneID, regions []R, startBytes []byte
 		return fmt.Errorf("ucx: receive: %v not prepared: %w", id, kvlease.ErrInvalidArgument)
 	}
 	if closed {
+		p.release()
 		return fmt.Errorf("ucx: receive: %w", ErrClosed)
 	}
+	if !r.cfg.Pull {
+		return r.receivePush(id, p, regions, startBytes, attach)
+	}
+	blocks := p.blocks
 	st, err := parseStart(startBytes)
 	if err != nil {
 		return err
@@ -824,6 +908,9 @@ func (j *recvJob[R]) teardown() {
 				_ = j.w.closeEP(j.ep, true)
 				j.ep = nil
 			}
+			if j.push != nil {
+				j.w.settle() // the source connected to this worker
+			}
 		})
 	}
 	for _, m := range j.memhs {
@@ -843,8 +930,15 @@ func (j *recvJob[R]) finish(out error, revoked bool) {
 		j.r.mu.Lock()
 		delete(j.r.jobs, j)
 		j.r.mu.Unlock()
+		if j.push != nil {
+			j.push.free()
+		}
 		j.r.stats.add(func(s *Stats) {
-			s.Gets += j.next
+			if j.push != nil {
+				s.Messages += j.next
+			} else {
+				s.Gets += j.next
+			}
 			switch {
 			case revoked:
 				s.Revoked++
@@ -873,7 +967,15 @@ func (r *Receiver[R]) Close() error {
 	for j := range r.jobs {
 		all = append(all, j)
 	}
+	preps := make([]*prepared, 0, len(r.prepared))
+	for id, p := range r.prepared {
+		preps = append(preps, p)
+		delete(r.prepared, id)
+	}
 	r.mu.Unlock()
+	for _, p := range preps {
+		p.release()
+	}
 	for _, j := range all {
 		j.finish(fmt.Errorf("%w: %w", ErrClosed, ErrRevoked), true)
 	}

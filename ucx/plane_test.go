@@ -41,14 +41,14 @@ func TestLoopbackDelivered(t *testing.T) {
 
 func TestManyRunsReadTheTable(t *testing.T) {
 	// 200 blocks, no two adjacent: 200 registrations, whose keys do not
-	// fit the Start bytes. The destination reads the run table from the
-	// source first, then the blocks.
-	sender, err := ucx.NewSender(ucx.Config{})
+	// fit the Start bytes. Pulled, the destination reads the run table
+	// from the source first, then the blocks.
+	sender, err := ucx.NewSender(ucx.Config{Pull: true})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer sender.Close()
-	recv, err := ucx.NewReceiver(ucx.Config{})
+	recv, err := ucx.NewReceiver(ucx.Config{Pull: true})
 	if err != nil {
 		t.Fatal(err)
 	}
