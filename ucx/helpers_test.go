@@ -20,8 +20,11 @@ func init() {
 	os.Setenv("UCX_TLS", "tcp")
 	os.Setenv("UCX_NET_DEVICES", "lo")
 	if os.Getenv("UCX_LOG_LEVEL") == "" {
-		// The fault suite makes UCX log the peers' failures it causes.
+		// The fault and exposure suites make UCX log the peers' failures
+		// and the refused requests they cause. The variable reaches the
+		// peer processes; this process loaded UCX already.
 		os.Setenv("UCX_LOG_LEVEL", "fatal")
+		_ = ucx.SetLogLevel("fatal")
 	}
 }
 

@@ -3,6 +3,7 @@ package ucx
 /*
 #cgo LDFLAGS: -lucp -lucs
 #include <ucp/api/ucp.h>
+#include <ucs/config/global_opts.h>
 #include <poll.h>
 #include <unistd.h>
 #include <stdlib.h>
@@ -314,6 +315,16 @@ import (
 	"sync/atomic"
 	"unsafe"
 )
+
+// setLogLevel sets UCX's log level. UCX reads UCX_LOG_LEVEL when the
+// library loads, before any Go code runs: tests that set the variable in
+// init use this for their own process.
+func setLogLevel(level string) error {
+	cn, cv := C.CString("LOG_LEVEL"), C.CString(level)
+	defer C.free(unsafe.Pointer(cn))
+	defer C.free(unsafe.Pointer(cv))
+	return status(C.ucs_global_opts_set_value(cn, cv))
+}
 
 // Status is a UCX status code (ucs_status_t) as an error.
 type Status int
