@@ -1,0 +1,130 @@
+package ucx
+
+import (
+	"bytes"
+	"errors"
+	"testing"
+
+	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/handoff"
+)
+
+// keyed returns session keys that are key for every handoff.
+func keyed(key []byte) sessionKeys {
+	return func(handoff.PlaneID) []byte { return key }
+}
+
+// pushOnce moves src into dst: the source sends as handoff sid, the
+// destination receives as handoff did. It returns the destination's
+// outcome, or Receive's error.
+func pushOnce(t *testing.T, s *Sender[[]byte], r *Receiver[[]byte], sid, did handoff.PlaneID, src, dst [][]byte) error {
+	t.Helper()
+	accept, err := r.Prepare(did, len(dst))
+	if err != nil {
+		t.Fatal(err)
+	}
+	start, err := s.Send(sid, src, accept, func(*kvlease.Transfer) error { return nil })
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Finish(sid, errors.New("test over"))
+	var dt *kvlease.Transfer
+	if err := r.Receive(did, dst, start, func(t *kvlease.Transfer) error { dt = t; return nil }); err != nil {
+		return err
+	}
+	<-dt.Done()
+	return dt.Err()
+}
+
+func blocksIn(buf []byte, n, size int) [][]byte {
+	var out [][]byte
+	for i := range n {
+		out = append(out, buf[i*size:(i+1)*size:(i+1)*size])
+	}
+	return out
+}
+
+func TestBlockIntegrity(t *testing.T) {
+	const n, size = 6, 4096
+	k1, k2 := bytes.Repeat([]byte{1}, 32), bytes.Repeat([]byte{2}, 32)
+	one := handoff.PlaneID{Session: 1, Handoff: 1}
+	for _, tc := range []struct {
+		name       string
+		send, recv sessionKeys
+		sid, did   handoff.PlaneID
+		want       error // nil: delivered
+		attached   bool  // refused after attach (the check runs on arrival)
+	}{
+		{"insecure crc32c", nil, nil, one, one, nil, true},
+		{"same session key", keyed(k1), keyed(k1), one, one, nil, true},
+		{"another session's key", keyed(k1), keyed(k2), one, one, ErrCorrupt, true},
+		{"another handoff's blocks", keyed(k1), keyed(k1), one, handoff.PlaneID{Session: 1, Handoff: 2}, ErrCorrupt, true},
+		{"crc32c into an authenticated session", nil, keyed(k1), one, one, ErrCorrupt, false},
+		{"keyed sums without a key", keyed(k1), nil, one, one, ErrCorrupt, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s, err := NewSender(Config{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer s.Close()
+			r, err := NewReceiver(Config{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer r.Close()
+			s.keys, r.keys = tc.send, tc.recv
+			sb, db := make([]byte, n*size), make([]byte, n*size)
+			for i := range sb {
+				sb[i] = byte(i*7 + i/size)
+			}
+			err = pushOnce(t, s, r, tc.sid, tc.did, blocksIn(sb, n, size), blocksIn(db, n, size))
+			if tc.want == nil {
+				if err != nil || !bytes.Equal(sb, db) {
+					t.Fatalf("outcome %v, blocks equal %v", err, bytes.Equal(sb, db))
+				}
+				if st := r.Stats(); st.Completed != 1 || st.Bytes != n*size {
+					t.Fatalf("receiver %+v", st)
+				}
+				return
+			}
+			if !errors.Is(err, tc.want) {
+				t.Fatalf("outcome %v, want %v", err, tc.want)
+			}
+			if st := r.Stats(); (st.Started == 1) != tc.attached || st.Completed != 0 {
+				t.Fatalf("receiver %+v (attached %v)", st, tc.attached)
+			}
+		})
+	}
+}
+
+func TestBlockSumsBindIndexAndHandoff(t *testing.T) {
+	key, err := blockKey(bytes.Repeat([]byte{9}, 32))
+	if err != nil {
+		t.Fatal(err)
+	}
+	data := bytes.Repeat([]byte{0x42}, 256)
+	sp := []Span{HostBytes(data)}
+	sum := func(mode Integrity, id uint64, b int) []byte {
+		out := make([]byte, mode.sumLen())
+		newSummer(mode, key, id).sum(out, b, sp)
+		return out
+	}
+	base := sum(IntegrityMAC, 1, 0)
+	if bytes.Equal(base, sum(IntegrityMAC, 1, 1)) || bytes.Equal(base, sum(IntegrityMAC, 2, 0)) {
+		t.Fatal("a block's MAC does not depend on its index and handoff")
+	}
+	if !bytes.Equal(base, sum(IntegrityMAC, 1, 0)) {
+		t.Fatal("the MAC is not deterministic")
+	}
+	// Piece boundaries do not matter: the sum is of the block's bytes.
+	split := []Span{HostBytes(data[:100]), HostBytes(data[100:])}
+	out := make([]byte, macLen)
+	newSummer(IntegrityMAC, key, 1).sum(out, 0, split)
+	if !bytes.Equal(out, base) {
+		t.Fatal("the MAC depends on how the block is cut into pieces")
+	}
+	if c := sum(IntegrityCRC, 1, 0); len(c) != 4 || !bytes.Equal(c, sum(IntegrityCRC, 1, 1)) {
+		t.Fatal("crc32c sums are 4 bytes of the data alone")
+	}
+}
