@@ -27,8 +27,8 @@ func FuzzParsePushAccept(f *testing.F) {
 }
 
 func FuzzParsePushStart(f *testing.F) {
-	f.Add(appendPushStart(nil, []int{4096}, 3, IntegrityMAC, []byte{1, 2, 3}))
-	f.Add(appendPushStart(nil, []int{256, 256, 512}, 1, IntegrityCRC, make([]byte, 60)))
+	f.Add(appendPushStart(nil, []int{4096}, 3, IntegrityMAC, make([]byte, nonceLen), []byte{1, 2, 3}))
+	f.Add(appendPushStart(nil, []int{256, 256, 512}, 1, IntegrityCRC, make([]byte, nonceLen), make([]byte, 60)))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		st, err := parsePushStart(b)
 		if err != nil {
@@ -37,7 +37,7 @@ func FuzzParsePushStart(f *testing.F) {
 			}
 			return
 		}
-		if again := appendPushStart(nil, st.sizes, st.blocks, st.mode, st.addr); string(again) != string(b) {
+		if again := appendPushStart(nil, st.sizes, st.blocks, st.mode, st.nonce, st.addr); string(again) != string(b) {
 			t.Fatalf("parsed start does not round-trip")
 		}
 	})

@@ -17,7 +17,7 @@ func keyed(key []byte) sessionKeys {
 // pushOnce moves src into dst: the source sends as handoff sid, the
 // destination receives as handoff did. It returns the destination's
 // outcome, or Receive's error.
-func pushOnce(t *testing.T, s *Sender[[]byte], r *Receiver[[]byte], sid, did handoff.PlaneID, src, dst [][]byte) error {
+func pushOnce(t testing.TB, s *Sender[[]byte], r *Receiver[[]byte], sid, did handoff.PlaneID, src, dst [][]byte) error {
 	t.Helper()
 	accept, err := r.Prepare(did, len(dst))
 	if err != nil {
@@ -99,32 +99,55 @@ func TestBlockIntegrity(t *testing.T) {
 }
 
 func TestBlockSumsBindIndexAndHandoff(t *testing.T) {
-	key, err := blockKey(bytes.Repeat([]byte{9}, 32))
-	if err != nil {
-		t.Fatal(err)
+	session := bytes.Repeat([]byte{9}, 32)
+	nonce := bytes.Repeat([]byte{3}, nonceLen)
+	data := make([]byte, 3*256)
+	for i := range data {
+		data[i] = byte(i * 13)
 	}
-	data := bytes.Repeat([]byte{0x42}, 256)
-	sp := []Span{HostBytes(data)}
-	sum := func(mode Integrity, id uint64, b int) []byte {
+	units := []int{256, 256, 256}
+	sum := func(mode Integrity, id uint64, salt uint32, b int, pieces []Span) []byte {
+		key, err := handoffKey(session, nonce, salt, id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s, err := newSummer(mode, key, units)
+		if err != nil {
+			t.Fatal(err)
+		}
 		out := make([]byte, mode.sumLen())
-		newSummer(mode, key, id).sum(out, b, sp)
+		s.sum(out, b, pieces)
 		return out
 	}
-	base := sum(IntegrityMAC, 1, 0)
-	if bytes.Equal(base, sum(IntegrityMAC, 1, 1)) || bytes.Equal(base, sum(IntegrityMAC, 2, 0)) {
-		t.Fatal("a block's MAC does not depend on its index and handoff")
+	whole := []Span{HostBytes(data)}
+	base := sum(IntegrityMAC, 1, 7, 0, whole)
+	for name, other := range map[string][]byte{
+		"another index":   sum(IntegrityMAC, 1, 7, 1, whole),
+		"another handoff": sum(IntegrityMAC, 2, 7, 0, whole),
+		"another salt":    sum(IntegrityMAC, 1, 8, 0, whole),
+	} {
+		if bytes.Equal(base, other) {
+			t.Fatalf("a block's MAC does not depend on %s", name)
+		}
 	}
-	if !bytes.Equal(base, sum(IntegrityMAC, 1, 0)) {
-		t.Fatal("the MAC is not deterministic")
+	// Piece boundaries do not matter (units straddling pieces are
+	// gathered): the sum is of the block's bytes.
+	for _, cut := range [][]int{{256, 768}, {100, 500, 768}, {300, 400, 768}, {768}} {
+		var pieces []Span
+		prev := 0
+		for _, c := range cut {
+			pieces = append(pieces, HostBytes(data[prev:c]))
+			prev = c
+		}
+		if got := sum(IntegrityMAC, 1, 7, 0, pieces); !bytes.Equal(got, base) {
+			t.Fatalf("cut at %v: the MAC depends on how the block is cut", cut)
+		}
 	}
-	// Piece boundaries do not matter: the sum is of the block's bytes.
-	split := []Span{HostBytes(data[:100]), HostBytes(data[100:])}
-	out := make([]byte, macLen)
-	newSummer(IntegrityMAC, key, 1).sum(out, 0, split)
-	if !bytes.Equal(out, base) {
-		t.Fatal("the MAC depends on how the block is cut into pieces")
+	data[300] ^= 1
+	if bytes.Equal(base, sum(IntegrityMAC, 1, 7, 0, whole)) {
+		t.Fatal("a flipped bit keeps the MAC")
 	}
-	if c := sum(IntegrityCRC, 1, 0); len(c) != 4 || !bytes.Equal(c, sum(IntegrityCRC, 1, 1)) {
+	if c := sum(IntegrityCRC, 1, 7, 0, whole); len(c) != 4 || !bytes.Equal(c, sum(IntegrityCRC, 2, 8, 1, whole)) {
 		t.Fatal("crc32c sums are 4 bytes of the data alone")
 	}
 }

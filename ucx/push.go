@@ -1,6 +1,8 @@
 package ucx
 
 import (
+	"crypto/aes"
+	"crypto/cipher"
 	"crypto/hkdf"
 	"crypto/hmac"
 	"crypto/rand"
@@ -8,7 +10,6 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"hash"
 	"hash/crc32"
 
 	"github.com/kvlease/kvlease"
@@ -36,8 +37,10 @@ const (
 	pushAcceptMin = 2 + 1 + 4 + 4 + 2
 	// tableIndex is the low half of the integrity table's tag.
 	tableIndex = 0xFFFF_FFFF
-	// macLen is the bytes of a block's keyed sum (HMAC-SHA256, cut).
+	// macLen is the bytes of a block's keyed sum (a GMAC tag).
 	macLen = 16
+	// nonceLen is the bytes of the source's random nonce in Start.
+	nonceLen = 16
 )
 
 // Integrity is how the destination checks each block it received in the
@@ -50,11 +53,11 @@ const (
 	// IntegrityCRC: crc32c (Castagnoli) of each block. It catches
 	// corruption, not forgery: the insecure mode's check.
 	IntegrityCRC
-	// IntegrityMAC: HMAC-SHA256 of each block under a key derived from
-	// the control session's key, with the handoff id, the block index
-	// and its length bound in: a block of another handoff, another
-	// session, or from anyone who does not hold the session key, is
-	// refused.
+	// IntegrityMAC: a GMAC (AES-256-GCM) of each block under a key
+	// derived from the control session's key for this handoff alone, with
+	// the block index in its nonce: a block of another handoff, another
+	// session, another place in this handoff, or from anyone who does not
+	// hold the session key, is refused.
 	IntegrityMAC
 )
 
@@ -65,7 +68,7 @@ func (m Integrity) String() string {
 	case IntegrityCRC:
 		return "crc32c"
 	case IntegrityMAC:
-		return "hmac-sha256"
+		return "gmac"
 	}
 	return fmt.Sprintf("Integrity(%d)", byte(m))
 }
@@ -82,32 +85,63 @@ func (m Integrity) sumLen() int {
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
-// blockKey derives the plane's MAC key from a session key: the plane
-// never uses the session key itself.
-func blockKey(session []byte) ([]byte, error) {
-	return hkdf.Key(sha256.New, session, nil, "kvlease ucx block mac v1", 32)
+// handoffKey derives a handoff's MAC key from its session's key: the
+// plane never uses the session key itself, and each handoff gets a key
+// of its own (the source's random nonce and the destination's salt are
+// mixed in, so the key is fresh even if an id repeats in a session, as
+// long as either side is honest; the handoff id is bound in).
+func handoffKey(session, nonce []byte, salt uint32, handoffID uint64) ([]byte, error) {
+	var info []byte
+	info = append(info, "kvlease ucx block gmac v1"...)
+	info = binary.LittleEndian.AppendUint64(info, handoffID)
+	info = binary.LittleEndian.AppendUint32(info, salt)
+	return hkdf.Key(sha256.New, session, nonce, string(info), 32)
 }
 
 // summer computes blocks' integrity sums. One per job, used on one
 // thread at a time.
+//
+// The keyed sum is GMAC (AES-256-GCM over no plaintext, the data as
+// additional data) under the handoff's key: one GMAC per unit, the
+// source's pieces (so both sides cut a block the same way, however their
+// own pieces lie), each with the nonce (block, unit); a block of one
+// unit's sum is that GMAC, a block of several units' is a GMAC of their
+// GMACs with the nonce (block, all units). The block index is in every
+// nonce, the handoff (and the session) in the key. A unit that straddles
+// two of a side's pieces is copied into a scratch buffer first.
 type summer struct {
-	mode Integrity
-	id   uint64 // the handoff id, bound into each MAC
-	mac  hash.Hash
-	buf  [8 + 8 + 4 + 8]byte
-	out  [sha256.Size]byte
+	mode    Integrity
+	units   []int // the source's piece sizes
+	gcm     cipher.AEAD
+	scratch []byte
+	tags    []byte
+	nonce   [12]byte
 }
 
-func newSummer(mode Integrity, key []byte, handoffID uint64) *summer {
-	s := &summer{mode: mode, id: handoffID}
-	if mode == IntegrityMAC {
-		s.mac = hmac.New(sha256.New, key)
+func newSummer(mode Integrity, key []byte, units []int) (*summer, error) {
+	s := &summer{mode: mode, units: units}
+	if mode != IntegrityMAC {
+		return s, nil
 	}
-	return s
+	c, err := aes.NewCipher(key)
+	if err != nil {
+		return nil, fmt.Errorf("ucx: block key: %w", err)
+	}
+	if s.gcm, err = cipher.NewGCM(c); err != nil {
+		return nil, fmt.Errorf("ucx: block key: %w", err)
+	}
+	return s, nil
 }
 
-// sum writes block b's sum (of its pieces, in piece order: the block's
-// bytes) to dst.
+// gmac appends the GMAC of data under nonce (block, unit) to dst.
+func (s *summer) gmac(dst, data []byte, block, unit uint32) []byte {
+	binary.LittleEndian.PutUint32(s.nonce[0:], block)
+	binary.LittleEndian.PutUint32(s.nonce[4:], unit)
+	return s.gcm.Seal(dst, s.nonce[:], nil, data)
+}
+
+// sum writes block b's sum of the block's bytes (its pieces, in piece
+// order) to dst.
 func (s *summer) sum(dst []byte, b int, pieces []Span) {
 	switch s.mode {
 	case IntegrityCRC:
@@ -117,21 +151,36 @@ func (s *summer) sum(dst []byte, b int, pieces []Span) {
 		}
 		binary.LittleEndian.PutUint32(dst, c)
 	case IntegrityMAC:
-		n := 0
-		for _, sp := range pieces {
-			n += sp.Len
+		s.tags = s.tags[:0]
+		pi, off := 0, 0 // the piece and offset the next unit starts at
+		for u, n := range s.units {
+			var data []byte
+			if p := hostBytes(pieces[pi]); len(p)-off >= n {
+				data = p[off : off+n]
+				if off += n; off == len(p) {
+					pi, off = pi+1, 0
+				}
+			} else {
+				if cap(s.scratch) < n {
+					s.scratch = make([]byte, n)
+				}
+				data = s.scratch[:n]
+				for got := 0; got < n; {
+					p := hostBytes(pieces[pi])
+					c := copy(data[got:], p[off:])
+					got += c
+					if off += c; off == len(p) {
+						pi, off = pi+1, 0
+					}
+				}
+			}
+			s.tags = s.gmac(s.tags, data, uint32(b), uint32(u))
 		}
-		s.mac.Reset()
-		h := s.buf[:0]
-		h = append(h, "kvucxblk"...)
-		h = binary.LittleEndian.AppendUint64(h, s.id)
-		h = binary.LittleEndian.AppendUint32(h, uint32(b))
-		h = binary.LittleEndian.AppendUint64(h, uint64(n))
-		s.mac.Write(h)
-		for _, sp := range pieces {
-			s.mac.Write(hostBytes(sp))
+		if len(s.units) == 1 {
+			copy(dst, s.tags)
+			return
 		}
-		copy(dst, s.mac.Sum(s.out[:0]))
+		copy(dst, s.gmac(s.tags[len(s.tags):], s.tags, uint32(b), tableIndex))
 	}
 }
 
@@ -212,16 +261,17 @@ func parsePushAccept(b []byte) (blocks int, salt uint32, addr []byte, err error)
 
 // pushStart is the push model's parsed Start bytes: "KU", pushVersion,
 // the piece count and sizes of a block, the block count, the integrity
-// mode, the source worker's address (the destination connects to it to
+// mode, a random nonce of the source's, the source worker's address (the destination connects to it to
 // learn of the source's failure; it reads nothing there).
 type pushStart struct {
 	sizes  []int
 	blocks int
 	mode   Integrity
+	nonce  []byte // the source's, for the handoff's MAC key
 	addr   []byte
 }
 
-func appendPushStart(b []byte, sizes []int, blocks int, mode Integrity, addr []byte) []byte {
+func appendPushStart(b []byte, sizes []int, blocks int, mode Integrity, nonce, addr []byte) []byte {
 	b = append(b, 'K', 'U', pushVersion)
 	b = binary.LittleEndian.AppendUint16(b, uint16(len(sizes)))
 	for _, n := range sizes {
@@ -229,6 +279,7 @@ func appendPushStart(b []byte, sizes []int, blocks int, mode Integrity, addr []b
 	}
 	b = binary.LittleEndian.AppendUint32(b, uint32(blocks))
 	b = append(b, byte(mode))
+	b = append(b, nonce...)
 	b = binary.LittleEndian.AppendUint16(b, uint16(len(addr)))
 	return append(b, addr...)
 }
@@ -250,6 +301,7 @@ func parsePushStart(b []byte) (*pushStart, error) {
 	}
 	s.blocks = r.u32()
 	mode := r.take(1)
+	s.nonce = r.take(nonceLen)
 	s.addr = r.take(r.u16())
 	if r.err != nil {
 		return nil, r.err
@@ -332,12 +384,21 @@ func (s *Sender[R]) sendPush(id handoff.PlaneID, regions []R, accept []byte, att
 	if _, err := registrations(p.g.spans); err != nil {
 		return fail(err) // overlapping pieces
 	}
-	key, err := s.keys.keyFor(id)
-	if err != nil {
+	session := s.keys.keyFor(id)
+	mode := integrityFor(session, p.g.spans)
+	var nonce [nonceLen]byte
+	if _, err := rand.Read(nonce[:]); err != nil {
+		return fail(fmt.Errorf("ucx: send: %w", err))
+	}
+	var key []byte
+	if mode == IntegrityMAC {
+		if key, err = handoffKey(session, nonce[:], salt, id.Handoff); err != nil {
+			return fail(fmt.Errorf("ucx: send: block key: %w", err))
+		}
+	}
+	if p.summer, err = newSummer(mode, key, p.g.sizes); err != nil {
 		return fail(err)
 	}
-	mode := integrityFor(key, p.g.spans)
-	p.summer = newSummer(mode, key, id.Handoff)
 	if j.w, err = s.ctx.newWorker(); err != nil {
 		return fail(err)
 	}
@@ -356,7 +417,7 @@ func (s *Sender[R]) sendPush(id handoff.PlaneID, regions []R, accept []byte, att
 	if err != nil {
 		return fail(err)
 	}
-	start := appendPushStart(nil, p.g.sizes, blocks, mode, own)
+	start := appendPushStart(nil, p.g.sizes, blocks, mode, nonce[:], own)
 	if len(start) > handoff.MaxPlane {
 		return fail(fmt.Errorf("ucx: start bytes %d exceed %d: %w", len(start), handoff.MaxPlane, kvlease.ErrExceedsCapacity))
 	}
@@ -512,20 +573,25 @@ func (r *Receiver[R]) receivePush(id handoff.PlaneID, prep *prepared, regions []
 	if _, err := registrations(p.g.spans); err != nil {
 		return fail(err)
 	}
-	key, err := r.keys.keyFor(id)
-	if err != nil {
-		return fail(err)
-	}
+	session := r.keys.keyFor(id)
 	p.mode = st.mode
 	switch {
-	case key != nil && st.mode == IntegrityCRC:
+	case session != nil && st.mode == IntegrityCRC:
 		return fail(fmt.Errorf("ucx: receive: an authenticated session's blocks carry crc32c, not keyed sums: %w", ErrCorrupt))
-	case key == nil && st.mode == IntegrityMAC:
+	case session == nil && st.mode == IntegrityMAC:
 		return fail(fmt.Errorf("ucx: receive: keyed block sums without a session key: %w", ErrCorrupt))
 	case st.mode != IntegrityNone && !allHost(p.g.spans):
 		p.mode = IntegrityNone // device memory: the CPU cannot check it
 	}
-	p.summer = newSummer(p.mode, key, id.Handoff)
+	var key []byte
+	if p.mode == IntegrityMAC {
+		if key, err = handoffKey(session, st.nonce, prep.salt, id.Handoff); err != nil {
+			return fail(fmt.Errorf("ucx: receive: block key: %w", err))
+		}
+	}
+	if p.summer, err = newSummer(p.mode, key, st.sizes); err != nil {
+		return fail(err)
+	}
 	// The endpoint only carries the source's failure to us (peer error
 	// handling): nothing waits for its handshake, so a source that
 	// stalls does not stall the destination's Receive. (If the
@@ -699,18 +765,10 @@ func (j *recvJob[R]) pushOutcome() error {
 // when the session is not authenticated.
 type sessionKeys func(id handoff.PlaneID) []byte
 
-// keyFor derives the block MAC key of id's session; nil without one.
-func (k sessionKeys) keyFor(id handoff.PlaneID) ([]byte, error) {
+// keyFor returns id's session key; nil without one.
+func (k sessionKeys) keyFor(id handoff.PlaneID) []byte {
 	if k == nil {
-		return nil, nil
+		return nil
 	}
-	sk := k(id)
-	if sk == nil {
-		return nil, nil
-	}
-	key, err := blockKey(sk)
-	if err != nil {
-		return nil, fmt.Errorf("ucx: block key: %w", err)
-	}
-	return key, nil
+	return k(id)
 }
