@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -172,11 +173,39 @@ func TestProcsClean(t *testing.T) {
 
 func TestProcsPeerKilled(t *testing.T) {
 	t.Run("peer-is-source", func(t *testing.T) {
+		// The source dies after sending three blocks: the destination's
+		// endpoint to it fails (UCX completes nothing for the receives
+		// still posted: not evidence, so the destination revokes its
+		// own side), or the lost control connection cancels first and
+		// the receives no message matched are withdrawn.
+		p := startPeer(t, "source", "KVUCX_SEED=31", "KVUCX_STALL=3")
+		receiving := make(chan struct{})
+		var once sync.Once
+		d := newLocalDest(t, p.conn, ucx.Config{Window: 1, BeforeGet: func(handoff.PlaneID, int) {
+			once.Do(func() { close(receiving) })
+		}}, 20*time.Second)
+		select {
+		case <-receiving: // the destination attached and receives
+		case <-time.After(30 * time.Second):
+			t.Fatal("the destination never received")
+		}
+		p.expect("sending 3")
+		p.kill()
+		in := d.final(t)
+		if st := in.State(); st != handoff.Aborted && st != handoff.Failed {
+			t.Fatalf("destination %v: %v", st, in.History())
+		}
+		allFree(t, "destination", d.pool)
+		if s := d.recv.Stats(); s.Revoked+s.Canceled != 1 || s.Completed != 0 {
+			t.Fatalf("receiver %+v", s)
+		}
+	})
+	t.Run("peer-is-source/pull", func(t *testing.T) {
 		// The source dies after the destination has read two blocks:
 		// UCX completes the outstanding gets with an error, which is
 		// not evidence; the destination revokes its own side.
-		p := startPeer(t, "source", "KVUCX_SEED=31")
-		cfg := ucx.Config{MaxGet: blockBytes, Window: 1, BeforeGet: func(_ handoff.PlaneID, block int) {
+		p := startPeer(t, "source", "KVUCX_SEED=31", "KVUCX_PULL=1")
+		cfg := ucx.Config{Pull: true, MaxGet: blockBytes, Window: 1, BeforeGet: func(_ handoff.PlaneID, block int) {
 			if block == 2 {
 				p.kill()
 			}
@@ -226,7 +255,16 @@ func TestProcsPeerStopped(t *testing.T) {
 		// the source: see peer-is-source/pull). Resumed, the source
 		// hears the abort and revokes.
 		p := startPeer(t, "source", "KVUCX_SEED=43", "KVUCX_DEADLINE_MS=60000", "KVUCX_STALL=3")
-		d := newLocalDest(t, p.conn, ucx.Config{Window: 4}, 300*time.Millisecond)
+		receiving := make(chan struct{})
+		var once sync.Once
+		d := newLocalDest(t, p.conn, ucx.Config{Window: 4, BeforeGet: func(handoff.PlaneID, int) {
+			once.Do(func() { close(receiving) })
+		}}, 300*time.Millisecond)
+		select {
+		case <-receiving: // the destination attached and receives
+		case <-time.After(30 * time.Second):
+			t.Fatal("the destination never received")
+		}
 		p.expect("sending 3")
 		p.stop()
 		in := d.final(t)
