@@ -421,6 +421,18 @@ func (t *TLS) handshake(h *handshake) error {
 	if err := c.Handshake(); err != nil {
 		return refuseAuth(false, "tls handshake: %v", err)
 	}
+	// In TLS 1.3 the client's handshake is over before the server has
+	// checked its certificate: the server confirms with one byte inside
+	// the session, so that a refused source learns it here (the alert),
+	// not on its first frame.
+	var ok [1]byte
+	if h.client {
+		if _, err := io.ReadFull(c, ok[:]); err != nil || ok[0] != 'K' {
+			return refuseAuth(false, "tls handshake: the destination refused this source's certificate (%v)", err)
+		}
+	} else if _, err := c.Write([]byte{'K'}); err != nil {
+		return refuseAuth(false, "tls handshake: confirm: %v", err)
+	}
 	cs := c.ConnectionState()
 	if len(cs.PeerCertificates) == 0 {
 		return refuseAuth(false, "tls handshake: the peer sent no certificate")
