@@ -3,8 +3,10 @@ package handoff
 import (
 	"errors"
 	"fmt"
+	"math"
 	"net"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvlease/kvlease"
@@ -37,6 +39,7 @@ type Destination[R any] struct {
 	pool  *kvlease.Pool[R]
 	plane RecvPlane[R]
 	cfg   DestinationConfig[R]
+	stats halfCounters
 }
 
 // DestinationConfig configures a Destination.
@@ -57,7 +60,34 @@ type DestinationConfig[R any] struct {
 	// client goes away) before any block can move. It runs on the
 	// connection's read loop: it must not block.
 	OnAccept func(*Incoming[R])
+	// Authorize, if set, decides with the proposer's authenticated
+	// identity (peer.Identity: "psk:<id>", a certificate's URI SAN or
+	// subject): a non-nil error rejects the proposal before anything is
+	// acquired, so an engine can allowlist its prefill fleet. It runs
+	// before Decide, on the connection's read loop.
+	Authorize func(peer *Peer, p *ProposeMsg) error
+	// StartTimeout bounds how long an Accepted handoff waits for the
+	// source's Start: then it is aborted (its lease released; nothing
+	// was attached, so nothing can touch it) and the source told
+	// (DefaultStartTimeout when zero, none when negative).
+	StartTimeout time.Duration
+	// MaxHandoffs caps the handoffs of one session that are not final
+	// (DefaultMaxHandoffs when zero, no cap when negative); a proposal
+	// past it is rejected with ErrLimit.
+	MaxHandoffs int
+	// MaxSessionBlocks caps the blocks one session's handoffs hold in
+	// the pool until they are final, prefix hits included (half the
+	// pool's capacity when zero, so that no one peer can take it all; no
+	// cap when negative, for a destination with one trusted source); a
+	// proposal past it is rejected with ErrLimit.
+	MaxSessionBlocks int
 }
+
+// Defaults of DestinationConfig's per-session bounds.
+const (
+	DefaultStartTimeout = 10 * time.Second
+	DefaultMaxHandoffs  = 256
+)
 
 // NewDestination returns the destination half over pool and plane. The
 // envelope must be valid, its BlockBytes equal the pool's and its Layout
@@ -67,8 +97,23 @@ func NewDestination[R any](pool *kvlease.Pool[R], plane RecvPlane[R], cfg Destin
 	if pool == nil || plane == nil {
 		return nil, fmt.Errorf("kvlease: handoff destination: nil pool or plane: %w", kvlease.ErrInvalidArgument)
 	}
-	if err := cfg.defaults("destination", "source"); err != nil {
+	if err := cfg.defaults("destination", "source", false); err != nil {
 		return nil, fmt.Errorf("kvlease: handoff destination: %w", err)
+	}
+	if cfg.StartTimeout == 0 {
+		cfg.StartTimeout = DefaultStartTimeout
+	}
+	switch {
+	case cfg.MaxHandoffs == 0:
+		cfg.MaxHandoffs = DefaultMaxHandoffs
+	case cfg.MaxHandoffs < 0:
+		cfg.MaxHandoffs = math.MaxInt32
+	}
+	switch {
+	case cfg.MaxSessionBlocks == 0:
+		cfg.MaxSessionBlocks = max(1, pool.Capacity()/2)
+	case cfg.MaxSessionBlocks < 0:
+		cfg.MaxSessionBlocks = math.MaxInt32
 	}
 	if pool.BlockBytes() != cfg.Envelope.BlockBytes {
 		return nil, fmt.Errorf("kvlease: handoff destination: pool blocks of %d bytes, envelope %d: %w", pool.BlockBytes(), cfg.Envelope.BlockBytes, kvlease.ErrInvalidArgument)
@@ -81,26 +126,60 @@ func NewDestination[R any](pool *kvlease.Pool[R], plane RecvPlane[R], cfg Destin
 
 // session is one control connection served by a Destination.
 type session[R any] struct {
-	d  *Destination[R]
-	c  *ctrl
-	id uint64
+	d    *Destination[R]
+	c    *ctrl
+	id   uint64
+	peer *Peer
 
-	mu   sync.Mutex
-	in   map[uint64]*Incoming[R] // every id seen on this connection
-	lost error
+	// The session's share: handoffs not final, and the blocks they hold
+	// or will. Counted down the moment a handoff becomes final (atomics:
+	// under the handoff's lock, which comes after mu).
+	inflight, held atomic.Int64
+
+	mu     sync.Mutex
+	in     map[uint64]*Incoming[R] // the handoffs not final yet (and those about to leave)
+	recent recentIDs               // ids that left in
+	lost   error
 }
 
-// Serve serves one control connection until it ends, and returns why
-// (io.EOF for a clean close, an error wrapping ErrProtocol for a malformed
-// frame). When it returns, every handoff of the connection that had not
-// started is aborted (ErrConnLost); a started one is asked to stop and
-// ends by its plane's evidence: Failed when its data stopped short.
-func (d *Destination[R]) Serve(conn net.Conn) error {
-	s := &session[R]{d: d, c: newCtrl(conn, d.cfg.FrameTimeout), id: sessions.Add(1), in: make(map[uint64]*Incoming[R])}
+// Stats returns what the destination refused and why, over all its
+// sessions.
+func (d *Destination[R]) Stats() HalfStats { return d.stats.snapshot() }
+
+// Serve authenticates one control connection (cfg.Auth; the handshake is
+// bounded by HandshakeTimeout) and serves it until it ends, and returns
+// why: an error wrapping ErrAuth for a peer that could not be
+// authenticated (nothing of it was acted on), io.EOF for a clean close,
+// an error wrapping ErrProtocol for a malformed frame (and ErrAuth too
+// for a record that does not verify). When it returns, every handoff of
+// the connection that had not started is aborted (ErrConnLost); a
+// started one is asked to stop and ends by its plane's evidence: Failed
+// when its data stopped short.
+func (d *Destination[R]) Serve(conn net.Conn) error { return d.serve(conn, nil) }
+
+// serve is Serve; authenticated, if set, is called once the handshake
+// has ended (either way).
+func (d *Destination[R]) serve(conn net.Conn, authenticated func()) error {
+	h, err := authenticate(conn, false, d.cfg.Auth, d.cfg.Envelope.Fingerprint(), d.cfg.HandshakeTimeout)
+	if authenticated != nil {
+		authenticated()
+	}
+	if err != nil {
+		d.stats.authFailed(err)
+		_ = conn.Close()
+		return err
+	}
+	d.stats.sessions.Add(1)
+	if d.cfg.Auth == nil {
+		d.cfg.Logf("kvlease: handoff destination %s: session with %v is UNAUTHENTICATED (Insecure)", d.cfg.Name, conn.RemoteAddr())
+	}
+	s := &session[R]{d: d, c: newCtrl(h.conn2, d.cfg.FrameTimeout), id: sessions.Add(1), peer: h.peer, in: make(map[uint64]*Incoming[R])}
+	s.c.ch = h.ch
 	for {
 		m, err := s.c.read()
 		if err != nil {
-			_ = conn.Close()
+			d.stats.readFailed(err)
+			_ = s.c.c.Close()
 			s.end(err)
 			return err
 		}
@@ -124,11 +203,58 @@ func (d *Destination[R]) Serve(conn net.Conn) error {
 	}
 }
 
+// MaxPendingHandshakes is how many control connections Listen
+// authenticates at once; one past it is closed at once (HalfStats.Busy).
+const MaxPendingHandshakes = 64
+
+// Listen accepts control connections on ln and serves each (Serve) on a
+// goroutine of its own, until ln is closed; it then returns nil (the
+// sessions it started go on until their connections end). At most MaxPendingHandshakes
+// connections may be in their handshake at once: one more is closed at
+// once. An Accept error other than a closed listener (EMFILE, a reset
+// before accept) is counted (HalfStats.AcceptErrors) and retried after a
+// backoff that doubles from 5 ms to 1 s.
+func (d *Destination[R]) Listen(ln net.Listener) error {
+	var pending atomic.Int32
+	backoff := time.Duration(0)
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			if errors.Is(err, net.ErrClosed) {
+				return nil
+			}
+			d.stats.acceptErrors.Add(1)
+			backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+			time.Sleep(backoff)
+			continue
+		}
+		backoff = 0
+		if pending.Add(1) > MaxPendingHandshakes {
+			pending.Add(-1)
+			d.stats.busy.Add(1)
+			_ = c.Close()
+			continue
+		}
+		go func() { _ = d.serve(c, func() { pending.Add(-1) }) }()
+	}
+}
+
+// get returns the handoff m names, or nil. A message for a handoff that
+// is final and left the table is answered as the final handoff would:
+// an Ack is dropped, an Abort acknowledged, anything else reported.
 func (s *session[R]) get(m Message) *Incoming[R] {
 	s.mu.Lock()
 	in := s.in[m.Handoff()]
+	st, recent := s.recent.state(m.Handoff())
 	s.mu.Unlock()
-	if in == nil {
+	switch {
+	case in != nil:
+	case recent && m.Type() == MsgAck:
+	case recent && m.Type() == MsgAbort:
+		_ = s.c.send(&AckMsg{ID: m.Handoff(), Of: MsgAbort})
+	case recent:
+		s.d.cfg.report(fmt.Errorf("kvlease: handoff %d: %v while %v: %w", m.Handoff(), m.Type(), st, ErrProtocol))
+	default:
 		s.d.cfg.report(fmt.Errorf("kvlease: handoff destination: %v for unknown handoff %d: %w", m.Type(), m.Handoff(), ErrProtocol))
 	}
 	return in
@@ -181,7 +307,24 @@ type Incoming[R any] struct {
 	sealErr error // why a delivered block was left unsealed
 }
 
-func (in *Incoming[R]) pid() PlaneID { return PlaneID{Session: in.s.id, Handoff: in.id} }
+func (in *Incoming[R]) pid() PlaneID {
+	return PlaneID{Session: in.s.id, Handoff: in.id, Peer: in.s.peer}
+}
+
+// Peer returns the proposer as the session's handshake authenticated it.
+func (in *Incoming[R]) Peer() *Peer { return in.s.peer }
+
+// forget moves a final handoff out of the session's table into the
+// recent ids, and gives back its blocks to the session's cap.
+func (s *session[R]) forget(in *Incoming[R]) {
+	<-in.done
+	s.mu.Lock()
+	if s.in[in.id] == in {
+		delete(s.in, in.id)
+		s.recent.add(in.id, in.State())
+	}
+	s.mu.Unlock()
+}
 
 // checkTokens refuses a proposal whose tokens do not match it: more
 // tokens than its blocks hold, or hashes that are not their chain.
@@ -218,22 +361,53 @@ func acquire[R any](pool *kvlease.Pool[R], owner string, m *ProposeMsg, n int) (
 func (s *session[R]) propose(m *ProposeMsg) {
 	d := s.d
 	s.mu.Lock()
-	if _, dup := s.in[m.ID]; dup {
+	if _, dup := s.in[m.ID]; dup || s.recent.has(m.ID) {
 		s.mu.Unlock()
 		// The first handoff with this id is untouched.
+		d.stats.duplicates.Add(1)
 		err := fmt.Errorf("kvlease: handoff destination: id %d already used on this connection: %w", m.ID, ErrState)
 		d.cfg.report(err)
 		_ = s.c.send(&RejectMsg{ID: m.ID, Code: RejectDuplicate, Reason: err.Error()})
 		return
 	}
+	var limit error
+	inflight, held := s.inflight.Load(), s.held.Load()
+	switch {
+	case inflight >= int64(d.cfg.MaxHandoffs) || len(s.in) >= 2*d.cfg.MaxHandoffs:
+		limit = fmt.Errorf("kvlease: handoff %d: %d handoffs of this session in flight, at most %d: %w", m.ID, inflight, d.cfg.MaxHandoffs, ErrLimit)
+	case held+int64(m.Blocks) > int64(d.cfg.MaxSessionBlocks):
+		limit = fmt.Errorf("kvlease: handoff %d: %d more blocks would make this session hold %d, at most %d: %w", m.ID, m.Blocks, held+int64(m.Blocks), d.cfg.MaxSessionBlocks, ErrLimit)
+	}
+	if limit != nil {
+		// Refused before any state: nothing enters the table, so a peer
+		// that keeps proposing costs no memory.
+		s.recent.add(m.ID, Rejected)
+		s.mu.Unlock()
+		d.stats.limitRefused.Add(1)
+		_ = s.c.send(&RejectMsg{ID: m.ID, Code: RejectLimit, Reason: limit.Error()})
+		return
+	}
 	in := &Incoming[R]{machine: newMachine(), s: s, id: m.ID, request: m.Request, hashes: m.Hashes, seed: m.Seed, tokens: m.Tokens, n: int(m.Blocks)}
 	s.in[m.ID] = in
+	s.inflight.Add(1)
+	s.held.Add(int64(in.n))
+	in.onFinal = func() {
+		s.inflight.Add(-1)
+		s.held.Add(-int64(in.n))
+	}
 	in.mu.Lock()
 	in.fire(d.cfg.Peer, EventPropose, nil)
 	s.mu.Unlock()
+	go s.forget(in)
 
-	var err error
+	var err, aerr error
+	if d.cfg.Authorize != nil {
+		aerr = d.cfg.Authorize(s.peer, m)
+	}
 	switch {
+	case aerr != nil:
+		err = fmt.Errorf("kvlease: handoff %d: %v not authorized: %w (%w)", m.ID, s.peer, aerr, ErrRejected)
+		d.stats.unauthorized.Add(1)
 	case m.Envelope != d.cfg.Envelope.Fingerprint():
 		err = envelopeMismatch(m.ID, m.Envelope, d.cfg.Envelope)
 	case in.n > d.cfg.Envelope.BlocksFor(d.cfg.Envelope.MaxContextTokens):
@@ -272,11 +446,37 @@ func (s *session[R]) propose(m *ProposeMsg) {
 	}
 	in.fire(d.cfg.Name, EventAccept, nil)
 	in.mu.Unlock()
+	if d.cfg.StartTimeout > 0 {
+		go in.startTimer(d.cfg.StartTimeout)
+	}
 	if d.cfg.OnAccept != nil {
 		d.cfg.OnAccept(in)
 	}
 	if err := s.c.send(&AcceptMsg{ID: m.ID, From: uint32(in.from), Plane: accept}); err != nil {
 		_ = s.c.c.Close() // the read loop ends the session
+	}
+}
+
+// startTimer aborts the handoff if it is still Accepted after d: the
+// source never started it. Nothing was attached, so the lease's blocks
+// return at once.
+func (in *Incoming[R]) startTimer(d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-in.done:
+		return
+	case <-t.C:
+	}
+	in.mu.Lock()
+	st := in.state
+	in.mu.Unlock()
+	if st != Accepted {
+		return
+	}
+	err := fmt.Errorf("kvlease: handoff %d: no start within %v: %w", in.id, d, ErrLimit)
+	if in.abortIf(Accepted, in.s.d.cfg.Name, err) {
+		in.s.d.stats.startTimeouts.Add(1)
 	}
 }
 
@@ -379,6 +579,10 @@ func (in *Incoming[R]) expire() {
 		in.lease.Abort(reason)
 	}
 	in.mu.Unlock()
+	if kind == edgeMove {
+		d.stats.quarantined.Add(1)
+		d.cfg.quarantined(in.id, reason)
+	}
 	if kind == edgeMove && from == Transferring {
 		_ = in.s.c.send(&AbortMsg{ID: in.id, Cause: "destination deadline passed"})
 	}
@@ -530,8 +734,24 @@ func (in *Incoming[R]) Abort(by string, cause error) error {
 	return in.abort(by, cause, true)
 }
 
+// abortIf aborts the handoff (and tells the source) only if it is in
+// state st, and reports whether it did.
+func (in *Incoming[R]) abortIf(st State, by string, cause error) bool {
+	in.mu.Lock()
+	if in.state != st {
+		in.mu.Unlock()
+		return false
+	}
+	return in.abortLocked(by, cause, true) == nil
+}
+
 func (in *Incoming[R]) abort(by string, cause error, tell bool) error {
 	in.mu.Lock()
+	return in.abortLocked(by, cause, tell)
+}
+
+// abortLocked is abort, called with in.mu held; it unlocks it.
+func (in *Incoming[R]) abortLocked(by string, cause error, tell bool) error {
 	kind, from := in.fire(by, EventAbort, cause)
 	if kind == edgeRefuse {
 		st := in.state

@@ -3,8 +3,12 @@ package handoff
 import (
 	"errors"
 	"fmt"
+	"log"
 	"sync"
+	"sync/atomic"
 	"time"
+
+	"github.com/kvlease/kvlease"
 )
 
 // machine is one half's view of a handoff: the same states, table and
@@ -16,6 +20,7 @@ type machine struct {
 	history []Step
 	tid     uint64        // the attached transfer's ID
 	done    chan struct{} // closed on entering a final state
+	onFinal func()        // if set, called (under mu) on entering a final state
 }
 
 func newMachine() machine { return machine{done: make(chan struct{})} }
@@ -32,6 +37,9 @@ func (m *machine) fire(by string, e Event, err error) (edgeKind, State) {
 	m.history = append(m.history, Step{From: from, To: edge.to, Event: e, By: by, Err: err, Transfer: m.tid, At: time.Now()})
 	if edge.to.Final() {
 		close(m.done)
+		if m.onFinal != nil {
+			m.onFinal()
+		}
 	}
 	return edgeMove, from
 }
@@ -49,6 +57,12 @@ var (
 	// ErrUnconfirmed is recorded when the source's own transfer resolved
 	// but the destination never reported its outcome before the deadline.
 	ErrUnconfirmed = errors.New("kvlease: handoff destination never confirmed delivery")
+	// ErrLimit is the reason a destination refuses a proposal that would
+	// pass a per-session cap (DestinationConfig.MaxHandoffs,
+	// MaxSessionBlocks), and an Accepted handoff aborted because its Start
+	// did not come within StartTimeout. It wraps kvlease.ErrExhausted: the
+	// peer may retry once its own handoffs have ended.
+	ErrLimit = fmt.Errorf("kvlease: handoff per-session limit: %w", kvlease.ErrExhausted)
 )
 
 // peerErr turns a peer's text into an error wrapping ErrPeer (and
@@ -76,6 +90,26 @@ type HalfConfig struct {
 	// FrameTimeout bounds a control frame that has begun and every control
 	// write (DefaultFrameTimeout when zero).
 	FrameTimeout time.Duration
+	// Auth authenticates the control connection (and, through it, the
+	// data plane): &PSK{...} or &TLS{...}. It is required unless Insecure
+	// is set. See the package documentation's "Authentication".
+	Auth Authenticator
+	// Insecure runs without authentication, when Auth is nil: anyone who
+	// can reach the other half can propose, accept or push blocks. Each
+	// such session logs that it is unauthenticated (Logf). Both halves
+	// must agree: a secure half refuses an insecure peer (a downgrade).
+	Insecure bool
+	// HandshakeTimeout bounds the authentication handshake
+	// (DefaultHandshakeTimeout when zero).
+	HandshakeTimeout time.Duration
+	// Logf, if set, receives the half's log lines (an unauthenticated
+	// session); log.Printf when nil.
+	Logf func(format string, args ...any)
+	// OnQuarantine, if set, is told every handoff that becomes
+	// Quarantined (no evidence by the deadline) with the reason; the
+	// handoff's later final state (Done) says when late evidence lifted
+	// it. Called without the half's locks held; must not block long.
+	OnQuarantine func(handoff uint64, reason error)
 	// OnError, if set, is told every protocol error that changed nothing
 	// (an unknown id, a message the state does not allow) and, on the
 	// destination, every delivered block its pool would not seal. It is
@@ -83,9 +117,26 @@ type HalfConfig struct {
 	OnError func(error)
 }
 
-func (c *HalfConfig) defaults(name, peer string) error {
+func (c *HalfConfig) defaults(name, peer string, client bool) error {
 	if err := c.Envelope.Validate(); err != nil {
 		return err
+	}
+	switch {
+	case c.Auth == nil && !c.Insecure:
+		return fmt.Errorf("kvlease: handoff %s: no authenticator: set HalfConfig.Auth to &handoff.PSK{ID, Key} (a key from handoff.GenerateKey, shared with the peer) or &handoff.TLS{Config} (mutual TLS 1.3), or set Insecure: true to run unauthenticated: %w",
+			name, kvlease.ErrInvalidArgument)
+	case c.Auth != nil && c.Insecure:
+		return fmt.Errorf("kvlease: handoff %s: both Auth and Insecure set: %w", name, kvlease.ErrInvalidArgument)
+	case c.Auth != nil:
+		if err := c.Auth.validate(client); err != nil {
+			return err
+		}
+	}
+	if c.HandshakeTimeout <= 0 {
+		c.HandshakeTimeout = DefaultHandshakeTimeout
+	}
+	if c.Logf == nil {
+		c.Logf = log.Printf
 	}
 	if c.Name == "" {
 		c.Name = name
@@ -102,6 +153,13 @@ func (c *HalfConfig) defaults(name, peer string) error {
 	return nil
 }
 
+// quarantined tells OnQuarantine.
+func (c *HalfConfig) quarantined(id uint64, reason error) {
+	if c.OnQuarantine != nil {
+		c.OnQuarantine(id, reason)
+	}
+}
+
 func (c *HalfConfig) report(err error) {
 	if c.OnError != nil {
 		c.OnError(err)
@@ -116,4 +174,113 @@ func deadlineTimer(d time.Duration) (<-chan time.Time, func()) {
 	}
 	t := time.NewTimer(d)
 	return t.C, func() { t.Stop() }
+}
+
+// HalfStats counts what a half refused and why. Destination.Stats sums
+// its sessions; Source.Stats is its one session's.
+type HalfStats struct {
+	// Sessions is the number of control sessions that authenticated (or,
+	// Insecure, that began).
+	Sessions int64
+	// AuthRefused counts handshakes refused: a wrong key, an unknown key
+	// id, an unknown or expired certificate, a malformed or timed-out
+	// handshake. Nothing of such a session was acted on.
+	AuthRefused int64
+	// Downgrades counts peers that offered no authentication to a secure
+	// half (counted in AuthRefused too).
+	Downgrades int64
+	// FramesRefused counts sessions ended by a control record that did
+	// not verify: replayed, reordered, from another session, forged.
+	FramesRefused int64
+	// LimitRefused counts proposals refused by a per-session cap
+	// (MaxHandoffs, MaxSessionBlocks, a full table of recent ids).
+	LimitRefused int64
+	// StartTimeouts counts Accepted handoffs aborted because no Start
+	// came within StartTimeout.
+	StartTimeouts int64
+	// Duplicates counts proposals refused for an id in use or recently
+	// used on their session.
+	Duplicates int64
+	// Quarantined counts handoffs that became Quarantined.
+	Quarantined int64
+	// Unauthorized counts proposals refused by Authorize.
+	Unauthorized int64
+	// AcceptErrors counts failed Accepts of Destination.Listen (retried
+	// after a backoff).
+	AcceptErrors int64
+	// Busy counts control connections Listen closed at once because
+	// MaxPendingHandshakes were in their handshake.
+	Busy int64
+}
+
+// halfCounters are HalfStats, counted atomically.
+type halfCounters struct {
+	sessions, authRefused, downgrades, framesRefused, limitRefused,
+	startTimeouts, duplicates, quarantined, unauthorized, acceptErrors, busy atomic.Int64
+}
+
+func (c *halfCounters) snapshot() HalfStats {
+	return HalfStats{
+		Sessions: c.sessions.Load(), AuthRefused: c.authRefused.Load(), Downgrades: c.downgrades.Load(),
+		FramesRefused: c.framesRefused.Load(), LimitRefused: c.limitRefused.Load(), StartTimeouts: c.startTimeouts.Load(),
+		Duplicates: c.duplicates.Load(), Quarantined: c.quarantined.Load(), Unauthorized: c.unauthorized.Load(),
+		AcceptErrors: c.acceptErrors.Load(), Busy: c.busy.Load(),
+	}
+}
+
+// authFailed counts a refused handshake.
+func (c *halfCounters) authFailed(err error) {
+	c.authRefused.Add(1)
+	var ae *authError
+	if errors.As(err, &ae) && ae.downgrade {
+		c.downgrades.Add(1)
+	}
+}
+
+// readFailed counts a session that ended on a record that did not verify.
+func (c *halfCounters) readFailed(err error) {
+	if errors.Is(err, ErrAuth) {
+		c.framesRefused.Add(1)
+	}
+}
+
+// recentIDs remembers the last ids that left a session's table, so that a
+// duplicate of a finished handoff is still refused while the table stays
+// bounded: a ring of the last RecentIDs ids and a set over it.
+type recentIDs struct {
+	ring []uint64
+	next int
+	set  map[uint64]State // the final state each left in
+}
+
+// RecentIDs is how many finished handoff ids a session remembers to
+// refuse their reuse.
+const RecentIDs = 4096
+
+func (r *recentIDs) has(id uint64) bool {
+	_, ok := r.set[id]
+	return ok
+}
+
+// state returns the state id left the table in, if it is remembered.
+func (r *recentIDs) state(id uint64) (State, bool) {
+	st, ok := r.set[id]
+	return st, ok
+}
+
+func (r *recentIDs) add(id uint64, st State) {
+	if r.set == nil {
+		r.set = make(map[uint64]State, 64)
+	}
+	if _, ok := r.set[id]; ok {
+		return
+	}
+	if len(r.ring) < RecentIDs {
+		r.ring = append(r.ring, id)
+	} else {
+		delete(r.set, r.ring[r.next])
+		r.ring[r.next] = id
+		r.next = (r.next + 1) % RecentIDs
+	}
+	r.set[id] = st
 }

@@ -54,6 +54,12 @@ func (p *manualPlane) next(t *testing.T) *kvlease.Transfer {
 	}
 }
 
+// testPSK is the key the halves of these tests share.
+var testPSK = &PSK{ID: "test", Key: []byte("0123456789abcdef0123456789abcdef")}
+
+// quiet drops the insecure sessions' log lines.
+func quiet(string, ...any) {}
+
 type halves struct {
 	srcPool, dstPool *kvlease.Pool[[]byte]
 	src              *Source[[]byte]
@@ -67,7 +73,7 @@ func newHalves(t *testing.T, deadline time.Duration) *halves {
 		send: newManualPlane(), recv: newManualPlane(), incoming: make(chan *Incoming[[]byte], 8)}
 	a, b := net.Pipe()
 	dst, err := NewDestination(h.dstPool, h.recv, DestinationConfig[[]byte]{
-		HalfConfig: HalfConfig{Envelope: testEnvelope(), Deadline: deadline},
+		HalfConfig: HalfConfig{Envelope: testEnvelope(), Deadline: deadline, Auth: testPSK},
 		OnAccept:   func(in *Incoming[[]byte]) { h.incoming <- in },
 	})
 	if err != nil {
@@ -75,7 +81,7 @@ func newHalves(t *testing.T, deadline time.Duration) *halves {
 	}
 	served := make(chan struct{})
 	go func() { _ = dst.Serve(b); close(served) }()
-	if h.src, err = NewSource(a, h.send, HalfConfig{Envelope: testEnvelope(), Deadline: deadline}); err != nil {
+	if h.src, err = NewSource(a, h.send, HalfConfig{Envelope: testEnvelope(), Deadline: deadline, Auth: testPSK}); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
@@ -198,7 +204,8 @@ func TestSourceRefusesBadMessages(t *testing.T) {
 	}
 	defer b.Close()
 	errs := make(chan error, 16)
-	src, err := NewSource(a, plane, HalfConfig{Envelope: testEnvelope(), Deadline: -1, OnError: func(err error) { errs <- err }})
+	go func() { _, _ = authenticate(b, false, nil, testEnvelope().Fingerprint(), 0) }()
+	src, err := NewSource(a, plane, HalfConfig{Envelope: testEnvelope(), Deadline: -1, Insecure: true, Logf: quiet, OnError: func(err error) { errs <- err }})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -197,7 +197,7 @@ func TestHalvesRefuseLayoutMismatch(t *testing.T) {
 			dstPool := layeredPool(t, tt.dstMem)
 			planes := &nopPlanes{}
 			dst, err := handoff.NewDestination[layout.Block](dstPool, planes, handoff.DestinationConfig[layout.Block]{
-				HalfConfig: handoff.HalfConfig{Envelope: layoutEnvelope(tt.dstEnv), Deadline: 5 * time.Second},
+				HalfConfig: handoff.HalfConfig{Envelope: layoutEnvelope(tt.dstEnv), Deadline: 5 * time.Second, Insecure: true, Logf: quiet},
 			})
 			if err != nil {
 				t.Fatal(err)
@@ -216,7 +216,7 @@ func TestHalvesRefuseLayoutMismatch(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			src, err := handoff.NewSource[[]byte](a, &bytePlane{}, handoff.HalfConfig{Envelope: layoutEnvelope(tt.srcEnv), Deadline: 5 * time.Second})
+			src, err := handoff.NewSource[[]byte](a, &bytePlane{}, handoff.HalfConfig{Envelope: layoutEnvelope(tt.srcEnv), Deadline: 5 * time.Second, Insecure: true, Logf: quiet})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -274,11 +274,14 @@ func (bytePlane) Finish(handoff.PlaneID, error) {}
 // layout its envelope does not name is refused by NewDestination, and a
 // source lease whose pool's layout differs from the envelope by
 // Source.Propose, before anything is sent.
+// quiet drops the insecure sessions' log lines.
+func quiet(string, ...any) {}
+
 func TestHalvesCheckTheirPoolsLayout(t *testing.T) {
 	sep := layout.LayerSeparated(lyLayers, 2, lyBlocks, lyPiece, "bf16")
 	half := layout.LayerSeparated(lyLayers/2, 2, lyBlocks, 2*lyPiece, "bf16")
 	_, err := handoff.NewDestination[layout.Block](layeredPool(t, sep), &nopPlanes{}, handoff.DestinationConfig[layout.Block]{
-		HalfConfig: handoff.HalfConfig{Envelope: layoutEnvelope(layout.Layout{})},
+		HalfConfig: handoff.HalfConfig{Envelope: layoutEnvelope(layout.Layout{}), Insecure: true},
 	})
 	if !errors.Is(err, kvlease.ErrInvalidArgument) || !strings.Contains(err.Error(), "the envelope does not name") {
 		t.Fatalf("NewDestination over an unnamed layout: %v", err)
@@ -287,7 +290,8 @@ func TestHalvesCheckTheirPoolsLayout(t *testing.T) {
 	a, b := net.Pipe()
 	t.Cleanup(func() { _ = b.Close() })
 	planes := &nopPlanes{}
-	src, err := handoff.NewSource[layout.Block](a, planes, handoff.HalfConfig{Envelope: layoutEnvelope(sep)})
+	go func() { _ = handoff.AcceptInsecure(b, layoutEnvelope(sep)) }()
+	src, err := handoff.NewSource[layout.Block](a, planes, handoff.HalfConfig{Envelope: layoutEnvelope(sep), Insecure: true, Logf: quiet})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -33,9 +33,15 @@ import "github.com/kvlease/kvlease"
 // control messages carry. It is a local key: a plane that needs the peer
 // to name the handoff (a data connection's token) puts its own random
 // token in the plane bytes.
+//
+// Peer is the session's authenticated peer (nil only for an id made by
+// hand, outside the halves): a plane that must bind its data to the
+// session derives its keys from it (Peer.Key), and refuses to move
+// blocks for a secure session without them.
 type PlaneID struct {
 	Session uint64
 	Handoff uint64
+	Peer    *Peer
 }
 
 // SendPlane is the source side's data plane.

@@ -43,9 +43,10 @@ import (
 // nothing. A malformed frame (bad magic, version, checksum, length or
 // payload) ends the connection.
 
-// ProtocolVersion is the control protocol's version. A frame of another
-// version is refused.
-const ProtocolVersion = 1
+// ProtocolVersion is the control protocol's version. A frame (and a
+// handshake) of another version is refused. Version 2 added the
+// authentication handshake (auth.go) and the psk record layer.
+const ProtocolVersion = 2
 
 // Limits of the control protocol.
 const (
@@ -130,6 +131,7 @@ const (
 	RejectEnvelope                    // envelopes disagree (kvlease.ErrInvalidArgument)
 	RejectDuplicate                   // the id is already in use (ErrState)
 	RejectClosed                      // the pool is closed (kvlease.ErrPoolClosed)
+	RejectLimit                       // a per-session cap (ErrLimit)
 	numRejectCodes
 )
 
@@ -145,6 +147,8 @@ func (c RejectCode) sentinel() error {
 		return ErrState
 	case RejectClosed:
 		return kvlease.ErrPoolClosed
+	case RejectLimit:
+		return ErrLimit
 	}
 	return ErrRejected
 }
@@ -152,6 +156,8 @@ func (c RejectCode) sentinel() error {
 // rejectCode maps a destination's error to its code.
 func rejectCode(err error) RejectCode {
 	switch {
+	case errors.Is(err, ErrLimit):
+		return RejectLimit
 	case errors.Is(err, kvlease.ErrExceedsCapacity):
 		return RejectCapacity
 	case errors.Is(err, kvlease.ErrExhausted):
@@ -540,16 +546,34 @@ func readFrame(r io.Reader, buf []byte, began func()) (Message, []byte, error) {
 		buf = nb
 	}
 	frame := buf[:headerLength+int(n)]
-	h = frame[:headerLength]
 	if _, err := io.ReadFull(r, frame[headerLength:]); err != nil {
 		return nil, buf, fmt.Errorf("kvlease: handoff: half a frame (%d bytes announced): %w (%w)", n, ErrProtocol, err)
 	}
+	m, err := parseFrame(frame)
+	return m, buf, err
+}
+
+// parseFrame checks a whole frame (its header already checked for magic,
+// version and length by the reader) and parses its payload.
+func parseFrame(frame []byte) (Message, error) {
+	if len(frame) < headerLength {
+		return nil, fmt.Errorf("kvlease: handoff: frame of %d bytes: %w", len(frame), ErrProtocol)
+	}
+	h := frame[:headerLength]
+	if h[0] != 'K' || h[1] != 'H' {
+		return nil, fmt.Errorf("kvlease: handoff: bad frame magic %q: %w", h[:2], ErrProtocol)
+	}
+	if h[2] != ProtocolVersion {
+		return nil, fmt.Errorf("kvlease: handoff: protocol version %d, want %d: %w", h[2], ProtocolVersion, ErrProtocol)
+	}
+	if n := le.Uint32(h[4:]); int(n) != len(frame)-headerLength {
+		return nil, fmt.Errorf("kvlease: handoff: frame announces %d bytes, holds %d: %w", n, len(frame)-headerLength, ErrProtocol)
+	}
 	crc := crcOf(h[:8], frame[headerLength:])
 	if crc != le.Uint32(h[8:]) {
-		return nil, buf, fmt.Errorf("kvlease: handoff: frame checksum %08x, computed %08x: %w", le.Uint32(h[8:]), crc, ErrProtocol)
+		return nil, fmt.Errorf("kvlease: handoff: frame checksum %08x, computed %08x: %w", le.Uint32(h[8:]), crc, ErrProtocol)
 	}
-	m, err := ParseMessage(MsgType(h[3]), frame[headerLength:])
-	return m, buf, err
+	return ParseMessage(MsgType(h[3]), frame[headerLength:])
 }
 
 // DefaultFrameTimeout bounds how long a frame that has begun may take to
@@ -557,14 +581,17 @@ func readFrame(r io.Reader, buf []byte, began func()) (Message, []byte, error) {
 const DefaultFrameTimeout = 10 * time.Second
 
 // ctrl is one control connection: framed reads on one goroutine, writes
-// serialised by a mutex, each with a deadline.
+// serialised by a mutex, each with a deadline. In a psk session every
+// frame travels in a sealed record (ch).
 type ctrl struct {
 	c       net.Conn
+	ch      *channel // nil unless psk
 	timeout time.Duration
 	rbuf    []byte
 
 	wmu  sync.Mutex
 	wbuf []byte
+	sbuf []byte // the sealed record
 }
 
 func newCtrl(c net.Conn, timeout time.Duration) *ctrl {
@@ -578,7 +605,16 @@ func newCtrl(c net.Conn, timeout time.Duration) *ctrl {
 // rest of it the frame timeout.
 func (c *ctrl) read() (Message, error) {
 	_ = c.c.SetReadDeadline(time.Time{})
-	m, buf, err := readFrame(c.c, c.rbuf, func() { _ = c.c.SetReadDeadline(time.Now().Add(c.timeout)) })
+	began := func() { _ = c.c.SetReadDeadline(time.Now().Add(c.timeout)) }
+	if c.ch != nil {
+		frame, buf, err := c.ch.readRecord(c.c, c.rbuf, began)
+		c.rbuf = buf
+		if err != nil {
+			return nil, err
+		}
+		return parseFrame(frame)
+	}
+	m, buf, err := readFrame(c.c, c.rbuf, began)
 	c.rbuf = buf
 	return m, err
 }
@@ -587,8 +623,13 @@ func (c *ctrl) send(m Message) error {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
 	c.wbuf = AppendFrame(c.wbuf[:0], m)
+	out := c.wbuf
+	if c.ch != nil {
+		c.sbuf = c.ch.seal(c.sbuf[:0], c.wbuf)
+		out = c.sbuf
+	}
 	_ = c.c.SetWriteDeadline(time.Now().Add(c.timeout))
-	_, err := c.c.Write(c.wbuf)
+	_, err := c.c.Write(out)
 	return err
 }
 

@@ -58,7 +58,7 @@ func TestProtoMalformed(t *testing.T) {
 	mutate := func(f func(b []byte) []byte) []byte { return f(append([]byte(nil), good...)) }
 	cases := map[string][]byte{
 		"bad magic":        mutate(func(b []byte) []byte { b[0] = 'X'; return b }),
-		"bad version":      mutate(func(b []byte) []byte { b[2] = 2; return b }),
+		"bad version":      mutate(func(b []byte) []byte { b[2] = ProtocolVersion + 1; return b }),
 		"unknown type":     AppendFrameRaw(99, []byte{1, 2, 3, 4, 5, 6, 7, 8}),
 		"flipped payload":  mutate(func(b []byte) []byte { b[len(b)-1] ^= 1; return b }),
 		"flipped type":     mutate(func(b []byte) []byte { b[3] = byte(MsgAbort); return b }),

@@ -35,27 +35,65 @@ type Source[R any] struct {
 	c       *ctrl
 	plane   SendPlane[R]
 	session uint64
+	peer    *Peer
+	stats   halfCounters
 
 	mu     sync.Mutex
-	out    map[uint64]*Outgoing[R]
-	lost   error // set once the connection ended
+	out    map[uint64]*Outgoing[R] // handoffs not final yet
+	recent recentIDs               // ids that left out
+	lost   error                   // set once the connection ended
 	closed chan struct{}
 }
 
 // NewSource starts the source half on conn (a connected control
-// connection; the Source reads it on its own goroutine until it ends).
-// The envelope must be valid (ErrInvalidArgument).
+// connection): it authenticates the destination as cfg.Auth says (the
+// handshake, bounded by HandshakeTimeout, runs before NewSource
+// returns), then reads the connection on its own goroutine until it
+// ends. Errors: ErrInvalidArgument for an invalid envelope or no
+// authenticator (Auth, or Insecure to run without); ErrAuth when the
+// destination could not be authenticated (conn is closed then, and
+// nothing was sent but the handshake).
 func NewSource[R any](conn net.Conn, plane SendPlane[R], cfg HalfConfig) (*Source[R], error) {
 	if conn == nil || plane == nil {
 		return nil, fmt.Errorf("kvlease: handoff source: nil connection or plane: %w", kvlease.ErrInvalidArgument)
 	}
-	if err := cfg.defaults("source", "destination"); err != nil {
+	if err := cfg.defaults("source", "destination", true); err != nil {
 		return nil, fmt.Errorf("kvlease: handoff source: %w", err)
 	}
-	s := &Source[R]{cfg: cfg, c: newCtrl(conn, cfg.FrameTimeout), plane: plane, session: sessions.Add(1),
+	s := &Source[R]{cfg: cfg, plane: plane, session: sessions.Add(1),
 		out: make(map[uint64]*Outgoing[R]), closed: make(chan struct{})}
+	h, err := authenticate(conn, true, cfg.Auth, cfg.Envelope.Fingerprint(), cfg.HandshakeTimeout)
+	if err != nil {
+		s.stats.authFailed(err)
+		_ = conn.Close()
+		return nil, fmt.Errorf("kvlease: handoff source: %w", err)
+	}
+	s.stats.sessions.Add(1)
+	s.peer = h.peer
+	s.c = newCtrl(h.conn2, cfg.FrameTimeout)
+	s.c.ch = h.ch
+	if cfg.Auth == nil {
+		cfg.Logf("kvlease: handoff source %s: session with %v is UNAUTHENTICATED (HalfConfig.Insecure)", cfg.Name, conn.RemoteAddr())
+	}
 	go s.readLoop()
 	return s, nil
+}
+
+// Peer returns the destination as the handshake authenticated it.
+func (s *Source[R]) Peer() *Peer { return s.peer }
+
+// Stats returns what this source refused and why.
+func (s *Source[R]) Stats() HalfStats { return s.stats.snapshot() }
+
+// forget moves a final handoff out of the table into the recent ids.
+func (s *Source[R]) forget(o *Outgoing[R]) {
+	<-o.done
+	s.mu.Lock()
+	if s.out[o.id] == o {
+		delete(s.out, o.id)
+		s.recent.add(o.id, o.State())
+	}
+	s.mu.Unlock()
 }
 
 // Outgoing is one handoff seen from the source. All methods are safe for
@@ -131,11 +169,13 @@ func (s *Source[R]) propose(id uint64, request string, src *kvlease.Lease[R], ha
 		s.mu.Unlock()
 		return nil, fmt.Errorf("kvlease: handoff propose %d: %w", id, s.lost)
 	}
-	if _, dup := s.out[id]; dup {
+	if _, dup := s.out[id]; dup || s.recent.has(id) {
 		s.mu.Unlock()
+		s.stats.duplicates.Add(1)
 		return nil, fmt.Errorf("kvlease: handoff propose: id %d already used on this connection: %w", id, ErrState)
 	}
 	s.out[id] = o
+	go s.forget(o)
 	o.mu.Lock()
 	o.fire(s.cfg.Name, EventPropose, nil)
 	o.mu.Unlock()
@@ -156,11 +196,22 @@ func (s *Source[R]) Close() error {
 	return err
 }
 
+// get returns the handoff m names, or nil. A message for a handoff that
+// is final and left the table is answered as the final handoff would:
+// an Ack is dropped, an Abort acknowledged, anything else reported.
 func (s *Source[R]) get(m Message) *Outgoing[R] {
 	s.mu.Lock()
 	o := s.out[m.Handoff()]
+	st, recent := s.recent.state(m.Handoff())
 	s.mu.Unlock()
-	if o == nil {
+	switch {
+	case o != nil:
+	case recent && m.Type() == MsgAck:
+	case recent && m.Type() == MsgAbort:
+		_ = s.c.send(&AckMsg{ID: m.Handoff(), Of: MsgAbort})
+	case recent:
+		s.cfg.report(fmt.Errorf("kvlease: handoff %d: %v while %v: %w", m.Handoff(), m.Type(), st, ErrProtocol))
+	default:
 		s.cfg.report(fmt.Errorf("kvlease: handoff source: %v for unknown handoff %d: %w", m.Type(), m.Handoff(), ErrProtocol))
 	}
 	return o
@@ -171,6 +222,7 @@ func (s *Source[R]) readLoop() {
 	for {
 		m, err := s.c.read()
 		if err != nil {
+			s.stats.readFailed(err)
 			s.connLost(err)
 			return
 		}
@@ -225,7 +277,9 @@ func (s *Source[R]) connLost(cause error) {
 	}
 }
 
-func (o *Outgoing[R]) pid() PlaneID { return PlaneID{Session: o.s.session, Handoff: o.id} }
+func (o *Outgoing[R]) pid() PlaneID {
+	return PlaneID{Session: o.s.session, Handoff: o.id, Peer: o.s.peer}
+}
 
 // setPeer records the destination's outcome once. Called with o.mu held.
 func (o *Outgoing[R]) setPeer(err error) {
@@ -410,6 +464,7 @@ func (o *Outgoing[R]) expire() {
 		return
 	}
 	var send bool
+	var quarantined error
 	if o.t.State() == kvlease.TransferResolved {
 		// Our memory is quiescent; only the destination's word is missing.
 		o.fire("deadline", EventResolveError, ErrUnconfirmed)
@@ -417,12 +472,20 @@ func (o *Outgoing[R]) expire() {
 	} else {
 		reason := fmt.Errorf("kvlease: handoff %d: no evidence within %v: %w", o.id, o.s.cfg.Deadline, kvlease.ErrQuarantined)
 		o.t.Quarantine(reason)
-		if kind, from := o.fire("deadline", EventExpire, reason); kind == edgeMove && from == Transferring {
+		kind, from := o.fire("deadline", EventExpire, reason)
+		if kind == edgeMove && from == Transferring {
 			o.src.Abort(reason)
 			send = true
 		}
+		if kind == edgeMove {
+			quarantined = reason
+		}
 	}
 	o.mu.Unlock()
+	if quarantined != nil {
+		o.s.stats.quarantined.Add(1)
+		o.s.cfg.quarantined(o.id, quarantined)
+	}
 	if send {
 		_ = o.s.c.send(&AbortMsg{ID: o.id, Cause: "source deadline passed"})
 	}

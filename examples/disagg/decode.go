@@ -297,6 +297,21 @@ func (d *decoder) audit(inc *incoming, i int, p []byte) {
 	}
 }
 
+// readKey reads the pre-shared key from the pipe the prefill process
+// handed down as descriptor keyFD, once.
+func readKey() ([]byte, error) {
+	f := os.NewFile(keyFD, "kvlease-key")
+	if f == nil {
+		return nil, errors.New("no key descriptor: the prefill process hands the key down a pipe")
+	}
+	defer f.Close()
+	key := make([]byte, 32)
+	if _, err := io.ReadFull(f, key); err != nil {
+		return nil, fmt.Errorf("read the key from descriptor %d: %w", keyFD, err)
+	}
+	return key, nil
+}
+
 // runDecode serves the control connection until it ends, settles, and
 // builds the report.
 func runDecode(s decodeSpec) (decodeReport, error) {
@@ -317,13 +332,23 @@ func runDecode(s decodeSpec) (decodeReport, error) {
 	}
 	recv := tcp.NewReceiver(ln, tcp.Config{WrapConn: func(c net.Conn) net.Conn { return &recvConn{Conn: c, d: d} }})
 	defer recv.Close() // after the report's snapshot: stalled streams end now
+	var key []byte
+	if !cfg.Insecure {
+		if key, err = readKey(); err != nil {
+			return decodeReport{}, err
+		}
+	}
+	a, insecure := auth(key)
 	dst, err := handoff.NewDestination(d.pool, decodePlane{recv, d}, handoff.DestinationConfig[[]byte]{
 		HalfConfig: handoff.HalfConfig{Envelope: decodeEnvelope(), Name: "decode", Peer: "prefill", Deadline: cfg.Deadline / 2,
-			OnError: d.fail},
-		Decide:      d.decide,
-		OnAccept:    d.accepted,
-		OnDelivered: d.delivered,
-		OnFinal:     d.finalized,
+			OnError: d.fail, Auth: a, Insecure: insecure},
+		// The one prefill process may hold the whole pool: the pool's
+		// own admission decides (RejectedDecode).
+		MaxSessionBlocks: -1,
+		Decide:           d.decide,
+		OnAccept:         d.accepted,
+		OnDelivered:      d.delivered,
+		OnFinal:          d.finalized,
 	})
 	if err != nil {
 		return decodeReport{}, err

@@ -37,6 +37,10 @@ type Config struct {
 	// uses half of it. The in-process run uses the handoff's own 10 s.
 	Deadline time.Duration
 	Quiet    bool
+	// Insecure (-net only) runs the two halves without authentication;
+	// by default they authenticate with a pre-shared key the prefill
+	// process draws and hands to its child through an inherited pipe.
+	Insecure bool
 
 	// sabotage, if set, runs on the copy goroutine before each write,
 	// after the audit: the test uses it to make the transport lie and
@@ -453,10 +457,19 @@ func printLedger(out io.Writer, cfg Config, l Ledger, quarantined string) {
 			p.name, p.s.Free, p.s.Capacity, p.s.Quarantined, p.s.Capacity-p.s.Free-p.s.Quarantined)
 	}
 	if l.Child.Ran {
+		fmt.Fprintf(out, "  authenticated %s  (%s)\n", l.Authenticated, authNote(l.Authenticated))
 		fmt.Fprintf(out, "  sides disagree     %4d  (requests whose prefill and decode histories end differently)\n", l.Disagreements)
 		fmt.Fprintf(out, "  protocol errors    %4d  (control messages either side refused)\n", l.ProtocolErrors)
 		fmt.Fprintf(out, "  decode process     exit %d (a child of this process, reaped)\n", l.Child.Code)
 	}
 	fmt.Fprintf(out, "  marker mismatches  %4d\n", l.MarkerMismatches)
 	fmt.Fprintf(out, "  late writes        %4d  (transfers that touched reclaimed memory)\n", l.LateWrites)
+}
+
+// authNote says what the authentication mode of a two-process run means.
+func authNote(mode string) string {
+	if mode == "none" {
+		return "-insecure: anyone who reaches the ports could propose or push blocks"
+	}
+	return "both halves proved the key; every control frame and every block bound to the session"
 }

@@ -51,6 +51,7 @@ func main() {
 	flag.Float64Var(&cfg.AbortRate, "abort", cfg.AbortRate, "probability the client goes away mid-transfer")
 	flag.Float64Var(&cfg.EarlyAbortRate, "early-abort", cfg.EarlyAbortRate, "probability the client goes away before the transfer starts")
 	flag.BoolVar(&cfg.Quiet, "quiet", cfg.Quiet, "print only the ledger")
+	flag.BoolVar(&cfg.Insecure, "insecure", false, "-net: run the two halves without authentication (the ledger says \"authenticated none\")")
 	flag.BoolVar(&netMode, "net", false, "run the decode side as a child process and hand off over TCP on 127.0.0.1 (-fail cuts streams, -lost-ack stalls them)")
 	flag.DurationVar(&cfg.Deadline, "deadline", cfg.Deadline, "-net: how long the prefill side waits for a started transfer's evidence before quarantining it (decode waits half)")
 	flag.Parse()

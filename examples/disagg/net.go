@@ -15,11 +15,15 @@ package main
 //     aborts while block k is being written: this side follows);
 //   - the data connection cut as block k is about to go out (both sides
 //     fail, each on its own evidence: its own goroutine stopped);
-//   - the prefill sender stalling at block k past both deadlines: each
-//     side quarantines what it cannot prove; when the sender resumes, each
-//     side's goroutine stops at the next block, and that late evidence
-//     lifts the quarantine. A sender that never resumes leaves both sides'
-//     blocks quarantined.
+//   - the prefill sender stalling at block k past both deadlines (stuck in
+//     this process, not in the kernel): each side quarantines what it
+//     cannot prove. The decode side's receiver is blocked on a stalled
+//     peer: its quarantine asks it to stop, which ends its own read, and
+//     that return is its evidence: its quarantine lifts at once. The
+//     prefill side cannot end its own stuck sender: its blocks stay
+//     quarantined until the sender resumes, stops at the next block, and
+//     that late evidence lifts them. A sender that never resumes leaves
+//     its blocks quarantined on the prefill side alone.
 //
 // -fail sets the cut rate, -lost-ack the stall rate and -late-ack how many
 // stalls resume; -ignore-cancel does not apply (the tcp planes honour a
@@ -51,11 +55,31 @@ const decodeEnv = "KVLEASE_DISAGG_DECODE"
 
 // decodeSpec is what the prefill process tells the decode process it
 // starts: where to dial, the token to prove it is the child, and the run.
+//
+// The spec travels in the environment: it holds no secret. The
+// pre-shared key of the control session (unless Cfg.Insecure) travels
+// through a pipe the child inherits as file descriptor keyFD, read once:
+// never a command line, never the environment.
 type decodeSpec struct {
 	Ctl   string
 	Token []byte
 	Cfg   Config
 	Lie   bool
+}
+
+// keyFD is the child's descriptor of the key pipe (the first of
+// exec.Cmd.ExtraFiles), and pskID the key's id.
+const (
+	keyFD = 3
+	pskID = "disagg"
+)
+
+// auth is the half config's authentication for key (nil: insecure).
+func auth(key []byte) (handoff.Authenticator, bool) {
+	if key == nil {
+		return nil, true
+	}
+	return &handoff.PSK{ID: pskID, Key: key}, false
 }
 
 // A data connection of package handoff/tcp starts with a hello ("KD",
@@ -65,8 +89,8 @@ type decodeSpec struct {
 // the planes move them straight between the regions and the socket, so a
 // write or read whose buffer starts at a block's region is that block.
 const (
-	tcpHello   = 2 + 1 + 16 + 4 + 4
-	tcpTokenAt = 3
+	tcpHello   = 2 + 1 + 1 + 16 + 4 + 4 + 32
+	tcpTokenAt = 4
 )
 
 var (
@@ -228,7 +252,13 @@ func runNet(cfg Config, out, childErr io.Writer) (l Ledger, err error) {
 	defer ln.Close()
 	spec := decodeSpec{Ctl: ln.Addr().String(), Token: make([]byte, 16), Cfg: cfg, Lie: cfg.lie}
 	_, _ = crand.Read(spec.Token)
-	child, err := startDecode(spec, childErr)
+	var key []byte
+	if !cfg.Insecure {
+		if key, err = handoff.GenerateKey(); err != nil {
+			return Ledger{}, err
+		}
+	}
+	child, err := startDecode(spec, key, childErr)
 	if err != nil {
 		return Ledger{}, err
 	}
@@ -237,8 +267,10 @@ func runNet(cfg Config, out, childErr io.Writer) (l Ledger, err error) {
 	if err != nil {
 		return Ledger{}, err
 	}
+	a, insecure := auth(key)
 	w.src, err = handoff.NewSource(conn, prefillPlane{w}, handoff.HalfConfig{
 		Envelope: envelope, Name: "prefill", Peer: "decode", Deadline: cfg.Deadline,
+		Auth: a, Insecure: insecure,
 		OnError: func(err error) {
 			w.mu.Lock()
 			w.protoErr = append(w.protoErr, err.Error())
@@ -311,6 +343,7 @@ func runNet(cfg Config, out, childErr io.Writer) (l Ledger, err error) {
 	_ = w.src.Close()
 	rep, err := child.finish(settle)
 	l.Child = child.exit
+	l.Authenticated = w.src.Peer().Mode.String()
 	if err != nil {
 		return l, err
 	}
@@ -323,7 +356,7 @@ func runNet(cfg Config, out, childErr io.Writer) (l Ledger, err error) {
 	for _, r := range nrs {
 		if r.out != nil {
 			r.view = views[uint64(r.id)]
-			if r.view == nil || r.view.State != r.out.State() {
+			if r.view == nil || (r.view.State != r.out.State() && !stuckHere(r)) {
 				l.Disagreements++
 			}
 			st := r.out.State()
@@ -347,6 +380,14 @@ func runNet(cfg Config, out, childErr io.Writer) (l Ledger, err error) {
 	}
 	printLedger(out, cfg, l, "the stalled sender never resumed")
 	return l, nil
+}
+
+// stuckHere reports whether r's sender stalled for good in this process:
+// this side's transfer stays quarantined, while the decode side ended its
+// own reader and lifted its quarantine (Aborted): the two sides differ,
+// each on its own evidence.
+func stuckHere(r *netReq) bool {
+	return r.stalls() && !r.lateAck && r.out.State() == handoff.Quarantined && r.view.State == handoff.Aborted
 }
 
 // stalls reports whether r's transfer was started and stalls.
@@ -456,8 +497,9 @@ type decodeProc struct {
 
 // startDecode starts this program again as the decode process. Its stdin
 // is a pipe from us: it exits when that closes, so it dies with us even
-// if we are killed.
-func startDecode(spec decodeSpec, stderr io.Writer) (*decodeProc, error) {
+// if we are killed. key, unless nil, goes down a second pipe the child
+// inherits as descriptor keyFD.
+func startDecode(spec decodeSpec, key []byte, stderr io.Writer) (*decodeProc, error) {
 	exe, err := os.Executable()
 	if err != nil {
 		exe = os.Args[0]
@@ -477,8 +519,32 @@ func startDecode(spec decodeSpec, stderr io.Writer) (*decodeProc, error) {
 	if err != nil {
 		return nil, err
 	}
+	var keyW *os.File
+	if key != nil {
+		keyR, w, err := os.Pipe()
+		if err != nil {
+			return nil, err
+		}
+		keyW = w
+		cmd.ExtraFiles = []*os.File{keyR}
+		defer keyR.Close() // the child holds its own copy
+	}
 	if err := cmd.Start(); err != nil {
+		if keyW != nil {
+			_ = keyW.Close()
+		}
 		return nil, fmt.Errorf("start decode process: %w", err)
+	}
+	if keyW != nil {
+		// 32 bytes fit the pipe's buffer: the write does not wait for the
+		// child to read.
+		_, err := keyW.Write(key)
+		_ = keyW.Close()
+		if err != nil {
+			_ = cmd.Process.Kill()
+			_ = cmd.Wait()
+			return nil, fmt.Errorf("hand the key to the decode process: %w", err)
+		}
 	}
 	return &decodeProc{cmd: cmd, stdin: stdin, stdout: stdout, exit: ChildExit{Ran: true}}, nil
 }
@@ -565,7 +631,7 @@ func printNetTimeline(out io.Writer, r *netReq) {
 	case r.stalls() && r.lateAck:
 		fmt.Fprintf(out, "      (the sender stalled as block %d was about to go out, past both deadlines, then resumed: each side's own goroutine stopped, that late evidence returned its blocks)\n", r.stallAt)
 	case r.stalls():
-		fmt.Fprintf(out, "      (the sender stalled as block %d was about to go out and never resumed: no evidence ever came, its blocks stay quarantined on both sides, never reused)\n", r.stallAt)
+		fmt.Fprintf(out, "      (the sender stalled as block %d was about to go out and never resumed: no evidence ever came here, its blocks stay quarantined, never reused; the decode side ended its own reader at its deadline, and that return lifted its quarantine)\n", r.stallAt)
 	case r.cutAt >= 0 && r.started:
 		fmt.Fprintf(out, "      (the data connection was cut as block %d was about to go out: each side failed on its own goroutine's exit)\n", r.cutAt)
 	}

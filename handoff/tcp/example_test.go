@@ -15,6 +15,12 @@ import (
 // lease and the blocks move over TCP. (In a deployment each half lives
 // in its own process; see the package's cross-process tests.)
 func Example() {
+	// Both halves hold the same pre-shared key (handed over out of band:
+	// a file private to the user, an inherited descriptor); it never
+	// travels. Every control frame and every block is bound to the
+	// session it authenticates.
+	key, _ := handoff.GenerateKey()
+	auth := &handoff.PSK{ID: "prefill-fleet", Key: key}
 	env := handoff.Envelope{BlockTokens: 16, BlockBytes: 4096, PoolBlocks: 64,
 		MaxContextTokens: 1024, MaxPrefillTokens: 512, MaxRunningRequests: 4}
 	newPool := func() *kvlease.Pool[[]byte] {
@@ -30,7 +36,7 @@ func Example() {
 	defer recv.Close()
 	delivered := make(chan *handoff.Incoming[[]byte], 1)
 	dst, _ := handoff.NewDestination(decode, recv, handoff.DestinationConfig[[]byte]{
-		HalfConfig:  handoff.HalfConfig{Envelope: env, Name: "decode", Peer: "prefill"},
+		HalfConfig:  handoff.HalfConfig{Envelope: env, Name: "decode", Peer: "prefill", Auth: auth},
 		OnDelivered: func(in *handoff.Incoming[[]byte]) { delivered <- in },
 	})
 	ctlLn, _ := net.Listen("tcp", "127.0.0.1:0")
@@ -49,7 +55,7 @@ func Example() {
 	conn, _ := net.Dial("tcp", ctlLn.Addr().String())
 	sender := tcp.NewSender(tcp.Config{})
 	defer sender.Close()
-	src, _ := handoff.NewSource(conn, sender, handoff.HalfConfig{Envelope: env, Name: "prefill", Peer: "decode"})
+	src, _ := handoff.NewSource(conn, sender, handoff.HalfConfig{Envelope: env, Name: "prefill", Peer: "decode", Auth: auth})
 	lease, _ := prefill.Acquire("req-1", 4)
 	for i := range lease.Len() {
 		r, _ := lease.Region(i)

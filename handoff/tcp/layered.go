@@ -103,28 +103,30 @@ func (ls LayeredSender[R]) Send(id handoff.PlaneID, regions []R, accept []byte, 
 	if err != nil {
 		return nil, err
 	}
-	return ls.s.start(accept, attach, func(conn net.Conn, tok [16]byte, cancel *atomic.Bool) (int64, error) {
-		return writeLayered(conn, tok, regions, lay, cancel)
+	return ls.s.start(id, accept, attach, func(conn net.Conn, tok [16]byte, sl *seal, cancel *atomic.Bool) (int64, error) {
+		return writeLayered(conn, tok, sl, regions, lay, cancel)
 	})
 }
 
-func writeLayered[R LayeredRegion](conn net.Conn, tok [16]byte, regions []R, lay layout.Layout, cancel *atomic.Bool) (int64, error) {
+func writeLayered[R LayeredRegion](conn net.Conn, tok [16]byte, sl *seal, regions []R, lay layout.Layout, cancel *atomic.Bool) (int64, error) {
 	bb := 0
 	if len(regions) > 0 {
 		bb = lay.BlockBytes()
 	}
-	var hdr [helloLength]byte
-	h := append(hdr[:0], 'K', 'D', version)
-	h = append(h, tok[:]...)
-	h = binary.LittleEndian.AppendUint32(h, uint32(len(regions)))
-	h = binary.LittleEndian.AppendUint32(h, uint32(bb))
-	if _, err := conn.Write(h); err != nil {
+	if _, err := conn.Write(sl.hello(tok, len(regions), bb)); err != nil {
 		return 0, fmt.Errorf("tcp: hello: %w", err)
+	}
+	// A keyed tag covers the block as one run of bytes: the pieces are
+	// gathered into one buffer per transfer for it (the write still goes
+	// straight from source memory).
+	var gather []byte
+	if sl.keyed {
+		gather = make([]byte, 0, bb)
 	}
 	// One frame header, one trailer, one iovec list and one Buffers for
 	// the whole transfer: a block costs one vectored write (header, every
 	// piece, its trailing crc32c) and no allocation.
-	fh := make([]byte, frameHeader+frameTrailer)
+	fh := make([]byte, frameHeader+sl.trailer())
 	hdr8, trailer := fh[:frameHeader], fh[frameHeader:]
 	bufs := make([][]byte, 0, 2+lay.PiecesPerBlock())
 	vec := new(net.Buffers)
@@ -134,6 +136,7 @@ func writeLayered[R LayeredRegion](conn net.Conn, tok [16]byte, regions []R, lay
 			return n, fmt.Errorf("tcp: stopped before block %d of %d: %w", i, len(regions), ErrCanceled)
 		}
 		bufs = append(bufs[:0], hdr8)
+		gather = gather[:0]
 		var sum uint32
 		for l := range lay.Layers {
 			for kv := range lay.KVs {
@@ -141,13 +144,21 @@ func writeLayered[R LayeredRegion](conn net.Conn, tok [16]byte, regions []R, lay
 				if err != nil {
 					return n, err
 				}
-				sum = crc32.Update(sum, castagnoli, p)
+				if sl.keyed {
+					gather = append(gather, p...)
+				} else {
+					sum = crc32.Update(sum, castagnoli, p)
+				}
 				bufs = append(bufs, p)
 			}
 		}
 		binary.LittleEndian.PutUint32(hdr8[0:], uint32(i))
 		binary.LittleEndian.PutUint32(hdr8[4:], uint32(bb))
-		binary.LittleEndian.PutUint32(trailer, sum)
+		if sl.keyed {
+			sl.sum(trailer, i, gather)
+		} else {
+			binary.LittleEndian.PutUint32(trailer, sum)
+		}
 		bufs = append(bufs, trailer)
 		*vec = bufs
 		if _, err := vec.WriteTo(conn); err != nil {
@@ -179,8 +190,8 @@ func (lr LayeredReceiver[R]) Receive(id handoff.PlaneID, regions []R, _ []byte, 
 		lay, err = regionsLayout(regions)
 		return err
 	}
-	return lr.r.receive(id, len(regions), check, attach, func(c net.Conn, cancel <-chan struct{}) (int64, error) {
-		return readLayered(c, regions, lay, cancel)
+	return lr.r.receive(id, len(regions), check, attach, func(c net.Conn, sl *seal, cancel <-chan struct{}) (int64, error) {
+		return readLayered(c, sl, regions, lay, cancel)
 	})
 }
 
@@ -198,7 +209,7 @@ func piece[R LayeredRegion](r R, l, kv int, lay layout.Layout, i, n int) ([]byte
 // readBufs pools the receivers' read buffers (one per running transfer).
 var readBufs = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, 64<<10) }}
 
-func readLayered[R LayeredRegion](c net.Conn, regions []R, lay layout.Layout, cancel <-chan struct{}) (int64, error) {
+func readLayered[R LayeredRegion](c net.Conn, sl *seal, regions []R, lay layout.Layout, cancel <-chan struct{}) (int64, error) {
 	br := readBufs.Get().(*bufio.Reader)
 	br.Reset(c)
 	defer func() {
@@ -206,9 +217,14 @@ func readLayered[R LayeredRegion](c net.Conn, regions []R, lay layout.Layout, ca
 		readBufs.Put(br)
 	}()
 	var fh [frameHeader]byte
-	var tr [frameTrailer]byte
+	var trBuf [tagLength]byte
+	tr := trBuf[:sl.trailer()]
 	var n int64
 	bb := lay.BlockBytes()
+	var gather []byte
+	if sl.keyed {
+		gather = make([]byte, 0, bb)
+	}
 	for i, r := range regions {
 		select {
 		case <-cancel:
@@ -223,6 +239,7 @@ func readLayered[R LayeredRegion](c net.Conn, regions []R, lay layout.Layout, ca
 			return n, fmt.Errorf("tcp: block %d of %d: frame says block %d of %d bytes, want %d: %w", i, len(regions), idx, ln, bb, ErrCorrupt)
 		}
 		var sum uint32
+		gather = gather[:0]
 		for l := range lay.Layers {
 			for kv := range lay.KVs {
 				p, err := piece(r, l, kv, lay, i, len(regions))
@@ -232,13 +249,21 @@ func readLayered[R LayeredRegion](c net.Conn, regions []R, lay layout.Layout, ca
 				if _, err := io.ReadFull(br, p); err != nil {
 					return n, fmt.Errorf("tcp: block %d of %d, piece (%d, %d): %w", i, len(regions), l, kv, err)
 				}
-				sum = crc32.Update(sum, castagnoli, p)
+				if sl.keyed {
+					gather = append(gather, p...)
+				} else {
+					sum = crc32.Update(sum, castagnoli, p)
+				}
 			}
 		}
-		if _, err := io.ReadFull(br, tr[:]); err != nil {
+		if _, err := io.ReadFull(br, tr); err != nil {
 			return n, fmt.Errorf("tcp: block %d of %d: checksum: %w", i, len(regions), err)
 		}
-		if want := binary.LittleEndian.Uint32(tr[:]); sum != want {
+		if sl.keyed {
+			if err := sl.verify(i, gather, tr); err != nil {
+				return n, fmt.Errorf("tcp: block %d of %d: %w", i, len(regions), err)
+			}
+		} else if want := binary.LittleEndian.Uint32(tr); sum != want {
 			return n, fmt.Errorf("tcp: block %d of %d: crc32c %08x, frame says %08x: %w", i, len(regions), sum, want, ErrCorrupt)
 		}
 		n += int64(bb)

@@ -17,6 +17,8 @@ import (
 // Layout lets the decode side check at propose time that the pieces
 // agree.
 func ExampleSendLayered() {
+	key, _ := handoff.GenerateKey()
+	auth := &handoff.PSK{ID: "prefill-fleet", Key: key}
 	tag := "bf16 t16 h2 d64" // 16 tokens × 2 heads × 64 dims × 2 bytes = 4 KiB per piece
 	prefill, _ := layout.NewHost(layout.LayerSeparated(4, 2, 32, 4096, tag))
 	decode, _ := layout.NewHost(layout.Contiguous(4, 2, 32, 4096, tag))
@@ -32,7 +34,7 @@ func ExampleSendLayered() {
 	defer recv.Close()
 	got := make(chan *handoff.Incoming[layout.Block], 1)
 	dst, _ := handoff.NewDestination(dstPool, tcp.ReceiveLayered[layout.Block](recv), handoff.DestinationConfig[layout.Block]{
-		HalfConfig:  handoff.HalfConfig{Envelope: env},
+		HalfConfig:  handoff.HalfConfig{Envelope: env, Auth: auth},
 		OnDelivered: func(in *handoff.Incoming[layout.Block]) { got <- in },
 	})
 	served := make(chan error, 1)
@@ -47,7 +49,7 @@ func ExampleSendLayered() {
 	conn, _ := net.Dial("tcp", ctlLn.Addr().String())
 	sender := tcp.NewSender(tcp.Config{})
 	defer sender.Close()
-	src, _ := handoff.NewSource(conn, tcp.SendLayered[layout.Block](sender), handoff.HalfConfig{Envelope: env})
+	src, _ := handoff.NewSource(conn, tcp.SendLayered[layout.Block](sender), handoff.HalfConfig{Envelope: env, Auth: auth})
 
 	lease, _ := srcPool.Acquire("req-1", 3)
 	b, _ := lease.Region(2)

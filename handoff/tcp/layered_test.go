@@ -111,7 +111,7 @@ func newHalves[S, D any](t testing.TB, srcPool *kvlease.Pool[S], dstPool *kvleas
 	h := &halves[S, D]{sender: tcp.NewSender(tcp.Config{}), recv: tcp.NewReceiver(dataLn, tcp.Config{WrapConn: wrapRecv}),
 		finals: make(chan *handoff.Incoming[D], 16)}
 	h.dst, err = handoff.NewDestination(dstPool, recv(h.recv), handoff.DestinationConfig[D]{
-		HalfConfig:  handoff.HalfConfig{Envelope: e, Name: "decode", Peer: "prefill", Deadline: 10 * time.Second},
+		HalfConfig:  handoff.HalfConfig{Envelope: e, Name: "decode", Peer: "prefill", Deadline: 10 * time.Second, Auth: testAuth},
 		OnDelivered: func(*handoff.Incoming[D]) {}, // the test reads and releases the lease
 		OnFinal:     func(in *handoff.Incoming[D]) { h.finals <- in },
 	})
@@ -132,7 +132,7 @@ func newHalves[S, D any](t testing.TB, srcPool *kvlease.Pool[S], dstPool *kvleas
 	if err != nil {
 		t.Fatal(err)
 	}
-	h.src, err = handoff.NewSource(c, send(h.sender), handoff.HalfConfig{Envelope: e, Name: "prefill", Peer: "decode", Deadline: 10 * time.Second})
+	h.src, err = handoff.NewSource(c, send(h.sender), handoff.HalfConfig{Envelope: e, Name: "prefill", Peer: "decode", Deadline: 10 * time.Second, Auth: testAuth})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -26,6 +26,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -64,6 +65,9 @@ type peerConfig struct {
 	// Profile, if set, is where the peer writes its CPU profile (until
 	// "exit").
 	Profile string
+	// Insecure: the peer's half runs without authentication (tests that
+	// speak the control protocol by hand).
+	Insecure bool
 }
 
 // envFor is the envelope of the tests: blocks of 16 tokens, a context of
@@ -140,6 +144,25 @@ type ctlConn struct {
 	mu      sync.Mutex
 	gated   chan struct{}
 	onStart func(id uint64)
+	// nextStart is 1 + the id of the handoff whose Start is the next
+	// write (set by startSignal: the frames themselves are sealed).
+	nextStart atomic.Uint64
+}
+
+// startSignal is a send plane that tells its ctlConn that the next
+// control write is the Start of the handoff it just sent (the source
+// writes it right after Send returns, on the same goroutine).
+type startSignal struct {
+	handoff.SendPlane[[]byte]
+	ctl *ctlConn
+}
+
+func (p startSignal) Send(id handoff.PlaneID, regions [][]byte, accept []byte, attach func(*kvlease.Transfer) error) ([]byte, error) {
+	b, err := p.SendPlane.Send(id, regions, accept, attach)
+	if err == nil {
+		p.ctl.nextStart.Store(id.Handoff + 1)
+	}
+	return b, err
 }
 
 func (c *ctlConn) gate() {
@@ -174,23 +197,27 @@ func (c *ctlConn) Read(p []byte) (int, error) {
 }
 
 func (c *ctlConn) Write(p []byte) (int, error) {
+	id := c.nextStart.Swap(0)
 	n, err := c.Conn.Write(p)
-	if err == nil && c.onStart != nil && len(p) >= 20 && p[0] == 'K' && p[1] == 'H' && handoff.MsgType(p[3]) == handoff.MsgStart {
-		c.onStart(uint64(p[12]) | uint64(p[13])<<8 | uint64(p[14])<<16 | uint64(p[15])<<24 |
-			uint64(p[16])<<32 | uint64(p[17])<<40 | uint64(p[18])<<48 | uint64(p[19])<<56)
+	if err == nil && c.onStart != nil && id != 0 {
+		c.onStart(id - 1)
 	}
 	return n, err
 }
 
 // holdWrap returns a WrapConn that holds each data connection after
 // blocks blocks (with the hello, on the source), reporting through say.
-func holdWrap(blocks, blockBytes int, say func(string, ...any), release <-chan struct{}) func(net.Conn) net.Conn {
+func holdWrap(blocks, blockBytes int, insecure bool, say func(string, ...any), release <-chan struct{}) func(net.Conn) net.Conn {
 	if blocks < 0 {
 		return nil
 	}
-	// The hello (27 bytes), then a 12-byte header per block: both sides'
-	// wrapped connections carry all of it.
-	limit := 27 + int64(blocks)*int64(12+blockBytes)
+	// The hello (60 bytes), then per block its 8-byte header and 16-byte
+	// tag (a keyed session): both sides' wrapped connections carry all
+	// of it.
+	limit := 60 + int64(blocks)*int64(8+16+blockBytes)
+	if insecure {
+		limit = 60 + int64(blocks)*int64(8+4+blockBytes) // crc32c trailers
+	}
 	return func(c net.Conn) net.Conn {
 		return &holdConn{Conn: c, left: limit, onHold: func() { say("held %d", blocks) }, release: release}
 	}
@@ -247,14 +274,17 @@ func runPeer(spec string) int {
 	release := make(chan struct{})
 	var releaseOnce sync.Once
 	env := envFor(cfg.BlockBytes, cfg.PoolBlocks)
-	half := handoff.HalfConfig{Envelope: env, Deadline: cfg.Deadline,
+	half := handoff.HalfConfig{Envelope: env, Deadline: cfg.Deadline, Auth: testAuth,
 		OnError: func(err error) { say("protoerr %q", err.Error()) }}
+	if cfg.Insecure {
+		half.Auth, half.Insecure, half.Logf = nil, true, quiet
+	}
 	var run func(cmd []string) bool
 	switch cfg.Role {
 	case "source":
 		half.Name, half.Peer = "prefill", "decode"
-		sender := tcp.NewSender(tcp.Config{WrapConn: holdWrap(cfg.HoldAfter, cfg.BlockBytes, say, release)})
-		src, err := handoff.NewSource(ctl, sender, half)
+		sender := tcp.NewSender(tcp.Config{WrapConn: holdWrap(cfg.HoldAfter, cfg.BlockBytes, cfg.Insecure, say, release)})
+		src, err := handoff.NewSource(ctl, startSignal{sender, ctl}, half)
 		if err != nil {
 			fmt.Fprintln(os.Stderr, err)
 			return 2
@@ -387,12 +417,12 @@ func destPeer(cfg peerConfig, pool *kvlease.Pool[[]byte], ctl *ctlConn, half han
 	if err != nil {
 		return nil, err
 	}
-	recv := tcp.NewReceiver(ln, tcp.Config{WrapConn: holdWrap(cfg.HoldAfter, cfg.BlockBytes, say, release),
+	recv := tcp.NewReceiver(ln, tcp.Config{WrapConn: holdWrap(cfg.HoldAfter, cfg.BlockBytes, cfg.Insecure, say, release),
 		OnError: func(err error) { say("refused %q", err.Error()) }})
 	var mu sync.Mutex
 	ins := map[uint64]*handoff.Incoming[[]byte]{}
 	kept := map[uint64]*kvlease.Lease[[]byte]{}
-	dcfg := handoff.DestinationConfig[[]byte]{HalfConfig: half,
+	dcfg := handoff.DestinationConfig[[]byte]{HalfConfig: half, MaxSessionBlocks: -1,
 		OnAccept: func(in *handoff.Incoming[[]byte]) {
 			mu.Lock()
 			ins[in.ID()] = in

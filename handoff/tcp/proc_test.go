@@ -10,8 +10,10 @@ package tcp_test
 // depends on timing luck.
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"strings"
 	"sync"
@@ -91,6 +93,13 @@ type destSide struct {
 	kept      map[uint64]*kvlease.Lease[[]byte]
 	protoErrs []error
 	refusals  []error
+	quar      []uint64 // OnQuarantine's handoffs
+}
+
+func (d *destSide) quarantines() []uint64 {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return append([]uint64(nil), d.quar...)
 }
 
 type sideOpts struct {
@@ -115,7 +124,12 @@ func newDestSide(t testing.TB, o sideOpts, pc peerConfig) *destSide {
 	}
 	var err error
 	d.dst, err = handoff.NewDestination(d.pool, d.recv, handoff.DestinationConfig[[]byte]{
-		HalfConfig: handoff.HalfConfig{Envelope: d.env, Name: "decode", Peer: "prefill", Deadline: o.deadline,
+		HalfConfig: handoff.HalfConfig{Envelope: d.env, Name: "decode", Peer: "prefill", Deadline: o.deadline, Auth: testAuth,
+			OnQuarantine: func(id uint64, _ error) {
+				d.mu.Lock()
+				d.quar = append(d.quar, id)
+				d.mu.Unlock()
+			},
 			OnError: func(err error) {
 				d.mu.Lock()
 				d.protoErrs = append(d.protoErrs, err)
@@ -238,7 +252,7 @@ func newSrcSide(t testing.TB, o sideOpts, pc peerConfig, blockBytes, poolBlocks 
 		o.deadline = bound
 	}
 	var err error
-	s.src, err = handoff.NewSource(s.ctl, s.sender, handoff.HalfConfig{Envelope: envFor(blockBytes, poolBlocks), Name: "prefill", Peer: "decode", Deadline: o.deadline})
+	s.src, err = handoff.NewSource(s.ctl, startSignal{s.sender, s.ctl}, handoff.HalfConfig{Envelope: envFor(blockBytes, poolBlocks), Name: "prefill", Peer: "decode", Deadline: o.deadline, Auth: testAuth})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -420,11 +434,33 @@ func TestProcKilled(t *testing.T) {
 }
 
 // TestProcStopped: the peer is SIGSTOPped mid-stream past the deadline.
-// The side whose loop is blocked on it is quarantined and stays so; only
-// the evidence after SIGCONT lifts it. The blocks are then reused by a
+// The deadline quarantines the handoff of the side whose loop is blocked
+// on it; the quarantine asks the plane to stop, which ends its own
+// blocked read or write (a deadline in the past): the loop's return is
+// local evidence, so the quarantine lifts within a second, while the
+// peer is still stopped, and the blocks are free again. The peer, once
+// continued, ends by its own evidence, and the blocks are reused by a
 // clean handoff whose markers hold.
 func TestProcStopped(t *testing.T) {
 	const deadline = 200 * time.Millisecond
+	// lifted checks that a quarantine was recorded and then lifted by
+	// the transport within a second.
+	lifted := func(t *testing.T, who string, h []handoff.Step) {
+		t.Helper()
+		var q *handoff.Step
+		for i := range h {
+			if h[i].To == handoff.Quarantined {
+				q = &h[i]
+			}
+		}
+		last := h[len(h)-1]
+		if q == nil || last.From != handoff.Quarantined || last.By != "transport" || last.To != handoff.Aborted {
+			t.Fatalf("%s: no quarantine lifted by the transport: %v", who, h)
+		}
+		if d := last.At.Sub(q.At); d > time.Second {
+			t.Errorf("%s: the quarantine lifted %v after it was set, want within 1s", who, d)
+		}
+	}
 	t.Run("source-stopped", func(t *testing.T) {
 		d := newDestSide(t, sideOpts{deadline: deadline}, peerConfig{HoldAfter: 2})
 		p := d.peer
@@ -433,31 +469,23 @@ func TestProcStopped(t *testing.T) {
 		in := d.in(1)
 		waitState(t, "destination", in.State, handoff.Transferring)
 		p.signal(syscall.SIGSTOP)
-		waitState(t, "destination", in.State, handoff.Quarantined)
-		time.Sleep(3 * deadline) // time passes; it lifts nothing
-		if s := in.State(); s != handoff.Quarantined {
-			t.Fatalf("destination %v while the peer is stopped", s)
-		}
-		wantStats(t, "destination", localStats(d.pool, d.recv.Stats()), "free=56 leased=0 quarantined=8 open=0 started=1 completed=0")
-		if u := d.pool.Usable(); u != procPool-8 {
-			t.Errorf("usable %d while 8 blocks are quarantined", u)
-		}
-		p.signal(syscall.SIGCONT)
-		// The peer learns of our abort before its stream goes on.
-		f := peerState(p, 1, handoff.Aborting)
-		if !strings.Contains(strings.Join(f, " "), "peer abort") {
-			t.Errorf("peer's abort step: %q", f)
-		}
-		p.do("release")
 		if s := waitDone(t, "destination", in.Done(), in.State); s != handoff.Aborted {
 			t.Fatalf("destination %v: %v", s, in.History())
 		}
-		h := in.History()
-		if last := h[len(h)-1]; last.From != handoff.Quarantined || last.By != "transport" {
-			t.Errorf("the quarantine was lifted by %v", last)
+		lifted(t, "destination", in.History())
+		if q := d.quarantines(); len(q) != 1 || q[0] != 1 {
+			t.Errorf("OnQuarantine told %v, want handoff 1", q)
 		}
-		peerState(p, 1, handoff.Aborted)
+		if st := d.dst.Stats(); st.Quarantined != 1 {
+			t.Errorf("destination stats %+v: want 1 quarantined", st)
+		}
+		// Lifted while the peer is still stopped: every block is back.
 		wantStats(t, "destination", localStats(d.pool, d.recv.Stats()), "free=64 leased=0 draining=0 quarantined=0 open=0 check=ok started=1 completed=0")
+		p.signal(syscall.SIGCONT)
+		p.do("release")
+		// The peer learns of our abort; its writer ends (the abort's
+		// cancel, or the connection we closed), and that is its evidence.
+		peerState(p, 1, handoff.Aborted)
 		wantStats(t, "peer source", p.stats(), "free=64 leased=0 draining=0 quarantined=0 check=ok started=1 completed=0")
 		// The blocks come back into use: no marker of the old stream.
 		p.do("free 1")
@@ -482,25 +510,20 @@ func TestProcStopped(t *testing.T) {
 		o, l := s.propose(1, blocks, 43)
 		p.expect("held 1")
 		p.signal(syscall.SIGSTOP)
-		waitState(t, "source", o.State, handoff.Quarantined)
-		time.Sleep(3 * deadline)
-		if st := o.State(); st != handoff.Quarantined {
-			t.Fatalf("source %v while the peer is stopped", st)
-		}
-		if st := s.pool.Stats(); st.Quarantined != blocks {
-			t.Fatalf("source pool %+v: want the %d blocks quarantined", st, blocks)
-		}
-		p.signal(syscall.SIGCONT)
-		peerState(p, 1, handoff.Aborting)
-		p.do("release")
 		if st := waitDone(t, "source", o.Done(), o.State); st != handoff.Aborted {
 			t.Fatalf("source %v: %v", st, o.History())
 		}
-		peerState(p, 1, handoff.Aborted)
+		lifted(t, "source", o.History())
+		if st := s.src.Stats(); st.Quarantined != 1 {
+			t.Errorf("source stats %+v: want 1 quarantined", st)
+		}
 		if l.State() == kvlease.LeaseActive {
 			t.Error("the quarantine left the source lease open")
 		}
 		wantStats(t, "source", localStats(s.pool, s.sender.Stats()), "free=64 leased=0 draining=0 quarantined=0 open=0 check=ok started=1 completed=0")
+		p.signal(syscall.SIGCONT)
+		p.do("release")
+		peerState(p, 1, handoff.Aborted)
 		wantStats(t, "peer destination", p.stats(), "free=64 leased=0 draining=0 quarantined=0 open=0 check=ok started=1 completed=0")
 	})
 }
@@ -669,9 +692,9 @@ func TestProcGarbage(t *testing.T) {
 	good := handoff.AppendFrame(nil, &handoff.StartMsg{ID: 1})
 	dataGarbage := map[string][]byte{
 		"http":          []byte("GET / HTTP/1.0\r\n\r\n......"),
-		"half hello":    {'K', 'D', 1, 9, 9},
-		"wrong version": append([]byte{'K', 'D', 9}, make([]byte, 24)...),
-		"unknown token": append([]byte{'K', 'D', 1}, make([]byte, 24)...),
+		"half hello":    {'K', 'D', 2, 9, 9},
+		"wrong version": append([]byte{'K', 'D', 9}, make([]byte, 57)...),
+		"unknown token": append([]byte{'K', 'D', 2}, make([]byte, 57)...),
 		"control frame": good,
 	}
 	for name, b := range dataGarbage {
@@ -703,10 +726,12 @@ func TestProcGarbage(t *testing.T) {
 		}
 	}
 
-	// The control port: a destination with a short frame timeout serves
-	// each garbage connection; each ends with a clear error.
+	// The control port: an insecure destination with a short frame
+	// timeout serves each garbage connection after an insecure preamble
+	// (garbage before or instead of the handshake is the attack suite's);
+	// each ends with a clear error.
 	short, err := handoff.NewDestination(d.pool, d.recv, handoff.DestinationConfig[[]byte]{
-		HalfConfig: handoff.HalfConfig{Envelope: d.env, FrameTimeout: 100 * time.Millisecond}})
+		HalfConfig: handoff.HalfConfig{Envelope: d.env, FrameTimeout: 100 * time.Millisecond, Insecure: true, Logf: quiet}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -735,7 +760,8 @@ func TestProcGarbage(t *testing.T) {
 		sc := acceptOne(t, ln)
 		served := make(chan error, 1)
 		go func() { served <- short.Serve(sc) }()
-		if _, err := c.Write(g.b); err != nil {
+		pre := binary.LittleEndian.AppendUint64([]byte{'K', 'A', handoff.ProtocolVersion, byte(handoff.AuthNone)}, d.env.Fingerprint())
+		if _, err := c.Write(append(pre, g.b...)); err != nil {
 			t.Fatal(err)
 		}
 		if !g.stall {
@@ -773,11 +799,20 @@ func TestProcGarbage(t *testing.T) {
 // for unknown ids or of the wrong direction change nothing.
 func TestProcDuplicateID(t *testing.T) {
 	ln := listen(t)
-	p := startPeer(t, peerConfig{Role: "dest", Ctrl: ln.Addr().String(), BlockBytes: procBlockBytes, PoolBlocks: procPool, HoldAfter: -1})
+	p := startPeer(t, peerConfig{Role: "dest", Ctrl: ln.Addr().String(), BlockBytes: procBlockBytes, PoolBlocks: procPool, HoldAfter: -1, Insecure: true})
 	c := acceptOne(t, ln)
 	defer c.Close()
-	p.expect("ready")
 	env := envFor(procBlockBytes, procPool)
+	// The insecure handshake by hand: our preamble, the peer's.
+	pre := binary.LittleEndian.AppendUint64([]byte{'K', 'A', handoff.ProtocolVersion, byte(handoff.AuthNone)}, env.Fingerprint())
+	if _, err := c.Write(pre); err != nil {
+		t.Fatal(err)
+	}
+	_ = c.SetReadDeadline(time.Now().Add(bound))
+	if _, err := io.ReadFull(c, make([]byte, len(pre))); err != nil {
+		t.Fatal(err)
+	}
+	p.expect("ready")
 	var buf []byte
 	send := func(m handoff.Message) {
 		t.Helper()

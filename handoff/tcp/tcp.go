@@ -77,14 +77,26 @@ var (
 	// ErrNoData is the outcome of a receive whose data connection did not
 	// arrive within Config.HelloTimeout: nothing was written.
 	ErrNoData = errors.New("tcp: data connection never came")
+	// ErrUnauthenticated wraps the refusal of a data connection that
+	// does not prove it belongs to the handoff's authenticated session (a
+	// hello whose MAC does not verify: a stolen, guessed or replayed
+	// token; an unkeyed hello for a secure session). It wraps
+	// handoff.ErrAuth.
+	ErrUnauthenticated = fmt.Errorf("tcp: data connection not of the session: %w", handoff.ErrAuth)
+	// ErrAddress wraps a sender's refusal of an Accept whose data address
+	// is neither on the authenticated peer's host nor in
+	// Config.AllowDataHosts: the blocks go only to the peer the session
+	// authenticated. It wraps handoff.ErrAuth.
+	ErrAddress = fmt.Errorf("tcp: data address not the authenticated peer's: %w", handoff.ErrAuth)
 )
 
 const (
-	version      = 1
-	helloLength  = 2 + 1 + 16 + 4 + 4
-	frameHeader  = 8 // index, length
-	frameTrailer = 4 // crc32c
+	version     = 2
+	frameHeader = 8 // index, length
 )
+
+// DefaultMaxPendingHellos is Config.MaxPendingHellos when zero.
+const DefaultMaxPendingHellos = 64
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
@@ -100,12 +112,27 @@ type Config struct {
 	// observe or break the stream).
 	WrapConn func(net.Conn) net.Conn
 	// OnError, if set, is told why the receiver refused a data
-	// connection (garbage, half a hello, an unknown token): an error
-	// wrapping ErrCorrupt. A refusal changes nothing else.
+	// connection (garbage, half a hello, an unknown token: an error
+	// wrapping ErrCorrupt; a hello that does not prove its session:
+	// ErrUnauthenticated; one past MaxPendingHellos), and why its accept
+	// loop backed off. A refusal changes nothing else.
 	OnError func(error)
+	// AllowDataHosts, on a sender, are hosts (IP addresses or names, as
+	// an Accept spells them) that an Accept may name for its data
+	// connection besides the host of the session's control connection,
+	// which is the only one allowed by default: a source sends blocks
+	// only to the peer it authenticated (ErrAddress otherwise).
+	AllowDataHosts []string
+	// MaxPendingHellos caps the receiver's data connections accepted but
+	// not through their hello yet (DefaultMaxPendingHellos when zero);
+	// one more is closed at once (Stats.RefusedBusy).
+	MaxPendingHellos int
 }
 
 func (c *Config) defaults() {
+	if c.MaxPendingHellos <= 0 {
+		c.MaxPendingHellos = DefaultMaxPendingHellos
+	}
 	if c.DialTimeout <= 0 {
 		c.DialTimeout = 5 * time.Second
 	}
@@ -125,7 +152,21 @@ func (c *Config) wrap(conn net.Conn) net.Conn {
 type Stats struct {
 	Started, Completed, Failed, Canceled int
 	Bytes                                int64
-	Refused                              int // data connections refused (bad hello, unknown token)
+	// Refused counts data connections refused for any reason (garbage,
+	// an unknown token, an unauthenticated hello, too many pending).
+	Refused int
+	// RefusedAuth counts those refused because their hello did not prove
+	// the session (ErrUnauthenticated).
+	RefusedAuth int
+	// RefusedBusy counts those closed at once because MaxPendingHellos
+	// connections were waiting for their hello.
+	RefusedBusy int
+	// RefusedAddr counts, on a sender, Accepts refused for a data address
+	// outside the authenticated peer's host (ErrAddress).
+	RefusedAddr int
+	// AcceptErrors counts failed accepts of the receiver's listener,
+	// retried after a backoff.
+	AcceptErrors int
 }
 
 type counters struct {
@@ -191,9 +232,42 @@ func (s *Sender) Send(id handoff.PlaneID, regions [][]byte, accept []byte, attac
 			return nil, fmt.Errorf("tcp: region %d of %d bytes, want %d: %w", i, len(r), bb, kvlease.ErrInvalidArgument)
 		}
 	}
-	return s.start(accept, attach, func(conn net.Conn, tok [16]byte, cancel *atomic.Bool) (int64, error) {
-		return s.write(conn, tok, regions, cancel)
+	return s.start(id, accept, attach, func(conn net.Conn, tok [16]byte, sl *seal, cancel *atomic.Bool) (int64, error) {
+		return s.write(conn, tok, sl, regions, cancel)
 	})
+}
+
+// checkAddr refuses a data address that is not on the session's peer's
+// host nor in AllowDataHosts. A session whose control connection is not
+// TCP (a pipe, a Unix socket) has no host to compare: only the allowlist
+// applies then, if it is set.
+func (s *Sender) checkAddr(id handoff.PlaneID, addr string) error {
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return fmt.Errorf("tcp: accept names %q: %w", addr, ErrCorrupt)
+	}
+	for _, h := range s.cfg.AllowDataHosts {
+		if h == host {
+			return nil
+		}
+	}
+	var peerHost string
+	if id.Peer != nil {
+		if ta, ok := id.Peer.Addr.(*net.TCPAddr); ok {
+			peerHost = ta.IP.String()
+		}
+	}
+	if peerHost == "" {
+		if len(s.cfg.AllowDataHosts) == 0 {
+			return nil
+		}
+	} else if ip := net.ParseIP(host); ip != nil && ip.String() == peerHost {
+		return nil
+	}
+	s.stats.mu.Lock()
+	s.stats.s.RefusedAddr++
+	s.stats.mu.Unlock()
+	return fmt.Errorf("tcp: accept names data address %s, the session's peer is %s (add the host to Config.AllowDataHosts to allow it): %w", addr, peerHost, ErrAddress)
 }
 
 // start is the body of a send, shared by the contiguous and the layered
@@ -201,8 +275,15 @@ func (s *Sender) Send(id handoff.PlaneID, regions [][]byte, accept []byte, attac
 // transfer, and runs write on a goroutine of its own whose return
 // resolves the transfer (the sender's evidence). Argument checks come
 // before it: nothing is dialled for regions that are refused.
-func (s *Sender) start(accept []byte, attach func(*kvlease.Transfer) error, write func(conn net.Conn, tok [16]byte, cancel *atomic.Bool) (int64, error)) ([]byte, error) {
+func (s *Sender) start(id handoff.PlaneID, accept []byte, attach func(*kvlease.Transfer) error, write func(conn net.Conn, tok [16]byte, sl *seal, cancel *atomic.Bool) (int64, error)) ([]byte, error) {
 	addr, tok, err := parseAccept(accept)
+	if err != nil {
+		return nil, err
+	}
+	if err := s.checkAddr(id, addr); err != nil {
+		return nil, err
+	}
+	sl, err := newSeal(id, tok)
 	if err != nil {
 		return nil, err
 	}
@@ -212,7 +293,13 @@ func (s *Sender) start(accept []byte, attach func(*kvlease.Transfer) error, writ
 	}
 	conn := s.cfg.wrap(raw)
 	var cancel atomic.Bool
-	t := kvlease.NewTransfer(func() { cancel.Store(true) })
+	// A cancel stops the writer at the next block boundary, and ends a
+	// write blocked on a stalled peer at once (a write deadline in the
+	// past): the writer's return is our evidence either way.
+	t := kvlease.NewTransfer(func() {
+		cancel.Store(true)
+		_ = conn.SetWriteDeadline(time.Now())
+	})
 	if err := attach(t); err != nil {
 		_ = conn.Close()
 		t.Resolve(err) // nothing read the regions: evidence
@@ -227,7 +314,7 @@ func (s *Sender) start(accept []byte, attach func(*kvlease.Transfer) error, writ
 	s.stats.mu.Unlock()
 	go func() {
 		defer s.wg.Done()
-		n, err := write(conn, tok, &cancel)
+		n, err := write(conn, tok, sl, &cancel)
 		_ = conn.Close()
 		s.mu.Lock()
 		delete(s.conns, conn)
@@ -238,26 +325,23 @@ func (s *Sender) start(accept []byte, attach func(*kvlease.Transfer) error, writ
 	return nil, nil
 }
 
-func (s *Sender) write(conn net.Conn, tok [16]byte, regions [][]byte, cancel *atomic.Bool) (int64, error) {
-	var hdr [helloLength]byte
-	h := append(hdr[:0], 'K', 'D', version)
-	h = append(h, tok[:]...)
-	h = binary.LittleEndian.AppendUint32(h, uint32(len(regions)))
+func (s *Sender) write(conn net.Conn, tok [16]byte, sl *seal, regions [][]byte, cancel *atomic.Bool) (int64, error) {
 	bb := 0
 	if len(regions) > 0 {
 		bb = len(regions[0])
 	}
-	h = binary.LittleEndian.AppendUint32(h, uint32(bb))
-	if _, err := conn.Write(h); err != nil {
+	if _, err := conn.Write(sl.hello(tok, len(regions), bb)); err != nil {
 		return 0, fmt.Errorf("tcp: hello: %w", err)
 	}
+	tl := sl.trailer()
 	// One gathered write per block (writev on a *net.TCPConn): the
 	// previous block's checksum, this block's header, the region itself.
 	// The checksum is computed right after the write, over bytes still in
 	// cache, which is why it trails its block. The small buffers and the
 	// vector are allocated once per transfer, not per block; one block
 	// per write keeps a cancel honoured at the next block boundary.
-	meta := new([frameTrailer + frameHeader]byte) // trailer of block i-1, header of block i
+	metaBuf := new([tagLength + frameHeader]byte) // trailer of block i-1, header of block i
+	meta := metaBuf[tagLength-tl:]
 	iov := new([2][]byte)
 	var bufs net.Buffers
 	var n int64
@@ -265,21 +349,21 @@ func (s *Sender) write(conn net.Conn, tok [16]byte, regions [][]byte, cancel *at
 		if cancel.Load() {
 			return n, fmt.Errorf("tcp: stopped before block %d of %d: %w", i, len(regions), ErrCanceled)
 		}
-		binary.LittleEndian.PutUint32(meta[frameTrailer:], uint32(i))
-		binary.LittleEndian.PutUint32(meta[frameTrailer+4:], uint32(len(r)))
-		iov[0], iov[1] = meta[:], r
+		binary.LittleEndian.PutUint32(meta[tl:], uint32(i))
+		binary.LittleEndian.PutUint32(meta[tl+4:], uint32(len(r)))
+		iov[0], iov[1] = meta, r
 		if i == 0 {
-			iov[0] = meta[frameTrailer:]
+			iov[0] = meta[tl:]
 		}
 		bufs = iov[:]
 		if _, err := bufs.WriteTo(conn); err != nil {
 			return n, fmt.Errorf("tcp: block %d of %d: %w", i, len(regions), err)
 		}
-		binary.LittleEndian.PutUint32(meta[:], crc32.Checksum(r, castagnoli))
+		sl.sum(meta[:tl], i, r)
 		n += int64(len(r))
 	}
 	if len(regions) > 0 {
-		if _, err := conn.Write(meta[:frameTrailer]); err != nil {
+		if _, err := conn.Write(meta[:tl]); err != nil {
 			return n, fmt.Errorf("tcp: checksum of block %d of %d: %w", len(regions)-1, len(regions), err)
 		}
 	}
@@ -319,6 +403,9 @@ type Receiver struct {
 	addr  string
 	stats counters
 
+	pending atomic.Int32  // connections waiting for their hello
+	closing chan struct{} // closed by Close
+
 	mu      sync.Mutex
 	byTok   map[[16]byte]*slot
 	byID    map[handoff.PlaneID]*slot
@@ -332,6 +419,7 @@ type Receiver struct {
 type slot struct {
 	id     handoff.PlaneID
 	tok    [16]byte
+	seal   *seal
 	blocks int
 	conn   chan net.Conn // the data connection, once its hello checked out
 	gone   chan struct{} // closed by Forget
@@ -343,7 +431,7 @@ var _ handoff.RecvPlane[[]byte] = (*Receiver)(nil)
 func NewReceiver(ln net.Listener, cfg Config) *Receiver {
 	cfg.defaults()
 	r := &Receiver{cfg: cfg, ln: ln, addr: ln.Addr().String(), byTok: make(map[[16]byte]*slot),
-		byID: make(map[handoff.PlaneID]*slot), conns: make(map[net.Conn]struct{}), stopped: make(chan struct{})}
+		byID: make(map[handoff.PlaneID]*slot), conns: make(map[net.Conn]struct{}), stopped: make(chan struct{}), closing: make(chan struct{})}
 	go r.acceptLoop()
 	return r
 }
@@ -351,14 +439,49 @@ func NewReceiver(ln net.Listener, cfg Config) *Receiver {
 // Addr returns the data listener's address.
 func (r *Receiver) Addr() string { return r.addr }
 
+// acceptLoop accepts data connections until Close. An accept error
+// other than the closed listener (EMFILE, a connection reset before it
+// was accepted) is counted and retried after a backoff that doubles from
+// 5 ms to 1 s. At most MaxPendingHellos connections wait for their hello
+// at once; one more is closed at once.
 func (r *Receiver) acceptLoop() {
 	defer close(r.stopped)
+	var backoff time.Duration
 	for {
 		c, err := r.ln.Accept()
 		if err != nil {
-			return
+			r.mu.Lock()
+			closed := r.closed
+			r.mu.Unlock()
+			if closed || errors.Is(err, net.ErrClosed) {
+				return
+			}
+			r.stats.mu.Lock()
+			r.stats.s.AcceptErrors++
+			r.stats.mu.Unlock()
+			backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+			if r.cfg.OnError != nil {
+				r.cfg.OnError(fmt.Errorf("tcp: accept (retrying in %v): %w", backoff, err))
+			}
+			select {
+			case <-time.After(backoff):
+			case <-r.closing:
+				return
+			}
+			continue
+		}
+		backoff = 0
+		if r.pending.Add(1) > int32(r.cfg.MaxPendingHellos) {
+			r.pending.Add(-1)
+			r.stats.mu.Lock()
+			r.stats.s.RefusedBusy++
+			r.stats.s.Refused++
+			r.stats.mu.Unlock()
+			_ = c.Close()
+			continue
 		}
 		if !r.track(c) {
+			r.pending.Add(-1)
 			_ = c.Close()
 			return
 		}
@@ -391,6 +514,9 @@ func (r *Receiver) refuse(raw net.Conn, why error) {
 	r.untrack(raw)
 	r.stats.mu.Lock()
 	r.stats.s.Refused++
+	if errors.Is(why, ErrUnauthenticated) {
+		r.stats.s.RefusedAuth++
+	}
 	r.stats.mu.Unlock()
 	if r.cfg.OnError != nil {
 		r.cfg.OnError(fmt.Errorf("tcp: data connection from %v refused: %w", raw.RemoteAddr(), why))
@@ -401,6 +527,7 @@ func (r *Receiver) refuse(raw net.Conn, why error) {
 // slot. Anything else (garbage, half a hello, an unknown token, a second
 // connection for a slot) closes it.
 func (r *Receiver) hello(c, raw net.Conn) {
+	defer r.pending.Add(-1)
 	var h [helloLength]byte
 	_ = c.SetReadDeadline(time.Now().Add(r.cfg.HelloTimeout))
 	if n, err := io.ReadFull(c, h[:]); err != nil {
@@ -413,18 +540,24 @@ func (r *Receiver) hello(c, raw net.Conn) {
 	}
 	_ = c.SetReadDeadline(time.Time{})
 	var tok [16]byte
-	copy(tok[:], h[3:19])
-	blocks := int(binary.LittleEndian.Uint32(h[19:]))
+	copy(tok[:], h[4:20])
+	blocks := int(binary.LittleEndian.Uint32(h[20:]))
 	r.mu.Lock()
 	s := r.byTok[tok]
-	if s != nil && s.blocks == blocks {
-		delete(r.byTok, tok) // one connection per slot
-	} else {
-		s = nil
+	var err error
+	switch {
+	case s == nil || s.blocks != blocks:
+		err = fmt.Errorf("hello for %d blocks names no prepared handoff: %w", blocks, ErrCorrupt)
+	default:
+		// A hello that does not prove the session leaves the slot to
+		// the real sender.
+		if err = s.seal.checkHello(h[:]); err == nil {
+			delete(r.byTok, tok) // one connection per slot
+		}
 	}
 	r.mu.Unlock()
-	if s == nil {
-		r.refuse(raw, fmt.Errorf("hello for %d blocks names no prepared handoff: %w", blocks, ErrCorrupt))
+	if err != nil {
+		r.refuse(raw, err)
 		return
 	}
 	s.conn <- connPair{c, raw}.pack()
@@ -448,7 +581,11 @@ func (r *Receiver) Prepare(id handoff.PlaneID, blocks int) ([]byte, error) {
 	if _, err := rand.Read(tok[:]); err != nil {
 		return nil, err
 	}
-	s := &slot{id: id, tok: tok, blocks: blocks, conn: make(chan net.Conn, 1), gone: make(chan struct{})}
+	sl, err := newSeal(id, tok)
+	if err != nil {
+		return nil, err
+	}
+	s := &slot{id: id, tok: tok, seal: sl, blocks: blocks, conn: make(chan net.Conn, 1), gone: make(chan struct{})}
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.closed {
@@ -489,8 +626,8 @@ func (r *Receiver) Forget(id handoff.PlaneID) {
 // source's data connection has arrived. The transfer resolves when that
 // goroutine has exited.
 func (r *Receiver) Receive(id handoff.PlaneID, regions [][]byte, _ []byte, attach func(*kvlease.Transfer) error) error {
-	return r.receive(id, len(regions), nil, attach, func(c net.Conn, cancel <-chan struct{}) (int64, error) {
-		return r.read(c, regions, cancel)
+	return r.receive(id, len(regions), nil, attach, func(c net.Conn, sl *seal, cancel <-chan struct{}) (int64, error) {
+		return r.read(c, sl, regions, cancel)
 	})
 }
 
@@ -501,7 +638,7 @@ func (r *Receiver) Receive(id handoff.PlaneID, regions [][]byte, _ []byte, attac
 // goroutine's return resolves the transfer (the receiver's evidence). A
 // refusal before the attach drops the prepared slot.
 func (r *Receiver) receive(id handoff.PlaneID, blocks int, check func() error, attach func(*kvlease.Transfer) error,
-	read func(c net.Conn, cancel <-chan struct{}) (int64, error)) error {
+	read func(c net.Conn, sl *seal, cancel <-chan struct{}) (int64, error)) error {
 	r.mu.Lock()
 	s := r.byID[id]
 	delete(r.byID, id)
@@ -540,7 +677,19 @@ func (r *Receiver) receive(id handoff.PlaneID, blocks int, check func() error, a
 		select {
 		case c := <-s.conn:
 			p := c.(packed)
-			n, err = read(p.Conn, cancel)
+			// A cancel ends a read blocked on a stalled peer at once (a
+			// read deadline in the past): the reader's return is then our
+			// evidence, so a quarantine lifts as soon as it is set.
+			done := make(chan struct{})
+			go func() {
+				select {
+				case <-cancel:
+					_ = p.Conn.SetReadDeadline(time.Now())
+				case <-done:
+				}
+			}()
+			n, err = read(p.Conn, s.seal, cancel)
+			close(done)
 			r.untrack(p.raw)
 		case <-cancel:
 			err = fmt.Errorf("tcp: canceled before the data connection came: %w", ErrCanceled)
@@ -576,8 +725,9 @@ func (r *Receiver) dropSlot(s *slot) {
 // as they arrive (no second pass) and is checked when the block is.
 // Cancel is honoured before each read; a read in progress is not
 // interrupted.
-func (r *Receiver) read(c net.Conn, regions [][]byte, cancel <-chan struct{}) (int64, error) {
-	const metaLen = frameHeader + frameTrailer
+func (r *Receiver) read(c net.Conn, sl *seal, regions [][]byte, cancel <-chan struct{}) (int64, error) {
+	frameTrailer := sl.trailer()
+	metaLen := frameHeader + frameTrailer
 	k := min(len(regions), batchBlocks)
 	metas := make([]byte, metaLen*k) // block b's header and trailer in slot b%k
 	meta := func(b int) []byte { return metas[metaLen*(b%k) : metaLen*(b%k+1)] }
@@ -630,7 +780,9 @@ func (r *Receiver) read(c net.Conn, regions [][]byte, cancel <-chan struct{}) (i
 			case pos < bodyEnd:
 				off := pos - frameHeader
 				t := min(m, len(dst)-off)
-				got = crc32.Update(got, castagnoli, dst[off:off+t])
+				if !sl.keyed {
+					got = crc32.Update(got, castagnoli, dst[off:off+t])
+				}
 				pos, m = pos+t, m-t
 			default:
 				t := min(m, bodyEnd+frameTrailer-pos)
@@ -638,7 +790,11 @@ func (r *Receiver) read(c net.Conn, regions [][]byte, cancel <-chan struct{}) (i
 				if pos < bodyEnd+frameTrailer {
 					continue
 				}
-				if sum := binary.LittleEndian.Uint32(meta(i)[frameHeader:]); got != sum {
+				if sl.keyed {
+					if err := sl.verify(i, dst, meta(i)[frameHeader:]); err != nil {
+						return n, fmt.Errorf("tcp: block %d of %d: %w", i, len(regions), err)
+					}
+				} else if sum := binary.LittleEndian.Uint32(meta(i)[frameHeader:]); got != sum {
 					return n, fmt.Errorf("tcp: block %d of %d: crc32c %08x, frame says %08x: %w", i, len(regions), got, sum, ErrCorrupt)
 				}
 				n += int64(len(dst))
@@ -684,6 +840,9 @@ func (r *Receiver) Stats() Stats {
 // exit and resolve their transfers) and waits for the loops.
 func (r *Receiver) Close() error {
 	r.mu.Lock()
+	if !r.closed {
+		close(r.closing)
+	}
 	r.closed = true
 	for c := range r.conns {
 		_ = c.Close()

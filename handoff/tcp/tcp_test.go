@@ -16,6 +16,13 @@ import (
 
 const blockBytes = 4096
 
+// testAuth is the pre-shared key of the tests' halves (and of the peer
+// processes the fault suites start: the same binary).
+var testAuth = &handoff.PSK{ID: "test", Key: []byte("kvlease tcp tests' shared key 32")}
+
+// quiet drops the insecure sessions' log lines.
+func quiet(string, ...any) {}
+
 func env(poolBlocks int) handoff.Envelope {
 	return handoff.Envelope{BlockTokens: 16, BlockBytes: blockBytes, PoolBlocks: poolBlocks,
 		MaxContextTokens: 16 * 64, MaxPrefillTokens: 512, MaxRunningRequests: 4}
@@ -109,7 +116,7 @@ func newLoop(t *testing.T, lc loopConfig) *loop {
 		dl = 10 * time.Second
 	}
 	l.dst, err = handoff.NewDestination(l.dstPool, l.recv, handoff.DestinationConfig[[]byte]{
-		HalfConfig: handoff.HalfConfig{Envelope: env(64), Name: "decode", Peer: "prefill", Deadline: dl, OnError: lc.onError},
+		HalfConfig: handoff.HalfConfig{Envelope: env(64), Name: "decode", Peer: "prefill", Deadline: dl, OnError: lc.onError, Auth: testAuth},
 		Decide:     lc.decide,
 		OnAccept: func(in *handoff.Incoming[[]byte]) {
 			l.mu.Lock()
@@ -146,7 +153,7 @@ func newLoop(t *testing.T, lc loopConfig) *loop {
 	if err != nil {
 		t.Fatal(err)
 	}
-	l.src, err = handoff.NewSource(c, l.sender, handoff.HalfConfig{Envelope: env(64), Name: "prefill", Peer: "decode", Deadline: dl})
+	l.src, err = handoff.NewSource(c, l.sender, handoff.HalfConfig{Envelope: env(64), Name: "prefill", Peer: "decode", Deadline: dl, Auth: testAuth})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -40,6 +40,9 @@ type Ledger struct {
 	// (the zero value where nobody tracks it).
 	Disagreements, ProtocolErrors int
 	Child                         ChildExit
+	// Authenticated is how the two processes' control session was
+	// authenticated: "psk", "tls" or "none" ("" for one process).
+	Authenticated string
 }
 
 // ChildExit is how the decode process of a two-process run ended.

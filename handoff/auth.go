@@ -1,0 +1,458 @@
+package handoff
+
+import (
+	"crypto/hkdf"
+	"crypto/hmac"
+	"crypto/rand"
+	"crypto/sha256"
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"time"
+
+	"github.com/kvlease/kvlease"
+)
+
+// Authentication. Every control connection starts with a handshake in
+// which both halves authenticate each other before any message is acted
+// on, and which binds every later frame, and the data plane, to the
+// session it establishes.
+//
+// The handshake begins with a preamble each way, in the clear:
+//
+//	"KA" | protocol version | mode (0 none, 1 psk, 2 tls) | envelope fingerprint (8 bytes LE)
+//
+// The source (the client) sends first; the destination answers with its
+// own, even when it is about to refuse, so the source's error says what
+// the destination wants. A mode that is not this side's own is refused:
+// a peer offering none to a secure side is a downgrade (counted as such).
+// Then, by mode:
+//
+//   - psk: the source sends a 32-byte nonce and its key id; the
+//     destination answers with its nonce and
+//     HMAC-SHA256(key, "kvlease psk destination" | transcript); the source
+//     checks it and answers HMAC-SHA256(key, "kvlease psk source" |
+//     transcript). The transcript is both preambles, both nonces and the
+//     key id. The session keys come from HKDF-SHA256 over the key, salted
+//     with both nonces: one AES-256-GCM key per direction for the control
+//     frames, and a secret for the data plane. Every later frame is a
+//     record: length (4 bytes LE) | sequence (8 bytes LE) | AES-GCM of the
+//     frame, nonce = the sequence, the length and the sequence as
+//     additional data. Each direction counts from zero; a record whose
+//     sequence is not the next one (a replay, a reordering, a frame from
+//     another session) or whose tag does not verify ends the session.
+//   - tls: a TLS 1.3 handshake with certificates on both sides; the
+//     frames then travel inside TLS as they are, and the data-plane
+//     secret is exported from the TLS session (RFC 8446 exporter).
+//   - none: nothing more. Only a side whose config says Insecure speaks
+//     it, and each such session logs that it is unauthenticated.
+
+// ErrAuth is wrapped by every refusal of the authentication: a wrong key,
+// an unknown or expired certificate, a downgrade, a handshake that timed
+// out or did not parse, and, after the handshake, a control record that
+// is replayed, reordered, spliced from another session or forged. The
+// session ends; nothing of it was acted on.
+var ErrAuth = errors.New("kvlease: handoff authentication failed")
+
+// AuthMode is how a control session was authenticated.
+type AuthMode uint8
+
+// The authentication modes.
+const (
+	// AuthNone: no authentication (HalfConfig.Insecure).
+	AuthNone AuthMode = iota
+	// AuthPSK: a pre-shared key (PSK).
+	AuthPSK
+	// AuthTLS: mutual TLS 1.3 (TLS).
+	AuthTLS
+	numAuthModes
+)
+
+func (m AuthMode) String() string {
+	switch m {
+	case AuthNone:
+		return "none"
+	case AuthPSK:
+		return "psk"
+	case AuthTLS:
+		return "tls"
+	}
+	return fmt.Sprintf("auth(%d)", uint8(m))
+}
+
+// An Authenticator authenticates a half's control connections: *PSK or
+// *TLS. Set one in HalfConfig.Auth.
+type Authenticator interface {
+	// Mode is the authenticator's mode.
+	Mode() AuthMode
+	validate(client bool) error
+	handshake(h *handshake) error
+}
+
+// MinKeyBytes is the shortest pre-shared key PSK accepts.
+const MinKeyBytes = 16
+
+// PSK authenticates with a pre-shared key: a challenge-response over both
+// sides' random nonces (HMAC-SHA256), which derives the session's keys
+// (HKDF-SHA256). Both halves hold the key; it never travels.
+//
+// A source offers the key ID/Key. A destination accepts ID/Key and, if
+// set, every key of Keys under its id, so that one decode worker can tell
+// several prefill fleets apart: the peer's identity is "psk:" and the id.
+type PSK struct {
+	// ID names the key (at most 255 bytes; sent in the clear).
+	ID string
+	// Key is the secret, at least MinKeyBytes bytes (GenerateKey draws 32).
+	Key []byte
+	// Keys, on a destination, are further accepted keys by id.
+	Keys map[string][]byte
+}
+
+// Mode returns AuthPSK.
+func (p *PSK) Mode() AuthMode { return AuthPSK }
+
+func (p *PSK) validate(client bool) error {
+	ok := len(p.ID) <= 255 && (len(p.Key) >= MinKeyBytes || (!client && len(p.Key) == 0 && len(p.Keys) > 0))
+	for id, k := range p.Keys {
+		ok = ok && len(id) <= 255 && len(k) >= MinKeyBytes
+	}
+	if !ok {
+		return fmt.Errorf("kvlease: handoff: PSK needs a key of at least %d bytes (handoff.GenerateKey draws one) and ids of at most 255 bytes: %w",
+			MinKeyBytes, kvlease.ErrInvalidArgument)
+	}
+	return nil
+}
+
+func (p *PSK) key(id string) []byte {
+	if id == p.ID && len(p.Key) > 0 {
+		return p.Key
+	}
+	return p.Keys[id]
+}
+
+// GenerateKey returns a fresh random 32-byte key for PSK.
+func GenerateKey() ([]byte, error) {
+	k := make([]byte, 32)
+	if _, err := rand.Read(k); err != nil {
+		return nil, err
+	}
+	return k, nil
+}
+
+// TLS authenticates with mutual TLS 1.3. Config is the caller's
+// *tls.Config: on a source it must hold the client certificate
+// (Certificates or GetClientCertificate) and the roots that verify the
+// destination (RootCAs, ServerName); on a destination its certificate
+// and ClientCAs, which verify every source. The halves clone it and
+// force TLS 1.3 and, on a destination, RequireAndVerifyClientCert. The
+// peer's identity is its leaf certificate's first URI SAN, else its
+// subject.
+type TLS struct {
+	Config *tls.Config
+}
+
+// Mode returns AuthTLS.
+func (t *TLS) Mode() AuthMode { return AuthTLS }
+
+func (t *TLS) validate(client bool) error {
+	c := t.Config
+	switch {
+	case c == nil:
+		return fmt.Errorf("kvlease: handoff: TLS needs a *tls.Config: %w", kvlease.ErrInvalidArgument)
+	case client && len(c.Certificates) == 0 && c.GetClientCertificate == nil:
+		return fmt.Errorf("kvlease: handoff: TLS on a source needs a client certificate (tls.Config.Certificates): %w", kvlease.ErrInvalidArgument)
+	case !client && c.ClientCAs == nil:
+		return fmt.Errorf("kvlease: handoff: TLS on a destination needs tls.Config.ClientCAs to verify its sources: %w", kvlease.ErrInvalidArgument)
+	case !client && len(c.Certificates) == 0 && c.GetCertificate == nil:
+		return fmt.Errorf("kvlease: handoff: TLS on a destination needs a certificate (tls.Config.Certificates): %w", kvlease.ErrInvalidArgument)
+	}
+	return nil
+}
+
+// Peer is the other side of a control session, as the halves and the
+// data planes see it: how it was authenticated, who it proved to be, and
+// where it connected from. A plane derives its keys for the session from
+// it (Key), so that nothing outside the session can speak on the data
+// plane.
+type Peer struct {
+	// Mode is how the session was authenticated.
+	Mode AuthMode
+	// Identity is who the peer proved to be: "psk:" and the key id, the
+	// certificate's URI SAN or subject; "" when Mode is AuthNone.
+	Identity string
+	// Addr is the control connection's remote address.
+	Addr net.Addr
+
+	secret []byte // the data-plane secret; nil for AuthNone
+}
+
+// Secure reports whether the session is authenticated (p not nil and
+// Mode not AuthNone).
+func (p *Peer) Secure() bool { return p != nil && p.Mode != AuthNone && len(p.secret) > 0 }
+
+// Key derives n bytes of key material for a data plane from the
+// session's secret (HKDF-SHA256 expand), under label (the plane's name
+// and purpose) and context (what the key is for: a token, a handoff
+// id). Both halves derive the same bytes. It fails with
+// ErrInvalidArgument for an unauthenticated session.
+func (p *Peer) Key(label string, context []byte, n int) ([]byte, error) {
+	if !p.Secure() {
+		return nil, fmt.Errorf("kvlease: handoff: no session key in an unauthenticated session: %w", kvlease.ErrInvalidArgument)
+	}
+	info := make([]byte, 0, len(label)+1+len(context))
+	info = append(append(append(info, label...), 0), context...)
+	return hkdf.Expand(sha256.New, p.secret, string(info), n)
+}
+
+// String returns "mode identity".
+func (p *Peer) String() string {
+	if p == nil {
+		return "none"
+	}
+	if p.Identity == "" {
+		return p.Mode.String()
+	}
+	return p.Mode.String() + " " + p.Identity
+}
+
+// DefaultHandshakeTimeout bounds a handshake when
+// HalfConfig.HandshakeTimeout is zero.
+const DefaultHandshakeTimeout = 5 * time.Second
+
+// handshake is one side's run of the authentication.
+type handshake struct {
+	conn        net.Conn
+	client      bool
+	fingerprint uint64
+	timeout     time.Duration
+
+	// results
+	peer  *Peer
+	conn2 net.Conn // the connection the frames use (a *tls.Conn for tls)
+	ch    *channel // the record layer (psk)
+	// preambles as sent by the client and the server
+	pre [2][preambleLength]byte
+}
+
+const preambleLength = 2 + 1 + 1 + 8
+
+// authError is a refusal of the authentication; downgrade marks a peer
+// that offered a weaker mode.
+type authError struct {
+	err       error
+	downgrade bool
+}
+
+func (e *authError) Error() string { return e.err.Error() }
+func (e *authError) Unwrap() error { return e.err }
+
+func refuseAuth(downgrade bool, format string, args ...any) error {
+	return &authError{err: fmt.Errorf("kvlease: handoff: "+format+": %w", append(args, ErrAuth)...), downgrade: downgrade}
+}
+
+// authenticate runs the handshake over conn for a half configured with
+// auth (nil: insecure). On success the peer, the connection to use and
+// the record layer (nil unless psk) are in h.
+func authenticate(conn net.Conn, client bool, auth Authenticator, fingerprint uint64, timeout time.Duration) (*handshake, error) {
+	h := &handshake{conn: conn, client: client, fingerprint: fingerprint, timeout: timeout}
+	if h.timeout <= 0 {
+		h.timeout = DefaultHandshakeTimeout
+	}
+	_ = conn.SetDeadline(time.Now().Add(h.timeout))
+	defer func() { _ = conn.SetDeadline(time.Time{}) }()
+	mode := AuthNone
+	if auth != nil {
+		mode = auth.Mode()
+	}
+	ours := preamble(mode, fingerprint)
+	me, them := 0, 1
+	if !client {
+		me, them = 1, 0
+	}
+	h.pre[me] = ours
+	if client {
+		if _, err := conn.Write(ours[:]); err != nil {
+			return nil, fmt.Errorf("kvlease: handoff: handshake: %w (%w)", ErrAuth, err)
+		}
+	}
+	if _, err := io.ReadFull(conn, h.pre[them][:]); err != nil {
+		return nil, refuseAuth(false, "handshake: no preamble from the peer (%v)", err)
+	}
+	if !client {
+		// Answer even a refusal, so the source learns what we want.
+		if _, err := conn.Write(ours[:]); err != nil {
+			return nil, fmt.Errorf("kvlease: handoff: handshake: %w (%w)", ErrAuth, err)
+		}
+	}
+	p := h.pre[them]
+	if p[0] != 'K' || p[1] != 'A' {
+		return nil, refuseAuth(false, "handshake: preamble starts %q, want \"KA\"", p[:2])
+	}
+	if p[2] != ProtocolVersion {
+		return nil, refuseAuth(false, "handshake: peer speaks protocol version %d, this side %d", p[2], ProtocolVersion)
+	}
+	theirs := AuthMode(p[3])
+	if theirs != mode {
+		down := theirs == AuthNone
+		return nil, refuseAuth(down, "handshake: peer offers authentication %v, this side requires %v (set the same Auth on both halves; Insecure on both to run without)", theirs, mode)
+	}
+	h.peer = &Peer{Mode: mode, Addr: conn.RemoteAddr()}
+	h.conn2 = conn
+	if auth == nil {
+		return h, nil
+	}
+	if err := auth.handshake(h); err != nil {
+		return nil, err
+	}
+	return h, nil
+}
+
+func preamble(mode AuthMode, fingerprint uint64) [preambleLength]byte {
+	var b [preambleLength]byte
+	b[0], b[1], b[2], b[3] = 'K', 'A', ProtocolVersion, byte(mode)
+	le.PutUint64(b[4:], fingerprint)
+	return b
+}
+
+const nonceBytes = 32
+
+func (p *PSK) handshake(h *handshake) error {
+	var cn, sn [nonceBytes]byte
+	var id string
+	var key []byte
+	conn := h.conn
+	if h.client {
+		id, key = p.ID, p.Key
+		if _, err := rand.Read(cn[:]); err != nil {
+			return err
+		}
+		msg := append(append(cn[:], byte(len(id))), id...)
+		if _, err := conn.Write(msg); err != nil {
+			return fmt.Errorf("kvlease: handoff: psk handshake: %w (%w)", ErrAuth, err)
+		}
+		var resp [nonceBytes + sha256.Size]byte
+		if _, err := io.ReadFull(conn, resp[:]); err != nil {
+			return refuseAuth(false, "psk handshake: the destination refused key %q or went away (%v)", id, err)
+		}
+		copy(sn[:], resp[:nonceBytes])
+		t := h.transcript(cn, sn, id)
+		if !hmac.Equal(resp[nonceBytes:], pskMAC(key, "kvlease psk destination", t)) {
+			return refuseAuth(false, "psk handshake: the destination does not hold key %q", id)
+		}
+		if _, err := conn.Write(pskMAC(key, "kvlease psk source", t)); err != nil {
+			return fmt.Errorf("kvlease: handoff: psk handshake: %w (%w)", ErrAuth, err)
+		}
+	} else {
+		var head [nonceBytes + 1]byte
+		if _, err := io.ReadFull(conn, head[:]); err != nil {
+			return refuseAuth(false, "psk handshake: half a challenge (%v)", err)
+		}
+		copy(cn[:], head[:nonceBytes])
+		idb := make([]byte, head[nonceBytes])
+		if _, err := io.ReadFull(conn, idb); err != nil {
+			return refuseAuth(false, "psk handshake: half a key id (%v)", err)
+		}
+		id = string(idb)
+		if key = p.key(id); key == nil {
+			return refuseAuth(false, "psk handshake: unknown key id %q", id)
+		}
+		if _, err := rand.Read(sn[:]); err != nil {
+			return err
+		}
+		t := h.transcript(cn, sn, id)
+		if _, err := conn.Write(append(sn[:], pskMAC(key, "kvlease psk destination", t)...)); err != nil {
+			return fmt.Errorf("kvlease: handoff: psk handshake: %w (%w)", ErrAuth, err)
+		}
+		var mac [sha256.Size]byte
+		if _, err := io.ReadFull(conn, mac[:]); err != nil {
+			return refuseAuth(false, "psk handshake: no response to the challenge (%v)", err)
+		}
+		if !hmac.Equal(mac[:], pskMAC(key, "kvlease psk source", t)) {
+			return refuseAuth(false, "psk handshake: the source does not hold key %q", id)
+		}
+	}
+	salt := append(cn[:nonceBytes:nonceBytes], sn[:]...)
+	keys, err := hkdf.Key(sha256.New, key, salt, "kvlease handoff session v2 "+id, 3*32)
+	if err != nil {
+		return err
+	}
+	c2s, s2c := keys[:32], keys[32:64]
+	if h.client {
+		h.ch, err = newChannel(c2s, s2c)
+	} else {
+		h.ch, err = newChannel(s2c, c2s)
+	}
+	if err != nil {
+		return err
+	}
+	h.peer.Identity = "psk:" + id
+	h.peer.secret = keys[64:]
+	return nil
+}
+
+// transcript is what both MACs of the psk handshake cover.
+func (h *handshake) transcript(cn, sn [nonceBytes]byte, id string) []byte {
+	t := make([]byte, 0, 2*preambleLength+2*nonceBytes+1+len(id))
+	t = append(append(t, h.pre[0][:]...), h.pre[1][:]...)
+	t = append(append(t, cn[:]...), sn[:]...)
+	return append(append(t, byte(len(id))), id...)
+}
+
+func pskMAC(key []byte, label string, transcript []byte) []byte {
+	m := hmac.New(sha256.New, key)
+	m.Write([]byte(label))
+	m.Write(transcript)
+	return m.Sum(nil)
+}
+
+func (t *TLS) handshake(h *handshake) error {
+	cfg := t.Config.Clone()
+	cfg.MinVersion = tls.VersionTLS13
+	var c *tls.Conn
+	if h.client {
+		c = tls.Client(h.conn, cfg)
+	} else {
+		cfg.ClientAuth = tls.RequireAndVerifyClientCert
+		c = tls.Server(h.conn, cfg)
+	}
+	if err := c.Handshake(); err != nil {
+		return refuseAuth(false, "tls handshake: %v", err)
+	}
+	// In TLS 1.3 the client's handshake is over before the server has
+	// checked its certificate: the server confirms with one byte inside
+	// the session, so that a refused source learns it here (the alert),
+	// not on its first frame.
+	var ok [1]byte
+	if h.client {
+		if _, err := io.ReadFull(c, ok[:]); err != nil || ok[0] != 'K' {
+			return refuseAuth(false, "tls handshake: the destination refused this source's certificate (%v)", err)
+		}
+	} else if _, err := c.Write([]byte{'K'}); err != nil {
+		return refuseAuth(false, "tls handshake: confirm: %v", err)
+	}
+	cs := c.ConnectionState()
+	if len(cs.PeerCertificates) == 0 {
+		return refuseAuth(false, "tls handshake: the peer sent no certificate")
+	}
+	ctx := append(h.pre[0][4:12:12], h.pre[1][4:12]...)
+	secret, err := cs.ExportKeyingMaterial("kvlease handoff data v2", ctx, 32)
+	if err != nil {
+		return refuseAuth(false, "tls handshake: export keying material: %v", err)
+	}
+	h.peer.Identity = CertIdentity(cs.PeerCertificates[0])
+	h.peer.secret = secret
+	h.conn2 = c
+	return nil
+}
+
+// CertIdentity is the identity the halves report for a peer certificate:
+// its first URI SAN, else its subject.
+func CertIdentity(c *x509.Certificate) string {
+	if len(c.URIs) > 0 {
+		return c.URIs[0].String()
+	}
+	return c.Subject.String()
+}

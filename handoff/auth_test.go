@@ -1,0 +1,721 @@
+package handoff
+
+import (
+	"bytes"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"errors"
+	"fmt"
+	"io"
+	"math/big"
+	"net"
+	"net/url"
+	"os"
+	"runtime"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/kvlease/kvlease"
+)
+
+// Tests of the authentication: the handshake in each mode and its
+// refusals, the psk record layer, authorization, and the per-session
+// bounds, with hand-played peers where a real half would not misbehave.
+
+// testCA is a certificate authority for the tests' TLS identities.
+type testCA struct {
+	cert *x509.Certificate
+	key  *ecdsa.PrivateKey
+	pool *x509.CertPool
+}
+
+func newTestCA(t testing.TB, name string) *testCA {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: name},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
+		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cert, _ := x509.ParseCertificate(der)
+	pool := x509.NewCertPool()
+	pool.AddCert(cert)
+	return &testCA{cert: cert, key: key, pool: pool}
+}
+
+// issue returns a leaf certificate for uri (a URI SAN) valid until
+// notAfter, for 127.0.0.1 and "decode".
+func (ca *testCA) issue(t testing.TB, uri string, notAfter time.Time) tls.Certificate {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	u, _ := url.Parse(uri)
+	tmpl := &x509.Certificate{SerialNumber: big.NewInt(time.Now().UnixNano()), Subject: pkix.Name{CommonName: u.Path},
+		NotBefore: time.Now().Add(-2 * time.Hour), NotAfter: notAfter, URIs: []*url.URL{u},
+		DNSNames: []string{"decode"}, IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1)},
+		KeyUsage:    x509.KeyUsageDigitalSignature,
+		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth}}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.cert, &key.PublicKey, ca.key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key}
+}
+
+// tlsPair returns a source's and a destination's TLS authenticators,
+// both issued by ca, with URI identities.
+func tlsPair(t testing.TB, ca *testCA) (src, dst *TLS) {
+	later := time.Now().Add(time.Hour)
+	src = &TLS{Config: &tls.Config{Certificates: []tls.Certificate{ca.issue(t, "spiffe://kvlease/prefill", later)}, RootCAs: ca.pool, ServerName: "decode"}}
+	dst = &TLS{Config: &tls.Config{Certificates: []tls.Certificate{ca.issue(t, "spiffe://kvlease/decode", later)}, ClientCAs: ca.pool}}
+	return src, dst
+}
+
+// handshakePair runs both sides' handshakes over a pipe and returns
+// their results.
+func handshakePair(src, dst Authenticator) (cs, ds *handshake, cerr, derr error) {
+	a, b := net.Pipe()
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		ds, derr = authenticate(b, false, dst, 7, time.Second)
+		if derr != nil {
+			_ = b.Close()
+		}
+	}()
+	cs, cerr = authenticate(a, true, src, 7, time.Second)
+	if cerr != nil {
+		_ = a.Close()
+	}
+	wg.Wait()
+	_ = a.Close()
+	_ = b.Close()
+	return cs, ds, cerr, derr
+}
+
+// TestAuthRequired: no authenticator and no Insecure is refused, with an
+// error that says how to fix it; so are both at once and authenticators
+// that cannot work.
+func TestAuthRequired(t *testing.T) {
+	pool := newHostPool(t, 32, hbBytes)
+	a, b := net.Pipe()
+	defer a.Close()
+	defer b.Close()
+	ca := newTestCA(t, "ca")
+	srcTLS, _ := tlsPair(t, ca)
+	for _, tt := range []struct {
+		name string
+		half HalfConfig
+		want string
+	}{
+		{"none", HalfConfig{}, "set HalfConfig.Auth to &handoff.PSK"},
+		{"both", HalfConfig{Auth: testPSK, Insecure: true}, "both Auth and Insecure"},
+		{"short key", HalfConfig{Auth: &PSK{ID: "x", Key: []byte("short")}}, "at least 16 bytes"},
+		{"tls without config", HalfConfig{Auth: &TLS{}}, "needs a *tls.Config"},
+		{"tls destination without ClientCAs", HalfConfig{Auth: srcTLS}, "ClientCAs"},
+	} {
+		tt.half.Envelope = testEnvelope()
+		_, derr := NewDestination(pool, newManualPlane(), DestinationConfig[[]byte]{HalfConfig: tt.half})
+		if !errors.Is(derr, kvlease.ErrInvalidArgument) || !strings.Contains(derr.Error(), tt.want) {
+			t.Errorf("%s: NewDestination: %v, want ErrInvalidArgument and %q", tt.name, derr, tt.want)
+		}
+		if tt.name == "tls destination without ClientCAs" {
+			continue // a source config
+		}
+		_, serr := NewSource(a, newManualPlane(), tt.half)
+		if !errors.Is(serr, kvlease.ErrInvalidArgument) || !strings.Contains(serr.Error(), tt.want) {
+			t.Errorf("%s: NewSource: %v, want ErrInvalidArgument and %q", tt.name, serr, tt.want)
+		}
+	}
+}
+
+// TestHandshake: each mode's handshake between matching and mismatched
+// sides: who succeeds, the identities, and every refusal wrapping ErrAuth
+// (a downgrade marked as one).
+func TestHandshake(t *testing.T) {
+	ca, other := newTestCA(t, "ca"), newTestCA(t, "other")
+	srcTLS, dstTLS := tlsPair(t, ca)
+	strangerTLS, _ := tlsPair(t, other)
+	expired := &TLS{Config: &tls.Config{Certificates: []tls.Certificate{ca.issue(t, "spiffe://kvlease/old", time.Now().Add(-time.Minute))}, RootCAs: ca.pool, ServerName: "decode"}}
+	otherKey := &PSK{ID: "test", Key: []byte("another key, also 32 bytes long.")}
+	ring := &PSK{Keys: map[string][]byte{"fleet-a": testPSK.Key, "fleet-b": otherKey.Key}}
+	for _, tt := range []struct {
+		name          string
+		src, dst      Authenticator
+		ok            bool
+		srcID, dstID  string // identities each side reports of the other
+		downgradeSide string // "src", "dst": which side counts a downgrade
+	}{
+		{"psk", testPSK, testPSK, true, "psk:test", "psk:test", ""},
+		{"psk keyring", &PSK{ID: "fleet-b", Key: otherKey.Key}, ring, true, "psk:fleet-b", "psk:fleet-b", ""},
+		{"psk wrong key", otherKey, testPSK, false, "", "", ""},
+		{"psk unknown id", &PSK{ID: "nobody", Key: testPSK.Key}, testPSK, false, "", "", ""},
+		{"tls", srcTLS, dstTLS, true, "spiffe://kvlease/decode", "spiffe://kvlease/prefill", ""},
+		{"tls unknown cert", strangerTLS, dstTLS, false, "", "", ""},
+		{"tls expired cert", expired, dstTLS, false, "", "", ""},
+		{"insecure source, psk destination", nil, testPSK, false, "", "", "dst"},
+		{"psk source, insecure destination", testPSK, nil, false, "", "", "src"},
+		{"tls source, psk destination", srcTLS, testPSK, false, "", "", ""},
+		{"insecure", nil, nil, true, "", "", ""},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			cs, ds, cerr, derr := handshakePair(tt.src, tt.dst)
+			if !tt.ok {
+				if cerr == nil || derr == nil {
+					t.Fatalf("source %v, destination %v: want both refused", cerr, derr)
+				}
+				for side, err := range map[string]error{"src": cerr, "dst": derr} {
+					var ae *authError
+					isAE := errors.As(err, &ae)
+					if errors.Is(err, ErrAuth) != true {
+						t.Errorf("%s: %v does not wrap ErrAuth", side, err)
+					}
+					if want := side == tt.downgradeSide; want && (!isAE || !ae.downgrade) {
+						t.Errorf("%s: %v not marked a downgrade", side, err)
+					}
+				}
+				return
+			}
+			if cerr != nil || derr != nil {
+				t.Fatalf("source %v, destination %v", cerr, derr)
+			}
+			if cs.peer.Identity != tt.srcID || ds.peer.Identity != tt.dstID {
+				t.Errorf("identities: source sees %q, destination sees %q", cs.peer.Identity, ds.peer.Identity)
+			}
+			// Both sides derive the same data-plane keys (none when
+			// insecure), distinct per label and context.
+			k1, e1 := cs.peer.Key("plane", []byte{1}, 32)
+			k2, e2 := ds.peer.Key("plane", []byte{1}, 32)
+			k3, _ := ds.peer.Key("plane", []byte{2}, 32)
+			if tt.src == nil {
+				if e1 == nil || e2 == nil || cs.peer.Secure() {
+					t.Errorf("an insecure session gives keys: %v %v", e1, e2)
+				}
+				return
+			}
+			if e1 != nil || e2 != nil || !bytes.Equal(k1, k2) || bytes.Equal(k1, k3) {
+				t.Errorf("data keys: %x %x %x (%v %v)", k1, k2, k3, e1, e2)
+			}
+		})
+	}
+}
+
+// TestHalvesRefuseBeforeActing: a source with the wrong key is refused
+// by a destination in its handshake; nothing of it is acted on, nothing
+// acquired, and both sides count it.
+func TestHalvesRefuseBeforeActing(t *testing.T) {
+	pool := newHostPool(t, 32, hbBytes)
+	accepted := 0
+	dst, err := NewDestination(pool, newManualPlane(), DestinationConfig[[]byte]{
+		HalfConfig: HalfConfig{Envelope: testEnvelope(), Auth: testPSK},
+		OnAccept:   func(*Incoming[[]byte]) { accepted++ },
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tt := range []struct {
+		name      string
+		half      HalfConfig
+		downgrade int64
+	}{
+		{"wrong key", HalfConfig{Auth: &PSK{ID: "test", Key: []byte("not the key, but 32 bytes long..")}}, 0},
+		{"insecure", HalfConfig{Insecure: true, Logf: quiet}, 1},
+	} {
+		a, b := net.Pipe()
+		served := make(chan error, 1)
+		go func() { served <- dst.Serve(b) }()
+		tt.half.Envelope = testEnvelope()
+		src, err := NewSource(a, newManualPlane(), tt.half)
+		if src != nil || !errors.Is(err, ErrAuth) {
+			t.Fatalf("%s: NewSource: %v", tt.name, err)
+		}
+		if err := <-served; !errors.Is(err, ErrAuth) {
+			t.Fatalf("%s: Serve: %v", tt.name, err)
+		}
+		if tt.downgrade > 0 && !strings.Contains(err.Error(), "this side requires none") {
+			t.Errorf("%s: the source's error does not say what it offered: %v", tt.name, err)
+		}
+	}
+	st := dst.Stats()
+	if st.AuthRefused != 2 || st.Downgrades != 1 || st.Sessions != 0 || accepted != 0 {
+		t.Fatalf("stats %+v, %d accepted", st, accepted)
+	}
+	if s := pool.Stats(); s.Free != s.Capacity || s.Acquires != 0 {
+		t.Fatalf("pool %+v", s)
+	}
+}
+
+// TestRecordLayer: a psk record is taken once, in order, under its own
+// session's key; a replay, a reordering, a record of another session, a
+// flipped bit or a lie about its length are refused with ErrAuth.
+func TestRecordLayer(t *testing.T) {
+	k1, k2 := bytes.Repeat([]byte{1}, 32), bytes.Repeat([]byte{2}, 32)
+	send, _ := newChannel(k1, k2)
+	other, _ := newChannel(bytes.Repeat([]byte{3}, 32), k2)
+	frames := make([][]byte, 3)
+	records := make([][]byte, 3)
+	for i := range frames {
+		frames[i] = AppendFrame(nil, &AbortMsg{ID: uint64(i + 1), Cause: "x"})
+		records[i] = send.seal(nil, frames[i])
+	}
+	foreign := other.seal(nil, frames[0])
+	flipped := append([]byte(nil), records[0]...)
+	flipped[len(flipped)-1] ^= 1
+	long := append([]byte(nil), records[0]...)
+	le.PutUint32(long, maxRecord+1)
+	for _, tt := range []struct {
+		name string
+		in   [][]byte
+		ok   int // records taken before the refusal
+	}{
+		{"in order", records, 3},
+		{"replayed", [][]byte{records[0], records[1], records[0]}, 2},
+		{"reordered", [][]byte{records[0], records[2]}, 1},
+		{"dropped first", [][]byte{records[1]}, 0},
+		{"another session", [][]byte{foreign}, 0},
+		{"flipped", [][]byte{flipped}, 0},
+		{"too long", [][]byte{long}, 0},
+	} {
+		recv, _ := newChannel(k2, k1)
+		r := bytes.NewReader(bytes.Join(tt.in, nil))
+		var buf []byte
+		taken := 0
+		var err error
+		for range tt.in {
+			var f []byte
+			f, buf, err = recv.readRecord(r, buf, nil)
+			if err != nil {
+				break
+			}
+			if !bytes.Equal(f, frames[taken]) {
+				t.Fatalf("%s: record %d opened to another frame", tt.name, taken)
+			}
+			taken++
+		}
+		if taken != tt.ok || (tt.ok < len(tt.in) && (!errors.Is(err, ErrAuth) || !errors.Is(err, ErrProtocol))) {
+			t.Errorf("%s: took %d records, then %v; want %d and ErrAuth", tt.name, taken, err, tt.ok)
+		}
+	}
+}
+
+// recordTap is a connection that copies what is written to it once the
+// handshake is over (after arm), so a test can replay it.
+type recordTap struct {
+	net.Conn
+	mu    sync.Mutex
+	armed bool
+	out   [][]byte
+}
+
+func (c *recordTap) Write(p []byte) (int, error) {
+	c.mu.Lock()
+	if c.armed {
+		c.out = append(c.out, append([]byte(nil), p...))
+	}
+	c.mu.Unlock()
+	return c.Conn.Write(p)
+}
+
+// TestReplayedRecordEndsSession: a record the source sent, written again
+// on its connection, ends the destination's session (ErrAuth, counted)
+// before it is acted on: the handoff it carried is not proposed twice.
+func TestReplayedRecordEndsSession(t *testing.T) {
+	pool := newHostPool(t, 32, hbBytes)
+	var mu sync.Mutex
+	proposals := 0
+	dst, _ := NewDestination(pool, newManualPlane(), DestinationConfig[[]byte]{
+		HalfConfig:   HalfConfig{Envelope: testEnvelope(), Auth: testPSK},
+		StartTimeout: -1,
+		Decide: func(*ProposeMsg) error {
+			mu.Lock()
+			proposals++
+			mu.Unlock()
+			return errors.New("no")
+		},
+	})
+	a, b := net.Pipe()
+	served := make(chan error, 1)
+	go func() { served <- dst.Serve(b) }()
+	tap := &recordTap{Conn: a}
+	src, err := NewSource(tap, newManualPlane(), HalfConfig{Envelope: testEnvelope(), Auth: testPSK})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tap.mu.Lock()
+	tap.armed = true
+	tap.mu.Unlock()
+	l, _ := newHostPool(t, 32, hbBytes).Acquire("r", 2)
+	o, err := src.Propose(1, "r", l, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st := o.Wait(10 * time.Second); st != Rejected || !errors.Is(o.Err(), ErrRejected) {
+		t.Fatalf("handoff %v: %v", st, o.History())
+	}
+	tap.mu.Lock()
+	replay := tap.out[0]
+	tap.mu.Unlock()
+	// The destination refuses the record on its header: the rest of the
+	// write may find the pipe closed.
+	_, _ = a.Write(replay)
+	select {
+	case err := <-served:
+		if !errors.Is(err, ErrAuth) || !strings.Contains(err.Error(), "replayed") {
+			t.Fatalf("Serve: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the replay did not end the session")
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if proposals != 1 || dst.Stats().FramesRefused != 1 {
+		t.Fatalf("%d proposals decided, stats %+v", proposals, dst.Stats())
+	}
+	_ = src.Close()
+	l.Release()
+}
+
+// rawSource plays a source by hand: it authenticates conn with auth and
+// returns its control connection.
+func rawSource(t testing.TB, conn net.Conn, auth Authenticator) *ctrl {
+	t.Helper()
+	h, err := authenticate(conn, true, auth, testEnvelope().Fingerprint(), 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newCtrl(h.conn2, time.Second)
+	c.ch = h.ch
+	return c
+}
+
+// servedDestination serves one pipe with a destination over pool and
+// returns the source's end.
+func servedDestination(t testing.TB, pool *kvlease.Pool[[]byte], cfg DestinationConfig[[]byte]) (*Destination[[]byte], net.Conn, chan error) {
+	t.Helper()
+	cfg.Envelope, cfg.Auth = testEnvelope(), testPSK
+	dst, err := NewDestination(pool, newManualPlane(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, b := net.Pipe()
+	served := make(chan error, 1)
+	go func() { served <- dst.Serve(b) }()
+	t.Cleanup(func() {
+		_ = a.Close()
+		<-served
+	})
+	return dst, a, served
+}
+
+// TestAuthorize: the destination's Authorize sees the authenticated
+// identity; its refusal rejects before anything is acquired, counted.
+func TestAuthorize(t *testing.T) {
+	pool := newHostPool(t, 32, hbBytes)
+	var seen []string
+	dst, a, _ := servedDestination(t, pool, DestinationConfig[[]byte]{
+		Authorize: func(p *Peer, m *ProposeMsg) error {
+			seen = append(seen, p.String())
+			if m.Request != "allowed" {
+				return errors.New("not on the allowlist")
+			}
+			return nil
+		},
+	})
+	c := rawSource(t, a, testPSK)
+	for id, req := range []string{"allowed", "stranger"} {
+		if err := c.send(&ProposeMsg{ID: uint64(id + 1), Request: req, Blocks: 1, Envelope: testEnvelope().Fingerprint()}); err != nil {
+			t.Fatal(err)
+		}
+		m, err := c.read()
+		if err != nil {
+			t.Fatal(err)
+		}
+		switch m := m.(type) {
+		case *AcceptMsg:
+			if req != "allowed" {
+				t.Fatalf("%s accepted", req)
+			}
+		case *RejectMsg:
+			if req == "allowed" || m.Code != RejectPolicy || !strings.Contains(m.Reason, "psk psk:test not authorized: not on the allowlist") {
+				t.Fatalf("%s: %+v", req, m)
+			}
+		}
+	}
+	if len(seen) != 2 || seen[0] != "psk psk:test" || dst.Stats().Unauthorized != 1 {
+		t.Fatalf("Authorize saw %v; stats %+v", seen, dst.Stats())
+	}
+}
+
+// TestStartTimeout: an Accepted handoff whose Start never comes is
+// aborted at StartTimeout, its lease released, the source told; counted.
+func TestStartTimeout(t *testing.T) {
+	pool := newHostPool(t, 32, hbBytes)
+	finals := make(chan *Incoming[[]byte], 1)
+	dst, a, _ := servedDestination(t, pool, DestinationConfig[[]byte]{
+		StartTimeout: 50 * time.Millisecond,
+		OnFinal:      func(in *Incoming[[]byte]) { finals <- in },
+	})
+	c := rawSource(t, a, testPSK)
+	if err := c.send(&ProposeMsg{ID: 1, Blocks: 4, Envelope: testEnvelope().Fingerprint()}); err != nil {
+		t.Fatal(err)
+	}
+	if m, err := c.read(); err != nil || m.Type() != MsgAccept {
+		t.Fatalf("%v %v", m, err)
+	}
+	m, err := c.read()
+	if am, ok := m.(*AbortMsg); !ok || err != nil || !strings.Contains(am.Cause, "no start within") {
+		t.Fatalf("after the start timeout: %#v %v", m, err)
+	}
+	in := <-finals
+	if in.State() != Aborted || !errors.Is(in.Err(), ErrLimit) {
+		t.Fatalf("%v: %v", in.State(), in.Err())
+	}
+	if s := pool.Stats(); s.Free != s.Capacity || dst.Stats().StartTimeouts != 1 {
+		t.Fatalf("pool %+v, stats %+v", s, dst.Stats())
+	}
+}
+
+// TestSessionCaps: handoffs in flight and blocks held per session are
+// capped; a proposal past either is rejected with ErrLimit's code and
+// counted, and the session goes on.
+func TestSessionCaps(t *testing.T) {
+	pool := newHostPool(t, 32, hbBytes)
+	dst, a, _ := servedDestination(t, pool, DestinationConfig[[]byte]{MaxHandoffs: 2, MaxSessionBlocks: 6, StartTimeout: -1})
+	c := rawSource(t, a, testPSK)
+	for _, tt := range []struct {
+		id, blocks uint32
+		want       MsgType
+	}{
+		{1, 3, MsgAccept},
+		{2, 4, MsgReject}, // 7 blocks > 6
+		{3, 3, MsgAccept},
+		{4, 1, MsgReject}, // a third in flight
+	} {
+		if err := c.send(&ProposeMsg{ID: uint64(tt.id), Blocks: tt.blocks, Envelope: testEnvelope().Fingerprint()}); err != nil {
+			t.Fatal(err)
+		}
+		m, err := c.read()
+		if err != nil || m.Type() != tt.want {
+			t.Fatalf("proposal %d: %v %v, want %v", tt.id, m, err, tt.want)
+		}
+		if r, ok := m.(*RejectMsg); ok && (r.Code != RejectLimit || !errors.Is(r.Code.sentinel(), kvlease.ErrExhausted)) {
+			t.Fatalf("proposal %d: %+v", tt.id, r)
+		}
+	}
+	// One ends: room again.
+	if err := c.send(&AbortMsg{ID: 1}); err != nil {
+		t.Fatal(err)
+	}
+	if m, err := c.read(); err != nil || m.Type() != MsgAck {
+		t.Fatalf("%v %v", m, err)
+	}
+	if err := c.send(&ProposeMsg{ID: 5, Blocks: 3, Envelope: testEnvelope().Fingerprint()}); err != nil {
+		t.Fatal(err)
+	}
+	if m, err := c.read(); err != nil || m.Type() != MsgAccept {
+		t.Fatalf("after an abort: %v %v", m, err)
+	}
+	if st := dst.Stats(); st.LimitRefused != 2 {
+		t.Fatalf("stats %+v", st)
+	}
+}
+
+// TestRejectedProposalsDoNotGrowTheHeap: 300 proposals of 8192 hashes
+// each, all rejected, on one connection: the heap grows by at most 4 MiB
+// (each would hold 64 KiB if the table kept it), and a rejected id
+// stays refused as a duplicate.
+func TestRejectedProposalsDoNotGrowTheHeap(t *testing.T) {
+	pool := newHostPool(t, 32, hbBytes)
+	_, a, _ := servedDestination(t, pool, DestinationConfig[[]byte]{MaxSessionBlocks: -1})
+	c := rawSource(t, a, testPSK)
+	hashes := make([]kvlease.BlockHash, 8192)
+	for i := range hashes {
+		hashes[i] = kvlease.BlockHash(i + 1)
+	}
+	heap := func() uint64 {
+		runtime.GC()
+		var ms runtime.MemStats
+		runtime.ReadMemStats(&ms)
+		return ms.HeapAlloc
+	}
+	propose := func(id uint64) *RejectMsg {
+		t.Helper()
+		if err := c.send(&ProposeMsg{ID: id, Blocks: 8192, Envelope: testEnvelope().Fingerprint(), Hashes: hashes}); err != nil {
+			t.Fatal(err)
+		}
+		m, err := c.read()
+		if err != nil {
+			t.Fatal(err)
+		}
+		r, ok := m.(*RejectMsg)
+		if !ok {
+			t.Fatalf("proposal %d answered %v", id, m)
+		}
+		return r
+	}
+	propose(1) // the buffers reach their size
+	before := heap()
+	for id := uint64(2); id <= 301; id++ {
+		if r := propose(id); r.Code != RejectCapacity {
+			t.Fatalf("proposal %d: %+v", id, r)
+		}
+	}
+	// The last ones leave the table on their own goroutines: wait (bounded).
+	var grown uint64
+	for end := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		if after := heap(); after < before+4<<20 || time.Now().After(end) {
+			grown = after - min(after, before)
+			break
+		}
+	}
+	if grown > 4<<20 {
+		t.Fatalf("the heap grew by %d bytes over 300 rejected proposals", grown)
+	}
+	if r := propose(150); r.Code != RejectDuplicate {
+		t.Fatalf("a rejected id proposed again: %+v", r)
+	}
+}
+
+// fakeListener hands out conns, with errs failed Accepts first.
+type fakeListener struct {
+	errs  chan error
+	conns chan net.Conn
+	done  chan struct{}
+	once  sync.Once
+}
+
+func (l *fakeListener) Accept() (net.Conn, error) {
+	select {
+	case err := <-l.errs:
+		return nil, err
+	default:
+	}
+	select {
+	case c := <-l.conns:
+		return c, nil
+	case <-l.done:
+		return nil, net.ErrClosed
+	}
+}
+func (l *fakeListener) Close() error   { l.once.Do(func() { close(l.done) }); return nil }
+func (l *fakeListener) Addr() net.Addr { return &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1)} }
+
+// TestListen: the accept loop survives transient errors (EMFILE) with a
+// backoff, counts them, refuses connections past MaxPendingHandshakes at
+// once, serves the rest, and stops only when the listener closes.
+func TestListen(t *testing.T) {
+	pool := newHostPool(t, 32, hbBytes)
+	dst, err := NewDestination(pool, newManualPlane(), DestinationConfig[[]byte]{
+		HalfConfig: HalfConfig{Envelope: testEnvelope(), Auth: testPSK, HandshakeTimeout: 10 * time.Second}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln := &fakeListener{errs: make(chan error, 3), conns: make(chan net.Conn), done: make(chan struct{})}
+	for range 3 {
+		ln.errs <- fmt.Errorf("accept: %w", syscall.EMFILE)
+	}
+	listened := make(chan error, 1)
+	go func() { listened <- dst.Listen(ln) }()
+	// MaxPendingHandshakes connections that never say a word, then one more.
+	var silent []net.Conn
+	for range MaxPendingHandshakes + 1 {
+		a, b := net.Pipe()
+		silent = append(silent, a)
+		ln.conns <- b
+	}
+	extra := silent[MaxPendingHandshakes]
+	_ = extra.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, err := extra.Read(make([]byte, 1)); err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("the connection past the cap was not closed at once: %v", err)
+	}
+	// Free the handshakes: the next connection is served.
+	for _, c := range silent {
+		_ = c.Close()
+	}
+	for end := time.Now().Add(10 * time.Second); dst.Stats().AuthRefused < MaxPendingHandshakes && time.Now().Before(end); time.Sleep(time.Millisecond) {
+	}
+	a, b := net.Pipe()
+	ln.conns <- b
+	src, err := NewSource(a, newManualPlane(), HalfConfig{Envelope: testEnvelope(), Auth: testPSK})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for end := time.Now().Add(10 * time.Second); dst.Stats().Sessions < 1 && time.Now().Before(end); time.Sleep(time.Millisecond) {
+	}
+	_ = src.Close()
+	_ = ln.Close()
+	if err := <-listened; err != nil {
+		t.Fatal(err)
+	}
+	if st := dst.Stats(); st.AcceptErrors != 3 || st.Busy != 1 || st.Sessions != 1 {
+		t.Fatalf("stats %+v", st)
+	}
+}
+
+// FuzzRecord: whatever bytes arrive as psk records, the reader takes a
+// record only if it was sealed under its key with the next sequence, and
+// otherwise returns an error; it never panics or allocates past
+// maxRecord.
+func FuzzRecord(f *testing.F) {
+	k1, k2 := bytes.Repeat([]byte{1}, 32), bytes.Repeat([]byte{2}, 32)
+	send, _ := newChannel(k1, k2)
+	f.Add(send.seal(nil, AppendFrame(nil, &AbortMsg{ID: 1, Cause: "x"})))
+	f.Add([]byte{0xff, 0xff, 0xff, 0x7f, 0, 0, 0, 0, 0, 0, 0, 0})
+	f.Add([]byte{30, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 2, 3})
+	f.Fuzz(func(t *testing.T, b []byte) {
+		recv, _ := newChannel(k2, k1)
+		r := bytes.NewReader(b)
+		var buf []byte
+		for range 4 {
+			frame, nb, err := recv.readRecord(r, buf, nil)
+			buf = nb
+			if err != nil {
+				return
+			}
+			if _, err := parseFrame(frame); err != nil {
+				return
+			}
+		}
+	})
+}
+
+// FuzzHandshake: a destination's handshake over any bytes from a peer
+// ends with an error wrapping ErrAuth (or the connection's own), never a
+// panic, and never authenticates a peer that does not hold the key.
+func FuzzHandshake(f *testing.F) {
+	fp := testEnvelope().Fingerprint()
+	pre := preamble(AuthPSK, fp)
+	f.Add(append(pre[:], make([]byte, 33)...))
+	f.Add(append(pre[:], append(bytes.Repeat([]byte{7}, 32), 4, 't', 'e', 's', 't')...))
+	none := preamble(AuthNone, fp)
+	f.Add(none[:])
+	f.Add([]byte("GET / HTTP/1.1\r\n\r\n"))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		a, c := net.Pipe()
+		defer a.Close()
+		go func() { _, _ = io.Copy(io.Discard, c) }() // take the answers
+		go func() {
+			_, _ = c.Write(b)
+			_ = c.Close() // then the peer is gone
+		}()
+		h, err := authenticate(a, false, testPSK, fp, time.Second)
+		if err == nil {
+			t.Fatalf("authenticated %v from %d fuzzed bytes", h.peer, len(b))
+		}
+	})
+}

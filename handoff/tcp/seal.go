@@ -1,0 +1,137 @@
+package tcp
+
+import (
+	"crypto/aes"
+	"crypto/cipher"
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/binary"
+	"fmt"
+	"hash/crc32"
+
+	"github.com/kvlease/kvlease/handoff"
+)
+
+// seal is one handoff's integrity on the data plane. In an authenticated
+// session (the PlaneID's Peer is secure) it is keyed: both sides derive,
+// from the session's secret, the handoff id and the Accept's random
+// token, a key for the hello's HMAC-SHA256 and one for each block's tag,
+// a GMAC (AES-256-GCM over no plaintext, the block as additional data,
+// the block index as nonce: 16 bytes). The key is new for every handoff
+// (the token is), so a nonce never repeats under it; a block of another
+// handoff or session, or at another index, fails its tag. Unkeyed
+// (insecure sessions, ids made by hand) the hello carries no MAC and each
+// block a crc32c, which catches accidents, not attackers.
+type seal struct {
+	keyed    bool
+	helloKey []byte
+	gmac     cipher.AEAD
+	nonce    [12]byte
+}
+
+// sealLabel is the HKDF label of the TCP plane's keys.
+const sealLabel = "kvlease tcp data v2"
+
+func newSeal(id handoff.PlaneID, tok [16]byte) (*seal, error) {
+	if !id.Peer.Secure() {
+		return &seal{}, nil
+	}
+	ctx := binary.LittleEndian.AppendUint64(append([]byte(nil), tok[:]...), id.Handoff)
+	k, err := id.Peer.Key(sealLabel, ctx, 64)
+	if err != nil {
+		return nil, err
+	}
+	b, err := aes.NewCipher(k[32:])
+	if err != nil {
+		return nil, err
+	}
+	g, err := cipher.NewGCM(b)
+	if err != nil {
+		return nil, err
+	}
+	return &seal{keyed: true, helloKey: k[:32], gmac: g}, nil
+}
+
+// trailer is the length of a block's check.
+func (s *seal) trailer() int {
+	if s.keyed {
+		return tagLength
+	}
+	return crcLength
+}
+
+const (
+	tagLength = 16
+	crcLength = 4
+)
+
+// sum writes block i's check into dst (trailer() bytes).
+func (s *seal) sum(dst []byte, i int, block []byte) {
+	if !s.keyed {
+		binary.LittleEndian.PutUint32(dst, crc32.Checksum(block, castagnoli))
+		return
+	}
+	binary.LittleEndian.PutUint32(s.nonce[:], uint32(i))
+	s.gmac.Seal(dst[:0], s.nonce[:], nil, block)
+}
+
+// verify checks block i against its check.
+func (s *seal) verify(i int, block, check []byte) error {
+	if !s.keyed {
+		if got, want := crc32.Checksum(block, castagnoli), binary.LittleEndian.Uint32(check); got != want {
+			return fmt.Errorf("crc32c %08x, frame says %08x: %w", got, want, ErrCorrupt)
+		}
+		return nil
+	}
+	binary.LittleEndian.PutUint32(s.nonce[:], uint32(i))
+	if _, err := s.gmac.Open(nil, s.nonce[:], check, block); err != nil {
+		return fmt.Errorf("its tag does not verify under this handoff's key (corrupt, or from another handoff or session): %w", ErrCorrupt)
+	}
+	return nil
+}
+
+// The hello: "KD" | version | flags (bit 0: keyed) | token (16) | blocks
+// (4 LE) | block bytes (4 LE) | HMAC-SHA256 of what precedes (32; zero
+// when not keyed).
+const (
+	helloBody   = 2 + 1 + 1 + 16 + 4 + 4
+	helloLength = helloBody + sha256.Size
+	flagKeyed   = 1
+)
+
+func (s *seal) hello(tok [16]byte, blocks, bb int) []byte {
+	h := make([]byte, 0, helloLength)
+	var flags byte
+	if s.keyed {
+		flags = flagKeyed
+	}
+	h = append(h, 'K', 'D', version, flags)
+	h = append(h, tok[:]...)
+	h = binary.LittleEndian.AppendUint32(h, uint32(blocks))
+	h = binary.LittleEndian.AppendUint32(h, uint32(bb))
+	if !s.keyed {
+		return append(h, make([]byte, sha256.Size)...)
+	}
+	m := hmac.New(sha256.New, s.helloKey)
+	m.Write(h)
+	return m.Sum(h)
+}
+
+// checkHello verifies a hello against the slot's seal.
+func (s *seal) checkHello(h []byte) error {
+	keyed := h[3]&flagKeyed != 0
+	switch {
+	case s.keyed && !keyed:
+		return fmt.Errorf("an unkeyed hello for an authenticated session's handoff (a downgrade): %w", ErrUnauthenticated)
+	case !s.keyed && keyed:
+		return fmt.Errorf("a keyed hello for an unauthenticated session's handoff: %w", ErrCorrupt)
+	case !s.keyed:
+		return nil
+	}
+	m := hmac.New(sha256.New, s.helloKey)
+	m.Write(h[:helloBody])
+	if !hmac.Equal(m.Sum(nil), h[helloBody:]) {
+		return fmt.Errorf("the hello's MAC does not verify under the session (a stolen, guessed or replayed token): %w", ErrUnauthenticated)
+	}
+	return nil
+}
