@@ -39,7 +39,7 @@ func newLocalDest(t *testing.T, conn net.Conn, cfg ucx.Config, deadline time.Dur
 		t.Fatal(err)
 	}
 	dst, err := handoff.NewDestination(d.pool, d.recv, handoff.DestinationConfig[[]byte]{
-		HalfConfig:  handoff.HalfConfig{Envelope: env(64), Name: "decode", Peer: "prefill", Deadline: deadline},
+		HalfConfig:  withAuth(handoff.HalfConfig{Envelope: env(64), Name: "decode", Peer: "prefill", Deadline: deadline}, keyFor(cfg)),
 		OnDelivered: func(*handoff.Incoming[[]byte]) {},
 		OnFinal:     func(in *handoff.Incoming[[]byte]) { d.finals <- in },
 	})
@@ -93,7 +93,7 @@ func newLocalSource(t *testing.T, conn net.Conn, deadline time.Duration, seed ui
 	if s.sender, err = ucx.NewSender(ucx.Config{}); err != nil {
 		t.Fatal(err)
 	}
-	if s.src, err = handoff.NewSource(conn, s.sender, handoff.HalfConfig{Envelope: env(64), Name: "prefill", Peer: "decode", Deadline: deadline}); err != nil {
+	if s.src, err = handoff.NewSource(conn, s.sender, withAuth(handoff.HalfConfig{Envelope: env(64), Name: "prefill", Peer: "decode", Deadline: deadline}, testKey)); err != nil {
 		t.Fatal(err)
 	}
 	if s.lease, err = s.pool.Acquire("r", suiteBlocks); err != nil {
@@ -146,7 +146,9 @@ func TestProcsClean(t *testing.T) {
 		p.expect("pool free 64 quarantined 0")
 		p.waitExit()
 		allFree(t, "destination", d.pool)
-		if s := d.recv.Stats(); s.Completed != 1 || s.Revoked != 0 || s.Bytes != suiteBlocks*blockBytes {
+		// Authenticated through the key the peer inherited: every block
+		// checked against a MAC under the session.
+		if s := d.recv.Stats(); s.Completed != 1 || s.Revoked != 0 || s.Bytes != suiteBlocks*blockBytes || s.Keyed != 1 {
 			t.Fatalf("receiver %+v", s)
 		}
 	})
@@ -165,7 +167,7 @@ func TestProcsClean(t *testing.T) {
 		p.expect("pool free 64 quarantined 0")
 		p.waitExit()
 		s.finish(t, 22)
-		if st := s.sender.Stats(); st.Completed != 1 || st.Revoked != 0 {
+		if st := s.sender.Stats(); st.Completed != 1 || st.Revoked != 0 || st.Keyed != 1 {
 			t.Fatalf("sender %+v", st)
 		}
 	})

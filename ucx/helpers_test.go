@@ -30,6 +30,36 @@ func init() {
 
 const blockBytes = 4096
 
+// testKey is this process's pre-shared key: the tests' halves
+// authenticate with it, and their peer processes get it through an
+// inherited pipe (keypipe), never the command line or the environment.
+var testKey = func() []byte {
+	k, err := handoff.GenerateKey()
+	if err != nil {
+		panic(err)
+	}
+	return k
+}()
+
+// withAuth authenticates hc with key (PSK), or runs it Insecure when key
+// is nil (the pull model's tests: pull refuses authenticated sessions).
+func withAuth(hc handoff.HalfConfig, key []byte) handoff.HalfConfig {
+	if key == nil {
+		hc.Insecure = true
+	} else {
+		hc.Auth = &handoff.PSK{ID: "ucx-test", Key: key}
+	}
+	return hc
+}
+
+// keyFor is the key of a test whose plane config is cfg.
+func keyFor(cfg ucx.Config) []byte {
+	if cfg.Pull {
+		return nil
+	}
+	return testKey
+}
+
 func env(poolBlocks int) handoff.Envelope {
 	return handoff.Envelope{BlockTokens: 16, BlockBytes: blockBytes, PoolBlocks: poolBlocks,
 		MaxContextTokens: 16 * 64, MaxPrefillTokens: 512, MaxRunningRequests: 4}
@@ -136,6 +166,15 @@ type loopConfig struct {
 	deadline   time.Duration
 	recv, send ucx.Config
 	keepLeases bool
+	insecure   bool // both halves Insecure (the pull model's are anyway)
+}
+
+// key is the loop's pre-shared key for a side configured with cfg.
+func (lc loopConfig) key(cfg ucx.Config) []byte {
+	if lc.insecure {
+		return nil
+	}
+	return keyFor(cfg)
 }
 
 func newLoop(t *testing.T, lc loopConfig) *loop {
@@ -156,7 +195,7 @@ func newLoop(t *testing.T, lc loopConfig) *loop {
 		dl = 10 * time.Second
 	}
 	l.dst, err = handoff.NewDestination(l.dstPool, l.recv, handoff.DestinationConfig[[]byte]{
-		HalfConfig: handoff.HalfConfig{Envelope: env(64), Name: "decode", Peer: "prefill", Deadline: dl},
+		HalfConfig: withAuth(handoff.HalfConfig{Envelope: env(64), Name: "decode", Peer: "prefill", Deadline: dl}, lc.key(lc.recv)),
 		OnDelivered: func(in *handoff.Incoming[[]byte]) {
 			if !lc.keepLeases {
 				in.Lease().Release()
@@ -184,7 +223,7 @@ func newLoop(t *testing.T, lc loopConfig) *loop {
 	if err != nil {
 		t.Fatal(err)
 	}
-	l.src, err = handoff.NewSource(c, l.sender, handoff.HalfConfig{Envelope: env(64), Name: "prefill", Peer: "decode", Deadline: dl})
+	l.src, err = handoff.NewSource(c, l.sender, withAuth(handoff.HalfConfig{Envelope: env(64), Name: "prefill", Peer: "decode", Deadline: dl}, lc.key(lc.send)))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -2,6 +2,9 @@ package ucx
 
 import (
 	"bytes"
+	"crypto/hkdf"
+	"crypto/sha256"
+	"encoding/binary"
 	"errors"
 	"testing"
 
@@ -9,9 +12,12 @@ import (
 	"github.com/kvlease/kvlease/handoff"
 )
 
-// keyed returns session keys that are key for every handoff.
-func keyed(key []byte) sessionKeys {
-	return func(handoff.PlaneID) []byte { return key }
+// keyed returns session keys as an authenticated session with secret
+// would derive them (HKDF-SHA256, as handoff.Peer.Key does).
+func keyed(secret []byte) sessionKeys {
+	return func(_ handoff.PlaneID, context []byte) ([]byte, error) {
+		return hkdf.Key(sha256.New, secret, nil, keyLabel+string(context), 32)
+	}
 }
 
 // pushOnce moves src into dst: the source sends as handoff sid, the
@@ -107,7 +113,7 @@ func TestBlockSumsBindIndexAndHandoff(t *testing.T) {
 	}
 	units := []int{256, 256, 256}
 	sum := func(mode Integrity, id uint64, salt uint32, b int, pieces []Span) []byte {
-		key, err := handoffKey(session, nonce, salt, id)
+		key, err := keyed(session)(handoff.PlaneID{Handoff: id}, keyContext(id, nonce, salt))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -149,5 +155,34 @@ func TestBlockSumsBindIndexAndHandoff(t *testing.T) {
 	}
 	if c := sum(IntegrityCRC, 1, 7, 0, whole); len(c) != 4 || !bytes.Equal(c, sum(IntegrityCRC, 2, 8, 1, whole)) {
 		t.Fatal("crc32c sums are 4 bytes of the data alone")
+	}
+}
+
+func TestPullRefusesAnAuthenticatedSession(t *testing.T) {
+	// Pull binds nothing to the session, and its source serves the
+	// destination any address: an authenticated session refuses it on
+	// both sides, before anything is registered.
+	s, err := NewSender(Config{Pull: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	r, err := NewReceiver(Config{Pull: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	s.keys, r.keys = keyed(make([]byte, 32)), keyed(make([]byte, 32))
+	id := handoff.PlaneID{Session: 1, Handoff: 1}
+	if _, err := r.Prepare(id, 1); !errors.Is(err, kvlease.ErrInvalidArgument) {
+		t.Fatalf("prepare: %v", err)
+	}
+	accept := binary.LittleEndian.AppendUint32([]byte{'K', 'U', version}, 1)
+	src := [][]byte{make([]byte, 64)}
+	if _, err := s.Send(id, src, accept, func(*kvlease.Transfer) error { t.Fatal("attached"); return nil }); !errors.Is(err, kvlease.ErrInvalidArgument) {
+		t.Fatalf("send: %v", err)
+	}
+	if st := s.Stats(); st.Registrations != 0 || st.Started != 0 {
+		t.Fatalf("sender %+v", st)
 	}
 }

@@ -390,7 +390,7 @@ func TestLayeredHandoff(t *testing.T) {
 	sender, recv := layeredPlanes(t, ucx.Config{})
 	got := make(chan *handoff.Incoming[layout.Block], 1)
 	dst, err := handoff.NewDestination(dstPool, recv, handoff.DestinationConfig[layout.Block]{
-		HalfConfig:  handoff.HalfConfig{Envelope: e, Name: "decode", Peer: "prefill", Deadline: 10 * time.Second},
+		HalfConfig:  withAuth(handoff.HalfConfig{Envelope: e, Name: "decode", Peer: "prefill", Deadline: 10 * time.Second}, testKey),
 		OnDelivered: func(*handoff.Incoming[layout.Block]) {}, // the test reads, then releases
 		OnFinal:     func(in *handoff.Incoming[layout.Block]) { got <- in },
 	})
@@ -415,7 +415,7 @@ func TestLayeredHandoff(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	src, err := handoff.NewSource(c, sender, handoff.HalfConfig{Envelope: e, Name: "prefill", Peer: "decode", Deadline: 10 * time.Second})
+	src, err := handoff.NewSource(c, sender, withAuth(handoff.HalfConfig{Envelope: e, Name: "prefill", Peer: "decode", Deadline: 10 * time.Second}, testKey))
 	if err != nil {
 		t.Fatal(err)
 	}

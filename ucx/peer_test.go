@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -17,6 +18,7 @@ import (
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
 	"github.com/kvlease/kvlease/ucx"
+	"github.com/kvlease/kvlease/ucx/internal/keypipe"
 )
 
 // The fault suite runs the two halves in two processes: the test binary
@@ -59,6 +61,12 @@ func peerMain(role string) int {
 	pool, _ := kvlease.NewPool[[]byte](mem)
 	stdin := bufio.NewReader(os.Stdin)
 	cfg := ucx.Config{MaxGet: blockBytes, Window: 2, Pull: os.Getenv("KVUCX_PULL") == "1"}
+	// The test process hands its key down a pipe; none: insecure (pull).
+	key, _, err := keypipe.Read()
+	if err != nil {
+		say("error %v", err)
+		return 1
+	}
 	stall := envInt("KVUCX_STALL", -1)
 	switch role {
 	case "source":
@@ -73,7 +81,7 @@ func peerMain(role string) int {
 			say("error %v", err)
 			return 1
 		}
-		src, err := handoff.NewSource(conn, sender, handoff.HalfConfig{Envelope: env(64), Name: "prefill", Peer: "decode", Deadline: deadline})
+		src, err := handoff.NewSource(conn, sender, withAuth(handoff.HalfConfig{Envelope: env(64), Name: "prefill", Peer: "decode", Deadline: deadline}, key))
 		if err != nil {
 			say("error %v", err)
 			return 1
@@ -125,7 +133,7 @@ func peerMain(role string) int {
 		}
 		finals := make(chan *handoff.Incoming[[]byte], 1)
 		dst, err := handoff.NewDestination(pool, recv, handoff.DestinationConfig[[]byte]{
-			HalfConfig:  handoff.HalfConfig{Envelope: env(64), Name: "decode", Peer: "prefill", Deadline: deadline},
+			HalfConfig:  withAuth(handoff.HalfConfig{Envelope: env(64), Name: "decode", Peer: "prefill", Deadline: deadline}, key),
 			OnDelivered: func(*handoff.Incoming[[]byte]) {},
 			OnFinal:     func(in *handoff.Incoming[[]byte]) { finals <- in },
 		})
@@ -178,7 +186,9 @@ type peer struct {
 }
 
 // startPeer starts the peer in role with the extra environment and
-// returns it with its control connection accepted.
+// returns it with its control connection accepted. The peer gets the test
+// key through an inherited pipe, unless it runs the pull model
+// (KVUCX_PULL=1: insecure).
 func startPeer(t *testing.T, role string, extra ...string) *peer {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -190,6 +200,12 @@ func startPeer(t *testing.T, role string, extra ...string) *peer {
 	cmd.Env = append(os.Environ(), "KVUCX_PEER="+role, "KVUCX_CTRL="+ln.Addr().String(),
 		"UCX_TLS=tcp", "UCX_NET_DEVICES=lo")
 	cmd.Env = append(cmd.Env, extra...)
+	sendKey := func() error { return nil }
+	if !slices.Contains(extra, "KVUCX_PULL=1") {
+		if sendKey, err = keypipe.Attach(cmd, testKey); err != nil {
+			t.Fatal(err)
+		}
+	}
 	cmd.Stderr = os.Stderr
 	p := &peer{t: t, cmd: cmd, lines: make(chan string, 64), exited: make(chan struct{})}
 	if p.stdin, err = cmd.StdinPipe(); err != nil {
@@ -199,7 +215,11 @@ func startPeer(t *testing.T, role string, extra ...string) *peer {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := cmd.Start(); err != nil {
+	err = cmd.Start()
+	if kerr := sendKey(); err == nil {
+		err = kerr
+	}
+	if err != nil {
 		t.Fatal(err)
 	}
 	go func() {

@@ -30,6 +30,11 @@ var (
 	ErrClosed = errors.New("ucx: plane closed")
 )
 
+// errPullSecure refuses the pull model in an authenticated session: its
+// blocks carry no sums bound to the session, and its source's worker
+// serves the destination any address (see Trust in the package doc).
+var errPullSecure = fmt.Errorf("ucx: the pull model (Config.Pull) binds nothing to an authenticated session: push (the default), or run the halves Insecure on a trusted network: %w", kvlease.ErrInvalidArgument)
+
 const (
 	version = 2
 	// How the Start bytes carry the run table: inline, or as the
@@ -103,6 +108,10 @@ type Stats struct {
 	// Messages counts the block messages posted: sends on the source,
 	// receives on the destination (push model).
 	Messages int
+	// Keyed counts the started handoffs whose blocks carry sums keyed by
+	// their authenticated session (IntegrityMAC); the others carry
+	// crc32c (an insecure session), or nothing (device memory, pull).
+	Keyed int
 }
 
 type counters struct {
@@ -236,6 +245,9 @@ func (s *Sender[R]) Send(id handoff.PlaneID, regions []R, accept []byte, attach 
 
 // sendPull is Send in the pull model.
 func (s *Sender[R]) sendPull(id handoff.PlaneID, regions []R, accept []byte, attach func(*kvlease.Transfer) error) ([]byte, error) {
+	if s.keys.secure(id) {
+		return nil, errPullSecure
+	}
 	blocks, err := parseAccept(accept)
 	if err != nil {
 		return nil, err
@@ -505,6 +517,9 @@ func (r *Receiver[R]) Prepare(id handoff.PlaneID, blocks int) ([]byte, error) {
 	}
 	p := &prepared{blocks: blocks}
 	var accept []byte
+	if r.cfg.Pull && r.keys.secure(id) {
+		return nil, errPullSecure
+	}
 	if r.cfg.Pull {
 		accept = binary.LittleEndian.AppendUint32([]byte{'K', 'U', version}, uint32(blocks))
 	} else {

@@ -10,33 +10,53 @@ import (
 )
 
 func TestLoopbackDelivered(t *testing.T) {
-	l := newLoop(t, loopConfig{keepLeases: true})
-	lease, err := l.srcPool.Acquire("r1", 10)
-	if err != nil {
-		t.Fatal(err)
+	for _, tc := range []struct {
+		name  string
+		lc    loopConfig
+		keyed bool
+	}{
+		{"authenticated", loopConfig{keepLeases: true}, true},
+		{"insecure", loopConfig{keepLeases: true, insecure: true}, false},
+		{"pull", loopConfig{keepLeases: true, send: ucx.Config{Pull: true}, recv: ucx.Config{Pull: true}}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			l := newLoop(t, tc.lc)
+			lease, err := l.srcPool.Acquire("r1", 10)
+			if err != nil {
+				t.Fatal(err)
+			}
+			stamp(t, lease, 11)
+			o, err := l.src.Propose(1, "r1", lease, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			waitFinal(t, o)
+			if o.State() != handoff.Delivered {
+				t.Fatalf("source %v: %v", o.State(), o.History())
+			}
+			in := waitIncoming(t, l, 1)
+			if in.State() != handoff.Delivered {
+				t.Fatalf("destination %v: %v", in.State(), in.History())
+			}
+			if err := marked(in.Lease(), 11); err != nil {
+				t.Fatal(err)
+			}
+			if err := marked(lease, 11); err != nil {
+				t.Fatalf("source blocks changed: %v", err)
+			}
+			in.Lease().Release()
+			lease.Release()
+			// Authenticated, every block was checked against a MAC under
+			// the session's key; insecure, against a crc32c.
+			want := 0
+			if tc.keyed {
+				want = 1
+			}
+			if s, r := l.sender.Stats(), l.recv.Stats(); s.Keyed != want || r.Keyed != want || r.Completed != 1 {
+				t.Fatalf("send %+v recv %+v, want %d keyed", s, r, want)
+			}
+		})
 	}
-	stamp(t, lease, 11)
-	o, err := l.src.Propose(1, "r1", lease, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	waitFinal(t, o)
-	if o.State() != handoff.Delivered {
-		t.Fatalf("source %v: %v", o.State(), o.History())
-	}
-	in := waitIncoming(t, l, 1)
-	if in.State() != handoff.Delivered {
-		t.Fatalf("destination %v: %v", in.State(), in.History())
-	}
-	if err := marked(in.Lease(), 11); err != nil {
-		t.Fatal(err)
-	}
-	if err := marked(lease, 11); err != nil {
-		t.Fatalf("source blocks changed: %v", err)
-	}
-	in.Lease().Release()
-	lease.Release()
-	t.Logf("send %+v recv %+v", l.sender.Stats(), l.recv.Stats())
 }
 
 func TestManyRunsReadTheTable(t *testing.T) {

@@ -3,10 +3,8 @@ package ucx
 import (
 	"crypto/aes"
 	"crypto/cipher"
-	"crypto/hkdf"
 	"crypto/hmac"
 	"crypto/rand"
-	"crypto/sha256"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -85,17 +83,17 @@ func (m Integrity) sumLen() int {
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
-// handoffKey derives a handoff's MAC key from its session's key: the
-// plane never uses the session key itself, and each handoff gets a key
-// of its own (the source's random nonce and the destination's salt are
-// mixed in, so the key is fresh even if an id repeats in a session, as
-// long as either side is honest; the handoff id is bound in).
-func handoffKey(session, nonce []byte, salt uint32, handoffID uint64) ([]byte, error) {
-	var info []byte
-	info = append(info, "kvlease ucx block gmac v1"...)
-	info = binary.LittleEndian.AppendUint64(info, handoffID)
-	info = binary.LittleEndian.AppendUint32(info, salt)
-	return hkdf.Key(sha256.New, session, nonce, string(info), 32)
+// keyLabel is the HKDF label of this plane's keys (handoff.Peer.Key).
+const keyLabel = "kvlease ucx data v1"
+
+// keyContext is what a handoff's MAC key is derived for: the handoff id,
+// the source's random nonce and the destination's salt, so the key is
+// new for every handoff (even if an id repeated in a session, as long as
+// either side is honest) and a nonce never repeats under it.
+func keyContext(handoffID uint64, nonce []byte, salt uint32) []byte {
+	c := binary.LittleEndian.AppendUint64(nil, handoffID)
+	c = append(c, nonce...)
+	return binary.LittleEndian.AppendUint32(c, salt)
 }
 
 // summer computes blocks' integrity sums. One per job, used on one
@@ -384,18 +382,15 @@ func (s *Sender[R]) sendPush(id handoff.PlaneID, regions []R, accept []byte, att
 	if _, err := registrations(p.g.spans); err != nil {
 		return fail(err) // overlapping pieces
 	}
-	session := s.keys.keyFor(id)
-	mode := integrityFor(session, p.g.spans)
 	var nonce [nonceLen]byte
 	if _, err := rand.Read(nonce[:]); err != nil {
 		return fail(fmt.Errorf("ucx: send: %w", err))
 	}
-	var key []byte
-	if mode == IntegrityMAC {
-		if key, err = handoffKey(session, nonce[:], salt, id.Handoff); err != nil {
-			return fail(fmt.Errorf("ucx: send: block key: %w", err))
-		}
+	key, err := s.keys.derive(id, keyContext(id.Handoff, nonce[:], salt))
+	if err != nil {
+		return fail(fmt.Errorf("ucx: send: block key: %w", err))
 	}
+	mode := integrityFor(key, p.g.spans)
 	if p.summer, err = newSummer(mode, key, p.g.sizes); err != nil {
 		return fail(err)
 	}
@@ -444,7 +439,12 @@ func (s *Sender[R]) sendPush(id handoff.PlaneID, regions []R, accept []byte, att
 		s.wg.Done()
 		return nil, err
 	}
-	s.stats.add(func(st *Stats) { st.Started++ })
+	s.stats.add(func(st *Stats) {
+		st.Started++
+		if mode == IntegrityMAC {
+			st.Keyed++
+		}
+	})
 	s.mu.Lock()
 	j.attached = true
 	closed := s.closed
@@ -573,21 +573,18 @@ func (r *Receiver[R]) receivePush(id handoff.PlaneID, prep *prepared, regions []
 	if _, err := registrations(p.g.spans); err != nil {
 		return fail(err)
 	}
-	session := r.keys.keyFor(id)
+	key, err := r.keys.derive(id, keyContext(id.Handoff, st.nonce, prep.salt))
+	if err != nil {
+		return fail(fmt.Errorf("ucx: receive: block key: %w", err))
+	}
 	p.mode = st.mode
 	switch {
-	case session != nil && st.mode == IntegrityCRC:
+	case key != nil && st.mode == IntegrityCRC:
 		return fail(fmt.Errorf("ucx: receive: an authenticated session's blocks carry crc32c, not keyed sums: %w", ErrCorrupt))
-	case session == nil && st.mode == IntegrityMAC:
+	case key == nil && st.mode == IntegrityMAC:
 		return fail(fmt.Errorf("ucx: receive: keyed block sums without a session key: %w", ErrCorrupt))
 	case st.mode != IntegrityNone && !allHost(p.g.spans):
 		p.mode = IntegrityNone // device memory: the CPU cannot check it
-	}
-	var key []byte
-	if p.mode == IntegrityMAC {
-		if key, err = handoffKey(session, st.nonce, prep.salt, id.Handoff); err != nil {
-			return fail(fmt.Errorf("ucx: receive: block key: %w", err))
-		}
 	}
 	if p.summer, err = newSummer(p.mode, key, st.sizes); err != nil {
 		return fail(err)
@@ -631,7 +628,12 @@ func (r *Receiver[R]) receivePush(id handoff.PlaneID, prep *prepared, regions []
 	r.jobs[j] = struct{}{}
 	r.wg.Add(1)
 	r.mu.Unlock()
-	r.stats.add(func(s *Stats) { s.Started++ })
+	r.stats.add(func(s *Stats) {
+		s.Started++
+		if p.mode == IntegrityMAC {
+			s.Keyed++
+		}
+	})
 	if !j.w.do(func() { j.w.pollers = append(j.w.pollers, j.stepPush) }) {
 		go j.finish(fmt.Errorf("ucx: receive: %w", errWorkerGone), true)
 	}
@@ -761,14 +763,29 @@ func (j *recvJob[R]) pushOutcome() error {
 	return nil
 }
 
-// sessionKeys returns the control session's key for a handoff, or nil
-// when the session is not authenticated.
-type sessionKeys func(id handoff.PlaneID) []byte
+// sessionKeys derives a handoff's 32-byte MAC key from its control
+// session for context; nil, nil when the session is not authenticated.
+// The planes use handoff.Peer.Key (nil sessionKeys); tests substitute
+// their own.
+type sessionKeys func(id handoff.PlaneID, context []byte) ([]byte, error)
 
-// keyFor returns id's session key; nil without one.
-func (k sessionKeys) keyFor(id handoff.PlaneID) []byte {
-	if k == nil {
-		return nil
+// derive returns id's handoff key for context, or nil for an
+// unauthenticated session.
+func (k sessionKeys) derive(id handoff.PlaneID, context []byte) ([]byte, error) {
+	if k != nil {
+		return k(id, context)
 	}
-	return k(id)
+	if !id.Peer.Secure() {
+		return nil, nil
+	}
+	return id.Peer.Key(keyLabel, context, 32)
+}
+
+// secure reports whether id's session is authenticated.
+func (k sessionKeys) secure(id handoff.PlaneID) bool {
+	if k != nil {
+		key, _ := k(id, nil)
+		return key != nil
+	}
+	return id.Peer.Secure()
 }
