@@ -178,8 +178,10 @@
 //     request says), which no configuration of ours turns off: run UCX
 //     over tcp only where the peers that can reach the workers are
 //     trusted, or use the root module's TCP plane, which authenticates
-//     its data connections. An authenticated peer can still send wrong
-//     but well-formed KV.
+//     its data connections. Such a process can also fill a handoff
+//     worker's unexpected-message queue (UCX memory, until the worker is
+//     destroyed at the handoff's end). An authenticated peer can still
+//     send wrong but well-formed KV.
 //
 // # Layered blocks
 //

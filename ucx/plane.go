@@ -161,10 +161,12 @@ func HostBytes(b []byte) Span {
 }
 
 // Sender is the source side's plane: for each handoff it starts a UCX
-// worker of the handoff's own, registers the regions' pieces (one
-// ucp_mem_map per contiguous run of them) and puts the worker's address and the
-// packed remote keys in the Start bytes. Finish, or a cancel, revokes
-// them. It is safe for concurrent use.
+// worker of the handoff's own. Pushing (the default), it connects to the
+// destination's worker and sends each block as a tagged message, then
+// the blocks' sums; pulling (Config.Pull), it registers the regions'
+// pieces (one ucp_mem_map per contiguous run of them) and puts the
+// worker's address and the packed remote keys in the Start bytes. Finish,
+// or a cancel, revokes. It is safe for concurrent use.
 type Sender[R any] struct {
 	cfg    Config
 	ctx    *context
@@ -229,13 +231,19 @@ func parseAccept(b []byte) (int, error) {
 	return int(binary.LittleEndian.Uint32(b[3:])), nil
 }
 
-// Send registers the regions' pieces for this handoff alone, attaches
-// the transfer and returns the Start bytes: the handoff worker's address,
-// a block's piece sizes, per contiguous run of pieces its address, its
-// length and its packed remote key, and where the pieces lie (the
-// segments). Regions whose pieces disagree or overlap are refused with
-// kvlease.ErrInvalidArgument before anything is registered. The transfer resolves on Finish or a cancel, after
-// the revocation (see the package doc).
+// Send implements handoff.SendPlane. Pushing, it connects to the
+// destination's worker named in the Accept bytes, attaches the transfer,
+// starts sending the blocks and returns the Start bytes (a block's piece
+// sizes, the block count, the integrity mode, a random nonce, the
+// handoff worker's address). Pulling, it registers the regions' pieces
+// for this handoff alone, attaches the transfer and returns the Start
+// bytes: the handoff worker's address, a block's piece sizes, per
+// contiguous run of pieces its address, its length and its packed remote
+// key, and where the pieces lie (the segments). Accept bytes of the
+// other model are refused with ErrCorrupt; regions whose pieces disagree
+// or overlap with kvlease.ErrInvalidArgument, before anything is sent or
+// registered. The transfer resolves on Finish or a cancel, after the
+// revocation (see the package doc).
 func (s *Sender[R]) Send(id handoff.PlaneID, regions []R, accept []byte, attach func(*kvlease.Transfer) error) ([]byte, error) {
 	if !s.cfg.Pull {
 		return s.sendPush(id, regions, accept, attach)
@@ -421,8 +429,8 @@ func (j *sendJob[R]) revoke(cause error) {
 	})
 }
 
-// Finish revokes the handoff's registration. With the destination's done
-// (peer nil: sent after its gets and its flush completed) the transfer
+// Finish revokes the handoff's worker (and, pulled, its registration).
+// With the destination's done (peer nil: sent after its own evidence) the transfer
 // resolves nil; otherwise the revocation is the evidence and the outcome
 // wraps ErrRevoked.
 func (s *Sender[R]) Finish(id handoff.PlaneID, peer error) {
@@ -466,10 +474,12 @@ func (s *Sender[R]) Close() error {
 }
 
 // Receiver is the destination side's plane: for each handoff it starts a
-// UCX worker of its own, connects to the source's handoff worker, unpacks
-// the remote keys and reads the blocks with ucp_get_nbx into its own
-// registered regions, then flushes the endpoint. It is safe for
-// concurrent use.
+// UCX worker of its own. Pushed (the default), it posts a tagged receive
+// per block into the block's own pieces and checks every block against
+// its sum; pulled (Config.Pull), it connects to the source's handoff
+// worker, unpacks the remote keys and reads the blocks with ucp_get_nbx
+// into its own registered regions, then flushes the endpoint. It is safe
+// for concurrent use.
 type Receiver[R any] struct {
 	cfg    Config
 	ctx    *context
@@ -508,9 +518,12 @@ func newReceiver[R any](cfg Config, pieces func(R, []Span) []Span) (*Receiver[R]
 	return &Receiver[R]{cfg: cfg, ctx: ctx, pieces: pieces, prepared: make(map[handoff.PlaneID]*prepared), jobs: make(map[*recvJob[R]]struct{})}, nil
 }
 
-// Prepare implements handoff.RecvPlane: the Accept bytes carry the block
-// count (the source's worker address travels in Start: the source owns
-// the registration, the destination connects to it).
+// Prepare implements handoff.RecvPlane. Pushed, it starts the handoff's
+// worker and the Accept bytes carry the block count, a random tag salt
+// and the worker's address (the source connects to it). Pulled, they
+// carry the block count (the source's worker address travels in Start:
+// the source owns the registration, the destination connects to it);
+// pull refuses an authenticated session (kvlease.ErrInvalidArgument).
 func (r *Receiver[R]) Prepare(id handoff.PlaneID, blocks int) ([]byte, error) {
 	if blocks <= 0 || blocks > handoff.MaxBlocks {
 		return nil, fmt.Errorf("ucx: prepare %d blocks: %w", blocks, kvlease.ErrInvalidArgument)
@@ -697,10 +710,11 @@ type getOp struct {
 	key   int // index into keys
 }
 
-// Receive implements handoff.RecvPlane: it connects to the source's
-// handoff worker, registers the destination regions, attaches the
-// transfer and reads on the handoff worker's thread. The transfer
-// resolves as the package doc says.
+// Receive implements handoff.RecvPlane: it checks the Start bytes against
+// the regions (ErrCorrupt, kvlease.ErrInvalidArgument: nothing attached),
+// connects to the source's handoff worker, attaches the transfer and
+// receives (or, pulled, registers the regions and reads) on the handoff
+// worker's thread. The transfer resolves as the package doc says.
 func (r *Receiver[R]) Receive(id handoff.PlaneID, regions []R, startBytes []byte, attach func(*kvlease.Transfer) error) error {
 	r.mu.Lock()
 	p, ok := r.prepared[id]
