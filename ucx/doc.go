@@ -224,7 +224,10 @@
 // sums table is blocks·16 bytes (keyed) or blocks·4 (crc32c). A source
 // may send before the destination posts its receives: those messages
 // wait in the destination's UCX memory (bounded by the handoff, which
-// the destination accepted). Pulled, the Start bytes carry the run table inline while it fits
+// the destination accepted). A prepared handoff holds its worker (an OS
+// thread and a listening socket) until its Start or its Forget: the
+// handoff package's per-session caps and start timeout bound how many.
+// Pulled, the Start bytes carry the run table inline while it fits
 // handoff.MaxPlane (4096): with UCX_TLS=tcp a worker address takes about
 // 50 bytes and each run 28 (a 10-byte key), so about 140 runs when the
 // segments are the runs (a contiguous lease in block order, a

@@ -261,3 +261,35 @@ func TestCancelIsARequest(t *testing.T) {
 	}
 	sender.Finish(id, errors.New("test over"))
 }
+
+func TestModelsMustAgree(t *testing.T) {
+	// A pushing sender refuses a destination that asks to pull (it would
+	// expose the source's memory), and a pulling sender refuses push
+	// Accept bytes: both with ErrCorrupt, before anything is attached.
+	regions := [][]byte{make([]byte, 64)}
+	attach := func(*kvlease.Transfer) error { t.Fatal("attached across models"); return nil }
+	for _, pull := range []bool{false, true} {
+		s, err := ucx.NewSender(ucx.Config{Pull: pull})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer s.Close()
+		r, err := ucx.NewReceiver(ucx.Config{Pull: !pull})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer r.Close()
+		id := handoff.PlaneID{Session: 1, Handoff: 1}
+		accept, err := r.Prepare(id, 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := s.Send(id, regions, accept, attach); !errors.Is(err, ucx.ErrCorrupt) {
+			t.Fatalf("sender (pull %v) took the other model's accept: %v", pull, err)
+		}
+		r.Forget(id)
+		if st := s.Stats(); st.Started != 0 || st.Registrations != 0 {
+			t.Fatalf("sender %+v", st)
+		}
+	}
+}
