@@ -42,6 +42,9 @@ func TestMain(m *testing.M) {
 	if v := os.Getenv(peerEnv); v != "" {
 		os.Exit(runPeer(v))
 	}
+	if v := os.Getenv(attackEnv); v != "" {
+		os.Exit(runAttacker(v))
+	}
 	os.Exit(m.Run())
 }
 
