@@ -8,4 +8,3 @@ func AcceptInsecure(c net.Conn, env Envelope) error {
 	_, err := authenticate(c, false, nil, env.Fingerprint(), 0)
 	return err
 }
-
