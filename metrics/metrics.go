@@ -32,6 +32,7 @@ import (
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/events"
 	"github.com/kvlease/kvlease/handoff"
+	"github.com/kvlease/kvlease/handoff/tcp"
 )
 
 // ErrInvalid is wrapped by the errors of New, AddPool and AddPublisher
@@ -47,6 +48,17 @@ type StatsSource interface {
 // PublisherSource is what a KV-event publisher exports: *events.Publisher.
 type PublisherSource interface {
 	Stats() events.Stats
+}
+
+// HalfSource is what a half of a cross-process handoff exports:
+// *handoff.Destination or *handoff.Source of any region type.
+type HalfSource interface {
+	Stats() handoff.HalfStats
+}
+
+// PlaneSource is what a TCP data plane exports: *tcp.Receiver, *tcp.Sender.
+type PlaneSource interface {
+	Stats() tcp.Stats
 }
 
 // DefaultBuckets are the duration histograms' buckets, in seconds: 10µs
@@ -80,10 +92,12 @@ type Collector struct {
 	opts Options
 	now  func() time.Time
 
-	mu    sync.Mutex
-	pools []named[StatsSource]
-	pubs  []named[PublisherSource]
-	obs   map[string]*poolObserver
+	mu     sync.Mutex
+	pools  []named[StatsSource]
+	pubs   []named[PublisherSource]
+	halves []named[HalfSource]
+	planes []named[PlaneSource]
+	obs    map[string]*poolObserver
 
 	d descs
 
@@ -120,6 +134,7 @@ type descs struct {
 	evPublished, evBatches, evBlocks, evDropped, evBatchDropped *prometheus.Desc
 	evUnpublishable, evResyncs                                  *prometheus.Desc
 	vUsage, vQueries, vHits, vConfig                            *prometheus.Desc
+	hSessions, hRefusals, hQuarantined, pRefusals, pAcceptErrs  *prometheus.Desc
 }
 
 // New makes a Collector and registers it on reg.
@@ -169,6 +184,12 @@ func New(reg prometheus.Registerer, opts Options) (*Collector, error) {
 		evBatchDropped:  d("kv_event_batches_dropped_total", "KV event batches dropped because the queue to the socket was full.", "publisher"),
 		evUnpublishable: d("kv_events_unpublishable_total", "Stored events without tokens, which routers cannot key (not sent).", "publisher"),
 		evResyncs:       d("kv_event_resyncs_total", "AllBlocksCleared plus re-announcements sent after a loss.", "publisher"),
+
+		hSessions:    d("handoff_sessions_total", "Control sessions a handoff half authenticated (or began, insecure).", "half"),
+		hRefusals:    d("handoff_refusals_total", "What a handoff half refused, by reason (auth, downgrade, frame, limit, start_timeout, duplicate, unauthorized, busy, accept_error).", "half", "reason"),
+		hQuarantined: d("handoff_quarantined_total", "Handoffs of a half that became quarantined.", "half"),
+		pRefusals:    d("handoff_data_refusals_total", "Data connections a TCP plane refused, by reason (auth, busy, address, other).", "plane", "reason"),
+		pAcceptErrs:  d("handoff_data_accept_errors_total", "Failed accepts of a TCP plane's listener, retried after a backoff.", "plane"),
 	}
 	if v := opts.VLLM; v != nil {
 		vl := []string{"engine", "model_name"}
@@ -213,6 +234,21 @@ func (c *Collector) AddPublisher(name string, p PublisherSource) error {
 	return addNamed(&c.pubs, "publisher", name, p, p == nil)
 }
 
+// AddHalf exports a handoff half's refusals under the label half=name.
+func (c *Collector) AddHalf(name string, h HalfSource) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return addNamed(&c.halves, "half", name, h, h == nil)
+}
+
+// AddPlane exports a TCP data plane's refusals under the label
+// plane=name.
+func (c *Collector) AddPlane(name string, p PlaneSource) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return addNamed(&c.planes, "plane", name, p, p == nil)
+}
+
 // The outcomes handoffs_total counts: the final states and Quarantined.
 var handoffOutcomes = []handoff.State{handoff.Delivered, handoff.Rejected, handoff.Failed, handoff.Aborted, handoff.Quarantined}
 
@@ -254,6 +290,7 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 		c.d.transfers, c.d.quarantines, c.d.quarantineLifts, c.d.leaked,
 		c.d.evPublished, c.d.evBatches, c.d.evBlocks, c.d.evDropped, c.d.evBatchDropped,
 		c.d.evUnpublishable, c.d.evResyncs,
+		c.d.hSessions, c.d.hRefusals, c.d.hQuarantined, c.d.pRefusals, c.d.pAcceptErrs,
 	} {
 		ch <- d
 	}
@@ -274,6 +311,8 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	c.mu.Lock()
 	pools := slices.Clone(c.pools)
 	pubs := slices.Clone(c.pubs)
+	halves := slices.Clone(c.halves)
+	planes := slices.Clone(c.planes)
 	c.mu.Unlock()
 	gauge := func(d *prometheus.Desc, v float64, l ...string) {
 		ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, l...)
@@ -335,6 +374,31 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		counter(c.d.evBatchDropped, st.DroppedBatches, n)
 		counter(c.d.evUnpublishable, st.Unpublishable, n)
 		counter(c.d.evResyncs, st.Resyncs, n)
+	}
+	for _, h := range halves {
+		st, n := h.src.Stats(), h.name
+		ci := func(d *prometheus.Desc, v int64, l ...string) { counter(d, uint64(max(v, 0)), l...) }
+		ci(c.d.hSessions, st.Sessions, n)
+		ci(c.d.hQuarantined, st.Quarantined, n)
+		for _, r := range []struct {
+			reason string
+			v      int64
+		}{
+			{"auth", st.AuthRefused - st.Downgrades}, {"downgrade", st.Downgrades}, {"frame", st.FramesRefused},
+			{"limit", st.LimitRefused}, {"start_timeout", st.StartTimeouts}, {"duplicate", st.Duplicates},
+			{"unauthorized", st.Unauthorized}, {"busy", st.Busy}, {"accept_error", st.AcceptErrors},
+		} {
+			ci(c.d.hRefusals, r.v, n, r.reason)
+		}
+	}
+	for _, p := range planes {
+		st, n := p.src.Stats(), p.name
+		ci := func(d *prometheus.Desc, v int, l ...string) { counter(d, uint64(max(v, 0)), l...) }
+		ci(c.d.pRefusals, st.RefusedAuth, n, "auth")
+		ci(c.d.pRefusals, st.RefusedBusy, n, "busy")
+		ci(c.d.pRefusals, st.RefusedAddr, n, "address")
+		ci(c.d.pRefusals, st.Refused-st.RefusedAuth-st.RefusedBusy, n, "other")
+		ci(c.d.pAcceptErrs, st.AcceptErrors, n)
 	}
 	c.transfer.Collect(ch)
 	c.drain.Collect(ch)

@@ -15,6 +15,7 @@ import (
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/events"
 	"github.com/kvlease/kvlease/handoff"
+	"github.com/kvlease/kvlease/handoff/tcp"
 )
 
 // clock is a manual clock for the histograms.
@@ -394,4 +395,45 @@ func TestCollectorConcurrent(t *testing.T) {
 	st := p.Stats()
 	require.Equal(t, uint64(workers*rounds), st.TransfersResolved)
 	require.Equal(t, 64, st.Free)
+}
+
+type fakeHalf struct{ s handoff.HalfStats }
+
+func (f fakeHalf) Stats() handoff.HalfStats { return f.s }
+
+type fakePlane struct{ s tcp.Stats }
+
+func (f fakePlane) Stats() tcp.Stats { return f.s }
+
+// TestCollectorHandoffRefusals: a half's and a data plane's refusals are
+// exported by reason; the families lint clean.
+func TestCollectorHandoffRefusals(t *testing.T) {
+	c, _, _ := newCollector(t, Options{})
+	require.NoError(t, c.AddHalf("decode", fakeHalf{handoff.HalfStats{Sessions: 3, AuthRefused: 5, Downgrades: 2, FramesRefused: 1,
+		LimitRefused: 4, StartTimeouts: 1, Quarantined: 2}}))
+	require.NoError(t, c.AddPlane("decode", fakePlane{tcp.Stats{Refused: 9, RefusedAuth: 3, RefusedBusy: 4, AcceptErrors: 1}}))
+	require.ErrorIs(t, c.AddHalf("decode", fakeHalf{}), ErrInvalid)
+	const want = `
+# HELP kvlease_handoff_refusals_total What a handoff half refused, by reason (auth, downgrade, frame, limit, start_timeout, duplicate, unauthorized, busy, accept_error).
+# TYPE kvlease_handoff_refusals_total counter
+kvlease_handoff_refusals_total{half="decode",reason="accept_error"} 0
+kvlease_handoff_refusals_total{half="decode",reason="auth"} 3
+kvlease_handoff_refusals_total{half="decode",reason="busy"} 0
+kvlease_handoff_refusals_total{half="decode",reason="downgrade"} 2
+kvlease_handoff_refusals_total{half="decode",reason="duplicate"} 0
+kvlease_handoff_refusals_total{half="decode",reason="frame"} 1
+kvlease_handoff_refusals_total{half="decode",reason="limit"} 4
+kvlease_handoff_refusals_total{half="decode",reason="start_timeout"} 1
+kvlease_handoff_refusals_total{half="decode",reason="unauthorized"} 0
+# HELP kvlease_handoff_data_refusals_total Data connections a TCP plane refused, by reason (auth, busy, address, other).
+# TYPE kvlease_handoff_data_refusals_total counter
+kvlease_handoff_data_refusals_total{plane="decode",reason="address"} 0
+kvlease_handoff_data_refusals_total{plane="decode",reason="auth"} 3
+kvlease_handoff_data_refusals_total{plane="decode",reason="busy"} 4
+kvlease_handoff_data_refusals_total{plane="decode",reason="other"} 2
+`
+	require.NoError(t, testutil.CollectAndCompare(c, strings.NewReader(want), "kvlease_handoff_refusals_total", "kvlease_handoff_data_refusals_total"))
+	problems, err := testutil.CollectAndLint(c)
+	require.NoError(t, err)
+	require.Empty(t, problems)
 }

@@ -42,6 +42,9 @@ func TestMain(m *testing.M) {
 	if v := os.Getenv(peerEnv); v != "" {
 		os.Exit(runPeer(v))
 	}
+	if v := os.Getenv(attackEnv); v != "" {
+		os.Exit(runAttacker(v))
+	}
 	os.Exit(m.Run())
 }
 
@@ -68,6 +71,9 @@ type peerConfig struct {
 	// Insecure: the peer's half runs without authentication (tests that
 	// speak the control protocol by hand).
 	Insecure bool
+	// TLSDir, if set, holds the test TLS material (writeTLS): the peer's
+	// half authenticates with mutual TLS instead of the test key.
+	TLSDir string
 }
 
 // envFor is the envelope of the tests: blocks of 16 tokens, a context of
@@ -278,6 +284,12 @@ func runPeer(spec string) int {
 		OnError: func(err error) { say("protoerr %q", err.Error()) }}
 	if cfg.Insecure {
 		half.Auth, half.Insecure, half.Logf = nil, true, quiet
+	}
+	if cfg.TLSDir != "" {
+		if half.Auth, err = readTLS(cfg.TLSDir, cfg.Role); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 2
+		}
 	}
 	var run func(cmd []string) bool
 	switch cfg.Role {

@@ -105,6 +105,8 @@ func (d *destSide) quarantines() []uint64 {
 type sideOpts struct {
 	deadline     time.Duration
 	gateOnAccept bool
+	auth         handoff.Authenticator // testAuth when nil (and not insecure)
+	insecure     bool
 }
 
 func newDestSide(t testing.TB, o sideOpts, pc peerConfig) *destSide {
@@ -252,7 +254,14 @@ func newSrcSide(t testing.TB, o sideOpts, pc peerConfig, blockBytes, poolBlocks 
 		o.deadline = bound
 	}
 	var err error
-	s.src, err = handoff.NewSource(s.ctl, startSignal{s.sender, s.ctl}, handoff.HalfConfig{Envelope: envFor(blockBytes, poolBlocks), Name: "prefill", Peer: "decode", Deadline: o.deadline, Auth: testAuth})
+	half := handoff.HalfConfig{Envelope: envFor(blockBytes, poolBlocks), Name: "prefill", Peer: "decode", Deadline: o.deadline, Auth: o.auth}
+	switch {
+	case o.insecure:
+		half.Insecure, half.Logf = true, quiet
+	case o.auth == nil:
+		half.Auth = testAuth
+	}
+	s.src, err = handoff.NewSource(s.ctl, startSignal{s.sender, s.ctl}, half)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -342,6 +342,11 @@ func (s *Sender) write(conn net.Conn, tok [16]byte, sl *seal, regions [][]byte, 
 	// per write keeps a cancel honoured at the next block boundary.
 	metaBuf := new([tagLength + frameHeader]byte) // trailer of block i-1, header of block i
 	meta := metaBuf[tagLength-tl:]
+	var ahead *tagAhead
+	if sl.keyed {
+		ahead = sl.ahead(regions)
+		defer ahead.close() // before the transfer resolves: it reads the regions
+	}
 	iov := new([2][]byte)
 	var bufs net.Buffers
 	var n int64
@@ -359,7 +364,11 @@ func (s *Sender) write(conn net.Conn, tok [16]byte, sl *seal, regions [][]byte, 
 		if _, err := bufs.WriteTo(conn); err != nil {
 			return n, fmt.Errorf("tcp: block %d of %d: %w", i, len(regions), err)
 		}
-		sl.sum(meta[:tl], i, r)
+		if ahead != nil {
+			copy(meta[:tl], ahead.tag(i))
+		} else {
+			sl.sum(meta[:tl], i, r)
+		}
 		n += int64(len(r))
 	}
 	if len(regions) > 0 {
@@ -725,15 +734,25 @@ func (r *Receiver) dropSlot(s *slot) {
 // as they arrive (no second pass) and is checked when the block is.
 // Cancel is honoured before each read; a read in progress is not
 // interrupted.
-func (r *Receiver) read(c net.Conn, sl *seal, regions [][]byte, cancel <-chan struct{}) (int64, error) {
+func (r *Receiver) read(c net.Conn, sl *seal, regions [][]byte, cancel <-chan struct{}) (n int64, err error) {
 	frameTrailer := sl.trailer()
+	var behind *checkBehind
+	if sl.keyed {
+		behind = sl.behind(regions)
+		defer func() {
+			// Every block read is checked before the transfer resolves
+			// (and the checker no longer reads the regions).
+			if bad := behind.close(); bad != nil {
+				err = bad
+			}
+		}()
+	}
 	metaLen := frameHeader + frameTrailer
 	k := min(len(regions), batchBlocks)
 	metas := make([]byte, metaLen*k) // block b's header and trailer in slot b%k
 	meta := func(b int) []byte { return metas[metaLen*(b%k) : metaLen*(b%k+1)] }
 	sc := newScatter(c, 3*k)
 	bufs := make([][]byte, 0, 3*k)
-	var n int64
 	i, pos := 0, 0 // the current block, and how far into its frame we are
 	var got uint32 // its checksum so far
 	for i < len(regions) {
@@ -741,6 +760,9 @@ func (r *Receiver) read(c net.Conn, sl *seal, regions [][]byte, cancel <-chan st
 		case <-cancel:
 			return n, fmt.Errorf("tcp: stopped before block %d of %d: %w", i, len(regions), ErrCanceled)
 		default:
+		}
+		if behind != nil && behind.failed() != nil {
+			return n, nil // the deferred close returns the failure
 		}
 		bufs = bufs[:0]
 		for b := i; b < min(len(regions), i+k); b++ {
@@ -790,10 +812,8 @@ func (r *Receiver) read(c net.Conn, sl *seal, regions [][]byte, cancel <-chan st
 				if pos < bodyEnd+frameTrailer {
 					continue
 				}
-				if sl.keyed {
-					if err := sl.verify(i, dst, meta(i)[frameHeader:]); err != nil {
-						return n, fmt.Errorf("tcp: block %d of %d: %w", i, len(regions), err)
-					}
+				if behind != nil {
+					behind.check(i, meta(i)[frameHeader:])
 				} else if sum := binary.LittleEndian.Uint32(meta(i)[frameHeader:]); got != sum {
 					return n, fmt.Errorf("tcp: block %d of %d: crc32c %08x, frame says %08x: %w", i, len(regions), got, sum, ErrCorrupt)
 				}

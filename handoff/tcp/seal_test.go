@@ -1,0 +1,201 @@
+package tcp
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"net"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/handoff"
+)
+
+// capPlane captures the PlaneIDs the halves hand their planes, and
+// moves nothing.
+type capPlane struct{ ids chan handoff.PlaneID }
+
+func (p capPlane) Send(id handoff.PlaneID, _ [][]byte, _ []byte, _ func(*kvlease.Transfer) error) ([]byte, error) {
+	p.ids <- id
+	return nil, errors.New("capture only")
+}
+func (capPlane) Finish(handoff.PlaneID, error) {}
+func (p capPlane) Prepare(id handoff.PlaneID, _ int) ([]byte, error) {
+	p.ids <- id
+	return []byte("x"), nil
+}
+func (capPlane) Receive(handoff.PlaneID, [][]byte, []byte, func(*kvlease.Transfer) error) error {
+	return errors.New("capture only")
+}
+func (capPlane) Forget(handoff.PlaneID) {}
+
+// secureID returns the PlaneIDs of handoff handoffID as the two halves
+// of a psk session hand them to their planes.
+func secureID(t testing.TB, handoffID uint64) (src, dst handoff.PlaneID) {
+	t.Helper()
+	env := handoff.Envelope{BlockTokens: 16, BlockBytes: 64, PoolBlocks: 8, MaxContextTokens: 128, MaxPrefillTokens: 128, MaxRunningRequests: 4}
+	auth := &handoff.PSK{ID: "test", Key: make([]byte, 32)}
+	pool := func() *kvlease.Pool[[]byte] {
+		mem, _ := kvlease.NewHostMemory(8, 64)
+		p, _ := kvlease.NewPool[[]byte](mem)
+		return p
+	}
+	dp, sp := capPlane{make(chan handoff.PlaneID, 1)}, capPlane{make(chan handoff.PlaneID, 1)}
+	dst2, err := handoff.NewDestination(pool(), dp, handoff.DestinationConfig[[]byte]{HalfConfig: handoff.HalfConfig{Envelope: env, Auth: auth}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, b := net.Pipe()
+	go func() { _ = dst2.Serve(b) }()
+	s, err := handoff.NewSource(a, sp, handoff.HalfConfig{Envelope: env, Auth: auth})
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, _ := pool().Acquire("r", 1)
+	if _, err := s.Propose(handoffID, "r", l, nil); err != nil {
+		t.Fatal(err)
+	}
+	dst, src = <-dp.ids, <-sp.ids
+	_ = s.Close()
+	return src, dst
+}
+
+// TestSeal: a keyed seal's hello and block tags verify only under the
+// same session, token, handoff and block index; an unkeyed seal's
+// hello is refused by a keyed slot (a downgrade) and the reverse.
+func TestSeal(t *testing.T) {
+	srcID, dstID := secureID(t, 7)
+	tok := [16]byte{1, 2, 3}
+	s, _ := newSeal(srcID, tok)
+	d, _ := newSeal(dstID, tok)
+	otherTok, _ := newSeal(dstID, [16]byte{9})
+	dstID8 := dstID
+	dstID8.Handoff = 8
+	otherHandoff, _ := newSeal(dstID8, tok)
+	plain, _ := newSeal(handoff.PlaneID{Handoff: 7}, tok)
+	if !s.keyed || !d.keyed || plain.keyed {
+		t.Fatal("keyed by the session's peer, unkeyed without one")
+	}
+	h := s.hello(tok, 4, 4096)
+	if err := d.checkHello(h); err != nil {
+		t.Fatalf("the sender's own hello: %v", err)
+	}
+	for name, sl := range map[string]*seal{"another token": otherTok, "another handoff": otherHandoff} {
+		if err := sl.checkHello(h); !errors.Is(err, ErrUnauthenticated) {
+			t.Errorf("%s: hello %v", name, err)
+		}
+	}
+	if err := d.checkHello(plain.hello(tok, 4, 4096)); !errors.Is(err, ErrUnauthenticated) {
+		t.Errorf("unkeyed hello to a keyed slot: %v", err)
+	}
+	if err := plain.checkHello(h); !errors.Is(err, ErrCorrupt) {
+		t.Errorf("keyed hello to an unkeyed slot: %v", err)
+	}
+	block := bytes.Repeat([]byte{5}, 4096)
+	tag := make([]byte, s.trailer())
+	s.sum(tag, 3, block)
+	if err := d.verify(3, block, tag); err != nil {
+		t.Fatalf("block 3: %v", err)
+	}
+	for name, f := range map[string]func() error{
+		"another index":   func() error { return d.verify(2, block, tag) },
+		"another handoff": func() error { return otherHandoff.verify(3, block, tag) },
+		"flipped byte": func() error {
+			b := bytes.Clone(block)
+			b[100] ^= 1
+			return d.verify(3, b, tag)
+		},
+	} {
+		if err := f(); !errors.Is(err, ErrCorrupt) {
+			t.Errorf("%s: %v", name, err)
+		}
+	}
+}
+
+// FuzzCheckHello: no hello but the sender's own verifies under a keyed
+// slot; none panics.
+func FuzzCheckHello(f *testing.F) {
+	srcID, dstID := secureID(f, 7)
+	tok := [16]byte{1}
+	s, _ := newSeal(srcID, tok)
+	good := s.hello(tok, 4, 4096)
+	f.Add(good)
+	f.Add(make([]byte, helloLength))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		if len(b) < helloLength {
+			b = append(b, make([]byte, helloLength-len(b))...)
+		}
+		b = b[:helloLength]
+		d, _ := newSeal(dstID, tok)
+		if err := d.checkHello(b); err == nil && !bytes.Equal(b, good) {
+			t.Fatalf("a forged hello verified: %x", b)
+		}
+	})
+}
+
+// TestSenderRefusesForeignAddress: an Accept naming a data address off
+// the authenticated peer's host is refused before anything is dialled
+// (ErrAddress, counted), unless the host is in AllowDataHosts.
+func TestSenderRefusesForeignAddress(t *testing.T) {
+	srcID, _ := secureID(t, 1)
+	srcID.Peer.Addr = &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1), Port: 1}
+	accept := func(addr string) []byte {
+		b := []byte{byte(len(addr)), 0}
+		return append(append(b, addr...), make([]byte, 16)...)
+	}
+	s := NewSender(Config{DialTimeout: time.Second})
+	defer s.Close()
+	_, err := s.Send(srcID, [][]byte{make([]byte, 64)}, accept("10.9.8.7:4242"), nil)
+	if !errors.Is(err, ErrAddress) || !errors.Is(err, handoff.ErrAuth) || s.Stats().RefusedAddr != 1 {
+		t.Fatalf("foreign address: %v, stats %+v", err, s.Stats())
+	}
+	allow := NewSender(Config{DialTimeout: 50 * time.Millisecond, AllowDataHosts: []string{"10.9.8.7"}})
+	defer allow.Close()
+	if err := allow.checkAddr(srcID, "10.9.8.7:4242"); err != nil {
+		t.Fatalf("allowlisted: %v", err)
+	}
+	if err := s.checkAddr(srcID, "127.0.0.1:4242"); err != nil {
+		t.Fatalf("the peer's own host: %v", err)
+	}
+}
+
+// flakyListener fails its first Accepts with EMFILE.
+type flakyListener struct {
+	net.Listener
+	fails int
+}
+
+func (l *flakyListener) Accept() (net.Conn, error) {
+	if l.fails > 0 {
+		l.fails--
+		return nil, fmt.Errorf("accept: %w", syscall.EMFILE)
+	}
+	return l.Listener.Accept()
+}
+
+// TestReceiverAcceptBackoff: the data accept loop survives transient
+// errors, counts them, and still serves connections; it stops on Close.
+func TestReceiverAcceptBackoff(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := NewReceiver(&flakyListener{Listener: ln, fails: 3}, Config{HelloTimeout: time.Second})
+	c, err := net.Dial("tcp", r.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _ = c.Write([]byte("not a hello"))
+	_ = c.(*net.TCPConn).CloseWrite()
+	for end := time.Now().Add(10 * time.Second); r.Stats().Refused < 1 && time.Now().Before(end); time.Sleep(time.Millisecond) {
+	}
+	if st := r.Stats(); st.AcceptErrors != 3 || st.Refused != 1 {
+		t.Fatalf("stats %+v", st)
+	}
+	_ = c.Close()
+	if err := r.Close(); err != nil {
+		t.Fatal(err)
+	}
+}
