@@ -156,8 +156,9 @@
 //   - Pull: UCX 1.13 emulates a get in software when the remote key
 //     names no registration that a hardware transport can check (always
 //     over tcp; on any transport for a key the destination crafts), and
-//     the source's worker then serves any address of the source process
-//     (rma_sw.c's get handler copies from the requested address;
+//     the source's worker then serves any address of the source process,
+//     for gets and for puts alike (rma_sw.c's handlers copy from and to
+//     the requested address;
 //     TestPullTrustsTheDestination reads another request's block this
 //     way). Which transports the endpoint uses cannot make pull safe:
 //     the handler is installed for the feature, not per transport. So

@@ -167,6 +167,7 @@ type loopConfig struct {
 	recv, send ucx.Config
 	keepLeases bool
 	insecure   bool // both halves Insecure (the pull model's are anyway)
+	tls        bool // mutual TLS instead of the test key
 }
 
 // key is the loop's pre-shared key for a side configured with cfg.
@@ -194,8 +195,14 @@ func newLoop(t *testing.T, lc loopConfig) *loop {
 	if dl == 0 {
 		dl = 10 * time.Second
 	}
+	dstHC := withAuth(handoff.HalfConfig{Envelope: env(64), Name: "decode", Peer: "prefill", Deadline: dl}, lc.key(lc.recv))
+	srcHC := withAuth(handoff.HalfConfig{Envelope: env(64), Name: "prefill", Peer: "decode", Deadline: dl}, lc.key(lc.send))
+	if lc.tls {
+		s, d := testTLS(t)
+		srcHC.Auth, dstHC.Auth = &handoff.TLS{Config: s}, &handoff.TLS{Config: d}
+	}
 	l.dst, err = handoff.NewDestination(l.dstPool, l.recv, handoff.DestinationConfig[[]byte]{
-		HalfConfig: withAuth(handoff.HalfConfig{Envelope: env(64), Name: "decode", Peer: "prefill", Deadline: dl}, lc.key(lc.recv)),
+		HalfConfig: dstHC,
 		OnDelivered: func(in *handoff.Incoming[[]byte]) {
 			if !lc.keepLeases {
 				in.Lease().Release()
@@ -223,7 +230,7 @@ func newLoop(t *testing.T, lc loopConfig) *loop {
 	if err != nil {
 		t.Fatal(err)
 	}
-	l.src, err = handoff.NewSource(c, l.sender, withAuth(handoff.HalfConfig{Envelope: env(64), Name: "prefill", Peer: "decode", Deadline: dl}, lc.key(lc.send)))
+	l.src, err = handoff.NewSource(c, l.sender, srcHC)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -70,9 +70,9 @@ type Config struct {
 	// model (the source sends its pieces as tagged messages). Both sides
 	// must agree: a sender refuses the other model's Accept bytes. Pull
 	// trusts the destination with the source process's memory: UCX 1.13
-	// serves, in software, a get whose remote key names no hardware
-	// registration, from any address the destination asks for, on every
-	// transport (see Trust in the package doc). Set it only when the
+	// serves, in software, a get (or a put) whose remote key names no
+	// hardware registration, at any address the destination names, on
+	// every transport (see Trust in the package doc). Set it only when the
 	// destination is as trusted as the source process itself.
 	Pull bool
 }

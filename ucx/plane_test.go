@@ -15,7 +15,8 @@ func TestLoopbackDelivered(t *testing.T) {
 		lc    loopConfig
 		keyed bool
 	}{
-		{"authenticated", loopConfig{keepLeases: true}, true},
+		{"psk", loopConfig{keepLeases: true}, true},
+		{"tls", loopConfig{keepLeases: true, tls: true}, true},
 		{"insecure", loopConfig{keepLeases: true, insecure: true}, false},
 		{"pull", loopConfig{keepLeases: true, send: ucx.Config{Pull: true}, recv: ucx.Config{Pull: true}}, false},
 	} {
@@ -54,6 +55,11 @@ func TestLoopbackDelivered(t *testing.T) {
 			}
 			if s, r := l.sender.Stats(), l.recv.Stats(); s.Keyed != want || r.Keyed != want || r.Completed != 1 {
 				t.Fatalf("send %+v recv %+v, want %d keyed", s, r, want)
+			}
+			if tc.lc.tls {
+				if p := in.Peer(); p.Mode != handoff.AuthTLS || p.Identity != prefillIdentity {
+					t.Fatalf("destination saw the proposer as %v", p)
+				}
 			}
 		})
 	}
