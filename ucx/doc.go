@@ -151,7 +151,9 @@
 //   - Push (the default): the source's worker serves nothing (no
 //     UCP_FEATURE_RMA): a destination that asks it for any address — its
 //     own blocks shifted, another request's block of the same pool —
-//     gets nothing (TestPushExposesNothing). The source sends only the
+//     gets nothing (TestPushExposesNothing, and across processes, with
+//     an authenticated hostile destination, TestProcsHostileDestination).
+//     The source sends only the
 //     handoff's pieces, from addresses of its own regions.
 //   - Pull: UCX 1.13 emulates a get in software when the remote key
 //     names no registration that a hardware transport can check (always

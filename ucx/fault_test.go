@@ -5,9 +5,11 @@ import (
 	"fmt"
 	"net"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
@@ -87,13 +89,17 @@ type localSource struct {
 }
 
 func newLocalSource(t *testing.T, conn net.Conn, deadline time.Duration, seed uint32) *localSource {
+	return newLocalSourceOf(t, conn, ucx.Config{}, deadline, seed)
+}
+
+func newLocalSourceOf(t *testing.T, conn net.Conn, cfg ucx.Config, deadline time.Duration, seed uint32) *localSource {
 	t.Helper()
 	s := &localSource{pool: hostPool(t, 64)}
 	var err error
-	if s.sender, err = ucx.NewSender(ucx.Config{}); err != nil {
+	if s.sender, err = ucx.NewSender(cfg); err != nil {
 		t.Fatal(err)
 	}
-	if s.src, err = handoff.NewSource(conn, s.sender, withAuth(handoff.HalfConfig{Envelope: env(64), Name: "prefill", Peer: "decode", Deadline: deadline}, testKey)); err != nil {
+	if s.src, err = handoff.NewSource(conn, s.sender, withAuth(handoff.HalfConfig{Envelope: env(64), Name: "prefill", Peer: "decode", Deadline: deadline}, keyFor(cfg))); err != nil {
 		t.Fatal(err)
 	}
 	if s.lease, err = s.pool.Acquire("r", suiteBlocks); err != nil {
@@ -411,4 +417,57 @@ func TestProcsAbortMidRead(t *testing.T) {
 		p.waitExit()
 		s.finish(t, 52)
 	})
+}
+
+func TestProcsHostileDestination(t *testing.T) {
+	// A destination process that passed the authentication but does not
+	// follow the protocol: given the Start bytes, it asks the source's
+	// handoff worker for another request's block of the same pool (the
+	// block right after the handoff's, whose address the test tells it:
+	// a worst case of guessing). Pushed, it gets nothing: the source's
+	// worker serves no get. Pulled (trusted networks only), it reads the
+	// secret: why pull is opt-in.
+	for _, pull := range []bool{false, true} {
+		t.Run(fmt.Sprintf("pull=%v", pull), func(t *testing.T) {
+			extra := []string{"KVUCX_SEED=61"}
+			if pull {
+				extra = append(extra, "KVUCX_PULL=1")
+			}
+			p := startPeer(t, "hostile", extra...)
+			s := newLocalSourceOf(t, p.conn, ucx.Config{Pull: pull}, 20*time.Second, 61)
+			secret, err := s.pool.Acquire("another request", 1)
+			if err != nil {
+				t.Fatal(err)
+			}
+			sr, _ := secret.Region(0)
+			for i := range sr {
+				sr[i] = 0x5E
+			}
+			p.tell(fmt.Sprintf("target %#x", uintptr(unsafe.Pointer(unsafe.SliceData(sr)))))
+			o, err := s.src.Propose(1, "r", s.lease, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			line := p.expect("stolen")
+			if st := o.Wait(30 * time.Second); st != handoff.Delivered {
+				t.Fatalf("source %v: %v", st, o.History())
+			}
+			p.expect("hostile delivered")
+			leaked := strings.Contains(line, "5e5e5e5e")
+			if !pull && leaked {
+				t.Fatalf("the pushing source leaked another request's block: %q", line)
+			}
+			if !pull && !strings.HasPrefix(line, "stolen false") {
+				t.Fatalf("the hostile get completed: %q", line)
+			}
+			if pull && !leaked {
+				t.Fatalf("pulled, the hostile read got %q: UCX refuses it now, revisit Config.Pull", line)
+			}
+			_ = s.src.Close()
+			p.tell("done")
+			p.waitExit()
+			secret.Release()
+			s.finish(t, 61)
+		})
+	}
 }

@@ -119,6 +119,34 @@ func peerMain(role string) int {
 		_ = sender.Close()
 		s := pool.Stats()
 		say("pool free %d quarantined %d", s.Free, s.Quarantined)
+	case "hostile":
+		// An authenticated destination that, given the Start bytes,
+		// asks the source's worker for the address the test names on
+		// stdin ("target ADDR"), then receives as usual.
+		recv, err := ucx.NewReceiver(cfg)
+		if err != nil {
+			say("error %v", err)
+			return 1
+		}
+		finals := make(chan *handoff.Incoming[[]byte], 1)
+		dst, err := handoff.NewDestination(pool, hostilePlane{recv, stdin}, handoff.DestinationConfig[[]byte]{
+			HalfConfig:  withAuth(handoff.HalfConfig{Envelope: env(64), Name: "decode", Peer: "prefill", Deadline: deadline}, key),
+			OnDelivered: func(in *handoff.Incoming[[]byte]) { in.Lease().Release() },
+			OnFinal:     func(in *handoff.Incoming[[]byte]) { finals <- in },
+		})
+		if err != nil {
+			say("error %v", err)
+			return 1
+		}
+		go func() { _ = dst.Serve(conn) }()
+		select {
+		case in := <-finals:
+			say("hostile %v", in.State())
+		case <-time.After(60 * time.Second):
+			say("hostile timeout")
+		}
+		_, _ = stdin.ReadString('\n') // until the test is done with us
+		_ = recv.Close()
 	case "dest":
 		cfg.BeforeGet = func(_ handoff.PlaneID, block int) {
 			if block == stall {
@@ -166,6 +194,29 @@ func peerMain(role string) int {
 		say("pool free %d quarantined %d", s.Free, s.Quarantined)
 	}
 	return 0
+}
+
+// hostilePlane is the hostile peer's plane: before receiving, it tries
+// to read target from the source's worker and says what it got.
+type hostilePlane struct {
+	*ucx.Receiver[[]byte]
+	stdin *bufio.Reader
+}
+
+func (h hostilePlane) Receive(id handoff.PlaneID, regions [][]byte, start []byte, attach func(*kvlease.Transfer) error) error {
+	line, _ := h.stdin.ReadString('\n')
+	target, err := strconv.ParseUint(strings.TrimPrefix(strings.TrimSpace(line), "target "), 0, 64)
+	if err != nil {
+		say("stolen error %v", err)
+		return h.Receiver.Receive(id, regions, start, attach)
+	}
+	got, ok, err := ucx.HostileRead(start, target, blockBytes)
+	if err != nil {
+		say("stolen error %v", err)
+	} else {
+		say("stolen %v %x", ok, got[:8])
+	}
+	return h.Receiver.Receive(id, regions, start, attach)
 }
 
 func verdict(err error) string {
