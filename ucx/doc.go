@@ -153,8 +153,8 @@
 //     own blocks shifted, another request's block of the same pool —
 //     gets nothing (TestPushExposesNothing, and across processes, with
 //     an authenticated hostile destination, TestProcsHostileDestination).
-//     The source sends only the
-//     handoff's pieces, from addresses of its own regions.
+//     The source sends only the handoff's pieces, from addresses of its
+//     own regions.
 //   - Pull: UCX 1.13 emulates a get in software when the remote key
 //     names no registration that a hardware transport can check (always
 //     over tcp; on any transport for a key the destination crafts), and
