@@ -299,3 +299,42 @@ func TestModelsMustAgree(t *testing.T) {
 		}
 	}
 }
+
+func TestForgedBlocksFailTheHandoff(t *testing.T) {
+	// Blocks whose MACs are not under the session's key (here the
+	// source's plane derives its keys from another secret: blocks of
+	// another session, or from someone who lacks the key) land in the
+	// destination's lease but fail their check: the transfer resolves
+	// with ErrCorrupt, the handoff fails, nothing is sealed, and every
+	// block goes back to the pool.
+	l := newLoop(t, loopConfig{})
+	ucx.ForgeSessionKeys(l.sender, make([]byte, 32))
+	lease, err := l.srcPool.Acquire("r1", 6)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lease.Release()
+	stamp(t, lease, 12)
+	tokens := make([]int32, 6*env(64).BlockTokens)
+	for i := range tokens {
+		tokens[i] = int32(i)
+	}
+	o, err := l.src.ProposeTokens(1, "r1", lease, 0, tokens)
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFinal(t, o)
+	in := waitIncoming(t, l, 1)
+	if in.State() != handoff.Failed {
+		t.Fatalf("destination %v: %v", in.State(), in.History())
+	}
+	if o.State() != handoff.Failed {
+		t.Fatalf("source %v: %v", o.State(), o.History())
+	}
+	if s := l.dstPool.Stats(); s.Free != s.Capacity || s.Cached != 0 {
+		t.Fatalf("destination pool after forged blocks: %+v", s)
+	}
+	if r := l.recv.Stats(); r.Keyed != 1 || r.Completed != 0 {
+		t.Fatalf("receiver %+v", r)
+	}
+}
