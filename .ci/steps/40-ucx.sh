@@ -16,3 +16,7 @@ out=$(go run ./examples/disagg -seed 1 -insecure -quiet)
 echo "$out" | grep -Eq '^  authenticated none '
 echo "$out" | grep -Eq '^  marker mismatches +0$'
 echo "$out" | grep -Eq '^  late writes +0 '
+# The plane bytes come from the peer: a short fuzz of each parser.
+for f in FuzzParsePushAccept FuzzParsePushStart FuzzParseStart; do
+	go test -run '^$' -fuzz "^$f\$" -fuzztime 10s . > /dev/null
+done
