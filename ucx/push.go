@@ -59,6 +59,7 @@ const (
 	IntegrityMAC
 )
 
+// String returns the mode's name: none, crc32c or gmac.
 func (m Integrity) String() string {
 	switch m {
 	case IntegrityNone:
