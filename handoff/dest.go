@@ -3,7 +3,6 @@ package handoff
 import (
 	"errors"
 	"fmt"
-	"math"
 	"net"
 	"sync"
 	"sync/atomic"
@@ -83,6 +82,10 @@ type DestinationConfig[R any] struct {
 	MaxSessionBlocks int
 }
 
+// noCap stands for "no cap" (a negative MaxHandoffs or MaxSessionBlocks):
+// more than any session can reach, with room to double on 32-bit ints.
+const noCap = 1 << 29
+
 // Defaults of DestinationConfig's per-session bounds.
 const (
 	DefaultStartTimeout = 10 * time.Second
@@ -107,13 +110,13 @@ func NewDestination[R any](pool *kvlease.Pool[R], plane RecvPlane[R], cfg Destin
 	case cfg.MaxHandoffs == 0:
 		cfg.MaxHandoffs = DefaultMaxHandoffs
 	case cfg.MaxHandoffs < 0:
-		cfg.MaxHandoffs = math.MaxInt32
+		cfg.MaxHandoffs = noCap
 	}
 	switch {
 	case cfg.MaxSessionBlocks == 0:
 		cfg.MaxSessionBlocks = max(1, pool.Capacity()/2)
 	case cfg.MaxSessionBlocks < 0:
-		cfg.MaxSessionBlocks = math.MaxInt32
+		cfg.MaxSessionBlocks = noCap
 	}
 	if pool.BlockBytes() != cfg.Envelope.BlockBytes {
 		return nil, fmt.Errorf("kvlease: handoff destination: pool blocks of %d bytes, envelope %d: %w", pool.BlockBytes(), cfg.Envelope.BlockBytes, kvlease.ErrInvalidArgument)

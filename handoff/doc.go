@@ -17,9 +17,9 @@
 // Source (the prefill side, holding only its own leases) and Destination
 // (the decode side, holding only its own pool) are the two halves of a
 // handoff in different processes. They speak a small versioned control
-// protocol over one connection (proto.go: Propose, Accept, Reject,
-// Start, Done, Abort and their Acks, each frame crc32c-checked and
-// naming its handoff; anything malformed, duplicated, reordered or for
+// protocol over one authenticated connection (proto.go: Propose,
+// Accept, Reject, Start, Done, Abort and their Acks, each frame naming
+// its handoff; anything malformed, duplicated, reordered or for
 // an unknown handoff is refused and changes nothing), and move the
 // blocks over a data plane (SendPlane, RecvPlane): package tcp in pure
 // Go, UCX in the nested module ucx/. Each half keeps the same states,
@@ -35,6 +35,36 @@
 // started transfer still ends by its plane's evidence (Failed when the
 // data stopped short). No evidence by the deadline quarantines the
 // blocks until late evidence comes; time alone never frees them.
+//
+// # Authentication
+//
+// Nothing that crosses the process boundary is trusted until it is
+// authenticated. Both halves authenticate each other before any message
+// is acted on, with HalfConfig.Auth: &PSK{ID, Key} (a pre-shared key, a
+// challenge-response over both sides' nonces that derives the session's
+// keys; every control frame then travels sealed with AES-GCM under a
+// per-direction sequence number, so a replayed, reordered or foreign
+// frame ends the session) or &TLS{Config} (mutual TLS 1.3). Running
+// without it takes Insecure: true, and each such session says so in the
+// log; a secure half refuses an insecure peer (a downgrade). A refusal
+// wraps ErrAuth and is counted (Source.Stats, Destination.Stats).
+//
+// The session binds the data plane: every PlaneID names the session's
+// Peer, from which a plane derives its keys (Peer.Key); package tcp MACs
+// each data connection's hello and tags each block (AES-GMAC, the handoff
+// and the block index bound in), and sends blocks only to the
+// authenticated peer's host. The destination's Authorize sees the
+// proposer's identity (Peer.Identity: "psk:<id>", a certificate's URI SAN
+// or subject).
+//
+// Every per-session resource is bounded: handoffs in flight
+// (MaxHandoffs), blocks held (MaxSessionBlocks), the wait for Start
+// (StartTimeout), the handshake (HandshakeTimeout), the handshakes
+// pending in Listen (MaxPendingHandshakes); final handoffs leave the
+// tables, and a bounded set of recent ids (RecentIDs) keeps refusing
+// their reuse. The trust boundary: an authenticated peer can still send
+// wrong but well-formed KV; kvlease guarantees who sent it and that
+// nobody else could, not that the peer's model computed it right.
 //
 // # Capacity
 //

@@ -20,7 +20,9 @@ import (
 //	magic "KH" | version (1 byte) | type (1 byte) | length (4 bytes LE) | crc32c (4 bytes LE) | payload (length bytes)
 //
 // The checksum (Castagnoli) covers the first eight header bytes and the
-// payload. Every payload starts with the handoff id (8 bytes LE). Strings
+// payload. Frames follow the authentication handshake (auth.go): in a
+// psk session each travels sealed in a record (channel.go), in a tls
+// session inside TLS, in an insecure one as it is. Every payload starts with the handoff id (8 bytes LE). Strings
 // and opaque bytes are a 2-byte length and the bytes; the hashes of a
 // proposal are a 4-byte count and 8 bytes each, optionally followed by
 // its tokens: a 4-byte count, the 8-byte namespace seed, 4 bytes each. A reader checks the

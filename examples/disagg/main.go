@@ -23,11 +23,16 @@
 // deadlines (-lost-ack) and may resume (-late-ack), clients that go away
 // before the start (told to the prefill side) or mid-transfer (told to the
 // decode side). Each side's history shows what proved each of its steps.
+// The two processes authenticate each other with a pre-shared key the
+// parent draws and hands to its child through an inherited pipe (never
+// its command line or environment); the ledger says "authenticated psk".
+// -insecure runs them unauthenticated ("authenticated none").
 //
 //	go run ./examples/disagg
 //	go run ./examples/disagg -requests 200 -seed 7 -lost-ack 0.2 -quiet
 //	go run ./examples/disagg -net
 //	go run ./examples/disagg -net -seed 7 -requests 60 -quiet
+//	go run ./examples/disagg -net -insecure
 package main
 
 import (

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -198,4 +199,83 @@ func TestReceiverAcceptBackoff(t *testing.T) {
 	if err := r.Close(); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// flipConn flips one byte of what is written through it, at offset at.
+type flipConn struct {
+	net.Conn
+	at, off int
+}
+
+func (c *flipConn) Write(p []byte) (int, error) {
+	if c.at >= c.off && c.at < c.off+len(p) {
+		p = bytes.Clone(p)
+		p[c.at-c.off] ^= 1
+	}
+	c.off += len(p)
+	return c.Conn.Write(p)
+}
+
+// TestKeyedPipeline: a keyed transfer large enough to check its blocks
+// off the socket's goroutine delivers intact, and fails (ErrCorrupt) on
+// one flipped byte; each side's transfer resolves only after its
+// checker returned.
+func TestKeyedPipeline(t *testing.T) {
+	const bb, n = 64 << 10, 32
+	for _, flip := range []bool{false, true} {
+		srcID, dstID := secureID(t, 3)
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		r := NewReceiver(ln, Config{})
+		var wrap func(net.Conn) net.Conn
+		if flip {
+			// A byte of block 9's body, past the hello and 9 frames.
+			at := helloLength + 9*(frameHeader+bb+tagLength) + frameHeader + 100
+			wrap = func(c net.Conn) net.Conn { return &flipConn{Conn: c, at: at} }
+		}
+		s := NewSender(Config{WrapConn: wrap})
+		src, dst := make([][]byte, n), make([][]byte, n)
+		for i := range src {
+			src[i], dst[i] = bytes.Repeat([]byte{byte(i + 1)}, bb), make([]byte, bb)
+		}
+		accept, err := r.Prepare(dstID, n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var st, rt *kvlease.Transfer
+		if _, err := s.Send(srcID, src, accept, func(t *kvlease.Transfer) error { st = t; return nil }); err != nil {
+			t.Fatal(err)
+		}
+		if err := r.Receive(dstID, dst, nil, func(t *kvlease.Transfer) error { rt = t; return nil }); err != nil {
+			t.Fatal(err)
+		}
+		for _, tr := range []*kvlease.Transfer{st, rt} {
+			select {
+			case <-tr.Done():
+			case <-time.After(20 * time.Second):
+				t.Fatal("transfer never resolved")
+			}
+		}
+		switch {
+		case !flip && (rt.Err() != nil || st.Err() != nil):
+			t.Fatalf("clean transfer: sender %v, receiver %v", st.Err(), rt.Err())
+		case !flip && !slicesEqual(src, dst):
+			t.Fatal("clean transfer delivered other bytes")
+		case flip && (!errors.Is(rt.Err(), ErrCorrupt) || !strings.Contains(rt.Err().Error(), "block 9 of 32")):
+			t.Fatalf("flipped byte: receiver %v", rt.Err())
+		}
+		_ = s.Close()
+		_ = r.Close()
+	}
+}
+
+func slicesEqual(a, b [][]byte) bool {
+	for i := range a {
+		if !bytes.Equal(a[i], b[i]) {
+			return false
+		}
+	}
+	return true
 }

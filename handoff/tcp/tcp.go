@@ -6,44 +6,64 @@
 // handoff.SendPlane[[]byte], Receiver handoff.RecvPlane[[]byte].
 //
 // Wire. The Accept message's plane bytes are the listener's address and a
-// random 16-byte token. The data connection starts with a hello ("KD",
-// version, token, block count, block bytes) that must arrive within
-// Config.HelloTimeout (and a Receive waits no longer than that for its
-// connection: ErrNoData), then carries one frame per block: index
-// (4 bytes LE), length (4 bytes LE), the block, and its crc32c
-// (Castagnoli, 4 bytes LE). The checksum trails its block so that the
-// sender computes it right after writing the block, over bytes still in
-// cache, and the receiver as each read delivers them: no second pass
-// over memory. An index, length or checksum that is not what the
-// receiver expects ends the transfer with ErrCorrupt; garbage, half a
-// hello or an unknown token on the data port is refused (Stats.Refused,
-// Config.OnError) and changes nothing.
+// random 16-byte token (they travel inside the authenticated control
+// session). The data connection starts with a hello ("KD", version,
+// flags, token, block count, block bytes, HMAC-SHA256) that must arrive
+// within Config.HelloTimeout (and a Receive waits no longer than that for
+// its connection: ErrNoData), then carries one frame per block: index
+// (4 bytes LE), length (4 bytes LE), the block, and its check. The check
+// trails its block so that the sender computes it over bytes it has just
+// sent and the receiver over bytes it has just read.
+//
+// Binding to the session. In an authenticated session (the PlaneID's
+// Peer is secure) both sides derive, from the session's secret, the
+// handoff id and the token, one key for the hello's HMAC and one for the
+// blocks' checks: an AES-GMAC tag (16 bytes) per block with the block
+// index as nonce. A hello that does not verify (a stolen, guessed or
+// replayed token) is refused (ErrUnauthenticated) and leaves the slot to
+// the real sender; a block of another handoff, another session or at
+// another index fails its tag (ErrCorrupt) and fails the transfer. The
+// sender refuses an Accept whose data address is not on the
+// authenticated peer's host (ErrAddress; Config.AllowDataHosts widens
+// it). Blocks are authenticated, not encrypted. Without a secure peer
+// (an insecure session) the hello carries no MAC and each block a crc32c,
+// which catches accidents, not attackers.
+//
+// Garbage, half a hello or an unknown token on the data port is refused
+// (Stats.Refused, Config.OnError) and changes nothing; at most
+// Config.MaxPendingHellos connections wait for their hello, one more is
+// closed at once; the accept loop survives transient errors (EMFILE)
+// with a backoff.
 //
 // Blocks move straight between the leases' regions and the socket: the
 // sender hands each region to one gathered write (writev) with its frame
 // header, the receiver reads straight into the regions, up to 16 frames
-// per system call (readv) on Linux. Nothing is allocated per block.
+// per system call (readv) on Linux. Nothing is allocated per block. A
+// keyed check is computed off the socket's goroutine (ahead of the
+// writer, behind the reader) by a goroutine that is joined before the
+// transfer resolves.
 //
 // Evidence. Each side resolves its own kvlease.Transfer only with proof
 // about its own memory:
 //
 //   - the sender's Read resolves when its last read of source memory has
-//     returned: its writer goroutine has exited (finished, failed or
-//     cancelled), so no write of ours is in progress;
+//     returned: its writer goroutine (and its tagger) has exited
+//     (finished, failed or cancelled), so no write of ours is in progress;
 //   - the receiver's Write resolves when the goroutine writing into its
-//     memory has exited (finished, failed or cancelled);
+//     memory (and its checker) has exited (finished, failed or
+//     cancelled);
 //   - a connection that dies mid-transfer ends in Resolve(err) (Failed)
 //     on both sides, because both sides can prove their own goroutines
 //     stopped: the dead connection fails the blocked write or read, and
 //     the loop returns;
-//   - a peer that stalls past the drain deadline leaves the affected side
-//     quarantined; only later evidence lifts it, never time. A stalled
-//     peer leaves our loop blocked in the kernel, and a Cancel is only a
-//     request, honoured before the next block is written or the next
-//     read is issued: it does not close the socket under a blocked read
-//     or write. The handoff's deadline then quarantines the transfer, and
-//     the loop's return (the peer resumes and the loop stops at the next
-//     block, or the connection dies) is the late evidence.
+//   - a cancel (an abort, or the handoff's deadline quarantining the
+//     transfer, which aborts its leases) stops the loop at the next block
+//     and ends a read or write blocked on a stalled peer at once (a
+//     deadline in the past): the loop's return is the evidence, so a
+//     quarantine set by the deadline lifts as soon as the loop has
+//     returned, while the peer is still stalled. Only a loop stuck
+//     outside the socket (in the process itself) keeps its quarantine
+//     until it returns.
 //
 // Close is the operator's way out: it closes every connection, and the
 // loops' return is then the evidence.
@@ -343,7 +363,7 @@ func (s *Sender) write(conn net.Conn, tok [16]byte, sl *seal, regions [][]byte, 
 	metaBuf := new([tagLength + frameHeader]byte) // trailer of block i-1, header of block i
 	meta := metaBuf[tagLength-tl:]
 	var ahead *tagAhead
-	if sl.keyed {
+	if sl.pipelined(regions) {
 		ahead = sl.ahead(regions)
 		defer ahead.close() // before the transfer resolves: it reads the regions
 	}
@@ -737,7 +757,7 @@ func (r *Receiver) dropSlot(s *slot) {
 func (r *Receiver) read(c net.Conn, sl *seal, regions [][]byte, cancel <-chan struct{}) (n int64, err error) {
 	frameTrailer := sl.trailer()
 	var behind *checkBehind
-	if sl.keyed {
+	if sl.pipelined(regions) {
 		behind = sl.behind(regions)
 		defer func() {
 			// Every block read is checked before the transfer resolves
@@ -814,6 +834,10 @@ func (r *Receiver) read(c net.Conn, sl *seal, regions [][]byte, cancel <-chan st
 				}
 				if behind != nil {
 					behind.check(i, meta(i)[frameHeader:])
+				} else if sl.keyed {
+					if err := sl.verify(i, dst, meta(i)[frameHeader:]); err != nil {
+						return n, fmt.Errorf("tcp: block %d of %d: %w", i, len(regions), err)
+					}
 				} else if sum := binary.LittleEndian.Uint32(meta(i)[frameHeader:]); got != sum {
 					return n, fmt.Errorf("tcp: block %d of %d: crc32c %08x, frame says %08x: %w", i, len(regions), got, sum, ErrCorrupt)
 				}
