@@ -57,14 +57,15 @@ type recorder struct {
 	block chan struct{} // when non-nil, Send waits for it to close
 }
 
-func (r *recorder) send(m zmq4.Msg) error {
+func (r *recorder) send(seq uint64, payload []byte) {
 	if r.block != nil {
 		<-r.block
 	}
+	var sb [8]byte
+	binary.BigEndian.PutUint64(sb[:], seq)
 	r.mu.Lock()
-	r.msgs = append(r.msgs, m)
+	r.msgs = append(r.msgs, zmq4.NewMsgFrom([]byte("topic"), sb[:], payload))
 	r.mu.Unlock()
-	return nil
 }
 
 func (r *recorder) batches(t *testing.T) []Batch {
@@ -124,11 +125,13 @@ func TestNewPublisherRefuses(t *testing.T) {
 		cfg  Config
 		srcs []Source
 	}{
-		"no endpoint": {Config{}, []Source{{Pool: p}}},
-		"no source":   {Config{Endpoint: "tcp://127.0.0.1:0", Bind: true}, nil},
-		"no events":   {Config{Endpoint: "tcp://127.0.0.1:0", Bind: true}, []Source{{Pool: quiet}}},
-		"negative":    {Config{Endpoint: "tcp://127.0.0.1:0", Bind: true, Queue: -1}, []Source{{Pool: p}}},
-		"encoding":    {Config{Endpoint: "tcp://127.0.0.1:0", Bind: true, Encoding: 7}, []Source{{Pool: p}}},
+		"bad endpoint": {Config{Endpoint: "udp://x:1"}, []Source{{Pool: p}}},
+		"no port":      {Config{Endpoint: "tcp://127.0.0.1"}, []Source{{Pool: p}}},
+		"inproc":       {Config{Endpoint: "inproc://kv"}, []Source{{Pool: p}}},
+		"no source":    {Config{Endpoint: "tcp://127.0.0.1:0", Bind: true}, nil},
+		"no events":    {Config{Endpoint: "tcp://127.0.0.1:0", Bind: true}, []Source{{Pool: quiet}}},
+		"negative":     {Config{Endpoint: "tcp://127.0.0.1:0", Bind: true, Queue: -1}, []Source{{Pool: p}}},
+		"encoding":     {Config{Endpoint: "tcp://127.0.0.1:0", Bind: true, Encoding: 7}, []Source{{Pool: p}}},
 	} {
 		_, err := NewPublisher(c.cfg, c.srcs...)
 		require.ErrorIs(t, err, ErrInvalidConfig, name)
@@ -410,11 +413,13 @@ func TestReplayRingKeepsLast(t *testing.T) {
 	for i := range uint64(5) {
 		r.add(i, []byte{byte(i)})
 	}
-	seqs, msgs := r.from(0)
+	seqs, msgs := r.from(0, 10, nil, nil)
 	require.Equal(t, []uint64{2, 3, 4}, seqs)
 	require.Equal(t, [][]byte{{2}, {3}, {4}}, msgs)
-	seqs, _ = r.from(4)
+	seqs, _ = r.from(4, 10, nil, nil)
 	require.Equal(t, []uint64{4}, seqs)
+	seqs, _ = r.from(0, 2, nil, nil)
+	require.Equal(t, []uint64{2, 3}, seqs, "at most limit, oldest first")
 }
 
 func FuzzDecodeBatch(f *testing.F) {
