@@ -21,6 +21,9 @@ func (e endpoint) String() string {
 	if e.network == "unix" {
 		return "ipc://" + e.addr
 	}
+	if strings.HasPrefix(e.addr, ":") {
+		return "tcp://*" + e.addr
+	}
 	return "tcp://" + e.addr
 }
 
