@@ -218,7 +218,8 @@ type Publisher struct {
 
 type source struct {
 	Source
-	skipTo uint64 // events with Seq ≤ skipTo are in the last snapshot sent
+	skipTo uint64        // events with Seq ≤ skipTo are in the last snapshot sent
+	rearm  chan struct{} // lets its forward goroutine listen again (drainLoop)
 }
 
 // NewPublisher is Start with context.Background(): the publisher runs
@@ -297,7 +298,7 @@ func Start(ctx context.Context, cfg Config, sources ...Source) (*Publisher, erro
 		if s.Medium == "" {
 			s.Medium = "GPU"
 		}
-		p.srcs = append(p.srcs, &source{Source: s})
+		p.srcs = append(p.srcs, &source{Source: s, rearm: make(chan struct{}, 1)})
 	}
 	lim := limits{handshake: cfg.HandshakeTimeout, maxMessage: cfg.MaxPeerMessage, maxConns: cfg.MaxSubscribers,
 		maxPending: cfg.MaxHandshakes, sendTimeout: cfg.SendTimeout, hwm: cfg.HWM}
@@ -325,7 +326,7 @@ func Start(ctx context.Context, cfg Config, sources ...Source) (*Publisher, erro
 	p.ctx, p.cancel = context.WithCancel(context.Background())
 	for _, s := range p.srcs {
 		p.wg.Add(1)
-		go p.forward(s.Pool.KVEventsReady())
+		go p.forward(s.Pool.KVEventsReady(), s.rearm)
 	}
 	p.wg.Add(2)
 	go p.drainLoop()
@@ -460,23 +461,46 @@ func (p *Publisher) Close() error {
 	return err
 }
 
-// forward turns one pool's ready signal into the shared wake-up.
-func (p *Publisher) forward(ready <-chan struct{}) {
+// forward turns one pool's ready signal into the shared wake-up, then
+// waits to be re-armed before it listens again. While the drainer is
+// busy (it polls the pools every Linger on its own), nobody waits on the
+// pool's signal, so the allocator's send on it only fills the channel's
+// buffer: it wakes no goroutine, a cost the allocator would otherwise pay
+// on every first event after a drain.
+func (p *Publisher) forward(ready <-chan struct{}, rearm <-chan struct{}) {
 	defer p.wg.Done()
 	for {
 		select {
 		case <-p.ctx.Done():
 			return
 		case <-ready:
-			select {
-			case p.wake <- struct{}{}:
-			default:
-			}
+		}
+		select {
+		case p.wake <- struct{}{}:
+		default:
+		}
+		select {
+		case <-p.ctx.Done():
+			return
+		case <-rearm:
 		}
 	}
 }
 
-// drainLoop is the only goroutine that drains the pools and encodes.
+// rearmAll lets every forward goroutine listen to its pool again.
+func (p *Publisher) rearmAll() {
+	for _, s := range p.srcs {
+		select {
+		case s.rearm <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// drainLoop is the only goroutine that drains the pools and encodes. It
+// is idle (waiting for a pool's signal) or busy: a pass that found events
+// is followed by another one Linger later, without waiting for a signal,
+// until a pass finds nothing; then the forward goroutines are re-armed.
 func (p *Publisher) drainLoop() {
 	defer p.wg.Done()
 	d := drainer{p: p, enc: newBatchEncoder(p.cfg.Encoding, p.cfg.DataParallelRank)}
@@ -485,12 +509,17 @@ func (p *Publisher) drainLoop() {
 	linger := time.NewTimer(time.Hour)
 	linger.Stop()
 	defer linger.Stop()
+	busy := false
 	for {
 		var flushed chan struct{}
+		wake, poll := p.wake, (<-chan time.Time)(nil)
+		if busy {
+			wake, poll = nil, linger.C
+		}
 		select {
 		case <-p.ctx.Done():
 			return
-		case <-p.wake:
+		case <-wake:
 			if p.cfg.Linger > 0 {
 				linger.Reset(p.cfg.Linger)
 				select {
@@ -501,6 +530,7 @@ func (p *Publisher) drainLoop() {
 					linger.Stop()
 				}
 			}
+		case <-poll:
 		case flushed = <-p.flushes:
 		case <-p.resyncQ:
 			d.resync = true
@@ -509,9 +539,17 @@ func (p *Publisher) drainLoop() {
 				continue
 			}
 		}
-		d.pass()
+		got := d.pass()
 		if flushed != nil {
 			close(flushed)
+		}
+		if got && p.cfg.Linger > 0 {
+			busy = true
+			linger.Reset(p.cfg.Linger)
+		} else {
+			busy = false
+			linger.Stop()
+			p.rearmAll()
 		}
 	}
 }
@@ -555,12 +593,14 @@ type drainer struct {
 // while convert still appends to them.
 type span struct{ hashLo, hashHi, tokLo, tokHi int }
 
-func (d *drainer) pass() {
+// pass drains every source once and reports whether it found anything.
+func (d *drainer) pass() (got bool) {
 	p := d.p
 	if !d.resync {
 		for _, s := range p.srcs {
 			var dropped uint64
 			d.buf, dropped = s.Pool.DrainKVEvents(d.buf[:0])
+			got = got || len(d.buf) > 0 || dropped > 0
 			if dropped > 0 {
 				p.droppedEvents.Add(dropped)
 				d.resync = true
@@ -574,10 +614,11 @@ func (d *drainer) pass() {
 			}
 		}
 		if !d.resync {
-			return
+			return got
 		}
 	}
 	d.doResync()
+	return true
 }
 
 // doResync sends AllBlocksCleared and every source's snapshot, when the
