@@ -266,19 +266,24 @@ func TestHostileThousandHalfOpen(t *testing.T) {
 	h.roundTrip(1)
 }
 
-// A subscriber that subscribes and never reads loses messages to its HWM
-// and is dropped after SendTimeout; the allocator and the other
-// subscriber never wait for it.
-func TestHostileSubscriberNeverReads(t *testing.T) {
-	h := newHarness(t, Config{HWM: 4, SendTimeout: 500 * time.Millisecond}, 64, 4096)
+// stalledSubscriber connects a raw subscriber to everything that never
+// reads, with a tiny receive buffer.
+func stalledSubscriber(t *testing.T, h *harness) net.Conn {
+	t.Helper()
 	c := rawDial(t, h.pub.Addr())
 	require.NoError(t, c.(*net.TCPConn).SetReadBuffer(4096))
 	rawHandshake(t, c, "SUB")
-	_, err := c.Write(appendFrameHeader(nil, 0, 1))
-	require.NoError(t, err)
-	_, err = c.Write([]byte{1}) // subscribe to everything
+	_, err := c.Write(append(appendFrameHeader(nil, 0, 1), 1)) // subscribe to everything
 	require.NoError(t, err)
 	require.Eventually(t, func() bool { return len(h.pub.Subscriptions()) == 2 }, 10*time.Second, time.Millisecond)
+	return c
+}
+
+// A subscriber that subscribes and never reads loses messages to its HWM;
+// the allocator and the other subscriber never wait for it.
+func TestHostileSubscriberNeverReads(t *testing.T) {
+	h := newHarness(t, Config{HWM: 4, SendTimeout: time.Hour}, 64, 4096)
+	stalledSubscriber(t, h)
 	// ~160 KiB a batch, until the stalled subscriber's socket buffers
 	// and queue are full (bounded: 100 batches are far more than they hold).
 	rounds := 0
@@ -292,6 +297,16 @@ func TestHostileSubscriberNeverReads(t *testing.T) {
 	st := h.pub.Stats()
 	require.Positive(t, st.SubscriberDrops, "the stalled subscriber lost messages to its HWM")
 	require.Zero(t, st.DroppedBatches, "the publisher itself dropped nothing")
+	require.Len(t, h.pub.Subscriptions(), 2, "it is still connected (SendTimeout is an hour)")
+}
+
+// A subscriber whose socket takes no byte for SendTimeout is dropped.
+func TestHostileStalledSubscriberDropped(t *testing.T) {
+	h := newHarness(t, Config{HWM: 4, SendTimeout: 200 * time.Millisecond}, 64, 4096)
+	stalledSubscriber(t, h)
+	for i := 0; i < 100 && len(h.pub.Subscriptions()) == 2; i++ {
+		h.roundTrip(8)
+	}
 	require.Eventually(t, func() bool { return len(h.pub.Subscriptions()) == 1 }, 10*time.Second, 5*time.Millisecond,
 		"the stalled subscriber is dropped after SendTimeout")
 	h.roundTrip(1)

@@ -51,7 +51,6 @@ const (
 	DefaultEndpoint         = "tcp://127.0.0.1:5557"
 	DefaultHWM              = 100_000
 	DefaultReplayBatches    = 10_000
-	DefaultReplayPerRequest = 1000
 	DefaultQueue            = 4096
 	DefaultBatchEvents      = 512
 	DefaultLinger           = time.Millisecond
@@ -81,8 +80,11 @@ type Config struct {
 	// that got that many asks again from the last seq + 1), then
 	// [id, "", "", 0xFF×8, ""]. A request of another shape is ignored.
 	ReplayEndpoint string
-	// ReplayPerRequest bounds the batches of one replay answer
-	// (DefaultReplayPerRequest).
+	// ReplayPerRequest bounds the batches of one replay answer (default:
+	// ReplayBatches, the whole ring, which clients that expect the whole
+	// history in one answer, such as Dynamo's startup replay, need). A
+	// smaller bound makes each request cheaper; such clients then miss
+	// the rest.
 	ReplayPerRequest int
 	// Topic of every message; "kv@<Pod>@<Model>" when empty.
 	Topic      string
@@ -260,7 +262,7 @@ func Start(ctx context.Context, cfg Config, sources ...Source) (*Publisher, erro
 	}
 	cfg.HWM = cmpOr(cfg.HWM, DefaultHWM)
 	cfg.ReplayBatches = cmpOr(cfg.ReplayBatches, DefaultReplayBatches)
-	cfg.ReplayPerRequest = cmpOr(cfg.ReplayPerRequest, DefaultReplayPerRequest)
+	cfg.ReplayPerRequest = min(cmpOr(cfg.ReplayPerRequest, cfg.ReplayBatches), cfg.ReplayBatches)
 	cfg.Queue = cmpOr(cfg.Queue, DefaultQueue)
 	cfg.BatchEvents = cmpOr(cfg.BatchEvents, DefaultBatchEvents)
 	cfg.MaxPeerMessage = cmpOr(cfg.MaxPeerMessage, DefaultMaxPeerMessage)
