@@ -440,3 +440,63 @@ func FuzzDecodeBatch(f *testing.F) {
 		}
 	})
 }
+
+// An ipc:// endpoint binds a Unix socket that a zmq4 subscriber reads.
+func TestPublisherIPC(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	pool := newPool(t, 4, 64)
+	ep := "ipc://" + t.TempDir() + "/kv.sock"
+	pub, err := Start(ctx, Config{Endpoint: ep, Pod: "p", Model: "m"}, Source{Pool: pool})
+	require.NoError(t, err)
+	defer pub.Close()
+	require.Equal(t, "unix", pub.Addr().Network())
+	sub := zmq4.NewSub(ctx)
+	defer sub.Close()
+	require.NoError(t, sub.Dial(ep))
+	require.NoError(t, sub.SetOption(zmq4.OptionSubscribe, ""))
+	waitSubscribed(t, pub)
+	l, hs := sealChain(t, pool, 1, 2)
+	defer l.Release()
+	flush(t, pub)
+	m := recvTimeout(t, sub)
+	b, err := DecodeBatch(m.Frames[2])
+	require.NoError(t, err)
+	require.Equal(t, []uint64{uint64(hs[0]), uint64(hs[1])}, b.Events[0].BlockHashes)
+}
+
+// In connect mode the publisher dials the router's bound subscriber, and
+// dials again when that subscriber goes away and comes back.
+func TestPublisherRedials(t *testing.T) {
+	pool := newPool(t, 8, 64)
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	addr := l.Addr().String()
+	require.NoError(t, l.Close())
+	pub, err := NewPublisher(Config{Endpoint: "tcp://" + addr, Pod: "p", Model: "m"}, Source{Pool: pool})
+	require.NoError(t, err)
+	defer pub.Close()
+	require.Nil(t, pub.Addr(), "connect mode binds nothing")
+	for round := range 2 {
+		ctx, cancel := context.WithCancel(context.Background())
+		sub := zmq4.NewSub(ctx)
+		require.NoError(t, sub.Listen("tcp://"+addr))
+		require.NoError(t, sub.SetOption(zmq4.OptionSubscribe, "kv@"))
+		waitSubscribed(t, pub)
+		ls, hs := sealChain(t, pool, round+1, 1)
+		flush(t, pub)
+		got := false
+		for i := 0; i < 100 && !got; i++ {
+			m := recvTimeout(t, sub)
+			b, err := DecodeBatch(m.Frames[2])
+			require.NoError(t, err)
+			last := b.Events[len(b.Events)-1]
+			got = last.Type == "BlockStored" && last.BlockHashes[0] == uint64(hs[0])
+		}
+		require.True(t, got, "round %d: the chain arrived", round)
+		ls.Release()
+		require.NoError(t, sub.Close())
+		cancel()
+		require.Eventually(t, func() bool { return len(pub.Subscriptions()) == 0 }, 10*time.Second, time.Millisecond)
+	}
+}
