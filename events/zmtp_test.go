@@ -207,3 +207,45 @@ func TestReadFrameLimit(t *testing.T) {
 	require.ErrorIs(t, err, ErrProtocol)
 	require.Zero(t, cap(buf))
 }
+
+// FuzzReplayRequests plays the fuzzer as a replay client after its
+// handshake: whatever it sends, the service does not panic, returns once
+// the input ends, and writes no more than a bounded amount per byte
+// received (at most perRequest batches per request, a PONG per PING).
+func FuzzReplayRequests(f *testing.F) {
+	req := func(seq uint64) []byte {
+		b := appendFrameHeader(nil, flagMore, 0)
+		b = appendFrameHeader(b, 0, 8)
+		return binary.BigEndian.AppendUint64(b, seq)
+	}
+	f.Add(req(0))
+	f.Add(append(req(1), req(0)...))
+	f.Add(append(appendCommand(nil, "PING", []byte{0, 1, 'a'}), req(2)...))
+	f.Add([]byte{flagMore, 0, flagMore, 0, 0, 0})
+	f.Fuzz(func(t *testing.T, data []byte) {
+		ring := &replayRing{max: 4}
+		for i := range uint64(6) {
+			ring.add(i, []byte{byte(i)})
+		}
+		s := newReplaySocket("kv@p@m", ring, 2, testLimits(), nil)
+		var out countingConn
+		out.r = bytes.NewReader(data)
+		s.serve(&out, bufio.NewReader(out.r))
+		// A request takes at least 6 bytes and is answered with at most
+		// 2 batches of 4 frames (≤ 25 bytes here) and an end (16 bytes);
+		// a PING of n bytes with a PONG of fewer.
+		requests := len(data)/6 + 1
+		require.LessOrEqual(t, out.written, requests*(2*(2+2+8+2+8+2+1)+2+2+10+2)+16*len(data))
+	})
+}
+
+// countingConn is a scriptConn that counts what is written to it.
+type countingConn struct {
+	scriptConn
+	written int
+}
+
+func (c *countingConn) Write(b []byte) (int, error) {
+	c.written += len(b)
+	return len(b), nil
+}

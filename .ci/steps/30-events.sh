@@ -10,5 +10,6 @@ cd "$(dirname "$0")/../.."
 go test -run '^$' -fuzz '^FuzzDecodeBatch$' -fuzztime 10s -fuzzminimizetime 2s ./events
 go test -run '^$' -fuzz '^FuzzZMTPPeer$' -fuzztime 10s -fuzzminimizetime 2s ./events
 go test -run '^$' -fuzz '^FuzzParseReady$' -fuzztime 5s -fuzzminimizetime 2s ./events
+go test -run '^$' -fuzz '^FuzzReplayRequests$' -fuzztime 5s -fuzzminimizetime 2s ./events
 go test -run '^$' -bench '^BenchmarkPublisherThroughput$' -benchtime 200x ./events
 go test -run '^$' -bench '^BenchmarkReplayEvents$' -benchtime 1x ./bench
