@@ -107,10 +107,11 @@ type Config struct {
 	// BatchEvents caps the events of one batch (DefaultBatchEvents).
 	BatchEvents int
 	// Linger is how long the publisher lets events gather after a pool
-	// signals the first ones, before it drains the pools: fewer, larger
-	// batches and fewer trips through the pools' locks, for at most this
-	// much latency (DefaultLinger; negative: drain at once). Flush does
-	// not wait for it.
+	// signals the first ones, before it drains the pools; while events
+	// keep coming it drains every Linger without waiting for a signal.
+	// Fewer, larger batches and fewer trips through the pools' locks, for
+	// at most this much latency (DefaultLinger; negative: drain at once).
+	// Flush does not wait for it.
 	Linger time.Duration
 
 	// What any one peer (subscriber or replay client) may cost, on both
@@ -353,7 +354,8 @@ func cmpOr(v, def int) int {
 }
 
 // ShouldBind reports vLLM's rule: bind when the endpoint contains "*" or
-// "::" or is an ipc:// or inproc:// endpoint, connect otherwise.
+// "::" or is an ipc:// or inproc:// endpoint, connect otherwise (a
+// Publisher serves tcp:// and ipc:// only).
 func ShouldBind(endpoint string) bool {
 	return strings.Contains(endpoint, "*") || strings.Contains(endpoint, "::") ||
 		strings.HasPrefix(endpoint, "ipc://") || strings.HasPrefix(endpoint, "inproc://")
