@@ -32,12 +32,12 @@
 // encryption: what vLLM's and llm-d's sockets speak), so who can
 // subscribe is decided by who can reach the endpoint. With no endpoint a
 // Publisher binds 127.0.0.1 only; binding every interface (tcp://*:PORT,
-// 0.0.0.0, ::) is an explicit choice that is logged at warning level. To
-// serve routers on other hosts, bind a private interface, let the
-// routers' hosts alone reach it (a firewall rule, a Kubernetes
-// NetworkPolicy), or connect out to the router (an endpoint without "*"
-// dials, so the engine opens no port at all); an ipc:// endpoint is
-// guarded by its file's permissions.
+// 0.0.0.0, ::) is an explicit choice that is logged at warning level, as
+// is a bind on any other address that is not loopback. To serve routers
+// on other hosts, bind a private interface, let the routers' hosts alone
+// reach it (a firewall rule, a Kubernetes NetworkPolicy), or connect out
+// to the router (an endpoint without "*" dials, so the engine opens no
+// port at all); an ipc:// endpoint is guarded by its file's permissions.
 //
 // # A ZMTP implementation of our own
 //

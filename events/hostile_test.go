@@ -502,3 +502,29 @@ func (s *syncBuffer) String() string {
 }
 
 func newTextLogger(w io.Writer) *slog.Logger { return slog.New(slog.NewTextHandler(w, nil)) }
+
+// A socket bound where other hosts can reach it is logged; loopback and
+// ipc are not.
+func TestWarnExposedBinds(t *testing.T) {
+	for _, c := range []struct {
+		ep   string
+		addr net.Addr
+		want string
+	}{
+		{"tcp://*:1", &net.TCPAddr{IP: net.IPv6unspecified, Port: 1}, "every interface"},
+		{"tcp://10.1.2.3:1", &net.TCPAddr{IP: net.IPv4(10, 1, 2, 3), Port: 1}, "network address"},
+		{"tcp://127.0.0.1:1", &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1), Port: 1}, ""},
+		{"tcp://[::1]:1", &net.TCPAddr{IP: net.IPv6loopback, Port: 1}, ""},
+		{"ipc:///tmp/kv", &net.UnixAddr{Name: "/tmp/kv", Net: "unix"}, ""},
+	} {
+		ep, err := parseEndpoint(c.ep)
+		require.NoError(t, err)
+		var log syncBuffer
+		warnAll(newTextLogger(&log), "PUB", ep, c.addr)
+		if c.want == "" {
+			require.Empty(t, log.String(), c.ep)
+		} else {
+			require.Contains(t, log.String(), c.want, c.ep)
+		}
+	}
+}

@@ -338,10 +338,17 @@ func Start(ctx context.Context, cfg Config, sources ...Source) (*Publisher, erro
 	return p, nil
 }
 
-// warnAll logs a socket bound on every interface.
+// warnAll logs a socket other hosts can reach: bound on every interface,
+// or on an address that is not loopback. The NULL mechanism
+// authenticates nobody, and the events carry the token ids of every
+// cached block.
 func warnAll(log *slog.Logger, what string, ep endpoint, addr net.Addr) {
-	if ep.all {
+	switch a, tcp := addr.(*net.TCPAddr); {
+	case ep.all:
 		log.Warn("events: socket bound on every interface: any host that reaches it reads the token ids of every cached block",
+			"socket", what, "endpoint", ep.String(), "addr", addr.String())
+	case tcp && !a.IP.IsLoopback():
+		log.Warn("events: socket bound on a network address: any host that reaches it reads the token ids of every cached block",
 			"socket", what, "endpoint", ep.String(), "addr", addr.String())
 	}
 }
