@@ -3,6 +3,7 @@ package bench_test
 import (
 	"context"
 	"runtime"
+	"runtime/pprof"
 	"testing"
 	"time"
 
@@ -98,10 +99,15 @@ func newTokenAlloc(b *testing.B, blocks int, m map[kvlease.BlockHash]sealedBlock
 // (SealTokens, so both arms hash the tokens) with no events and no
 // publisher, in the same run (target ≤ 1.10); x-nopub-cpu is the ratio of
 // the replaying thread's CPU time, the allocator's own cost, which a
-// machine short of cores does not blur (on Linux; 0 elsewhere). Both pools are reused
-// across replays, emptied by ResetCache before each. The publisher's
-// drops and the stored events it could not publish are reported too
-// (both expected 0).
+// machine short of cores does not blur (on Linux; 0 elsewhere).
+// x-record-cpu is the same CPU ratio for a third arm whose pool records
+// KV events with no publisher attached (drained between replays, off the
+// clock): the pool's own recording, the floor under x-nopub-cpu; the rest
+// of x-nopub-cpu is what a drainer running at the same time costs the
+// replaying thread (the ring's cache lines moving between cores, the
+// pool's lock taken by each drain). The pools are reused across replays,
+// emptied by ResetCache before each. The publisher's drops and the stored
+// events it could not publish are reported too (both expected 0).
 func BenchmarkReplayEvents(b *testing.B) {
 	g := trace.DefaultGenConfig()
 	g.Requests = 1000
@@ -111,6 +117,7 @@ func BenchmarkReplayEvents(b *testing.B) {
 
 	plain := newTokenAlloc(b, cfg.Blocks, m)
 	pubbed := newTokenAlloc(b, cfg.Blocks, m, kvlease.WithKVEvents(1<<16))
+	recorded := newTokenAlloc(b, cfg.Blocks, m, kvlease.WithKVEvents(1<<18)) // holds a replay's events
 	pub, err := events.NewPublisher(events.Config{Endpoint: "tcp://127.0.0.1:0", Bind: true, Pod: "bench", Model: "m"},
 		events.Source{Pool: pubbed.pool})
 	if err != nil {
@@ -146,10 +153,20 @@ func BenchmarkReplayEvents(b *testing.B) {
 	// Each replay runs on a thread of its own, whose CPU time is the
 	// allocator's alone (the publisher, the socket and the subscriber run
 	// on other threads; GC assists the replay pays count).
-	var cpuPub, cpuPlain time.Duration
+	// The arm is a profile label (go test -cpuprofile, then pprof
+	// -tagfocus arm=pub or arm=plain) so the two can be compared.
+	var cpuPub, cpuPlain, cpuRec time.Duration
+	var recBuf []kvlease.KVEvent
 	once := func(a *tokenAlloc, cpu *time.Duration) {
 		errc := make(chan error, 1)
-		go func() {
+		arm := "plain"
+		switch a {
+		case pubbed:
+			arm = "pub"
+		case recorded:
+			arm = "record"
+		}
+		go pprof.Do(context.Background(), pprof.Labels("arm", arm), func(context.Context) {
 			runtime.LockOSThread()
 			defer runtime.UnlockOSThread()
 			c0 := threadCPU()
@@ -157,9 +174,15 @@ func BenchmarkReplayEvents(b *testing.B) {
 			_, err := replay.Run(tr, cfg, a)
 			*cpu += threadCPU() - c0
 			errc <- err
-		}()
+		})
 		if err := <-errc; err != nil {
 			b.Fatal(err)
+		}
+		if a == recorded {
+			var dropped uint64
+			if recBuf, dropped = a.pool.DrainKVEvents(recBuf[:0]); dropped > 0 {
+				b.Fatalf("the recording arm's ring dropped %d events", dropped)
+			}
 		}
 	}
 	paired(b, func(k int) {
@@ -170,9 +193,14 @@ func BenchmarkReplayEvents(b *testing.B) {
 		for range k {
 			once(plain, &cpuPlain)
 		}
+	}}, base{"x-record", func(k int) {
+		for range k {
+			once(recorded, &cpuRec)
+		}
 	}})
 	if cpuPlain > 0 {
 		b.ReportMetric(float64(cpuPub)/float64(cpuPlain), "x-nopub-cpu")
+		b.ReportMetric(float64(cpuRec)/float64(cpuPlain), "x-record-cpu")
 	}
 	if err := pub.Flush(ctx); err != nil {
 		b.Fatal(err)

@@ -3,6 +3,7 @@ package events_test
 import (
 	"context"
 	"fmt"
+	"net"
 	"time"
 
 	"github.com/go-zeromq/zmq4"
@@ -76,4 +77,32 @@ func Example() {
 	// Output:
 	// kv@engine-0@llama [0 0 0 0 0 0 0 0]
 	// BlockStored 2 blocks [101 102 103 104 105 106 107 108] parent <nil>
+}
+
+// A publisher tied to a context: it binds loopback (no endpoint given:
+// DefaultEndpoint, or here a free port) and stops with the context, as
+// an engine's serve loop would.
+func ExampleStart() {
+	mem, err := kvlease.NewHostMemory(8, 1024)
+	if err != nil {
+		panic(err)
+	}
+	pool, err := kvlease.NewPool[[]byte](mem, kvlease.WithBlockTokens(4), kvlease.WithKVEvents(1024))
+	if err != nil {
+		panic(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	pub, err := events.Start(ctx, events.Config{Endpoint: "tcp://127.0.0.1:0", Bind: true, Pod: "engine-0", Model: "llama"},
+		events.Source{Pool: pool})
+	if err != nil {
+		panic(err)
+	}
+	fmt.Println("loopback only:", pub.Addr().(*net.TCPAddr).IP.IsLoopback())
+
+	cancel() // the engine shuts down
+	<-pub.Done()
+	fmt.Println("flush after stop:", pub.Flush(context.Background()))
+	// Output:
+	// loopback only: true
+	// flush after stop: events: publisher closed
 }

@@ -2,22 +2,21 @@ package events
 
 import (
 	"context"
-	"encoding/binary"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"strings"
 	"sync"
 	"time"
 
-	"github.com/go-zeromq/zmq4"
 	"go.uber.org/atomic"
 
 	"github.com/kvlease/kvlease"
 )
 
 // ErrInvalidConfig is wrapped by NewPublisher's errors for a configuration
-// it refuses (no endpoint, no source, a negative size). It wraps
+// it refuses (a malformed endpoint, no source, a negative size). It wraps
 // kvlease.ErrInvalidArgument, so either sentinel matches with errors.Is.
 var ErrInvalidConfig = fmt.Errorf("events: invalid configuration: %w", kvlease.ErrInvalidArgument)
 
@@ -47,28 +46,46 @@ type Source struct {
 
 // Defaults of Config.
 const (
-	DefaultHWM           = 100_000
-	DefaultReplayBatches = 10_000
-	DefaultQueue         = 4096
-	DefaultBatchEvents   = 512
-	DefaultLinger        = time.Millisecond
+	// DefaultEndpoint is where a Publisher binds when Config.Endpoint is
+	// empty: vLLM's port, on loopback only.
+	DefaultEndpoint         = "tcp://127.0.0.1:5557"
+	DefaultHWM              = 100_000
+	DefaultReplayBatches    = 10_000
+	DefaultQueue            = 4096
+	DefaultBatchEvents      = 512
+	DefaultLinger           = time.Millisecond
+	DefaultHandshakeTimeout = 5 * time.Second
+	DefaultMaxPeerMessage   = 1 << 20
+	DefaultMaxSubscribers   = 64
+	DefaultMaxHandshakes    = 32
+	DefaultSendTimeout      = 30 * time.Second
 )
 
-// Config configures a Publisher. Only Endpoint is required.
+// Config configures a Publisher. Every field has a default.
 type Config struct {
-	// Endpoint of the PUB socket. Following vLLM, the socket binds when the
-	// endpoint contains "*" or "::" or is ipc:// or inproc://, and
-	// connects otherwise (a router that binds and lets engines dial in).
-	// tcp://*:PORT binds every interface; tcp://127.0.0.1:0 is not a bind
-	// under that rule, use Bind to force one.
+	// Endpoint of the PUB socket, tcp://HOST:PORT or ipc://PATH
+	// (DefaultEndpoint, bound, when empty). Following vLLM, the socket
+	// binds when the endpoint contains "*" or "::" or is ipc://, and
+	// connects otherwise (a router that binds and lets engines dial in);
+	// Bind forces a bind. tcp://*:PORT binds every interface: anyone who
+	// reaches the port reads the token ids of every cached block, so that
+	// choice is logged (Logger, warning level).
 	Endpoint string
 	// Bind forces binding (true) whatever the endpoint looks like.
 	Bind bool
 	// ReplayEndpoint, when set, is bound as a ROUTER socket that replays
 	// the last ReplayBatches batches: a request [id, "", start_seq (8 bytes
 	// big-endian)] is answered [id, "", topic, seq, payload] per batch
-	// with seq ≥ start_seq, then [id, "", "", 0xFF×8, ""].
+	// with seq ≥ start_seq, at most ReplayPerRequest of them (a client
+	// that got that many asks again from the last seq + 1), then
+	// [id, "", "", 0xFF×8, ""]. A request of another shape is ignored.
 	ReplayEndpoint string
+	// ReplayPerRequest bounds the batches of one replay answer (default:
+	// ReplayBatches, the whole ring, which clients that expect the whole
+	// history in one answer, such as Dynamo's startup replay, need). A
+	// smaller bound makes each request cheaper; such clients then miss
+	// the rest.
+	ReplayPerRequest int
 	// Topic of every message; "kv@<Pod>@<Model>" when empty.
 	Topic      string
 	Pod, Model string
@@ -76,7 +93,9 @@ type Config struct {
 	Encoding Encoding
 	// DataParallelRank is the batch's third field.
 	DataParallelRank int
-	// HWM is the PUB socket's high-water mark in messages (DefaultHWM).
+	// HWM is the PUB socket's high-water mark (DefaultHWM): the messages
+	// queued for one subscriber; a message that finds its queue full is
+	// dropped for that subscriber only and counted (Stats.SubscriberDrops).
 	HWM int
 	// ReplayBatches is how many batches the replay socket keeps
 	// (DefaultReplayBatches).
@@ -88,13 +107,36 @@ type Config struct {
 	// BatchEvents caps the events of one batch (DefaultBatchEvents).
 	BatchEvents int
 	// Linger is how long the publisher lets events gather after a pool
-	// signals the first ones, before it drains the pools: fewer, larger
-	// batches and fewer trips through the pools' locks, for at most this
-	// much latency (DefaultLinger; negative: drain at once). Flush does
-	// not wait for it.
+	// signals the first ones, before it drains the pools; while events
+	// keep coming it drains every Linger without waiting for a signal.
+	// Fewer, larger batches and fewer trips through the pools' locks, for
+	// at most this much latency (DefaultLinger; negative: drain at once).
+	// Flush does not wait for it.
 	Linger time.Duration
 
-	sendHook func(zmq4.Msg) error // tests: replaces the PUB socket's Send
+	// What any one peer (subscriber or replay client) may cost, on both
+	// sockets. HandshakeTimeout bounds a connection's ZMTP handshake
+	// (DefaultHandshakeTimeout); MaxPeerMessage the bytes of one message
+	// or command a peer sends (DefaultMaxPeerMessage): a larger one ends
+	// the connection before anything is allocated for it. MaxSubscribers
+	// caps the established connections of each socket
+	// (DefaultMaxSubscribers), MaxHandshakes those still in their
+	// handshake (DefaultMaxHandshakes); a connection over either cap is
+	// closed at once and counted (Stats.Refused). SendTimeout ends a
+	// connection that accepts no byte for that long (DefaultSendTimeout;
+	// negative: never); until then a subscriber that does not read only
+	// loses messages to its HWM.
+	HandshakeTimeout time.Duration
+	MaxPeerMessage   int
+	MaxSubscribers   int
+	MaxHandshakes    int
+	SendTimeout      time.Duration
+
+	// Logger receives the bind-all warning and connection errors
+	// (slog.Default() when nil).
+	Logger *slog.Logger
+
+	sendHook func(seq uint64, payload []byte) // tests: replaces the PUB socket
 }
 
 // Stats counts what a Publisher did.
@@ -106,6 +148,10 @@ type Stats struct {
 	DroppedEvents  uint64 // events the pools' rings dropped before they were drained
 	Unpublishable  uint64 // stored events without tokens (routers key blocks by tokens)
 	Resyncs        uint64 // AllBlocksCleared + snapshot re-announcements after a loss
+
+	SubscriberDrops  uint64 // messages dropped for one subscriber whose queue was at its HWM
+	Refused          uint64 // connections refused (over a cap) or closed in their handshake (timeout, protocol violation)
+	MalformedReplays uint64 // replay requests of the wrong shape, ignored
 }
 
 // Publisher forwards the KV events of one or more pools to a ZeroMQ PUB
@@ -125,15 +171,33 @@ type Stats struct {
 // AllBlocksCleared and then re-announces every findable block of every
 // source from SnapshotKVBlocks, so a subscriber converges on the truth.
 //
+// The drain follows the reuse pattern of kvlease's DrainKVEvents: one
+// slice kept across drains and passed back emptied,
+//
+//	buf, dropped = pool.DrainKVEvents(buf[:0])
+//
+// so a drain appends into the room the last one left and allocates no
+// event slice once the slice has grown to the ring's size. The tokens of
+// the drained events are the caller's (one allocation per drain, never
+// overwritten by the pool), so they stay valid after the next drain; a
+// consumer that keeps events beyond the next drain copies the events,
+// not their tokens.
+//
 // Stored events without tokens (Seal rather than SealTokens) are not sent:
 // routers compute their keys from tokens and drop such events. They are
 // counted in Stats.Unpublishable.
+//
+// The sockets are this package's own ZMTP 3.1 implementation (PUB and a
+// replay ROUTER, NULL mechanism; see the package documentation for why),
+// built so that no peer can crash or stall them: see Config for the
+// limits. A Publisher is tied to the context given to Start: it stops
+// when the context ends or at Close, whichever comes first.
 type Publisher struct {
 	cfg     Config
 	topic   []byte
 	srcs    []*source
-	pub     zmq4.Socket
-	replay  zmq4.Socket
+	pub     *pubSocket
+	replay  *replaySocket
 	ctx     context.Context
 	cancel  context.CancelFunc
 	wake    chan struct{}
@@ -143,9 +207,11 @@ type Publisher struct {
 	wg      sync.WaitGroup
 	closeMu sync.Mutex
 	closed  bool
+	done    chan struct{} // closed at the end of Close
+	stop    func() bool   // unregisters the context's AfterFunc
 
-	// send writes one message to the PUB socket (replaced in tests).
-	send func(zmq4.Msg) error
+	// send hands one numbered batch to the PUB socket (replaced in tests).
+	send func(seq uint64, payload []byte)
 
 	ring replayRing
 
@@ -155,33 +221,68 @@ type Publisher struct {
 
 type source struct {
 	Source
-	skipTo uint64 // events with Seq ≤ skipTo are in the last snapshot sent
+	skipTo uint64        // events with Seq ≤ skipTo are in the last snapshot sent
+	rearm  chan struct{} // lets its forward goroutine listen again (drainLoop)
 }
 
-// NewPublisher opens the sockets and starts forwarding the sources' events
+// NewPublisher is Start with context.Background(): the publisher runs
 // until Close.
 func NewPublisher(cfg Config, sources ...Source) (*Publisher, error) {
-	if cfg.Endpoint == "" {
-		return nil, fmt.Errorf("events: no endpoint: %w", ErrInvalidConfig)
-	}
+	return Start(context.Background(), cfg, sources...)
+}
+
+// Start opens the sockets (bound, or dialing in the background, before
+// it returns) and forwards the sources' events until ctx ends or Close
+// is called; either closes the sockets and stops every goroutine of the
+// publisher (Done is closed then). Errors wrap ErrInvalidConfig for a
+// configuration it refuses, or the network's error for an endpoint it
+// cannot bind.
+func Start(ctx context.Context, cfg Config, sources ...Source) (*Publisher, error) {
 	if len(sources) == 0 {
 		return nil, fmt.Errorf("events: no source: %w", ErrInvalidConfig)
 	}
-	if cfg.HWM < 0 || cfg.ReplayBatches < 0 || cfg.Queue < 0 || cfg.BatchEvents < 0 {
+	if cfg.HWM < 0 || cfg.ReplayBatches < 0 || cfg.Queue < 0 || cfg.BatchEvents < 0 || cfg.ReplayPerRequest < 0 ||
+		cfg.HandshakeTimeout < 0 || cfg.MaxPeerMessage < 0 || cfg.MaxSubscribers < 0 || cfg.MaxHandshakes < 0 {
 		return nil, fmt.Errorf("events: negative size in %+v: %w", cfg, ErrInvalidConfig)
 	}
 	if cfg.Encoding > ArrayEncoding {
 		return nil, fmt.Errorf("events: %v: %w", cfg.Encoding, ErrInvalidConfig)
 	}
+	if cfg.Endpoint == "" {
+		cfg.Endpoint, cfg.Bind = DefaultEndpoint, true
+	}
+	ep, err := parseEndpoint(cfg.Endpoint)
+	if err != nil {
+		return nil, err
+	}
+	var rep endpoint
+	if cfg.ReplayEndpoint != "" {
+		if rep, err = parseEndpoint(cfg.ReplayEndpoint); err != nil {
+			return nil, err
+		}
+	}
 	cfg.HWM = cmpOr(cfg.HWM, DefaultHWM)
 	cfg.ReplayBatches = cmpOr(cfg.ReplayBatches, DefaultReplayBatches)
+	cfg.ReplayPerRequest = min(cmpOr(cfg.ReplayPerRequest, cfg.ReplayBatches), cfg.ReplayBatches)
 	cfg.Queue = cmpOr(cfg.Queue, DefaultQueue)
 	cfg.BatchEvents = cmpOr(cfg.BatchEvents, DefaultBatchEvents)
+	cfg.MaxPeerMessage = cmpOr(cfg.MaxPeerMessage, DefaultMaxPeerMessage)
+	cfg.MaxSubscribers = cmpOr(cfg.MaxSubscribers, DefaultMaxSubscribers)
+	cfg.MaxHandshakes = cmpOr(cfg.MaxHandshakes, DefaultMaxHandshakes)
+	if cfg.HandshakeTimeout == 0 {
+		cfg.HandshakeTimeout = DefaultHandshakeTimeout
+	}
+	if cfg.SendTimeout == 0 {
+		cfg.SendTimeout = DefaultSendTimeout
+	}
 	if cfg.Linger == 0 {
 		cfg.Linger = DefaultLinger
 	}
 	if cfg.Topic == "" {
 		cfg.Topic = "kv@" + cfg.Pod + "@" + cfg.Model
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
 	}
 	p := &Publisher{
 		cfg:     cfg,
@@ -191,6 +292,7 @@ func NewPublisher(cfg Config, sources ...Source) (*Publisher, error) {
 		flushes: make(chan chan struct{}),
 		resyncQ: make(chan struct{}, 1),
 		ring:    replayRing{max: cfg.ReplayBatches},
+		done:    make(chan struct{}),
 	}
 	for i, s := range sources {
 		if s.Pool == nil || s.Pool.KVEventsReady() == nil {
@@ -199,47 +301,56 @@ func NewPublisher(cfg Config, sources ...Source) (*Publisher, error) {
 		if s.Medium == "" {
 			s.Medium = "GPU"
 		}
-		p.srcs = append(p.srcs, &source{Source: s})
+		p.srcs = append(p.srcs, &source{Source: s, rearm: make(chan struct{}, 1)})
 	}
-	p.ctx, p.cancel = context.WithCancel(context.Background())
-	p.pub = zmq4.NewPub(p.ctx)
-	if err := p.pub.SetOption(zmq4.OptionHWM, cfg.HWM); err != nil {
-		p.cancel()
-		return nil, fmt.Errorf("events: set HWM: %w", err)
-	}
-	var err error
+	lim := limits{handshake: cfg.HandshakeTimeout, maxMessage: cfg.MaxPeerMessage, maxConns: cfg.MaxSubscribers,
+		maxPending: cfg.MaxHandshakes, sendTimeout: cfg.SendTimeout, hwm: cfg.HWM}
+	p.pub = newPubSocket(cfg.Topic, lim, cfg.Logger)
 	if cfg.Bind || ShouldBind(cfg.Endpoint) {
-		err = p.pub.Listen(cfg.Endpoint)
+		if err := p.pub.listen(ep); err != nil {
+			return nil, fmt.Errorf("events: bind PUB %s: %w", cfg.Endpoint, err)
+		}
+		warnAll(cfg.Logger, "PUB", ep, p.pub.addr())
 	} else {
-		err = p.pub.Dial(cfg.Endpoint)
+		p.pub.connect(ep)
 	}
-	if err != nil {
-		p.pub.Close()
-		p.cancel()
-		return nil, fmt.Errorf("events: open PUB %s: %w", cfg.Endpoint, err)
-	}
-	p.send = p.pub.Send
+	p.send = p.pub.send
 	if cfg.sendHook != nil {
 		p.send = cfg.sendHook
 	}
 	if cfg.ReplayEndpoint != "" {
-		p.replay = zmq4.NewRouter(p.ctx, zmq4.WithTimeout(time.Second))
-		if err := p.replay.Listen(cfg.ReplayEndpoint); err != nil {
-			p.pub.Close()
-			p.cancel()
+		p.replay = newReplaySocket(cfg.Topic, &p.ring, cfg.ReplayPerRequest, lim, cfg.Logger)
+		if err := p.replay.listen(rep); err != nil {
+			_ = p.pub.close()
 			return nil, fmt.Errorf("events: bind replay ROUTER %s: %w", cfg.ReplayEndpoint, err)
 		}
-		p.wg.Add(1)
-		go p.serveReplay()
+		warnAll(cfg.Logger, "replay ROUTER", rep, p.replay.addr())
 	}
+	p.ctx, p.cancel = context.WithCancel(context.Background())
 	for _, s := range p.srcs {
 		p.wg.Add(1)
-		go p.forward(s.Pool.KVEventsReady())
+		go p.forward(s.Pool.KVEventsReady(), s.rearm)
 	}
 	p.wg.Add(2)
 	go p.drainLoop()
 	go p.sendLoop()
+	p.stop = context.AfterFunc(ctx, func() { _ = p.Close() })
 	return p, nil
+}
+
+// warnAll logs a socket other hosts can reach: bound on every interface,
+// or on an address that is not loopback. The NULL mechanism
+// authenticates nobody, and the events carry the token ids of every
+// cached block.
+func warnAll(log *slog.Logger, what string, ep endpoint, addr net.Addr) {
+	switch a, tcp := addr.(*net.TCPAddr); {
+	case ep.all:
+		log.Warn("events: socket bound on every interface: any host that reaches it reads the token ids of every cached block",
+			"socket", what, "endpoint", ep.String(), "addr", addr.String())
+	case tcp && !a.IP.IsLoopback():
+		log.Warn("events: socket bound on a network address: any host that reaches it reads the token ids of every cached block",
+			"socket", what, "endpoint", ep.String(), "addr", addr.String())
+	}
 }
 
 func cmpOr(v, def int) int {
@@ -250,38 +361,50 @@ func cmpOr(v, def int) int {
 }
 
 // ShouldBind reports vLLM's rule: bind when the endpoint contains "*" or
-// "::" or is an ipc:// or inproc:// endpoint, connect otherwise.
+// "::" or is an ipc:// or inproc:// endpoint, connect otherwise (a
+// Publisher serves tcp:// and ipc:// only).
 func ShouldBind(endpoint string) bool {
 	return strings.Contains(endpoint, "*") || strings.Contains(endpoint, "::") ||
 		strings.HasPrefix(endpoint, "ipc://") || strings.HasPrefix(endpoint, "inproc://")
 }
 
-// Addr is the PUB socket's bound address (nil when it connected).
-func (p *Publisher) Addr() net.Addr { return p.pub.Addr() }
+// Addr is the PUB socket's bound address (nil when it connects).
+func (p *Publisher) Addr() net.Addr { return p.pub.addr() }
 
 // ReplayAddr is the replay socket's bound address (nil without one).
 func (p *Publisher) ReplayAddr() net.Addr {
 	if p.replay == nil {
 		return nil
 	}
-	return p.replay.Addr()
+	return p.replay.addr()
 }
 
-// Subscriptions returns the topic prefixes that connected subscribers
-// asked for (a subscriber that connected and subscribed is listed; a
-// message published before that is lost to it, as with any PUB socket).
-func (p *Publisher) Subscriptions() []string { return p.pub.(zmq4.Topics).Topics() }
+// Subscriptions returns the subscriptions connected subscribers hold
+// that match this publisher's topic (a prefix of it; the empty string
+// for "everything"), one per subscriber and prefix. A message published
+// before a subscriber subscribed is lost to it, as with any PUB socket.
+func (p *Publisher) Subscriptions() []string { return p.pub.subscriptions() }
 
 // Topic is the topic frame of every message.
 func (p *Publisher) Topic() string { return p.cfg.Topic }
 
+// Done is closed once the publisher stopped: its context ended or Close
+// was called, and its goroutines are gone.
+func (p *Publisher) Done() <-chan struct{} { return p.done }
+
 // Stats returns the publisher's counters.
 func (p *Publisher) Stats() Stats {
-	return Stats{
+	st := Stats{
 		Batches: p.batches.Load(), Events: p.events.Load(), Blocks: p.blocks.Load(),
 		DroppedBatches: p.droppedBatches.Load(), DroppedEvents: p.droppedEvents.Load(),
 		Unpublishable: p.unpublishable.Load(), Resyncs: p.resyncs.Load(),
+		SubscriberDrops: p.pub.hwmDrops.Load(), Refused: p.pub.refused.Load(),
 	}
+	if p.replay != nil {
+		st.Refused += p.replay.refused.Load()
+		st.MalformedReplays = p.replay.malformed.Load()
+	}
+	return st
 }
 
 // Flush drains every source now and waits until every batch queued so far
@@ -335,35 +458,60 @@ func (p *Publisher) Close() error {
 		return nil
 	}
 	p.closed = true
+	p.stop()
 	p.cancel()
 	var err error
 	if p.replay != nil {
-		err = p.replay.Close()
+		err = p.replay.close()
 	}
 	p.wg.Wait()
-	if e := p.pub.Close(); err == nil {
+	if e := p.pub.close(); err == nil {
 		err = e
 	}
+	close(p.done)
 	return err
 }
 
-// forward turns one pool's ready signal into the shared wake-up.
-func (p *Publisher) forward(ready <-chan struct{}) {
+// forward turns one pool's ready signal into the shared wake-up, then
+// waits to be re-armed before it listens again. While the drainer is
+// busy (it polls the pools every Linger on its own), nobody waits on the
+// pool's signal, so the allocator's send on it only fills the channel's
+// buffer: it wakes no goroutine, a cost the allocator would otherwise pay
+// on every first event after a drain.
+func (p *Publisher) forward(ready <-chan struct{}, rearm <-chan struct{}) {
 	defer p.wg.Done()
 	for {
 		select {
 		case <-p.ctx.Done():
 			return
 		case <-ready:
-			select {
-			case p.wake <- struct{}{}:
-			default:
-			}
+		}
+		select {
+		case p.wake <- struct{}{}:
+		default:
+		}
+		select {
+		case <-p.ctx.Done():
+			return
+		case <-rearm:
 		}
 	}
 }
 
-// drainLoop is the only goroutine that drains the pools and encodes.
+// rearmAll lets every forward goroutine listen to its pool again.
+func (p *Publisher) rearmAll() {
+	for _, s := range p.srcs {
+		select {
+		case s.rearm <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// drainLoop is the only goroutine that drains the pools and encodes. It
+// is idle (waiting for a pool's signal) or busy: a pass that found events
+// is followed by another one Linger later, without waiting for a signal,
+// until a pass finds nothing; then the forward goroutines are re-armed.
 func (p *Publisher) drainLoop() {
 	defer p.wg.Done()
 	d := drainer{p: p, enc: newBatchEncoder(p.cfg.Encoding, p.cfg.DataParallelRank)}
@@ -372,12 +520,17 @@ func (p *Publisher) drainLoop() {
 	linger := time.NewTimer(time.Hour)
 	linger.Stop()
 	defer linger.Stop()
+	busy := false
 	for {
 		var flushed chan struct{}
+		wake, poll := p.wake, (<-chan time.Time)(nil)
+		if busy {
+			wake, poll = nil, linger.C
+		}
 		select {
 		case <-p.ctx.Done():
 			return
-		case <-p.wake:
+		case <-wake:
 			if p.cfg.Linger > 0 {
 				linger.Reset(p.cfg.Linger)
 				select {
@@ -388,6 +541,7 @@ func (p *Publisher) drainLoop() {
 					linger.Stop()
 				}
 			}
+		case <-poll:
 		case flushed = <-p.flushes:
 		case <-p.resyncQ:
 			d.resync = true
@@ -396,9 +550,17 @@ func (p *Publisher) drainLoop() {
 				continue
 			}
 		}
-		d.pass()
+		got := d.pass()
 		if flushed != nil {
 			close(flushed)
+		}
+		if got && p.cfg.Linger > 0 {
+			busy = true
+			linger.Reset(p.cfg.Linger)
+		} else {
+			busy = false
+			linger.Stop()
+			p.rearmAll()
 		}
 	}
 }
@@ -412,10 +574,7 @@ func (p *Publisher) sendLoop() {
 		case <-p.ctx.Done():
 			return
 		case payload := <-p.q:
-			var sb [8]byte
-			binary.BigEndian.PutUint64(sb[:], seq)
-			msg := zmq4.NewMsgFrom(p.topic, sb[:], payload)
-			_ = p.send(msg)      // zmq4's PUB queues; errors only when closing
+			p.send(seq, payload) // queues per subscriber, never blocks
 			if p.replay != nil { // kept only for a replay socket
 				p.ring.add(seq, payload)
 			}
@@ -445,12 +604,14 @@ type drainer struct {
 // while convert still appends to them.
 type span struct{ hashLo, hashHi, tokLo, tokHi int }
 
-func (d *drainer) pass() {
+// pass drains every source once and reports whether it found anything.
+func (d *drainer) pass() (got bool) {
 	p := d.p
 	if !d.resync {
 		for _, s := range p.srcs {
 			var dropped uint64
 			d.buf, dropped = s.Pool.DrainKVEvents(d.buf[:0])
+			got = got || len(d.buf) > 0 || dropped > 0
 			if dropped > 0 {
 				p.droppedEvents.Add(dropped)
 				d.resync = true
@@ -464,10 +625,11 @@ func (d *drainer) pass() {
 			}
 		}
 		if !d.resync {
-			return
+			return got
 		}
 	}
 	d.doResync()
+	return true
 }
 
 // doResync sends AllBlocksCleared and every source's snapshot, when the

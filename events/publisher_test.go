@@ -57,14 +57,15 @@ type recorder struct {
 	block chan struct{} // when non-nil, Send waits for it to close
 }
 
-func (r *recorder) send(m zmq4.Msg) error {
+func (r *recorder) send(seq uint64, payload []byte) {
 	if r.block != nil {
 		<-r.block
 	}
+	var sb [8]byte
+	binary.BigEndian.PutUint64(sb[:], seq)
 	r.mu.Lock()
-	r.msgs = append(r.msgs, m)
+	r.msgs = append(r.msgs, zmq4.NewMsgFrom([]byte("topic"), sb[:], payload))
 	r.mu.Unlock()
-	return nil
 }
 
 func (r *recorder) batches(t *testing.T) []Batch {
@@ -124,11 +125,13 @@ func TestNewPublisherRefuses(t *testing.T) {
 		cfg  Config
 		srcs []Source
 	}{
-		"no endpoint": {Config{}, []Source{{Pool: p}}},
-		"no source":   {Config{Endpoint: "tcp://127.0.0.1:0", Bind: true}, nil},
-		"no events":   {Config{Endpoint: "tcp://127.0.0.1:0", Bind: true}, []Source{{Pool: quiet}}},
-		"negative":    {Config{Endpoint: "tcp://127.0.0.1:0", Bind: true, Queue: -1}, []Source{{Pool: p}}},
-		"encoding":    {Config{Endpoint: "tcp://127.0.0.1:0", Bind: true, Encoding: 7}, []Source{{Pool: p}}},
+		"bad endpoint": {Config{Endpoint: "udp://x:1"}, []Source{{Pool: p}}},
+		"no port":      {Config{Endpoint: "tcp://127.0.0.1"}, []Source{{Pool: p}}},
+		"inproc":       {Config{Endpoint: "inproc://kv"}, []Source{{Pool: p}}},
+		"no source":    {Config{Endpoint: "tcp://127.0.0.1:0", Bind: true}, nil},
+		"no events":    {Config{Endpoint: "tcp://127.0.0.1:0", Bind: true}, []Source{{Pool: quiet}}},
+		"negative":     {Config{Endpoint: "tcp://127.0.0.1:0", Bind: true, Queue: -1}, []Source{{Pool: p}}},
+		"encoding":     {Config{Endpoint: "tcp://127.0.0.1:0", Bind: true, Encoding: 7}, []Source{{Pool: p}}},
 	} {
 		_, err := NewPublisher(c.cfg, c.srcs...)
 		require.ErrorIs(t, err, ErrInvalidConfig, name)
@@ -410,11 +413,13 @@ func TestReplayRingKeepsLast(t *testing.T) {
 	for i := range uint64(5) {
 		r.add(i, []byte{byte(i)})
 	}
-	seqs, msgs := r.from(0)
+	seqs, msgs := r.from(0, 10, nil, nil)
 	require.Equal(t, []uint64{2, 3, 4}, seqs)
 	require.Equal(t, [][]byte{{2}, {3}, {4}}, msgs)
-	seqs, _ = r.from(4)
+	seqs, _ = r.from(4, 10, nil, nil)
 	require.Equal(t, []uint64{4}, seqs)
+	seqs, _ = r.from(0, 2, nil, nil)
+	require.Equal(t, []uint64{2, 3}, seqs, "at most limit, oldest first")
 }
 
 func FuzzDecodeBatch(f *testing.F) {
@@ -434,4 +439,64 @@ func FuzzDecodeBatch(f *testing.F) {
 			require.Contains(t, []string{"BlockStored", "BlockRemoved", "AllBlocksCleared"}, e.Type)
 		}
 	})
+}
+
+// An ipc:// endpoint binds a Unix socket that a zmq4 subscriber reads.
+func TestPublisherIPC(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	pool := newPool(t, 4, 64)
+	ep := "ipc://" + t.TempDir() + "/kv.sock"
+	pub, err := Start(ctx, Config{Endpoint: ep, Pod: "p", Model: "m"}, Source{Pool: pool})
+	require.NoError(t, err)
+	defer pub.Close()
+	require.Equal(t, "unix", pub.Addr().Network())
+	sub := zmq4.NewSub(ctx)
+	defer sub.Close()
+	require.NoError(t, sub.Dial(ep))
+	require.NoError(t, sub.SetOption(zmq4.OptionSubscribe, ""))
+	waitSubscribed(t, pub)
+	l, hs := sealChain(t, pool, 1, 2)
+	defer l.Release()
+	flush(t, pub)
+	m := recvTimeout(t, sub)
+	b, err := DecodeBatch(m.Frames[2])
+	require.NoError(t, err)
+	require.Equal(t, []uint64{uint64(hs[0]), uint64(hs[1])}, b.Events[0].BlockHashes)
+}
+
+// In connect mode the publisher dials the router's bound subscriber, and
+// dials again when that subscriber goes away and comes back.
+func TestPublisherRedials(t *testing.T) {
+	pool := newPool(t, 8, 64)
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	addr := l.Addr().String()
+	require.NoError(t, l.Close())
+	pub, err := NewPublisher(Config{Endpoint: "tcp://" + addr, Pod: "p", Model: "m"}, Source{Pool: pool})
+	require.NoError(t, err)
+	defer pub.Close()
+	require.Nil(t, pub.Addr(), "connect mode binds nothing")
+	for round := range 2 {
+		ctx, cancel := context.WithCancel(context.Background())
+		sub := zmq4.NewSub(ctx)
+		require.NoError(t, sub.Listen("tcp://"+addr))
+		require.NoError(t, sub.SetOption(zmq4.OptionSubscribe, "kv@"))
+		waitSubscribed(t, pub)
+		ls, hs := sealChain(t, pool, round+1, 1)
+		flush(t, pub)
+		got := false
+		for i := 0; i < 100 && !got; i++ {
+			m := recvTimeout(t, sub)
+			b, err := DecodeBatch(m.Frames[2])
+			require.NoError(t, err)
+			last := b.Events[len(b.Events)-1]
+			got = last.Type == "BlockStored" && last.BlockHashes[0] == uint64(hs[0])
+		}
+		require.True(t, got, "round %d: the chain arrived", round)
+		ls.Release()
+		require.NoError(t, sub.Close())
+		cancel()
+		require.Eventually(t, func() bool { return len(pub.Subscriptions()) == 0 }, 10*time.Second, time.Millisecond)
+	}
 }

@@ -1,11 +1,14 @@
 package events
 
 import (
+	"bufio"
 	"bytes"
 	"encoding/binary"
+	"log/slog"
+	"net"
 	"sync"
 
-	"github.com/go-zeromq/zmq4"
+	"go.uber.org/atomic"
 )
 
 // replayRing keeps the last max batches for the replay socket.
@@ -29,11 +32,12 @@ func (r *replayRing) add(seq uint64, payload []byte) {
 	r.start = (r.start + 1) % r.max
 }
 
-// from returns the kept batches with seq ≥ start, oldest first.
-func (r *replayRing) from(start uint64) (seqs []uint64, msgs [][]byte) {
+// from appends to seqs and msgs at most limit kept batches with
+// seq ≥ start, oldest first.
+func (r *replayRing) from(start uint64, limit int, seqs []uint64, msgs [][]byte) ([]uint64, [][]byte) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	for i := range r.msgs {
+	for i := 0; i < len(r.msgs) && len(msgs) < limit; i++ {
 		j := (r.start + i) % len(r.msgs)
 		if r.seqs[j] >= start {
 			seqs = append(seqs, r.seqs[j])
@@ -46,32 +50,171 @@ func (r *replayRing) from(start uint64) (seqs []uint64, msgs [][]byte) {
 // replayEnd is the seq frame of the answer that ends a replay.
 var replayEnd = bytes.Repeat([]byte{0xFF}, 8)
 
-// serveReplay answers replay requests until Close. A malformed request
-// is ignored (the socket stays up for other clients).
-func (p *Publisher) serveReplay() {
-	defer p.wg.Done()
-	for {
-		msg, err := p.replay.Recv()
+// replaySocket is the replay service: a ZeroMQ ROUTER socket as DEALER
+// and REQ clients see it (ZMTP 3.x, NULL mechanism). Each client has its
+// own goroutine, which reads one request, writes its answer and only
+// then reads the next: a client that stops reading stalls only itself
+// (its writes time out after sendTimeout and it is dropped). An answer
+// holds at most perRequest batches, however far back the request
+// starts. The same limits as the PUB socket bound handshakes and
+// connections.
+type replaySocket struct {
+	topic      []byte
+	ring       *replayRing
+	perRequest int
+	lim        limits
+	log        *slog.Logger
+	ln         net.Listener
+
+	mu      sync.Mutex
+	conns   map[net.Conn]struct{} // established clients and handshakes
+	shaking int
+	closed  bool
+	done    chan struct{}
+	wg      sync.WaitGroup
+
+	refused, malformed atomic.Uint64
+}
+
+func newReplaySocket(topic string, ring *replayRing, perRequest int, lim limits, log *slog.Logger) *replaySocket {
+	return &replaySocket{topic: []byte(topic), ring: ring, perRequest: perRequest, lim: lim, log: log,
+		conns: map[net.Conn]struct{}{}, done: make(chan struct{})}
+}
+
+func (s *replaySocket) listen(ep endpoint) error {
+	ln, err := net.Listen(ep.network, ep.addr)
+	if err != nil {
+		return err
+	}
+	s.ln = ln
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		acceptLoop(ln, s.done, s.log, "replay ROUTER", s.accept)
+	}()
+	return nil
+}
+
+func (s *replaySocket) accept(conn net.Conn) {
+	s.mu.Lock()
+	if s.closed || s.shaking >= s.lim.maxPending || len(s.conns)-s.shaking >= s.lim.maxConns {
+		s.mu.Unlock()
+		s.refused.Inc()
+		_ = conn.Close()
+		return
+	}
+	s.conns[conn] = struct{}{}
+	s.shaking++
+	s.wg.Add(1)
+	s.mu.Unlock()
+	go func() {
+		defer s.wg.Done()
+		defer func() {
+			s.mu.Lock()
+			delete(s.conns, conn)
+			s.mu.Unlock()
+			_ = conn.Close()
+		}()
+		_, r, err := handshake(conn, "ROUTER", true, []string{"DEALER", "REQ", "ROUTER"}, s.lim)
+		s.mu.Lock()
+		s.shaking--
+		s.mu.Unlock()
 		if err != nil {
-			if p.ctx.Err() != nil {
+			s.refused.Inc()
+			return
+		}
+		s.serve(conn, r)
+	}()
+}
+
+// serve answers one client's requests: [empty, start_seq (8 bytes
+// big-endian)] is answered [empty, topic, seq, payload] per kept batch
+// with seq ≥ start_seq (at most perRequest of them), then [empty, empty,
+// 0xFF×8, empty]. A request of any other shape is ignored and counted; a
+// protocol violation ends the connection.
+func (s *replaySocket) serve(conn net.Conn, r *bufio.Reader) {
+	pr := peerReader{r: r, limit: s.lim.maxMessage}
+	w := bufio.NewWriterSize(deadlineWriter{conn, s.lim.sendTimeout}, 64<<10)
+	var seqs []uint64
+	var msgs [][]byte
+	var hdr []byte
+	for {
+		cmd, data, frames, err := pr.next()
+		if err != nil {
+			return
+		}
+		switch {
+		case cmd == "PING":
+			pong, err := pingReply(hdr[:0], data)
+			if err != nil {
+				return
+			}
+			hdr = pong
+			if _, err := w.Write(pong); err != nil || w.Flush() != nil {
 				return
 			}
 			continue
-		}
-		f := msg.Frames
-		if len(f) != 3 || len(f[1]) != 0 || len(f[2]) != 8 {
+		case cmd == "ERROR":
+			return
+		case cmd != "":
 			continue
 		}
-		id := f[0]
-		start := binary.BigEndian.Uint64(f[2])
-		seqs, msgs := p.ring.from(start)
+		if len(frames) != 2 || len(frames[0]) != 0 || len(frames[1]) != 8 {
+			s.malformed.Inc()
+			continue
+		}
+		start := binary.BigEndian.Uint64(frames[1])
+		seqs, msgs = s.ring.from(start, s.perRequest, seqs[:0], msgs[:0])
+		var sb [8]byte
 		for i := range msgs {
-			var sb [8]byte
 			binary.BigEndian.PutUint64(sb[:], seqs[i])
-			if p.replay.Send(zmq4.NewMsgFrom(id, nil, p.topic, sb[:], msgs[i])) != nil {
-				break
+			hdr = appendFrameHeader(hdr[:0], flagMore, 0)
+			hdr = appendFrameHeader(hdr, flagMore, len(s.topic))
+			hdr = append(hdr, s.topic...)
+			hdr = appendFrameHeader(hdr, flagMore, 8)
+			hdr = append(hdr, sb[:]...)
+			hdr = appendFrameHeader(hdr, 0, len(msgs[i]))
+			_, _ = w.Write(hdr)
+			if _, err := w.Write(msgs[i]); err != nil {
+				return
 			}
 		}
-		_ = p.replay.Send(zmq4.NewMsgFrom(id, nil, nil, replayEnd, nil))
+		clear(msgs)
+		hdr = appendFrameHeader(hdr[:0], flagMore, 0)
+		hdr = appendFrameHeader(hdr, flagMore, 0)
+		hdr = appendFrameHeader(hdr, flagMore, 8)
+		hdr = append(hdr, replayEnd...)
+		hdr = appendFrameHeader(hdr, 0, 0)
+		_, _ = w.Write(hdr)
+		if err := w.Flush(); err != nil {
+			return
+		}
 	}
+}
+
+func (s *replaySocket) addr() net.Addr { return s.ln.Addr() }
+
+// clients returns how many connections the socket holds (handshaking or
+// served).
+func (s *replaySocket) clients() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.conns)
+}
+
+func (s *replaySocket) close() error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil
+	}
+	s.closed = true
+	close(s.done)
+	for c := range s.conns {
+		_ = c.Close()
+	}
+	s.mu.Unlock()
+	err := s.ln.Close()
+	s.wg.Wait()
+	return err
 }

@@ -1,9 +1,13 @@
 package tiers
 
 import (
+	"crypto/hmac"
+	"crypto/sha256"
+	"crypto/subtle"
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"hash"
 	"os"
 	"path/filepath"
 	"slices"
@@ -22,10 +26,30 @@ type DiskSlot int64
 
 // DiskConfig describes a disk tier.
 type DiskConfig struct {
-	// Dir holds the slot files (tier-NNN.slots); it is created if needed.
+	// Dir holds the slot files (tier-NNN.slots); it is created 0700 if
+	// needed. An existing Dir must belong to the process's user and not
+	// be writable by group or others; the slot files are 0600, opened
+	// without following symbolic links, and must belong to the user too.
 	// Files already there with the same geometry are scanned and their
 	// valid slots are findable again (see OpenDisk).
 	Dir string
+	// Namespace names what the slots hold: the model's identity (name,
+	// revision, adapter, dtype), recorded in every slot's header. A slot
+	// written under another namespace is a miss, never served: a
+	// directory reused by another model serves it nothing.
+	Namespace string
+	// Fingerprint is the envelope's or layout's fingerprint (for example
+	// handoff.Envelope.Fingerprint or layout.Layout.Fingerprint), recorded
+	// in every slot's header: a slot written under another layout is a
+	// miss.
+	Fingerprint uint64
+	// Key, when set (at least 16 bytes), turns each slot's checksum into
+	// an HMAC-SHA256 under it, so whoever can write the files but does
+	// not hold the key cannot forge a slot: a tampered slot is a miss.
+	// Without a key the checksum (xxhash64) catches torn and corrupted
+	// slots only. Read the key from a file or a secret store, never a
+	// command line.
+	Key []byte
 	// Files is how many files the slots are striped over (default 1):
 	// slot s lives in file s mod Files.
 	Files int
@@ -52,11 +76,13 @@ type DiskConfig struct {
 }
 
 // Disk is a disk tier (G3): fixed-size slots in preallocated files, each
-// slot a header (magic, block hash, parent hash, size, checksum) followed
-// by the block, read and written whole by a bounded pool of workers with
-// pread and pwrite. A slot whose checksum or hash does not match (torn by
-// a crash mid-write, corrupted at rest) is a miss, never wrong KV: a read
-// of it fails, and the slot stops serving hits until it is rewritten.
+// slot a header (magic, block hash, parent hash, size, namespace,
+// fingerprint, checksum or MAC) followed by the block, read and written
+// whole by a bounded pool of workers with pread and pwrite. A slot whose
+// checksum, hash, namespace or fingerprint does not match (torn by a crash
+// mid-write, corrupted or forged at rest, written by another model or
+// layout) is a miss, never wrong KV: a read of it fails, and the slot
+// stops serving hits until it is rewritten.
 //
 // The disk tier's index is its kvlease pool (Pool): a slot is findable by
 // its hash once sealed there, after the write into it resolved. OpenDisk
@@ -64,6 +90,7 @@ type DiskConfig struct {
 // Disk implements kvlease.Memory[DiskSlot].
 type Disk struct {
 	cfg       DiskConfig
+	ns        [16]byte // SHA-256 of the namespace, truncated
 	files     []*os.File
 	direct    bool
 	slotBytes int
@@ -87,13 +114,21 @@ type Disk struct {
 var _ kvlease.Memory[DiskSlot] = (*Disk)(nil)
 
 // ErrCorruptSlot is the outcome of a disk read that found a slot whose
-// checksum, size or hash did not match: the slot is a miss.
-var ErrCorruptSlot = errors.New("tiers: corrupt or torn disk slot")
+// checksum (or MAC), size, hash, namespace or fingerprint did not match:
+// the slot is a miss.
+var ErrCorruptSlot = errors.New("tiers: corrupt, torn or foreign disk slot")
 
 const (
-	slotMagic  = 0x3252454954564b4c // "LKVTIER2", little endian
-	headerSize = 64
+	slotMagic  = 0x3352454954564b4c // "LKVTIER3", little endian
+	headerSize = 128
 	diskAlign  = 4096
+	minKeyLen  = 16
+)
+
+// Checksum kinds recorded in a slot's header.
+const (
+	sumXXHash = 1 // xxhash64, unkeyed
+	sumHMAC   = 2 // HMAC-SHA256 under DiskConfig.Key
 )
 
 // OpenDisk opens (creating them if needed) the slot files of a disk tier
@@ -112,11 +147,16 @@ func OpenDisk(cfg DiskConfig) (*Disk, error) {
 		return nil, fmt.Errorf("tiers: disk tier in %q with %d slots of %d bytes over %d files, %d workers: %w",
 			cfg.Dir, cfg.Slots, cfg.BlockBytes, cfg.Files, cfg.Workers, kvlease.ErrInvalidArgument)
 	}
-	if err := os.MkdirAll(cfg.Dir, 0o755); err != nil {
-		return nil, fmt.Errorf("tiers: disk tier: %w", err)
+	if len(cfg.Key) > 0 && len(cfg.Key) < minKeyLen {
+		return nil, fmt.Errorf("tiers: disk tier key of %d bytes (want at least %d): %w", len(cfg.Key), minKeyLen, kvlease.ErrInvalidArgument)
+	}
+	cfg.Key = slices.Clone(cfg.Key)
+	if err := privateDir(cfg.Dir); err != nil {
+		return nil, err
 	}
 	d := &Disk{
 		cfg:       cfg,
+		ns:        namespaceID(cfg.Namespace),
 		slotBytes: (headerSize + cfg.BlockBytes + diskAlign - 1) / diskAlign * diskAlign,
 		bad:       make(map[DiskSlot]kvlease.BlockHash),
 		direct:    cfg.Direct,
@@ -193,6 +233,7 @@ func (d *Disk) Recovered() int { return d.recovered }
 // whole; by hash alone otherwise.
 func (d *Disk) rebuild() error {
 	buf := alignedBuf(d.slotBytes)
+	mac := d.newMAC()
 	type entry struct {
 		slot DiskSlot
 		meta SlotMeta
@@ -203,7 +244,7 @@ func (d *Disk) rebuild() error {
 		if _, err := f.ReadAt(buf, off); err != nil {
 			return fmt.Errorf("tiers: disk tier scan of slot %d: %w", s, err)
 		}
-		if m, ok := d.decode(buf); ok {
+		if m, ok := d.decode(buf, mac); ok {
 			valid = append(valid, entry{s, m})
 		}
 	}
@@ -240,12 +281,38 @@ func (d *Disk) rebuild() error {
 // then the block's tokens (4 bytes each) when they fit in the slot:
 //
 //	0 magic  8 hash  16 parent  24 flags (1 parent known, 2 parent is a block)
-//	32 block bytes  40 checksum  48 tokens recorded  52..63 zero
+//	32 block bytes  40 tokens recorded (4 bytes)  44 checksum kind (4 bytes)
+//	48 namespace (16 bytes of its SHA-256)  64 fingerprint  72..95 zero
+//	96 checksum: xxhash64 in 8 bytes, or an HMAC-SHA256 in 32
 //
 // The checksum covers the whole slot but itself.
+const (
+	offTokens = 40
+	offKind   = 44
+	offNS     = 48
+	offFP     = 64
+	offSum    = 96
+	sumLen    = 32
+)
+
+// namespaceID is what a slot records of its namespace.
+func namespaceID(ns string) (id [16]byte) {
+	sum := sha256.Sum256([]byte("kvlease/tiers disk namespace\x00" + ns))
+	copy(id[:], sum[:])
+	return id
+}
+
+// newMAC returns an HMAC-SHA256 under the key, or nil without one; each
+// worker and the scan have their own.
+func (d *Disk) newMAC() hash.Hash {
+	if len(d.cfg.Key) == 0 {
+		return nil
+	}
+	return hmac.New(sha256.New, d.cfg.Key)
+}
 
 // encode fills buf (one slot) with the header, the block and its tokens.
-func (d *Disk) encode(buf []byte, w *SlotWrite) {
+func (d *Disk) encode(buf []byte, w *SlotWrite, mac hash.Hash) {
 	clear(buf[:headerSize])
 	binary.LittleEndian.PutUint64(buf[0:], slotMagic)
 	binary.LittleEndian.PutUint64(buf[8:], uint64(w.Hash))
@@ -259,37 +326,61 @@ func (d *Disk) encode(buf []byte, w *SlotWrite) {
 	}
 	binary.LittleEndian.PutUint64(buf[24:], flags)
 	binary.LittleEndian.PutUint64(buf[32:], uint64(d.cfg.BlockBytes))
+	kind := uint32(sumXXHash)
+	if mac != nil {
+		kind = sumHMAC
+	}
+	binary.LittleEndian.PutUint32(buf[offKind:], kind)
+	copy(buf[offNS:], d.ns[:])
+	binary.LittleEndian.PutUint64(buf[offFP:], d.cfg.Fingerprint)
 	body := headerSize + d.cfg.BlockBytes
 	n := copy(buf[headerSize:body], w.Src)
 	clear(buf[headerSize+n:])
 	if len(w.Tokens) > 0 && body+4*len(w.Tokens) <= len(buf) {
-		binary.LittleEndian.PutUint32(buf[48:], uint32(len(w.Tokens)))
+		binary.LittleEndian.PutUint32(buf[offTokens:], uint32(len(w.Tokens)))
 		for i, t := range w.Tokens {
 			binary.LittleEndian.PutUint32(buf[body+4*i:], uint32(t))
 		}
 	}
-	binary.LittleEndian.PutUint64(buf[40:], d.checksum(buf))
+	d.sum(buf[offSum:offSum:offSum+sumLen], buf, mac)
 }
 
-// checksum covers the header (but the checksum itself), the block and the
-// tokens recorded.
-func (d *Disk) checksum(buf []byte) uint64 {
+// sum appends the slot's checksum (or MAC) to dst: it covers the header
+// but the checksum itself, the block, the tokens and the zero padding.
+func (d *Disk) sum(dst, buf []byte, mac hash.Hash) []byte {
+	if mac != nil {
+		mac.Reset()
+		_, _ = mac.Write(buf[:offSum])
+		_, _ = mac.Write(buf[offSum+sumLen:])
+		return mac.Sum(dst)
+	}
 	var x xxhash.Digest
 	x.Reset()
-	_, _ = x.Write(buf[:40])
-	_, _ = x.Write(buf[48:]) // the rest of the header, the block, the tokens and the zero padding
-	return x.Sum64()
+	_, _ = x.Write(buf[:offSum])
+	_, _ = x.Write(buf[offSum+sumLen:])
+	return binary.LittleEndian.AppendUint64(dst, x.Sum64())
 }
 
 // decode checks a slot read into buf; ok is false for anything but a
-// whole, valid slot.
-func (d *Disk) decode(buf []byte) (m SlotMeta, ok bool) {
+// whole, valid slot of this tier's namespace, fingerprint and key.
+func (d *Disk) decode(buf []byte, mac hash.Hash) (m SlotMeta, ok bool) {
 	body := headerSize + d.cfg.BlockBytes
-	nt := int(binary.LittleEndian.Uint32(buf[48:]))
+	nt := uint64(binary.LittleEndian.Uint32(buf[offTokens:]))
+	kind := uint32(sumXXHash)
+	if mac != nil {
+		kind = sumHMAC
+	}
 	if binary.LittleEndian.Uint64(buf[0:]) != slotMagic ||
 		binary.LittleEndian.Uint64(buf[32:]) != uint64(d.cfg.BlockBytes) ||
-		nt < 0 || body+4*nt > len(buf) ||
-		binary.LittleEndian.Uint64(buf[40:]) != d.checksum(buf) {
+		uint64(body)+4*nt > uint64(len(buf)) ||
+		binary.LittleEndian.Uint32(buf[offKind:]) != kind ||
+		[16]byte(buf[offNS:offNS+16]) != d.ns ||
+		binary.LittleEndian.Uint64(buf[offFP:]) != d.cfg.Fingerprint {
+		return SlotMeta{}, false
+	}
+	var want [sumLen]byte
+	d.sum(want[:0], buf, mac)
+	if subtle.ConstantTimeCompare(want[:], buf[offSum:offSum+sumLen]) != 1 {
 		return SlotMeta{}, false
 	}
 	flags := binary.LittleEndian.Uint64(buf[24:])
@@ -323,7 +414,7 @@ type SlotMeta struct {
 // SlotWrite is one block written to a disk slot: the block, and what the
 // slot's header records about it (Tokens only when they fit in the slot's
 // padding after the block; a block of whole 4 KiB pages has room for
-// 1008).
+// 992).
 type SlotWrite struct {
 	Src       []byte
 	Dst       DiskSlot
@@ -475,13 +566,14 @@ func (d *Disk) next() *diskJob {
 func (d *Disk) work() {
 	defer d.workers.Done()
 	buf := alignedBuf(d.slotBytes)
+	mac := d.newMAC()
 	for j := d.next(); j != nil; j = d.next() {
-		j.finish(d.run(j, buf))
+		j.finish(d.run(j, buf, mac))
 	}
 }
 
 // run does one job; its error is the transfer's outcome.
-func (d *Disk) run(j *diskJob, buf []byte) error {
+func (d *Disk) run(j *diskJob, buf []byte, mac hash.Hash) error {
 	for i := range j.writes {
 		w := &j.writes[i]
 		if j.canceled.Load() {
@@ -492,7 +584,7 @@ func (d *Disk) run(j *diskJob, buf []byte) error {
 				return err
 			}
 		}
-		d.encode(buf, w)
+		d.encode(buf, w, mac)
 		f, off := d.at(w.Dst)
 		if _, err := f.WriteAt(buf, off); err != nil {
 			return fmt.Errorf("tiers: disk write of slot %d: %w", w.Dst, err)
@@ -515,7 +607,7 @@ func (d *Disk) run(j *diskJob, buf []byte) error {
 		if _, err := f.ReadAt(buf, off); err != nil {
 			return fmt.Errorf("tiers: disk read of slot %d: %w", r.Src, err)
 		}
-		if m, ok := d.decode(buf); !ok || m.Hash != r.Hash {
+		if m, ok := d.decode(buf, mac); !ok || m.Hash != r.Hash {
 			d.mu.Lock()
 			d.bad[r.Src] = r.Hash
 			d.mu.Unlock()

@@ -2,22 +2,60 @@ package tiers
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"syscall"
+
+	"github.com/kvlease/kvlease"
 )
 
-// openSlotFile opens (or creates) a slot file of size bytes; a file of
-// another size is emptied first. With direct it tries O_DIRECT and falls
-// back to buffered I/O when the open or an aligned read is refused;
-// directOK says which it got.
+// privateDir creates dir 0700 if needed and checks that it is a
+// directory of the process's user that neither group nor others can
+// write: slot files hold KV and prompt tokens, and whoever can write the
+// directory can replace them.
+func privateDir(dir string) error {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return fmt.Errorf("tiers: disk tier: %w", err)
+	}
+	fi, err := os.Stat(dir)
+	if err != nil {
+		return fmt.Errorf("tiers: disk tier: %w", err)
+	}
+	if !fi.IsDir() {
+		return fmt.Errorf("tiers: disk tier %s is not a directory: %w", dir, kvlease.ErrInvalidArgument)
+	}
+	if fi.Mode().Perm()&0o022 != 0 {
+		return fmt.Errorf("tiers: disk tier directory %s is writable by group or others (%v): %w", dir, fi.Mode().Perm(), kvlease.ErrInvalidArgument)
+	}
+	if err := ownedByUs(fi); err != nil {
+		return fmt.Errorf("tiers: disk tier directory %s: %w", dir, err)
+	}
+	return nil
+}
+
+// openSlotFile opens (or creates, 0600) a slot file of size bytes without
+// following a symbolic link; a file of another user is refused, one
+// readable by others is made private, one of another size is emptied
+// first. With direct it tries O_DIRECT and falls back to buffered I/O
+// when the open or an aligned read is refused; directOK says which it
+// got.
 func openSlotFile(path string, size int64, direct bool, slotBytes int) (f *os.File, directOK bool, err error) {
-	if fi, err := os.Stat(path); err == nil && fi.Size() != size {
-		if err := os.Truncate(path, 0); err != nil {
-			return nil, false, err
+	open := func(extra int) (*os.File, error) {
+		f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|oNoFollow|extra, 0o600)
+		if errors.Is(err, syscall.ELOOP) {
+			return nil, fmt.Errorf("%s is a symbolic link (not followed): %w", path, kvlease.ErrInvalidArgument)
 		}
+		if err != nil {
+			return nil, err
+		}
+		if err := private(f); err != nil {
+			_ = f.Close()
+			return nil, err
+		}
+		return f, nil
 	}
 	if direct && oDirect != 0 {
-		f, err = os.OpenFile(path, os.O_RDWR|os.O_CREATE|oDirect, 0o644)
+		f, err = open(oDirect)
 		if err == nil {
 			if err = prepare(f, size); err == nil {
 				// Some file systems accept the flag and refuse the I/O.
@@ -31,7 +69,7 @@ func openSlotFile(path string, size int64, direct bool, slotBytes int) (f *os.Fi
 			return nil, false, err
 		}
 	}
-	f, err = os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o644)
+	f, err = open(0)
 	if err != nil {
 		return nil, false, err
 	}
@@ -42,7 +80,27 @@ func openSlotFile(path string, size int64, direct bool, slotBytes int) (f *os.Fi
 	return f, false, nil
 }
 
-// prepare sizes f, preallocating its blocks where the system can.
+// private checks that the open file f is a regular file of ours and makes
+// it 0600.
+func private(f *os.File) error {
+	fi, err := f.Stat()
+	if err != nil {
+		return err
+	}
+	if !fi.Mode().IsRegular() {
+		return fmt.Errorf("%s is not a regular file: %w", f.Name(), kvlease.ErrInvalidArgument)
+	}
+	if err := ownedByUs(fi); err != nil {
+		return fmt.Errorf("%s: %w", f.Name(), err)
+	}
+	if fi.Mode().Perm() != 0o600 {
+		return f.Chmod(0o600)
+	}
+	return nil
+}
+
+// prepare sizes f, emptying a file of another size first (a slot layout
+// that no longer applies), preallocating its blocks where the system can.
 func prepare(f *os.File, size int64) error {
 	fi, err := f.Stat()
 	if err != nil {
@@ -50,6 +108,9 @@ func prepare(f *os.File, size int64) error {
 	}
 	if fi.Size() == size {
 		return nil
+	}
+	if err := f.Truncate(0); err != nil {
+		return err
 	}
 	preallocate(f, size)
 	return f.Truncate(size)

@@ -39,12 +39,19 @@
 //
 // A Disk keeps fixed-size slots in preallocated files, read and written by
 // a bounded pool of workers (pread/pwrite, O_DIRECT where the file system
-// allows). Each slot records its block hash, its parent hash and a
-// checksum, so a torn or corrupted slot is a miss, never wrong KV. OpenDisk
+// allows). Each slot records its block hash, its parent hash, the tier's
+// namespace (the model's identity, DiskConfig.Namespace), the envelope or
+// layout fingerprint and a checksum, so a torn or corrupted slot, or one
+// written for another model or layout, is a miss, never wrong KV. With
+// DiskConfig.Key the checksum is an HMAC-SHA256, and a slot forged by
+// whoever can write the files but lacks the key is a miss too. OpenDisk
 // rebuilds the index by scanning the files: the tier survives a restart
-// (slots whose header or checksum is bad are left out). The disk's queue
-// of jobs is unbounded, so queueing never blocks a caller behind a slow
-// disk.
+// (slots whose header, identity or checksum is bad are left out). The
+// files hold KV and prompt tokens, so they are private: 0600 in a 0700
+// directory of the process's user (a directory of another user, or one
+// that group or others can write, is refused), opened without following
+// symbolic links. The disk's queue of jobs is unbounded, so queueing
+// never blocks a caller behind a slow disk.
 //
 // # Metrics and events
 //

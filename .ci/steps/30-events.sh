@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# KV events: the publisher's fuzz target briefly and one short run of each
-# event benchmark (so they keep working). The llm-d interop module's tests
-# run in .ci/run with the other nested modules.
+# KV events: the fuzz targets of the publisher's parsers briefly (the
+# batch decoder, and every byte a ZMTP peer can send: greeting, READY,
+# frames, commands, subscriptions), and one short run of each event
+# benchmark (so they keep working). The hostile-peer tests run with the
+# package's tests in .ci/run; the llm-d interop module's tests run there
+# with the other nested modules.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 go test -run '^$' -fuzz '^FuzzDecodeBatch$' -fuzztime 10s -fuzzminimizetime 2s ./events
+go test -run '^$' -fuzz '^FuzzZMTPPeer$' -fuzztime 10s -fuzzminimizetime 2s ./events
+go test -run '^$' -fuzz '^FuzzParseReady$' -fuzztime 5s -fuzzminimizetime 2s ./events
+go test -run '^$' -fuzz '^FuzzReplayRequests$' -fuzztime 5s -fuzzminimizetime 2s ./events
 go test -run '^$' -bench '^BenchmarkPublisherThroughput$' -benchtime 200x ./events
 go test -run '^$' -bench '^BenchmarkReplayEvents$' -benchtime 1x ./bench

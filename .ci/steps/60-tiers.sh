@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# The tiers audit: onboarding across device, host and disk tiers with
-# injected copy failures, stalls, quarantines, disk failures and
-# corruption; every onboarded block's marker is checked. Both policies,
-# bounded (a few seconds each). Then the tiers example, whose last line
-# must be a zero mismatch count.
+# The disk tier's slot decoder fuzzed briefly, then the tiers audit:
+# onboarding across device, host and disk tiers with injected copy
+# failures, stalls, quarantines, disk failures and corruption; every
+# onboarded block's marker is checked. Both policies, bounded (a few
+# seconds each). Then the tiers example, whose last line must be a zero
+# mismatch count.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+# The disk slot decoder reads what a file holds after a crash or tampering.
+go test -run '^$' -fuzz '^FuzzDiskDecode$' -fuzztime 10s -fuzzminimizetime 2s ./tiers
 for args in "-seed 17" "-seed 18 -write-through"; do
   out=$(timeout 120 go run ./audit/cmd/kvaudit -tiers -ops 6000 $args)
   echo "$out" | tail -4

@@ -10,17 +10,19 @@
 // One -events endpoint, several engines. Each engine has its own PUB
 // socket and its own topic, following vLLM's rule for bind vs connect:
 //
-//   - an endpoint that binds (it contains "*" or "::", or is ipc:// or
-//     inproc://) is the first engine's; engine i binds the same host at
-//     PORT+i, as vLLM offsets the port for data-parallel ranks (a free
-//     port when PORT is 0 or PORT+i is taken; ipc and inproc paths get a
-//     "-i" suffix). The subscriber dials every engine.
+//   - an endpoint that binds (it contains "*" or "::", or is ipc://) is
+//     the first engine's; engine i binds the same host at PORT+i, as vLLM
+//     offsets the port for data-parallel ranks (a free port when PORT is
+//     0 or PORT+i is taken; ipc paths get a "-i" suffix). The subscriber
+//     dials every engine.
 //   - an endpoint that connects (tcp://127.0.0.1:PORT) is the router's:
 //     the subscriber binds it and every engine dials it, told apart by
 //     topic, as a router that lets engines dial in would be.
 //
-// Without flags every engine binds a free port and so does the metrics
-// server; the addresses are printed. Metrics are served at
+// Without -events every engine binds a free port on 127.0.0.1 only, and
+// so does the metrics server; the addresses are printed. tcp://*:PORT
+// binds every interface: any host that reaches the port reads the token
+// ids of every cached prompt, so the publisher logs that choice. Metrics are served at
 // http://ADDR/metrics under kvlease's names and vLLM's
 // (vllm:kv_cache_usage_perc and friends, engine label = engine name).
 package main
@@ -75,7 +77,7 @@ type engine struct {
 
 func run(args []string, out io.Writer) error {
 	fs := flag.NewFlagSet("fleet", flag.ContinueOnError)
-	eventsEP := fs.String("events", "tcp://*:0", "first engine's PUB endpoint (binds with * or ::, connects otherwise)")
+	eventsEP := fs.String("events", "", "first engine's PUB endpoint (binds with * or ::, connects otherwise; empty: binds 127.0.0.1, free ports)")
 	metricsAddr := fs.String("metrics", "127.0.0.1:0", "address of the Prometheus /metrics server")
 	duration := fs.Duration("duration", 5*time.Second, "how long the workloads run")
 	nEngines := fs.Int("engines", 3, "number of engines")
@@ -102,7 +104,10 @@ func run(args []string, out io.Writer) error {
 	defer cancel()
 	sub := zmq4.NewSub(ctx)
 	defer sub.Close()
-	bind := events.ShouldBind(*eventsEP)
+	if *eventsEP == "" {
+		*eventsEP = "tcp://127.0.0.1:0"
+	}
+	bind := *eventsEP == "tcp://127.0.0.1:0" || events.ShouldBind(*eventsEP)
 	if !bind {
 		if err := sub.Listen(*eventsEP); err != nil {
 			return fmt.Errorf("subscriber bind %s: %w", *eventsEP, err)
@@ -132,10 +137,10 @@ func run(args []string, out io.Writer) error {
 		}
 		cfg := events.Config{Pod: e.name, Model: *model}
 		if bind {
-			e.pub, err = bindEngine(cfg, *eventsEP, i, e.pool)
+			e.pub, err = bindEngine(ctx, cfg, *eventsEP, i, e.pool)
 		} else {
 			cfg.Endpoint = *eventsEP
-			e.pub, err = events.NewPublisher(cfg, events.Source{Pool: e.pool})
+			e.pub, err = events.Start(ctx, cfg, events.Source{Pool: e.pool})
 		}
 		if err != nil {
 			return fmt.Errorf("%s: %w", e.name, err)
@@ -253,14 +258,14 @@ func run(args []string, out io.Writer) error {
 
 // bindEngine binds engine i's publisher: the endpoint itself for engine
 // 0, PORT+i (or a free port) for the others.
-func bindEngine(cfg events.Config, ep string, i int, pool *kvlease.Pool[[]byte]) (*events.Publisher, error) {
-	cfg.Endpoint = ep
+func bindEngine(ctx context.Context, cfg events.Config, ep string, i int, pool *kvlease.Pool[[]byte]) (*events.Publisher, error) {
+	cfg.Endpoint, cfg.Bind = ep, true
 	if i == 0 {
-		return events.NewPublisher(cfg, events.Source{Pool: pool})
+		return events.Start(ctx, cfg, events.Source{Pool: pool})
 	}
-	if strings.HasPrefix(ep, "ipc://") || strings.HasPrefix(ep, "inproc://") {
+	if strings.HasPrefix(ep, "ipc://") {
 		cfg.Endpoint = ep + "-" + strconv.Itoa(i)
-		return events.NewPublisher(cfg, events.Source{Pool: pool})
+		return events.Start(ctx, cfg, events.Source{Pool: pool})
 	}
 	host, port, err := splitTCP(ep)
 	if err != nil {
@@ -268,12 +273,12 @@ func bindEngine(cfg events.Config, ep string, i int, pool *kvlease.Pool[[]byte])
 	}
 	if port != 0 {
 		cfg.Endpoint = fmt.Sprintf("tcp://%s:%d", host, port+i)
-		if p, err := events.NewPublisher(cfg, events.Source{Pool: pool}); err == nil {
+		if p, err := events.Start(ctx, cfg, events.Source{Pool: pool}); err == nil {
 			return p, nil
 		}
 	}
 	cfg.Endpoint = fmt.Sprintf("tcp://%s:0", host)
-	return events.NewPublisher(cfg, events.Source{Pool: pool})
+	return events.Start(ctx, cfg, events.Source{Pool: pool})
 }
 
 func splitTCP(ep string) (string, int, error) {

@@ -1,0 +1,412 @@
+package events
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/binary"
+	"log/slog"
+	"net"
+	"sync"
+	"time"
+
+	"go.uber.org/atomic"
+)
+
+// pubSocket is a ZeroMQ PUB socket over ZMTP 3.x with the NULL mechanism:
+// it binds and accepts subscribers, or dials one peer (a router's bound
+// SUB) and redials it when the connection ends. Each subscriber has its
+// own queue of at most hwm messages and its own writer goroutine, so a
+// subscriber that does not read loses messages (counted) and delays
+// nobody; its reader goroutine takes subscriptions. Handshakes run on
+// their own goroutines with a deadline, at most maxPending at a time;
+// at most maxConns subscribers are served. Everything a peer sends is
+// size-checked before it is read (zmtp.go).
+type pubSocket struct {
+	topic []byte
+	lim   limits
+	log   *slog.Logger
+	ln    net.Listener // bind mode
+	dial  endpoint     // connect mode
+
+	mu      sync.Mutex
+	conns   map[*subConn]struct{}
+	shaking map[net.Conn]struct{}      // connections in their handshake
+	list    atomic.Pointer[[]*subConn] // the established subscribers, for send (copy on write)
+	closed  bool
+	done    chan struct{}
+	wg      sync.WaitGroup
+
+	refused, hwmDrops atomic.Uint64
+}
+
+// subConn is one subscriber.
+type subConn struct {
+	s    *pubSocket
+	conn net.Conn
+
+	mu     sync.Mutex
+	counts []int64 // subscriptions to topic[:i], by i (others can never match)
+	q      []pubMsg
+	busy   int // messages the writer took and has not finished
+	notify chan struct{}
+	gone   chan struct{} // closed when the connection is dropped
+	once   sync.Once
+
+	matches atomic.Bool
+}
+
+// pubMsg is one message for a subscriber: a batch (topic, seq, payload)
+// or a raw command frame (ctrl).
+type pubMsg struct {
+	seq     uint64
+	payload []byte
+	ctrl    []byte
+}
+
+func newPubSocket(topic string, lim limits, log *slog.Logger) *pubSocket {
+	s := &pubSocket{topic: []byte(topic), lim: lim, log: log, conns: map[*subConn]struct{}{}, shaking: map[net.Conn]struct{}{}, done: make(chan struct{})}
+	s.list.Store(&[]*subConn{})
+	return s
+}
+
+// listen binds ep and serves subscribers until close.
+func (s *pubSocket) listen(ep endpoint) error {
+	ln, err := net.Listen(ep.network, ep.addr)
+	if err != nil {
+		return err
+	}
+	s.ln = ln
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		acceptLoop(ln, s.done, s.log, "PUB", s.accept)
+	}()
+	return nil
+}
+
+// connect dials ep (again and again while it fails or after it ends)
+// until close.
+func (s *pubSocket) connect(ep endpoint) {
+	s.dial = ep
+	s.wg.Add(1)
+	go s.dialLoop()
+}
+
+func (s *pubSocket) dialLoop() {
+	defer s.wg.Done()
+	backoff := 50 * time.Millisecond
+	d := net.Dialer{Timeout: s.lim.handshake}
+	for {
+		select {
+		case <-s.done:
+			return
+		default:
+		}
+		conn, err := d.Dial(s.dial.network, s.dial.addr)
+		if err == nil {
+			if !s.reserve(conn) {
+				_ = conn.Close()
+				return
+			}
+			if c := s.serveHandshaken(conn, false); c != nil {
+				backoff = 50 * time.Millisecond
+				select {
+				case <-c.gone:
+				case <-s.done:
+				}
+			}
+		}
+		select {
+		case <-s.done:
+			return
+		case <-time.After(backoff):
+		}
+		backoff = min(2*backoff, 2*time.Second)
+	}
+}
+
+// acceptLoop accepts on ln until done, handing each connection to serve;
+// transient errors (out of descriptors) are waited out, never fatal.
+func acceptLoop(ln net.Listener, done <-chan struct{}, log *slog.Logger, what string, serve func(net.Conn)) {
+	var delay time.Duration
+	for {
+		conn, err := ln.Accept()
+		if err != nil {
+			select {
+			case <-done:
+				return
+			default:
+			}
+			delay = min(max(2*delay, 5*time.Millisecond), time.Second)
+			log.Warn("events: accept failed, retrying", "socket", what, "err", err, "retry", delay)
+			select {
+			case <-done:
+				return
+			case <-time.After(delay):
+			}
+			continue
+		}
+		delay = 0
+		serve(conn)
+	}
+}
+
+// reserve takes a handshake slot for conn; false when closed or all are
+// taken.
+func (s *pubSocket) reserve(conn net.Conn) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed || len(s.shaking) >= s.lim.maxPending {
+		return false
+	}
+	s.shaking[conn] = struct{}{}
+	return true
+}
+
+// accept runs a new connection's handshake on a goroutine of its own
+// (never on the accept loop), or refuses it at once when too many are
+// in their handshake.
+func (s *pubSocket) accept(conn net.Conn) {
+	if !s.reserve(conn) {
+		s.refused.Inc()
+		_ = conn.Close()
+		return
+	}
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		s.serveHandshaken(conn, true)
+	}()
+}
+
+// serveHandshaken runs the handshake on conn (its slot reserved) and, if
+// it succeeds and there is room, starts serving the subscriber; nil when
+// the connection was refused or closed.
+func (s *pubSocket) serveHandshaken(conn net.Conn, asServer bool) *subConn {
+	_, r, err := handshake(conn, "PUB", asServer, []string{"SUB", "XSUB"}, s.lim)
+	s.mu.Lock()
+	delete(s.shaking, conn)
+	if err != nil || s.closed || len(s.conns) >= s.lim.maxConns {
+		s.mu.Unlock()
+		if err == nil && !s.closed {
+			s.log.Warn("events: subscriber refused: too many", "remote", conn.RemoteAddr(), "max", s.lim.maxConns)
+		}
+		s.refused.Inc()
+		_ = conn.Close()
+		return nil
+	}
+	c := &subConn{s: s, conn: conn, counts: make([]int64, len(s.topic)+1), notify: make(chan struct{}, 1), gone: make(chan struct{})}
+	s.conns[c] = struct{}{}
+	s.publishList()
+	s.wg.Add(2)
+	s.mu.Unlock()
+	go c.readLoop(r)
+	go c.writeLoop()
+	return c
+}
+
+// publishList republishes the subscriber list; s.mu held.
+func (s *pubSocket) publishList() {
+	l := make([]*subConn, 0, len(s.conns))
+	for c := range s.conns {
+		l = append(l, c)
+	}
+	s.list.Store(&l)
+}
+
+// drop forgets c and closes its connection (idempotent).
+func (s *pubSocket) drop(c *subConn) {
+	s.mu.Lock()
+	if _, ok := s.conns[c]; ok {
+		delete(s.conns, c)
+		s.publishList()
+	}
+	s.mu.Unlock()
+	c.once.Do(func() {
+		_ = c.conn.Close()
+		close(c.gone)
+	})
+}
+
+// send queues one batch for every subscriber whose subscriptions match
+// the topic. It never blocks: a full queue drops the message for that
+// subscriber only.
+func (s *pubSocket) send(seq uint64, payload []byte) {
+	for _, c := range *s.list.Load() {
+		if c.matches.Load() {
+			c.enqueue(pubMsg{seq: seq, payload: payload})
+		}
+	}
+}
+
+func (c *subConn) enqueue(m pubMsg) {
+	c.mu.Lock()
+	if len(c.q)+c.busy >= c.s.lim.hwm {
+		c.mu.Unlock()
+		c.s.hwmDrops.Inc()
+		return
+	}
+	c.q = append(c.q, m)
+	c.mu.Unlock()
+	select {
+	case c.notify <- struct{}{}:
+	default:
+	}
+}
+
+// writeLoop writes c's queue to its connection, a whole queue per flush.
+func (c *subConn) writeLoop() {
+	defer c.s.wg.Done()
+	defer c.s.drop(c)
+	w := bufio.NewWriterSize(deadlineWriter{c.conn, c.s.lim.sendTimeout}, 64<<10)
+	var batch []pubMsg
+	var hdr []byte
+	for {
+		select {
+		case <-c.gone:
+			return
+		case <-c.notify:
+		}
+		c.mu.Lock()
+		batch, c.q = c.q, batch[:0]
+		c.busy = len(batch)
+		c.mu.Unlock()
+		for i := range batch {
+			m := &batch[i]
+			if m.ctrl != nil {
+				_, _ = w.Write(m.ctrl)
+			} else {
+				hdr = appendFrameHeader(hdr[:0], flagMore, len(c.s.topic))
+				hdr = append(hdr, c.s.topic...)
+				hdr = appendFrameHeader(hdr, flagMore, 8)
+				hdr = binary.BigEndian.AppendUint64(hdr, m.seq)
+				hdr = appendFrameHeader(hdr, 0, len(m.payload))
+				_, _ = w.Write(hdr)
+				_, _ = w.Write(m.payload)
+			}
+			*m = pubMsg{} // let the payload go
+		}
+		err := w.Flush()
+		c.mu.Lock()
+		c.busy = 0
+		c.mu.Unlock()
+		if err != nil {
+			if !isClosedErr(err) {
+				c.s.log.Info("events: subscriber dropped", "remote", c.conn.RemoteAddr(), "err", err)
+			}
+			return
+		}
+	}
+}
+
+// readLoop takes the subscriber's subscriptions (ZMTP 3.0 messages and
+// 3.1 SUBSCRIBE/CANCEL commands) and answers PINGs, until the peer
+// breaks the protocol or leaves.
+func (c *subConn) readLoop(r *bufio.Reader) {
+	defer c.s.wg.Done()
+	defer c.s.drop(c)
+	pr := peerReader{r: r, limit: c.s.lim.maxMessage}
+	for {
+		cmd, data, frames, err := pr.next()
+		if err != nil {
+			if !isClosedErr(err) {
+				c.s.log.Info("events: subscriber closed", "remote", c.conn.RemoteAddr(), "err", err)
+			}
+			return
+		}
+		switch {
+		case cmd == "SUBSCRIBE":
+			c.subscribe(subscription{subscribe: true, topic: data})
+		case cmd == "CANCEL":
+			c.subscribe(subscription{topic: data})
+		case cmd == "PING":
+			pong, err := pingReply(nil, data)
+			if err != nil {
+				return
+			}
+			c.enqueue(pubMsg{ctrl: pong})
+		case cmd == "ERROR":
+			return
+		case cmd != "": // other commands are ignored (spec 37)
+		case len(frames) == 1:
+			if sub, ok := parseSubscriptionMessage(frames[0]); ok {
+				c.subscribe(sub)
+			}
+		}
+	}
+}
+
+// subscribe applies one subscription change. Only prefixes of the topic
+// are kept (as counts per length), so a peer cannot grow the state.
+func (c *subConn) subscribe(sub subscription) {
+	t := c.s.topic
+	if len(sub.topic) > len(t) || !bytes.HasPrefix(t, sub.topic) {
+		return
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	n := &c.counts[len(sub.topic)]
+	switch {
+	case sub.subscribe:
+		*n++
+	case *n > 0:
+		*n--
+	}
+	any := false
+	for _, k := range c.counts {
+		any = any || k > 0
+	}
+	c.matches.Store(any)
+}
+
+// subscriptions returns the topic prefixes subscribers hold.
+func (s *pubSocket) subscriptions() []string {
+	var out []string
+	for _, c := range *s.list.Load() {
+		c.mu.Lock()
+		for i, k := range c.counts {
+			if k > 0 {
+				out = append(out, string(s.topic[:i]))
+			}
+		}
+		c.mu.Unlock()
+	}
+	return out
+}
+
+// addr is the bound address (nil in connect mode).
+func (s *pubSocket) addr() net.Addr {
+	if s.ln == nil {
+		return nil
+	}
+	return s.ln.Addr()
+}
+
+// close stops accepting and dialing, closes every connection and waits
+// for every goroutine of the socket.
+func (s *pubSocket) close() error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil
+	}
+	s.closed = true
+	close(s.done)
+	conns := make([]*subConn, 0, len(s.conns))
+	for c := range s.conns {
+		conns = append(conns, c)
+	}
+	for conn := range s.shaking {
+		_ = conn.Close() // its handshake fails now, not at its deadline
+	}
+	s.mu.Unlock()
+	var err error
+	if s.ln != nil {
+		err = s.ln.Close()
+	}
+	for _, c := range conns {
+		s.drop(c)
+	}
+	s.wg.Wait()
+	return err
+}
