@@ -57,11 +57,12 @@ type core struct {
 	// hear of every lease opened (fixed when the pool is made; one field
 	// test instead of three keeps opened inlinable).
 	watchOpens bool
-	kv         *kvEventLog // nil unless WithKVEvents
-	meta       []sealMeta  // verified mode: per-slot parent
-	tokens     []int32     // verified mode: per-slot tokens, blockTokens each
-	stamp      uint32      // bumped per prefix probe
-	hook       offerer     // eviction hook (evict.go); nil without one
+	kv         *kvEventLog  // nil unless WithKVEvents
+	verified   bool         // verified mode (WithVerifiedPrefix)
+	seals      []sealRecord // per slot: how it was sealed (seal.go)
+	sealTok    []int32      // per slot: its sealed tokens, blockTokens each; made by the first SealTokens
+	stamp      uint32       // bumped per prefix probe
+	hook       offerer      // eviction hook (evict.go); nil without one
 }
 
 // NewPool makes a pool over mem: every block starts free. mem must be
@@ -85,6 +86,7 @@ func NewPool[R any](mem Memory[R], opts ...Option) (*Pool[R], error) {
 	c.cfg, c.obs = cfg, cfg.obs
 	c.watchOpens = cfg.leakCheck || cfg.obs != nil || invariants.Enabled
 	c.tab.Init(n) // every block free, the first acquire gets block 0
+	c.seals = make([]sealRecord, n)
 	c.pre = make([]prefixSlot, n)
 	c.index = newPrefixIndex(c.pre)
 	c.alertLimit = cfg.alertLimit(n)
@@ -97,8 +99,8 @@ func NewPool[R any](mem Memory[R], opts ...Option) (*Pool[R], error) {
 		if cfg.blockTokens > math.MaxInt/4/n {
 			return nil, fmt.Errorf("kvlease: verified mode for %d blocks of %d tokens overflows: %w", n, cfg.blockTokens, ErrInvalidArgument)
 		}
-		c.meta = make([]sealMeta, n)
-		c.tokens = make([]int32, n*cfg.blockTokens)
+		c.verified = true
+		c.sealTok = make([]int32, n*cfg.blockTokens)
 	}
 	return p, nil
 }

@@ -116,7 +116,7 @@ func (c *core) probeIDs(hashes []BlockHash, v *verifier, ids []int32) (int, []in
 		return 0, ids, 0
 	}
 	c.stamp++
-	if c.index.legacy == nil && c.meta == nil {
+	if c.index.legacy == nil && !c.verified {
 		return probeFlat(&c.index, c.tab.View(), c.pre, c.stamp, hashes, ids)
 	}
 	cached := 0
@@ -129,7 +129,7 @@ func (c *core) probeIDs(hashes []BlockHash, v *verifier, ids []int32) (int, []in
 		if wpins > 0 || c.pre[id].mark == c.stamp {
 			return k, ids, cached
 		}
-		if c.meta != nil && !c.verify(id, k, v) {
+		if c.verified && !c.verify(id, k, v) {
 			return k, ids, cached
 		}
 		c.pre[id].mark = c.stamp
@@ -287,7 +287,7 @@ func (p *Pool[R]) AcquirePrefixTokens(owner string, seed BlockHash, tokens []int
 		return l, 0, err
 	}
 	vp := &v
-	if p.meta == nil {
+	if !p.verified {
 		vp = nil // plain mode: the hashes are the claim
 	}
 	return p.acquire(owner, v.hashes, vp, n)
@@ -305,7 +305,7 @@ func (p *Pool[R]) CachedPrefixTokens(seed BlockHash, tokens []int32) int {
 	var buf [64]BlockHash
 	v := newVerifier(seed, tokens, bt, len(tokens), buf[:])
 	vp := &v
-	if p.meta == nil {
+	if !p.verified {
 		vp = nil
 	}
 	c := &p.core
