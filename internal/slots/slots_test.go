@@ -173,7 +173,7 @@ func fastEqualsGeneral(t *testing.T, seed uint64) {
 	}
 	for step := range 400 {
 		what := ""
-		switch op := rng.IntN(8); op {
+		switch op := rng.IntN(9); op {
 		case 0: // acquire fresh blocks
 			k := 1 + rng.IntN(5)
 			if fast.Available() < k {
@@ -327,6 +327,21 @@ func fastEqualsGeneral(t *testing.T, seed uint64) {
 			}
 			leases = append(leases, &tLease{blocks: a, open: true})
 			what = "revive"
+		case 8: // release with a pending read not pinned yet (pinned as it drops)
+			l := pick(true)
+			if l == nil {
+				continue
+			}
+			rest := fast.dropPinnedFast(l.blocks)
+			pinPending(fast.s, l.blocks[:rest], 0)
+			if i := fast.dropFast(l.blocks[:rest]); i > 0 {
+				fast.dropSlow(l.blocks[:i])
+			}
+			gen.pinGeneral(l.blocks, false)
+			gen.dropGeneral(l.blocks)
+			l.open = false
+			l.pins = append(l.pins, tPin{lo: 0, hi: len(l.blocks)})
+			what = "drop pinned"
 		case 7: // unindex a block (a reset of the cache)
 			l := pick(true)
 			if l == nil || fast.LRULen() == 0 {
