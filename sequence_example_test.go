@@ -1,0 +1,54 @@
+package kvlease_test
+
+import (
+	"fmt"
+
+	"github.com/kvlease/kvlease"
+)
+
+// A request's life as a Sequence: admission with its prefix hits, chunked
+// prefill, decode one token at a time (growth and sealing are the
+// sequence's), a speculative draft partly rolled back, release.
+func ExampleSequence() {
+	mem, _ := kvlease.NewHostMemory(64, 1024)
+	pool, _ := kvlease.NewPool[[]byte](mem, kvlease.WithBlockTokens(4))
+	seed := kvlease.BlockHash(1) // the model's namespace
+	prompt := []int32{10, 11, 12, 13, 14, 15, 16, 17, 18, 19}
+
+	first, _ := pool.NewSequence("req-1", seed, prompt)
+	for first.Computed() < first.Len() { // chunked prefill, 3 tokens a step
+		_ = first.Commit(min(3, first.Len()-first.Computed()))
+	}
+	for t := range int32(6) { // decode: each token's KV written, then handed over
+		_ = first.AppendComputed(100 + t)
+	}
+	fmt.Println("tokens", first.Len(), "blocks", first.Lease().Len(), "sealed", first.Sealed())
+	first.Release()
+
+	second, _ := pool.NewSequence("req-2", seed, prompt)
+	fmt.Println("cached tokens", second.CachedTokens())
+	_ = second.Commit(second.Len() - second.Computed())
+	_ = second.Append(7, 8, 9) // a draft of three tokens
+	_ = second.Commit(1)       // the target model accepted one
+	_ = second.Rollback(2)     // and rejected two
+	fmt.Println("tokens", second.Len(), "computed", second.Computed())
+	second.Release()
+	fmt.Println("leased", pool.Stats().Leased, "check", pool.Check())
+	// Output:
+	// tokens 16 blocks 4 sealed 4
+	// cached tokens 8
+	// tokens 11 computed 11
+	// leased 0 check <nil>
+}
+
+// Token ids from a tokenizer that uses uint32 are hashed without a copy,
+// and ids of 2³¹ or more keep their value.
+func ExampleTokensInt32() {
+	ids := []uint32{1, 2, 3000000000, 4}
+	h := kvlease.HashTokens(0, ids)
+	fmt.Println(h == kvlease.HashBlock(0, kvlease.TokensInt32(ids)))
+	fmt.Println(kvlease.TokensUint32(kvlease.TokensInt32(ids))[2])
+	// Output:
+	// true
+	// 3000000000
+}
