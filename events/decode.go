@@ -3,6 +3,7 @@ package events
 import (
 	"errors"
 	"fmt"
+	"math"
 
 	"github.com/vmihailenco/msgpack/v5"
 )
@@ -154,7 +155,10 @@ func decodeEvent(raw any) (Event, error) {
 			if err != nil {
 				return e, err
 			}
-			e.TokenIDs[i] = int32(n)
+			if n < math.MinInt32 || n > math.MaxUint32 {
+				return e, fmt.Errorf("token id %d is not a 32-bit id: %w", n, ErrMalformed)
+			}
+			e.TokenIDs[i] = int32(n) // ids ≥ 2³¹ keep their bits (kvlease.TokensUint32 reads them back)
 		}
 		if e.BlockSize, err = toInt(fields[4]); err != nil {
 			return e, err

@@ -118,7 +118,10 @@ func (b *batchEncoder) event(buf []byte, ev *wireEvent) []byte {
 		buf = key(buf, "token_ids")
 		buf = appendArrayLen(buf, len(ev.tokens))
 		for _, t := range ev.tokens {
-			buf = appendInt(buf, int64(t))
+			// Token ids are unsigned (vLLM's are non-negative; Go
+			// tokenizers and llm-d use uint32): the 4 bytes kvlease
+			// carries go on the wire as the uint32 they are.
+			buf = appendInt(buf, int64(uint32(t)))
 		}
 		buf = key(buf, "block_size")
 		buf = appendInt(buf, int64(ev.blockSize))
