@@ -52,3 +52,26 @@ func ExampleTokensInt32() {
 	// true
 	// 3000000000
 }
+
+// Tenants share a pool but never each other's prefixes: the seed comes
+// from a secret the pool holds per tenant, so a copied public salt does
+// not help.
+func ExamplePool_TenantSeed() {
+	key := make([]byte, 32) // in production: 32 bytes from crypto/rand, kept in the process
+	mem, _ := kvlease.NewHostMemory(64, 1024)
+	pool, _ := kvlease.NewPool[[]byte](mem, kvlease.WithBlockTokens(4), kvlease.WithTenantKey(key))
+	const salt = kvlease.BlockHash(42) // public: the model, a cache_salt
+	prompt := []int32{1, 2, 3, 4, 5, 6, 7, 8, 9}
+
+	alice, _ := pool.TenantSeed("alice", salt)
+	s, _ := pool.NewSequence("alice-1", alice, prompt)
+	_ = s.Commit(s.Len())
+	s.Release()
+
+	bob, _ := pool.TenantSeed("bob", salt)
+	fmt.Println("bob's hits", pool.CachedPrefixTokens(bob, prompt))
+	fmt.Println("alice's hits", pool.CachedPrefixTokens(alice, prompt))
+	// Output:
+	// bob's hits 0
+	// alice's hits 2
+}
