@@ -28,7 +28,8 @@ type completionRequest struct {
 	StreamOptions *struct {
 		IncludeUsage bool `json:"include_usage"`
 	} `json:"stream_options"`
-	IgnoreEOS bool `json:"ignore_eos"` // vLLM's extension
+	IgnoreEOS bool   `json:"ignore_eos"` // vLLM's extension
+	CacheSalt string `json:"cache_salt"` // vLLM's: a namespace within the model (public, so not isolation)
 }
 
 type usage struct {
@@ -185,8 +186,17 @@ func (s *server) completions(w http.ResponseWriter, r *http.Request) {
 	if req.Model == "" {
 		req.Model = s.e.cfg.Model
 	}
+	tenant := ""
+	if keys := s.e.cfg.APIKeys; len(keys) > 0 {
+		bearer, _ := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
+		var ok bool
+		if tenant, ok = keys[bearer]; !ok || bearer == "" {
+			writeError(w, http.StatusUnauthorized, errors.New("a valid API key is required"))
+			return
+		}
+	}
 	ctx := r.Context() // ends when the client goes away: the scheduler then aborts the request
-	rq, err := s.e.Submit(ctx, req.Model, prompt, *req.MaxTokens, req.IgnoreEOS)
+	rq, err := s.e.Submit(ctx, tenant, req.Model, req.CacheSalt, prompt, *req.MaxTokens, req.IgnoreEOS)
 	switch {
 	case errors.Is(err, errNoModel):
 		writeError(w, http.StatusNotFound, err)
@@ -279,7 +289,7 @@ func writeJSON(w http.ResponseWriter, code int, v any) {
 func writeError(w http.ResponseWriter, code int, err error) {
 	var e apiError
 	e.Error.Message = err.Error()
-	e.Error.Type = map[int]string{400: "BadRequestError", 404: "NotFoundError"}[code]
+	e.Error.Type = map[int]string{400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}[code]
 	if e.Error.Type == "" {
 		e.Error.Type = "ServiceUnavailableError"
 	}

@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"hash/fnv"
@@ -31,6 +33,12 @@ type Config struct {
 	// it decodes a token for.
 	PrefillBlockTime time.Duration
 	DecodeTokenTime  time.Duration
+	// APIKeys maps a bearer token to its tenant. When set, every request
+	// must carry one, and each tenant's prompts live in a namespace
+	// derived from a secret the pool holds (Pool.TenantSeed): tenants
+	// never hit, or time, each other's prefixes, whatever cache_salt they
+	// send. Requests of one tenant share as usual.
+	APIKeys map[string]string
 	// PoolOptions are added to the pool's (WithKVEvents for a publisher,
 	// an observer for metrics).
 	PoolOptions []kvlease.Option
@@ -65,6 +73,7 @@ type request struct {
 	ctx       context.Context // the client's: when it ends, the request is aborted
 	id        string
 	model     string
+	seed      kvlease.BlockHash // the namespace its prefix is looked up and sealed in
 	prompt    []uint32
 	maxTokens int
 	ignoreEOS bool
@@ -105,6 +114,13 @@ func NewEngine(cfg Config) (*Engine, error) {
 		return nil, err
 	}
 	opts := append([]kvlease.Option{kvlease.WithBlockTokens(cfg.BlockTokens)}, cfg.PoolOptions...)
+	if len(cfg.APIKeys) > 0 {
+		key := make([]byte, 32) // a fresh secret per process: namespaces die with the cache
+		if _, err := rand.Read(key); err != nil {
+			return nil, err
+		}
+		opts = append(opts, kvlease.WithTenantKey(key))
+	}
 	pool, err := kvlease.NewPool[[]byte](mem, opts...)
 	if err != nil {
 		return nil, err
@@ -136,15 +152,32 @@ func (e *Engine) Pool() *kvlease.Pool[[]byte] { return e.pool }
 // Submit admits a request against the envelope and queues it for the
 // scheduler. The request's tokens arrive on r.out; when ctx ends, the
 // scheduler aborts it.
-func (e *Engine) Submit(ctx context.Context, model string, prompt []uint32, maxTokens int, ignoreEOS bool) (*request, error) {
-	if _, ok := e.seeds[model]; !ok {
+//
+// The request's namespace is its model's; a cache_salt (vLLM's field)
+// makes a sub-namespace of it; a tenant (authenticated by the caller,
+// empty when tenants are off) a secret one (Pool.TenantSeed).
+func (e *Engine) Submit(ctx context.Context, tenant, model, cacheSalt string, prompt []uint32, maxTokens int, ignoreEOS bool) (*request, error) {
+	seed, ok := e.seeds[model]
+	if !ok {
 		return nil, fmt.Errorf("model %q: %w", model, errNoModel)
 	}
 	if err := e.env.Admit(len(prompt), maxTokens); err != nil {
 		return nil, err
 	}
+	if cacheSalt != "" {
+		h := fnv.New64a()
+		binary.Write(h, binary.LittleEndian, uint64(seed))
+		h.Write([]byte(cacheSalt))
+		seed = kvlease.BlockHash(h.Sum64())
+	}
+	if tenant != "" {
+		var err error
+		if seed, err = e.pool.TenantSeed(tenant, seed); err != nil {
+			return nil, err
+		}
+	}
 	r := &request{
-		ctx: ctx, id: fmt.Sprintf("cmpl-%d", e.ids.Add(1)), model: model,
+		ctx: ctx, id: fmt.Sprintf("cmpl-%d", e.ids.Add(1)), model: model, seed: seed,
 		prompt: prompt, maxTokens: maxTokens, ignoreEOS: ignoreEOS,
 		out: make(chan output, maxTokens+1),
 	}
@@ -246,7 +279,7 @@ func (e *Engine) admit(waiting *[]*request, running []*request) []*request {
 		if e.pool.Available()-reserved < need {
 			break
 		}
-		seq, err := e.pool.NewSequence(r.id, e.seeds[r.model], kvlease.TokensInt32(r.prompt))
+		seq, err := e.pool.NewSequence(r.id, r.seed, kvlease.TokensInt32(r.prompt))
 		if errors.Is(err, kvlease.ErrExhausted) {
 			break
 		}

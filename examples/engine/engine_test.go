@@ -493,3 +493,64 @@ func FuzzParseCompletion(f *testing.F) {
 		}
 	})
 }
+
+// TestTenants: with API keys, two tenants sending the same prompt with
+// the same public cache_salt never hit each other's blocks; one tenant's
+// second request hits its first's. Keys come from a private file only.
+func TestTenants(t *testing.T) {
+	dir := t.TempDir()
+	path := dir + "/keys"
+	if err := os.WriteFile(path, []byte("# key=tenant\nk-alice=alice\nk-bob = bob\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	o, err := parseFlags([]string{"-api-keys", path, "-addr", "127.0.0.1:0"}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	o.cfg.PrefillBlockTime, o.cfg.DecodeTokenTime = 0, 0
+	a := startTest(t, o)
+	base := "http://" + a.addr.String()
+	post := func(key string) (result, error) {
+		b, _ := json.Marshal(map[string]any{"prompt": strings.Repeat("w9 ", 50), "max_tokens": 1, "cache_salt": "public"})
+		req, _ := http.NewRequest("POST", base+"/v1/completions", bytes.NewReader(b))
+		if key != "" {
+			req.Header.Set("Authorization", "Bearer "+key)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			return result{}, err
+		}
+		defer resp.Body.Close()
+		res := result{status: resp.StatusCode}
+		return res, json.NewDecoder(resp.Body).Decode(&res.body)
+	}
+	cached := func(key string) int {
+		t.Helper()
+		res, err := post(key)
+		if err != nil || res.status != 200 {
+			t.Fatalf("%s: %v %d", key, err, res.status)
+		}
+		return res.body.Usage.PromptTokensDetails.CachedTokens
+	}
+	if n := cached("k-alice"); n != 0 {
+		t.Fatalf("alice's first request hit %d", n)
+	}
+	if n := cached("k-bob"); n != 0 {
+		t.Fatalf("bob hit %d tokens of alice's prompt with her cache_salt", n)
+	}
+	if n := cached("k-alice"); n != 48 {
+		t.Fatalf("alice's second request: %d cached, want 48", n)
+	}
+	for _, key := range []string{"", "k-eve"} {
+		if res, _ := post(key); res.status != http.StatusUnauthorized {
+			t.Fatalf("key %q: status %d", key, res.status)
+		}
+	}
+	// Keys in a file others can read are refused.
+	if err := os.Chmod(path, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := parseFlags([]string{"-api-keys", path}, io.Discard); err == nil {
+		t.Fatal("a world-readable key file was accepted")
+	}
+}

@@ -21,6 +21,10 @@
 //     chunked prefill and a reservation of each running request's growth.
 //   - the client's context: when it goes away, the scheduler aborts the
 //     request's lease at the next step; its sealed blocks stay cached.
+//   - tenants (-api-keys FILE): a bearer key names a tenant, and
+//     Pool.TenantSeed derives the tenant's namespace from a secret the
+//     pool holds: tenants never hit or time each other's prefixes, even
+//     with the same cache_salt.
 //   - events.Publisher (-events): KV events for a cache-aware router.
 //   - metrics.Collector (/metrics, and -metrics for a second listener):
 //     per-state block gauges and vLLM's names for a scheduler that scores
@@ -79,6 +83,7 @@ func parseFlags(args []string, out io.Writer) (options, error) {
 	fs.IntVar(&o.cfg.PrefillChunk, "prefill-chunk", 512, "prompt tokens one request prefills per step")
 	fs.DurationVar(&o.cfg.PrefillBlockTime, "prefill-block-time", 100*time.Microsecond, "simulated time to prefill one block")
 	fs.DurationVar(&o.cfg.DecodeTokenTime, "decode-token-time", 200*time.Microsecond, "simulated time to decode one token of one request")
+	keysFile := fs.String("api-keys", "", "a file of KEY=TENANT lines, private to its user: requests need a bearer key and each tenant's prefixes are isolated (empty: open, one namespace per model)")
 	fs.DurationVar(&o.duration, "duration", 0, "exit after this long (0: run until interrupted)")
 	if err := fs.Parse(args); err != nil {
 		return o, err
@@ -88,7 +93,47 @@ func parseFlags(args []string, out io.Writer) (options, error) {
 			o.cfg.Adapters = append(o.cfg.Adapters, a)
 		}
 	}
+	if *keysFile != "" {
+		keys, err := readAPIKeys(*keysFile)
+		if err != nil {
+			return o, err
+		}
+		o.cfg.APIKeys = keys
+	}
 	return o, nil
+}
+
+// readAPIKeys reads KEY=TENANT lines (blank lines and # comments
+// skipped). Keys are secrets: they never go on a command line, and the
+// file must not be readable by anyone but its owner.
+func readAPIKeys(path string) (map[string]string, error) {
+	fi, err := os.Stat(path)
+	if err != nil {
+		return nil, err
+	}
+	if fi.Mode().Perm()&0o077 != 0 {
+		return nil, fmt.Errorf("-api-keys %s: mode %v lets others read the keys; chmod 600 it", path, fi.Mode().Perm())
+	}
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	keys := map[string]string{}
+	for i, line := range strings.Split(string(data), "\n") {
+		line = strings.TrimSpace(line)
+		if line == "" || strings.HasPrefix(line, "#") {
+			continue
+		}
+		k, t, ok := strings.Cut(line, "=")
+		if k, t = strings.TrimSpace(k), strings.TrimSpace(t); !ok || k == "" || t == "" {
+			return nil, fmt.Errorf("-api-keys %s:%d: not KEY=TENANT", path, i+1)
+		}
+		keys[k] = t
+	}
+	if len(keys) == 0 {
+		return nil, fmt.Errorf("-api-keys %s: no keys", path)
+	}
+	return keys, nil
 }
 
 // app is a running engine with its listeners.
