@@ -75,3 +75,36 @@ func BenchmarkSequenceDecode(b *testing.B) {
 	b.ReportMetric(float64(spent[0].Nanoseconds())/tokens, "glue-ns/token")
 	b.ReportMetric(float64(b.Elapsed())/float64(spent[0]), "x-glue")
 }
+
+// BenchmarkAdmitPrefix4096 admits a 4,096-token prompt whose every block
+// but the last token's is cached (NewSequence: hash the prompt once, look
+// it up, lease 255 hits and a fresh block) and releases it, next to
+// ChainHashes of the same prompt alone, interleaved in the same run
+// (issue 24: the admission cost printed next to the hashing it cannot
+// avoid). TestSequenceHashesOnce counts the hashing.
+func BenchmarkAdmitPrefix4096(b *testing.B) {
+	const bt = 16
+	p := seqPool(b, 1024, WithBlockTokens(bt))
+	prompt := seqTokens(4096, 11)
+	warm, err := p.NewSequence("warm", 3, prompt)
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := warm.Commit(warm.Len()); err != nil {
+		b.Fatal(err)
+	}
+	warm.Release()
+	var sink BlockHash
+	op := func() {
+		s, err := p.NewSequence("req", 3, prompt)
+		if err != nil || s.Hits() != 255 {
+			b.Fatalf("hits %d: %v", s.Hits(), err)
+		}
+		s.Release()
+	}
+	chain := func() { sink += ChainHashes(3, prompt, bt)[255] }
+	b.ReportAllocs()
+	spent := interleave(b, op, chain)
+	reportRatio(b, "chain", spent[0])
+	_ = sink
+}
