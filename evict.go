@@ -1,6 +1,8 @@
 package kvlease
 
-import "fmt"
+import (
+	"fmt"
+)
 
 // EvictOwner is the owner of the leases an eviction hook receives.
 const EvictOwner = "kvlease/evict"
@@ -50,7 +52,7 @@ type offerer interface {
 	// offerVictims offers what the cache can spare before the evicting
 	// fill takes its next victim (see core.offerVictim). Called with c.mu
 	// held; it must not call out. It takes and returns the operation's
-	// event list rather than a pointer to its events, which an interface
+	// outbox list rather than a pointer to its outbox, which an interface
 	// call would move to the heap on every acquire and release.
 	offerVictims(need int, list []observed) []observed
 }
@@ -61,8 +63,8 @@ type evictHook[R any] struct {
 }
 
 // evictBatch collects the blocks one operation offers. It is delivered as
-// one of the operation's events, so the hook runs wherever the operation
-// flushes its events: after every lock is released.
+// an entry of the operation's outbox, so the hook runs wherever the operation
+// flushes its outbox: after every lock is released.
 type evictBatch[R any] struct {
 	h      *evictHook[R]
 	refs   []BlockRef
@@ -73,7 +75,7 @@ type evictBatch[R any] struct {
 // offerVictim runs before a fill evicts a victim for itself, need being
 // the blocks the fill still has to hand out (this one included). Called
 // from takeFresh with c.mu held, the free stack empty.
-func (c *core) offerVictim(need int, ev *events) { ev.list = c.hook.offerVictims(need, ev.list) }
+func (c *core) offerVictim(need int, ev *outbox) { ev.list = c.hook.offerVictims(need, ev.list) }
 
 // offerVictims offers the least recently used cached blocks, as long as
 // the cache keeps enough for the fill (more than need) and the operation
@@ -82,7 +84,7 @@ func (c *core) offerVictim(need int, ev *events) { ev.list = c.hook.offerVictims
 // a chain evicted from its end reaches the next tier whole, then takes
 // the next need victims.
 func (h *evictHook[R]) offerVictims(need int, list []observed) []observed {
-	ev := &events{list: list}
+	ev := &outbox{list: list}
 	c := &h.p.core
 	var b *evictBatch[R]
 	for i := len(ev.list) - 1; i >= 0; i-- {
@@ -107,7 +109,7 @@ func (h *evictHook[R]) offerVictims(need int, list []observed) []observed {
 
 // offerHead moves the least recently used cached block into batch b
 // (made and queued on ev when nil) and returns b. Called with c.mu held.
-func (h *evictHook[R]) offerHead(b *evictBatch[R], ev *events) *evictBatch[R] {
+func (h *evictHook[R]) offerHead(b *evictBatch[R], ev *outbox) *evictBatch[R] {
 	c := &h.p.core
 	id := c.lruHead
 	c.lruRemove(id)
@@ -142,7 +144,7 @@ func (h *evictHook[R]) offerHead(b *evictBatch[R], ev *events) *evictBatch[R] {
 // caller's goroutine, with no lock held.
 func (p *Pool[R]) OfferCached(k int) int {
 	c := &p.core
-	var ev events
+	var ev outbox
 	c.mu.Lock()
 	h, _ := c.hook.(*evictHook[R])
 	n := 0
@@ -158,11 +160,11 @@ func (p *Pool[R]) OfferCached(k int) int {
 }
 
 // Observe delivers the batch: the held blocks become an open lease, handed
-// to the hook. Called by events.flush with no lock held.
+// to the hook. Called by outbox.flush with no lock held.
 func (b *evictBatch[R]) Observe(Event) {
 	p := b.h.p
 	c := &p.core
-	var ev events
+	var ev outbox
 	c.mu.Lock()
 	l := p.newLease(EvictOwner, len(b.refs))
 	copy(l.ls.blocks, b.refs)
@@ -184,7 +186,7 @@ func (p *Pool[R]) AcquireHits(owner string, hashes []BlockHash) (*Lease[R], erro
 	if owner == "" {
 		return nil, c.reject(owner, len(hashes), fmt.Errorf("kvlease: acquire hits: empty owner: %w", ErrInvalidArgument))
 	}
-	var ev events
+	var ev outbox
 	c.mu.Lock()
 	if c.closed.Load() {
 		c.mu.Unlock()
@@ -211,4 +213,21 @@ func (p *Pool[R]) AcquireHits(owner string, hashes []BlockHash) (*Lease[R], erro
 	c.mu.Unlock()
 	ev.flush()
 	return l, nil
+}
+
+// evict takes a cached block out of the prefix index: its content is
+// forfeit. Called with c.mu held, the block already off the LRU.
+func (c *core) evict(id BlockID) {
+	p := &c.pre[id]
+	c.index.remove(p.hash, id)
+	if c.kv != nil {
+		c.kv.removed(p.hash)
+	}
+	// unseal, with the slot's flags cleared at once.
+	s := &c.slots[id]
+	s.index, s.sealed, p.hash = false, false, 0
+	if c.meta != nil {
+		c.meta[id] = sealMeta{}
+	}
+	c.stats.evictions++
 }

@@ -134,7 +134,7 @@ func (t *Transfer) gateAt(i int) gateRef {
 // quarantine). When Resolve returns, every block it gated that nobody else
 // holds is back in its pool.
 func (t *Transfer) Resolve(err error) bool {
-	var ev events
+	var ev outbox
 	t.mu.Lock()
 	next, ok := t.state.Load().next(evResolve)
 	if !ok {
@@ -166,7 +166,7 @@ func (t *Transfer) Quarantine(reason error) {
 	if reason == nil {
 		reason = ErrQuarantined
 	}
-	var ev events
+	var ev outbox
 	t.mu.Lock()
 	next, ok := t.state.Load().next(evQuarantine)
 	if !ok {
@@ -182,7 +182,7 @@ func (t *Transfer) Quarantine(reason error) {
 
 // applyAll brings every attachment to state to, pool by pool. Called with
 // t.mu held; takes each pool's lock in turn (lock order: transfer, pool).
-func (t *Transfer) applyAll(to TransferState, ev *events) {
+func (t *Transfer) applyAll(to TransferState, ev *outbox) {
 	var locked *core
 	for i := 0; i < t.ngates; i++ {
 		g := t.gateAt(i)

@@ -76,7 +76,7 @@ func (l *Lease[R]) Trimmed() int {
 func (l *Lease[R]) TrimTo(i int) error {
 	ls := &l.ls
 	c := ls.c
-	var ev events
+	var ev outbox
 	c.mu.Lock()
 	switch {
 	case ls.closed:

@@ -4,170 +4,6 @@ import (
 	"fmt"
 )
 
-// Seal declares block i full and immutable from now on, findable by h for
-// prefix hits once nobody references it (and while they do). If another
-// block is already findable by h, Seal still returns nil: the existing
-// block stays findable and this one is sealed but private (counted in
-// Stats.DuplicateSeals and reported as EventDuplicateSeal; once
-// unreferenced it is free, not cached). Sealing again with the same hash is
-// a no-op.
-//
-// Errors wrap ErrLeaseClosed after Release or Abort, and
-// ErrInvalidArgument for an i outside the lease, a block with a pending or
-// quarantined write (its content is not known), or a block already sealed
-// with a different hash.
-func (l *Lease[R]) Seal(i int, h BlockHash) error {
-	return l.ls.seal(i, h, nil)
-}
-
-// sealTokens carries what verified mode records: the parent hash and the
-// block's tokens; chain overrides where its KV event places the block in
-// its chain (SealChained).
-type sealTokens struct {
-	parent BlockHash
-	tokens []int32
-	chain  chainPlace
-}
-
-// chainPlace says where a sealed block sits in its chain, for its KV event.
-type chainPlace uint8
-
-const (
-	chainByLease  chainPlace = iota // block 0 of the lease starts a chain, later blocks follow parent
-	chainChild                      // parent is a block: the event names it, whatever i is
-	chainStartAny                   // the chain's first block: no parent, whatever i is
-)
-
-func (l *lease) seal(i int, h BlockHash, st *sealTokens) error {
-	c := l.c
-	var ev events
-	c.mu.Lock()
-	err := l.sealLocked(i, h, st, &ev)
-	c.mu.Unlock()
-	ev.flush()
-	return err
-}
-
-func (l *lease) sealLocked(i int, h BlockHash, st *sealTokens, ev *events) error {
-	c := l.c
-	if l.closed {
-		return fmt.Errorf("kvlease: seal block %d of lease %d (%s): %w", i, l.id, l.owner, ErrLeaseClosed)
-	}
-	if i < l.first() || i >= len(l.blocks) {
-		return fmt.Errorf("kvlease: seal block %d of lease %d (%s) with %d blocks: %w", i, l.id, l.owner, len(l.blocks), ErrInvalidArgument)
-	}
-	id := l.blocks[i].ID
-	s := &c.slots[id]
-	if s.sealed {
-		if old := c.pre[id].hash; old != h {
-			return fmt.Errorf("kvlease: seal block %d of lease %d (%s) with hash %016x: already sealed with %016x: %w",
-				i, l.id, l.owner, uint64(h), uint64(old), ErrInvalidArgument)
-		}
-		return nil
-	}
-	if s.wpins > 0 {
-		return fmt.Errorf("kvlease: seal block %d of lease %d (%s): a transfer is still writing it: %w",
-			i, l.id, l.owner, ErrInvalidArgument)
-	}
-	if st != nil || c.meta != nil { // (a plain Seal on a plain pool has nothing to check)
-		if err := c.checkSealTokens(st); err != nil {
-			return fmt.Errorf("kvlease: seal block %d of lease %d (%s): %w", i, l.id, l.owner, err)
-		}
-	}
-	s.sealed, c.pre[id].hash = true, h
-	c.recordSeal(id, st)
-	if !c.index.insert(h, id) {
-		c.stats.duplicateSeals++
-		if c.obs != nil {
-			ev.add(c.obs, Event{Kind: EventDuplicateSeal, Owner: l.owner, Lease: l.id, Blocks: 1})
-		}
-		return nil
-	}
-	s.index = true
-	if c.kv != nil {
-		c.kv.sealed(c, l, i, id, h, st)
-	}
-	return nil
-}
-
-// SealTokens seals block i with the hash of its tokens under parent (the
-// previous block's hash, or the namespace seed for the first block) and
-// returns that hash. It is Seal with the hash computed for you, and the
-// only way to seal in verified mode (WithVerifiedPrefix), where the pool
-// keeps parent and tokens to check every later hit against. In every mode
-// tokens must be exactly one full block (the configured block tokens): a
-// partial block is never sealed (its KV will still grow), and a pool
-// without WithBlockTokens or WithVerifiedPrefix refuses SealTokens. Both
-// wrap ErrInvalidArgument; other errors as Seal.
-func (l *Lease[R]) SealTokens(i int, parent BlockHash, tokens []int32) (BlockHash, error) {
-	h := HashBlock(parent, tokens)
-	return h, l.ls.seal(i, h, &sealTokens{parent: parent, tokens: tokens})
-}
-
-// SealChained is SealTokens for a block whose place in its chain is not
-// its place in the lease, such as a lower tier's copy of a block (a tiered
-// cache offloads blocks of many chains in one lease). hasParent says
-// whether parent is a block, so that the block's KV event names it as the
-// parent even for block 0 of the lease, or the namespace seed (the block
-// starts its chain: the event names no parent, even for a later block of
-// the lease). The hash, the checks and the errors are SealTokens'.
-func (l *Lease[R]) SealChained(i int, parent BlockHash, hasParent bool, tokens []int32) (BlockHash, error) {
-	h := HashBlock(parent, tokens)
-	place := chainStartAny
-	if hasParent {
-		place = chainChild
-	}
-	return h, l.ls.seal(i, h, &sealTokens{parent: parent, tokens: tokens, chain: place})
-}
-
-// Share returns a second lease, owned by owner, over the first n blocks of
-// this one: the same slots at the same generations, reference counted, for
-// parallel sampling and beam search. Every shared block must be sealed
-// (shared content must be immutable): a block still being written is
-// refused with ErrInvalidArgument, as is an n outside [1, Len()]. The new
-// lease is independent: it may Extend with fresh blocks and is released on
-// its own. Errors also wrap ErrLeaseClosed and ErrPoolClosed.
-func (l *Lease[R]) Share(owner string, n int) (*Lease[R], error) {
-	ls := &l.ls
-	c := ls.c
-	if owner == "" {
-		return nil, fmt.Errorf("kvlease: share lease %d (%s): empty owner: %w", ls.id, ls.owner, ErrInvalidArgument)
-	}
-	var ev events
-	c.mu.Lock()
-	var err error
-	switch {
-	case ls.closed:
-		err = fmt.Errorf("kvlease: share lease %d (%s): %w", ls.id, ls.owner, ErrLeaseClosed)
-	case c.closed.Load():
-		err = fmt.Errorf("kvlease: share lease %d (%s): %w", ls.id, ls.owner, ErrPoolClosed)
-	case n <= 0 || n > len(ls.blocks) || ls.first() > 0:
-		err = fmt.Errorf("kvlease: share %d blocks of lease %d (%s) with %d blocks: %w", n, ls.id, ls.owner, len(ls.blocks), ErrInvalidArgument)
-	default:
-		for i, r := range ls.blocks[:n] {
-			if !c.slots[r.ID].sealed {
-				err = fmt.Errorf("kvlease: share block %d of lease %d (%s): not sealed, its content may still change: %w",
-					i, ls.id, ls.owner, ErrInvalidArgument)
-				break
-			}
-		}
-	}
-	if err != nil {
-		c.mu.Unlock()
-		return nil, err
-	}
-	nl := l.p.newLease(owner, n)
-	for _, r := range ls.blocks[:n] {
-		c.slots[r.ID].refs++
-		c.settleSlot(r.ID)
-	}
-	copy(nl.ls.blocks, ls.blocks[:n])
-	c.opened(&nl.ls, n, &ev)
-	c.mu.Unlock()
-	ev.flush()
-	return nl, nil
-}
-
 // ResetMode says what ResetCache makes unfindable.
 type ResetMode uint8
 
@@ -355,7 +191,7 @@ func probeFlat(x *prefixIndex, slots []slot, pre []prefixSlot, stamp uint32, has
 
 // fillPrefix fills l with n blocks: the cached prefix of hashes, then
 // fresh ones. All or nothing. Called with c.mu held.
-func (c *core) fillPrefix(l *lease, hashes []BlockHash, n int, v *verifier, ev *events) (int, error) {
+func (c *core) fillPrefix(l *lease, hashes []BlockHash, n int, v *verifier, ev *outbox) (int, error) {
 	if len(hashes) > n {
 		hashes = hashes[:n]
 	}
@@ -459,28 +295,53 @@ func (c *core) hitID(ids []BlockID, hashes []BlockHash, k int) BlockID {
 	return id
 }
 
-// evict takes a cached block out of the prefix index: its content is
-// forfeit. Called with c.mu held, the block already off the LRU.
-func (c *core) evict(id BlockID) {
-	p := &c.pre[id]
-	c.index.remove(p.hash, id)
-	if c.kv != nil {
-		c.kv.removed(p.hash)
+// AcquirePrefixTokens is AcquirePrefix for a prompt given as tokens under
+// the namespace seed: it chains the hashes of the prompt's full blocks
+// itself and, in verified mode, checks every hit's parent and tokens, so a
+// hash collision is a miss, never someone else's KV.
+//
+// It never hits the block that holds the prompt's last token (vLLM's
+// rule): a prompt of k full blocks gets at most k-1 hits, so the engine
+// recomputes that token into a fresh, private block it may write. With
+// len(tokens) ≤ block tokens nothing can hit. The pool needs
+// WithBlockTokens or WithVerifiedPrefix; otherwise the error wraps
+// ErrInvalidArgument. Other errors as AcquirePrefix.
+func (p *Pool[R]) AcquirePrefixTokens(owner string, seed BlockHash, tokens []int32, n int) (*Lease[R], int, error) {
+	bt := p.cfg.blockTokens
+	if bt == 0 {
+		err := fmt.Errorf("kvlease: AcquirePrefixTokens needs WithBlockTokens or WithVerifiedPrefix: %w", ErrInvalidArgument)
+		return nil, 0, p.reject(owner, n, err)
 	}
-	// unseal, with the slot's flags cleared at once.
-	s := &c.slots[id]
-	s.index, s.sealed, p.hash = false, false, 0
-	if c.meta != nil {
-		c.meta[id] = sealMeta{}
+	var buf [64]BlockHash
+	v := newVerifier(seed, tokens, bt, max(n, 0), buf[:])
+	if len(v.hashes) == 0 {
+		l, err := p.Acquire(owner, n)
+		return l, 0, err
 	}
-	c.stats.evictions++
+	vp := &v
+	if p.meta == nil {
+		vp = nil // plain mode: the hashes are the claim
+	}
+	return p.acquire(owner, v.hashes, vp, n)
 }
 
-// unseal forgets a slot's sealed content: it is leaving the cache for the
-// free list or being evicted. Called with c.mu held.
-func (c *core) unseal(id BlockID) {
-	c.slots[id].sealed, c.pre[id].hash = false, 0
-	if c.meta != nil {
-		c.meta[id] = sealMeta{}
+// CachedPrefixTokens is CachedPrefix for a prompt given as tokens, verified
+// in verified mode, under AcquirePrefixTokens' rule: the block holding the
+// prompt's last token never counts. It returns 0 when the pool has no
+// block size.
+func (p *Pool[R]) CachedPrefixTokens(seed BlockHash, tokens []int32) int {
+	bt := p.cfg.blockTokens
+	if bt == 0 {
+		return 0
 	}
+	var buf [64]BlockHash
+	v := newVerifier(seed, tokens, bt, len(tokens), buf[:])
+	vp := &v
+	if p.meta == nil {
+		vp = nil
+	}
+	c := &p.core
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.probe(v.hashes, vp)
 }
