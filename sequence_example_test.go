@@ -75,3 +75,16 @@ func ExamplePool_TenantSeed() {
 	// bob's hits 0
 	// alice's hits 2
 }
+
+// InUse is what running requests hold, whatever state the blocks count in.
+func ExampleStats_InUse() {
+	mem, _ := kvlease.NewHostMemory(8, 64)
+	pool, _ := kvlease.NewPool[[]byte](mem)
+	lease, _ := pool.Acquire("req-1", 3)
+	fmt.Println("in use", pool.Stats().InUse())
+	lease.Release()
+	fmt.Println("in use", pool.Stats().InUse())
+	// Output:
+	// in use 3
+	// in use 0
+}
