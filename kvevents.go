@@ -66,6 +66,13 @@ type KVEvent struct {
 	HasParent       bool      // stored: ParentBlockHash is known (false for the first block of a chain)
 	TokenIDs        []int32   // stored via SealTokens: a copy of the block's tokens
 	BlockSize       int       // stored: tokens per block (WithBlockTokens), 0 if not configured
+	// Stored: the adapter of the lease that sealed the block
+	// (Lease.SetAdapter); LoraName "" means the base model.
+	LoraID   int
+	LoraName string
+	// Stored: the block's extra keys (mixed into its hash), nil if none.
+	// Shared, read only.
+	ExtraKeys []string
 }
 
 // WithKVEvents turns on KV events with a ring of buffer events (1 to 2²⁴).
