@@ -2,6 +2,7 @@ package kvlease
 
 import (
 	"encoding/binary"
+	"fmt"
 
 	"github.com/cespare/xxhash/v2"
 )
@@ -73,4 +74,41 @@ func blockExtras(dst []string, spans []ExtraKey, k, bt int) []string {
 		}
 	}
 	return dst
+}
+
+// WithHasher makes h the pool's block hash function: SealTokens,
+// SealChained, AcquirePrefixTokens, CachedPrefixTokens and sequences hash
+// with it, and Pool.HashBlock returns its hashes for callers that compute
+// chains themselves (AcquirePrefix). Without it the pool uses
+// HashBlockExtra. A nil h is refused (ErrInvalidArgument), as are two
+// hashers.
+func WithHasher(h Hasher) Option {
+	return newOption("WithHasher", func(c *config) error {
+		if h == nil {
+			return fmt.Errorf("kvlease: WithHasher(nil): %w", ErrInvalidArgument)
+		}
+		if err := c.claim("hasher", false); err != nil {
+			return err
+		}
+		c.hasher = h
+		return nil
+	})
+}
+
+// HashBlock returns the pool's hash of a block: its Hasher's (WithHasher)
+// or HashBlockExtra's.
+func (p *Pool[R]) HashBlock(parent BlockHash, tokens []int32, extra []string) BlockHash {
+	return p.hashBlock(parent, tokens, extra)
+}
+
+// hashBlock is every hash the pool computes.
+func (c *core) hashBlock(parent BlockHash, tokens []int32, extra []string) BlockHash {
+	if c.cfg.hasher != nil {
+		return c.cfg.hasher(parent, tokens, extra)
+	}
+	h := hashInto(parent, tokens)
+	if len(extra) > 0 {
+		h = mixExtra(h, extra)
+	}
+	return h
 }

@@ -41,6 +41,7 @@ type config struct {
 	blockTokens  int
 	kvEvents     int
 	tenantKey    []byte  // WithTenantKey: the root of every tenant's secret
+	hasher       Hasher  // WithHasher; nil: HashBlockExtra
 	alert        bool    // WithQuarantineAlert given
 	alertShare   float64 // alert when quarantined blocks exceed this share
 	setBy        map[string]string

@@ -92,7 +92,7 @@ func (l *lease) sealLocked(i int, h BlockHash, st *sealTokens, ev *outbox) error
 
 // SealTokens seals block i with the hash of its tokens under parent (the
 // previous block's hash, or the namespace seed for the first block) and
-// returns that hash. It is Seal with the hash computed for you, and the
+// returns that hash: HashBlock's, or the pool's Hasher (WithHasher). It is Seal with the hash computed for you, and the
 // only way to seal in verified mode (WithVerifiedPrefix), where the pool
 // keeps parent and tokens to check every later hit against. In every mode
 // tokens must be exactly one full block (the configured block tokens): a
@@ -100,7 +100,7 @@ func (l *lease) sealLocked(i int, h BlockHash, st *sealTokens, ev *outbox) error
 // without WithBlockTokens or WithVerifiedPrefix refuses SealTokens. Both
 // wrap ErrInvalidArgument; other errors as Seal.
 func (l *Lease[R]) SealTokens(i int, parent BlockHash, tokens []int32) (BlockHash, error) {
-	h := HashBlock(parent, tokens)
+	h := l.ls.c.hashBlock(parent, tokens, nil)
 	return h, l.ls.seal(i, h, &sealTokens{parent: parent, tokens: tokens})
 }
 
@@ -112,7 +112,7 @@ func (l *Lease[R]) SealTokens(i int, parent BlockHash, tokens []int32) (BlockHas
 // starts its chain: the event names no parent, even for a later block of
 // the lease). The hash, the checks and the errors are SealTokens'.
 func (l *Lease[R]) SealChained(i int, parent BlockHash, hasParent bool, tokens []int32) (BlockHash, error) {
-	h := HashBlock(parent, tokens)
+	h := l.ls.c.hashBlock(parent, tokens, nil)
 	place := chainStartAny
 	if hasParent {
 		place = chainChild

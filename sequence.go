@@ -83,7 +83,7 @@ func (p *Pool[R]) NewSequence(owner string, seed BlockHash, prompt []int32) (*Se
 	s.hashes = make([]BlockHash, full, n+1)
 	parent := seed
 	for k := range full {
-		parent = hashInto(parent, s.tokens[k*bt:(k+1)*bt])
+		parent = p.hashBlock(parent, s.tokens[k*bt:(k+1)*bt], nil)
 		s.hashes[k] = parent
 	}
 	var (
@@ -204,7 +204,7 @@ func (s *Sequence[R]) Commit(n int) error {
 		if k < len(s.hashes) {
 			h = s.hashes[k] // a prompt block: hashed at admission
 		} else {
-			h = hashInto(parent, toks)
+			h = s.l.ls.c.hashBlock(parent, toks, nil)
 		}
 		st := sealTokens{parent: parent, tokens: toks}
 		if err := s.l.ls.seal(k, h, &st); err != nil {

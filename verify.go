@@ -106,12 +106,12 @@ func hitBlocks(ntokens, bt int) int {
 
 // newVerifier chains the hashes of the full blocks of tokens (at most
 // limit blocks) into buf's storage when it fits.
-func newVerifier(seed BlockHash, tokens []int32, bt, limit int, buf []BlockHash) verifier {
+func (c *core) newVerifier(seed BlockHash, tokens []int32, bt, limit int, buf []BlockHash) verifier {
 	n := min(hitBlocks(len(tokens), bt), limit)
 	hashes := buf[:0]
 	parent := seed
 	for k := range n {
-		parent = hashInto(parent, tokens[k*bt:(k+1)*bt])
+		parent = c.hashBlock(parent, tokens[k*bt:(k+1)*bt], nil)
 		hashes = append(hashes, parent)
 	}
 	return verifier{seed: seed, hashes: hashes, tokens: tokens, blockTokens: bt}
