@@ -125,6 +125,8 @@ type kvBlockRecord struct {
 	hash, parent BlockHash
 	hasParent    bool
 	hasTokens    bool // its tokens are in slotTok
+	adapter      Adapter
+	extra        []string
 }
 
 func newKVEventLog(n int) *kvEventLog {
@@ -182,9 +184,14 @@ func (k *kvEventLog) sealed(c *core, l *lease, i int, id BlockID, h BlockHash, s
 		k.spareTok = make([]int32, len(k.ring)*k.bt)
 		k.slotTok = make([]int32, len(c.slots)*k.bt)
 	}
-	k.blocks[id] = kvBlockRecord{hash: h, parent: parent, hasParent: hasParent, hasTokens: hasTokens}
+	var extra []string
+	if st != nil {
+		extra = st.extra
+	}
+	a := l.adapter()
+	k.blocks[id] = kvBlockRecord{hash: h, parent: parent, hasParent: hasParent, hasTokens: hasTokens, adapter: a, extra: extra}
 	e := KVEvent{Kind: KVBlockStored, BlockHash: h, ParentBlockHash: parent, HasParent: hasParent,
-		BlockSize: c.cfg.blockTokens}
+		BlockSize: c.cfg.blockTokens, LoraID: a.ID, LoraName: a.Name, ExtraKeys: extra}
 	if hasTokens {
 		copy(k.slotTok[int(id)*k.bt:], tokens)
 		if k.n < len(k.ring) { // else push drops it
@@ -337,7 +344,8 @@ func (p *Pool[R]) SnapshotKVBlocks(dst []KVEvent) (seq uint64, blocks []KVEvent)
 				tokens = tok[lo:len(tok):len(tok)]
 			}
 			dst = append(dst, KVEvent{Kind: KVBlockStored, BlockHash: r.hash, ParentBlockHash: r.parent,
-				HasParent: r.hasParent, TokenIDs: tokens, BlockSize: c.cfg.blockTokens})
+				HasParent: r.hasParent, TokenIDs: tokens, BlockSize: c.cfg.blockTokens,
+				LoraID: r.adapter.ID, LoraName: r.adapter.Name, ExtraKeys: r.extra})
 		}
 		stack = stack[:0]
 	}

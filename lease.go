@@ -70,8 +70,9 @@ type leaseExtra struct {
 	settled chan struct{} // made on demand by Settled
 	timer   *time.Timer   // drain deadline
 	leak    runtime.Cleanup
-	watched bool // leak is registered
-	trimmed int  // blocks before this index were given back by TrimTo (trim.go)
+	watched bool    // leak is registered
+	trimmed int     // blocks before this index were given back by TrimTo (trim.go)
+	tag     Adapter // SetAdapter (adapter.go)
 }
 
 func (l *lease) ext() *leaseExtra {

@@ -20,13 +20,14 @@ func (l *Lease[R]) Seal(i int, h BlockHash) error {
 	return l.ls.seal(i, h, nil)
 }
 
-// sealTokens carries what verified mode records: the parent hash and the
-// block's tokens; chain overrides where its KV event places the block in
+// sealTokens carries what verified mode records: the parent hash, the
+// block's tokens and its extra keys; chain overrides where its KV event places the block in
 // its chain (SealChained).
 type sealTokens struct {
 	parent BlockHash
 	tokens []int32
 	chain  chainPlace
+	extra  []string // the block's extra keys (mixed into its hash), owned by the seal from now on
 }
 
 // chainPlace says where a sealed block sits in its chain, for its KV event.

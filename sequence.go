@@ -53,6 +53,25 @@ type Sequence[R any] struct {
 	sealed    int         // blocks 0..sealed-1 are sealed: always computed/bt
 	hits      int         // prefix-hit blocks at admission
 	promptLen int
+	spans     []ExtraKey // extra keys over token ranges (SequenceSpec.Extra)
+	nblocks   int        // the lease's length: only the sequence grows it (Lease.Len takes the pool's lock)
+}
+
+// SequenceSpec is a request as Pool.Admit takes it.
+type SequenceSpec struct {
+	Owner  string    // the lease's owner (the request id)
+	Seed   BlockHash // the namespace: model, adapter, tenant (Pool.TenantSeed)
+	Prompt []int32   // the prompt's tokens (TokensInt32 for uint32 ids); copied
+	// Extra lists extra keys over token ranges of the sequence (an
+	// image's placeholder tokens and its content hash): each is mixed
+	// into the hash of exactly the blocks holding one of its tokens,
+	// recorded with their seals (verified mode checks them) and
+	// published with their BlockStored events (extra_keys). Blocks before
+	// the first key's range are shared with prompts without it. Ranges
+	// may reach past the prompt (generated tokens).
+	Extra []ExtraKey
+	// Adapter tags the blocks the sequence seals (Lease.SetAdapter).
+	Adapter Adapter
 }
 
 // NewSequence admits a request: it hashes the prompt's full blocks once
@@ -69,6 +88,24 @@ type Sequence[R any] struct {
 // holds nothing after an error. The sequence keeps its own copy of the
 // prompt.
 func (p *Pool[R]) NewSequence(owner string, seed BlockHash, prompt []int32) (*Sequence[R], error) {
+	return p.Admit(SequenceSpec{Owner: owner, Seed: seed, Prompt: prompt})
+}
+
+// Admit is NewSequence for a request with extra keys or an adapter (see
+// SequenceSpec); the errors are NewSequence's, and an extra key whose
+// range is empty or negative wraps ErrInvalidArgument.
+func (p *Pool[R]) Admit(spec SequenceSpec) (*Sequence[R], error) {
+	owner, seed, prompt := spec.Owner, spec.Seed, spec.Prompt
+	for i, e := range spec.Extra {
+		if e.Start < 0 || e.End <= e.Start {
+			err := fmt.Errorf("kvlease: admit %s: extra key %d covers [%d, %d): %w", owner, i, e.Start, e.End, ErrInvalidArgument)
+			return nil, p.reject(owner, 0, err)
+		}
+	}
+	if a := spec.Adapter; a.Name == "" && a.ID != 0 {
+		err := fmt.Errorf("kvlease: admit %s: adapter id %d without a name: %w", owner, a.ID, ErrInvalidArgument)
+		return nil, p.reject(owner, 0, err)
+	}
 	bt := p.cfg.blockTokens
 	if bt == 0 || len(prompt) == 0 {
 		err := fmt.Errorf("kvlease: new sequence of %d tokens needs a block size (WithBlockTokens or WithVerifiedPrefix) and a prompt: %w",
@@ -76,14 +113,16 @@ func (p *Pool[R]) NewSequence(owner string, seed BlockHash, prompt []int32) (*Se
 		return nil, p.reject(owner, 0, err)
 	}
 	n := (len(prompt) + bt - 1) / bt
-	s := &Sequence[R]{bt: bt, seed: seed, promptLen: len(prompt)}
+	s := &Sequence[R]{bt: bt, seed: seed, promptLen: len(prompt), spans: spec.Extra}
 	s.tokens = make([]int32, len(prompt), len(prompt)+bt)
 	copy(s.tokens, prompt)
 	full := len(prompt) / bt
 	s.hashes = make([]BlockHash, full, n+1)
 	parent := seed
 	for k := range full {
-		parent = p.hashBlock(parent, s.tokens[k*bt:(k+1)*bt], nil)
+		// (extraOf allocates only for a spec with extra keys: a stack
+		// buffer would escape through a WithHasher's call.)
+		parent = p.hashBlock(parent, s.tokens[k*bt:(k+1)*bt], s.extraOf(nil, k))
 		s.hashes[k] = parent
 	}
 	var (
@@ -94,7 +133,7 @@ func (p *Pool[R]) NewSequence(owner string, seed BlockHash, prompt []int32) (*Se
 	if hb := hitBlocks(len(prompt), bt); hb > 0 {
 		var vp *verifier
 		if p.meta != nil {
-			vp = &verifier{seed: seed, hashes: s.hashes[:hb], tokens: s.tokens, blockTokens: bt}
+			vp = &verifier{seed: seed, hashes: s.hashes[:hb], tokens: s.tokens, blockTokens: bt, spans: s.spans}
 		}
 		l, hits, err = p.acquire(owner, s.hashes[:hb], vp, n)
 	} else {
@@ -103,11 +142,26 @@ func (p *Pool[R]) NewSequence(owner string, seed BlockHash, prompt []int32) (*Se
 	if err != nil {
 		return nil, err
 	}
+	if spec.Adapter != (Adapter{}) {
+		if err := l.SetAdapter(spec.Adapter); err != nil {
+			l.Release()
+			return nil, err
+		}
+	}
 	s.l = l
+	s.nblocks = n
 	s.hits = hits
 	s.sealed = hits
 	s.computed = hits * bt
 	return s, nil
+}
+
+// extraOf appends block k's extra keys to dst.
+func (s *Sequence[R]) extraOf(dst []string, k int) []string {
+	if len(s.spans) == 0 {
+		return dst
+	}
+	return blockExtras(dst, s.spans, k, s.bt)
 }
 
 // Lease returns the sequence's lease: its block table (AppendBlockIDs),
@@ -173,10 +227,11 @@ func (s *Sequence[R]) Reserve(total int) {
 // ErrExceedsCapacity, ErrPoolClosed) no token is appended.
 func (s *Sequence[R]) Append(tokens ...int32) error {
 	end := len(s.tokens) + len(tokens)
-	if need := (end + s.bt - 1) / s.bt; need > s.l.Len() {
-		if err := s.l.Extend(need - s.l.Len()); err != nil {
+	if need := (end + s.bt - 1) / s.bt; need > s.nblocks {
+		if err := s.l.Extend(need - s.nblocks); err != nil {
 			return err
 		}
+		s.nblocks = need
 	}
 	s.tokens = append(s.tokens, tokens...)
 	return nil
@@ -200,13 +255,17 @@ func (s *Sequence[R]) Commit(n int) error {
 		k := s.sealed
 		toks := s.tokens[k*bt : (k+1)*bt]
 		parent := s.Parent()
+		var extra []string
+		if len(s.spans) > 0 {
+			extra = s.extraOf(nil, k) // kept by the seal: its own slice
+		}
 		var h BlockHash
 		if k < len(s.hashes) {
 			h = s.hashes[k] // a prompt block: hashed at admission
 		} else {
-			h = s.l.ls.c.hashBlock(parent, toks, nil)
+			h = s.l.ls.c.hashBlock(parent, toks, extra)
 		}
-		st := sealTokens{parent: parent, tokens: toks}
+		st := sealTokens{parent: parent, tokens: toks, extra: extra}
 		if err := s.l.ls.seal(k, h, &st); err != nil {
 			return err
 		}

@@ -88,3 +88,31 @@ func ExampleStats_InUse() {
 	// in use 3
 	// in use 0
 }
+
+// A multimodal prompt under a LoRA adapter: the image's content hash is
+// an extra key of exactly the blocks holding its placeholder tokens, so
+// the text before it is shared with prompts carrying another image; the
+// adapter tags the blocks' KV events.
+func ExamplePool_Admit() {
+	mem, _ := kvlease.NewHostMemory(64, 1024)
+	pool, _ := kvlease.NewPool[[]byte](mem, kvlease.WithBlockTokens(4), kvlease.WithKVEvents(64))
+	prompt := []int32{1, 2, 3, 4, 9, 9, 9, 9, 5, 6, 7} // 9: the image's placeholder tokens
+	withImage := func(key string) []kvlease.ExtraKey { return []kvlease.ExtraKey{{Start: 4, End: 8, Key: key}} }
+
+	s, _ := pool.Admit(kvlease.SequenceSpec{Owner: "req-1", Seed: 1, Prompt: prompt,
+		Extra: withImage("sha256:aaaa"), Adapter: kvlease.Adapter{ID: 1, Name: "sql-lora"}})
+	_ = s.Commit(s.Len())
+	s.Release()
+	evs, _ := pool.DrainKVEvents(nil)
+	for _, ev := range evs {
+		fmt.Println("stored", ev.LoraName, ev.ExtraKeys)
+	}
+
+	other, _ := pool.Admit(kvlease.SequenceSpec{Owner: "req-2", Seed: 1, Prompt: prompt, Extra: withImage("sha256:bbbb")})
+	fmt.Println("another image hits", other.Hits(), "block")
+	other.Release()
+	// Output:
+	// stored sql-lora []
+	// stored sql-lora [sha256:aaaa]
+	// another image hits 1 block
+}

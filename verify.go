@@ -24,7 +24,17 @@ import (
 // live in the pool's token arena at id*blockTokens.
 type sealMeta struct {
 	parent BlockHash
-	ok     bool // tokens recorded at seal
+	extra  BlockHash // extraDigest of the block's extra keys (0: none)
+	ok     bool      // tokens recorded at seal
+}
+
+// extraDigest condenses a block's extra keys for verification: 0 for
+// none, else mixExtra over them (a verified hit must carry the same keys).
+func extraDigest(extra []string) BlockHash {
+	if len(extra) == 0 {
+		return 0
+	}
+	return mixExtra(0, extra)
 }
 
 // verifier carries what a lookup by tokens checks hits against: the
@@ -34,6 +44,16 @@ type verifier struct {
 	hashes      []BlockHash
 	tokens      []int32
 	blockTokens int
+	spans       []ExtraKey // the lookup's extra keys (a Sequence's); nil: none
+}
+
+// extra is the digest of block k's extra keys under the lookup's spans.
+func (v *verifier) extra(k int) BlockHash {
+	if len(v.spans) == 0 {
+		return 0
+	}
+	var buf [4]string
+	return extraDigest(blockExtras(buf[:0], v.spans, k, v.blockTokens))
 }
 
 func (v *verifier) parent(k int) BlockHash {
@@ -72,7 +92,7 @@ func (c *core) recordSeal(id BlockID, st *sealTokens) {
 	}
 	bt := c.cfg.blockTokens
 	copy(c.tokens[int(id)*bt:(int(id)+1)*bt], st.tokens)
-	c.meta[id] = sealMeta{parent: st.parent, ok: true}
+	c.meta[id] = sealMeta{parent: st.parent, extra: extraDigest(st.extra), ok: true}
 }
 
 // verify checks hit k (slot id) of a lookup against what was sealed.
@@ -83,7 +103,7 @@ func (c *core) verify(id BlockID, k int, v *verifier) bool {
 	}
 	bt := c.cfg.blockTokens
 	m := c.meta[id]
-	if !m.ok || m.parent != v.parent(k) ||
+	if !m.ok || m.parent != v.parent(k) || m.extra != v.extra(k) ||
 		!slices.Equal(c.tokens[int(id)*bt:(int(id)+1)*bt], v.tokens[k*bt:(k+1)*bt]) {
 		c.stats.verifyMismatches++
 		return false
