@@ -2,6 +2,7 @@ package kvlease
 
 import (
 	"fmt"
+	"github.com/kvlease/kvlease/internal/slots"
 )
 
 // Access says how a transfer touches the blocks it gates.
@@ -137,7 +138,7 @@ func (l *lease) attach(t *Transfer, from, to int, acc Access, whole bool) error 
 	c.mu.Lock()
 	err := l.attachLocked(t, from, to, acc, whole, &ev)
 	c.serve(&ev) // attaching a quarantined transfer quarantines blocks
-	c.mu.Unlock()
+	c.unlock()
 	t.mu.Unlock()
 	ev.flush()
 	return err
@@ -157,7 +158,7 @@ func (l *lease) attachLocked(t *Transfer, from, to int, acc Access, whole bool, 
 	}
 	if !whole && acc == Write {
 		for i := from; i < to; i++ {
-			if c.slots[l.blocks[i].ID].sealed {
+			if c.tab.Sealed(int32(l.blocks[i].ID)) {
 				return fmt.Errorf("kvlease: attach transfer %d as a write over block %d of lease %d (%s): the block is sealed: %w",
 					t.id, i, l.id, l.owner, ErrInvalidArgument)
 			}
@@ -168,24 +169,12 @@ func (l *lease) attachLocked(t *Transfer, from, to int, acc Access, whole bool, 
 		return nil // gates nothing
 	}
 	if st == TransferPending && !whole {
-		// The common case, kept tight: the lease is open, so each block is
-		// leased (or quarantined) and a pending pin changes neither.
-		var w int32
-		if acc == Write {
-			w = 1
-		}
-		pinPending(c.slots, l.blocks[from:to], w)
+		c.tab.PinPending(refs(l.blocks[from:to]), acc == Write)
 	} else {
+		pin := pinOf(st)
 		for i := from; i < to; i++ {
-			id := l.blocks[i].ID
-			s := &c.slots[id]
-			s.pin(st, acc == Write || (whole && !s.sealed))
-			if st != TransferPending {
-				if s.quar == 1 && s.refs > 0 {
-					c.quarLeased++
-				}
-				c.settleSlot(id)
-			}
+			id := int32(l.blocks[i].ID)
+			c.tab.Repin(id, slots.PinNone, pin, acc == Write || (whole && !c.tab.Sealed(id)))
 		}
 	}
 	l.addAtt(attachment{t: t, from: int32(from), to: int32(to), access: acc, whole: whole, applied: st})
@@ -205,121 +194,25 @@ func (l *lease) attachLocked(t *Transfer, from, to int, acc Access, whole bool, 
 	return nil
 }
 
-// pinPending adds one pending pin, and w write pins, to each block: a
-// leaf, so that its loop keeps everything in registers (inlined into
-// attachLocked, it spilled its counter: callgrind).
-//
-//go:noinline
-func pinPending(slots []slot, blocks []BlockRef, w int32) {
-	for _, r := range blocks {
-		s := &slots[r.ID]
-		s.pins++
-		s.wpins += w
+// pinOf is the slot table's pin state of a transfer state.
+func pinOf(st TransferState) slots.Pin {
+	switch st {
+	case TransferPending:
+		return slots.PinPending
+	case TransferQuarantined:
+		return slots.PinQuarantined
 	}
-}
-
-// pin records one more attachment of a transfer in state st over the slot.
-func (s *slot) pin(st TransferState, write bool) {
-	if st == TransferPending {
-		s.pins++
-	} else {
-		s.quar++
-	}
-	if write {
-		s.wpins++
-	}
-}
-
-// resolveRange drops one pending pin (and write pin, for a write; for a
-// whole-lease attachment, on unsealed blocks) from each block, tail
-// first: the common end of a transfer. A block that was draining only on
-// it (unsealed, nobody else holds it) goes straight onto the free stack;
-// a block an open lease holds stays leased; anything else goes through
-// settleSlot. Called with c.mu held.
-func (c *core) resolveRange(blocks []BlockRef, write, whole bool) {
-	var w int32
-	if write {
-		w = 1
-	}
-	slots := c.slots
-	k0 := len(c.free)
-	i, k := unpinFast(slots, blocks, c.free[:cap(c.free)], k0, w, whole)
-	c.free = c.free[:k]
-	freed := k - k0
-	c.counts[classDraining] -= freed
-	c.counts[classFree] += freed
-	// The rest, from the first block unpinFast left: settleSlot's cases.
-	for i--; i >= 0; i-- {
-		id := blocks[i].ID
-		s := &slots[id]
-		s.pins--
-		if whole && !s.sealed {
-			s.wpins--
-		} else {
-			s.wpins -= w
-		}
-		if s.refs > 0 && s.quar == 0 {
-			continue // an open lease still holds it: still leased
-		}
-		c.settleSlot(id)
-	}
-}
-
-// unpinFast is resolveRange's loop over its common outcome, tail first:
-// a block that was draining on this one pending pin alone (so unsealed:
-// its write pin, if any, is w, or 1 for a whole-lease attachment) is
-// unpinned and goes onto the free stack room[k:]. It stops before the
-// first block with any other outcome, and returns how many blocks are
-// left (that one included) and the new top of room. A leaf, so that its
-// loop keeps everything in registers.
-func unpinFast(slots []slot, blocks []BlockRef, room []BlockID, k int, w int32, whole bool) (i, top int) {
-	if whole {
-		w = 1
-	}
-	draining, free, one := headDraining, headFree, gatesOnePin
-	for i = len(blocks); i > 0 && k < len(room); i-- {
-		id := blocks[i-1].ID
-		s := &slots[id]
-		if s.head() != draining || s.gates() != one {
-			break
-		}
-		s.pins = 0
-		s.wpins -= w
-		s.setHead(free)
-		room[k] = id
-		k++
-	}
-	return i, k
+	return slots.PinNone
 }
 
 // applyRange moves the pins of blocks lo..hi-1 of attachment a from
-// transfer state from to state to and settles each block: the general
-// case of apply. Called with c.mu held.
+// transfer state from to state to, tail first: the general case of
+// apply. Called with c.mu held.
 func (c *core) applyRange(blocks []BlockRef, lo, hi int, a *attachment, from, to TransferState) {
+	pf, pt := pinOf(from), pinOf(to)
 	for i := hi - 1; i >= lo; i-- {
-		id := blocks[i].ID
-		s := &c.slots[id]
-		write := a.access == Write || (a.whole && !s.sealed)
-		if from == TransferPending {
-			s.pins--
-		} else {
-			s.quar--
-		}
-		switch {
-		case to == TransferQuarantined:
-			s.quar++
-		case write:
-			s.wpins--
-		}
-		if s.refs > 0 {
-			// Quarantined and leased: count the slot's entry and exit.
-			if to == TransferQuarantined && s.quar == 1 {
-				c.quarLeased++
-			} else if from == TransferQuarantined && to != TransferQuarantined && s.quar == 0 {
-				c.quarLeased--
-			}
-		}
-		c.settleSlot(id)
+		id := int32(blocks[i].ID)
+		c.tab.Repin(id, pf, pt, a.access == Write || (a.whole && !c.tab.Sealed(id)))
 	}
 }
 
@@ -343,7 +236,7 @@ func (c *core) apply(l *lease, to TransferState, t *Transfer, ev *outbox) {
 	}
 	// Tail first, as Release does, so a chain enters the LRU from its end.
 	if from == TransferPending && to == TransferResolved {
-		c.resolveRange(l.blocks[lo:hi], a.access == Write, a.whole)
+		c.tab.Resolve(refs(l.blocks[lo:hi]), a.access == Write, a.whole)
 	} else {
 		c.applyRange(l.blocks, lo, hi, a, from, to)
 	}

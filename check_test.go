@@ -4,22 +4,26 @@ import (
 	"testing"
 )
 
-// Pool.Check finds a corrupted slot table (it is the tool every other test
-// relies on, so it must be able to fail).
+// Pool.Check finds a prefix index out of step with the slot table (it is
+// the tool every other test relies on, so it must be able to fail; the
+// slot table's own corruptions are internal/slots' TestCheckFindsCorruption).
 func TestCheckFindsCorruption(t *testing.T) {
 	corrupt := []struct {
 		name string
 		f    func(p *Pool[[]byte])
 	}{
-		{"wrong class", func(p *Pool[[]byte]) { p.slots[1].class = classLeased }},
-		{"count drift", func(p *Pool[[]byte]) { p.counts[classFree]--; p.counts[classCached]++ }},
-		{"negative refs", func(p *Pool[[]byte]) { p.slots[0].refs = -1 }},
-		{"free but held", func(p *Pool[[]byte]) { p.slots[2].pins = 1 }},
-		{"free stack short", func(p *Pool[[]byte]) { p.free = p.free[:len(p.free)-1] }},
+		{"indexed slot's hash changed", func(p *Pool[[]byte]) { p.pre[0].hash++ }},
+		{"index entry lost", func(p *Pool[[]byte]) { p.index.remove(p.pre[0].hash, 0) }},
 	}
 	for _, c := range corrupt {
 		p := smPool(t, 4)
 		l, _ := p.Acquire("a", 1)
+		if err := l.Seal(0, 42); err != nil {
+			t.Fatal(err)
+		}
+		if err := p.Check(); err != nil {
+			t.Fatalf("%s: before: %v", c.name, err)
+		}
 		p.mu.Lock()
 		c.f(p)
 		p.mu.Unlock()
@@ -27,8 +31,5 @@ func TestCheckFindsCorruption(t *testing.T) {
 			t.Errorf("%s: Check found nothing", c.name)
 		}
 		_ = l
-	}
-	if err := smPool(t, 4).Check(); err != nil {
-		t.Fatal(err)
 	}
 }

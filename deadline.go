@@ -20,7 +20,7 @@ func (c *core) deadlinePassed(l *lease) {
 	var ts []*Transfer
 	c.mu.Lock()
 	if l.state == LeaseSettled {
-		c.mu.Unlock()
+		c.unlock()
 		return
 	}
 	for i := range l.natts {
@@ -32,7 +32,7 @@ func (c *core) deadlinePassed(l *lease) {
 		ev.add(c.obs, Event{Kind: EventDeadline, Owner: l.owner, Lease: l.id, Blocks: len(l.blocks),
 			Err: ErrDrainDeadline})
 	}
-	c.mu.Unlock()
+	c.unlock()
 	ev.flush()
 	for _, t := range ts {
 		t.Quarantine(fmt.Errorf("kvlease: lease %d (%s) not settled after %v: %w", l.id, l.owner, c.cfg.deadline, ErrDrainDeadline))

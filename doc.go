@@ -121,8 +121,10 @@
 //
 // # Checked builds
 //
-// Under -race or -tags invariants, every operation verifies the state
-// counts, impossible internal states panic, and every lease carries a leak
-// check that reports to the observer (see WithLeakCheck). Pool.Check walks
-// the whole slot table in any build.
+// Under -race or -tags invariants, every locked operation verifies the
+// state counts as it releases the pool's lock, impossible internal states
+// panic, the slot table's fast loops sometimes take their general path
+// instead (so tests and fuzzers prove the two equal), and every lease
+// carries a leak check that reports to the observer (see WithLeakCheck).
+// Pool.Check walks the whole slot table in any build.
 package kvlease

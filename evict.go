@@ -39,7 +39,7 @@ const EvictOwner = "kvlease/evict"
 func (p *Pool[R]) SetEvictHook(hook func(offered *Lease[R], hashes []BlockHash)) {
 	c := &p.core
 	c.mu.Lock()
-	defer c.mu.Unlock()
+	defer c.unlock()
 	if hook == nil {
 		c.hook = nil
 		return
@@ -97,7 +97,7 @@ func (h *evictHook[R]) offerVictims(need int, list []observed) []observed {
 	if b != nil {
 		offered, taken = len(b.refs), b.taken
 	}
-	for c.lruLen > need && offered < taken+need {
+	for c.tab.LRULen() > need && offered < taken+need {
 		b = h.offerHead(b, ev)
 		offered++
 	}
@@ -111,26 +111,20 @@ func (h *evictHook[R]) offerVictims(need int, list []observed) []observed {
 // (made and queued on ev when nil) and returns b. Called with c.mu held.
 func (h *evictHook[R]) offerHead(b *evictBatch[R], ev *outbox) *evictBatch[R] {
 	c := &h.p.core
-	id := c.lruHead
-	c.lruRemove(id)
-	s := &c.slots[id]
 	// Out of the index (never hit here again), but the content stays:
 	// sealed, at the same generation, held by the offered lease.
-	hash := c.pre[id].hash
-	c.index.remove(hash, id)
+	r := ref(c.tab.Offer())
+	hash := c.pre[r.ID].hash
+	c.index.remove(hash, r.ID)
 	if c.kv != nil {
 		c.kv.removed(hash)
 	}
-	s.index = false
 	c.stats.evictions++
-	s.refs, s.class = 1, classLeased
-	c.counts[classCached]--
-	c.counts[classLeased]++
 	if b == nil {
 		b = &evictBatch[R]{h: h}
 		ev.add(b, Event{Kind: EventAcquired, Owner: EvictOwner})
 	}
-	b.refs = append(b.refs, BlockRef{ID: id, Gen: s.gen})
+	b.refs = append(b.refs, r)
 	b.hashes = append(b.hashes, hash)
 	return b
 }
@@ -150,11 +144,11 @@ func (p *Pool[R]) OfferCached(k int) int {
 	n := 0
 	if h != nil {
 		var b *evictBatch[R]
-		for ; n < k && c.lruLen > 0; n++ {
+		for ; n < k && c.tab.LRULen() > 0; n++ {
 			b = h.offerHead(b, &ev)
 		}
 	}
-	c.mu.Unlock()
+	c.unlock()
 	ev.flush()
 	return n
 }
@@ -169,7 +163,7 @@ func (b *evictBatch[R]) Observe(Event) {
 	l := p.newLease(EvictOwner, len(b.refs))
 	copy(l.ls.blocks, b.refs)
 	c.opened(&l.ls, 0, &ev)
-	c.mu.Unlock()
+	c.unlock()
 	ev.flush()
 	b.h.fn(l, b.hashes)
 }
@@ -189,45 +183,39 @@ func (p *Pool[R]) AcquireHits(owner string, hashes []BlockHash) (*Lease[R], erro
 	var ev outbox
 	c.mu.Lock()
 	if c.closed.Load() {
-		c.mu.Unlock()
+		c.unlock()
 		return nil, c.reject(owner, len(hashes), closedErr(owner, len(hashes)))
 	}
 	if q := c.queued(); q > 0 {
-		c.mu.Unlock()
+		c.unlock()
 		return nil, c.reject(owner, len(hashes), &exhaustedError{op: "acquire", owner: owner, n: len(hashes), queued: q})
 	}
 	n := c.probe(hashes, nil)
 	if n == 0 {
 		c.stats.prefixQueries += uint64(len(hashes))
-		c.mu.Unlock()
+		c.unlock()
 		return nil, nil
 	}
 	l := p.newLease(owner, n)
 	hits, err := c.fillPrefix(&l.ls, hashes, n, nil, &ev)
 	if err != nil { // cannot happen: hits need no fresh block
-		c.mu.Unlock()
+		c.unlock()
 		ev.flush()
 		return nil, c.reject(owner, n, err)
 	}
 	c.opened(&l.ls, hits, &ev)
-	c.mu.Unlock()
+	c.unlock()
 	ev.flush()
 	return l, nil
 }
 
-// evict takes a cached block out of the prefix index: its content is
-// forfeit. Called with c.mu held, the block already off the LRU.
-func (c *core) evict(id BlockID) {
-	p := &c.pre[id]
-	c.index.remove(p.hash, id)
+// evicted takes a block the slot table just evicted (see slots.Table.Take)
+// out of the prefix index: its content is forfeit. Called with c.mu held.
+func (c *core) evicted(id BlockID) {
+	h := c.pre[id].hash
+	c.index.remove(h, id)
 	if c.kv != nil {
-		c.kv.removed(p.hash)
-	}
-	// unseal, with the slot's flags cleared at once.
-	s := &c.slots[id]
-	s.index, s.sealed, p.hash = false, false, 0
-	if c.meta != nil {
-		c.meta[id] = sealMeta{}
+		c.kv.removed(h)
 	}
 	c.stats.evictions++
 }

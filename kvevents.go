@@ -169,7 +169,7 @@ func (k *kvEventLog) sealed(c *core, l *lease, i int, id BlockID, h BlockHash, s
 			parent, hasParent = st.parent, true
 		}
 	} else if i > 0 {
-		if pid := l.blocks[i-1].ID; c.slots[pid].sealed {
+		if pid := l.blocks[i-1].ID; c.tab.Sealed(int32(pid)) {
 			parent, hasParent = c.pre[pid].hash, true
 		}
 	}
@@ -182,7 +182,7 @@ func (k *kvEventLog) sealed(c *core, l *lease, i int, id BlockID, h BlockHash, s
 		k.bt = c.cfg.blockTokens
 		k.ringTok = make([]int32, len(k.ring)*k.bt)
 		k.spareTok = make([]int32, len(k.ring)*k.bt)
-		k.slotTok = make([]int32, len(c.slots)*k.bt)
+		k.slotTok = make([]int32, c.tab.Len()*k.bt)
 	}
 	var extra []string
 	if st != nil {
@@ -228,7 +228,7 @@ func (p *Pool[R]) DrainKVEvents(dst []KVEvent) (events []KVEvent, dropped uint64
 	k.ringTok, k.spareTok = k.spareTok, k.ringTok
 	k.head, k.n = 0, 0
 	dropped, k.dropped = k.dropped, 0
-	c.mu.Unlock()
+	c.unlock()
 	// Stored events' tokens live in the swapped-out token area, written
 	// again only after the next swap: copy them out, in one allocation.
 	total := 0
@@ -270,7 +270,7 @@ func (p *Pool[R]) KVEventsReady() <-chan struct{} {
 func (p *Pool[R]) SnapshotKVCache() (seq uint64, hashes []BlockHash) {
 	c := &p.core
 	c.mu.Lock()
-	defer c.mu.Unlock()
+	defer c.unlock()
 	hashes = make([]BlockHash, 0, c.index.len())
 	for h := range c.index.all() {
 		hashes = append(hashes, h)
@@ -297,7 +297,7 @@ func (p *Pool[R]) SnapshotKVBlocks(dst []KVEvent) (seq uint64, blocks []KVEvent)
 		return 0, dst
 	}
 	c.mu.Lock()
-	defer c.mu.Unlock()
+	defer c.unlock()
 	k := c.kv
 	type recAt struct {
 		*kvBlockRecord

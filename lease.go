@@ -2,6 +2,7 @@ package kvlease
 
 import (
 	"fmt"
+	"github.com/kvlease/kvlease/internal/slots"
 	"runtime"
 	"time"
 )
@@ -129,7 +130,7 @@ func (l *Lease[R]) Pool() *Pool[R] { return l.p }
 func (l *lease) snapshot() []BlockRef {
 	l.c.mu.Lock()
 	b := l.blocks
-	l.c.mu.Unlock()
+	l.c.unlock()
 	return b
 }
 
@@ -179,23 +180,22 @@ func (l *Lease[R]) region(i int, write bool) (R, error) {
 	c := l.ls.c
 	c.mu.Lock()
 	if l.ls.closed {
-		c.mu.Unlock()
+		c.unlock()
 		return zero, fmt.Errorf("kvlease: region %d of lease %d (%s): %w", i, l.ls.id, l.ls.owner, ErrLeaseClosed)
 	}
 	if i < l.ls.first() || i >= len(l.ls.blocks) {
 		n := len(l.ls.blocks)
-		c.mu.Unlock()
+		c.unlock()
 		return zero, fmt.Errorf("kvlease: region %d of lease %d (%s) with %d blocks: %w", i, l.ls.id, l.ls.owner, n, ErrInvalidArgument)
 	}
 	id := l.ls.blocks[i].ID
 	if write {
-		if s := &c.slots[id]; s.sealed || s.refs > 1 {
-			sealed, refs := s.sealed, s.refs
-			c.mu.Unlock()
+		if sealed, refs := c.tab.Sealed(int32(id)), c.tab.Refs(int32(id)); sealed || refs > 1 {
+			c.unlock()
 			return zero, readOnlyErr(&l.ls, i, sealed, refs)
 		}
 	}
-	c.mu.Unlock()
+	c.unlock()
 	return l.p.mem.Region(id), nil
 }
 
@@ -228,25 +228,25 @@ func (l *Lease[R]) appendRegions(dst []R, from int, write bool) ([]R, error) {
 	c := l.ls.c
 	c.mu.Lock()
 	if l.ls.closed {
-		c.mu.Unlock()
+		c.unlock()
 		return dst, fmt.Errorf("kvlease: regions of lease %d (%s): %w", l.ls.id, l.ls.owner, ErrLeaseClosed)
 	}
 	blocks, first := l.ls.blocks, l.ls.first()
 	if from < first || from > len(blocks) {
-		c.mu.Unlock()
+		c.unlock()
 		return dst, fmt.Errorf("kvlease: regions from %d of lease %d (%s) with %d blocks: %w",
 			from, l.ls.id, l.ls.owner, len(blocks), ErrInvalidArgument)
 	}
 	if write {
 		for i := from; i < len(blocks); i++ {
-			if s := &c.slots[blocks[i].ID]; s.sealed || s.refs > 1 {
-				sealed, refs := s.sealed, s.refs
-				c.mu.Unlock()
+			if id := int32(blocks[i].ID); c.tab.Sealed(id) || c.tab.Refs(id) > 1 {
+				sealed, refs := c.tab.Sealed(id), c.tab.Refs(id)
+				c.unlock()
 				return dst, readOnlyErr(&l.ls, i, sealed, refs)
 			}
 		}
 	}
-	c.mu.Unlock()
+	c.unlock()
 	for _, r := range blocks[from:] {
 		dst = append(dst, l.p.mem.Region(r.ID))
 	}
@@ -258,7 +258,7 @@ func (l *Lease[R]) appendRegions(dst []R, from int, write bool) ([]R, error) {
 func (l *Lease[R]) Closed() bool {
 	c := l.ls.c
 	c.mu.Lock()
-	defer c.mu.Unlock()
+	defer c.unlock()
 	return l.ls.closed
 }
 
@@ -266,7 +266,7 @@ func (l *Lease[R]) Closed() bool {
 func (l *Lease[R]) State() LeaseState {
 	c := l.ls.c
 	c.mu.Lock()
-	defer c.mu.Unlock()
+	defer c.unlock()
 	return l.ls.state
 }
 
@@ -277,7 +277,7 @@ func (l *Lease[R]) State() LeaseState {
 func (l *Lease[R]) Settled() <-chan struct{} {
 	c := l.ls.c
 	c.mu.Lock()
-	defer c.mu.Unlock()
+	defer c.unlock()
 	if l.ls.state == LeaseSettled {
 		return closedChan
 	}
@@ -312,7 +312,7 @@ func (l *lease) close(abort bool, cause error) {
 	var toCancel []*Transfer
 	c.mu.Lock()
 	if l.closed {
-		c.mu.Unlock()
+		c.unlock()
 		return
 	}
 	l.closed = true
@@ -335,8 +335,8 @@ func (l *lease) close(abort bool, cause error) {
 		from = x.trimmed
 	}
 	// c.drop, by hand: its call would be one more per cycle.
-	if i := c.dropFast(l.blocks[from:]); i > 0 {
-		c.dropSlow(l.blocks[from : from+i])
+	if i := c.tab.Drop(refs(l.blocks[from:])); i > 0 {
+		c.tab.DropRest(refs(l.blocks[from : from+i]))
 	}
 	if abort {
 		var cancel [4]*Transfer // zeroed only on this path
@@ -357,7 +357,7 @@ func (l *lease) close(abort bool, cause error) {
 		}
 	}
 	c.serve(&ev)
-	c.mu.Unlock()
+	c.unlock()
 	ev.flush()
 	for _, t := range toCancel {
 		t.Cancel()
@@ -386,13 +386,13 @@ func (l *Lease[R]) Extend(n int) error {
 		err = fmt.Errorf("kvlease: extend lease %d (%s): %w", ls.id, ls.owner, ErrLeaseClosed)
 	case c.closed.Load():
 		err = fmt.Errorf("kvlease: extend lease %d (%s): %w", ls.id, ls.owner, ErrPoolClosed)
-	case n > len(c.slots)-have: // not have+n: that overflows for a huge n
+	case n > c.tab.Len()-have: // not have+n: that overflows for a huge n
 		err = fmt.Errorf("kvlease: extend lease %d (%s) from %d by %d blocks: pool capacity is %d: %w",
-			ls.id, ls.owner, have, n, len(c.slots), ErrExceedsCapacity)
+			ls.id, ls.owner, have, n, c.tab.Len(), ErrExceedsCapacity)
 	case c.available() < n:
 		held := 0 // usable blocks this lease holds already (trimmed ones it gave back)
 		for _, r := range ls.blocks[ls.first():] {
-			if c.slots[r.ID].quar == 0 {
+			if !c.tab.Quarantined(int32(r.ID)) {
 				held++
 			}
 		}
@@ -401,7 +401,7 @@ func (l *Lease[R]) Extend(n int) error {
 		}
 	}
 	if err != nil {
-		c.mu.Unlock()
+		c.unlock()
 		return err
 	}
 	from := len(ls.blocks)
@@ -417,12 +417,8 @@ func (l *Lease[R]) Extend(n int) error {
 		a := ls.att(i)
 		if a.whole && a.applied != TransferResolved {
 			for _, r := range ls.blocks[from:] {
-				s := &c.slots[r.ID]
-				s.pin(a.applied, true)
-				if a.applied == TransferQuarantined && s.quar == 1 {
-					c.quarLeased++ // fresh, so held by this lease alone
-				}
-				c.settleSlot(r.ID)
+				// Fresh, so unsealed: a write pin.
+				c.tab.Repin(int32(r.ID), slots.PinNone, pinOf(a.applied), true)
 			}
 		}
 	}
@@ -430,7 +426,7 @@ func (l *Lease[R]) Extend(n int) error {
 		ev.add(c.obs, Event{Kind: EventExtended, Owner: ls.owner, Lease: ls.id, Blocks: n})
 	}
 	c.serve(&ev) // a quarantined Attach may have quarantined the new blocks
-	c.mu.Unlock()
+	c.unlock()
 	ev.flush()
 	return nil
 }

@@ -6,6 +6,7 @@ import (
 	"sync"
 
 	"github.com/kvlease/kvlease/internal/invariants"
+	"github.com/kvlease/kvlease/internal/slots"
 	"go.uber.org/atomic"
 )
 
@@ -26,23 +27,21 @@ type Pool[R any] struct {
 // Transfers and leases of every region type talk to it.
 type core struct {
 	mu    sync.Mutex
-	slots []slot
-	pre   []prefixSlot // parallel to slots
-	free  []BlockID    // stack of free slots; top at the end
-
-	lruHead, lruTail BlockID // least recently unreferenced first
-	lruLen           int
-
-	counts [numClasses]int
-	index  prefixIndex // BlockHash → the slot findable by it; its table made by the first Seal
+	tab   slots.Table  // every block's state: its only writer (internal/slots)
+	pre   []prefixSlot // parallel to the table
+	index prefixIndex  // BlockHash → the slot findable by it; its table made by the first Seal
 
 	waiters []*waiter // FIFO; waiters[head:] are queued
 	whead   int
 
-	quarLeased    int  // quarantined slots with refs > 0 (Stats.QuarantinedLeased)
-	alertLimit    int  // alert when quarantined blocks exceed this (MaxInt: never)
-	alerted       bool // the quarantine alert is raised
-	scannedUsable int  // usable() when the waiter queue was last scanned for ErrQuarantineBound
+	alertLimit int  // alert when quarantined blocks exceed this (MaxInt: never)
+	alerted    bool // the quarantine alert is raised
+	// alertAt: serve looks further when quarantined blocks exceed it:
+	// alertLimit while the alert is clear, -1 while it is raised (then
+	// serveAll tells whether to clear it). One compare keeps serve
+	// inlinable.
+	alertAt       int
+	scannedUsable int // usable() when the waiter queue was last scanned for ErrQuarantineBound
 
 	closed     atomic.Bool
 	rejections atomic.Uint64 // counted without the lock: rejections come in storms
@@ -85,18 +84,11 @@ func NewPool[R any](mem Memory[R], opts ...Option) (*Pool[R], error) {
 	c := &p.core
 	c.cfg, c.obs = cfg, cfg.obs
 	c.watchOpens = cfg.leakCheck || cfg.obs != nil || invariants.Enabled
-	c.slots = make([]slot, n)
+	c.tab.Init(n) // every block free, the first acquire gets block 0
 	c.pre = make([]prefixSlot, n)
 	c.index = newPrefixIndex(c.pre)
-	c.free = make([]BlockID, n)
-	for i := range c.free {
-		// Lowest ids on top: the first acquire gets block 0.
-		c.free[i] = BlockID(n - 1 - i)
-		c.pre[i].prev, c.pre[i].next = nilID, nilID
-	}
-	c.lruHead, c.lruTail = nilID, nilID
-	c.counts[classFree] = n
 	c.alertLimit = cfg.alertLimit(n)
+	c.alertAt = c.alertLimit
 	c.scannedUsable = n
 	if cfg.kvEvents > 0 {
 		c.kv = newKVEventLog(cfg.kvEvents)
@@ -129,7 +121,7 @@ func memSizes[R any](mem Memory[R]) (n, bb int, ok bool) {
 func (p *Pool[R]) Memory() Memory[R] { return p.mem }
 
 // Capacity returns the number of blocks the pool owns.
-func (p *Pool[R]) Capacity() int { return len(p.slots) }
+func (p *Pool[R]) Capacity() int { return p.tab.Len() }
 
 // BlockBytes returns the size of one block in bytes.
 func (p *Pool[R]) BlockBytes() int { return p.mem.BlockBytes() }
@@ -151,12 +143,12 @@ func (p *Pool[R]) acquire(owner string, hashes []BlockHash, v *verifier, n int) 
 	// precheck's argument tests, inline (the call cost 38 instructions a
 	// cycle); a closed pool is refused under the lock below, after them,
 	// and precheckErr keeps precheck's order of errors.
-	if owner == "" || n <= 0 || n > len(c.slots) {
+	if owner == "" || n <= 0 || n > c.tab.Len() {
 		return nil, 0, c.reject(owner, n, c.precheckErr(owner, n))
 	}
 	c.mu.Lock()
 	if c.closed.Load() {
-		c.mu.Unlock()
+		c.unlock()
 		return nil, 0, c.reject(owner, n, closedErr(owner, n))
 	}
 	if q := c.queued(); q > 0 {
@@ -169,7 +161,7 @@ func (p *Pool[R]) acquire(owner string, hashes []BlockHash, v *verifier, n int) 
 		if err == nil {
 			err = &exhaustedError{op: "acquire", owner: owner, n: n, queued: q}
 		}
-		c.mu.Unlock()
+		c.unlock()
 		return nil, 0, c.reject(owner, n, err)
 	}
 	var ev outbox
@@ -179,7 +171,7 @@ func (p *Pool[R]) acquire(owner string, hashes []BlockHash, v *verifier, n int) 
 		var err error
 		l = p.newLease(owner, n)
 		if hits, err = c.fillPrefix(&l.ls, hashes, n, v, &ev); err != nil {
-			c.mu.Unlock()
+			c.unlock()
 			ev.flush()
 			return nil, 0, c.reject(owner, n, err)
 		}
@@ -189,14 +181,17 @@ func (p *Pool[R]) acquire(owner string, hashes []BlockHash, v *verifier, n int) 
 			if err == nil {
 				err = &exhaustedError{op: "acquire", owner: owner, n: n, avail: avail}
 			}
-			c.mu.Unlock()
+			c.unlock()
 			return nil, 0, c.reject(owner, n, err)
 		}
 		l = p.newLease(owner, n)
-		c.fill(l.ls.blocks, &ev)
+		// c.fill, by hand: its call would be one more per cycle.
+		if !c.tab.Fill(refs(l.ls.blocks)) {
+			c.fillEvict(l.ls.blocks, &ev)
+		}
 	}
 	c.opened(&l.ls, hits, &ev)
-	c.mu.Unlock()
+	c.unlock()
 	ev.flush()
 	return l, hits, nil
 }
@@ -205,7 +200,7 @@ func (p *Pool[R]) acquire(owner string, hashes []BlockHash, v *verifier, n int) 
 // The test that passes is small enough to inline; the errors are built
 // out of line.
 func (c *core) precheck(owner string, n int) error {
-	if owner != "" && n > 0 && n <= len(c.slots) && !c.closed.Load() {
+	if owner != "" && n > 0 && n <= c.tab.Len() && !c.closed.Load() {
 		return nil
 	}
 	return c.precheckErr(owner, n)
@@ -219,8 +214,8 @@ func (c *core) precheckErr(owner string, n int) error {
 		return fmt.Errorf("kvlease: acquire %d blocks for %q: n must be positive: %w", n, owner, ErrInvalidArgument)
 	case c.closed.Load():
 		return closedErr(owner, n)
-	case n > len(c.slots):
-		return fmt.Errorf("kvlease: acquire %d blocks for %q: pool capacity is %d: %w", n, owner, len(c.slots), ErrExceedsCapacity)
+	case n > c.tab.Len():
+		return fmt.Errorf("kvlease: acquire %d blocks for %q: pool capacity is %d: %w", n, owner, c.tab.Len(), ErrExceedsCapacity)
 	}
 	return nil
 }
@@ -251,9 +246,6 @@ func (c *core) watchOpened(l *lease, hits int, ev *outbox) {
 	if c.obs != nil {
 		ev.add(c.obs, Event{Kind: EventAcquired, Owner: l.owner, Lease: l.id, Blocks: len(l.blocks), Hits: hits})
 	}
-	if invariants.Enabled {
-		c.checkCounts()
-	}
 }
 
 // Available returns how many blocks a fresh acquire could get now: free
@@ -262,7 +254,7 @@ func (c *core) watchOpened(l *lease, hits int, ev *outbox) {
 func (p *Pool[R]) Available() int {
 	c := &p.core
 	c.mu.Lock()
-	defer c.mu.Unlock()
+	defer c.unlock()
 	return c.available()
 }
 
@@ -274,15 +266,14 @@ func (p *Pool[R]) Available() int {
 func (p *Pool[R]) Region(ref BlockRef) (R, error) {
 	var zero R
 	c := &p.core
-	if ref.ID < 0 || int(ref.ID) >= len(c.slots) {
+	if ref.ID < 0 || int(ref.ID) >= c.tab.Len() {
 		return zero, fmt.Errorf("kvlease: block %v outside pool of %d blocks: %w: %w",
-			ref, len(c.slots), ErrInvalidArgument, ErrStaleRef)
+			ref, c.tab.Len(), ErrInvalidArgument, ErrStaleRef)
 	}
 	c.mu.Lock()
-	s := &c.slots[ref.ID]
-	gen, class := s.gen, s.class
-	c.mu.Unlock()
-	if gen != ref.Gen || class == classFree {
+	gen, class := c.tab.Gen(int32(ref.ID)), c.tab.ClassOf(int32(ref.ID))
+	c.unlock()
+	if gen != ref.Gen || class == slots.Free {
 		return zero, fmt.Errorf("kvlease: block %v (slot now at generation %d, %v): %w", ref, gen, class, ErrStaleRef)
 	}
 	return p.mem.Region(ref.ID), nil
@@ -302,7 +293,7 @@ func (p *Pool[R]) Close() error {
 	}
 	clear(c.waiters)
 	c.waiters, c.whead = c.waiters[:0], 0
-	c.mu.Unlock()
+	c.unlock()
 	return nil
 }
 

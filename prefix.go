@@ -2,6 +2,7 @@ package kvlease
 
 import (
 	"fmt"
+	"github.com/kvlease/kvlease/internal/slots"
 )
 
 // ResetMode says what ResetCache makes unfindable.
@@ -33,29 +34,22 @@ func (p *Pool[R]) ResetCache(mode ...ResetMode) int {
 	}
 	c := &p.core
 	c.mu.Lock()
-	defer c.mu.Unlock()
+	defer c.unlock()
 	n := 0
-	quiet := c.kv != nil && (c.lruLen == c.index.len() || all)
-	for c.lruHead != nilID {
-		id := c.lruHead
-		c.lruRemove(id)
-		s := &c.slots[id]
-		c.index.remove(c.pre[id].hash, id)
+	quiet := c.kv != nil && (c.tab.LRULen() == c.index.len() || all)
+	for id := c.tab.LRUHead(); id != slots.Nil; id = c.tab.LRUHead() {
+		h := c.pre[id].hash
+		c.index.remove(h, BlockID(id))
 		if c.kv != nil && !quiet {
-			c.kv.removed(c.pre[id].hash)
+			c.kv.removed(h)
 		}
-		s.index = false
-		c.unseal(id)
-		c.free = append(c.free, id)
-		s.class = classFree
-		c.counts[classCached]--
-		c.counts[classFree]++
+		c.tab.SetIndexed(id, false) // cached → free
 		n++
 	}
 	if all {
 		// What is left is in use: unfindable from now on, still sealed.
 		for _, id := range c.index.all() {
-			c.slots[id].index = false
+			c.tab.SetIndexed(int32(id), false)
 			n++
 		}
 		c.index.clear()
@@ -99,7 +93,7 @@ func (p *Pool[R]) AcquirePrefix(owner string, hashes []BlockHash, n int) (*Lease
 func (p *Pool[R]) CachedPrefix(hashes []BlockHash) int {
 	c := &p.core
 	c.mu.Lock()
-	defer c.mu.Unlock()
+	defer c.unlock()
 	return c.probe(hashes, nil)
 }
 
@@ -117,13 +111,13 @@ func (c *core) probe(hashes []BlockHash, v *verifier) int {
 // capacity, so the caller's stack buffer never grows), sparing the caller
 // a second lookup, and counts the hits that are cached (on the LRU: they
 // stop being evictable when leased).
-func (c *core) probeIDs(hashes []BlockHash, v *verifier, ids []BlockID) (int, []BlockID, int) {
+func (c *core) probeIDs(hashes []BlockHash, v *verifier, ids []int32) (int, []int32, int) {
 	if c.index.len() == 0 {
 		return 0, ids, 0
 	}
 	c.stamp++
 	if c.index.legacy == nil && c.meta == nil {
-		return probeFlat(&c.index, c.slots, c.pre, c.stamp, hashes, ids)
+		return probeFlat(&c.index, c.tab.View(), c.pre, c.stamp, hashes, ids)
 	}
 	cached := 0
 	for k, h := range hashes {
@@ -131,19 +125,19 @@ func (c *core) probeIDs(hashes []BlockHash, v *verifier, ids []BlockID) (int, []
 		if !ok {
 			return k, ids, cached
 		}
-		s := &c.slots[id]
-		if s.wpins > 0 || c.pre[id].mark == c.stamp {
+		wpins, class := c.tab.View().Probe(int32(id))
+		if wpins > 0 || c.pre[id].mark == c.stamp {
 			return k, ids, cached
 		}
 		if c.meta != nil && !c.verify(id, k, v) {
 			return k, ids, cached
 		}
 		c.pre[id].mark = c.stamp
-		if s.class == classCached {
+		if class == slots.Cached {
 			cached++
 		}
 		if len(ids) < cap(ids) {
-			ids = append(ids, id)
+			ids = append(ids, int32(id))
 		}
 	}
 	return len(hashes), ids, cached
@@ -153,7 +147,7 @@ func (c *core) probeIDs(hashes []BlockHash, v *verifier, ids []BlockID) (int, []
 // index's probe written into the loop, one probe per hash, with the
 // tables in registers (find's call, its map switch and the reloads it
 // forced cost about a third of a hit: callgrind).
-func probeFlat(x *prefixIndex, slots []slot, pre []prefixSlot, stamp uint32, hashes []BlockHash, ids []BlockID) (int, []BlockID, int) {
+func probeFlat(x *prefixIndex, view slots.View, pre []prefixSlot, stamp uint32, hashes []BlockHash, ids []int32) (int, []int32, int) {
 	tab, shift := x.tab, x.shift&63 // (the mask spares the shift's range check)
 	mask := uint64(len(tab) - 1)
 	cached := 0
@@ -174,16 +168,16 @@ func probeFlat(x *prefixIndex, slots []slot, pre []prefixSlot, stamp uint32, has
 				}
 			}
 		}
-		s := &slots[id]
-		if s.wpins > 0 || p.mark == stamp {
+		wpins, class := view.Probe(int32(id))
+		if wpins > 0 || p.mark == stamp {
 			return k, ids, cached
 		}
 		p.mark = stamp
-		if s.class == classCached {
+		if class == slots.Cached {
 			cached++
 		}
 		if len(ids) < cap(ids) {
-			ids = append(ids, id)
+			ids = append(ids, int32(id))
 		}
 	}
 	return len(hashes), ids, cached
@@ -195,7 +189,7 @@ func (c *core) fillPrefix(l *lease, hashes []BlockHash, n int, v *verifier, ev *
 	if len(hashes) > n {
 		hashes = hashes[:n]
 	}
-	var buf [64]BlockID
+	var buf [64]int32
 	// lruHits: hit blocks that stop being evictable.
 	hits, ids, lruHits := c.probeIDs(hashes, v, buf[:0])
 	if fresh, avail := n-hits, c.available()-lruHits; fresh > avail {
@@ -204,7 +198,7 @@ func (c *core) fillPrefix(l *lease, hashes []BlockHash, n int, v *verifier, ev *
 		c.stats.prefixRefused += uint64(len(hashes))
 		held := 0 // usable blocks the hits hold already
 		for k := range hits {
-			if c.slots[c.hitID(ids, hashes, k)].quar == 0 {
+			if !c.tab.Quarantined(int32(c.hitID(ids, hashes, k))) {
 				held++
 			}
 		}
@@ -216,80 +210,54 @@ func (c *core) fillPrefix(l *lease, hashes []BlockHash, n int, v *verifier, ev *
 	// Queries and hits are counted together, for admitted lookups only.
 	c.stats.prefixQueries += uint64(len(hashes))
 	c.stats.prefixHits += uint64(hits)
-	// The common case first: recorded hits that were cached.
-	done := c.reviveCached(l.blocks, ids[:min(hits, len(ids))])
-	revived := 0 // cached blocks that become leased, after the first done
-	for k := done; k < hits; k++ {
-		id := c.hitID(ids, hashes, k)
-		s := &c.slots[id]
-		s.refs++
-		switch {
-		case s.class == classCached:
-			// Unheld until now: straight from cached to leased.
-			c.lruRemove(id)
-			s.class = classLeased
-			revived++
-		case s.class == classLeased:
-			// Another lease holds it: unchanged.
-		case s.class == classQuarantined:
-			// A quarantined read: unchanged, but now leased.
-			if s.refs == 1 {
-				c.quarLeased++
-			}
-		default:
-			c.settleSlot(id) // draining: leased again
-		}
-		l.blocks[k] = BlockRef{ID: id, Gen: s.gen}
+	// The hits the probe recorded, then the rest (a long prefix) looked
+	// up again a buffer at a time.
+	rec := ids[:min(hits, len(ids))]
+	if done := c.tab.Revive(refs(l.blocks), rec); done < len(rec) { // (all cached: one call)
+		c.leaseHits(l.blocks[done:len(rec)], rec[done:])
 	}
-	c.counts[classCached] -= revived
-	c.counts[classLeased] += revived
-	c.fill(l.blocks[hits:n], ev)
+	for k := len(rec); k < hits; {
+		more := buf[:0]
+		for ; k < hits && len(more) < cap(more); k++ {
+			id, _ := c.index.find(hashes[k])
+			more = append(more, int32(id))
+		}
+		c.leaseHits(l.blocks[k-len(more):k], more)
+	}
+	if !c.tab.Fill(refs(l.blocks[hits:n])) { // c.fill, by hand (one call less)
+		c.fillEvict(l.blocks[hits:n], ev)
+	}
 	return hits, nil
 }
 
-// reviveCached leases the leading hits ids that are cached (unheld, on
-// the LRU), taking each off the LRU, into blocks[k], and returns how many
-// it did: it stops at the first hit in any other class. One loop with the
-// LRU's ends in registers. Called with c.mu held.
-func (c *core) reviveCached(blocks []BlockRef, ids []BlockID) int {
-	slots, pre := c.slots, c.pre
-	head, tail := c.lruHead, c.lruTail
-	k := 0
-	for ; k < len(ids) && k < len(blocks); k++ {
-		id := ids[k]
-		s := &slots[id]
-		if s.class != classCached {
+// leaseHits adds the lease's hold on each hit slot ids[k] and records it
+// in dst[k]: runs of cached hits (taken off the LRU) and of hits other
+// leases hold, in turn, by the slot table's fast loops, and any other
+// (draining, or quarantined with no lease) one by one. Called with c.mu
+// held.
+func (c *core) leaseHits(dst []BlockRef, ids []int32) {
+	done := 0
+	for done < len(ids) {
+		done += c.tab.Revive(refs(dst[done:]), ids[done:])
+		if done == len(ids) {
 			break
 		}
-		s.refs++
-		s.class = classLeased
-		p := &pre[id]
-		prev, next := p.prev, p.next
-		if prev == nilID {
-			head = next
-		} else {
-			pre[prev].next = next
+		if n := c.tab.RefHeld(refs(dst[done:]), ids[done:]); n > 0 {
+			done += n
+			continue
 		}
-		if next == nilID {
-			tail = prev
-		} else {
-			pre[next].prev = prev
-		}
-		p.prev, p.next = nilID, nilID
-		blocks[k] = BlockRef{ID: id, Gen: s.gen}
+		id := ids[done]
+		c.tab.Ref(id) // draining, or quarantined with no lease: leased now
+		dst[done] = BlockRef{ID: BlockID(id), Gen: c.tab.Gen(id)}
+		done++
 	}
-	c.lruHead, c.lruTail = head, tail
-	c.lruLen -= k
-	c.counts[classCached] -= k
-	c.counts[classLeased] += k
-	return k
 }
 
 // hitID returns the slot of hit k: from ids when the probe recorded it,
 // else from the index.
-func (c *core) hitID(ids []BlockID, hashes []BlockHash, k int) BlockID {
+func (c *core) hitID(ids []int32, hashes []BlockHash, k int) BlockID {
 	if k < len(ids) {
-		return ids[k]
+		return BlockID(ids[k])
 	}
 	id, _ := c.index.find(hashes[k])
 	return id
@@ -342,6 +310,6 @@ func (p *Pool[R]) CachedPrefixTokens(seed BlockHash, tokens []int32) int {
 	}
 	c := &p.core
 	c.mu.Lock()
-	defer c.mu.Unlock()
+	defer c.unlock()
 	return c.probe(v.hashes, vp)
 }

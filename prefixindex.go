@@ -87,7 +87,7 @@ func (x *prefixIndex) find(h BlockHash) (BlockID, bool) {
 	}
 	tab := x.tab
 	if len(tab) == 0 {
-		return nilID, false
+		return -1, false
 	}
 	m := uint64(h) * indexMix
 	mask := uint64(len(tab) - 1)
@@ -95,7 +95,7 @@ func (x *prefixIndex) find(h BlockHash) (BlockID, bool) {
 	for i := m >> x.shift; ; i = (i + 1) & mask {
 		e := tab[i]
 		if e == 0 {
-			return nilID, false
+			return -1, false
 		}
 		if e>>32 == tag {
 			if id := BlockID(uint32(e) - 1); x.pre[id].hash == h {

@@ -44,7 +44,7 @@ func (l *lease) seal(i int, h BlockHash, st *sealTokens) error {
 	var ev outbox
 	c.mu.Lock()
 	err := l.sealLocked(i, h, st, &ev)
-	c.mu.Unlock()
+	c.unlock()
 	ev.flush()
 	return err
 }
@@ -58,15 +58,14 @@ func (l *lease) sealLocked(i int, h BlockHash, st *sealTokens, ev *outbox) error
 		return fmt.Errorf("kvlease: seal block %d of lease %d (%s) with %d blocks: %w", i, l.id, l.owner, len(l.blocks), ErrInvalidArgument)
 	}
 	id := l.blocks[i].ID
-	s := &c.slots[id]
-	if s.sealed {
+	if c.tab.Sealed(int32(id)) {
 		if old := c.pre[id].hash; old != h {
 			return fmt.Errorf("kvlease: seal block %d of lease %d (%s) with hash %016x: already sealed with %016x: %w",
 				i, l.id, l.owner, uint64(h), uint64(old), ErrInvalidArgument)
 		}
 		return nil
 	}
-	if s.wpins > 0 {
+	if c.tab.Writing(int32(id)) {
 		return fmt.Errorf("kvlease: seal block %d of lease %d (%s): a transfer is still writing it: %w",
 			i, l.id, l.owner, ErrInvalidArgument)
 	}
@@ -75,7 +74,8 @@ func (l *lease) sealLocked(i int, h BlockHash, st *sealTokens, ev *outbox) error
 			return fmt.Errorf("kvlease: seal block %d of lease %d (%s): %w", i, l.id, l.owner, err)
 		}
 	}
-	s.sealed, c.pre[id].hash = true, h
+	c.tab.Seal(int32(id))
+	c.pre[id].hash = h
 	c.recordSeal(id, st)
 	if !c.index.insert(h, id) {
 		c.stats.duplicateSeals++
@@ -84,7 +84,7 @@ func (l *lease) sealLocked(i int, h BlockHash, st *sealTokens, ev *outbox) error
 		}
 		return nil
 	}
-	s.index = true
+	c.tab.SetIndexed(int32(id), true)
 	if c.kv != nil {
 		c.kv.sealed(c, l, i, id, h, st)
 	}
@@ -146,7 +146,7 @@ func (l *Lease[R]) Share(owner string, n int) (*Lease[R], error) {
 		err = fmt.Errorf("kvlease: share %d blocks of lease %d (%s) with %d blocks: %w", n, ls.id, ls.owner, len(ls.blocks), ErrInvalidArgument)
 	default:
 		for i, r := range ls.blocks[:n] {
-			if !c.slots[r.ID].sealed {
+			if !c.tab.Sealed(int32(r.ID)) {
 				err = fmt.Errorf("kvlease: share block %d of lease %d (%s): not sealed, its content may still change: %w",
 					i, ls.id, ls.owner, ErrInvalidArgument)
 				break
@@ -154,26 +154,16 @@ func (l *Lease[R]) Share(owner string, n int) (*Lease[R], error) {
 		}
 	}
 	if err != nil {
-		c.mu.Unlock()
+		c.unlock()
 		return nil, err
 	}
 	nl := l.p.newLease(owner, n)
 	for _, r := range ls.blocks[:n] {
-		c.slots[r.ID].refs++
-		c.settleSlot(r.ID)
+		c.tab.Ref(int32(r.ID))
 	}
 	copy(nl.ls.blocks, ls.blocks[:n])
 	c.opened(&nl.ls, n, &ev)
-	c.mu.Unlock()
+	c.unlock()
 	ev.flush()
 	return nl, nil
-}
-
-// unseal forgets a slot's sealed content: it is leaving the cache for the
-// free list or being evicted. Called with c.mu held.
-func (c *core) unseal(id BlockID) {
-	c.slots[id].sealed, c.pre[id].hash = false, 0
-	if c.meta != nil {
-		c.meta[id] = sealMeta{}
-	}
 }

@@ -1,45 +1,10 @@
 package kvlease
 
 import (
-	"math"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 )
-
-// A slot's generation skips 0 when it wraps: 0 is never handed out.
-func TestGenerationWrapSkipsZero(t *testing.T) {
-	p := smPool(t, 1)
-	p.mu.Lock()
-	p.slots[0].gen = math.MaxUint32
-	p.mu.Unlock()
-	l, err := p.Acquire("a", 1)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if g := l.Ref(0).Gen; g == 0 || g == math.MaxUint32 {
-		t.Fatalf("generation after wrap = %d", g)
-	}
-	l.Release()
-	// The slow path (eviction) wraps the same way.
-	l, _ = p.Acquire("b", 1)
-	if err := l.Seal(0, 1); err != nil {
-		t.Fatal(err)
-	}
-	l.Release()
-	p.mu.Lock()
-	p.slots[0].gen = math.MaxUint32
-	p.mu.Unlock()
-	m, err := p.Acquire("c", 1) // evicts the cached block
-	if err != nil {
-		t.Fatal(err)
-	}
-	if g := m.Ref(0).Gen; g == 0 || g == math.MaxUint32 {
-		t.Fatalf("generation after wrap by eviction = %d", g)
-	}
-	m.Release()
-	smCheck(t, p)
-}
 
 // Release walks a lease tail first in a fast loop for private unsealed
 // blocks and hands the rest to the general loop at the first block that

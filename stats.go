@@ -3,6 +3,7 @@ package kvlease
 import (
 	"context"
 	"errors"
+	"github.com/kvlease/kvlease/internal/slots"
 )
 
 // Stats is a snapshot of a pool. The five state counts are block counts,
@@ -112,15 +113,15 @@ func (c *core) reject(owner string, n int, err error) error {
 func (p *Pool[R]) Stats() Stats {
 	c := &p.core
 	c.mu.Lock()
-	defer c.mu.Unlock()
+	defer c.unlock()
 	return Stats{
-		Capacity:          len(c.slots),
-		Free:              c.counts[classFree],
-		Cached:            c.counts[classCached],
-		Leased:            c.counts[classLeased],
-		Draining:          c.counts[classDraining],
-		Quarantined:       c.counts[classQuarantined],
-		QuarantinedLeased: c.quarLeased,
+		Capacity:          c.tab.Len(),
+		Free:              c.tab.Count(slots.Free),
+		Cached:            c.tab.Count(slots.Cached),
+		Leased:            c.tab.Count(slots.Leased),
+		Draining:          c.tab.Count(slots.Draining),
+		Quarantined:       c.tab.Count(slots.Quarantined),
+		QuarantinedLeased: c.tab.QuarantinedLeased(),
 		Usable:            c.usable(),
 		Waiters:           c.queued(),
 		OpenLeases:        c.openLeases,

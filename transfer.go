@@ -190,7 +190,7 @@ func (t *Transfer) applyAll(to TransferState, ev *outbox) {
 		if c != locked {
 			if locked != nil {
 				locked.serve(ev)
-				locked.mu.Unlock()
+				locked.unlock()
 			}
 			c.mu.Lock()
 			locked = c
@@ -199,7 +199,7 @@ func (t *Transfer) applyAll(to TransferState, ev *outbox) {
 	}
 	if locked != nil {
 		locked.serve(ev)
-		locked.mu.Unlock()
+		locked.unlock()
 	}
 }
 

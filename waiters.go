@@ -3,6 +3,7 @@ package kvlease
 import (
 	"context"
 	"fmt"
+	"github.com/kvlease/kvlease/internal/slots"
 )
 
 // AcquireWait is Acquire that waits for blocks instead of failing with
@@ -30,26 +31,26 @@ func (p *Pool[R]) AcquireWait(ctx context.Context, owner string, n int) (*Lease[
 	var ev outbox
 	c.mu.Lock()
 	if c.closed.Load() {
-		c.mu.Unlock()
+		c.unlock()
 		return nil, c.reject(owner, n, closedErr(owner, n))
 	}
 	l := p.newLease(owner, n)
 	if c.queued() == 0 && c.available() >= n {
 		c.fill(l.ls.blocks, &ev)
 		c.opened(&l.ls, 0, &ev)
-		c.mu.Unlock()
+		c.unlock()
 		ev.flush()
 		return l, nil
 	}
 	if err := c.boundErr(owner, n, 0); err != nil {
 		// Waiting could not help while the quarantine lasts, and it would
 		// block everyone queued behind it.
-		c.mu.Unlock()
+		c.unlock()
 		return nil, c.reject(owner, n, err)
 	}
 	w := &waiter{l: &l.ls, n: n, ready: make(chan struct{})}
 	c.waiters = append(c.waiters, w)
-	c.mu.Unlock()
+	c.unlock()
 
 	select {
 	case <-w.ready:
@@ -59,11 +60,11 @@ func (p *Pool[R]) AcquireWait(ctx context.Context, owner string, n int) (*Lease[
 			c.dequeue(w)
 			// The head may have changed: whoever is next may fit now.
 			c.serve(&ev)
-			c.mu.Unlock()
+			c.unlock()
 			ev.flush()
 			return nil, c.reject(owner, n, ctx.Err())
 		}
-		c.mu.Unlock()
+		c.unlock()
 	}
 	// Served or woken by Close. The lease (if served) was filled and its
 	// events emitted by whoever served it.
@@ -114,15 +115,16 @@ func (c *core) compactWaiters() {
 // changed the quarantine.
 //
 // serve itself is the test, small enough to inline into every release
-// (a call cost 17 instructions a cycle, callgrind); serveAll does the work.
+// (BenchmarkLeaseCycle guards it: a call is one more per cycle); serveAll
+// does the work.
 func (c *core) serve(ev *outbox) {
-	if c.whead != len(c.waiters) || (c.counts[classQuarantined] > c.alertLimit) != c.alerted {
+	if c.whead != len(c.waiters) || c.tab.QuarantinedCount() > c.alertAt {
 		c.serveAll(ev)
 	}
 }
 
 func (c *core) serveAll(ev *outbox) {
-	if (c.counts[classQuarantined] > c.alertLimit) != c.alerted {
+	if (c.tab.Count(slots.Quarantined) > c.alertLimit) != c.alerted {
 		c.quarantineAlert(ev)
 	}
 	if c.whead == len(c.waiters) {
@@ -133,7 +135,7 @@ func (c *core) serveAll(ev *outbox) {
 
 // usable is capacity minus quarantined blocks: the most that could ever
 // be free while the current quarantine lasts.
-func (c *core) usable() int { return len(c.slots) - c.counts[classQuarantined] }
+func (c *core) usable() int { return c.tab.Len() - c.tab.Count(slots.Quarantined) }
 
 // boundErr returns an error wrapping ErrQuarantineBound when n fresh
 // blocks could never be free while the current quarantine lasts, given
@@ -144,24 +146,28 @@ func (c *core) boundErr(owner string, n, held int) error {
 		return nil
 	}
 	return fmt.Errorf("kvlease: %d fresh blocks for %q: %d of %d blocks are quarantined, %d usable, %d of them held already: %w",
-		n, owner, c.counts[classQuarantined], len(c.slots), c.usable(), held, ErrQuarantineBound)
+		n, owner, c.tab.Count(slots.Quarantined), c.tab.Len(), c.usable(), held, ErrQuarantineBound)
 }
 
 // quarantineAlert raises or clears the quarantine alert. Called with c.mu
 // held.
 func (c *core) quarantineAlert(ev *outbox) {
 	c.alerted = !c.alerted
+	c.alertAt = c.alertLimit
+	if c.alerted {
+		c.alertAt = -1
+	}
 	if c.obs == nil {
 		return
 	}
-	q := c.counts[classQuarantined]
+	q := c.tab.Count(slots.Quarantined)
 	kind, verb := EventQuarantineAlert, "above"
 	if !c.alerted {
 		kind, verb = EventQuarantineRecovered, "back to or below"
 	}
 	ev.add(c.obs, Event{Kind: kind, Blocks: q,
 		Err: fmt.Errorf("kvlease: %d of %d blocks quarantined (%d usable), %s the alert limit of %d",
-			q, len(c.slots), len(c.slots)-q, verb, c.alertLimit)})
+			q, c.tab.Len(), c.tab.Len()-q, verb, c.alertLimit)})
 }
 
 // failBound fails a queued waiter that quarantine left unservable.
@@ -208,6 +214,6 @@ func (c *core) serveSlow(ev *outbox) {
 func (p *Pool[R]) Usable() int {
 	c := &p.core
 	c.mu.Lock()
-	defer c.mu.Unlock()
+	defer c.unlock()
 	return c.usable()
 }

@@ -131,7 +131,7 @@ def own(path, srcdir):
 
 
 def run(binary, bench, n, out, cache):
-    env = dict(os.environ, GODEBUG="asyncpreemptoff=1", GOGC="off", GOMAXPROCS="1")
+    env = dict(os.environ, GODEBUG="asyncpreemptoff=1,cpu.rdtscp=off", GOGC="off", GOMAXPROCS="1")
     cmd = ["valgrind", "--tool=callgrind", "--callgrind-out-file=" + out]
     if cache:
         cmd += ["--cache-sim=yes", "--D1=49152,12,64", "--I1=32768,8,64", "--LL=16777216,16,64"]
