@@ -53,6 +53,9 @@ type core struct {
 
 	cfg config
 	obs Observer
+	// ret: retention by adapter (retention.go), made at the first
+	// SetAdapterRetention or seal by a tagged lease.
+	ret *retentionState
 	// watchOpens: a leak check, an observer or a checked build wants to
 	// hear of every lease opened (fixed when the pool is made; one field
 	// test instead of three keeps opened inlinable).

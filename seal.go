@@ -75,6 +75,7 @@ func (l *lease) sealLocked(i int, h BlockHash, st *sealTokens, ev *outbox) error
 		}
 	}
 	c.tab.Seal(int32(id))
+	c.tab.SetRetention(int32(id), uint8(c.retentionOf(l, id)))
 	c.pre[id].hash = h
 	c.recordSeal(id, st)
 	if !c.index.insert(h, id) {
