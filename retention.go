@@ -98,11 +98,16 @@ func (c *core) retState() *retentionState {
 }
 
 // retentionOf is the class block id gets when lease l seals it, and
-// records the block's adapter. Called with c.mu held.
+// records the block's adapter. Called with c.mu held; inlined into every
+// seal, so the common case (nothing set anywhere) costs two tests.
 func (c *core) retentionOf(l *lease, id BlockID) Retention {
 	if l.extra == nil && c.ret == nil {
-		return RetentionDefault // the common case: nothing set anywhere
+		return RetentionDefault
 	}
+	return c.retentionSlow(l, id)
+}
+
+func (c *core) retentionSlow(l *lease, id BlockID) Retention {
 	r := RetentionDefault
 	if e := l.extra; e != nil && e.hasRet {
 		r = e.ret

@@ -75,7 +75,9 @@ func (l *lease) sealLocked(i int, h BlockHash, st *sealTokens, ev *outbox) error
 		}
 	}
 	c.tab.Seal(int32(id))
-	c.tab.SetRetention(int32(id), uint8(c.retentionOf(l, id)))
+	if l.extra != nil || c.ret != nil || c.tab.RetentionUsed() {
+		c.tab.SetRetention(int32(id), uint8(c.retentionOf(l, id)))
+	}
 	c.pre[id].hash = h
 	c.recordSeal(id, st)
 	if !c.index.insert(h, id) {

@@ -33,8 +33,12 @@ func (t *Table) takeFast() (r Ref, evicted bool) {
 		id = t.free[n-1]
 		t.free = t.free[:n-1]
 	} else {
-		// The lowest retention class with a cached slot, its LRU's head.
-		r := bits.TrailingZeros8(t.lruMask)
+		// The lowest retention class with a cached slot, its LRU's head
+		// (the default class's while no other was ever used).
+		r := DefaultRetention
+		if t.retUsed {
+			r = bits.TrailingZeros8(t.lruMask)
+		}
 		e := &t.lru[r&(NumRetention-1)]
 		id = e.head
 		e.head, e.tail = unlink(t.links, e.head, e.tail, id)
@@ -208,12 +212,42 @@ func (t *Table) dropSlow(blocks []Ref) {
 // holds, no transfer pinning it: Leased → Cached, pushed at the LRU's
 // most recent end. One loop with the LRU's ends in registers.
 func (t *Table) cacheFast(blocks []Ref) int {
+	if t.retUsed {
+		return t.cacheClasses(blocks)
+	}
+	// Every slot is in the default class: its LRU is the only one.
+	slots, links := t.s, t.links
+	head, tail := t.lru[DefaultRetention].head, t.lru[DefaultRetention].tail
+	leased, cached := headIndexedLeased, headIndexedCached
+	i := len(blocks)
+	for ; i > 0; i-- {
+		id := blocks[i-1].ID
+		s := &slots[id]
+		if s.head() != leased || s.gates() != 0 {
+			break
+		}
+		s.setHead(cached)
+		head, tail = link(links, head, tail, id)
+	}
+	n := len(blocks) - i
+	t.lru[DefaultRetention] = lruEnds{head, tail}
+	if n > 0 {
+		t.lruMask |= 1 << DefaultRetention
+	}
+	t.lruLen += n
+	t.counts[Leased] -= n
+	t.counts[Cached] += n
+	return i
+}
+
+// cacheClasses is cacheFast once retention classes are in use: one
+// class's LRU in registers, the last block's; a block of another class
+// ends the loop (dropSlow pushes it on its own list).
+func (t *Table) cacheClasses(blocks []Ref) int {
 	if len(blocks) == 0 {
 		return 0
 	}
 	slots, links, rets := t.s, t.links, t.ret
-	// One class's LRU in registers: the last block's; a block of another
-	// class ends the loop (dropSlow pushes it on its own list).
 	r := rets[blocks[len(blocks)-1].ID] & (NumRetention - 1)
 	head, tail := t.lru[r].head, t.lru[r].tail
 	leased, cached := headIndexedLeased, headIndexedCached
@@ -363,13 +397,43 @@ func (t *Table) reviveGeneral(dst []Ref, ids []int32) int {
 
 // reviveFast is Revive's loop.
 func (t *Table) reviveFast(dst []Ref, ids []int32) int {
+	if t.retUsed {
+		return t.reviveClasses(dst, ids)
+	}
+	// Every slot is in the default class: its LRU is the only one.
+	k := 0
+	slots, links := t.s, t.links
+	head, tail := t.lru[DefaultRetention].head, t.lru[DefaultRetention].tail
+	for ; k < len(ids) && k < len(dst); k++ {
+		id := ids[k]
+		s := &slots[id]
+		if s.class != Cached {
+			break
+		}
+		s.refs++
+		s.class = Leased
+		head, tail = unlink(links, head, tail, id)
+		dst[k] = Ref{ID: id, Gen: s.gen}
+	}
+	t.lru[DefaultRetention] = lruEnds{head, tail}
+	if head == Nil {
+		t.lruMask &^= 1 << DefaultRetention
+	}
+	t.lruLen -= k
+	t.counts[Cached] -= k
+	t.counts[Leased] += k
+	return k
+}
+
+// reviveClasses is reviveFast once retention classes are in use: one
+// class's LRU in registers, the first hit's; a hit of another class ends
+// the loop (the caller takes it by Ref).
+func (t *Table) reviveClasses(dst []Ref, ids []int32) int {
 	if len(ids) == 0 {
 		return 0
 	}
 	k := 0
 	slots, links, rets := t.s, t.links, t.ret
-	// One class's LRU in registers: the first hit's; a hit of another
-	// class ends the loop (the caller takes it by Ref).
 	r := rets[ids[0]] & (NumRetention - 1)
 	head, tail := t.lru[r].head, t.lru[r].tail
 	for ; k < len(ids) && k < len(dst); k++ {

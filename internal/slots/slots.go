@@ -136,7 +136,7 @@ func (s *slot) classify() Class {
 	}
 }
 
-// lruLink is a slot's place on the LRU (only while it is cached).
+// lruLink is a slot's place on its class's LRU (only while it is cached).
 type lruLink struct{ prev, next int32 }
 
 // Retention classes. Cached slots sit on one LRU per class; an eviction
@@ -163,6 +163,10 @@ type Table struct {
 	lruMask uint8                 // bit r set: lru[r] is not empty
 	lruLen  int                   // cached slots on all of them
 	ret     []uint8               // per slot: its retention class (parallel to s)
+	// retUsed: a slot was given a class other than the default. Until
+	// then every cached slot is on the default class's LRU, and the fast
+	// loops run as with one LRU, reading no class.
+	retUsed bool
 
 	counts     [NumClasses]int
 	quarLeased int // quarantined slots an open lease still holds
@@ -215,10 +219,23 @@ func (t *Table) Retention(id int32) uint8 { return t.ret[id] }
 
 // SetRetention sets slot id's retention class (below NumRetention). A
 // cached slot moves to the most recently used end of its new class's LRU.
+// (Inlined into every seal: the change itself is out of line.)
+//
+// Until a slot is first given another class than the default, every slot
+// is in the default class, and a seal need not set it: RetentionUsed
+// tells.
 func (t *Table) SetRetention(id int32, r uint8) {
-	if t.ret[id] == r {
-		return
+	if t.ret[id] != r {
+		t.setRetention(id, r)
 	}
+}
+
+// RetentionUsed reports whether any slot was ever given a class other
+// than the default.
+func (t *Table) RetentionUsed() bool { return t.retUsed }
+
+func (t *Table) setRetention(id int32, r uint8) {
+	t.retUsed = true
 	if t.s[id].class == Cached {
 		t.lruRemove(id)
 		t.ret[id] = r
