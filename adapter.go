@@ -42,3 +42,19 @@ func (l *lease) adapter() Adapter {
 	}
 	return l.extra.tag
 }
+
+// internAdapter returns a's index in the pool's adapters, adding it. Called
+// with c.mu held, for a tagged lease's seal.
+func (c *core) internAdapter(a Adapter) int32 {
+	if i, ok := c.adapterIx[a]; ok {
+		return i
+	}
+	if c.adapterIx == nil {
+		c.adapterIx = map[Adapter]int32{}
+		c.adapters = []Adapter{{}}
+	}
+	i := int32(len(c.adapters))
+	c.adapters = append(c.adapters, a)
+	c.adapterIx[a] = i
+	return i
+}

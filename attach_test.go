@@ -8,7 +8,7 @@ import (
 
 // A long-lived lease that attaches and resolves a transfer every decode
 // step keeps no record of resolved transfers: what it retains is bounded
-// by the transfers still live (issue 11, bug 2).
+// by the transfers still live.
 func TestResolvedAttachmentsReclaimed(t *testing.T) {
 	p := newTestPool(t, 16, WithLeakCheck(false))
 	l, err := p.Acquire("long", 4)

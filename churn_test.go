@@ -8,9 +8,10 @@ import (
 	"math/rand/v2"
 	"runtime"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
+
+	"go.uber.org/atomic"
 )
 
 // Churn: many owners acquire, stamp, extend, seal, attach transfers and

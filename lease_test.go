@@ -402,7 +402,7 @@ func TestCloseRacesExtendAndAttach(t *testing.T) {
 }
 
 // No lease can obtain a writable region of a sealed block or of one it
-// shares with another lease; ReadRegion serves them (issue 11, bug 5).
+// shares with another lease; ReadRegion serves them.
 func TestRegionRefusesSealedAndShared(t *testing.T) {
 	p := newTestPool(t, 8)
 	a, err := p.Acquire("a", 3)
@@ -467,7 +467,7 @@ func TestRegionRefusesSealedAndShared(t *testing.T) {
 }
 
 // Extend with a huge n can never succeed: ErrExceedsCapacity, not a
-// retryable ErrExhausted from a wrapped sum (issue 11, bug 3).
+// retryable ErrExhausted from a wrapped sum.
 func TestExtendHugeNExceedsCapacity(t *testing.T) {
 	p := newTestPool(t, 4)
 	l, err := p.Acquire("a", 2)

@@ -274,7 +274,7 @@ func TestLifecycleEdgesThroughAPI(t *testing.T) {
 }
 
 // Closed tells an open quarantined lease from a closed one, which State
-// cannot (issue 11, rough edges).
+// cannot.
 func TestLeaseClosedWhileQuarantined(t *testing.T) {
 	p := newTestPool(t, 4)
 	l, err := p.Acquire("q", 2)

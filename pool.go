@@ -60,11 +60,16 @@ type core struct {
 	// hear of every lease opened (fixed when the pool is made; one field
 	// test instead of three keeps opened inlinable).
 	watchOpens bool
-	kv         *kvEventLog // nil unless WithKVEvents
-	meta       []sealMeta  // verified mode: per-slot parent
-	tokens     []int32     // verified mode: per-slot tokens, blockTokens each
-	stamp      uint32      // bumped per prefix probe
-	hook       offerer     // eviction hook (evict.go); nil without one
+	kv         *kvEventLog  // nil unless WithKVEvents
+	verified   bool         // verified mode (WithVerifiedPrefix)
+	seals      []sealRecord // per slot: how it was sealed (seal.go)
+	// adapters interns the adapters seal records name (adapter.go):
+	// adapters[0] is none.
+	adapters  []Adapter
+	adapterIx map[Adapter]int32
+	sealTok   []int32 // per slot: its sealed tokens, blockTokens each; made by the first SealTokens
+	stamp     uint32  // bumped per prefix probe
+	hook      offerer // eviction hook (evict.go); nil without one
 }
 
 // NewPool makes a pool over mem: every block starts free. mem must be
@@ -88,6 +93,7 @@ func NewPool[R any](mem Memory[R], opts ...Option) (*Pool[R], error) {
 	c.cfg, c.obs = cfg, cfg.obs
 	c.watchOpens = cfg.leakCheck || cfg.obs != nil || invariants.Enabled
 	c.tab.Init(n) // every block free, the first acquire gets block 0
+	c.seals = make([]sealRecord, n)
 	c.pre = make([]prefixSlot, n)
 	c.index = newPrefixIndex(c.pre)
 	c.alertLimit = cfg.alertLimit(n)
@@ -100,8 +106,8 @@ func NewPool[R any](mem Memory[R], opts ...Option) (*Pool[R], error) {
 		if cfg.blockTokens > math.MaxInt/4/n {
 			return nil, fmt.Errorf("kvlease: verified mode for %d blocks of %d tokens overflows: %w", n, cfg.blockTokens, ErrInvalidArgument)
 		}
-		c.meta = make([]sealMeta, n)
-		c.tokens = make([]int32, n*cfg.blockTokens)
+		c.verified = true
+		c.sealTok = make([]int32, n*cfg.blockTokens)
 	}
 	return p, nil
 }
@@ -143,9 +149,9 @@ func (p *Pool[R]) Acquire(owner string, n int) (*Lease[R], error) {
 // acquire is Acquire and AcquirePrefix.
 func (p *Pool[R]) acquire(owner string, hashes []BlockHash, v *verifier, n int) (*Lease[R], int, error) {
 	c := &p.core
-	// precheck's argument tests, inline (the call cost 38 instructions a
-	// cycle); a closed pool is refused under the lock below, after them,
-	// and precheckErr keeps precheck's order of errors.
+	// precheck's argument tests, inline (its call would be one more per
+	// cycle: BenchmarkLeaseCycle); a closed pool is refused under the lock
+	// below, after them, and precheckErr keeps precheck's order of errors.
 	if owner == "" || n <= 0 || n > c.tab.Len() {
 		return nil, 0, c.reject(owner, n, c.precheckErr(owner, n))
 	}

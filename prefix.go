@@ -116,7 +116,7 @@ func (c *core) probeIDs(hashes []BlockHash, v *verifier, ids []int32) (int, []in
 		return 0, ids, 0
 	}
 	c.stamp++
-	if c.index.legacy == nil && c.meta == nil {
+	if !c.verified {
 		return probeFlat(&c.index, c.tab.View(), c.pre, c.stamp, hashes, ids)
 	}
 	cached := 0
@@ -129,7 +129,7 @@ func (c *core) probeIDs(hashes []BlockHash, v *verifier, ids []int32) (int, []in
 		if wpins > 0 || c.pre[id].mark == c.stamp {
 			return k, ids, cached
 		}
-		if c.meta != nil && !c.verify(id, k, v) {
+		if c.verified && !c.verify(id, k, v) {
 			return k, ids, cached
 		}
 		c.pre[id].mark = c.stamp
@@ -145,8 +145,9 @@ func (c *core) probeIDs(hashes []BlockHash, v *verifier, ids []int32) (int, []in
 
 // probeFlat is probeIDs for the flat index without verification: the
 // index's probe written into the loop, one probe per hash, with the
-// tables in registers (find's call, its map switch and the reloads it
-// forced cost about a third of a hit: callgrind).
+// tables in registers: a find call per hash, and the reloads it forced,
+// made a hit much dearer (BenchmarkAcquirePrefix guards it, measured in
+// instructions with bench/instr: numbers in bench/README.md).
 func probeFlat(x *prefixIndex, view slots.View, pre []prefixSlot, stamp uint32, hashes []BlockHash, ids []int32) (int, []int32, int) {
 	tab, shift := x.tab, x.shift&63 // (the mask spares the shift's range check)
 	mask := uint64(len(tab) - 1)
@@ -287,7 +288,7 @@ func (p *Pool[R]) AcquirePrefixTokens(owner string, seed BlockHash, tokens []int
 		return l, 0, err
 	}
 	vp := &v
-	if p.meta == nil {
+	if !p.verified {
 		vp = nil // plain mode: the hashes are the claim
 	}
 	return p.acquire(owner, v.hashes, vp, n)
@@ -305,7 +306,7 @@ func (p *Pool[R]) CachedPrefixTokens(seed BlockHash, tokens []int32) int {
 	var buf [64]BlockHash
 	v := p.newVerifier(seed, tokens, bt, len(tokens), buf[:])
 	vp := &v
-	if p.meta == nil {
+	if !p.verified {
 		vp = nil
 	}
 	c := &p.core

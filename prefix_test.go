@@ -269,7 +269,7 @@ func TestPrefixChainNeverRepeatsABlock(t *testing.T) {
 
 // A fully cached, block-aligned prompt must not hit the block holding its
 // last token: the engine recomputes that token into it, so it must be a
-// fresh private block (issue 11, bug 5).
+// fresh private block.
 func TestTokenLookupNeverHitsLastTokenBlock(t *testing.T) {
 	for _, verified := range []bool{false, true} {
 		opts := []Option{WithBlockTokens(4)}
@@ -313,8 +313,7 @@ func TestTokenLookupNeverHitsLastTokenBlock(t *testing.T) {
 }
 
 // ResetCache(ResetAll) makes in-use sealed blocks unfindable too: after a
-// weight update nothing old may hit. The default keeps them findable
-// (issue 11, rough edges).
+// weight update nothing old may hit. The default keeps them findable.
 func TestResetCacheAll(t *testing.T) {
 	p := newTestPool(t, 6, WithKVEvents(32))
 	hs := []BlockHash{1, 2, 3}

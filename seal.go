@@ -69,7 +69,7 @@ func (l *lease) sealLocked(i int, h BlockHash, st *sealTokens, ev *outbox) error
 		return fmt.Errorf("kvlease: seal block %d of lease %d (%s): a transfer is still writing it: %w",
 			i, l.id, l.owner, ErrInvalidArgument)
 	}
-	if st != nil || c.meta != nil { // (a plain Seal on a plain pool has nothing to check)
+	if st != nil || c.verified { // (a plain Seal on a plain pool has nothing to check)
 		if err := c.checkSealTokens(st); err != nil {
 			return fmt.Errorf("kvlease: seal block %d of lease %d (%s): %w", i, l.id, l.owner, err)
 		}
@@ -79,7 +79,11 @@ func (l *lease) sealLocked(i int, h BlockHash, st *sealTokens, ev *outbox) error
 		c.tab.SetRetention(int32(id), uint8(c.retentionOf(l, id)))
 	}
 	c.pre[id].hash = h
-	c.recordSeal(id, st)
+	if c.verified || c.kv != nil {
+		// (Only verification and the KV events read the record: a pool
+		// without either does not write it. BenchmarkEvictionChurn.)
+		c.recordSeal(l, i, id, st)
+	}
 	if !c.index.insert(h, id) {
 		c.stats.duplicateSeals++
 		if c.obs != nil {
@@ -89,7 +93,7 @@ func (l *lease) sealLocked(i int, h BlockHash, st *sealTokens, ev *outbox) error
 	}
 	c.tab.SetIndexed(int32(id), true)
 	if c.kv != nil {
-		c.kv.sealed(c, l, i, id, h, st)
+		c.kv.sealed(c, id, h)
 	}
 	return nil
 }
@@ -169,4 +173,97 @@ func (l *Lease[R]) Share(owner string, n int) (*Lease[R], error) {
 	c.unlock()
 	ev.flush()
 	return nl, nil
+}
+
+// sealRecord is how a block was sealed: one per slot, written when it is
+// sealed (in a pool with verified mode or KV events: nothing else reads
+// it) and meaningful while it stays sealed (a slot that is unsealed keeps
+// a stale record nobody reads). Verified mode checks hits against
+// it, and the KV events (a stored event, a snapshot) are made from it:
+// the one record of a block's parent and tokens, read through
+// core.sealRecord.
+type sealRecord struct {
+	// parent is the hash the block was sealed under: the previous block's
+	// hash, or the namespace seed for a chain's first block.
+	parent BlockHash
+	// known: parent is known (SealTokens and SealChained give it; a plain
+	// Seal knows it only when the lease's previous block is sealed).
+	known bool
+	// chained: parent is a block, so the block's KV event names it (false
+	// for a chain's first block: the seed is not a block).
+	chained bool
+	// tokens: the block's tokens are in the pool's token arena.
+	tokens bool
+	// adapter: the sealing lease's adapter (Lease.SetAdapter), an index
+	// into the pool's interned adapters (0: none).
+	adapter int32
+	// extra: the block's extra keys and their digest, nil for none (a
+	// multimodal block's: rare, so a pointer keeps the record small).
+	extra *extraKeys
+}
+
+// extraKeys are a sealed block's extra keys (SequenceSpec.Extra).
+type extraKeys struct {
+	keys   []string
+	digest BlockHash // extraDigest(keys)
+}
+
+// extraDigest is the record's extra keys' digest (0: none).
+func (r *sealRecord) extraDigest() BlockHash {
+	if r.extra == nil {
+		return 0
+	}
+	return r.extra.digest
+}
+
+// keys is the record's extra keys (nil: none).
+func (r *sealRecord) keys() []string {
+	if r.extra == nil {
+		return nil
+	}
+	return r.extra.keys
+}
+
+// recordSeal writes the seal record of block i of l (slot id), sealed
+// with st (nil for a plain Seal). Called with c.mu held, after
+// checkSealTokens, in a pool whose records someone reads (verified mode,
+// KV events).
+func (c *core) recordSeal(l *lease, i int, id BlockID, st *sealTokens) {
+	var r sealRecord
+	if st != nil {
+		r.parent, r.known = st.parent, true
+		r.chained = st.chain == chainChild || (st.chain == chainByLease && i > 0)
+		if bt := c.cfg.blockTokens; bt > 0 && len(st.tokens) == bt {
+			if c.sealTok == nil {
+				c.sealTok = make([]int32, c.tab.Len()*bt)
+			}
+			copy(c.sealTok[int(id)*bt:(int(id)+1)*bt], st.tokens)
+			r.tokens = true
+		}
+		if len(st.extra) > 0 {
+			r.extra = &extraKeys{keys: st.extra, digest: extraDigest(st.extra)}
+		}
+	} else if i > 0 {
+		// A plain Seal: block 0 of a lease starts its chain; a later block
+		// follows the block before it in the lease when that one is sealed.
+		if pid := l.blocks[i-1].ID; c.tab.Sealed(int32(pid)) {
+			r.parent, r.known, r.chained = c.pre[pid].hash, true, true
+		}
+	}
+	if l.extra != nil && l.extra.tag != (Adapter{}) {
+		r.adapter = c.internAdapter(l.extra.tag)
+	}
+	c.seals[id] = r
+}
+
+// sealRecord returns how slot id was sealed and its tokens (a view of the
+// arena, nil when sealed without them). Meaningful while the slot is
+// sealed. Called with c.mu held.
+func (c *core) sealRecord(id BlockID) (sealRecord, []int32) {
+	r := c.seals[id]
+	if !r.tokens {
+		return r, nil
+	}
+	bt := c.cfg.blockTokens
+	return r, c.sealTok[int(id)*bt : (int(id)+1)*bt : (int(id)+1)*bt]
 }

@@ -7,7 +7,7 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// SealTokens refuses a partial block in every mode (issue 11, bug 6).
+// SealTokens refuses a partial block in every mode.
 func TestSealTokensRefusesPartialBlock(t *testing.T) {
 	for _, opts := range [][]Option{{WithBlockTokens(16)}, {WithVerifiedPrefix(16)}, {WithBlockTokens(16), WithKVEvents(8)}, nil} {
 		p := newTestPool(t, 2, opts...)

@@ -132,7 +132,7 @@ func (p *Pool[R]) Admit(spec SequenceSpec) (*Sequence[R], error) {
 	)
 	if hb := hitBlocks(len(prompt), bt); hb > 0 {
 		var vp *verifier
-		if p.meta != nil {
+		if p.verified {
 			vp = &verifier{seed: seed, hashes: s.hashes[:hb], tokens: s.tokens, blockTokens: bt, spans: s.spans}
 		}
 		l, hits, err = p.acquire(owner, s.hashes[:hb], vp, n)

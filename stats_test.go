@@ -9,7 +9,7 @@ import (
 )
 
 // Prefix statistics count queries and hits together, for admitted
-// lookups only; refused lookups are counted apart (issue 11, bug 4).
+// lookups only; refused lookups are counted apart.
 func TestPrefixStatsCountAdmittedLookups(t *testing.T) {
 	p := newTestPool(t, 4)
 	hs := []BlockHash{10, 11, 12}

@@ -3,7 +3,8 @@ package kvlease
 import (
 	"fmt"
 	"sync"
-	"sync/atomic"
+
+	"go.uber.org/atomic"
 )
 
 // TransferState is where a transfer is in its lifecycle:

@@ -4,8 +4,9 @@ import (
 	"errors"
 	"fmt"
 	"sync"
-	"sync/atomic"
 	"testing"
+
+	"go.uber.org/atomic"
 )
 
 func coreIsClosed(ch <-chan struct{}) bool {

@@ -20,14 +20,6 @@ import (
 // Use it wherever tenants do not trust each other. It costs blocks ×
 // blockTokens × 4 bytes of token storage and one comparison per hit block.
 
-// sealMeta is what verified mode keeps per slot besides the tokens, which
-// live in the pool's token arena at id*blockTokens.
-type sealMeta struct {
-	parent BlockHash
-	extra  BlockHash // extraDigest of the block's extra keys (0: none)
-	ok     bool      // tokens recorded at seal
-}
-
 // extraDigest condenses a block's extra keys for verification: 0 for
 // none, else mixExtra over them (a verified hit must carry the same keys).
 func extraDigest(extra []string) BlockHash {
@@ -70,7 +62,7 @@ func (v *verifier) parent(k int) BlockHash {
 // later hits against).
 func (c *core) checkSealTokens(st *sealTokens) error {
 	if st == nil {
-		if c.meta != nil {
+		if c.verified {
 			return fmt.Errorf("verified mode keeps each block's tokens: seal with SealTokens: %w", ErrInvalidArgument)
 		}
 		return nil
@@ -84,17 +76,6 @@ func (c *core) checkSealTokens(st *sealTokens) error {
 	return nil
 }
 
-// recordSeal stores parent and tokens for verification. Called with c.mu
-// held, after checkSealTokens.
-func (c *core) recordSeal(id BlockID, st *sealTokens) {
-	if c.meta == nil {
-		return
-	}
-	bt := c.cfg.blockTokens
-	copy(c.tokens[int(id)*bt:(int(id)+1)*bt], st.tokens)
-	c.meta[id] = sealMeta{parent: st.parent, extra: extraDigest(st.extra), ok: true}
-}
-
 // verify checks hit k (slot id) of a lookup against what was sealed.
 // Hash-only lookups (v == nil) cannot be verified and miss quietly.
 func (c *core) verify(id BlockID, k int, v *verifier) bool {
@@ -102,9 +83,9 @@ func (c *core) verify(id BlockID, k int, v *verifier) bool {
 		return false
 	}
 	bt := c.cfg.blockTokens
-	m := c.meta[id]
-	if !m.ok || m.parent != v.parent(k) || m.extra != v.extra(k) ||
-		!slices.Equal(c.tokens[int(id)*bt:(int(id)+1)*bt], v.tokens[k*bt:(k+1)*bt]) {
+	r, tokens := c.sealRecord(id)
+	if !r.known || tokens == nil || r.parent != v.parent(k) || r.extraDigest() != v.extra(k) ||
+		!slices.Equal(tokens, v.tokens[k*bt:(k+1)*bt]) {
 		c.stats.verifyMismatches++
 		return false
 	}

@@ -29,8 +29,7 @@ func quarantineN(t *testing.T, p *Pool[[]byte], owner string, n int, keep bool) 
 
 // Stats reports usable capacity and quarantined blocks still in use; a
 // request larger than what quarantine leaves usable gets
-// ErrQuarantineBound, which wraps ErrExhausted (issue 11, liveness and
-// rough edges).
+// ErrQuarantineBound, which wraps ErrExhausted.
 func TestQuarantineBoundAndStats(t *testing.T) {
 	p := newTestPool(t, 8)
 	open, tOpen := quarantineN(t, p, "open", 1, true)
@@ -84,7 +83,7 @@ func TestQuarantineBoundAndStats(t *testing.T) {
 
 // A queued waiter that quarantine makes unservable is failed with
 // ErrQuarantineBound instead of blocking the FIFO forever; waiters behind
-// it are then served (issue 11, liveness).
+// it are then served.
 func TestAcquireWaitFailedByQuarantine(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		p := newTestPool(t, 8)
@@ -131,7 +130,7 @@ func TestAcquireWaitFailedByQuarantine(t *testing.T) {
 }
 
 // A waiter that still fits the usable capacity keeps waiting through a
-// quarantine and is served once blocks return (issue 11, liveness).
+// quarantine and is served once blocks return.
 func TestAcquireWaitSurvivesQuarantineItFits(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		p := newTestPool(t, 8)
@@ -166,8 +165,7 @@ func TestAcquireWaitSurvivesQuarantineItFits(t *testing.T) {
 }
 
 // The observer is told when quarantined blocks exceed the configured
-// share of the pool, once per crossing, and when they recover (issue 11,
-// liveness).
+// share of the pool, once per crossing, and when they recover.
 func TestQuarantineAlert(t *testing.T) {
 	var mu sync.Mutex
 	var alerts []Event
