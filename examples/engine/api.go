@@ -149,7 +149,30 @@ type server struct {
 func (s *server) routes(mux *http.ServeMux) {
 	mux.HandleFunc("GET /v1/models", s.models)
 	mux.HandleFunc("POST /v1/completions", s.completions)
+	mux.HandleFunc("POST /v1/load_lora_adapter", s.loadAdapter(true))
+	mux.HandleFunc("POST /v1/unload_lora_adapter", s.loadAdapter(false))
 	mux.HandleFunc("GET /health", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
+}
+
+// loadAdapter serves vLLM's adapter endpoints for the adapters this
+// engine serves: unloading lowers the adapter's cached blocks to the first
+// evicted, loading raises them back. (The simulated model has no weights
+// to load.)
+func (s *server) loadAdapter(loaded bool) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		var req struct {
+			LoraName string `json:"lora_name"`
+		}
+		if err := json.NewDecoder(io.LimitReader(r.Body, 64<<10)).Decode(&req); err != nil {
+			writeError(w, http.StatusBadRequest, fmt.Errorf("%v: %w", err, errBadRequest))
+			return
+		}
+		if err := s.e.SetAdapterLoaded(req.LoraName, loaded); err != nil {
+			writeError(w, http.StatusNotFound, err)
+			return
+		}
+		w.WriteHeader(http.StatusOK)
+	}
 }
 
 func (s *server) models(w http.ResponseWriter, _ *http.Request) {

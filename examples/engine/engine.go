@@ -54,6 +54,7 @@ type Engine struct {
 	env   handoff.Envelope
 	pool  *kvlease.Pool[[]byte]
 	seeds map[string]kvlease.BlockHash // model name → its namespace
+	loras map[string]kvlease.Adapter   // adapter name → its tag (lora_id from 1)
 
 	submit chan *request
 	quit   chan struct{}
@@ -128,6 +129,7 @@ func NewEngine(cfg Config) (*Engine, error) {
 	e := &Engine{
 		cfg: cfg, env: env, pool: pool,
 		seeds:  map[string]kvlease.BlockHash{},
+		loras:  map[string]kvlease.Adapter{},
 		submit: make(chan *request),
 		quit:   make(chan struct{}),
 		done:   make(chan struct{}),
@@ -138,6 +140,9 @@ func NewEngine(cfg Config) (*Engine, error) {
 		h := fnv.New64a()
 		h.Write([]byte(m))
 		e.seeds[m] = kvlease.BlockHash(h.Sum64())
+	}
+	for i, a := range cfg.Adapters {
+		e.loras[a] = kvlease.Adapter{ID: i + 1, Name: a}
 	}
 	go e.run()
 	return e, nil
@@ -192,6 +197,22 @@ func (e *Engine) Submit(ctx context.Context, tenant, model, cacheSalt string, pr
 }
 
 var errNoModel = errors.New("model not served")
+
+// SetAdapterLoaded marks a LoRA adapter loaded or unloaded: an unloaded
+// adapter's cached blocks become the first evicted (RetentionMin), a
+// loaded one's return to the default class. vLLM's
+// /v1/unload_lora_adapter and /v1/load_lora_adapter call it.
+func (e *Engine) SetAdapterLoaded(name string, loaded bool) error {
+	a, ok := e.loras[name]
+	if !ok {
+		return fmt.Errorf("adapter %q: %w", name, errNoModel)
+	}
+	r := kvlease.RetentionMin
+	if loaded {
+		r = kvlease.RetentionDefault
+	}
+	return e.pool.SetAdapterRetention(a.ID, r)
+}
 
 // Close stops the scheduler: requests in flight end with errShutdown and
 // release their leases.
@@ -279,7 +300,11 @@ func (e *Engine) admit(waiting *[]*request, running []*request) []*request {
 		if e.pool.Available()-reserved < need {
 			break
 		}
-		seq, err := e.pool.NewSequence(r.id, r.seed, kvlease.TokensInt32(r.prompt))
+		// The adapter's tag goes on the lease: the blocks it seals are
+		// announced under the adapter (lora_id, lora_name), so a router
+		// indexes them there, in a pool shared by every adapter.
+		seq, err := e.pool.Admit(kvlease.SequenceSpec{Owner: r.id, Seed: r.seed,
+			Prompt: kvlease.TokensInt32(r.prompt), Adapter: e.loras[r.model]})
 		if errors.Is(err, kvlease.ErrExhausted) {
 			break
 		}

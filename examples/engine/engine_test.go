@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"math/rand/v2"
 	"net/http"
 	"os"
@@ -21,6 +22,7 @@ import (
 
 	"github.com/go-zeromq/zmq4"
 
+	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/events"
 )
 
@@ -114,6 +116,7 @@ func complete(ctx context.Context, c *http.Client, base string, req map[string]a
 type subscriber struct {
 	mu       sync.Mutex
 	stored   map[uint64]bool
+	loras    map[string]int // BlockStored blocks per lora_name ("" for the base model)
 	batches  int
 	badBatch error
 }
@@ -145,6 +148,10 @@ func (s *subscriber) consume(sock zmq4.Socket) {
 				for _, h := range ev.BlockHashes {
 					s.stored[h] = true
 				}
+				s.loras[ev.LoraName] += len(ev.BlockHashes)
+				if (ev.LoraName == "") != (ev.LoraID == nil) {
+					s.badBatch = fmt.Errorf("lora_name %q with lora_id %v", ev.LoraName, ev.LoraID)
+				}
 			case "BlockRemoved":
 				for _, h := range ev.BlockHashes {
 					delete(s.stored, h)
@@ -173,7 +180,7 @@ func TestEngineLoad(t *testing.T) {
 
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
-	sub := &subscriber{stored: map[uint64]bool{}}
+	sub := &subscriber{stored: map[uint64]bool{}, loras: map[string]int{}}
 	sock := zmq4.NewSub(ctx)
 	defer sock.Close()
 	if err := sock.Dial("tcp://" + a.pub.Addr().String()); err != nil {
@@ -369,6 +376,12 @@ func TestEngineLoad(t *testing.T) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
+	sub.mu.Lock()
+	loras := maps.Clone(sub.loras)
+	sub.mu.Unlock()
+	if len(loras) != 3 || loras[""] == 0 || loras["sim-1-sql"] == 0 || loras["sim-1-chat"] == 0 {
+		t.Fatalf("blocks by lora_name %v: want the base model and both adapters", loras)
+	}
 	t.Logf("%d requests (%d warm-up, %d cancelled), %d cached blocks announced in %d batches, prefix hits %d of %d blocks",
 		warm+total, warm, cancels, len(cached), sub.batches, st.PrefixHits, st.PrefixQueries)
 }
@@ -415,6 +428,30 @@ func TestAPI(t *testing.T) {
 	r3, err := complete(ctx, c, base, map[string]any{"model": "sim-1-sql", "prompt": ids, "max_tokens": 1}, 0)
 	if err != nil || r3.status != 200 || r3.body.Usage.PromptTokensDetails.CachedTokens != 0 {
 		t.Fatalf("adapter: %+v %v", r3, err)
+	}
+	// Unloading an adapter makes its cached blocks the first evicted.
+	adapterPost := func(path, name string) int {
+		resp, err := http.Post(base+path, "application/json", strings.NewReader(`{"lora_name":"`+name+`"}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	if code := adapterPost("/v1/unload_lora_adapter", "sim-1-sql"); code != 200 {
+		t.Fatalf("unload: %d", code)
+	}
+	if by := a.engine.Pool().CachedByRetention(); by[kvlease.RetentionMin] != 2 {
+		t.Fatalf("after unloading sim-1-sql: cached by class %v, want its 2 blocks in the lowest", by)
+	}
+	if code := adapterPost("/v1/load_lora_adapter", "sim-1-sql"); code != 200 {
+		t.Fatalf("load: %d", code)
+	}
+	if by := a.engine.Pool().CachedByRetention(); by[kvlease.RetentionMin] != 0 {
+		t.Fatalf("after loading: %v", by)
+	}
+	if code := adapterPost("/v1/unload_lora_adapter", "nope"); code != 404 {
+		t.Fatalf("unknown adapter: %d", code)
 	}
 	for _, tc := range []struct {
 		req  map[string]any

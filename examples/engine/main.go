@@ -21,6 +21,10 @@
 //     chunked prefill and a reservation of each running request's growth.
 //   - the client's context: when it goes away, the scheduler aborts the
 //     request's lease at the next step; its sealed blocks stay cached.
+//   - LoRA adapters (-lora): one pool serves them all; each request's lease
+//     carries its adapter's tag, so its blocks' KV events say lora_id and
+//     lora_name; /v1/unload_lora_adapter lowers the adapter's blocks to
+//     the first evicted retention class (Pool.SetAdapterRetention).
 //   - tenants (-api-keys FILE): a bearer key names a tenant, and
 //     Pool.TenantSeed derives the tenant's namespace from a secret the
 //     pool holds: tenants never hit or time each other's prefixes, even
