@@ -226,14 +226,26 @@ func (s *Sequence[R]) Reserve(total int) {
 // All or nothing: on an error (Extend's: ErrExhausted, ErrLeaseClosed,
 // ErrExceedsCapacity, ErrPoolClosed) no token is appended.
 func (s *Sequence[R]) Append(tokens ...int32) error {
-	end := len(s.tokens) + len(tokens)
-	if need := (end + s.bt - 1) / s.bt; need > s.nblocks {
-		if err := s.l.Extend(need - s.nblocks); err != nil {
+	if end := len(s.tokens) + len(tokens); end > s.nblocks*s.bt {
+		if err := s.grow(end); err != nil {
 			return err
 		}
-		s.nblocks = need
 	}
-	s.tokens = append(s.tokens, tokens...)
+	if len(tokens) == 1 { // a decode step's token: no copy loop
+		s.tokens = append(s.tokens, tokens[0])
+	} else {
+		s.tokens = append(s.tokens, tokens...)
+	}
+	return nil
+}
+
+// grow extends the lease to hold end tokens.
+func (s *Sequence[R]) grow(end int) error {
+	need := (end + s.bt - 1) / s.bt
+	if err := s.l.Extend(need - s.nblocks); err != nil {
+		return err
+	}
+	s.nblocks = need
 	return nil
 }
 
@@ -251,6 +263,10 @@ func (s *Sequence[R]) Commit(n int) error {
 	}
 	to := s.computed + n
 	bt := s.bt
+	if to < (s.sealed+1)*bt { // no block filled: a decode step's commit
+		s.computed = to
+		return nil
+	}
 	for (s.sealed+1)*bt <= to {
 		k := s.sealed
 		toks := s.tokens[k*bt : (k+1)*bt]
