@@ -9,6 +9,15 @@ import (
 	"testing"
 )
 
+// filled returns a table of n slots with k of them handed out into dst.
+func filled(n, k int) (*Table, []Ref) {
+	tab := new(Table)
+	tab.Init(n)
+	dst := make([]Ref, k)
+	tab.Fill(dst)
+	return tab, dst
+}
+
 // drop is Drop and DropRest, as the pool calls them.
 func drop(tab *Table, blocks []Ref) {
 	if i := tab.Drop(blocks); i > 0 {
@@ -84,38 +93,32 @@ func TestGenerationWrapSkipsZero(t *testing.T) {
 // Evicting takes the least recently unreferenced block, and a chain
 // enters the LRU tail first, so it is evicted from its end.
 func TestTakeEvictsLeastRecent(t *testing.T) {
-	var tab Table
-	tab.Init(3)
-	dst := make([]Ref, 3)
-	tab.Fill(dst)
+	tab, dst := filled(3, 3)
 	for _, r := range dst {
 		tab.Seal(r.ID)
 		tab.SetIndexed(r.ID, true)
 	}
-	drop(&tab, dst) // tail first onto the LRU
+	drop(tab, dst) // tail first onto the LRU
 	for _, want := range []int32{dst[2].ID, dst[1].ID, dst[0].ID} {
 		r, evicted := tab.Take()
 		if !evicted || r.ID != want {
 			t.Fatalf("took %v (evicted %v), want slot %d", r, evicted, want)
 		}
 	}
-	checkTable(t, &tab)
+	checkTable(t, tab)
 }
 
 // Repin moves write pins only when a pin appears or disappears, and a
 // quarantined pin on a leased slot counts it as quarantined and leased.
 func TestRepinQuarantine(t *testing.T) {
-	var tab Table
-	tab.Init(2)
-	dst := make([]Ref, 1)
-	tab.Fill(dst)
+	tab, dst := filled(2, 1)
 	id := dst[0].ID
 	tab.Repin(id, PinNone, PinPending, true)
 	tab.Repin(id, PinPending, PinQuarantined, true)
 	if tab.ClassOf(id) != Quarantined || tab.QuarantinedLeased() != 1 || !tab.Writing(id) {
 		t.Fatalf("class %v, quarantined leased %d, writing %v", tab.ClassOf(id), tab.QuarantinedLeased(), tab.Writing(id))
 	}
-	drop(&tab, dst)
+	drop(tab, dst)
 	if tab.ClassOf(id) != Quarantined || tab.QuarantinedLeased() != 0 {
 		t.Fatalf("after drop: class %v, quarantined leased %d", tab.ClassOf(id), tab.QuarantinedLeased())
 	}
@@ -123,7 +126,7 @@ func TestRepinQuarantine(t *testing.T) {
 	if tab.ClassOf(id) != Free || tab.Writing(id) {
 		t.Fatalf("after late resolve: class %v, writing %v", tab.ClassOf(id), tab.Writing(id))
 	}
-	checkTable(t, &tab)
+	checkTable(t, tab)
 }
 
 // The fast paths equal the general ones: two tables driven through the
