@@ -1,6 +1,8 @@
 package kvlease_test
 
 import (
+	"crypto/sha256"
+	"encoding/binary"
 	"fmt"
 
 	"github.com/kvlease/kvlease"
@@ -115,4 +117,51 @@ func ExamplePool_Admit() {
 	// stored sql-lora []
 	// stored sql-lora [sha256:aaaa]
 	// another image hits 1 block
+}
+
+// Blocks of an unloaded adapter are evicted before everyone else's; a
+// low-priority lease's blocks likewise.
+func ExamplePool_SetAdapterRetention() {
+	mem, _ := kvlease.NewHostMemory(4, 64)
+	pool, _ := kvlease.NewPool[[]byte](mem)
+	seal := func(owner string, h kvlease.BlockHash, a kvlease.Adapter) {
+		l, _ := pool.Acquire(owner, 2)
+		_ = l.SetAdapter(a)
+		_ = l.Seal(0, h)
+		_ = l.Seal(1, h+1)
+		l.Release()
+	}
+	seal("base", 10, kvlease.Adapter{})
+	seal("sql", 20, kvlease.Adapter{ID: 1, Name: "sql-lora"})
+	_ = pool.SetAdapterRetention(1, kvlease.RetentionMin) // the adapter is unloaded
+	fmt.Println("cached by class", pool.CachedByRetention())
+
+	l, _ := pool.Acquire("next", 2) // evicts two cached blocks: the adapter's
+	fmt.Println("base still cached:", pool.CachedPrefix([]kvlease.BlockHash{10, 11}), "adapter:", pool.CachedPrefix([]kvlease.BlockHash{20, 21}))
+	l.Release()
+	// Output:
+	// cached by class [2 0 0 0 2 0 0 0]
+	// base still cached: 2 adapter: 0
+}
+
+// A pool that must reproduce another system's block hashes plugs its
+// function in; everything the pool hashes uses it.
+func ExampleWithHasher() {
+	vllmLike := func(parent kvlease.BlockHash, tokens []int32, extra []string) kvlease.BlockHash {
+		d := sha256.New()
+		_ = binary.Write(d, binary.BigEndian, uint64(parent))
+		_ = binary.Write(d, binary.BigEndian, tokens)
+		for _, k := range extra {
+			d.Write([]byte(k))
+		}
+		return kvlease.BlockHash(binary.BigEndian.Uint64(d.Sum(nil)))
+	}
+	mem, _ := kvlease.NewHostMemory(8, 64)
+	pool, _ := kvlease.NewPool[[]byte](mem, kvlease.WithBlockTokens(2), kvlease.WithHasher(vllmLike))
+	s, _ := pool.NewSequence("req-1", 7, []int32{1, 2, 3, 4, 5})
+	_ = s.Commit(s.Len())
+	fmt.Println(s.BlockHashes()[0] == vllmLike(7, []int32{1, 2}, nil), s.BlockHashes()[0] == pool.HashBlock(7, []int32{1, 2}, nil))
+	s.Release()
+	// Output:
+	// true true
 }
