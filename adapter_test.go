@@ -141,3 +141,28 @@ func TestAdapterErrors(t *testing.T) {
 	}
 	checkPool(t, p)
 }
+
+// SealExtra: a lease-level seal with extra keys, findable by the pool's
+// hash of them and announced with them.
+func TestSealExtra(t *testing.T) {
+	p := seqPool(t, 8, WithBlockTokens(2), WithKVEvents(8))
+	l, _ := p.Acquire("a", 2)
+	keys := []string{"img:1"}
+	h0, err := l.SealExtra(0, 3, []int32{1, 2}, keys)
+	if err != nil {
+		t.Fatal(err)
+	}
+	keys[0] = "changed" // the pool kept its own copy
+	if h0 != HashBlockExtra(3, []int32{1, 2}, []string{"img:1"}) || h0 != p.HashBlock(3, []int32{1, 2}, []string{"img:1"}) {
+		t.Fatal("SealExtra's hash is not the pool's")
+	}
+	l.Release()
+	evs, _ := p.DrainKVEvents(nil)
+	if len(evs) != 1 || !slices.Equal(evs[0].ExtraKeys, []string{"img:1"}) {
+		t.Fatalf("events %+v", evs)
+	}
+	if p.CachedPrefix([]BlockHash{h0}) != 1 {
+		t.Fatal("not findable by its hash")
+	}
+	checkPool(t, p)
+}

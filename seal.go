@@ -2,6 +2,7 @@ package kvlease
 
 import (
 	"fmt"
+	"slices"
 )
 
 // Seal declares block i full and immutable from now on, findable by h for
@@ -110,6 +111,19 @@ func (l *lease) sealLocked(i int, h BlockHash, st *sealTokens, ev *outbox) error
 func (l *Lease[R]) SealTokens(i int, parent BlockHash, tokens []int32) (BlockHash, error) {
 	h := l.ls.c.hashBlock(parent, tokens, nil)
 	return h, l.ls.seal(i, h, &sealTokens{parent: parent, tokens: tokens})
+}
+
+// SealExtra is SealTokens for a block with extra keys (see ExtraKey):
+// its hash is the pool's hash of parent, tokens and extra
+// (HashBlockExtra by default), the keys are recorded with the seal
+// (verified lookups compare them) and published with its BlockStored
+// event. The pool keeps its own copy of extra. Errors as SealTokens.
+func (l *Lease[R]) SealExtra(i int, parent BlockHash, tokens []int32, extra []string) (BlockHash, error) {
+	h := l.ls.c.hashBlock(parent, tokens, extra)
+	if len(extra) > 0 {
+		extra = slices.Clone(extra)
+	}
+	return h, l.ls.seal(i, h, &sealTokens{parent: parent, tokens: tokens, extra: extra})
 }
 
 // SealChained is SealTokens for a block whose place in its chain is not

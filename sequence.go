@@ -72,6 +72,11 @@ type SequenceSpec struct {
 	Extra []ExtraKey
 	// Adapter tags the blocks the sequence seals (Lease.SetAdapter).
 	Adapter Adapter
+	// MaxTokens, when larger than the prompt, is the most tokens the
+	// sequence will hold (prompt plus max_tokens): its token and hash
+	// tables are made that large at once (Reserve), so decoding
+	// allocates nothing more.
+	MaxTokens int
 }
 
 // NewSequence admits a request: it hashes the prompt's full blocks once
@@ -114,10 +119,11 @@ func (p *Pool[R]) Admit(spec SequenceSpec) (*Sequence[R], error) {
 	}
 	n := (len(prompt) + bt - 1) / bt
 	s := &Sequence[R]{bt: bt, seed: seed, promptLen: len(prompt), spans: spec.Extra}
-	s.tokens = make([]int32, len(prompt), len(prompt)+bt)
+	total := max(spec.MaxTokens, len(prompt)+bt)
+	s.tokens = make([]int32, len(prompt), total)
 	copy(s.tokens, prompt)
 	full := len(prompt) / bt
-	s.hashes = make([]BlockHash, full, n+1)
+	s.hashes = make([]BlockHash, full, max(n, total/bt)+1)
 	parent := seed
 	for k := range full {
 		// (extraOf allocates only for a spec with extra keys: a stack

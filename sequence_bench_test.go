@@ -23,11 +23,10 @@ func BenchmarkSequenceDecode(b *testing.B) {
 	op := func() {
 		reqSeq++
 		base := reqSeq << 12
-		s, err := p.NewSequence("seq", 0, prompt)
+		s, err := p.Admit(SequenceSpec{Owner: "seq", Prompt: prompt, MaxTokens: bt + gen})
 		if err != nil {
 			b.Fatal(err)
 		}
-		s.Reserve(bt + gen)
 		if err := s.Commit(bt); err != nil {
 			b.Fatal(err)
 		}
