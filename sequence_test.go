@@ -363,6 +363,7 @@ func FuzzSequence(f *testing.F) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		_ = warm.Lease().SetRetention(Retention(seed % 8)) // mixed retention classes, evicted as the pool fills
 		if err := warm.Commit(warm.Len() - warm.Computed()); err != nil {
 			t.Fatal(err)
 		}
@@ -371,6 +372,7 @@ func FuzzSequence(f *testing.F) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		_ = s.Lease().SetRetention(Retention(seed >> 3 % 8))
 		model := slices.Clone(prompt)
 		computed := s.Computed()
 		for _, op := range ops {
