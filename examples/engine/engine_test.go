@@ -348,8 +348,12 @@ func TestEngineLoad(t *testing.T) {
 	if n := e.kvMismatches.Load(); n != 0 {
 		t.Fatalf("%d prefix hits served KV of other tokens", n)
 	}
-	if got := e.aborted.Load(); got != int64(cancels) {
-		t.Fatalf("aborted %d, cancelled %d", got, cancels)
+	// Every request ended once, finished or aborted. A cancelled stream
+	// is aborted unless its request finished before the server saw the
+	// client go (possible on a starved machine, though it asks for 1000
+	// tokens): either way its blocks came back, checked above.
+	if got, fin := e.aborted.Load(), e.finished.Load(); got < 1 || got > int64(cancels) || got+fin != int64(warm+total) {
+		t.Fatalf("aborted %d, finished %d: want 1..%d aborted and %d in all", got, fin, cancels, warm+total)
 	}
 
 	// The router's view converges on the pool's cache.
