@@ -42,6 +42,14 @@ type attachment struct {
 	access   Access
 	whole    bool
 	applied  TransferState
+	// deferred: a pending Read range attached to an open lease pins
+	// nothing yet. While the lease holds its blocks a read pin changes
+	// nothing anyone asks of them (their class is leased, and only write
+	// pins bar seals and hits), so the pins are applied when the lease
+	// gives blocks back (close, TrimTo: pinDeferred and release's fused
+	// loop) or the transfer is quarantined first; a transfer that
+	// resolves first unpins nothing. BenchmarkLeaseCycleTransfer guards it.
+	deferred bool
 }
 
 // att returns attachment i (0 ≤ i < natts).
@@ -168,8 +176,11 @@ func (l *lease) attachLocked(t *Transfer, from, to int, acc Access, whole bool, 
 	if st == TransferResolved || (!whole && from == to) {
 		return nil // gates nothing
 	}
-	if st == TransferPending && !whole {
-		c.tab.PinPending(refs(l.blocks[from:to]), acc == Write)
+	deferred := st == TransferPending && !whole && acc == Read
+	if deferred {
+		// Pinned when the lease gives the blocks back (see attachment).
+	} else if st == TransferPending && !whole {
+		c.tab.PinPending(refs(l.blocks[from:to]), true)
 	} else {
 		pin := pinOf(st)
 		for i := from; i < to; i++ {
@@ -177,7 +188,7 @@ func (l *lease) attachLocked(t *Transfer, from, to int, acc Access, whole bool, 
 			c.tab.Repin(id, slots.PinNone, pin, acc == Write || (whole && !c.tab.Sealed(id)))
 		}
 	}
-	l.addAtt(attachment{t: t, from: int32(from), to: int32(to), access: acc, whole: whole, applied: st})
+	l.addAtt(attachment{t: t, from: int32(from), to: int32(to), access: acc, whole: whole, applied: st, deferred: deferred})
 	if st == TransferPending {
 		l.pending++
 	} else {
@@ -192,6 +203,35 @@ func (l *lease) attachLocked(t *Transfer, from, to int, acc Access, whole bool, 
 		c.transition(l, ev)
 	}
 	return nil
+}
+
+// pinDeferred applies the pins of l's deferred attachments (see
+// attachment) before l gives blocks back. Called with c.mu held.
+func (c *core) pinDeferred(l *lease) {
+	for i := range l.natts {
+		if a := l.att(i); a.deferred {
+			c.tab.PinPending(refs(l.blocks[a.from:a.to]), false)
+			a.deferred = false
+		}
+	}
+}
+
+// dropGated is close's drop of blocks from..Len()-1 of a lease that
+// transfers gate: their deferred pins applied (see attachment), in one
+// pass with the drop when one pending read covers them all (a send, an
+// offload: BenchmarkLeaseCycleTransfer). Called with c.mu held.
+func (c *core) dropGated(l *lease, from int) {
+	blocks := l.blocks[from:]
+	if a := &l.att0; l.natts == 1 && a.deferred && int(a.from) == from && int(a.to) == len(l.blocks) {
+		a.deferred = false
+		if rest := c.tab.DropPinned(refs(blocks)); rest > 0 {
+			c.tab.PinPending(refs(blocks[:rest]), false) // what that pass left
+			c.drop(blocks[:rest])
+		}
+		return
+	}
+	c.pinDeferred(l)
+	c.drop(blocks)
 }
 
 // pinOf is the slot table's pin state of a transfer state.
@@ -235,9 +275,15 @@ func (c *core) apply(l *lease, to TransferState, t *Transfer, ev *outbox) {
 		hi = len(l.blocks) // from the first block it gated (see TrimTo)
 	}
 	// Tail first, as Release does, so a chain enters the LRU from its end.
-	if from == TransferPending && to == TransferResolved {
+	switch {
+	case a.deferred && to == TransferResolved:
+		// Nothing was pinned: nothing to unpin.
+	case a.deferred:
+		c.applyRange(l.blocks, lo, hi, a, TransferResolved, to) // pins from none
+		a.deferred = false
+	case from == TransferPending && to == TransferResolved:
 		c.tab.Resolve(refs(l.blocks[lo:hi]), a.access == Write, a.whole)
-	} else {
+	default:
 		c.applyRange(l.blocks, lo, hi, a, from, to)
 	}
 	a.applied = to

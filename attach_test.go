@@ -1,6 +1,7 @@
 package kvlease
 
 import (
+	"fmt"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -230,4 +231,66 @@ func TestAttachResolvedWriteOverSealed(t *testing.T) {
 	l.Release()
 	q.Resolve(nil)
 	coreAllFree(t, p)
+}
+
+// A pending Read range on an open lease pins nothing until the lease gives
+// its blocks back (release's one pass, or TrimTo), and the counts come out
+// as if it had pinned at attach: resolved while open, nothing drains;
+// trimmed, the trimmed blocks drain; quarantined while open, the blocks
+// are quarantined at once.
+func TestReadAttachPinsAtRelease(t *testing.T) {
+	p := newTestPool(t, 8)
+	counts := func(want string) {
+		t.Helper()
+		require.NoError(t, p.Check())
+		st := p.Stats()
+		got := fmt.Sprintf("free %d leased %d draining %d quarantined %d", st.Free, st.Leased, st.Draining, st.Quarantined)
+		require.Equal(t, want, got)
+	}
+
+	a, err := p.Acquire("a", 4)
+	require.NoError(t, err)
+	ta := NewTransfer(nil)
+	require.NoError(t, a.AttachRange(ta, 0, 4, Read))
+	require.True(t, ta.Resolve(nil)) // while open: nothing to unpin
+	a.Release()
+	counts("free 8 leased 0 draining 0 quarantined 0")
+	require.Equal(t, LeaseSettled, a.State())
+
+	b, err := p.Acquire("b", 4)
+	require.NoError(t, err)
+	tb := NewTransfer(nil)
+	require.NoError(t, b.AttachRange(tb, 0, 4, Read))
+	require.NoError(t, b.TrimTo(2))
+	counts("free 4 leased 2 draining 2 quarantined 0")
+	b.Release()
+	counts("free 4 leased 0 draining 4 quarantined 0")
+	require.True(t, tb.Resolve(nil))
+	counts("free 8 leased 0 draining 0 quarantined 0")
+
+	c, err := p.Acquire("c", 2)
+	require.NoError(t, err)
+	tc := NewTransfer(nil)
+	require.NoError(t, c.AttachRange(tc, 0, 2, Read))
+	tc.Quarantine(nil)
+	counts("free 6 leased 0 draining 0 quarantined 2")
+	require.Equal(t, 2, p.Stats().QuarantinedLeased)
+	c.Release()
+	counts("free 6 leased 0 draining 0 quarantined 2")
+	require.True(t, tc.Resolve(nil))
+	counts("free 8 leased 0 draining 0 quarantined 0")
+
+	// Two ranges, one of them a write: the read's pins are applied at
+	// release beside the write's.
+	d, err := p.Acquire("d", 4)
+	require.NoError(t, err)
+	r, w := NewTransfer(nil), NewTransfer(nil)
+	require.NoError(t, d.AttachRange(r, 0, 2, Read))
+	require.NoError(t, d.AttachRange(w, 2, 4, Write))
+	d.Release()
+	counts("free 4 leased 0 draining 4 quarantined 0")
+	require.True(t, r.Resolve(nil))
+	counts("free 6 leased 0 draining 2 quarantined 0")
+	require.True(t, w.Resolve(nil))
+	counts("free 8 leased 0 draining 0 quarantined 0")
 }

@@ -336,9 +336,13 @@ func (l *lease) close(abort bool, cause error) {
 	if x != nil {
 		from = x.trimmed
 	}
-	// c.drop, by hand: its call would be one more per cycle.
-	if i := c.tab.Drop(refs(l.blocks[from:])); i > 0 {
-		c.tab.DropRest(refs(l.blocks[from : from+i]))
+	if l.natts == 0 {
+		// c.drop, by hand: its call would be one more per cycle.
+		if i := c.tab.Drop(refs(l.blocks[from:])); i > 0 {
+			c.tab.DropRest(refs(l.blocks[from : from+i]))
+		}
+	} else {
+		c.dropGated(l, from)
 	}
 	if abort {
 		var cancel [4]*Transfer // zeroed only on this path

@@ -93,6 +93,9 @@ func (l *Lease[R]) TrimTo(i int) error {
 		return nil
 	}
 	ls.ext().trimmed = i
+	if ls.natts > 0 {
+		c.pinDeferred(ls) // the trimmed blocks drain until their transfers resolve
+	}
 	c.drop(ls.blocks[first:i])
 	c.serve(&ev)
 	if c.obs != nil {

@@ -123,6 +123,53 @@ func (t *Table) Drop(blocks []Ref) (rest int) {
 	return t.dropFast(blocks)
 }
 
+// DropPinned is Drop for blocks that one pending read transfer gates
+// without having pinned them yet (the pool pins a read only when its
+// lease gives the blocks back): it pins and drops in one pass, tail
+// first, and returns how many blocks it left, from the first block
+// outside its case: the caller pins those (PinPending) and drops them
+// (Drop).
+//
+// Mirrors Repin(PinNone → PinPending, read) then Unref, on a slot this
+// lease alone holds and nothing pins yet, unsealed or sealed and indexed:
+// Leased → Draining. A leaf.
+func (t *Table) DropPinned(blocks []Ref) (rest int) {
+	if invariants.Enabled { // (a constant: production builds pay nothing, not even in inlining budget)
+		if invariants.Sometimes(generalPercent) {
+			t.pinGeneral(blocks, false)
+			t.dropGeneral(blocks)
+			return 0
+		}
+	}
+	return t.dropPinnedFast(blocks)
+}
+
+// dropPinnedFast is DropPinned's loop.
+func (t *Table) dropPinnedFast(blocks []Ref) int {
+	slots := t.s
+	leased, indexedLeased := headLeased, headIndexedLeased
+	draining, indexedDraining := headDraining, headIndexedDraining
+	i := len(blocks)
+	for ; i > 0; i-- {
+		s := &slots[blocks[i-1].ID]
+		if s.gates() != 0 {
+			break
+		}
+		if h := s.head(); h == leased {
+			s.setHead(draining)
+		} else if h == indexedLeased {
+			s.setHead(indexedDraining)
+		} else {
+			break
+		}
+		s.pins = 1
+	}
+	n := len(blocks) - i
+	t.counts[Leased] -= n
+	t.counts[Draining] += n
+	return i
+}
+
 // DropRest is Drop for the blocks it left.
 func (t *Table) DropRest(blocks []Ref) { t.dropSlow(blocks) }
 

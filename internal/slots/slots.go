@@ -110,12 +110,13 @@ const (
 // The heads the fast paths compare against and store (the byte order is
 // the machine's, so they are computed, not written as constants).
 var (
-	headLeased        = (&slot{refs: 1, class: Leased}).head()
-	headFree          = (&slot{class: Free}).head()
-	headDraining      = (&slot{class: Draining}).head()
-	headIndexedLeased = (&slot{refs: 1, class: Leased, sealed: true, index: true}).head()
-	headIndexedCached = (&slot{class: Cached, sealed: true, index: true}).head()
-	gatesOnePin       = (&slot{pins: 1}).gates()
+	headLeased          = (&slot{refs: 1, class: Leased}).head()
+	headFree            = (&slot{class: Free}).head()
+	headDraining        = (&slot{class: Draining}).head()
+	headIndexedLeased   = (&slot{refs: 1, class: Leased, sealed: true, index: true}).head()
+	headIndexedCached   = (&slot{class: Cached, sealed: true, index: true}).head()
+	headIndexedDraining = (&slot{class: Draining, sealed: true, index: true}).head()
+	gatesOnePin         = (&slot{pins: 1}).gates()
 )
 
 func (s *slot) held() bool { return s.refs > 0 || s.pins > 0 || s.quar > 0 }
