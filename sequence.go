@@ -174,6 +174,10 @@ func (s *Sequence[R]) extraOf(dst []string, k int) []string {
 // its regions, and the Abort a request's own goroutine may call.
 func (s *Sequence[R]) Lease() *Lease[R] { return s.l }
 
+// Blocks returns how many blocks the sequence's lease holds (Lease.Len
+// without the pool's lock: the sequence alone grows its lease).
+func (s *Sequence[R]) Blocks() int { return s.nblocks }
+
 // Len returns the tokens appended so far, prompt included.
 func (s *Sequence[R]) Len() int { return len(s.tokens) }
 

@@ -62,7 +62,7 @@ func TestSequenceLifecycle(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if s.Len() != 80 || s.Lease().Len() != 5 || s.Sealed() != 5 {
+	if s.Len() != 80 || s.Lease().Len() != 5 || s.Blocks() != 5 || s.Sealed() != 5 {
 		t.Fatalf("len %d blocks %d sealed %d, want 80 5 5", s.Len(), s.Lease().Len(), s.Sealed())
 	}
 	want := ChainHashes(seed, s.Tokens(), bt)

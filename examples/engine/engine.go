@@ -292,7 +292,7 @@ func (e *Engine) admit(waiting *[]*request, running []*request) []*request {
 	bt := e.cfg.BlockTokens
 	reserved := 0
 	for _, r := range running {
-		reserved += e.env.BlocksFor(len(r.prompt)+r.maxTokens) - r.seq.Lease().Len()
+		reserved += e.env.BlocksFor(len(r.prompt)+r.maxTokens) - r.seq.Blocks()
 	}
 	for len(*waiting) > 0 && len(running) < e.cfg.MaxRunning {
 		r := (*waiting)[0]
@@ -304,7 +304,7 @@ func (e *Engine) admit(waiting *[]*request, running []*request) []*request {
 		// announced under the adapter (lora_id, lora_name), so a router
 		// indexes them there, in a pool shared by every adapter.
 		seq, err := e.pool.Admit(kvlease.SequenceSpec{Owner: r.id, Seed: r.seed,
-			Prompt: kvlease.TokensInt32(r.prompt), Adapter: e.loras[r.model]})
+			Prompt: kvlease.TokensInt32(r.prompt), Adapter: e.loras[r.model], MaxTokens: len(r.prompt) + r.maxTokens})
 		if errors.Is(err, kvlease.ErrExhausted) {
 			break
 		}
@@ -313,7 +313,6 @@ func (e *Engine) admit(waiting *[]*request, running []*request) []*request {
 			r.out <- output{err: err}
 			continue
 		}
-		seq.Reserve(len(r.prompt) + r.maxTokens)
 		// A prefix hit serves another request's KV: check it is this
 		// prompt's (a real engine need not; this example proves it).
 		for k := range seq.Hits() {
@@ -323,7 +322,7 @@ func (e *Engine) admit(waiting *[]*request, running []*request) []*request {
 			}
 		}
 		r.seq = seq
-		reserved += need - seq.Lease().Len()
+		reserved += need - seq.Blocks()
 		running = append(running, r)
 	}
 	return running
