@@ -31,7 +31,17 @@
 //     (NewTransferGroup, AttachGroup, AttachGroupRange) for per-rank
 //     transfers of one logical copy; Transport and CopyPair, what a data
 //     plane implements.
-//   - Prefix hashes: BlockHash, HashBlock, ChainHashes.
+//   - Prefix hashes: BlockHash, HashBlock, ChainHashes; HashBlockExtra
+//     and ExtraKey (extra keys), Hasher (WithHasher, Pool.HashBlock);
+//     Token, TokensInt32, TokensUint32, HashTokens, ChainTokens (uint32
+//     token ids without a copy).
+//   - Sequence (Pool.NewSequence, Pool.Admit with a SequenceSpec): a
+//     request's tokens over a lease: Append, Commit, AppendComputed,
+//     Rollback, Reserve, growth and a seal per full block.
+//   - Engine policy: Adapter (Lease.SetAdapter: lora tags in KV events),
+//     Retention (Lease.SetRetention, Pool.SetAdapterRetention,
+//     Pool.CachedByRetention: eviction classes), tenants (WithTenantKey,
+//     Pool.TenantSeed), Stats.InUse.
 //   - Observation: Observer, ObserverFunc, Event, EventKind.
 //   - Errors: ErrInvalidArgument, ErrExceedsCapacity, ErrExhausted,
 //     ErrQuarantineBound, ErrPoolClosed, ErrLeaseClosed, ErrStaleRef,

@@ -66,6 +66,13 @@ type KVEvent struct {
 	HasParent       bool      // stored: ParentBlockHash is known (false for the first block of a chain)
 	TokenIDs        []int32   // stored via SealTokens: a copy of the block's tokens
 	BlockSize       int       // stored: tokens per block (WithBlockTokens), 0 if not configured
+	// Stored: the adapter of the lease that sealed the block
+	// (Lease.SetAdapter); LoraName "" means the base model.
+	LoraID   int
+	LoraName string
+	// Stored: the block's extra keys (mixed into its hash), nil if none.
+	// Shared, read only.
+	ExtraKeys []string
 }
 
 // WithKVEvents turns on KV events with a ring of buffer events (1 to 2²⁴).
@@ -136,9 +143,14 @@ func (k *kvEventLog) push(e KVEvent) {
 // made from its seal record; tokens is the record's view of the arena.
 func storedEvent(c *core, id BlockID, h BlockHash) (KVEvent, []int32) {
 	r, tokens := c.sealRecord(id)
-	e := KVEvent{Kind: KVBlockStored, BlockHash: h, HasParent: r.chained, BlockSize: c.cfg.blockTokens}
+	e := KVEvent{Kind: KVBlockStored, BlockHash: h, HasParent: r.chained, BlockSize: c.cfg.blockTokens,
+		ExtraKeys: r.keys()}
 	if r.chained {
 		e.ParentBlockHash = r.parent
+	}
+	if r.adapter != 0 {
+		a := c.adapters[r.adapter]
+		e.LoraID, e.LoraName = a.ID, a.Name
 	}
 	return e, tokens
 }

@@ -71,8 +71,11 @@ type leaseExtra struct {
 	settled chan struct{} // made on demand by Settled
 	timer   *time.Timer   // drain deadline
 	leak    runtime.Cleanup
-	watched bool // leak is registered
-	trimmed int  // blocks before this index were given back by TrimTo (trim.go)
+	watched bool      // leak is registered
+	trimmed int       // blocks before this index were given back by TrimTo (trim.go)
+	tag     Adapter   // SetAdapter (adapter.go)
+	ret     Retention // SetRetention (retention.go); 0 with hasRet false: the default
+	hasRet  bool
 }
 
 func (l *lease) ext() *leaseExtra {

@@ -40,6 +40,8 @@ type config struct {
 	verify       bool
 	blockTokens  int
 	kvEvents     int
+	tenantKey    []byte  // WithTenantKey: the root of every tenant's secret
+	hasher       Hasher  // WithHasher; nil: HashBlockExtra
 	alert        bool    // WithQuarantineAlert given
 	alertShare   float64 // alert when quarantined blocks exceed this share
 	setBy        map[string]string

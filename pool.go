@@ -53,6 +53,9 @@ type core struct {
 
 	cfg config
 	obs Observer
+	// ret: retention by adapter (retention.go), made at the first
+	// SetAdapterRetention or seal by a tagged lease.
+	ret *retentionState
 	// watchOpens: a leak check, an observer or a checked build wants to
 	// hear of every lease opened (fixed when the pool is made; one field
 	// test instead of three keeps opened inlinable).
@@ -60,9 +63,13 @@ type core struct {
 	kv         *kvEventLog  // nil unless WithKVEvents
 	verified   bool         // verified mode (WithVerifiedPrefix)
 	seals      []sealRecord // per slot: how it was sealed (seal.go)
-	sealTok    []int32      // per slot: its sealed tokens, blockTokens each; made by the first SealTokens
-	stamp      uint32       // bumped per prefix probe
-	hook       offerer      // eviction hook (evict.go); nil without one
+	// adapters interns the adapters seal records name (adapter.go):
+	// adapters[0] is none.
+	adapters  []Adapter
+	adapterIx map[Adapter]int32
+	sealTok   []int32 // per slot: its sealed tokens, blockTokens each; made by the first SealTokens
+	stamp     uint32  // bumped per prefix probe
+	hook      offerer // eviction hook (evict.go); nil without one
 }
 
 // NewPool makes a pool over mem: every block starts free. mem must be

@@ -282,7 +282,7 @@ func (p *Pool[R]) AcquirePrefixTokens(owner string, seed BlockHash, tokens []int
 		return nil, 0, p.reject(owner, n, err)
 	}
 	var buf [64]BlockHash
-	v := newVerifier(seed, tokens, bt, max(n, 0), buf[:])
+	v := p.newVerifier(seed, tokens, bt, max(n, 0), buf[:])
 	if len(v.hashes) == 0 {
 		l, err := p.Acquire(owner, n)
 		return l, 0, err
@@ -304,7 +304,7 @@ func (p *Pool[R]) CachedPrefixTokens(seed BlockHash, tokens []int32) int {
 		return 0
 	}
 	var buf [64]BlockHash
-	v := newVerifier(seed, tokens, bt, len(tokens), buf[:])
+	v := p.newVerifier(seed, tokens, bt, len(tokens), buf[:])
 	vp := &v
 	if !p.verified {
 		vp = nil

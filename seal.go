@@ -2,6 +2,7 @@ package kvlease
 
 import (
 	"fmt"
+	"slices"
 )
 
 // Seal declares block i full and immutable from now on, findable by h for
@@ -20,13 +21,14 @@ func (l *Lease[R]) Seal(i int, h BlockHash) error {
 	return l.ls.seal(i, h, nil)
 }
 
-// sealTokens carries what verified mode records: the parent hash and the
-// block's tokens; chain overrides where its KV event places the block in
+// sealTokens carries what verified mode records: the parent hash, the
+// block's tokens and its extra keys; chain overrides where its KV event places the block in
 // its chain (SealChained).
 type sealTokens struct {
 	parent BlockHash
 	tokens []int32
 	chain  chainPlace
+	extra  []string // the block's extra keys (mixed into its hash), owned by the seal from now on
 }
 
 // chainPlace says where a sealed block sits in its chain, for its KV event.
@@ -74,6 +76,9 @@ func (l *lease) sealLocked(i int, h BlockHash, st *sealTokens, ev *outbox) error
 		}
 	}
 	c.tab.Seal(int32(id))
+	if l.extra != nil || c.ret != nil || c.tab.RetentionUsed() {
+		c.tab.SetRetention(int32(id), uint8(c.retentionOf(l, id)))
+	}
 	c.pre[id].hash = h
 	if c.verified || c.kv != nil {
 		// (Only verification and the KV events read the record: a pool
@@ -96,7 +101,7 @@ func (l *lease) sealLocked(i int, h BlockHash, st *sealTokens, ev *outbox) error
 
 // SealTokens seals block i with the hash of its tokens under parent (the
 // previous block's hash, or the namespace seed for the first block) and
-// returns that hash. It is Seal with the hash computed for you, and the
+// returns that hash: HashBlock's, or the pool's Hasher (WithHasher). It is Seal with the hash computed for you, and the
 // only way to seal in verified mode (WithVerifiedPrefix), where the pool
 // keeps parent and tokens to check every later hit against. In every mode
 // tokens must be exactly one full block (the configured block tokens): a
@@ -104,8 +109,21 @@ func (l *lease) sealLocked(i int, h BlockHash, st *sealTokens, ev *outbox) error
 // without WithBlockTokens or WithVerifiedPrefix refuses SealTokens. Both
 // wrap ErrInvalidArgument; other errors as Seal.
 func (l *Lease[R]) SealTokens(i int, parent BlockHash, tokens []int32) (BlockHash, error) {
-	h := HashBlock(parent, tokens)
+	h := l.ls.c.hashBlock(parent, tokens, nil)
 	return h, l.ls.seal(i, h, &sealTokens{parent: parent, tokens: tokens})
+}
+
+// SealExtra is SealTokens for a block with extra keys (see ExtraKey):
+// its hash is the pool's hash of parent, tokens and extra
+// (HashBlockExtra by default), the keys are recorded with the seal
+// (verified lookups compare them) and published with its BlockStored
+// event. The pool keeps its own copy of extra. Errors as SealTokens.
+func (l *Lease[R]) SealExtra(i int, parent BlockHash, tokens []int32, extra []string) (BlockHash, error) {
+	h := l.ls.c.hashBlock(parent, tokens, extra)
+	if len(extra) > 0 {
+		extra = slices.Clone(extra)
+	}
+	return h, l.ls.seal(i, h, &sealTokens{parent: parent, tokens: tokens, extra: extra})
 }
 
 // SealChained is SealTokens for a block whose place in its chain is not
@@ -116,7 +134,7 @@ func (l *Lease[R]) SealTokens(i int, parent BlockHash, tokens []int32) (BlockHas
 // starts its chain: the event names no parent, even for a later block of
 // the lease). The hash, the checks and the errors are SealTokens'.
 func (l *Lease[R]) SealChained(i int, parent BlockHash, hasParent bool, tokens []int32) (BlockHash, error) {
-	h := HashBlock(parent, tokens)
+	h := l.ls.c.hashBlock(parent, tokens, nil)
 	place := chainStartAny
 	if hasParent {
 		place = chainChild
@@ -190,6 +208,34 @@ type sealRecord struct {
 	chained bool
 	// tokens: the block's tokens are in the pool's token arena.
 	tokens bool
+	// adapter: the sealing lease's adapter (Lease.SetAdapter), an index
+	// into the pool's interned adapters (0: none).
+	adapter int32
+	// extra: the block's extra keys and their digest, nil for none (a
+	// multimodal block's: rare, so a pointer keeps the record small).
+	extra *extraKeys
+}
+
+// extraKeys are a sealed block's extra keys (SequenceSpec.Extra).
+type extraKeys struct {
+	keys   []string
+	digest BlockHash // extraDigest(keys)
+}
+
+// extraDigest is the record's extra keys' digest (0: none).
+func (r *sealRecord) extraDigest() BlockHash {
+	if r.extra == nil {
+		return 0
+	}
+	return r.extra.digest
+}
+
+// keys is the record's extra keys (nil: none).
+func (r *sealRecord) keys() []string {
+	if r.extra == nil {
+		return nil
+	}
+	return r.extra.keys
 }
 
 // recordSeal writes the seal record of block i of l (slot id), sealed
@@ -208,12 +254,18 @@ func (c *core) recordSeal(l *lease, i int, id BlockID, st *sealTokens) {
 			copy(c.sealTok[int(id)*bt:(int(id)+1)*bt], st.tokens)
 			r.tokens = true
 		}
+		if len(st.extra) > 0 {
+			r.extra = &extraKeys{keys: st.extra, digest: extraDigest(st.extra)}
+		}
 	} else if i > 0 {
 		// A plain Seal: block 0 of a lease starts its chain; a later block
 		// follows the block before it in the lease when that one is sealed.
 		if pid := l.blocks[i-1].ID; c.tab.Sealed(int32(pid)) {
 			r.parent, r.known, r.chained = c.pre[pid].hash, true, true
 		}
+	}
+	if l.extra != nil && l.extra.tag != (Adapter{}) {
+		r.adapter = c.internAdapter(l.extra.tag)
 	}
 	c.seals[id] = r
 }

@@ -147,3 +147,9 @@ func (p *Pool[R]) Stats() Stats {
 		LeakedLeases:            c.leaked.Load(),
 	}
 }
+
+// InUse returns the blocks running requests hold: Leased plus the
+// QuarantinedLeased blocks an open lease still uses (they count as
+// Quarantined). It is the number an engine compares with its budget;
+// Capacity-InUse is not what it may acquire (see Pool.Available).
+func (s Stats) InUse() int { return s.Leased + s.QuarantinedLeased }

@@ -160,3 +160,29 @@ func TestStatsPrecedence(t *testing.T) {
 	rd.Resolve(nil)
 	coreWant(t, p, coreCounts{Free: 3, Cached: 1})
 }
+
+// InUse counts the blocks open leases hold, quarantined ones included.
+func TestStatsInUse(t *testing.T) {
+	mem, _ := NewHostMemory(8, 64)
+	p, err := NewPool[[]byte](mem)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, _ := p.Acquire("a", 3)
+	b, _ := p.Acquire("b", 2)
+	tr := NewTransfer(nil)
+	if err := b.AttachRange(tr, 0, 2, Write); err != nil {
+		t.Fatal(err)
+	}
+	tr.Quarantine(nil)
+	st := p.Stats()
+	if st.Leased != 3 || st.QuarantinedLeased != 2 || st.InUse() != 5 {
+		t.Fatalf("leased %d quarantined-leased %d in use %d", st.Leased, st.QuarantinedLeased, st.InUse())
+	}
+	a.Release()
+	b.Release()
+	if n := p.Stats().InUse(); n != 0 {
+		t.Fatalf("in use %d after release", n)
+	}
+	tr.Resolve(nil)
+}

@@ -20,6 +20,15 @@ import (
 // Use it wherever tenants do not trust each other. It costs blocks ×
 // blockTokens × 4 bytes of token storage and one comparison per hit block.
 
+// extraDigest condenses a block's extra keys for verification: 0 for
+// none, else mixExtra over them (a verified hit must carry the same keys).
+func extraDigest(extra []string) BlockHash {
+	if len(extra) == 0 {
+		return 0
+	}
+	return mixExtra(0, extra)
+}
+
 // verifier carries what a lookup by tokens checks hits against: the
 // expected parent of each block and its tokens.
 type verifier struct {
@@ -27,6 +36,16 @@ type verifier struct {
 	hashes      []BlockHash
 	tokens      []int32
 	blockTokens int
+	spans       []ExtraKey // the lookup's extra keys (a Sequence's); nil: none
+}
+
+// extra is the digest of block k's extra keys under the lookup's spans.
+func (v *verifier) extra(k int) BlockHash {
+	if len(v.spans) == 0 {
+		return 0
+	}
+	var buf [4]string
+	return extraDigest(blockExtras(buf[:0], v.spans, k, v.blockTokens))
 }
 
 func (v *verifier) parent(k int) BlockHash {
@@ -65,7 +84,8 @@ func (c *core) verify(id BlockID, k int, v *verifier) bool {
 	}
 	bt := c.cfg.blockTokens
 	r, tokens := c.sealRecord(id)
-	if !r.known || tokens == nil || r.parent != v.parent(k) || !slices.Equal(tokens, v.tokens[k*bt:(k+1)*bt]) {
+	if !r.known || tokens == nil || r.parent != v.parent(k) || r.extraDigest() != v.extra(k) ||
+		!slices.Equal(tokens, v.tokens[k*bt:(k+1)*bt]) {
 		c.stats.verifyMismatches++
 		return false
 	}
@@ -87,12 +107,12 @@ func hitBlocks(ntokens, bt int) int {
 
 // newVerifier chains the hashes of the full blocks of tokens (at most
 // limit blocks) into buf's storage when it fits.
-func newVerifier(seed BlockHash, tokens []int32, bt, limit int, buf []BlockHash) verifier {
+func (c *core) newVerifier(seed BlockHash, tokens []int32, bt, limit int, buf []BlockHash) verifier {
 	n := min(hitBlocks(len(tokens), bt), limit)
 	hashes := buf[:0]
 	parent := seed
 	for k := range n {
-		parent = hashInto(parent, tokens[k*bt:(k+1)*bt])
+		parent = c.hashBlock(parent, tokens[k*bt:(k+1)*bt], nil)
 		hashes = append(hashes, parent)
 	}
 	return verifier{seed: seed, hashes: hashes, tokens: tokens, blockTokens: bt}

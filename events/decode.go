@@ -3,6 +3,7 @@ package events
 import (
 	"errors"
 	"fmt"
+	"math"
 
 	"github.com/vmihailenco/msgpack/v5"
 )
@@ -24,6 +25,7 @@ type Event struct {
 	LoraID          *int
 	Medium          string
 	LoraName        string
+	ExtraKeys       [][]string // per block: its extra keys, or nil; nil when the event has none
 }
 
 // Batch is one decoded payload.
@@ -83,7 +85,7 @@ func DecodeBatch(payload []byte) (Batch, error) {
 }
 
 var (
-	storedFields  = []string{"block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"}
+	storedFields  = []string{"block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "extra_keys"}
 	removedFields = []string{"block_hashes", "medium"}
 )
 
@@ -154,7 +156,10 @@ func decodeEvent(raw any) (Event, error) {
 			if err != nil {
 				return e, err
 			}
-			e.TokenIDs[i] = int32(n)
+			if n < math.MinInt32 || n > math.MaxUint32 {
+				return e, fmt.Errorf("token id %d is not a 32-bit id: %w", n, ErrMalformed)
+			}
+			e.TokenIDs[i] = int32(n) // ids ≥ 2³¹ keep their bits (kvlease.TokensUint32 reads them back)
 		}
 		if e.BlockSize, err = toInt(fields[4]); err != nil {
 			return e, err
@@ -172,6 +177,11 @@ func decodeEvent(raw any) (Event, error) {
 		if e.LoraName, err = toStr(at(7)); err != nil {
 			return e, err
 		}
+		if raw := at(8); raw != nil {
+			if e.ExtraKeys, err = toExtraKeys(raw, len(e.BlockHashes)); err != nil {
+				return e, err
+			}
+		}
 	case tagBlockRemoved:
 		if len(fields) < 2 {
 			return e, fmt.Errorf("BlockRemoved with %d fields: %w", len(fields), ErrMalformed)
@@ -186,6 +196,32 @@ func decodeEvent(raw any) (Event, error) {
 		return e, fmt.Errorf("unknown event type %q: %w", tag, ErrMalformed)
 	}
 	return e, nil
+}
+
+// toExtraKeys reads extra_keys: one entry per block, each nil or an
+// array of strings.
+func toExtraKeys(raw any, blocks int) ([][]string, error) {
+	arr, ok := raw.([]any)
+	if !ok || len(arr) != blocks {
+		return nil, fmt.Errorf("extra_keys is not one entry per block: %w", ErrMalformed)
+	}
+	out := make([][]string, len(arr))
+	for i, v := range arr {
+		if v == nil {
+			continue
+		}
+		keys, ok := v.([]any)
+		if !ok {
+			return nil, fmt.Errorf("extra_keys[%d] is %T: %w", i, v, ErrMalformed)
+		}
+		out[i] = make([]string, len(keys))
+		for j, k := range keys {
+			if out[i][j], ok = k.(string); !ok {
+				return nil, fmt.Errorf("extra_keys[%d][%d] is %T: %w", i, j, k, ErrMalformed)
+			}
+		}
+	}
+	return out, nil
 }
 
 func toHashes(raw any) ([]uint64, error) {

@@ -39,7 +39,8 @@ type Source struct {
 	Medium string
 	// LoraName, when set, is sent as lora_name with LoraID as lora_id
 	// (llm-d then keys the blocks by the adapter's name instead of the
-	// model's).
+	// model's). A block sealed by a lease with an adapter
+	// (kvlease.Lease.SetAdapter) is sent with that adapter's instead.
 	LoraName string
 	LoraID   int
 }
@@ -696,7 +697,12 @@ func (d *drainer) convert(s *source, evs []kvlease.KVEvent, dst []wireEvent, liv
 			if bs == 0 {
 				bs = len(e.TokenIDs)
 			}
+			loraName, loraID := s.LoraName, s.LoraID
+			if e.LoraName != "" { // the sealing lease's adapter (Lease.SetAdapter)
+				loraName, loraID = e.LoraName, e.LoraID
+			}
 			if last != nil && last.tag == tagBlockStored && e.HasParent && last.medium == s.Medium &&
+				last.loraName == loraName && last.loraID == loraID && last.extraKeys == nil && e.ExtraKeys == nil &&
 				d.hashArena[lastSpan.hashHi-1] == uint64(e.ParentBlockHash) && last.blockSize == bs &&
 				lastSpan.hashHi-lastSpan.hashLo < maxMergedBlocks {
 				d.hashArena = append(d.hashArena, uint64(e.BlockHash))
@@ -709,9 +715,13 @@ func (d *drainer) convert(s *source, evs []kvlease.KVEvent, dst []wireEvent, liv
 			d.tokArena = append(d.tokArena, e.TokenIDs...)
 			sp.hashHi, sp.tokHi = len(d.hashArena), len(d.tokArena)
 			d.spans = append(d.spans, sp)
-			dst = append(dst, wireEvent{tag: tagBlockStored,
+			we := wireEvent{tag: tagBlockStored,
 				parent: uint64(e.ParentBlockHash), hasParent: e.HasParent, blockSize: bs,
-				medium: s.Medium, loraName: s.LoraName, loraID: s.LoraID})
+				medium: s.Medium, loraName: loraName, loraID: loraID}
+			if e.ExtraKeys != nil {
+				we.extraKeys = [][]string{e.ExtraKeys} // never merged: one block
+			}
+			dst = append(dst, we)
 		case kvlease.KVBlockRemoved:
 			if last != nil && last.tag == tagBlockRemoved && last.medium == s.Medium &&
 				lastSpan.hashHi-lastSpan.hashLo < maxMergedBlocks {

@@ -48,7 +48,8 @@ type wireEvent struct {
 	blockSize int
 	medium    string
 	loraID    int
-	loraName  string // empty: lora_id and lora_name are nil
+	loraName  string     // empty: lora_id and lora_name are nil
+	extraKeys [][]string // per block: its extra keys or nil; nil: no extra_keys field
 }
 
 // batchEncoder encodes batches into a reused buffer. It writes msgpack
@@ -90,6 +91,9 @@ func (b *batchEncoder) event(buf []byte, ev *wireEvent) []byte {
 	switch ev.tag {
 	case tagBlockStored:
 		fields = 7 // block_hashes parent_block_hash token_ids block_size lora_id medium lora_name
+		if ev.extraKeys != nil {
+			fields++ // extra_keys, sent only when a block has some
+		}
 	case tagBlockRemoved:
 		fields = 2 // block_hashes medium
 	}
@@ -118,7 +122,10 @@ func (b *batchEncoder) event(buf []byte, ev *wireEvent) []byte {
 		buf = key(buf, "token_ids")
 		buf = appendArrayLen(buf, len(ev.tokens))
 		for _, t := range ev.tokens {
-			buf = appendInt(buf, int64(t))
+			// Token ids are unsigned (vLLM's are non-negative; Go
+			// tokenizers and llm-d use uint32): the 4 bytes kvlease
+			// carries go on the wire as the uint32 they are.
+			buf = appendInt(buf, int64(uint32(t)))
 		}
 		buf = key(buf, "block_size")
 		buf = appendInt(buf, int64(ev.blockSize))
@@ -141,6 +148,20 @@ func (b *batchEncoder) event(buf []byte, ev *wireEvent) []byte {
 			buf = appendString(buf, ev.loraName)
 		} else {
 			buf = append(buf, mpNil)
+		}
+		if ev.extraKeys != nil {
+			buf = key(buf, "extra_keys")
+			buf = appendArrayLen(buf, len(ev.extraKeys))
+			for _, keys := range ev.extraKeys {
+				if keys == nil {
+					buf = append(buf, mpNil)
+					continue
+				}
+				buf = appendArrayLen(buf, len(keys))
+				for _, k := range keys {
+					buf = appendString(buf, k)
+				}
+			}
 		}
 	}
 	return buf

@@ -57,7 +57,7 @@ func refEncode(t *testing.T, enc Encoding, dpRank int, ts float64, evs []wireEve
 			key("token_ids")
 			ok(e.EncodeArrayLen(len(ev.tokens)))
 			for _, tk := range ev.tokens {
-				ok(e.EncodeInt(int64(tk)))
+				ok(e.EncodeInt(int64(uint32(tk)))) // token ids are unsigned on the wire
 			}
 			key("block_size")
 			ok(e.EncodeInt(int64(ev.blockSize)))

@@ -13,7 +13,8 @@
 //
 // With Options.VLLM set, each pool is also exported under vLLM's names
 // (vllm:kv_cache_usage_perc, vllm:prefix_cache_queries_total and
-// vllm:prefix_cache_hits_total in tokens, vllm:cache_config_info), so a
+// vllm:prefix_cache_hits_total in tokens, vllm:cache_config_info; or the
+// subset VLLMOptions.Names chooses, for an engine exporting some itself), so a
 // scheduler that scores vLLM engines from their /metrics (llm-d's) can
 // score a Go engine unchanged. Those names contain colons, which
 // Prometheus reserves for recording rules and its linter reports; that is
@@ -84,7 +85,23 @@ type VLLMOptions struct {
 	// BlockTokens is the tokens per block: prefix queries and hits are
 	// counted in tokens, and it is cache_config_info's block_size.
 	BlockTokens int
+	// Names, when set, chooses which of VLLMNames to export; nil exports
+	// them all. An engine that exports some vllm: names itself lists the
+	// others here, so no name is registered twice. An unknown or repeated
+	// name is refused (ErrInvalid); an empty list exports none.
+	Names []string
 }
+
+// vLLM's metric names a Collector can export (VLLMOptions.Names).
+const (
+	VLLMKVCacheUsage       = "vllm:kv_cache_usage_perc"
+	VLLMPrefixCacheQueries = "vllm:prefix_cache_queries_total"
+	VLLMPrefixCacheHits    = "vllm:prefix_cache_hits_total"
+	VLLMCacheConfigInfo    = "vllm:cache_config_info"
+)
+
+// VLLMNames lists every vLLM name a Collector can export, in order.
+var VLLMNames = []string{VLLMKVCacheUsage, VLLMPrefixCacheQueries, VLLMPrefixCacheHits, VLLMCacheConfigInfo}
 
 // Collector is a prometheus.Collector over kvlease pools, KV-event
 // publishers and handoffs. Its methods are safe for concurrent use.
@@ -192,12 +209,32 @@ func New(reg prometheus.Registerer, opts Options) (*Collector, error) {
 		pAcceptErrs:  d("handoff_data_accept_errors_total", "Failed accepts of a TCP plane's listener, retried after a backoff.", "plane"),
 	}
 	if v := opts.VLLM; v != nil {
+		names := v.Names
+		if names == nil {
+			names = VLLMNames
+		}
 		vl := []string{"engine", "model_name"}
-		c.d.vUsage = prometheus.NewDesc("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", vl, cl)
-		c.d.vQueries = prometheus.NewDesc("vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of number of queried tokens.", vl, cl)
-		c.d.vHits = prometheus.NewDesc("vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.", vl, cl)
-		c.d.vConfig = prometheus.NewDesc("vllm:cache_config_info", "Information of the LLMEngine CacheConfig.",
-			[]string{"engine", "model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching"}, cl)
+		for i, name := range names {
+			var d **prometheus.Desc
+			var desc *prometheus.Desc
+			switch name {
+			case VLLMKVCacheUsage:
+				d, desc = &c.d.vUsage, prometheus.NewDesc(name, "KV-cache usage. 1 means 100 percent usage.", vl, cl)
+			case VLLMPrefixCacheQueries:
+				d, desc = &c.d.vQueries, prometheus.NewDesc(name, "Prefix cache queries, in terms of number of queried tokens.", vl, cl)
+			case VLLMPrefixCacheHits:
+				d, desc = &c.d.vHits, prometheus.NewDesc(name, "Prefix cache hits, in terms of number of cached tokens.", vl, cl)
+			case VLLMCacheConfigInfo:
+				d, desc = &c.d.vConfig, prometheus.NewDesc(name, "Information of the LLMEngine CacheConfig.",
+					[]string{"engine", "model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching"}, cl)
+			default:
+				return nil, fmt.Errorf("metrics: VLLM.Names[%d] %q is not one of %v: %w", i, name, VLLMNames, ErrInvalid)
+			}
+			if *d != nil {
+				return nil, fmt.Errorf("metrics: VLLM.Names lists %q twice: %w", name, ErrInvalid)
+			}
+			*d = desc
+		}
 	}
 	hist := func(name, help string) *prometheus.HistogramVec {
 		return prometheus.NewHistogramVec(prometheus.HistogramOpts{
@@ -294,11 +331,10 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 	} {
 		ch <- d
 	}
-	if c.opts.VLLM != nil {
-		ch <- c.d.vUsage
-		ch <- c.d.vQueries
-		ch <- c.d.vHits
-		ch <- c.d.vConfig
+	for _, d := range []*prometheus.Desc{c.d.vUsage, c.d.vQueries, c.d.vHits, c.d.vConfig} {
+		if d != nil { // only the chosen vLLM names
+			ch <- d
+		}
 	}
 	c.transfer.Describe(ch)
 	c.drain.Describe(ch)
@@ -358,10 +394,18 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 				used = float64(st.Capacity-st.Free-st.Cached) / float64(st.Capacity)
 			}
 			bt := uint64(v.BlockTokens)
-			gauge(c.d.vUsage, used, n, v.Model)
-			counter(c.d.vQueries, st.PrefixQueries*bt, n, v.Model)
-			counter(c.d.vHits, st.PrefixHits*bt, n, v.Model)
-			gauge(c.d.vConfig, 1, n, v.Model, strconv.Itoa(v.BlockTokens), strconv.Itoa(st.Capacity), "True")
+			if c.d.vUsage != nil {
+				gauge(c.d.vUsage, used, n, v.Model)
+			}
+			if c.d.vQueries != nil {
+				counter(c.d.vQueries, st.PrefixQueries*bt, n, v.Model)
+			}
+			if c.d.vHits != nil {
+				counter(c.d.vHits, st.PrefixHits*bt, n, v.Model)
+			}
+			if c.d.vConfig != nil {
+				gauge(c.d.vConfig, 1, n, v.Model, strconv.Itoa(v.BlockTokens), strconv.Itoa(st.Capacity), "True")
+			}
 		}
 	}
 	for _, p := range pubs {

@@ -69,19 +69,29 @@ func (t *Table) Check(bad func(format string, args ...any)) {
 		seen[id] = true
 	}
 	n := 0
-	prev := Nil
-	for id := t.head; id != Nil && n <= len(t.s); id = t.links[id].next {
-		if t.s[id].class != Cached {
-			bad("LRU: slot %d is %v", id, t.s[id].class)
+	for r := range t.lru {
+		prev := Nil
+		m := 0
+		for id := t.lru[r].head; id != Nil && n <= len(t.s); id = t.links[id].next {
+			if t.s[id].class != Cached {
+				bad("LRU %d: slot %d is %v", r, id, t.s[id].class)
+			}
+			if t.ret[id] != uint8(r) {
+				bad("LRU %d: slot %d has retention %d", r, id, t.ret[id])
+			}
+			if t.links[id].prev != prev {
+				bad("LRU %d: slot %d links back to %d, not %d", r, id, t.links[id].prev, prev)
+			}
+			prev = id
+			n++
+			m++
 		}
-		if t.links[id].prev != prev {
-			bad("LRU: slot %d links back to %d, not %d", id, t.links[id].prev, prev)
+		if prev != t.lru[r].tail {
+			bad("LRU %d: ends at %d, tail is %d", r, prev, t.lru[r].tail)
 		}
-		prev = id
-		n++
-	}
-	if prev != t.tail {
-		bad("LRU: ends at %d, tail is %d", prev, t.tail)
+		if (m > 0) != (t.lruMask&(1<<r) != 0) {
+			bad("LRU %d: %d linked, mask %08b", r, m, t.lruMask)
+		}
 	}
 	if n != t.lruLen || onLRU != t.lruLen {
 		bad("LRU: %d linked, %d counted, %d slots cached", n, t.lruLen, onLRU)

@@ -27,7 +27,8 @@ func TestCheckFindsCorruption(t *testing.T) {
 		{"free but held", func(tab *Table) { tab.s[2].pins = 1 }},
 		{"free stack short", func(tab *Table) { tab.free = tab.free[:len(tab.free)-1] }},
 		{"quarantined leased miscounted", func(tab *Table) { tab.quarLeased++ }},
-		{"LRU tail", func(tab *Table) { tab.tail = 3 }},
+		{"LRU tail", func(tab *Table) { tab.lru[DefaultRetention].tail = 3 }},
+		{"LRU mask", func(tab *Table) { tab.lruMask = 1 }},
 	}
 	for _, c := range corrupt {
 		var tab Table

@@ -1,6 +1,10 @@
 package slots
 
-import "github.com/kvlease/kvlease/internal/invariants"
+import (
+	"math/bits"
+
+	"github.com/kvlease/kvlease/internal/invariants"
+)
 
 // The fast paths. Each loop runs for every block of every lease, so each
 // is hand-written for its commonest case and says which case of change it
@@ -29,8 +33,18 @@ func (t *Table) takeFast() (r Ref, evicted bool) {
 		id = t.free[n-1]
 		t.free = t.free[:n-1]
 	} else {
-		id = t.head
-		t.head, t.tail = unlink(t.links, t.head, t.tail, id)
+		// The lowest retention class with a cached slot, its LRU's head
+		// (the default class's while no other was ever used).
+		r := DefaultRetention
+		if t.retUsed {
+			r = bits.TrailingZeros8(t.lruMask)
+		}
+		e := &t.lru[r&(NumRetention-1)]
+		id = e.head
+		e.head, e.tail = unlink(t.links, e.head, e.tail, id)
+		if e.head == Nil {
+			t.lruMask &^= 1 << r
+		}
 		t.lruLen--
 		old, evicted = Cached, true
 	}
@@ -245,8 +259,12 @@ func (t *Table) dropSlow(blocks []Ref) {
 // holds, no transfer pinning it: Leased → Cached, pushed at the LRU's
 // most recent end. One loop with the LRU's ends in registers.
 func (t *Table) cacheFast(blocks []Ref) int {
+	if t.retUsed {
+		return t.cacheClasses(blocks)
+	}
+	// Every slot is in the default class: its LRU is the only one.
 	slots, links := t.s, t.links
-	head, tail := t.head, t.tail
+	head, tail := t.lru[DefaultRetention].head, t.lru[DefaultRetention].tail
 	leased, cached := headIndexedLeased, headIndexedCached
 	i := len(blocks)
 	for ; i > 0; i-- {
@@ -259,7 +277,42 @@ func (t *Table) cacheFast(blocks []Ref) int {
 		head, tail = link(links, head, tail, id)
 	}
 	n := len(blocks) - i
-	t.head, t.tail = head, tail
+	t.lru[DefaultRetention] = lruEnds{head, tail}
+	if n > 0 {
+		t.lruMask |= 1 << DefaultRetention
+	}
+	t.lruLen += n
+	t.counts[Leased] -= n
+	t.counts[Cached] += n
+	return i
+}
+
+// cacheClasses is cacheFast once retention classes are in use: one
+// class's LRU in registers, the last block's; a block of another class
+// ends the loop (dropSlow pushes it on its own list).
+func (t *Table) cacheClasses(blocks []Ref) int {
+	if len(blocks) == 0 {
+		return 0
+	}
+	slots, links, rets := t.s, t.links, t.ret
+	r := rets[blocks[len(blocks)-1].ID] & (NumRetention - 1)
+	head, tail := t.lru[r].head, t.lru[r].tail
+	leased, cached := headIndexedLeased, headIndexedCached
+	i := len(blocks)
+	for ; i > 0; i-- {
+		id := blocks[i-1].ID
+		s := &slots[id]
+		if s.head() != leased || s.gates() != 0 || rets[id] != r {
+			break
+		}
+		s.setHead(cached)
+		head, tail = link(links, head, tail, id)
+	}
+	n := len(blocks) - i
+	t.lru[r] = lruEnds{head, tail}
+	if n > 0 {
+		t.lruMask |= 1 << r
+	}
 	t.lruLen += n
 	t.counts[Leased] -= n
 	t.counts[Cached] += n
@@ -391,9 +444,13 @@ func (t *Table) reviveGeneral(dst []Ref, ids []int32) int {
 
 // reviveFast is Revive's loop.
 func (t *Table) reviveFast(dst []Ref, ids []int32) int {
+	if t.retUsed {
+		return t.reviveClasses(dst, ids)
+	}
+	// Every slot is in the default class: its LRU is the only one.
 	k := 0
 	slots, links := t.s, t.links
-	head, tail := t.head, t.tail
+	head, tail := t.lru[DefaultRetention].head, t.lru[DefaultRetention].tail
 	for ; k < len(ids) && k < len(dst); k++ {
 		id := ids[k]
 		s := &slots[id]
@@ -405,7 +462,42 @@ func (t *Table) reviveFast(dst []Ref, ids []int32) int {
 		head, tail = unlink(links, head, tail, id)
 		dst[k] = Ref{ID: id, Gen: s.gen}
 	}
-	t.head, t.tail = head, tail
+	t.lru[DefaultRetention] = lruEnds{head, tail}
+	if head == Nil {
+		t.lruMask &^= 1 << DefaultRetention
+	}
+	t.lruLen -= k
+	t.counts[Cached] -= k
+	t.counts[Leased] += k
+	return k
+}
+
+// reviveClasses is reviveFast once retention classes are in use: one
+// class's LRU in registers, the first hit's; a hit of another class ends
+// the loop (the caller takes it by Ref).
+func (t *Table) reviveClasses(dst []Ref, ids []int32) int {
+	if len(ids) == 0 {
+		return 0
+	}
+	k := 0
+	slots, links, rets := t.s, t.links, t.ret
+	r := rets[ids[0]] & (NumRetention - 1)
+	head, tail := t.lru[r].head, t.lru[r].tail
+	for ; k < len(ids) && k < len(dst); k++ {
+		id := ids[k]
+		s := &slots[id]
+		if s.class != Cached || rets[id] != r {
+			break
+		}
+		s.refs++
+		s.class = Leased
+		head, tail = unlink(links, head, tail, id)
+		dst[k] = Ref{ID: id, Gen: s.gen}
+	}
+	t.lru[r] = lruEnds{head, tail}
+	if head == Nil {
+		t.lruMask &^= 1 << r
+	}
 	t.lruLen -= k
 	t.counts[Cached] -= k
 	t.counts[Leased] += k

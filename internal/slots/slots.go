@@ -19,6 +19,7 @@ package slots
 
 import (
 	"fmt"
+	"math/bits"
 	"unsafe"
 
 	"github.com/kvlease/kvlease/internal/invariants"
@@ -136,8 +137,21 @@ func (s *slot) classify() Class {
 	}
 }
 
-// lruLink is a slot's place on the LRU (only while it is cached).
+// lruLink is a slot's place on its class's LRU (only while it is cached).
 type lruLink struct{ prev, next int32 }
+
+// Retention classes. Cached slots sit on one LRU per class; an eviction
+// takes the least recently used slot of the lowest class that has one
+// (a bit mask of the non-empty lists finds it in one instruction), so
+// every operation stays O(1). A slot's class is set when it is sealed
+// (SetRetention) and kept while its content is.
+const (
+	NumRetention     = 8 // classes 0 (evicted first) to 7
+	DefaultRetention = 4 // the class of a slot sealed without one
+)
+
+// lruEnds are one LRU's ends.
+type lruEnds struct{ head, tail int32 }
 
 // Table is the slot table of one pool. The zero value is empty; Init
 // sizes it.
@@ -146,8 +160,14 @@ type Table struct {
 	links []lruLink // parallel to s
 	free  []int32   // stack of free slots; top at the end
 
-	head, tail int32 // the LRU: least recently unreferenced first
-	lruLen     int
+	lru     [NumRetention]lruEnds // per retention class: least recently unreferenced first
+	lruMask uint8                 // bit r set: lru[r] is not empty
+	lruLen  int                   // cached slots on all of them
+	ret     []uint8               // per slot: its retention class (parallel to s)
+	// retUsed: a slot was given a class other than the default. Until
+	// then every cached slot is on the default class's LRU, and the fast
+	// loops run as with one LRU, reading no class.
+	retUsed bool
 
 	counts     [NumClasses]int
 	quarLeased int // quarantined slots an open lease still holds
@@ -159,11 +179,15 @@ func (t *Table) Init(n int) {
 	t.s = make([]slot, n)
 	t.links = make([]lruLink, n)
 	t.free = make([]int32, n)
+	t.ret = make([]uint8, n)
 	for i := range t.free {
 		t.free[i] = int32(n - 1 - i)
 		t.links[i] = lruLink{Nil, Nil}
+		t.ret[i] = DefaultRetention
 	}
-	t.head, t.tail = Nil, Nil
+	for r := range t.lru {
+		t.lru[r] = lruEnds{Nil, Nil}
+	}
 	t.counts = [NumClasses]int{Free: n}
 }
 
@@ -179,8 +203,57 @@ func (t *Table) FreeLen() int { return len(t.free) }
 // LRULen is the number of cached slots.
 func (t *Table) LRULen() int { return t.lruLen }
 
-// LRUHead is the least recently unreferenced cached slot, or Nil.
-func (t *Table) LRUHead() int32 { return t.head }
+// LRUHead is the next cached slot an eviction takes: the least recently
+// unreferenced of the lowest retention class that has one, or Nil.
+func (t *Table) LRUHead() int32 {
+	if t.lruMask == 0 {
+		return Nil
+	}
+	return t.lru[bits.TrailingZeros8(t.lruMask)].head
+}
+
+// LRUNext is the cached slot after id on its class's LRU, or Nil.
+func (t *Table) LRUNext(id int32) int32 { return t.links[id].next }
+
+// Retention is slot id's retention class.
+func (t *Table) Retention(id int32) uint8 { return t.ret[id] }
+
+// SetRetention sets slot id's retention class (below NumRetention). A
+// cached slot moves to the most recently used end of its new class's LRU.
+// (Inlined into every seal: the change itself is out of line.)
+//
+// Until a slot is first given another class than the default, every slot
+// is in the default class, and a seal need not set it: RetentionUsed
+// tells.
+func (t *Table) SetRetention(id int32, r uint8) {
+	if t.ret[id] != r {
+		t.setRetention(id, r)
+	}
+}
+
+// RetentionUsed reports whether any slot was ever given a class other
+// than the default.
+func (t *Table) RetentionUsed() bool { return t.retUsed }
+
+func (t *Table) setRetention(id int32, r uint8) {
+	t.retUsed = true
+	if t.s[id].class == Cached {
+		t.lruRemove(id)
+		t.ret[id] = r
+		t.lruPush(id)
+		return
+	}
+	t.ret[id] = r
+}
+
+// CachedIn is the number of cached slots of retention class r.
+func (t *Table) CachedIn(r uint8) int {
+	n := 0
+	for id := t.lru[r].head; id != Nil; id = t.links[id].next {
+		n++
+	}
+	return n
+}
 
 // Count is the number of slots in class c.
 func (t *Table) Count(c Class) int { return t.counts[c] }
@@ -333,15 +406,23 @@ func unlink(links []lruLink, head, tail, id int32) (int32, int32) {
 	return head, tail
 }
 
-// lruPush appends id at the most recently used end.
+// lruPush appends id at the most recently used end of its class's LRU.
 func (t *Table) lruPush(id int32) {
-	t.head, t.tail = link(t.links, t.head, t.tail, id)
+	r := t.ret[id]
+	e := &t.lru[r]
+	e.head, e.tail = link(t.links, e.head, e.tail, id)
+	t.lruMask |= 1 << r
 	t.lruLen++
 }
 
-// lruRemove takes id off the LRU.
+// lruRemove takes id off its class's LRU.
 func (t *Table) lruRemove(id int32) {
-	t.head, t.tail = unlink(t.links, t.head, t.tail, id)
+	r := t.ret[id]
+	e := &t.lru[r]
+	e.head, e.tail = unlink(t.links, e.head, e.tail, id)
+	if e.head == Nil {
+		t.lruMask &^= 1 << r
+	}
 	t.lruLen--
 }
 
@@ -374,7 +455,7 @@ func (t *Table) takeGeneral() (r Ref, evicted bool) {
 	if n := len(t.free); n > 0 {
 		id = t.free[n-1]
 	} else {
-		id = t.head
+		id = t.LRUHead()
 		s := &t.s[id]
 		s.index, s.sealed = false, false
 		evicted = true
@@ -389,7 +470,7 @@ func (t *Table) takeGeneral() (r Ref, evicted bool) {
 // sealed at its generation. The caller takes its hash out of the prefix
 // index. The LRU is not empty.
 func (t *Table) Offer() Ref {
-	id := t.head
+	id := t.LRUHead()
 	s := &t.s[id]
 	s.index = false
 	t.change(id, 1, 0, 0, 0)
