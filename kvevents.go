@@ -183,6 +183,23 @@ func (k *kvEventLog) cleared() { k.push(KVEvent{Kind: KVAllBlocksCleared}) }
 // dropped since the last drain because the ring was full. dropped > 0
 // means the consumer missed changes: resynchronise with SnapshotKVCache.
 // Without WithKVEvents it returns dst and 0.
+//
+// A consumer that drains in a loop passes the same slice back, cut to
+// length zero, so a steady drain allocates nothing for the events
+// themselves (only one token copy per drain that holds stored events):
+//
+//	buf := make([]kvlease.KVEvent, 0, 1024)
+//	for range tick.C {
+//		var dropped uint64
+//		buf, dropped = pool.DrainKVEvents(buf[:0])
+//		if dropped > 0 {
+//			resync(pool.SnapshotKVCache()) // a gap: start over from a snapshot
+//		}
+//		publish(buf) // done with buf before the next drain overwrites it
+//	}
+//
+// The next drain overwrites the events in buf; their TokenIDs are copies
+// and stay valid after it, so a consumer may keep those.
 func (p *Pool[R]) DrainKVEvents(dst []KVEvent) (events []KVEvent, dropped uint64) {
 	c := &p.core
 	if c.kv == nil {
