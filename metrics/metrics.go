@@ -150,6 +150,7 @@ type descs struct {
 	transfers, quarantines, quarantineLifts, leaked             *prometheus.Desc
 	evPublished, evBatches, evBlocks, evDropped, evBatchDropped *prometheus.Desc
 	evUnpublishable, evResyncs                                  *prometheus.Desc
+	evSubDrops, evPeerRefused, evBadReplays                     *prometheus.Desc
 	vUsage, vQueries, vHits, vConfig                            *prometheus.Desc
 	hSessions, hRefusals, hQuarantined, pRefusals, pAcceptErrs  *prometheus.Desc
 }
@@ -201,6 +202,9 @@ func New(reg prometheus.Registerer, opts Options) (*Collector, error) {
 		evBatchDropped:  d("kv_event_batches_dropped_total", "KV event batches dropped because the queue to the socket was full.", "publisher"),
 		evUnpublishable: d("kv_events_unpublishable_total", "Stored events without tokens, which routers cannot key (not sent).", "publisher"),
 		evResyncs:       d("kv_event_resyncs_total", "AllBlocksCleared plus re-announcements sent after a loss.", "publisher"),
+		evSubDrops:      d("kv_event_subscriber_drops_total", "Messages dropped for one subscriber whose queue was at its high-water mark.", "publisher"),
+		evPeerRefused:   d("kv_event_peers_refused_total", "Subscriber and replay connections refused over a cap or closed in their handshake (timeout, protocol violation).", "publisher"),
+		evBadReplays:    d("kv_event_malformed_replays_total", "Replay requests of the wrong shape, ignored.", "publisher"),
 
 		hSessions:    d("handoff_sessions_total", "Control sessions a handoff half authenticated (or began, insecure).", "half"),
 		hRefusals:    d("handoff_refusals_total", "What a handoff half refused, by reason (auth, downgrade, frame, limit, start_timeout, duplicate, unauthorized, busy, accept_error).", "half", "reason"),
@@ -326,7 +330,7 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 		c.d.evictions, c.d.dupSeals, c.d.verifyMismatches,
 		c.d.transfers, c.d.quarantines, c.d.quarantineLifts, c.d.leaked,
 		c.d.evPublished, c.d.evBatches, c.d.evBlocks, c.d.evDropped, c.d.evBatchDropped,
-		c.d.evUnpublishable, c.d.evResyncs,
+		c.d.evUnpublishable, c.d.evResyncs, c.d.evSubDrops, c.d.evPeerRefused, c.d.evBadReplays,
 		c.d.hSessions, c.d.hRefusals, c.d.hQuarantined, c.d.pRefusals, c.d.pAcceptErrs,
 	} {
 		ch <- d
@@ -418,6 +422,9 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		counter(c.d.evBatchDropped, st.DroppedBatches, n)
 		counter(c.d.evUnpublishable, st.Unpublishable, n)
 		counter(c.d.evResyncs, st.Resyncs, n)
+		counter(c.d.evSubDrops, st.SubscriberDrops, n)
+		counter(c.d.evPeerRefused, st.Refused, n)
+		counter(c.d.evBadReplays, st.MalformedReplays, n)
 	}
 	for _, h := range halves {
 		st, n := h.src.Stats(), h.name

@@ -253,6 +253,7 @@ func TestCollectorPublisher(t *testing.T) {
 	c, _, _ := newCollector(t, Options{})
 	require.NoError(t, c.AddPublisher("engine-0", fakePublisher{events.Stats{
 		Batches: 3, Events: 10, Blocks: 40, DroppedBatches: 1, DroppedEvents: 7, Unpublishable: 2, Resyncs: 1,
+		SubscriberDrops: 5, Refused: 1000, MalformedReplays: 4,
 	}}))
 	const want = `
 # HELP kvlease_kv_events_published_total KV events handed to the PUB socket (a merged chain counts once).
@@ -270,10 +271,20 @@ kvlease_kv_events_unpublishable_total{publisher="engine-0"} 2
 # HELP kvlease_kv_event_resyncs_total AllBlocksCleared plus re-announcements sent after a loss.
 # TYPE kvlease_kv_event_resyncs_total counter
 kvlease_kv_event_resyncs_total{publisher="engine-0"} 1
+# HELP kvlease_kv_event_subscriber_drops_total Messages dropped for one subscriber whose queue was at its high-water mark.
+# TYPE kvlease_kv_event_subscriber_drops_total counter
+kvlease_kv_event_subscriber_drops_total{publisher="engine-0"} 5
+# HELP kvlease_kv_event_peers_refused_total Subscriber and replay connections refused over a cap or closed in their handshake (timeout, protocol violation).
+# TYPE kvlease_kv_event_peers_refused_total counter
+kvlease_kv_event_peers_refused_total{publisher="engine-0"} 1000
+# HELP kvlease_kv_event_malformed_replays_total Replay requests of the wrong shape, ignored.
+# TYPE kvlease_kv_event_malformed_replays_total counter
+kvlease_kv_event_malformed_replays_total{publisher="engine-0"} 4
 `
 	require.NoError(t, testutil.CollectAndCompare(c, strings.NewReader(want),
 		"kvlease_kv_events_published_total", "kvlease_kv_events_dropped_total", "kvlease_kv_event_batches_dropped_total",
-		"kvlease_kv_events_unpublishable_total", "kvlease_kv_event_resyncs_total"))
+		"kvlease_kv_events_unpublishable_total", "kvlease_kv_event_resyncs_total",
+		"kvlease_kv_event_subscriber_drops_total", "kvlease_kv_event_peers_refused_total", "kvlease_kv_event_malformed_replays_total"))
 }
 
 type fakeHandoff struct {
