@@ -410,7 +410,7 @@ func TestProcsAbortMidRead(t *testing.T) {
 		if st := o.Wait(30 * time.Second); st != handoff.Aborted {
 			t.Fatalf("source %v: %v", st, o.History())
 		}
-		p.tell("go")
+		p.tell("go-after-abort")
 		_ = s.src.Close()
 		p.expectFinal("dest", handoff.Aborted, handoff.Failed)
 		p.expect("pool free 64 quarantined 0")

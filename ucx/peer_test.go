@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -148,10 +149,19 @@ func peerMain(role string) int {
 		_, _ = stdin.ReadString('\n') // until the test is done with us
 		_ = recv.Close()
 	case "dest":
+		// accepted is the one handoff this peer serves, once accepted.
+		var accepted atomic.Pointer[handoff.Incoming[[]byte]]
 		cfg.BeforeGet = func(_ handoff.PlaneID, block int) {
 			if block == stall {
 				say("reading %d", block)
-				_, _ = stdin.ReadString('\n')
+				line, _ := stdin.ReadString('\n')
+				if strings.TrimSpace(line) == "go-after-abort" {
+					// The source aborted on its side; its Abort frame
+					// races this line. Resume only once this side has
+					// handled it, so what the reader does next is
+					// decided by the abort, not by which arrived first.
+					waitAborting(accepted.Load())
+				}
 			}
 		}
 		recv, err := ucx.NewReceiver(cfg)
@@ -162,6 +172,7 @@ func peerMain(role string) int {
 		finals := make(chan *handoff.Incoming[[]byte], 1)
 		dst, err := handoff.NewDestination(pool, recv, handoff.DestinationConfig[[]byte]{
 			HalfConfig:  withAuth(handoff.HalfConfig{Envelope: env(64), Name: "decode", Peer: "prefill", Deadline: deadline}, key),
+			OnAccept:    func(in *handoff.Incoming[[]byte]) { accepted.Store(in) },
 			OnDelivered: func(*handoff.Incoming[[]byte]) {},
 			OnFinal:     func(in *handoff.Incoming[[]byte]) { finals <- in },
 		})
@@ -194,6 +205,17 @@ func peerMain(role string) int {
 		say("pool free %d quarantined %d", s.Free, s.Quarantined)
 	}
 	return 0
+}
+
+// waitAborting waits (at most 20 s) until in has left Transferring: the
+// destination handled the source's Abort.
+func waitAborting(in *handoff.Incoming[[]byte]) {
+	for end := time.Now().Add(20 * time.Second); in != nil && time.Now().Before(end); {
+		if in.State() != handoff.Transferring {
+			return
+		}
+		time.Sleep(time.Millisecond)
+	}
 }
 
 // hostilePlane is the hostile peer's plane: before receiving, it tries
