@@ -1,6 +1,7 @@
 package kvlease
 
 import (
+	"slices"
 	"unsafe"
 
 	"github.com/kvlease/kvlease/internal/slots"
@@ -58,6 +59,25 @@ func (c *core) fillEvict(dst []BlockRef, ev *outbox) {
 	n := len(dst)
 	for i := range dst {
 		dst[i] = c.takeFresh(ev, n-i)
+	}
+	ascend(dst)
+}
+
+// ascend reverses every stretch of dst whose ids descend one by one, so
+// that it ascends: one run (see AppendRuns). Eviction takes a chain's
+// blocks tail first (its last block is the least recently used), so the
+// victims of an evicting fill come descending; their places in a lease's
+// fresh part are interchangeable, and ascending they make one run each.
+func ascend(dst []BlockRef) {
+	for i := 0; i < len(dst)-1; {
+		j := i
+		for j+1 < len(dst) && dst[j+1].ID == dst[j].ID-1 {
+			j++
+		}
+		if j > i {
+			slices.Reverse(dst[i : j+1])
+		}
+		i = j + 1
 	}
 }
 
