@@ -60,15 +60,17 @@ func (c *core) fillEvict(dst []BlockRef, ev *outbox) {
 	for i := range dst {
 		dst[i] = c.takeFresh(ev, n-i)
 	}
-	ascend(dst)
+	ascend(dst, nil)
 }
 
 // ascend reverses every stretch of dst whose ids descend one by one, so
-// that it ascends: one run (see AppendRuns). Eviction takes a chain's
-// blocks tail first (its last block is the least recently used), so the
-// victims of an evicting fill come descending; their places in a lease's
-// fresh part are interchangeable, and ascending they make one run each.
-func ascend(dst []BlockRef) {
+// that it ascends: one run (see AppendRuns); also, when not nil, is
+// parallel to dst and reversed with it. Eviction takes a chain's blocks
+// tail first (its last block is the least recently used), so the victims
+// of an evicting fill, or of an offer to the eviction hook, come
+// descending; their places in a lease's fresh part (or an offered lease)
+// are interchangeable, and ascending they make one run each.
+func ascend(dst []BlockRef, also []BlockHash) {
 	for i := 0; i < len(dst)-1; {
 		j := i
 		for j+1 < len(dst) && dst[j+1].ID == dst[j].ID-1 {
@@ -76,6 +78,9 @@ func ascend(dst []BlockRef) {
 		}
 		if j > i {
 			slices.Reverse(dst[i : j+1])
+			if also != nil {
+				slices.Reverse(also[i : j+1])
+			}
 		}
 		i = j + 1
 	}
