@@ -54,22 +54,30 @@ func (c *core) fill(dst []BlockRef, ev *outbox) {
 // fillEvict is fill when the free stack is short: block by block, evicting.
 // Kept out of line: inlined into acquire, it cost every cycle spills.
 //
+// The free blocks come first, in dst's first places; the victims fill
+// the rest from the end backwards. Eviction takes a chain's blocks tail
+// first (its last block is the least recently used), so a chain's
+// victims come with descending ids: laid backwards they ascend, one run
+// (see AppendRuns). The places of a lease's fresh blocks are
+// interchangeable.
+//
 //go:noinline
 func (c *core) fillEvict(dst []BlockRef, ev *outbox) {
 	n := len(dst)
-	for i := range dst {
+	k := min(c.tab.FreeLen(), n)
+	for i := range k {
 		dst[i] = c.takeFresh(ev, n-i)
 	}
-	ascend(dst, nil)
+	for i := n - 1; i >= k; i-- {
+		dst[i] = c.takeFresh(ev, i-k+1)
+	}
 }
 
 // ascend reverses every stretch of dst whose ids descend one by one, so
 // that it ascends: one run (see AppendRuns); also, when not nil, is
-// parallel to dst and reversed with it. Eviction takes a chain's blocks
-// tail first (its last block is the least recently used), so the victims
-// of an evicting fill, or of an offer to the eviction hook, come
-// descending; their places in a lease's fresh part (or an offered lease)
-// are interchangeable, and ascending they make one run each.
+// parallel to dst and reversed with it. The eviction hook's offered
+// leases use it: their victims come least recently used first, a chain
+// tail first, and their places are interchangeable.
 func ascend(dst []BlockRef, also []BlockHash) {
 	for i := 0; i < len(dst)-1; {
 		j := i
