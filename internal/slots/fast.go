@@ -74,7 +74,7 @@ func (t *Table) fillGeneral(dst []Ref) {
 // fillFast is Fill's loop. It reads the stack from the top down, so that
 // dst[0] is the top: a run that Drop pushed tail first (its lowest id on
 // top) comes back in ascending order, one contiguous run (see the
-// package doc's "Contiguous runs").
+// package doc).
 func (t *Table) fillFast(dst []Ref) {
 	n := len(dst)
 	top := len(t.free) - n
