@@ -13,7 +13,9 @@
 //
 // What the package exports, by concept (one file each):
 //
-//   - Memory: BlockID, BlockRef, Memory, HostMemory (NewHostMemory).
+//   - Memory: BlockID, BlockRef, Memory, HostMemory (NewHostMemory, Span).
+//   - Runs: Run, AppendRuns (and Lease.AppendRuns): contiguous runs of
+//     block ids, one copy each.
 //   - Pool (NewPool, options With...: WithObserver, WithLeakCheck,
 //     WithDrainDeadline, WithQuarantineAlert, WithKVEvents, WithBlockTokens,
 //     WithVerifiedPrefix): Acquire, AcquireWait, AcquirePrefix,
@@ -22,7 +24,7 @@
 //     Close, ResetCache (ResetMode), SetEvictHook and OfferCached
 //     (EvictOwner), DrainKVEvents, KVEventsReady, SnapshotKVCache,
 //     SnapshotKVBlocks (KVEvent, KVEventKind).
-//   - Lease: Len, Owner, ID, Pool, Ref, AppendBlockIDs, Region, ReadRegion,
+//   - Lease: Len, Owner, ID, Pool, Ref, AppendBlockIDs, AppendRuns, Region, ReadRegion,
 //     AppendRegions, AppendReadRegions, Extend, TrimTo, Trimmed, Attach,
 //     AttachRange (Access: Read, Write), Seal, SealTokens, SealChained,
 //     Share, Release, Abort, Settled, State (LeaseState), Closed.

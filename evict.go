@@ -25,7 +25,10 @@ const EvictOwner = "kvlease/evict"
 // write-through.)
 //
 // The offered blocks of one operation arrive as one open lease owned by
-// EvictOwner, with hashes[i] the hash block i was findable by. The hook
+// EvictOwner, with hashes[i] the hash block i was findable by; a
+// stretch of victims whose ids descend one by one (a chain evicted from
+// its end) is listed ascending, so that it is one run (Lease.AppendRuns)
+// for the hook's copy. The hook
 // runs after the operation, with no lock held, on the goroutine that
 // evicted (an Acquire, a Release that served a waiter, a Resolve), so it
 // must be quick: start a copy (attach it to the lease as a Read) and
@@ -161,6 +164,7 @@ func (b *evictBatch[R]) Observe(Event) {
 	var ev outbox
 	c.mu.Lock()
 	l := p.newLease(EvictOwner, len(b.refs))
+	ascend(b.refs, b.hashes) // runs, for the hook's copy (and the free stack after it)
 	copy(l.ls.blocks, b.refs)
 	c.opened(&l.ls, 0, &ev)
 	c.unlock()

@@ -253,7 +253,10 @@ func TestOfferCached(t *testing.T) {
 	p.SetEvictHook(func(l *Lease[[]byte], h []BlockHash) { got = append(got, offered{l, h}) })
 	require.Equal(t, 2, p.OfferCached(2))
 	require.Len(t, got, 1)
-	require.Equal(t, []BlockHash{hashes[3], hashes[2]}, got[0].hashes)
+	// The two least recently used (the chain's end, evicted tail first),
+	// offered in ascending block order: one run.
+	require.Equal(t, []BlockHash{hashes[2], hashes[3]}, got[0].hashes)
+	require.Equal(t, []Run{{Start: got[0].l.Ref(0).ID, Len: 2}}, got[0].l.AppendRuns(nil, 0))
 	require.Equal(t, 2, p.CachedPrefix(hashes))
 	got[0].l.Release()
 	require.Equal(t, 6, p.Stats().Free)

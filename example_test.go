@@ -146,7 +146,7 @@ func ExampleLease_TrimTo() {
 	}
 	lease.Release()
 	// Output:
-	// tokens 64: Len 5 Trimmed 2 table [1 0 3] free 5
-	// tokens 80: Len 6 Trimmed 3 table [0 3 1] free 5
-	// tokens 96: Len 6 Trimmed 4 table [3 1] free 6
+	// tokens 64: Len 5 Trimmed 2 table [2 3 0] free 5
+	// tokens 80: Len 6 Trimmed 3 table [3 0 2] free 5
+	// tokens 96: Len 6 Trimmed 4 table [0 2] free 6
 }

@@ -263,6 +263,25 @@ func (m *fzModel) probe(hs []BlockHash) []int {
 	return hit
 }
 
+// takeFreshAll checks and records that the pool handed out refs fresh in
+// one fill. Their places are the pool's choice (it lays them out as
+// ascending runs), so the set is checked in the order a fill takes
+// blocks: the free ones first, then the cached ones least recently
+// unreferenced first.
+func (m *fzModel) takeFreshAll(refs []BlockRef) {
+	order := slices.Clone(refs)
+	key := func(r BlockRef) int {
+		if r.ID < 0 || int(r.ID) >= m.cap || !m.slots[r.ID].indexed {
+			return -1 // free (or out of range: takeFresh says so)
+		}
+		return m.slots[r.ID].group
+	}
+	slices.SortStableFunc(order, func(a, b BlockRef) int { return key(a) - key(b) })
+	for _, r := range order {
+		m.takeFresh(r)
+	}
+}
+
 // takeFresh checks and records that the pool handed out ref fresh.
 func (m *fzModel) takeFresh(ref BlockRef) {
 	if ref.ID < 0 || int(ref.ID) >= m.cap {
@@ -367,11 +386,10 @@ func (m *fzModel) opened(l *Lease[[]byte], n int, hit []int) {
 				m.fatalf("prefix hit %d: ref %v, want %d@%d", k, ref, hit[k], s.gen)
 			}
 			s.refs++
-		} else {
-			m.takeFresh(ref)
 		}
 		ls.blocks = append(ls.blocks, ref)
 	}
+	m.takeFreshAll(ls.blocks[len(hit):])
 	m.leases = append(m.leases, ls)
 }
 
@@ -501,11 +519,12 @@ func (m *fzModel) extend(ls *fzLease, n int) {
 	if ls.l.Len() != len(ls.blocks)+n {
 		m.fatalf("Extend(%d): Len %d, was %d", n, ls.l.Len(), len(ls.blocks))
 	}
+	var fresh []BlockRef
 	for k := len(ls.blocks); k < ls.l.Len(); k++ {
-		ref := ls.l.Ref(k)
-		m.takeFresh(ref)
-		ls.blocks = append(ls.blocks, ref)
+		fresh = append(fresh, ls.l.Ref(k))
 	}
+	m.takeFreshAll(fresh) // (before they join ls.blocks: the model's held set)
+	ls.blocks = append(ls.blocks, fresh...)
 }
 
 func (m *fzModel) attach(ls *fzLease, ti, from, to int, acc Access, whole bool) {

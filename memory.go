@@ -54,6 +54,15 @@ func (m *HostMemory) Blocks() int { return m.blocks }
 // BlockBytes returns the size of one block in bytes.
 func (m *HostMemory) BlockBytes() int { return m.blockBytes }
 
+// Span returns the bytes of run r's blocks, one slice (len == cap ==
+// r.Len×BlockBytes()): blocks are laid out by id, so a run of ids is one
+// span of memory, which a copy moves at once (see Lease.AppendRuns). It
+// panics like a slice expression when r is outside the memory.
+func (m *HostMemory) Span(r Run) []byte {
+	off, end := int(r.Start)*m.blockBytes, int(r.End())*m.blockBytes
+	return m.arena[off:end:end]
+}
+
 // Region returns block id's bytes (len == cap == BlockBytes()). It panics
 // like a slice index when id is out of range.
 func (m *HostMemory) Region(id BlockID) []byte {

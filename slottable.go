@@ -1,6 +1,7 @@
 package kvlease
 
 import (
+	"slices"
 	"unsafe"
 
 	"github.com/kvlease/kvlease/internal/slots"
@@ -53,11 +54,43 @@ func (c *core) fill(dst []BlockRef, ev *outbox) {
 // fillEvict is fill when the free stack is short: block by block, evicting.
 // Kept out of line: inlined into acquire, it cost every cycle spills.
 //
+// The free blocks come first, in dst's first places; the victims fill
+// the rest from the end backwards. Eviction takes a chain's blocks tail
+// first (its last block is the least recently used), so a chain's
+// victims come with descending ids: laid backwards they ascend, one run
+// (see AppendRuns). The places of a lease's fresh blocks are
+// interchangeable.
+//
 //go:noinline
 func (c *core) fillEvict(dst []BlockRef, ev *outbox) {
 	n := len(dst)
-	for i := range dst {
+	k := min(c.tab.FreeLen(), n)
+	for i := range k {
 		dst[i] = c.takeFresh(ev, n-i)
+	}
+	for i := n - 1; i >= k; i-- {
+		dst[i] = c.takeFresh(ev, i-k+1)
+	}
+}
+
+// ascend reverses every stretch of dst whose ids descend one by one, so
+// that it ascends: one run (see AppendRuns); also, when not nil, is
+// parallel to dst and reversed with it. The eviction hook's offered
+// leases use it: their victims come least recently used first, a chain
+// tail first, and their places are interchangeable.
+func ascend(dst []BlockRef, also []BlockHash) {
+	for i := 0; i < len(dst)-1; {
+		j := i
+		for j+1 < len(dst) && dst[j+1].ID == dst[j].ID-1 {
+			j++
+		}
+		if j > i {
+			slices.Reverse(dst[i : j+1])
+			if also != nil {
+				slices.Reverse(also[i : j+1])
+			}
+		}
+		i = j + 1
 	}
 }
 

@@ -19,7 +19,8 @@ func ExampleCache() {
 	dev, _ := kvlease.NewPool[[]byte](dm, kvlease.WithBlockTokens(4))
 	host, _ := kvlease.NewPool[[]byte](hm, kvlease.WithBlockTokens(4))
 	cache, err := tiers.New(tiers.Config[[]byte]{
-		Device: dev, Host: host, Offload: tiers.MemCopy{}, Onload: tiers.MemCopy{},
+		// A MemCopy that knows both memories copies each run of blocks at once.
+		Device: dev, Host: host, Offload: tiers.NewMemCopy(dm, hm), Onload: tiers.NewMemCopy(dm, hm),
 		DeviceReserve: -1, // eviction alone offers blocks down
 	})
 	if err != nil {

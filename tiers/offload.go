@@ -1,6 +1,7 @@
 package tiers
 
 import (
+	"cmp"
 	"slices"
 
 	"github.com/kvlease/kvlease"
@@ -93,6 +94,13 @@ func (c *Cache[D]) toHost(src *kvlease.Lease[D], from int, hashes []kvlease.Bloc
 	if len(pos) == 0 {
 		return
 	}
+	srcIDs := src.AppendBlockIDs(make([]kvlease.BlockID, 0, src.Len()), 0)
+	// The host blocks come as runs of ascending ids (the pool's contiguous
+	// allocation); taking the device blocks in ascending id order too makes
+	// runs on both sides, each one copy for a transport that merges them
+	// (NewMemCopy, the gpu copy engine). Which host block holds which hash
+	// is free: each is sealed on its own.
+	sortByID(pos, hs, srcIDs)
 	dst, err := c.host.Acquire(ownerOffload, len(pos))
 	if err != nil {
 		st.dropped.Add(uint64(len(pos)))
@@ -100,7 +108,6 @@ func (c *Cache[D]) toHost(src *kvlease.Lease[D], from int, hashes []kvlease.Bloc
 	}
 	pairs := make([]kvlease.CopyPair[D, []byte], len(pos))
 	parents := make([]parentRec, len(pos))
-	srcIDs := src.AppendBlockIDs(make([]kvlease.BlockID, 0, src.Len()), 0)
 	dstIDs := dst.AppendBlockIDs(make([]kvlease.BlockID, 0, len(pos)), 0)
 	c.mu.Lock()
 	for j, p := range pos {
@@ -257,5 +264,26 @@ func (c *Cache[D]) toDisk(l *kvlease.Lease[[]byte], hashes []kvlease.BlockHash) 
 	})
 	if !watched {
 		dst.Release()
+	}
+}
+
+// sortByID orders the positions pos (with their hashes hs) by the block
+// ids ids[pos[i]], ascending: a no-op in the common case (the pool offers
+// its victims ascending).
+func sortByID(pos []int, hs []kvlease.BlockHash, ids []kvlease.BlockID) {
+	if slices.IsSortedFunc(pos, func(a, b int) int { return cmp.Compare(ids[a], ids[b]) }) {
+		return
+	}
+	type entry struct {
+		pos int
+		h   kvlease.BlockHash
+	}
+	es := make([]entry, len(pos))
+	for i := range pos {
+		es[i] = entry{pos[i], hs[i]}
+	}
+	slices.SortFunc(es, func(a, b entry) int { return cmp.Compare(ids[a.pos], ids[b.pos]) })
+	for i, e := range es {
+		pos[i], hs[i] = e.pos, e.h
 	}
 }

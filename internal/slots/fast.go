@@ -80,18 +80,22 @@ func (t *Table) Fill(dst []Ref) bool {
 
 // fillGeneral is Fill by Take: the same ids in the same places.
 func (t *Table) fillGeneral(dst []Ref) {
-	for i := len(dst) - 1; i >= 0; i-- {
+	for i := range dst {
 		dst[i], _ = t.takeGeneral()
 	}
 }
 
-// fillFast is Fill's loop.
+// fillFast is Fill's loop. It reads the stack from the top down, so that
+// dst[0] is the top: a run that Drop pushed tail first (its lowest id on
+// top) comes back in ascending order, one contiguous run (see the
+// package doc).
 func (t *Table) fillFast(dst []Ref) {
 	n := len(dst)
 	top := len(t.free) - n
 	ids := t.free[top:][:len(dst)]
 	slots := t.s
-	for i, id := range ids {
+	for j := len(ids) - 1; j >= 0; j-- { // (this form proves both indexes in bounds)
+		id := ids[j]
 		s := &slots[id]
 		gen := s.gen + 1
 		if gen == 0 {
@@ -99,7 +103,7 @@ func (t *Table) fillFast(dst []Ref) {
 		}
 		s.gen = gen
 		s.setHead(headLeased)
-		dst[i] = Ref{ID: id, Gen: gen}
+		dst[len(ids)-1-j] = Ref{ID: id, Gen: gen}
 	}
 	t.free = t.free[:top]
 	t.counts[Free] -= n

@@ -14,6 +14,13 @@
 // takes the general path instead, so that the tests and fuzzers of the
 // root package prove the two equal.
 //
+// Contiguous runs: a fill hands out the free stack from the top down
+// (dst[0] is the top), and Drop, Resolve and the general path push freed
+// slots tail first, so a lease's blocks given back as an ascending run of
+// ids sit on the stack with the lowest on top and come back to the next
+// fill as the same ascending run. This keeps the free space in runs at no
+// cost per block (the root package's AppendRuns reports a lease's runs).
+//
 // The table is not safe for concurrent use: the pool's mutex guards it.
 package slots
 

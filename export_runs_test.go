@@ -1,0 +1,17 @@
+package kvlease
+
+import "github.com/kvlease/kvlease/internal/slots"
+
+// FreeIDsForTest appends the ids of p's free blocks (neither held nor
+// cached), ascending, to dst: the free space a fill chooses from, for the
+// runs measurement of the external tests.
+func FreeIDsForTest[R any](p *Pool[R], dst []BlockID) []BlockID {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for id := range p.tab.Len() {
+		if p.tab.ClassOf(int32(id)) == slots.Free {
+			dst = append(dst, BlockID(id))
+		}
+	}
+	return dst
+}
