@@ -57,7 +57,8 @@ func (l *Lease[R]) SetRetention(r Retention) error {
 // blocks sealed from now on get at most r. Lower an unloaded adapter's
 // class to have its blocks evicted first; raise it again when it is
 // loaded. Cached blocks that change class join their new class as its
-// most recently used. It walks the slot table once (O(capacity), under
+// most recently used, in the order they had (a chain still leaves from
+// its end). It walks the slot table once (O(capacity), under
 // the pool's lock): an operation for adapter loads, not for requests. An
 // r above RetentionMax wraps ErrInvalidArgument.
 func (p *Pool[R]) SetAdapterRetention(id int, r Retention) error {
@@ -69,11 +70,9 @@ func (p *Pool[R]) SetAdapterRetention(id int, r Retention) error {
 	defer c.mu.Unlock()
 	rs := c.retState()
 	rs.byAdapter[id] = r
-	for s, a := range rs.slotAdapter {
-		if a == int32(id) && c.tab.Sealed(int32(s)) {
-			c.tab.SetRetention(int32(s), uint8(r))
-		}
-	}
+	c.tab.SetRetentionWhere(uint8(r), func(s int32) bool {
+		return rs.slotAdapter[s] == int32(id) && c.tab.Sealed(s)
+	})
 	return nil
 }
 

@@ -130,3 +130,34 @@ func TestRetentionRandom(t *testing.T) {
 		checkTable(t, &tab)
 	}
 }
+
+// SetRetentionWhere moves the cached slots it matches in their recency
+// order (oldest first), so a chain released tail first still leaves from
+// its end, whatever its slots' ids; slots it does not match stay where
+// they are, and an uncached matching slot takes the class for later.
+func TestSetRetentionWhere(t *testing.T) {
+	var tab Table
+	tab.Init(6)
+	refs := make([]Ref, 6)
+	for i := range refs {
+		refs[i], _ = tab.Take()
+		tab.Seal(refs[i].ID)
+		tab.SetIndexed(refs[i].ID, true)
+	}
+	drop(&tab, refs[:5]) // 4, 3, 2, 1, 0 cached in that order; 5 stays held
+	match := func(id int32) bool { return id == 1 || id == 3 || id == 4 || id == 5 }
+	tab.SetRetentionWhere(1, match)
+	checkTable(t, &tab)
+	if tab.CachedIn(1) != 3 || tab.CachedIn(DefaultRetention) != 2 || tab.ret[5] != 1 {
+		t.Fatalf("class 1 %d, default %d, slot 5's class %d", tab.CachedIn(1), tab.CachedIn(DefaultRetention), tab.ret[5])
+	}
+	var order []int32
+	for tab.LRUHead() != Nil {
+		r, _ := tab.Take()
+		order = append(order, r.ID)
+		checkTable(t, &tab)
+	}
+	if want := []int32{4, 3, 1, 2, 0}; !slices.Equal(order, want) {
+		t.Fatalf("evicted %v, want %v", order, want)
+	}
+}

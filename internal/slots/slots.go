@@ -238,6 +238,34 @@ func (t *Table) SetRetention(id int32, r uint8) {
 	}
 }
 
+// SetRetentionWhere gives class r to every slot match accepts. Cached
+// slots keep their recency order: they are walked oldest first in each
+// other class's list and join r's list as its most recent in that order,
+// so a chain released tail first still leaves from its end. Other slots
+// only take the class (it applies when they are next cached). O(slots);
+// match is called with the table's owner's lock held.
+func (t *Table) SetRetentionWhere(r uint8, match func(id int32) bool) {
+	var moved []int32
+	for c := range t.lru {
+		if uint8(c) == r {
+			continue
+		}
+		for id := t.lru[c].head; id != Nil; id = t.links[id].next {
+			if match(id) {
+				moved = append(moved, id)
+			}
+		}
+	}
+	for _, id := range moved {
+		t.setRetention(id, r)
+	}
+	for id := range t.ret {
+		if t.ret[id] != r && t.s[id].class != Cached && match(int32(id)) {
+			t.setRetention(int32(id), r)
+		}
+	}
+}
+
 // RetentionUsed reports whether any slot was ever given a class other
 // than the default.
 func (t *Table) RetentionUsed() bool { return t.retUsed }
