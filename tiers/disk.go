@@ -228,7 +228,7 @@ func (d *Disk) Scanned(s DiskSlot) (SlotMeta, bool) {
 func (d *Disk) Recovered() int { return d.recovered }
 
 // rebuild scans every slot and seals the valid ones in the fresh pool:
-// with their tokens and place in their chain (SealChained) when the slot
+// with their tokens and place in their chain (kvlease.Lease.SealAs) when the slot
 // recorded them and the pool takes tokens, so that their KV events are
 // whole; by hash alone otherwise.
 func (d *Disk) rebuild() error {
