@@ -14,7 +14,10 @@
 // which keep the record too; New refuses a pool without), the cache reads
 // the original's record (kvlease.Pool.SealInfo) and seals the copy with
 // it (kvlease.Lease.SealAs). Cache.Seal, which knows the parent but not
-// the tokens, records the parent all the same. The disk tier keeps the
+// the tokens, records the parent all the same. A pool records tokens
+// only with kvlease.WithBlockTokens: give every tier's pool the same
+// block tokens, or the copies below one without keep the parent alone.
+// The disk tier keeps the
 // record in each slot's header instead (Disk is no kvlease pool the cache
 // could ask after a restart; its index of the headers is the cache's
 // disk table), and a block rebuilt from a slot is sealed as its header
