@@ -14,9 +14,10 @@ const (
 // previous block's hash, or the namespace seed for the first block), as
 // kvlease.Lease.Seal does, with parent recorded in the device pool's seal
 // record (kvlease.Lease.SealAs; the block's KV event names it unless i is
-// 0, a chain's first block) for the lower tiers' copies and slot headers. With WriteThrough it also starts copying the block
-// to the host tier (unless the host has it already): a Read on block i of
-// l until the copy resolves, so l may be released at once. Errors are
+// 0, a chain's first block) for the lower tiers' copies and slot headers.
+// With WriteThrough it also starts copying the block to the host tier
+// (unless the host has it already): a Read on block i of l until the copy
+// resolves, so l may be released at once. Errors are
 // Seal's. Prefer SealTokens when KV events are published: events without
 // tokens are not (routers key blocks by their tokens).
 func (c *Cache[D]) Seal(l *kvlease.Lease[D], i int, parent, h kvlease.BlockHash) error {
@@ -30,8 +31,8 @@ func (c *Cache[D]) Seal(l *kvlease.Lease[D], i int, parent, h kvlease.BlockHash)
 // SealTokens seals block i of a device lease with the hash of its tokens
 // under parent, as kvlease.Lease.SealTokens does (the device pool needs
 // WithBlockTokens), and returns that hash. The device pool's seal record
-// keeps the tokens, so the block's copies in the lower tiers are sealed with them too: every
-// tier's KV events then carry the block's tokens and its parent, each
+// keeps the tokens, so the block's copies in the lower tiers are sealed
+// with them too: every tier's KV events then carry the block's tokens and its parent, each
 // with the tier's medium (EventSources). Otherwise as Seal.
 func (c *Cache[D]) SealTokens(l *kvlease.Lease[D], i int, parent kvlease.BlockHash, tokens []int32) (kvlease.BlockHash, error) {
 	h, err := l.SealTokens(i, parent, tokens)

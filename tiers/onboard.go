@@ -115,15 +115,11 @@ func (c *Cache[D]) Acquire(owner string, hashes []kvlease.BlockHash, n int) (*On
 	// seals on the way up: the copies' KV events then match the originals'.
 	recs := make([]kvlease.SealInfo, h+m)
 	if h+m > 0 {
-		var ids []kvlease.BlockID
-		if h > 0 {
-			ids = hl.AppendBlockIDs(ids, 0)
-		}
 		for k := range h {
 			recs[k] = recOf(c.host, hl.Ref(k), rest[k])
 		}
 		if m > 0 {
-			ids = dl.AppendBlockIDs(ids[:0], 0)
+			ids := dl.AppendBlockIDs(make([]kvlease.BlockID, 0, m), 0)
 			c.mu.Lock()
 			for k := range m {
 				recs[h+k] = c.diskRec(ids[k], rest[h+k])
