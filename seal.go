@@ -204,10 +204,10 @@ type SealInfo struct {
 	Tokens []int32
 }
 
-// SealInfo reports how the block ref names was sealed, its tokens
-// appended to tokens (SealInfo.Tokens is tokens[:0] plus the block's, or
-// nil when it was sealed without; pass a buffer with room for a block to
-// allocate nothing). ok is false when the pool keeps no seal records (see
+// SealInfo reports how the block ref names was sealed, its tokens copied
+// into tokens' array: SealInfo.Tokens is append(tokens[:0], the block's
+// tokens...), or nil when it was sealed without. Pass a buffer with room
+// for a block to allocate nothing. ok is false when the pool keeps no seal records (see
 // WithSealRecords), when ref is outside the pool or stale (the slot has
 // moved to another generation), or when the block is not sealed. Extra
 // keys and adapters are not reported.
