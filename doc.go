@@ -18,16 +18,17 @@
 //     block ids, one copy each.
 //   - Pool (NewPool, options With...: WithObserver, WithLeakCheck,
 //     WithDrainDeadline, WithQuarantineAlert, WithKVEvents, WithBlockTokens,
-//     WithVerifiedPrefix): Acquire, AcquireWait, AcquirePrefix,
+//     WithVerifiedPrefix, WithSealRecords): Acquire, AcquireWait, AcquirePrefix,
 //     AcquirePrefixTokens, AcquireHits, CachedPrefix, CachedPrefixTokens,
 //     Region, Stats, Available, Usable, Capacity, BlockBytes, Memory, Check,
 //     Close, ResetCache (ResetMode), SetEvictHook and OfferCached
 //     (EvictOwner), DrainKVEvents, KVEventsReady, SnapshotKVCache,
-//     SnapshotKVBlocks (KVEvent, KVEventKind).
+//     SnapshotKVBlocks (KVEvent, KVEventKind), SealInfo and
+//     KeepsSealRecords (how a block was sealed: SealInfo).
 //   - Lease: Len, Owner, ID, Pool, Ref, AppendBlockIDs, AppendRuns, Region, ReadRegion,
 //     AppendRegions, AppendReadRegions, Extend, TrimTo, Trimmed, Attach,
 //     AttachRange (Access: Read, Write), Seal, SealTokens, SealChained,
-//     Share, Release, Abort, Settled, State (LeaseState), Closed.
+//     SealAs, Share, Release, Abort, Settled, State (LeaseState), Closed.
 //   - Transfer (NewTransfer): Resolve, Quarantine, Cancel, Done, Err, State
 //     (TransferState), ID, CancelRequested; TransferGroup
 //     (NewTransferGroup, AttachGroup, AttachGroupRange) for per-rank

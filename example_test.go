@@ -150,3 +150,29 @@ func ExampleLease_TrimTo() {
 	// tokens 80: Len 6 Trimmed 3 table [3 0 2] free 5
 	// tokens 96: Len 6 Trimmed 4 table [0 2] free 6
 }
+
+// A block copied into another pool is sealed as its original was: the
+// original's record (Pool.SealInfo) seals the copy (Lease.SealAs), so
+// both pools name the same parent and keep the same tokens.
+func ExamplePool_SealInfo() {
+	memA, _ := kvlease.NewHostMemory(4, 64)
+	memB, _ := kvlease.NewHostMemory(4, 64)
+	a, _ := kvlease.NewPool[[]byte](memA, kvlease.WithBlockTokens(4), kvlease.WithSealRecords())
+	b, _ := kvlease.NewPool[[]byte](memB, kvlease.WithBlockTokens(4), kvlease.WithSealRecords())
+
+	la, _ := a.Acquire("req", 2)
+	h0, _ := la.SealTokens(0, 42, []int32{1, 2, 3, 4})
+	_, _ = la.SealTokens(1, h0, []int32{5, 6, 7, 8})
+
+	buf := make([]int32, 0, 4) // room for a block: SealInfo allocates nothing
+	info, ok := a.SealInfo(la.Ref(1), buf)
+	fmt.Println(ok, info.Parent == h0, info.Chained, info.Tokens)
+
+	lb, _ := b.Acquire("copy", 1) // the copy is block 0 of its lease
+	_ = lb.SealAs(0, info)
+	copied, _ := b.SealInfo(lb.Ref(0), nil)
+	fmt.Println(copied.Hash == info.Hash, copied.Parent == h0, copied.Chained, copied.Tokens)
+	// Output:
+	// true true true [5 6 7 8]
+	// true true true [5 6 7 8]
+}

@@ -38,6 +38,7 @@ type config struct {
 	deadline     time.Duration
 	leakCheck    bool
 	verify       bool
+	sealRecords  bool // WithSealRecords
 	blockTokens  int
 	kvEvents     int
 	tenantKey    []byte  // WithTenantKey: the root of every tenant's secret
@@ -202,4 +203,19 @@ func (c *config) setBlockTokens(blockTokens int) error {
 	}
 	c.blockTokens = blockTokens
 	return nil
+}
+
+// WithSealRecords makes the pool record how each block is sealed (its
+// parent, whether the parent is a block, its tokens when sealed with
+// them), for Pool.SealInfo to report; a tiered cache (package tiers)
+// requires it of its device and host pools, to seal a block's copies as
+// the original was sealed. Verified mode and KV events keep the record
+// anyway; a pool with none of the three skips it, which keeps its seals
+// and evictions cheapest. The tokens take blockTokens int32s per block,
+// allocated at the first seal with tokens.
+func WithSealRecords() Option {
+	return newOption("WithSealRecords", func(c *config) error {
+		c.sealRecords = true
+		return nil
+	})
 }

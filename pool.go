@@ -62,6 +62,7 @@ type core struct {
 	watchOpens bool
 	kv         *kvEventLog  // nil unless WithKVEvents
 	verified   bool         // verified mode (WithVerifiedPrefix)
+	records    bool         // seals write their record: verified mode, KV events or WithSealRecords
 	seals      []sealRecord // per slot: how it was sealed (seal.go)
 	// adapters interns the adapters seal records name (adapter.go):
 	// adapters[0] is none.
@@ -102,6 +103,7 @@ func NewPool[R any](mem Memory[R], opts ...Option) (*Pool[R], error) {
 	if cfg.kvEvents > 0 {
 		c.kv = newKVEventLog(cfg.kvEvents)
 	}
+	c.records = cfg.sealRecords || cfg.verify || cfg.kvEvents > 0
 	if cfg.verify {
 		if cfg.blockTokens > math.MaxInt/4/n {
 			return nil, fmt.Errorf("kvlease: verified mode for %d blocks of %d tokens overflows: %w", n, cfg.blockTokens, ErrInvalidArgument)

@@ -3,6 +3,8 @@ package kvlease
 import (
 	"fmt"
 	"slices"
+
+	"github.com/kvlease/kvlease/internal/slots"
 )
 
 // Seal declares block i full and immutable from now on, findable by h for
@@ -21,14 +23,17 @@ func (l *Lease[R]) Seal(i int, h BlockHash) error {
 	return l.ls.seal(i, h, nil)
 }
 
-// sealTokens carries what verified mode records: the parent hash, the
-// block's tokens and its extra keys; chain overrides where its KV event places the block in
-// its chain (SealChained).
+// sealTokens carries what a seal says beyond the hash: the parent hash,
+// the block's tokens and its extra keys; chain overrides where its KV
+// event places the block in its chain (SealChained, SealAs). noTokens: a
+// seal with a known parent but no tokens (SealAs), which verified mode
+// refuses like a plain Seal.
 type sealTokens struct {
-	parent BlockHash
-	tokens []int32
-	chain  chainPlace
-	extra  []string // the block's extra keys (mixed into its hash), owned by the seal from now on
+	parent   BlockHash
+	tokens   []int32
+	chain    chainPlace
+	noTokens bool
+	extra    []string // the block's extra keys (mixed into its hash), owned by the seal from now on
 }
 
 // chainPlace says where a sealed block sits in its chain, for its KV event.
@@ -80,9 +85,9 @@ func (l *lease) sealLocked(i int, h BlockHash, st *sealTokens, ev *outbox) error
 		c.tab.SetRetention(int32(id), uint8(c.retentionOf(l, id)))
 	}
 	c.pre[id].hash = h
-	if c.verified || c.kv != nil {
-		// (Only verification and the KV events read the record: a pool
-		// without either does not write it. BenchmarkEvictionChurn.)
+	if c.records {
+		// (Only verification, the KV events and SealInfo read the record:
+		// a pool without them does not write it. BenchmarkEvictionChurn.)
 		c.recordSeal(l, i, id, st)
 	}
 	if !c.index.insert(h, id) {
@@ -142,6 +147,98 @@ func (l *Lease[R]) SealChained(i int, parent BlockHash, hasParent bool, tokens [
 	return h, l.ls.seal(i, h, &sealTokens{parent: parent, tokens: tokens, chain: place})
 }
 
+// SealAs seals block i as s says: findable as s.Hash, with s.Parent as
+// its recorded parent when s.HasParent (s.Chained: the parent is a block,
+// so the block's KV event names it, whatever i is; otherwise the block
+// starts its chain) and s.Tokens as its tokens when given. It is how a
+// copy of a block in another pool is sealed as its original was: read
+// the original's record with Pool.SealInfo, seal the copy with SealAs,
+// and both pools' records (and KV events) agree.
+//
+// Tokens are optional: without them the block is sealed by hash, as
+// Seal does, but with its parent recorded (a plain Seal knows the parent
+// only when the lease's previous block is sealed). With them the pool
+// checks what SealTokens checks (a full block; the pool needs
+// WithBlockTokens) and that its hash of Parent and Tokens is s.Hash.
+// Without s.HasParent, SealAs is Seal(i, s.Hash) and s.Tokens must be
+// nil. Verified mode needs the tokens. Errors wrap ErrInvalidArgument for
+// a refused s; others as Seal.
+func (l *Lease[R]) SealAs(i int, s SealInfo) error {
+	if !s.HasParent {
+		if s.Tokens != nil {
+			return fmt.Errorf("kvlease: seal block %d as %016x: tokens without a parent: %w", i, uint64(s.Hash), ErrInvalidArgument)
+		}
+		return l.ls.seal(i, s.Hash, nil)
+	}
+	st := &sealTokens{parent: s.Parent, tokens: s.Tokens, chain: chainStartAny, noTokens: s.Tokens == nil}
+	if s.Chained {
+		st.chain = chainChild
+	}
+	if s.Tokens != nil && len(s.Tokens) == l.ls.c.cfg.blockTokens {
+		if h := l.ls.c.hashBlock(s.Parent, s.Tokens, nil); h != s.Hash {
+			return fmt.Errorf("kvlease: seal block %d as %016x: its parent and tokens hash to %016x: %w",
+				i, uint64(s.Hash), uint64(h), ErrInvalidArgument)
+		}
+	}
+	return l.ls.seal(i, s.Hash, st)
+}
+
+// SealInfo is how a block was sealed, as its pool records it (see
+// WithSealRecords) and Pool.SealInfo reports it; Lease.SealAs seals a
+// block the same way.
+type SealInfo struct {
+	// Hash is the hash the block was sealed with.
+	Hash BlockHash
+	// Parent is the hash it was sealed under (the previous block's hash,
+	// or the namespace seed for a chain's first block), when HasParent.
+	// SealTokens, SealExtra, SealChained and SealAs with a parent know
+	// it; a plain Seal knows it only when the lease's previous block was
+	// sealed (that block's hash).
+	Parent    BlockHash
+	HasParent bool
+	// Chained: Parent is a block (false for a chain's first block, whose
+	// parent is the seed): the block's KV event names Parent.
+	Chained bool
+	// Tokens are the block's tokens when it was sealed with them, else
+	// nil.
+	Tokens []int32
+}
+
+// SealInfo reports how the block ref names was sealed, its tokens copied
+// into tokens' array: SealInfo.Tokens is append(tokens[:0], the block's
+// tokens...), or nil when it was sealed without. Pass a buffer with room
+// for a block to allocate nothing. ok is false when the pool keeps no seal records (see
+// WithSealRecords), when ref is outside the pool or stale (the slot has
+// moved to another generation), or when the block is not sealed. Extra
+// keys and adapters are not reported.
+//
+// A block stays sealed while a lease holds it or the cache keeps it:
+// read the record of a block you hold (an eviction hook's offered lease,
+// a prefix hit) and it cannot change under you.
+func (p *Pool[R]) SealInfo(ref BlockRef, tokens []int32) (info SealInfo, ok bool) {
+	c := &p.core
+	if !c.records || ref.ID < 0 || int(ref.ID) >= c.tab.Len() {
+		return SealInfo{}, false
+	}
+	c.mu.Lock()
+	defer c.unlock()
+	id := int32(ref.ID)
+	if c.tab.Gen(id) != ref.Gen || c.tab.ClassOf(id) == slots.Free || !c.tab.Sealed(id) {
+		return SealInfo{}, false
+	}
+	r, toks := c.sealRecord(ref.ID)
+	info = SealInfo{Hash: c.pre[id].hash, Parent: r.parent, HasParent: r.known, Chained: r.chained}
+	if toks != nil {
+		info.Tokens = append(tokens[:0], toks...)
+	}
+	return info, true
+}
+
+// KeepsSealRecords reports whether the pool records how each block was
+// sealed, for SealInfo: with WithSealRecords, WithVerifiedPrefix or
+// WithKVEvents.
+func (p *Pool[R]) KeepsSealRecords() bool { return p.core.records }
+
 // Share returns a second lease, owned by owner, over the first n blocks of
 // this one: the same slots at the same generations, reference counted, for
 // parallel sampling and beam search. Every shared block must be sealed
@@ -190,12 +287,13 @@ func (l *Lease[R]) Share(owner string, n int) (*Lease[R], error) {
 }
 
 // sealRecord is how a block was sealed: one per slot, written when it is
-// sealed (in a pool with verified mode or KV events: nothing else reads
-// it) and meaningful while it stays sealed (a slot that is unsealed keeps
-// a stale record nobody reads). Verified mode checks hits against
-// it, and the KV events (a stored event, a snapshot) are made from it:
-// the one record of a block's parent and tokens, read through
-// core.sealRecord.
+// sealed (in a pool with verified mode, KV events or WithSealRecords:
+// nothing else reads it) and meaningful while it stays sealed (a slot
+// that is unsealed keeps a stale record nobody reads). Verified mode
+// checks hits against it, the KV events (a stored event, a snapshot) are
+// made from it, and Pool.SealInfo reports it (the tiers copy a block's
+// record with it): the one record of a block's parent and tokens, read
+// through core.sealRecord.
 type sealRecord struct {
 	// parent is the hash the block was sealed under: the previous block's
 	// hash, or the namespace seed for a chain's first block.
@@ -240,8 +338,7 @@ func (r *sealRecord) keys() []string {
 
 // recordSeal writes the seal record of block i of l (slot id), sealed
 // with st (nil for a plain Seal). Called with c.mu held, after
-// checkSealTokens, in a pool whose records someone reads (verified mode,
-// KV events).
+// checkSealTokens, in a pool whose records someone reads (c.records).
 func (c *core) recordSeal(l *lease, i int, id BlockID, st *sealTokens) {
 	var r sealRecord
 	if st != nil {

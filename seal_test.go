@@ -122,3 +122,103 @@ func TestShare(t *testing.T) {
 	require.Equal(t, 2, p.Stats().Cached)
 	require.Equal(t, 6, p.Stats().Free)
 }
+
+// SealInfo reports the one seal record: parent, chained, tokens, for
+// every way of sealing; nothing for a pool without records, a stale ref
+// or an unsealed block.
+func TestSealInfo(t *testing.T) {
+	for _, opts := range [][]Option{{WithBlockTokens(4), WithSealRecords()}, {WithBlockTokens(4), WithKVEvents(16)}, {WithVerifiedPrefix(4)}} {
+		p := newTestPool(t, 4, opts...)
+		require.True(t, p.KeepsSealRecords())
+		l, err := p.Acquire("a", 3)
+		require.NoError(t, err)
+		toks := prompt(1, 4)
+		h0, err := l.SealTokens(0, 7, toks)
+		require.NoError(t, err)
+		_, ok := p.SealInfo(l.Ref(1), nil)
+		require.False(t, ok, "block 1 is not sealed")
+		buf := make([]int32, 0, 4)
+		info, ok := p.SealInfo(l.Ref(0), buf)
+		require.True(t, ok)
+		require.Equal(t, SealInfo{Hash: h0, Parent: 7, HasParent: true, Chained: false, Tokens: toks}, info)
+		require.Same(t, &buf[:1][0], &info.Tokens[0], "the tokens go into the caller's buffer")
+		require.Zero(t, testing.AllocsPerRun(10, func() { p.SealInfo(l.Ref(0), buf) }), "no allocation with room")
+		if !p.verified {
+			// A plain Seal after a sealed block: the parent is that block.
+			require.NoError(t, l.Seal(1, 99))
+			info, ok = p.SealInfo(l.Ref(1), nil)
+			require.True(t, ok)
+			require.Equal(t, SealInfo{Hash: 99, Parent: h0, HasParent: true, Chained: true}, info)
+		}
+		stale := l.Ref(0)
+		l.Release()
+		// Evict everything: the slots move on to new generations.
+		l2, err := p.Acquire("b", 4)
+		require.NoError(t, err)
+		_, ok = p.SealInfo(stale, nil)
+		require.False(t, ok, "a stale ref")
+		_, ok = p.SealInfo(BlockRef{ID: 9}, nil)
+		require.False(t, ok, "outside the pool")
+		l2.Release()
+	}
+	p := newTestPool(t, 2, WithBlockTokens(4))
+	require.False(t, p.KeepsSealRecords())
+	l, err := p.Acquire("a", 1)
+	require.NoError(t, err)
+	_, err = l.SealTokens(0, 7, prompt(1, 4))
+	require.NoError(t, err)
+	_, ok := p.SealInfo(l.Ref(0), nil)
+	require.False(t, ok, "a pool without records reports none")
+	l.Release()
+}
+
+// SealAs seals a copy as its original was sealed: the two pools' records
+// agree, with or without tokens, and a refused SealInfo is an
+// ErrInvalidArgument.
+func TestSealAs(t *testing.T) {
+	src := newTestPool(t, 4, WithBlockTokens(4), WithSealRecords())
+	dst := newTestPool(t, 4, WithBlockTokens(4), WithKVEvents(16))
+	sl, err := src.Acquire("a", 2)
+	require.NoError(t, err)
+	h0, err := sl.SealTokens(0, 7, prompt(1, 4))
+	require.NoError(t, err)
+	h1, err := sl.SealTokens(1, h0, prompt(5, 4))
+	require.NoError(t, err)
+	i1, ok := src.SealInfo(sl.Ref(1), nil)
+	require.True(t, ok)
+	dl, err := dst.Acquire("copy", 3)
+	require.NoError(t, err)
+	// Block 0 of the copy's lease, yet its record (and event) names its parent.
+	require.NoError(t, dl.SealAs(0, i1))
+	got, ok := dst.SealInfo(dl.Ref(0), nil)
+	require.True(t, ok)
+	require.Equal(t, i1, got)
+	evs, _ := dst.DrainKVEvents(nil)
+	require.Len(t, evs, 1)
+	require.True(t, evs[0].HasParent)
+	require.Equal(t, h0, evs[0].ParentBlockHash)
+	require.Equal(t, h1, evs[0].BlockHash)
+
+	// Known parent, no tokens: the parent is recorded all the same.
+	noTok := SealInfo{Hash: 1234, Parent: h1, HasParent: true, Chained: true}
+	require.NoError(t, dl.SealAs(1, noTok))
+	got, ok = dst.SealInfo(dl.Ref(1), nil)
+	require.True(t, ok)
+	require.Equal(t, noTok, got)
+
+	bad := i1
+	bad.Hash++
+	require.ErrorIs(t, dl.SealAs(2, bad), ErrInvalidArgument, "tokens that do not hash to Hash")
+	require.ErrorIs(t, dl.SealAs(2, SealInfo{Hash: 5, Tokens: prompt(1, 4)}), ErrInvalidArgument, "tokens without a parent")
+	require.ErrorIs(t, dl.SealAs(2, SealInfo{Hash: 5, Parent: 1, HasParent: true, Tokens: prompt(1, 3)}), ErrInvalidArgument, "a partial block")
+	require.NoError(t, dl.SealAs(2, SealInfo{Hash: 5}), "no parent: a plain Seal")
+
+	v := newTestPool(t, 2, WithVerifiedPrefix(4))
+	vl, err := v.Acquire("v", 1)
+	require.NoError(t, err)
+	require.ErrorIs(t, vl.SealAs(0, noTok), ErrInvalidArgument, "verified mode needs the tokens")
+	require.NoError(t, vl.SealAs(0, i1))
+	vl.Release()
+	sl.Release()
+	dl.Release()
+}

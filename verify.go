@@ -61,7 +61,7 @@ func (v *verifier) parent(k int) BlockHash {
 // in every mode; verified mode also refuses Seal (no tokens to check
 // later hits against).
 func (c *core) checkSealTokens(st *sealTokens) error {
-	if st == nil {
+	if st == nil || st.noTokens {
 		if c.verified {
 			return fmt.Errorf("verified mode keeps each block's tokens: seal with SealTokens: %w", ErrInvalidArgument)
 		}

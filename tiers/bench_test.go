@@ -81,8 +81,8 @@ func runHitRate(b *testing.B, tr hitTrace, devN, hostN int) (devOnly, tiered, un
 		b.Fatal(err)
 	}
 	defer eng.Close()
-	dp, _ := kvlease.NewPool[gpu.DevicePtr](devMem)
-	hp, _ := kvlease.NewPool[[]byte](hostMem)
+	dp, _ := kvlease.NewPool[gpu.DevicePtr](devMem, kvlease.WithSealRecords())
+	hp, _ := kvlease.NewPool[[]byte](hostMem, kvlease.WithSealRecords())
 	c, err := New(Config[gpu.DevicePtr]{Device: dp, Host: hp, Offload: eng.DeviceToHost(), Onload: eng.HostToDevice(),
 		DeviceReserve: devN / 4})
 	if err != nil {
@@ -176,8 +176,8 @@ func BenchmarkOnboardLatency(b *testing.B) {
 				b.Fatal(err)
 			}
 			defer eng.Close()
-			dp, _ := kvlease.NewPool[gpu.DevicePtr](devMem)
-			hp, _ := kvlease.NewPool[[]byte](hostMem)
+			dp, _ := kvlease.NewPool[gpu.DevicePtr](devMem, kvlease.WithSealRecords())
+			hp, _ := kvlease.NewPool[[]byte](hostMem, kvlease.WithSealRecords())
 			var disk *Disk
 			if from == TierDisk {
 				if disk, err = OpenDisk(DiskConfig{Dir: b.TempDir(), Slots: 2 * blocks, BlockBytes: blockBytes, Workers: 4, Direct: true}); err != nil {
@@ -339,8 +339,8 @@ func newEvictRig(b *testing.B, hook, viaCache bool) *evictRig {
 	dm, _ := kvlease.NewHostMemory(devN, blockBytes)
 	hm, _ := kvlease.NewHostMemory(hostN, blockBytes)
 	r := &evictRig{viaCache: viaCache}
-	r.dev, _ = kvlease.NewPool[[]byte](dm)
-	r.host, _ = kvlease.NewPool[[]byte](hm)
+	r.dev, _ = kvlease.NewPool[[]byte](dm, kvlease.WithSealRecords())
+	r.host, _ = kvlease.NewPool[[]byte](hm, kvlease.WithSealRecords())
 	if hook {
 		c, err := New(Config[[]byte]{Device: r.dev, Host: r.host, Offload: MemCopy{}, Onload: MemCopy{}})
 		if err != nil {

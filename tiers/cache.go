@@ -36,10 +36,11 @@ func (p Policy) String() string {
 
 // Config describes a tiered cache: a device pool (G1), a pinned host pool
 // (G2) and optionally a disk tier (G3), with the transports that copy
-// between device and host. Device and Host are required and must have the
-// same block size (and Disk too); the cache installs eviction hooks on
-// them (Device with WriteBack, Host when there is a Disk), so do not
-// install your own.
+// between device and host. Device and Host are required, must keep seal
+// records (kvlease.WithSealRecords, or WithKVEvents or
+// WithVerifiedPrefix, which keep them too) and must have the same block
+// size (and Disk too); the cache installs eviction hooks on them (Device
+// with WriteBack, Host when there is a Disk), so do not install your own.
 type Config[D any] struct {
 	Device  *kvlease.Pool[D]
 	Host    *kvlease.Pool[[]byte]
@@ -80,10 +81,14 @@ type Cache[D any] struct {
 	onload  kvlease.Transport[[]byte, D]
 	policy  Policy
 
-	mu         sync.Mutex
-	devParent  []parentRec // by device BlockID: how a sealed block was sealed
-	hostParent []parentRec // by host BlockID
-	diskParent []parentRec // by disk slot
+	mu sync.Mutex
+	// diskParent is how each disk slot's block was sealed, by disk slot.
+	// The device and host pools keep their own records (Pool.SealInfo,
+	// read with recOf); the disk is not a kvlease pool the cache can ask
+	// (its pool's record would be lost at a restart, the slot header is
+	// not): this table mirrors what the headers say, rebuilt from them by
+	// OpenDisk's scan.
+	diskParent []kvlease.SealInfo
 	closed     bool
 	isClosed   atomic.Bool    // closed, for the lock-free check of Acquire
 	wg         sync.WaitGroup // copy watchers and the offload worker
@@ -104,34 +109,22 @@ type Cache[D any] struct {
 	devInflight, hostInflight atomic.Int64 // offered blocks not yet free
 }
 
-// parentRec remembers how a slot was last sealed: its hash, the parent it
-// was sealed under (the previous block's hash, or the namespace seed),
-// whether that parent is a block (chained; false for a chain's first
-// block) and, when the caller sealed with tokens, the tokens. The copy of
-// a block in a lower tier is sealed with the same record, so its KV event
-// names the same parent and carries the same tokens. It needs no
-// generation: a lookup passes the hash it expects, and a block with the
-// same hash has the same parent and tokens (the hash chains them).
-type parentRec struct {
-	hash    kvlease.BlockHash
-	known   bool // parent is known
-	chained bool
-	parent  kvlease.BlockHash
-	tokens  []int32 // nil when sealed without tokens; never written after
-}
-
 // ErrClosed is returned by a Cache's methods after Close.
 var ErrClosed = errors.New("tiers: cache closed")
 
 // New builds a tiered cache over cfg's pools and installs its eviction
 // hooks. Errors wrap kvlease.ErrInvalidArgument for a missing pool or
-// transport or mismatched block sizes.
+// transport, a device or host pool that keeps no seal records
+// (kvlease.WithSealRecords) or mismatched block sizes.
 func New[D any](cfg Config[D]) (*Cache[D], error) {
 	switch {
 	case cfg.Device == nil || cfg.Host == nil:
 		return nil, fmt.Errorf("tiers: a device pool and a host pool are required: %w", kvlease.ErrInvalidArgument)
 	case cfg.Offload == nil || cfg.Onload == nil:
 		return nil, fmt.Errorf("tiers: offload and onload transports are required: %w", kvlease.ErrInvalidArgument)
+	case !cfg.Device.KeepsSealRecords() || !cfg.Host.KeepsSealRecords():
+		return nil, fmt.Errorf("tiers: the device and host pools must keep seal records (kvlease.WithSealRecords), so that a block's copies are sealed as it was: %w",
+			kvlease.ErrInvalidArgument)
 	case cfg.Device.BlockBytes() != cfg.Host.BlockBytes():
 		return nil, fmt.Errorf("tiers: device blocks of %d bytes, host blocks of %d: %w",
 			cfg.Device.BlockBytes(), cfg.Host.BlockBytes(), kvlease.ErrInvalidArgument)
@@ -148,16 +141,14 @@ func New[D any](cfg Config[D]) (*Cache[D], error) {
 	c := &Cache[D]{
 		dev: cfg.Device, host: cfg.Host, disk: cfg.Disk,
 		offload: cfg.Offload, onload: cfg.Onload, policy: cfg.Policy,
-		devParent:  make([]parentRec, cfg.Device.Capacity()),
-		hostParent: make([]parentRec, cfg.Host.Capacity()),
-		stop:       make(chan struct{}),
+		stop: make(chan struct{}),
 	}
 	if c.disk != nil {
 		// What the disk's scan found: its rebuilt slots' parents and
 		// tokens, for the seals on the way up.
-		c.diskParent = make([]parentRec, c.disk.Blocks())
+		c.diskParent = make([]kvlease.SealInfo, c.disk.Blocks())
 		for slot, m := range c.disk.scanned {
-			c.diskParent[slot] = parentRec{hash: m.Hash, known: m.HasParent, chained: m.Chained, parent: m.Parent, tokens: m.Tokens}
+			c.diskParent[slot] = m.sealInfo()
 		}
 	}
 	c.workCond = sync.NewCond(&c.workMu)
@@ -315,27 +306,39 @@ func (c *Cache[D]) watch(t *kvlease.Transfer, fn func(ok bool)) bool {
 	return true
 }
 
-// getRec returns what tab records for slot id if it was recorded for
-// hash h, else a record that knows only h.
-func getRec(tab []parentRec, id kvlease.BlockID, h kvlease.BlockHash) parentRec {
-	if r := tab[id]; r.hash == h && r.known {
+// recOf returns how block ref of p was sealed (its pool's seal record,
+// Pool.SealInfo) if it is sealed as h, else a record that knows only h.
+// Its tokens are its own copy: the caller seals a lower tier's block with
+// them after ref may have moved on.
+func recOf[R any](p *kvlease.Pool[R], ref kvlease.BlockRef, h kvlease.BlockHash) kvlease.SealInfo {
+	if r, ok := p.SealInfo(ref, nil); ok && r.Hash == h && r.HasParent {
 		return r
 	}
-	return parentRec{hash: h}
+	return kvlease.SealInfo{Hash: h}
 }
 
-// sealAs seals block i of l as r.hash. When r knows the block's tokens and
-// parent, SealChained gives its KV event the right parent and the tokens
-// (whatever the block's place in l); otherwise (or if the pool refuses
-// tokens: no WithBlockTokens) it is a plain Seal, whose event carries no
-// tokens. Callers seal a lease's blocks last to first, so that a plain
-// Seal never names the lease's previous block, which in a lower tier is
-// unrelated, as the parent.
-func sealAs[R any](l *kvlease.Lease[R], i int, r parentRec) error {
-	if r.tokens != nil && r.known && kvlease.HashBlock(r.parent, r.tokens) == r.hash {
-		if _, err := l.SealChained(i, r.parent, r.chained, r.tokens); err == nil {
-			return nil
-		}
+// diskRec returns what diskParent records for slot id if it was recorded
+// for hash h, else a record that knows only h. Called with c.mu held.
+func (c *Cache[D]) diskRec(id kvlease.BlockID, h kvlease.BlockHash) kvlease.SealInfo {
+	if r := c.diskParent[id]; r.Hash == h && r.HasParent {
+		return r
 	}
-	return l.Seal(i, r.hash)
+	return kvlease.SealInfo{Hash: h}
+}
+
+// sealAs seals block i of l as r says (kvlease.Lease.SealAs): its KV
+// event and its pool's record name r's parent and carry r's tokens,
+// whatever the block's place in l. If the pool refuses the tokens (no
+// WithBlockTokens, or another hasher), it seals with the parent alone,
+// an event without tokens. A record that knows no parent is a plain Seal:
+// callers seal a lease's blocks last to first, so that one never names
+// the lease's previous block, which in a lower tier is unrelated, as the
+// parent.
+func sealAs[R any](l *kvlease.Lease[R], i int, r kvlease.SealInfo) error {
+	err := l.SealAs(i, r)
+	if err != nil && r.Tokens != nil {
+		r.Tokens = nil
+		err = l.SealAs(i, r)
+	}
+	return err
 }

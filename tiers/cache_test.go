@@ -94,9 +94,9 @@ func newRig(t *testing.T, devBlocks, hostBlocks, diskSlots int, policy Policy) *
 	require.NoError(t, err)
 	hm, err := kvlease.NewHostMemory(hostBlocks, testBlockBytes)
 	require.NoError(t, err)
-	r.dev, err = kvlease.NewPool[[]byte](dm)
+	r.dev, err = kvlease.NewPool[[]byte](dm, kvlease.WithSealRecords())
 	require.NoError(t, err)
-	r.host, err = kvlease.NewPool[[]byte](hm)
+	r.host, err = kvlease.NewPool[[]byte](hm, kvlease.WithSealRecords())
 	require.NoError(t, err)
 	if diskSlots > 0 {
 		r.disk, err = OpenDisk(DiskConfig{Dir: t.TempDir(), Slots: diskSlots, BlockBytes: testBlockBytes, Workers: 2, Direct: true})
@@ -368,4 +368,63 @@ func TestDiskCorruptSlotIsAMiss(t *testing.T) {
 	require.Zero(t, o.Valid(), "a corrupt slot never onboards")
 	require.Positive(t, r.c.Stats().Tiers[TierDisk].CopyFailures)
 	require.Nil(t, r.disk.Lookup("again", a), "a slot that failed its read stops hitting")
+}
+
+// New refuses a device or host pool that keeps no seal records: the
+// cache reads a block's parent and tokens from its pool's record.
+func TestNewNeedsSealRecords(t *testing.T) {
+	mem := func() *kvlease.HostMemory {
+		m, err := kvlease.NewHostMemory(4, testBlockBytes)
+		require.NoError(t, err)
+		return m
+	}
+	rec, err := kvlease.NewPool[[]byte](mem(), kvlease.WithSealRecords())
+	require.NoError(t, err)
+	plain, err := kvlease.NewPool[[]byte](mem())
+	require.NoError(t, err)
+	for _, cfg := range []Config[[]byte]{{Device: plain, Host: rec}, {Device: rec, Host: plain}} {
+		cfg.Offload, cfg.Onload = MemCopy{}, MemCopy{}
+		_, err := New(cfg)
+		require.ErrorIs(t, err, kvlease.ErrInvalidArgument)
+		require.ErrorContains(t, err, "WithSealRecords")
+	}
+}
+
+// A block sealed with Cache.Seal (a known parent, no tokens) keeps its
+// parent in every tier: the device pool's record, then the host copy's
+// (sealed as block j of an offload lease, whatever j is), then the
+// device's again when it is onboarded back.
+func TestSealRecordsFollowTheBlock(t *testing.T) {
+	r := newRig(t, 8, 32, 0, WriteBack)
+	a, b, c := chain(1, 4), chain(2, 4), chain(3, 4)
+	want := func(k int) kvlease.SealInfo {
+		w := kvlease.SealInfo{Hash: a[k], HasParent: true, Chained: k > 0}
+		if k > 0 {
+			w.Parent = a[k-1]
+		}
+		return w
+	}
+	check := func(p *kvlease.Pool[[]byte], where string) {
+		t.Helper()
+		l, err := p.AcquireHits("check", a)
+		require.NoError(t, err)
+		require.NotNil(t, l, "%s holds a", where)
+		require.Equal(t, len(a), l.Len(), "%s holds a", where)
+		for k := range a {
+			got, ok := p.SealInfo(l.Ref(k), nil)
+			require.True(t, ok, "%s block %d", where, k)
+			require.Equal(t, want(k), got, "%s block %d", where, k)
+		}
+		l.Release()
+	}
+	r.request(t, a)
+	check(r.dev, "device")
+	r.request(t, b)
+	r.request(t, c) // a goes down to the host
+	r.settle(t)
+	check(r.host, "host")
+	o := r.request(t, a)
+	require.Equal(t, 4, o.Hits(TierHost))
+	r.settle(t)
+	check(r.dev, "device after onboarding")
 }

@@ -178,8 +178,8 @@ func TestCacheCopiesRuns(t *testing.T) {
 	const bt, bb = 4, 64
 	dm, _ := kvlease.NewHostMemory(8, bb)
 	hm, _ := kvlease.NewHostMemory(32, bb)
-	dev, _ := kvlease.NewPool[[]byte](dm, kvlease.WithBlockTokens(bt))
-	host, _ := kvlease.NewPool[[]byte](hm, kvlease.WithBlockTokens(bt))
+	dev, _ := kvlease.NewPool[[]byte](dm, kvlease.WithBlockTokens(bt), kvlease.WithSealRecords())
+	host, _ := kvlease.NewPool[[]byte](hm, kvlease.WithBlockTokens(bt), kvlease.WithSealRecords())
 	off, on := &countCopy{m: NewMemCopy(dm, hm)}, &countCopy{m: NewMemCopy(hm, dm)}
 	c, err := New(Config[[]byte]{Device: dev, Host: host, Offload: off, Onload: on, DeviceReserve: -1})
 	if err != nil {

@@ -228,7 +228,7 @@ func (d *Disk) Scanned(s DiskSlot) (SlotMeta, bool) {
 func (d *Disk) Recovered() int { return d.recovered }
 
 // rebuild scans every slot and seals the valid ones in the fresh pool:
-// with their tokens and place in their chain (SealChained) when the slot
+// with their tokens and place in their chain (kvlease.Lease.SealAs) when the slot
 // recorded them and the pool takes tokens, so that their KV events are
 // whole; by hash alone otherwise.
 func (d *Disk) rebuild() error {
@@ -266,8 +266,7 @@ func (d *Disk) rebuild() error {
 	slices.SortFunc(valid, func(a, b entry) int { return pos[b.slot] - pos[a.slot] })
 	d.scanned = make(map[DiskSlot]SlotMeta, len(valid))
 	for _, e := range valid {
-		r := parentRec{hash: e.meta.Hash, known: e.meta.HasParent, chained: e.meta.Chained, parent: e.meta.Parent, tokens: e.meta.Tokens}
-		if err := sealAs(l, pos[e.slot], r); err == nil {
+		if err := sealAs(l, pos[e.slot], e.meta.sealInfo()); err == nil {
 			d.recovered++
 			d.scanned[e.slot] = e.meta
 		}
@@ -409,6 +408,12 @@ type SlotMeta struct {
 	HasParent bool
 	Chained   bool
 	Tokens    []int32
+}
+
+// sealInfo is m as the seal record it mirrors: a block rebuilt from its
+// slot is sealed as its header says.
+func (m SlotMeta) sealInfo() kvlease.SealInfo {
+	return kvlease.SealInfo{Hash: m.Hash, Parent: m.Parent, HasParent: m.HasParent, Chained: m.Chained, Tokens: m.Tokens}
 }
 
 // SlotWrite is one block written to a disk slot: the block, and what the

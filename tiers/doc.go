@@ -3,6 +3,26 @@
 // offloading connector, SGLang's HiCache and Dynamo's KVBM keep more KV
 // than fits in device memory.
 //
+// # Seal records
+//
+// A block's copy in a lower tier is sealed as the original was: the same
+// hash, the same parent, the same place in its chain and, when it was
+// sealed with them, the same tokens, so every tier's KV events describe
+// it alike. The cache keeps no table of its own for that: the device and
+// host pools record how each block was sealed (create them with
+// kvlease.WithSealRecords, or with WithKVEvents or WithVerifiedPrefix,
+// which keep the record too; New refuses a pool without), the cache reads
+// the original's record (kvlease.Pool.SealInfo) and seals the copy with
+// it (kvlease.Lease.SealAs). Cache.Seal, which knows the parent but not
+// the tokens, records the parent all the same. A pool records tokens
+// only with kvlease.WithBlockTokens: give every tier's pool the same
+// block tokens, or the copies below one without keep the parent alone.
+// The disk tier keeps the
+// record in each slot's header instead (Disk is no kvlease pool the cache
+// could ask after a restart; its index of the headers is the cache's
+// disk table), and a block rebuilt from a slot is sealed as its header
+// says.
+//
 // # Offload
 //
 // Every copy between tiers is a kvlease.Transfer that gates both sides: a
@@ -63,5 +83,6 @@
 // (Tier.Medium: "GPU", "CPU", "DISK"). The device pool reports a block
 // removed when it is evicted, the host pool reports it stored when its
 // copy is sealed there, the disk likewise; a lower tier's stored event
-// carries the original's parent and tokens (kvlease.Lease.SealChained).
+// carries the original's parent and tokens (its pool's seal record,
+// kvlease.Lease.SealAs).
 package tiers

@@ -16,9 +16,11 @@ import (
 // reports a block removed when it is evicted (offered down or lost), the
 // host pool reports it stored once its copy is sealed there, and so on
 // down. The lower tiers' stored events carry the parent and tokens of the
-// device's original when it was sealed with SealTokens (give the lower
-// pools kvlease.WithBlockTokens too); blocks sealed with Seal carry no
-// tokens, and the publisher leaves such events out.
+// device's original, read from the device pool's seal record (see the
+// package's Seal records section), when it was sealed with SealTokens
+// (give the lower pools kvlease.WithBlockTokens too); blocks sealed with
+// Seal name their parent but carry no tokens, and the publisher leaves
+// such events out.
 func (c *Cache[D]) EventSources() []events.Source {
 	var out []events.Source
 	add := func(p events.KVEventSource, t Tier) {

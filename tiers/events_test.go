@@ -140,7 +140,7 @@ func TestDiskRestartKeepsTokens(t *testing.T) {
 	require.NoError(t, err)
 	toks, hs := tokChain(3, 2)
 	long := make([]int32, 2000) // more than a slot's padding holds
-	dl, err := d.Pool().Acquire("w", 3)
+	dl, err := d.Pool().Acquire("w", 4)
 	require.NoError(t, err)
 	b := make([]byte, testBlockBytes)
 	stamp(b, hs[0])
@@ -148,6 +148,7 @@ func TestDiskRestartKeepsTokens(t *testing.T) {
 		{Src: b, Dst: d.Region(dl.Ref(0).ID), Hash: hs[0], Parent: 3, HasParent: true, Tokens: toks[:4]},
 		{Src: b, Dst: d.Region(dl.Ref(1).ID), Hash: hs[1], Parent: hs[0], HasParent: true, Chained: true, Tokens: toks[4:8]},
 		{Src: b, Dst: d.Region(dl.Ref(2).ID), Hash: 77, Parent: 5, HasParent: true, Chained: true, Tokens: long},
+		{Src: b, Dst: d.Region(dl.Ref(3).ID), Hash: 88},
 	}
 	tr, err := d.Write(writes, func(t *kvlease.Transfer) error { return dl.Attach(t) })
 	require.NoError(t, err)
@@ -159,7 +160,7 @@ func TestDiskRestartKeepsTokens(t *testing.T) {
 	d, err = OpenDisk(cfg)
 	require.NoError(t, err)
 	defer d.Close()
-	require.Equal(t, 3, d.Recovered())
+	require.Equal(t, 4, d.Recovered())
 	m, ok := d.Scanned(writes[1].Dst)
 	require.True(t, ok)
 	require.Equal(t, SlotMeta{Hash: hs[1], Parent: hs[0], HasParent: true, Chained: true, Tokens: toks[4:8]}, m)
@@ -173,12 +174,14 @@ func TestDiskRestartKeepsTokens(t *testing.T) {
 		require.Equal(t, kvlease.KVBlockStored, e.Kind)
 		byHash[e.BlockHash] = e
 	}
-	require.Len(t, byHash, 3)
+	require.Len(t, byHash, 4)
 	require.Equal(t, toks[:4], byHash[hs[0]].TokenIDs)
 	require.False(t, byHash[hs[0]].HasParent, "a chain's first block names no parent")
 	require.Equal(t, toks[4:8], byHash[hs[1]].TokenIDs)
 	require.True(t, byHash[hs[1]].HasParent)
 	require.Equal(t, hs[0], byHash[hs[1]].ParentBlockHash)
 	require.Nil(t, byHash[77].TokenIDs)
-	require.False(t, byHash[77].HasParent, "a block sealed by hash alone names no unrelated parent")
+	require.True(t, byHash[77].HasParent, "a block without tokens still names the parent its header records")
+	require.Equal(t, kvlease.BlockHash(5), byHash[77].ParentBlockHash)
+	require.False(t, byHash[88].HasParent, "a block sealed by hash alone names no unrelated parent")
 }

@@ -16,8 +16,8 @@ import (
 func ExampleCache() {
 	dm, _ := kvlease.NewHostMemory(8, 64)
 	hm, _ := kvlease.NewHostMemory(32, 64)
-	dev, _ := kvlease.NewPool[[]byte](dm, kvlease.WithBlockTokens(4))
-	host, _ := kvlease.NewPool[[]byte](hm, kvlease.WithBlockTokens(4))
+	dev, _ := kvlease.NewPool[[]byte](dm, kvlease.WithBlockTokens(4), kvlease.WithSealRecords())
+	host, _ := kvlease.NewPool[[]byte](hm, kvlease.WithBlockTokens(4), kvlease.WithSealRecords())
 	cache, err := tiers.New(tiers.Config[[]byte]{
 		// A MemCopy that knows both memories copies each run of blocks at once.
 		Device: dev, Host: host, Offload: tiers.NewMemCopy(dm, hm), Onload: tiers.NewMemCopy(dm, hm),

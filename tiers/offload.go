@@ -15,44 +15,43 @@ const (
 
 // Seal seals block i of a device lease with hash h under parent (the
 // previous block's hash, or the namespace seed for the first block), as
-// kvlease.Lease.Seal does, and records the parent for the lower tiers
-// (their slot headers). With WriteThrough it also starts copying the block
-// to the host tier (unless the host has it already): a Read on block i of
-// l until the copy resolves, so l may be released at once. Errors are
+// kvlease.Lease.Seal does, with parent recorded in the device pool's seal
+// record (kvlease.Lease.SealAs; the block's KV event names it unless i is
+// 0, a chain's first block) for the lower tiers' copies and slot headers.
+// With WriteThrough it also starts copying the block to the host tier
+// (unless the host has it already): a Read on block i of l until the copy
+// resolves, so l may be released at once. Errors are
 // Seal's. Prefer SealTokens when KV events are published: events without
 // tokens are not (routers key blocks by their tokens).
 func (c *Cache[D]) Seal(l *kvlease.Lease[D], i int, parent, h kvlease.BlockHash) error {
-	if err := l.Seal(i, h); err != nil {
+	if err := l.SealAs(i, kvlease.SealInfo{Hash: h, Parent: parent, HasParent: true, Chained: i > 0}); err != nil {
 		return err
 	}
-	c.sealed(l, i, parentRec{hash: h, known: true, chained: i > 0, parent: parent})
+	c.sealed(l, i, h)
 	return nil
 }
 
 // SealTokens seals block i of a device lease with the hash of its tokens
 // under parent, as kvlease.Lease.SealTokens does (the device pool needs
-// WithBlockTokens), and returns that hash. The cache keeps the tokens, so
-// the block's copies in the lower tiers are sealed with them too: every
-// tier's KV events then carry the block's tokens and its parent, each
+// WithBlockTokens), and returns that hash. The device pool's seal record
+// keeps the tokens, so the block's copies in the lower tiers are sealed
+// with them too: every tier's KV events then carry the block's tokens and its parent, each
 // with the tier's medium (EventSources). Otherwise as Seal.
 func (c *Cache[D]) SealTokens(l *kvlease.Lease[D], i int, parent kvlease.BlockHash, tokens []int32) (kvlease.BlockHash, error) {
 	h, err := l.SealTokens(i, parent, tokens)
 	if err != nil {
 		return h, err
 	}
-	c.sealed(l, i, parentRec{hash: h, known: true, chained: i > 0, parent: parent, tokens: slices.Clone(tokens)})
+	c.sealed(l, i, h)
 	return h, nil
 }
 
-// sealed records block i of device lease l as r and, with WriteThrough,
-// starts its copy to the host.
-func (c *Cache[D]) sealed(l *kvlease.Lease[D], i int, r parentRec) {
-	id := l.Ref(i).ID
-	c.mu.Lock()
-	c.devParent[id] = r
-	c.mu.Unlock()
+// sealed is called once block i of device lease l is sealed as h (its
+// record is the device pool's): with WriteThrough it starts the block's
+// copy to the host.
+func (c *Cache[D]) sealed(l *kvlease.Lease[D], i int, h kvlease.BlockHash) {
 	if c.policy == WriteThrough {
-		c.toHost(l, i, []kvlease.BlockHash{r.hash}, false)
+		c.toHost(l, i, []kvlease.BlockHash{h}, false)
 	}
 }
 
@@ -107,13 +106,10 @@ func (c *Cache[D]) toHost(src *kvlease.Lease[D], from int, hashes []kvlease.Bloc
 		return
 	}
 	pairs := make([]kvlease.CopyPair[D, []byte], len(pos))
-	parents := make([]parentRec, len(pos))
-	dstIDs := dst.AppendBlockIDs(make([]kvlease.BlockID, 0, len(pos)), 0)
-	c.mu.Lock()
+	parents := make([]kvlease.SealInfo, len(pos))
 	for j, p := range pos {
-		parents[j] = getRec(c.devParent, srcIDs[p], hs[j])
+		parents[j] = recOf(c.dev, src.Ref(p), hs[j])
 	}
-	c.mu.Unlock()
 	// One lock per lease for the regions, not one per block.
 	srcRegions, err1 := src.AppendReadRegions(make([]D, 0, src.Len()), 0)
 	dstRegions, err2 := dst.AppendRegions(make([][]byte, 0, len(pos)), 0)
@@ -146,11 +142,6 @@ func (c *Cache[D]) toHost(src *kvlease.Lease[D], from int, hashes []kvlease.Bloc
 		dst.Release()
 		return
 	}
-	c.mu.Lock()
-	for j := range pos {
-		c.hostParent[dstIDs[j]] = parents[j]
-	}
-	c.mu.Unlock()
 	watched = c.watch(t, func(done bool) {
 		defer func() {
 			if release {
@@ -216,7 +207,6 @@ func (c *Cache[D]) toDisk(l *kvlease.Lease[[]byte], hashes []kvlease.BlockHash) 
 		return
 	}
 	writes := make([]SlotWrite, len(pos))
-	srcIDs := l.AppendBlockIDs(make([]kvlease.BlockID, 0, l.Len()), 0)
 	dstIDs := dst.AppendBlockIDs(make([]kvlease.BlockID, 0, len(pos)), 0)
 	srcRegions, err := l.AppendReadRegions(make([][]byte, 0, l.Len()), 0)
 	if err != nil {
@@ -224,13 +214,15 @@ func (c *Cache[D]) toDisk(l *kvlease.Lease[[]byte], hashes []kvlease.BlockHash) 
 		st.dropped.Add(uint64(len(pos)))
 		return
 	}
-	recs := make([]parentRec, len(pos))
+	recs := make([]kvlease.SealInfo, len(pos))
+	for j, p := range pos {
+		recs[j] = recOf(c.host, l.Ref(p), hs[j])
+	}
 	c.mu.Lock()
 	for j, p := range pos {
-		recs[j] = getRec(c.hostParent, srcIDs[p], hs[j])
 		c.diskParent[dstIDs[j]] = recs[j]
-		writes[j] = SlotWrite{Src: srcRegions[p], Dst: d.Region(dstIDs[j]), Hash: hs[j], Parent: recs[j].parent,
-			HasParent: recs[j].known, Chained: recs[j].chained, Tokens: recs[j].tokens}
+		writes[j] = SlotWrite{Src: srcRegions[p], Dst: d.Region(dstIDs[j]), Hash: hs[j], Parent: recs[j].Parent,
+			HasParent: recs[j].HasParent, Chained: recs[j].Chained, Tokens: recs[j].Tokens}
 	}
 	c.mu.Unlock()
 	t, err := d.Write(writes, func(t *kvlease.Transfer) error {

@@ -113,30 +113,24 @@ func (c *Cache[D]) Acquire(owner string, hashes []kvlease.BlockHash, n int) (*On
 	o.hits[TierHost], o.hits[TierDisk] = h, m
 	// What the lower tiers know of each hit (parent, tokens), for the
 	// seals on the way up: the copies' KV events then match the originals'.
-	recs := make([]parentRec, h+m)
+	recs := make([]kvlease.SealInfo, h+m)
 	if h+m > 0 {
-		var ids []kvlease.BlockID
-		if h > 0 {
-			ids = hl.AppendBlockIDs(ids, 0)
-		}
-		c.mu.Lock()
 		for k := range h {
-			recs[k] = getRec(c.hostParent, ids[k], rest[k])
+			recs[k] = recOf(c.host, hl.Ref(k), rest[k])
 		}
-		c.mu.Unlock()
 		if m > 0 {
-			ids = dl.AppendBlockIDs(ids[:0], 0)
+			ids := dl.AppendBlockIDs(make([]kvlease.BlockID, 0, m), 0)
 			c.mu.Lock()
 			for k := range m {
-				recs[h+k] = getRec(c.diskParent, ids[k], rest[h+k])
+				recs[h+k] = c.diskRec(ids[k], rest[h+k])
 			}
 			c.mu.Unlock()
 		}
 		for k := range recs {
-			if !recs[k].known && d+k > 0 {
+			if !recs[k].HasParent && d+k > 0 {
 				// Unknown to the tier (a rebuilt disk): the chain says
 				// the parent; a chain's first block keeps none.
-				recs[k] = parentRec{hash: recs[k].hash, known: true, chained: true, parent: hashes[d+k-1]}
+				recs[k] = kvlease.SealInfo{Hash: recs[k].Hash, Parent: hashes[d+k-1], HasParent: true, Chained: true}
 			}
 		}
 	}
@@ -220,13 +214,8 @@ func (c *Cache[D]) Acquire(owner string, hashes []kvlease.BlockHash, n int) (*On
 			diskOK := done(dt)
 			if diskOK {
 				// The staging blocks hold the disk's content: they join
-				// the host tier, then go on to the device.
-				ids := stage.AppendBlockIDs(make([]kvlease.BlockID, 0, m), 0)
-				c.mu.Lock()
-				for k := range m {
-					c.hostParent[ids[k]] = recs[h+k]
-				}
-				c.mu.Unlock()
+				// the host tier (sealed as the disk's record says: the
+				// host pool's record), then go on to the device.
 				for k := m - 1; k >= 0; k-- {
 					if sealAs(stage, k, recs[h+k]) != nil {
 						diskOK = false
@@ -261,7 +250,7 @@ func (c *Cache[D]) Acquire(owner string, hashes []kvlease.BlockHash, n int) (*On
 			if sealAs(l, k, recs[k-d]) != nil {
 				break // closed by the caller, or sealed by it already
 			}
-			c.sealed(l, k, recs[k-d])
+			c.sealed(l, k, recs[k-d].Hash)
 		}
 		o.valid.Store(int64(valid))
 		o.err = firstErr

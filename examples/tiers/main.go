@@ -86,11 +86,11 @@ func run(w io.Writer, requests int, seed uint64, devN, hostN, diskN, docs, docLe
 	if err != nil {
 		return err
 	}
-	devPool, err := kvlease.NewPool[gpu.DevicePtr](devMem)
+	devPool, err := kvlease.NewPool[gpu.DevicePtr](devMem, kvlease.WithSealRecords())
 	if err != nil {
 		return err
 	}
-	hostPool, err := kvlease.NewPool[[]byte](hostMem)
+	hostPool, err := kvlease.NewPool[[]byte](hostMem, kvlease.WithSealRecords())
 	if err != nil {
 		return err
 	}
