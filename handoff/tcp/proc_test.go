@@ -532,7 +532,12 @@ func TestProcStopped(t *testing.T) {
 		wantStats(t, "source", localStats(s.pool, s.sender.Stats()), "free=64 leased=0 draining=0 quarantined=0 open=0 check=ok started=1 completed=0")
 		p.signal(syscall.SIGCONT)
 		p.do("release")
-		peerState(p, 1, handoff.Aborted)
+		// The peer's reader finds our connection closed, or reads our
+		// Abort first: Failed or Aborted, each on its own evidence.
+		p.do("wait 1 aborted")
+		if f := p.expect("state 1 "); f[2] != "aborted" && f[2] != "failed" {
+			t.Fatalf("peer's handoff: %q", f)
+		}
 		wantStats(t, "peer destination", p.stats(), "free=64 leased=0 draining=0 quarantined=0 open=0 check=ok started=1 completed=0")
 	})
 }
