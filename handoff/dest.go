@@ -52,7 +52,9 @@ type DestinationConfig[R any] struct {
 	// lease is released at once (its sealed blocks stay cached).
 	OnDelivered func(*Incoming[R])
 	// OnFinal, if set, is called once for every handoff that becomes
-	// final (after OnDelivered for a delivered one).
+	// final (after OnDelivered for a delivered one). A proposal refused
+	// before it became a handoff (a duplicate id, a per-session cap) is
+	// not one: the source is told, the Stats count it.
 	OnFinal func(*Incoming[R])
 	// OnAccept, if set, receives each accepted handoff before its Accept
 	// is sent, so the caller holds the handle (to Abort it, say when the
