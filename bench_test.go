@@ -182,7 +182,7 @@ func benchPool(b *testing.B, blocks int) *Pool[[]byte] {
 }
 
 // BenchmarkLeaseCycle is Acquire(n)+Release against the bare list and the
-// slot list (the per-block floor) doing the same. Targets (issue 16):
+// slot list (the per-block floor) doing the same. Targets:
 // x-bare ≤ 3 at 1 block, x-slots ≤ 2 at 16 blocks and ≤ 1.5 at 256; at
 // most one allocation per cycle.
 func BenchmarkLeaseCycle(b *testing.B) {
@@ -202,7 +202,7 @@ func BenchmarkLeaseCycle(b *testing.B) {
 
 // BenchmarkLeaseCycleTransfer adds one transfer attached over the whole
 // lease and resolved after Release: the full deferred-reclamation path.
-// Target (issue 16): x-slots ≤ 3 against slots(16), one allocation (the
+// Target: x-slots ≤ 3 against slots(16), one allocation (the
 // transfer).
 func BenchmarkLeaseCycleTransfer(b *testing.B) {
 	const n = 16
@@ -223,8 +223,8 @@ func BenchmarkLeaseCycleTransfer(b *testing.B) {
 
 // BenchmarkLeaseCycleParallel runs Acquire(4)+Release from every P
 // (GOMAXPROCS as set: all cores by default) against the bare list under
-// the same parallelism, run before and after it and averaged. Target
-// (issue 16): x-bare ≤ 3.
+// the same parallelism, run before and after it and averaged. Target:
+// x-bare ≤ 3.
 func BenchmarkLeaseCycleParallel(b *testing.B) {
 	const n = 4
 	p := benchPool(b, 4096)

@@ -1,4 +1,4 @@
-package kvlease_test
+package kvlease
 
 import (
 	"context"
@@ -8,11 +8,10 @@ import (
 	"math/rand/v2"
 	"runtime"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
-	"github.com/kvlease/kvlease"
+	"go.uber.org/atomic"
 )
 
 // Churn: many owners acquire, stamp, extend, seal, attach transfers and
@@ -50,10 +49,10 @@ func churnCheck(r []byte, m uint64) error {
 
 // churnChain is the hashes of prefix chain c (not real token hashes: the
 // index only needs distinct, chain-shaped keys).
-func churnChain(c int) []kvlease.BlockHash {
-	h := make([]kvlease.BlockHash, 4)
+func churnChain(c int) []BlockHash {
+	h := make([]BlockHash, 4)
 	for k := range h {
-		h[k] = kvlease.BlockHash(100*(c+1) + k)
+		h[k] = BlockHash(100*(c+1) + k)
 	}
 	return h
 }
@@ -64,18 +63,18 @@ func churnChain(c int) []kvlease.BlockHash {
 type churnTransport struct {
 	mu      sync.Mutex
 	stopped bool
-	tr      *kvlease.Transfer
+	tr      *Transfer
 }
 
 type churnEnv struct {
 	t         *testing.T
-	p         *kvlease.Pool[[]byte]
+	p         *Pool[[]byte]
 	transport sync.WaitGroup
 	failures  atomic.Int64
 	firstErr  sync.Once
 	acquired  atomic.Int64
 	leasesMu  sync.Mutex
-	leases    []*kvlease.Lease[[]byte]
+	leases    []*Lease[[]byte]
 }
 
 func (e *churnEnv) fail(format string, args ...any) {
@@ -87,7 +86,7 @@ func (e *churnEnv) fail(format string, args ...any) {
 // resolves (the fence is the mutex).
 func (e *churnEnv) newTransport() *churnTransport {
 	ct := &churnTransport{}
-	ct.tr = kvlease.NewTransfer(func() {
+	ct.tr = NewTransfer(func() {
 		ct.mu.Lock()
 		ct.stopped = true
 		ct.mu.Unlock()
@@ -135,7 +134,7 @@ func (e *churnEnv) run(ct *churnTransport, regions [][]byte, markers []uint64, w
 	}()
 }
 
-func (e *churnEnv) acquire(rng *rand.Rand, owner string) (*kvlease.Lease[[]byte], int, []kvlease.BlockHash) {
+func (e *churnEnv) acquire(rng *rand.Rand, owner string) (*Lease[[]byte], int, []BlockHash) {
 	n := 1 + rng.IntN(6)
 	switch rng.IntN(4) {
 	case 0: // prefix
@@ -144,7 +143,7 @@ func (e *churnEnv) acquire(rng *rand.Rand, owner string) (*kvlease.Lease[[]byte]
 		if err == nil {
 			return l, hits, hs
 		}
-		if !errors.Is(err, kvlease.ErrExhausted) {
+		if !errors.Is(err, ErrExhausted) {
 			e.fail("AcquirePrefix: %v", err)
 		}
 	case 1: // plain
@@ -152,7 +151,7 @@ func (e *churnEnv) acquire(rng *rand.Rand, owner string) (*kvlease.Lease[[]byte]
 		if err == nil {
 			return l, 0, nil
 		}
-		if !errors.Is(err, kvlease.ErrExhausted) {
+		if !errors.Is(err, ErrExhausted) {
 			e.fail("Acquire: %v", err)
 		}
 	case 2: // a wait that may be cut short
@@ -235,7 +234,7 @@ func (e *churnEnv) worker(w, iters int) {
 					want = append(want, leaseMarker(id, i))
 					churnStamp(region(i), want[i])
 				}
-			case errors.Is(err, kvlease.ErrExhausted):
+			case errors.Is(err, ErrExhausted):
 			default:
 				e.fail("Extend: %v", err)
 			}
@@ -249,7 +248,7 @@ func (e *churnEnv) worker(w, iters int) {
 		if sealed < n && rng.IntN(2) == 0 {
 			writeFrom = sealed + rng.IntN(n-sealed)
 			ct := e.newTransport()
-			if err := l.AttachRange(ct.tr, writeFrom, n, kvlease.Write); err != nil {
+			if err := l.AttachRange(ct.tr, writeFrom, n, Write); err != nil {
 				e.fail("AttachRange write [%d,%d) sealed=%d: %v", writeFrom, n, sealed, err)
 			}
 			var regs [][]byte
@@ -263,7 +262,7 @@ func (e *churnEnv) worker(w, iters int) {
 			from := rng.IntN(writeFrom)
 			to := from + 1 + rng.IntN(writeFrom-from)
 			ct := e.newTransport()
-			if err := l.AttachRange(ct.tr, from, to, kvlease.Read); err != nil {
+			if err := l.AttachRange(ct.tr, from, to, Read); err != nil {
 				e.fail("AttachRange read: %v", err)
 			}
 			var regs [][]byte
@@ -274,7 +273,7 @@ func (e *churnEnv) worker(w, iters int) {
 		}
 		if rng.IntN(4) == 0 {
 			// A fence over the whole lease that touches no memory.
-			fence := kvlease.NewTransfer(nil)
+			fence := NewTransfer(nil)
 			if err := l.Attach(fence); err != nil {
 				e.fail("Attach: %v", err)
 			}
@@ -313,8 +312,8 @@ func (e *churnEnv) worker(w, iters int) {
 			go func() {
 				defer racer.Done()
 				err := l.Extend(1)
-				if err != nil && !errors.Is(err, kvlease.ErrLeaseClosed) && !errors.Is(err, kvlease.ErrExhausted) &&
-					!errors.Is(err, kvlease.ErrExceedsCapacity) {
+				if err != nil && !errors.Is(err, ErrLeaseClosed) && !errors.Is(err, ErrExhausted) &&
+					!errors.Is(err, ErrExceedsCapacity) {
 					e.fail("Extend racing close: %v", err)
 				}
 			}()
@@ -325,7 +324,7 @@ func (e *churnEnv) worker(w, iters int) {
 			l.Abort(nil)
 		}
 		racer.Wait()
-		if _, err := l.Region(0); !errors.Is(err, kvlease.ErrLeaseClosed) {
+		if _, err := l.Region(0); !errors.Is(err, ErrLeaseClosed) {
 			e.fail("Region after close: %v", err)
 		}
 	}
@@ -340,17 +339,17 @@ func TestChurn(t *testing.T) {
 	var settledMu sync.Mutex
 	settled := map[uint64]int{}
 	var leaked atomic.Int64
-	obs := kvlease.ObserverFunc(func(ev kvlease.Event) {
+	obs := ObserverFunc(func(ev Event) {
 		switch ev.Kind {
-		case kvlease.EventSettled:
+		case EventSettled:
 			settledMu.Lock()
 			settled[ev.Lease]++
 			settledMu.Unlock()
-		case kvlease.EventLeaked:
+		case EventLeaked:
 			leaked.Add(1)
 		}
 	})
-	e := &churnEnv{t: t, p: corePool(t, capacity, kvlease.WithObserver(obs), kvlease.WithLeakCheck(true))}
+	e := &churnEnv{t: t, p: corePool(t, capacity, WithObserver(obs), WithLeakCheck(true))}
 	mem := e.p.Memory()
 	if mem.BlockBytes() != churnBlockBytes {
 		t.Fatalf("block size %d", mem.BlockBytes())
@@ -401,7 +400,7 @@ func TestChurn(t *testing.T) {
 		t.Fatalf("stats %+v, %d acquired", st, e.acquired.Load())
 	}
 	for _, l := range e.leases {
-		if l.State() != kvlease.LeaseSettled {
+		if l.State() != LeaseSettled {
 			t.Fatalf("lease %d (%s) is %v", l.ID(), l.Owner(), l.State())
 		}
 		<-l.Settled()

@@ -1,12 +1,10 @@
-package kvlease_test
+package kvlease
 
 import (
 	"errors"
 	"testing"
 	"testing/synctest"
 	"time"
-
-	"github.com/kvlease/kvlease"
 )
 
 const coreDeadline = time.Second
@@ -24,42 +22,42 @@ func coreSleep(d time.Duration) {
 func TestDrainDeadlineQuarantines(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		rec := &coreRecorder{}
-		p := corePool(t, 4, kvlease.WithObserver(rec), kvlease.WithDrainDeadline(coreDeadline))
+		p := corePool(t, 4, WithObserver(rec), WithDrainDeadline(coreDeadline))
 		l := coreAcquire(t, p, "slow", 2)
-		tr := kvlease.NewTransfer(nil)
-		coreNoErr(t, l.AttachRange(tr, 0, 2, kvlease.Write), "AttachRange")
+		tr := NewTransfer(nil)
+		coreNoErr(t, l.AttachRange(tr, 0, 2, Write), "AttachRange")
 		coreSleep(5 * coreDeadline) // an open lease has no deadline
-		if l.State() != kvlease.LeaseActive || rec.count(kvlease.EventDeadline, 0) != 0 {
+		if l.State() != LeaseActive || rec.count(EventDeadline, 0) != 0 {
 			t.Fatalf("open lease hit the drain deadline: %v", l.State())
 		}
 
 		l.Release()
 		coreSleep(coreDeadline - time.Millisecond)
-		if l.State() != kvlease.LeaseDraining || rec.count(kvlease.EventDeadline, 0) != 0 {
-			t.Fatalf("before the deadline: %v, %d reports", l.State(), rec.count(kvlease.EventDeadline, 0))
+		if l.State() != LeaseDraining || rec.count(EventDeadline, 0) != 0 {
+			t.Fatalf("before the deadline: %v, %d reports", l.State(), rec.count(EventDeadline, 0))
 		}
 		coreWant(t, p, coreCounts{Free: 2, Draining: 2})
 
 		coreSleep(2 * time.Millisecond)
-		if n := rec.count(kvlease.EventDeadline, l.ID()); n != 1 {
+		if n := rec.count(EventDeadline, l.ID()); n != 1 {
 			t.Fatalf("deadline reported %d times", n)
 		}
-		ev, _ := rec.last(kvlease.EventDeadline)
-		if ev.Owner != "slow" || !errors.Is(ev.Err, kvlease.ErrDrainDeadline) {
+		ev, _ := rec.last(EventDeadline)
+		if ev.Owner != "slow" || !errors.Is(ev.Err, ErrDrainDeadline) {
 			t.Fatalf("EventDeadline %+v", ev)
 		}
-		if l.State() != kvlease.LeaseQuarantined || tr.State() != kvlease.TransferQuarantined {
+		if l.State() != LeaseQuarantined || tr.State() != TransferQuarantined {
 			t.Fatalf("after the deadline: lease %v, transfer %v", l.State(), tr.State())
 		}
-		coreErrIs(t, tr.Err(), kvlease.ErrDrainDeadline, "transfer's reason")
+		coreErrIs(t, tr.Err(), ErrDrainDeadline, "transfer's reason")
 		coreWant(t, p, coreCounts{Free: 2, Quarantined: 2})
 
 		// Time alone never frees it.
 		coreSleep(24 * time.Hour)
 		coreWant(t, p, coreCounts{Free: 2, Quarantined: 2})
 		_, err := p.Acquire("x", 3)
-		coreErrIs(t, err, kvlease.ErrExhausted, "Acquire over quarantined blocks")
-		if n := rec.count(kvlease.EventDeadline, 0); n != 1 {
+		coreErrIs(t, err, ErrExhausted, "Acquire over quarantined blocks")
+		if n := rec.count(EventDeadline, 0); n != 1 {
 			t.Fatalf("deadline reported %d times", n)
 		}
 
@@ -75,10 +73,10 @@ func TestDrainDeadlineQuarantines(t *testing.T) {
 func TestDrainDeadlineSettledInTime(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		rec := &coreRecorder{}
-		p := corePool(t, 4, kvlease.WithObserver(rec), kvlease.WithDrainDeadline(coreDeadline))
+		p := corePool(t, 4, WithObserver(rec), WithDrainDeadline(coreDeadline))
 		l := coreAcquire(t, p, "quick", 2)
-		tr := kvlease.NewTransfer(nil)
-		coreNoErr(t, l.AttachRange(tr, 0, 1, kvlease.Read), "AttachRange")
+		tr := NewTransfer(nil)
+		coreNoErr(t, l.AttachRange(tr, 0, 1, Read), "AttachRange")
 		l.Release()
 		coreSleep(coreDeadline / 2)
 		tr.Resolve(nil)
@@ -90,18 +88,18 @@ func TestDrainDeadlineSettledInTime(t *testing.T) {
 
 		// A failed copy that provably stopped is evidence too.
 		n := coreAcquire(t, p, "failed", 1)
-		f := kvlease.NewTransfer(nil)
+		f := NewTransfer(nil)
 		coreNoErr(t, n.Attach(f), "Attach")
 		n.Abort(nil)
 		coreSleep(coreDeadline / 4)
 		f.Resolve(errors.New("copy failed, engine fenced"))
 
 		coreSleep(10 * coreDeadline)
-		if k := rec.count(kvlease.EventDeadline, 0); k != 0 {
+		if k := rec.count(EventDeadline, 0); k != 0 {
 			t.Fatalf("%d deadline reports for leases that settled in time", k)
 		}
-		for _, ls := range []*kvlease.Lease[[]byte]{l, m, n} {
-			if ls.State() != kvlease.LeaseSettled {
+		for _, ls := range []*Lease[[]byte]{l, m, n} {
+			if ls.State() != LeaseSettled {
 				t.Fatalf("lease %s: %v", ls.Owner(), ls.State())
 			}
 		}
@@ -115,25 +113,25 @@ func TestDrainDeadlineSettledInTime(t *testing.T) {
 func TestDrainDeadlineQuarantinesOtherSide(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		rec := &coreRecorder{}
-		src := corePool(t, 4, kvlease.WithObserver(rec), kvlease.WithDrainDeadline(coreDeadline))
+		src := corePool(t, 4, WithObserver(rec), WithDrainDeadline(coreDeadline))
 		dst := corePool(t, 4)
 		sl := coreAcquire(t, src, "src", 3)
 		dl := coreAcquire(t, dst, "dst", 2)
-		done, stuck := kvlease.NewTransfer(nil), kvlease.NewTransfer(nil)
-		coreNoErr(t, sl.AttachRange(done, 0, 1, kvlease.Read), "attach done")
-		coreNoErr(t, sl.AttachRange(stuck, 1, 3, kvlease.Read), "attach stuck (src)")
-		coreNoErr(t, dl.AttachRange(stuck, 0, 2, kvlease.Write), "attach stuck (dst)")
+		done, stuck := NewTransfer(nil), NewTransfer(nil)
+		coreNoErr(t, sl.AttachRange(done, 0, 1, Read), "attach done")
+		coreNoErr(t, sl.AttachRange(stuck, 1, 3, Read), "attach stuck (src)")
+		coreNoErr(t, dl.AttachRange(stuck, 0, 2, Write), "attach stuck (dst)")
 		sl.Release()
 		done.Resolve(nil)
 		coreWant(t, src, coreCounts{Free: 2, Draining: 2})
 
 		coreSleep(coreDeadline + time.Millisecond)
-		if rec.count(kvlease.EventDeadline, sl.ID()) != 1 {
+		if rec.count(EventDeadline, sl.ID()) != 1 {
 			t.Fatal("deadline not reported")
 		}
 		coreWant(t, src, coreCounts{Free: 2, Quarantined: 2})
 		coreWant(t, dst, coreCounts{Free: 2, Quarantined: 2})
-		if dl.State() != kvlease.LeaseQuarantined || done.State() != kvlease.TransferResolved {
+		if dl.State() != LeaseQuarantined || done.State() != TransferResolved {
 			t.Fatalf("dst lease %v, resolved transfer %v", dl.State(), done.State())
 		}
 		dl.Release()
@@ -143,7 +141,7 @@ func TestDrainDeadlineQuarantinesOtherSide(t *testing.T) {
 		stuck.Resolve(nil)
 		coreAllFree(t, src)
 		coreAllFree(t, dst)
-		if sl.State() != kvlease.LeaseSettled || dl.State() != kvlease.LeaseSettled {
+		if sl.State() != LeaseSettled || dl.State() != LeaseSettled {
 			t.Fatalf("states %v %v", sl.State(), dl.State())
 		}
 	})
@@ -154,16 +152,16 @@ func TestDrainDeadlineQuarantinesOtherSide(t *testing.T) {
 func TestDrainDeadlineAlreadyQuarantined(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		rec := &coreRecorder{}
-		p := corePool(t, 4, kvlease.WithObserver(rec), kvlease.WithDrainDeadline(coreDeadline))
+		p := corePool(t, 4, WithObserver(rec), WithDrainDeadline(coreDeadline))
 		l := coreAcquire(t, p, "q", 2)
-		q, pend := kvlease.NewTransfer(nil), kvlease.NewTransfer(nil)
-		coreNoErr(t, l.AttachRange(q, 0, 1, kvlease.Write), "attach q")
-		coreNoErr(t, l.AttachRange(pend, 1, 2, kvlease.Write), "attach pend")
+		q, pend := NewTransfer(nil), NewTransfer(nil)
+		coreNoErr(t, l.AttachRange(q, 0, 1, Write), "attach q")
+		coreNoErr(t, l.AttachRange(pend, 1, 2, Write), "attach pend")
 		reason := errors.New("peer vanished")
 		q.Quarantine(reason)
 		l.Abort(nil)
 		coreSleep(2 * coreDeadline)
-		if rec.count(kvlease.EventDeadline, l.ID()) != 1 {
+		if rec.count(EventDeadline, l.ID()) != 1 {
 			t.Fatal("an unsettled closed lease past its deadline was not reported")
 		}
 		coreWant(t, p, coreCounts{Free: 2, Quarantined: 2})
@@ -171,16 +169,16 @@ func TestDrainDeadlineAlreadyQuarantined(t *testing.T) {
 		if !errors.Is(q.Err(), reason) {
 			t.Fatalf("reason replaced: %v", q.Err())
 		}
-		coreErrIs(t, pend.Err(), kvlease.ErrDrainDeadline, "pending transfer's reason")
+		coreErrIs(t, pend.Err(), ErrDrainDeadline, "pending transfer's reason")
 		q.Resolve(nil)
-		if l.State() != kvlease.LeaseQuarantined {
+		if l.State() != LeaseQuarantined {
 			t.Fatalf("one quarantined transfer left: %v", l.State())
 		}
 		coreWant(t, p, coreCounts{Free: 3, Quarantined: 1})
 		pend.Resolve(nil)
 		coreAllFree(t, p)
 		coreSleep(time.Hour)
-		if rec.count(kvlease.EventDeadline, l.ID()) != 1 {
+		if rec.count(EventDeadline, l.ID()) != 1 {
 			t.Fatal("deadline reported again")
 		}
 	})

@@ -9,6 +9,37 @@
 // a device pointer for GPU memory) and returns a lease's blocks to the pool
 // only after every transfer attached to it has resolved.
 //
+// # Overview
+//
+// What the package exports, by concept (one file each):
+//
+//   - Memory: BlockID, BlockRef, Memory, HostMemory (NewHostMemory).
+//   - Pool (NewPool, options With...: WithObserver, WithLeakCheck,
+//     WithDrainDeadline, WithQuarantineAlert, WithKVEvents, WithBlockTokens,
+//     WithVerifiedPrefix): Acquire, AcquireWait, AcquirePrefix,
+//     AcquirePrefixTokens, AcquireHits, CachedPrefix, CachedPrefixTokens,
+//     Region, Stats, Available, Usable, Capacity, BlockBytes, Memory, Check,
+//     Close, ResetCache (ResetMode), SetEvictHook and OfferCached
+//     (EvictOwner), DrainKVEvents, KVEventsReady, SnapshotKVCache,
+//     SnapshotKVBlocks (KVEvent, KVEventKind).
+//   - Lease: Len, Owner, ID, Pool, Ref, AppendBlockIDs, Region, ReadRegion,
+//     AppendRegions, AppendReadRegions, Extend, TrimTo, Trimmed, Attach,
+//     AttachRange (Access: Read, Write), Seal, SealTokens, SealChained,
+//     Share, Release, Abort, Settled, State (LeaseState), Closed.
+//   - Transfer (NewTransfer): Resolve, Quarantine, Cancel, Done, Err, State
+//     (TransferState), ID, CancelRequested; TransferGroup
+//     (NewTransferGroup, AttachGroup, AttachGroupRange) for per-rank
+//     transfers of one logical copy; Transport and CopyPair, what a data
+//     plane implements.
+//   - Prefix hashes: BlockHash, HashBlock, ChainHashes.
+//   - Observation: Observer, ObserverFunc, Event, EventKind.
+//   - Errors: ErrInvalidArgument, ErrExceedsCapacity, ErrExhausted,
+//     ErrQuarantineBound, ErrPoolClosed, ErrLeaseClosed, ErrStaleRef,
+//     ErrReadOnly, ErrAborted, ErrQuarantined, ErrDrainDeadline.
+//
+// What users must not touch lives under internal/: the slot table
+// (internal/slots), the checked-build switches (internal/invariants).
+//
 // # Rules
 //
 //  1. A rejection is final and settles everything. An Acquire that fails
@@ -121,8 +152,10 @@
 //
 // # Checked builds
 //
-// Under -race or -tags invariants, every operation verifies the state
-// counts, impossible internal states panic, and every lease carries a leak
-// check that reports to the observer (see WithLeakCheck). Pool.Check walks
-// the whole slot table in any build.
+// Under -race or -tags invariants, every locked operation verifies the
+// state counts as it releases the pool's lock, impossible internal states
+// panic, the slot table's fast loops sometimes take their general path
+// instead (so tests and fuzzers prove the two equal), and every lease
+// carries a leak check that reports to the observer (see WithLeakCheck).
+// Pool.Check walks the whole slot table in any build.
 package kvlease

@@ -1,6 +1,8 @@
 package kvlease
 
-import "fmt"
+import (
+	"fmt"
+)
 
 // EvictOwner is the owner of the leases an eviction hook receives.
 const EvictOwner = "kvlease/evict"
@@ -37,7 +39,7 @@ const EvictOwner = "kvlease/evict"
 func (p *Pool[R]) SetEvictHook(hook func(offered *Lease[R], hashes []BlockHash)) {
 	c := &p.core
 	c.mu.Lock()
-	defer c.mu.Unlock()
+	defer c.unlock()
 	if hook == nil {
 		c.hook = nil
 		return
@@ -50,7 +52,7 @@ type offerer interface {
 	// offerVictims offers what the cache can spare before the evicting
 	// fill takes its next victim (see core.offerVictim). Called with c.mu
 	// held; it must not call out. It takes and returns the operation's
-	// event list rather than a pointer to its events, which an interface
+	// outbox list rather than a pointer to its outbox, which an interface
 	// call would move to the heap on every acquire and release.
 	offerVictims(need int, list []observed) []observed
 }
@@ -61,8 +63,8 @@ type evictHook[R any] struct {
 }
 
 // evictBatch collects the blocks one operation offers. It is delivered as
-// one of the operation's events, so the hook runs wherever the operation
-// flushes its events: after every lock is released.
+// an entry of the operation's outbox, so the hook runs wherever the operation
+// flushes its outbox: after every lock is released.
 type evictBatch[R any] struct {
 	h      *evictHook[R]
 	refs   []BlockRef
@@ -73,7 +75,7 @@ type evictBatch[R any] struct {
 // offerVictim runs before a fill evicts a victim for itself, need being
 // the blocks the fill still has to hand out (this one included). Called
 // from takeFresh with c.mu held, the free stack empty.
-func (c *core) offerVictim(need int, ev *events) { ev.list = c.hook.offerVictims(need, ev.list) }
+func (c *core) offerVictim(need int, ev *outbox) { ev.list = c.hook.offerVictims(need, ev.list) }
 
 // offerVictims offers the least recently used cached blocks, as long as
 // the cache keeps enough for the fill (more than need) and the operation
@@ -82,7 +84,7 @@ func (c *core) offerVictim(need int, ev *events) { ev.list = c.hook.offerVictims
 // a chain evicted from its end reaches the next tier whole, then takes
 // the next need victims.
 func (h *evictHook[R]) offerVictims(need int, list []observed) []observed {
-	ev := &events{list: list}
+	ev := &outbox{list: list}
 	c := &h.p.core
 	var b *evictBatch[R]
 	for i := len(ev.list) - 1; i >= 0; i-- {
@@ -95,7 +97,7 @@ func (h *evictHook[R]) offerVictims(need int, list []observed) []observed {
 	if b != nil {
 		offered, taken = len(b.refs), b.taken
 	}
-	for c.lruLen > need && offered < taken+need {
+	for c.tab.LRULen() > need && offered < taken+need {
 		b = h.offerHead(b, ev)
 		offered++
 	}
@@ -107,28 +109,22 @@ func (h *evictHook[R]) offerVictims(need int, list []observed) []observed {
 
 // offerHead moves the least recently used cached block into batch b
 // (made and queued on ev when nil) and returns b. Called with c.mu held.
-func (h *evictHook[R]) offerHead(b *evictBatch[R], ev *events) *evictBatch[R] {
+func (h *evictHook[R]) offerHead(b *evictBatch[R], ev *outbox) *evictBatch[R] {
 	c := &h.p.core
-	id := c.lruHead
-	c.lruRemove(id)
-	s := &c.slots[id]
 	// Out of the index (never hit here again), but the content stays:
 	// sealed, at the same generation, held by the offered lease.
-	hash := c.pre[id].hash
-	c.index.remove(hash, id)
+	r := ref(c.tab.Offer())
+	hash := c.pre[r.ID].hash
+	c.index.remove(hash, r.ID)
 	if c.kv != nil {
 		c.kv.removed(hash)
 	}
-	s.index = false
 	c.stats.evictions++
-	s.refs, s.class = 1, classLeased
-	c.counts[classCached]--
-	c.counts[classLeased]++
 	if b == nil {
 		b = &evictBatch[R]{h: h}
 		ev.add(b, Event{Kind: EventAcquired, Owner: EvictOwner})
 	}
-	b.refs = append(b.refs, BlockRef{ID: id, Gen: s.gen})
+	b.refs = append(b.refs, r)
 	b.hashes = append(b.hashes, hash)
 	return b
 }
@@ -142,32 +138,32 @@ func (h *evictHook[R]) offerHead(b *evictBatch[R], ev *events) *evictBatch[R] {
 // caller's goroutine, with no lock held.
 func (p *Pool[R]) OfferCached(k int) int {
 	c := &p.core
-	var ev events
+	var ev outbox
 	c.mu.Lock()
 	h, _ := c.hook.(*evictHook[R])
 	n := 0
 	if h != nil {
 		var b *evictBatch[R]
-		for ; n < k && c.lruLen > 0; n++ {
+		for ; n < k && c.tab.LRULen() > 0; n++ {
 			b = h.offerHead(b, &ev)
 		}
 	}
-	c.mu.Unlock()
+	c.unlock()
 	ev.flush()
 	return n
 }
 
 // Observe delivers the batch: the held blocks become an open lease, handed
-// to the hook. Called by events.flush with no lock held.
+// to the hook. Called by outbox.flush with no lock held.
 func (b *evictBatch[R]) Observe(Event) {
 	p := b.h.p
 	c := &p.core
-	var ev events
+	var ev outbox
 	c.mu.Lock()
 	l := p.newLease(EvictOwner, len(b.refs))
 	copy(l.ls.blocks, b.refs)
 	c.opened(&l.ls, 0, &ev)
-	c.mu.Unlock()
+	c.unlock()
 	ev.flush()
 	b.h.fn(l, b.hashes)
 }
@@ -184,31 +180,42 @@ func (p *Pool[R]) AcquireHits(owner string, hashes []BlockHash) (*Lease[R], erro
 	if owner == "" {
 		return nil, c.reject(owner, len(hashes), fmt.Errorf("kvlease: acquire hits: empty owner: %w", ErrInvalidArgument))
 	}
-	var ev events
+	var ev outbox
 	c.mu.Lock()
 	if c.closed.Load() {
-		c.mu.Unlock()
+		c.unlock()
 		return nil, c.reject(owner, len(hashes), closedErr(owner, len(hashes)))
 	}
 	if q := c.queued(); q > 0 {
-		c.mu.Unlock()
+		c.unlock()
 		return nil, c.reject(owner, len(hashes), &exhaustedError{op: "acquire", owner: owner, n: len(hashes), queued: q})
 	}
 	n := c.probe(hashes, nil)
 	if n == 0 {
 		c.stats.prefixQueries += uint64(len(hashes))
-		c.mu.Unlock()
+		c.unlock()
 		return nil, nil
 	}
 	l := p.newLease(owner, n)
 	hits, err := c.fillPrefix(&l.ls, hashes, n, nil, &ev)
 	if err != nil { // cannot happen: hits need no fresh block
-		c.mu.Unlock()
+		c.unlock()
 		ev.flush()
 		return nil, c.reject(owner, n, err)
 	}
 	c.opened(&l.ls, hits, &ev)
-	c.mu.Unlock()
+	c.unlock()
 	ev.flush()
 	return l, nil
+}
+
+// evicted takes a block the slot table just evicted (see slots.Table.Take)
+// out of the prefix index: its content is forfeit. Called with c.mu held.
+func (c *core) evicted(id BlockID) {
+	h := c.pre[id].hash
+	c.index.remove(h, id)
+	if c.kv != nil {
+		c.kv.removed(h)
+	}
+	c.stats.evictions++
 }

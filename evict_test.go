@@ -261,3 +261,33 @@ func TestOfferCached(t *testing.T) {
 	got[1].l.Release()
 	require.Equal(t, 8, p.Stats().Free)
 }
+
+func TestEvictionLRUTailFirst(t *testing.T) {
+	p := newTestPool(t, 6)
+	chainA := ChainHashes(1, prompt(1, 48), 16) // 3 blocks
+	chainB := ChainHashes(1, prompt(2, 32), 16) // 2 blocks
+	a := fillSealed(t, p, "a", chainA)
+	a.Release() // A is older
+	b := fillSealed(t, p, "b", chainB)
+	b.Release()
+	require.Equal(t, 5, p.Stats().Cached)
+
+	// One block is free: eviction waits until it is used.
+	l1, err := p.Acquire("x", 1)
+	require.NoError(t, err)
+	require.EqualValues(t, 0, p.Stats().Evictions, "evict only when nothing is free")
+	require.Equal(t, 3, p.CachedPrefix(chainA))
+
+	// The next fresh block evicts A's tail: the least recently used, and
+	// the end of its chain, so no findable block is left without parent.
+	l2, err := p.Acquire("y", 1)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, p.Stats().Evictions)
+	require.Equal(t, 2, p.CachedPrefix(chainA))
+	require.Equal(t, 2, p.CachedPrefix(chainB))
+	require.NoError(t, l2.Extend(2))
+	require.Equal(t, 0, p.CachedPrefix(chainA), "A is evicted from its end, whole")
+	require.Equal(t, 2, p.CachedPrefix(chainB), "B is more recent")
+	l1.Release()
+	l2.Release()
+}

@@ -1,4 +1,4 @@
-package kvlease_test
+package kvlease
 
 import (
 	"context"
@@ -8,8 +8,6 @@ import (
 	"strings"
 	"sync"
 	"testing"
-
-	"github.com/kvlease/kvlease"
 )
 
 // FuzzLifecycle decodes its input into a sequence of operations (acquire,
@@ -76,17 +74,17 @@ type fzAtt struct {
 }
 
 type fzLease struct {
-	l       *kvlease.Lease[[]byte]
+	l       *Lease[[]byte]
 	id      uint64
-	blocks  []kvlease.BlockRef
+	blocks  []BlockRef
 	trimmed int // blocks before this index were given back by TrimTo
 	closed  bool
 	atts    []fzAtt
 }
 
 type fzTransfer struct {
-	t        *kvlease.Transfer
-	state    kvlease.TransferState
+	t        *Transfer
+	state    TransferState
 	err      error
 	hook     int  // 0: nil hook; 1: counts; 2: counts and resolves synchronously
 	hookUsed bool // the hook ran or can no longer run
@@ -98,7 +96,7 @@ type fzSlot struct {
 	gen     uint32 // generation of the current or last hand-out (0: never)
 	refs    int    // open-lease positions holding it
 	sealed  bool
-	hash    kvlease.BlockHash
+	hash    BlockHash
 	indexed bool // the prefix index maps hash to it
 	group   int  // when it last became unreferenced (cached recency)
 }
@@ -111,11 +109,11 @@ var (
 
 type fzModel struct {
 	t       *testing.T
-	p       *kvlease.Pool[[]byte]
+	p       *Pool[[]byte]
 	cap     int
 	closed  bool
 	slots   []fzSlot
-	index   map[kvlease.BlockHash]int
+	index   map[BlockHash]int
 	used    map[[2]uint64]bool // (slot, gen) pairs ever handed out
 	groups  int
 	leases  []*fzLease
@@ -146,7 +144,7 @@ func (m *fzModel) cover() (pend, quar []int, write []bool) {
 	for _, ls := range m.leases {
 		for _, a := range ls.atts {
 			st := m.trs[a.tr].state
-			if st == kvlease.TransferResolved {
+			if st == TransferResolved {
 				continue
 			}
 			from, to := a.from, a.to
@@ -154,7 +152,7 @@ func (m *fzModel) cover() (pend, quar []int, write []bool) {
 				to = len(ls.blocks) // from the first block held when it attached
 			}
 			for _, r := range ls.blocks[from:to] {
-				if st == kvlease.TransferPending {
+				if st == TransferPending {
 					pend[r.ID]++
 				} else {
 					quar[r.ID]++
@@ -252,7 +250,7 @@ func (m *fzModel) available() (free, cached int) {
 // probe is the prefix match: the longest run of hashes that map to a block
 // whose content is known (no pending or quarantined write), each block
 // once.
-func (m *fzModel) probe(hs []kvlease.BlockHash) []int {
+func (m *fzModel) probe(hs []BlockHash) []int {
 	_, _, write := m.cover()
 	var hit []int
 	for _, h := range hs {
@@ -266,7 +264,7 @@ func (m *fzModel) probe(hs []kvlease.BlockHash) []int {
 }
 
 // takeFresh checks and records that the pool handed out ref fresh.
-func (m *fzModel) takeFresh(ref kvlease.BlockRef) {
+func (m *fzModel) takeFresh(ref BlockRef) {
 	if ref.ID < 0 || int(ref.ID) >= m.cap {
 		m.fatalf("fresh block %v outside the pool", ref)
 	}
@@ -300,25 +298,25 @@ func (m *fzModel) takeFresh(ref kvlease.BlockRef) {
 	s.gen, s.sealed, s.hash, s.refs = ref.Gen, false, 0, 1
 }
 
-func (m *fzModel) leaseState(ls *fzLease) kvlease.LeaseState {
+func (m *fzModel) leaseState(ls *fzLease) LeaseState {
 	pend, quar := 0, 0
 	for _, a := range ls.atts {
 		switch m.trs[a.tr].state {
-		case kvlease.TransferPending:
+		case TransferPending:
 			pend++
-		case kvlease.TransferQuarantined:
+		case TransferQuarantined:
 			quar++
 		}
 	}
 	switch {
 	case quar > 0:
-		return kvlease.LeaseQuarantined
+		return LeaseQuarantined
 	case !ls.closed:
-		return kvlease.LeaseActive
+		return LeaseActive
 	case pend > 0:
-		return kvlease.LeaseDraining
+		return LeaseDraining
 	}
-	return kvlease.LeaseSettled
+	return LeaseSettled
 }
 
 // wantErr checks err against the errors that apply (nil: none apply).
@@ -334,7 +332,7 @@ func (m *fzModel) wantErr(what string, err error, apply ...error) {
 		m.fatalf("%s: no error, want one of %v", what, apply)
 	}
 	for _, a := range apply {
-		if a == errExhaustedOnly && errors.Is(err, kvlease.ErrExhausted) && !errors.Is(err, kvlease.ErrQuarantineBound) {
+		if a == errExhaustedOnly && errors.Is(err, ErrExhausted) && !errors.Is(err, ErrQuarantineBound) {
 			return
 		}
 		if errors.Is(err, a) {
@@ -356,7 +354,7 @@ func fzApplicable(conds ...any) []error {
 
 // opened records a lease the pool handed out with its first hits blocks
 // shared from hit.
-func (m *fzModel) opened(l *kvlease.Lease[[]byte], n int, hit []int) {
+func (m *fzModel) opened(l *Lease[[]byte], n int, hit []int) {
 	if l.Len() != n {
 		m.fatalf("lease has %d blocks, want %d", l.Len(), n)
 	}
@@ -365,7 +363,7 @@ func (m *fzModel) opened(l *kvlease.Lease[[]byte], n int, hit []int) {
 		ref := l.Ref(k)
 		if k < len(hit) {
 			s := &m.slots[hit[k]]
-			if ref != (kvlease.BlockRef{ID: kvlease.BlockID(hit[k]), Gen: s.gen}) {
+			if ref != (BlockRef{ID: BlockID(hit[k]), Gen: s.gen}) {
 				m.fatalf("prefix hit %d: ref %v, want %d@%d", k, ref, hit[k], s.gen)
 			}
 			s.refs++
@@ -379,12 +377,12 @@ func (m *fzModel) opened(l *kvlease.Lease[[]byte], n int, hit []int) {
 
 func (m *fzModel) acquireErrs(owner string, n int) []error {
 	if owner == "" || n <= 0 {
-		return []error{kvlease.ErrInvalidArgument} // argument errors come first
+		return []error{ErrInvalidArgument} // argument errors come first
 	}
-	return fzApplicable(m.closed, kvlease.ErrPoolClosed, n > m.cap, kvlease.ErrExceedsCapacity)
+	return fzApplicable(m.closed, ErrPoolClosed, n > m.cap, ErrExceedsCapacity)
 }
 
-func (m *fzModel) acquire(owner string, n int, hs []kvlease.BlockHash) {
+func (m *fzModel) acquire(owner string, n int, hs []BlockHash) {
 	errs := m.acquireErrs(owner, n)
 	var hit []int
 	if len(errs) == 0 {
@@ -401,7 +399,7 @@ func (m *fzModel) acquire(owner string, n int, hs []kvlease.BlockHash) {
 			errs = []error{m.exhausted(n-len(hit), hit)}
 		}
 	}
-	var l *kvlease.Lease[[]byte]
+	var l *Lease[[]byte]
 	var hits int
 	var err error
 	if hs == nil {
@@ -442,7 +440,7 @@ func (m *fzModel) exhausted(fresh int, held []int) error {
 		}
 	}
 	if fresh > usable {
-		return kvlease.ErrQuarantineBound
+		return ErrQuarantineBound
 	}
 	return errExhaustedOnly
 }
@@ -481,11 +479,11 @@ func (m *fzModel) acquireWait(owner string, n int, cancelled bool) {
 }
 
 func (m *fzModel) extend(ls *fzLease, n int) {
-	errs := fzApplicable(n <= 0, kvlease.ErrInvalidArgument)
+	errs := fzApplicable(n <= 0, ErrInvalidArgument)
 	if n > 0 {
 		free, cached := m.available()
-		errs = fzApplicable(ls.closed, kvlease.ErrLeaseClosed, m.closed, kvlease.ErrPoolClosed,
-			len(ls.blocks)-ls.trimmed+n > m.cap, kvlease.ErrExceedsCapacity)
+		errs = fzApplicable(ls.closed, ErrLeaseClosed, m.closed, ErrPoolClosed,
+			len(ls.blocks)-ls.trimmed+n > m.cap, ErrExceedsCapacity)
 		if len(errs) == 0 && n > free+cached {
 			var own []int
 			for _, r := range ls.blocks[ls.trimmed:] {
@@ -510,54 +508,54 @@ func (m *fzModel) extend(ls *fzLease, n int) {
 	}
 }
 
-func (m *fzModel) attach(ls *fzLease, ti, from, to int, acc kvlease.Access, whole bool) {
+func (m *fzModel) attach(ls *fzLease, ti, from, to int, acc Access, whole bool) {
 	tr := m.trs[ti]
 	var err error
 	var errs []error
 	if whole {
-		errs = fzApplicable(ls.closed, kvlease.ErrLeaseClosed)
+		errs = fzApplicable(ls.closed, ErrLeaseClosed)
 		from = ls.trimmed
 		err = ls.l.Attach(tr.t)
 		m.logf("lease %d: attach(t%d) → %v", ls.id, ti, err)
 	} else {
 		badRange := from < ls.trimmed || to > len(ls.blocks) || from > to
 		writeSealed := false
-		if !badRange && acc == kvlease.Write {
+		if !badRange && acc == Write {
 			for _, r := range ls.blocks[from:to] {
 				writeSealed = writeSealed || m.slots[r.ID].sealed
 			}
 		}
-		errs = fzApplicable(ls.closed, kvlease.ErrLeaseClosed, badRange, kvlease.ErrInvalidArgument,
-			acc != kvlease.Read && acc != kvlease.Write, kvlease.ErrInvalidArgument,
-			writeSealed, kvlease.ErrInvalidArgument)
+		errs = fzApplicable(ls.closed, ErrLeaseClosed, badRange, ErrInvalidArgument,
+			acc != Read && acc != Write, ErrInvalidArgument,
+			writeSealed, ErrInvalidArgument)
 		err = ls.l.AttachRange(tr.t, from, to, acc)
 		m.logf("lease %d: attachRange(t%d, %d, %d, %v) → %v", ls.id, ti, from, to, acc, err)
 	}
 	m.wantErr("attach", err, errs...)
-	if err != nil || tr.state == kvlease.TransferResolved || (!whole && from == to) {
+	if err != nil || tr.state == TransferResolved || (!whole && from == to) {
 		return // gates nothing
 	}
-	ls.atts = append(ls.atts, fzAtt{tr: ti, from: from, to: to, whole: whole, write: acc == kvlease.Write})
+	ls.atts = append(ls.atts, fzAtt{tr: ti, from: from, to: to, whole: whole, write: acc == Write})
 }
 
-func (m *fzModel) seal(ls *fzLease, i int, h kvlease.BlockHash) {
+func (m *fzModel) seal(ls *fzLease, i int, h BlockHash) {
 	var errs []error
 	if ls.closed {
-		errs = append(errs, kvlease.ErrLeaseClosed)
+		errs = append(errs, ErrLeaseClosed)
 	}
 	noop := false
 	if i < ls.trimmed || i >= len(ls.blocks) {
-		errs = append(errs, kvlease.ErrInvalidArgument)
+		errs = append(errs, ErrInvalidArgument)
 	} else if !ls.closed {
 		s := &m.slots[ls.blocks[i].ID]
 		_, _, write := m.cover()
 		switch {
 		case s.sealed && s.hash != h:
-			errs = append(errs, kvlease.ErrInvalidArgument)
+			errs = append(errs, ErrInvalidArgument)
 		case s.sealed:
 			noop = true
 		case write[ls.blocks[i].ID]:
-			errs = append(errs, kvlease.ErrInvalidArgument)
+			errs = append(errs, ErrInvalidArgument)
 		}
 	}
 	err := ls.l.Seal(i, h)
@@ -595,7 +593,7 @@ func (m *fzModel) close(ls *fzLease, abort bool) {
 	if abort {
 		var cancel []int
 		for _, a := range ls.atts {
-			if m.trs[a.tr].state != kvlease.TransferResolved && !slices.Contains(cancel, a.tr) {
+			if m.trs[a.tr].state != TransferResolved && !slices.Contains(cancel, a.tr) {
 				cancel = append(cancel, a.tr)
 			}
 		}
@@ -608,9 +606,9 @@ func (m *fzModel) close(ls *fzLease, abort bool) {
 // trim gives back the blocks before index i of an open lease, tail first,
 // as a release does.
 func (m *fzModel) trim(ls *fzLease, i int) {
-	errs := fzApplicable(ls.closed, kvlease.ErrLeaseClosed)
+	errs := fzApplicable(ls.closed, ErrLeaseClosed)
 	if !ls.closed && (i < 0 || i > len(ls.blocks)) {
-		errs = append(errs, kvlease.ErrInvalidArgument)
+		errs = append(errs, ErrInvalidArgument)
 	}
 	err := ls.l.TrimTo(i)
 	m.logf("lease %d: trimTo(%d) → %v", ls.id, i, err)
@@ -630,7 +628,7 @@ func (m *fzModel) trim(ls *fzLease, i int) {
 // once, never after Resolve, and hook 2 resolves synchronously.
 func (m *fzModel) cancelModel(ti int) {
 	tr := m.trs[ti]
-	if tr.state == kvlease.TransferResolved || tr.hookUsed {
+	if tr.state == TransferResolved || tr.hookUsed {
 		return
 	}
 	tr.hookUsed = true
@@ -645,11 +643,11 @@ func (m *fzModel) cancelModel(ti int) {
 
 func (m *fzModel) resolveModel(ti int, outcome error) bool {
 	tr := m.trs[ti]
-	if tr.state == kvlease.TransferResolved {
+	if tr.state == TransferResolved {
 		return false
 	}
 	before := m.heldSet()
-	tr.state, tr.err, tr.hookUsed = kvlease.TransferResolved, outcome, true
+	tr.state, tr.err, tr.hookUsed = TransferResolved, outcome, true
 	m.unheld(before)
 	return true
 }
@@ -667,10 +665,10 @@ func (m *fzModel) quarantine(ti int, reason error) {
 	tr := m.trs[ti]
 	tr.t.Quarantine(reason)
 	m.logf("t%d: quarantine(%v)", ti, reason)
-	if tr.state == kvlease.TransferPending {
-		tr.state, tr.err = kvlease.TransferQuarantined, reason
+	if tr.state == TransferPending {
+		tr.state, tr.err = TransferQuarantined, reason
 		if reason == nil {
-			tr.err = kvlease.ErrQuarantined
+			tr.err = ErrQuarantined
 		}
 	}
 }
@@ -680,11 +678,11 @@ func (m *fzModel) newTransfer(hook int) int {
 	tr := &fzTransfer{hook: hook}
 	switch hook {
 	case 0:
-		tr.t = kvlease.NewTransfer(nil)
+		tr.t = NewTransfer(nil)
 	case 1:
-		tr.t = kvlease.NewTransfer(func() { tr.runs++ })
+		tr.t = NewTransfer(func() { tr.runs++ })
 	default:
-		tr.t = kvlease.NewTransfer(func() {
+		tr.t = NewTransfer(func() {
 			tr.runs++
 			tr.t.Resolve(errFzCancelled)
 		})
@@ -732,10 +730,10 @@ func (m *fzModel) verify() {
 			m.fatalf("lease %d: state %v, model %v", ls.id, got, want)
 		}
 		isSettled := coreIsClosed(ls.l.Settled())
-		if isSettled != (want == kvlease.LeaseSettled) {
+		if isSettled != (want == LeaseSettled) {
 			m.fatalf("lease %d: Settled closed=%v in state %v", ls.id, isSettled, want)
 		}
-		if n := settled[ls.id]; (n == 1) != (want == kvlease.LeaseSettled) || n > 1 {
+		if n := settled[ls.id]; (n == 1) != (want == LeaseSettled) || n > 1 {
 			m.fatalf("lease %d: %d EventSettled in state %v", ls.id, n, want)
 		}
 		if ls.l.Len() != len(ls.blocks) {
@@ -754,18 +752,18 @@ func (m *fzModel) verify() {
 			if live && err != nil {
 				m.fatalf("Region(%v) of a %s block: %v", r, classes[r.ID], err)
 			}
-			if !live && !errors.Is(err, kvlease.ErrStaleRef) {
+			if !live && !errors.Is(err, ErrStaleRef) {
 				m.fatalf("Region(%v) (slot at gen %d, %s): %v, want ErrStaleRef", r, m.slots[r.ID].gen, classes[r.ID], err)
 			}
 		}
 		if ls.trimmed < len(ls.blocks) {
 			_, err := ls.l.ReadRegion(ls.trimmed)
-			if ls.closed != errors.Is(err, kvlease.ErrLeaseClosed) || (!ls.closed && err != nil) {
+			if ls.closed != errors.Is(err, ErrLeaseClosed) || (!ls.closed && err != nil) {
 				m.fatalf("lease %d (closed=%v): ReadRegion(%d): %v", ls.id, ls.closed, ls.trimmed, err)
 			}
 		}
 		if ls.trimmed > 0 && !ls.closed {
-			if _, err := ls.l.ReadRegion(ls.trimmed - 1); !errors.Is(err, kvlease.ErrInvalidArgument) {
+			if _, err := ls.l.ReadRegion(ls.trimmed - 1); !errors.Is(err, ErrInvalidArgument) {
 				m.fatalf("lease %d: ReadRegion(%d) of a trimmed block: %v, want ErrInvalidArgument", ls.id, ls.trimmed-1, err)
 			}
 		}
@@ -778,11 +776,11 @@ func (m *fzModel) verify() {
 			s := &m.slots[r.ID]
 			switch {
 			case ls.closed:
-				if !errors.Is(err, kvlease.ErrLeaseClosed) {
+				if !errors.Is(err, ErrLeaseClosed) {
 					m.fatalf("lease %d (closed): Region(%d): %v", ls.id, i, err)
 				}
 			case s.sealed || s.refs > 1:
-				if !errors.Is(err, kvlease.ErrReadOnly) {
+				if !errors.Is(err, ErrReadOnly) {
 					m.fatalf("lease %d: Region(%d) of a block sealed=%v refs=%d: %v, want ErrReadOnly", ls.id, i, s.sealed, s.refs, err)
 				}
 			case err != nil:
@@ -800,7 +798,7 @@ func (m *fzModel) verify() {
 		if err := tr.t.Err(); (err == nil) != (tr.err == nil) || (err != nil && !errors.Is(err, tr.err)) {
 			m.fatalf("t%d: Err %v, model %v", ti, err, tr.err)
 		}
-		if coreIsClosed(tr.t.Done()) != (tr.state == kvlease.TransferResolved) {
+		if coreIsClosed(tr.t.Done()) != (tr.state == TransferResolved) {
 			m.fatalf("t%d: Done closed in state %v", ti, tr.state)
 		}
 		if tr.runs != tr.want {
@@ -827,20 +825,20 @@ func fzRun(t *testing.T, data []byte) *fzModel {
 	in := &fzIn{b: data}
 	capacity := 1 + in.u8()%8
 	m := &fzModel{t: t, cap: capacity, slots: make([]fzSlot, capacity),
-		index: map[kvlease.BlockHash]int{}, used: map[[2]uint64]bool{}, settled: map[uint64]int{}}
-	obs := kvlease.ObserverFunc(func(e kvlease.Event) {
-		if e.Kind == kvlease.EventSettled {
+		index: map[BlockHash]int{}, used: map[[2]uint64]bool{}, settled: map[uint64]int{}}
+	obs := ObserverFunc(func(e Event) {
+		if e.Kind == EventSettled {
 			m.obsMu.Lock()
 			m.settled[e.Lease]++
 			m.obsMu.Unlock()
 		}
 		_ = m.p.Stats() // observers may call back into the library
 	})
-	mem, err := kvlease.NewHostMemory(capacity, 16)
+	mem, err := NewHostMemory(capacity, 16)
 	if err != nil {
 		t.Fatal(err)
 	}
-	m.p, err = kvlease.NewPool[[]byte](mem, kvlease.WithObserver(obs))
+	m.p, err = NewPool[[]byte](mem, WithObserver(obs))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -870,11 +868,11 @@ func fzRun(t *testing.T, data []byte) *fzModel {
 		}
 		return fmt.Sprintf("o%d", len(m.leases))
 	}
-	hashes := func() []kvlease.BlockHash {
+	hashes := func() []BlockHash {
 		b := in.u8()
-		hs := make([]kvlease.BlockHash, b%5)
+		hs := make([]BlockHash, b%5)
 		for k := range hs {
-			hs[k] = kvlease.BlockHash(1 + in.u8()%6)
+			hs[k] = BlockHash(1 + in.u8()%6)
 		}
 		return hs
 	}
@@ -891,7 +889,7 @@ func fzRun(t *testing.T, data []byte) *fzModel {
 			if len(m.leases) < fzMaxLeases {
 				o, hs := owner(), hashes()
 				if hs == nil {
-					hs = []kvlease.BlockHash{}
+					hs = []BlockHash{}
 				}
 				m.acquire(o, pickN(), hs)
 			}
@@ -913,9 +911,9 @@ func fzRun(t *testing.T, data []byte) *fzModel {
 				if from == to {
 					to++ // no empty ranges: whether they count as attached is not specified
 				}
-				acc := kvlease.Access(1 + in.u8()%2)
+				acc := Access(1 + in.u8()%2)
 				if b := in.u8(); b%16 == 15 {
-					acc = kvlease.Access(b % 4 * 3) // 0, 3, 6, 9: bad accesses
+					acc = Access(b % 4 * 3) // 0, 3, 6, 9: bad accesses
 				}
 				m.attach(ls, ti, from, to, acc, false)
 			}
@@ -926,7 +924,7 @@ func fzRun(t *testing.T, data []byte) *fzModel {
 		case 8:
 			if ls := pickLease(); ls != nil {
 				i := in.u8()%(len(ls.blocks)+2) - 1
-				m.seal(ls, i, kvlease.BlockHash(1+in.u8()%6))
+				m.seal(ls, i, BlockHash(1+in.u8()%6))
 			}
 		case 9:
 			if ls := pickLease(); ls != nil {

@@ -99,25 +99,13 @@ type kvEventLog struct {
 	seq     uint64 // last sequence number given out
 	dropped uint64 // since the last drain
 	ready   chan struct{}
-	// blocks records, per slot, what the last stored event said about the
-	// block (parent and tokens) so a snapshot can re-announce the cache in
-	// full. Grown on demand; an entry is meaningful while its slot is in the
-	// prefix index under that hash.
-	blocks []kvBlockRecord
 	// Tokens are copied, never allocated, on the allocator's path: a
-	// stored event's into ringTok at its ring index, a record's into
-	// slotTok at its slot (bt tokens each: SealTokens takes exactly one
-	// block). Both are allocated at the first SealTokens. Drains and
-	// snapshots copy them out for their caller.
-	bt                         int
-	ringTok, spareTok, slotTok []int32
-}
-
-// kvBlockRecord is what a snapshot re-announces about one findable block.
-type kvBlockRecord struct {
-	hash, parent BlockHash
-	hasParent    bool
-	hasTokens    bool // its tokens are in slotTok
+	// stored event's into ringTok at its ring index (bt tokens each:
+	// SealTokens takes exactly one block), allocated at the first
+	// SealTokens. Drains copy them out for their caller. What a snapshot
+	// re-announces (parent, tokens) is the pool's seal record.
+	bt                int
+	ringTok, spareTok []int32
 }
 
 func newKVEventLog(n int) *kvEventLog {
@@ -144,49 +132,32 @@ func (k *kvEventLog) push(e KVEvent) {
 	}
 }
 
-// sealed records the KV event of block i of lease l becoming findable as
-// h in slot id; st carries SealTokens' parent and tokens (nil for Seal).
-// Called with c.mu held.
-func (k *kvEventLog) sealed(c *core, l *lease, i int, id BlockID, h BlockHash, st *sealTokens) {
-	// Block 0 of a lease starts its chain: no parent, for Seal and
-	// SealTokens alike. Later blocks name the parent given to SealTokens,
-	// or else the block before them in the lease when that one is sealed.
-	var parent BlockHash
-	hasParent := false
-	var tokens []int32
-	if st != nil {
-		tokens = st.tokens
-		if st.chain == chainChild || (st.chain == chainByLease && i > 0) {
-			parent, hasParent = st.parent, true
+// storedEvent is the KVBlockStored event of slot id, findable as h,
+// made from its seal record; tokens is the record's view of the arena.
+func storedEvent(c *core, id BlockID, h BlockHash) (KVEvent, []int32) {
+	r, tokens := c.sealRecord(id)
+	e := KVEvent{Kind: KVBlockStored, BlockHash: h, HasParent: r.chained, BlockSize: c.cfg.blockTokens}
+	if r.chained {
+		e.ParentBlockHash = r.parent
+	}
+	return e, tokens
+}
+
+// sealed records the KV event of slot id becoming findable as h. Called
+// with c.mu held, after its seal record is written.
+func (k *kvEventLog) sealed(c *core, id BlockID, h BlockHash) {
+	e, tokens := storedEvent(c, id, h)
+	if tokens != nil {
+		if k.ringTok == nil {
+			k.bt = len(tokens)
+			k.ringTok = make([]int32, len(k.ring)*k.bt)
+			k.spareTok = make([]int32, len(k.ring)*k.bt)
 		}
-	} else if i > 0 {
-		if pid := l.blocks[i-1].ID; c.slots[pid].sealed {
-			parent, hasParent = c.pre[pid].hash, true
-		}
-	}
-	if int(id) >= len(k.blocks) {
-		n := max(int(id)+1, 2*len(k.blocks), 64)
-		k.blocks = append(k.blocks, make([]kvBlockRecord, n-len(k.blocks))...)
-	}
-	hasTokens := len(tokens) > 0 && len(tokens) == c.cfg.blockTokens
-	if hasTokens && k.ringTok == nil {
-		k.bt = c.cfg.blockTokens
-		k.ringTok = make([]int32, len(k.ring)*k.bt)
-		k.spareTok = make([]int32, len(k.ring)*k.bt)
-		k.slotTok = make([]int32, len(c.slots)*k.bt)
-	}
-	k.blocks[id] = kvBlockRecord{hash: h, parent: parent, hasParent: hasParent, hasTokens: hasTokens}
-	e := KVEvent{Kind: KVBlockStored, BlockHash: h, ParentBlockHash: parent, HasParent: hasParent,
-		BlockSize: c.cfg.blockTokens}
-	if hasTokens {
-		copy(k.slotTok[int(id)*k.bt:], tokens)
 		if k.n < len(k.ring) { // else push drops it
 			j := (k.head + k.n) % len(k.ring)
 			e.TokenIDs = k.ringTok[j*k.bt : (j+1)*k.bt : (j+1)*k.bt]
 			copy(e.TokenIDs, tokens)
 		}
-	} else if len(tokens) > 0 {
-		e.TokenIDs = slices.Clone(tokens) // not one block: not recorded for snapshots
 	}
 	k.push(e)
 }
@@ -214,7 +185,7 @@ func (p *Pool[R]) DrainKVEvents(dst []KVEvent) (events []KVEvent, dropped uint64
 	k.ringTok, k.spareTok = k.spareTok, k.ringTok
 	k.head, k.n = 0, 0
 	dropped, k.dropped = k.dropped, 0
-	c.mu.Unlock()
+	c.unlock()
 	// Stored events' tokens live in the swapped-out token area, written
 	// again only after the next swap: copy them out, in one allocation.
 	total := 0
@@ -256,7 +227,7 @@ func (p *Pool[R]) KVEventsReady() <-chan struct{} {
 func (p *Pool[R]) SnapshotKVCache() (seq uint64, hashes []BlockHash) {
 	c := &p.core
 	c.mu.Lock()
-	defer c.mu.Unlock()
+	defer c.unlock()
 	hashes = make([]BlockHash, 0, c.index.len())
 	for h := range c.index.all() {
 		hashes = append(hashes, h)
@@ -283,24 +254,25 @@ func (p *Pool[R]) SnapshotKVBlocks(dst []KVEvent) (seq uint64, blocks []KVEvent)
 		return 0, dst
 	}
 	c.mu.Lock()
-	defer c.mu.Unlock()
+	defer c.unlock()
 	k := c.kv
 	type recAt struct {
-		*kvBlockRecord
-		id BlockID
+		e      KVEvent
+		tokens []int32
 	}
 	rec := func(h BlockHash) (recAt, bool) {
 		id, ok := c.index.find(h)
-		if !ok || int(id) >= len(k.blocks) || k.blocks[id].hash != h {
+		if !ok {
 			return recAt{}, false
 		}
-		return recAt{&k.blocks[id], id}, true
+		e, tokens := storedEvent(c, id, h)
+		return recAt{e, tokens}, true
 	}
-	// Every emitted block's tokens, copied out of slotTok: capacity for
-	// all of them up front, so the slices handed out stay put.
+	// Every emitted block's tokens, copied out of the seal records: capacity
+	// for all of them up front, so the slices handed out stay put.
 	var tok []int32
-	if k.slotTok != nil {
-		tok = make([]int32, 0, c.index.len()*k.bt)
+	if c.sealTok != nil {
+		tok = make([]int32, 0, c.index.len()*c.cfg.blockTokens)
 	}
 	hashes := make([]BlockHash, 0, c.index.len())
 	for h := range c.index.all() {
@@ -313,24 +285,22 @@ func (p *Pool[R]) SnapshotKVBlocks(dst []KVEvent) (seq uint64, blocks []KVEvent)
 		// Walk up to the oldest findable ancestor not yet emitted, then
 		// emit back down (bounded by the number of findable blocks, so a
 		// parent cycle from colliding hashes cannot loop).
-		for r, ok := rec(h); ok && !done[r.hash] && len(stack) <= len(hashes); {
-			done[r.hash] = true
+		for r, ok := rec(h); ok && !done[r.e.BlockHash] && len(stack) <= len(hashes); {
+			done[r.e.BlockHash] = true
 			stack = append(stack, r)
-			if !r.hasParent {
+			if !r.e.HasParent {
 				break
 			}
-			r, ok = rec(r.parent)
+			r, ok = rec(r.e.ParentBlockHash)
 		}
 		for j := len(stack) - 1; j >= 0; j-- {
 			r := stack[j]
-			var tokens []int32
-			if r.hasTokens {
+			if r.tokens != nil {
 				lo := len(tok)
-				tok = append(tok, k.slotTok[int(r.id)*k.bt:int(r.id+1)*k.bt]...)
-				tokens = tok[lo:len(tok):len(tok)]
+				tok = append(tok, r.tokens...)
+				r.e.TokenIDs = tok[lo:len(tok):len(tok)]
 			}
-			dst = append(dst, KVEvent{Kind: KVBlockStored, BlockHash: r.hash, ParentBlockHash: r.parent,
-				HasParent: r.hasParent, TokenIDs: tokens, BlockSize: c.cfg.blockTokens})
+			dst = append(dst, r.e)
 		}
 		stack = stack[:0]
 	}

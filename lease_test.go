@@ -1,11 +1,15 @@
-package kvlease_test
+package kvlease
 
 import (
 	"errors"
+	"math"
+	"runtime"
 	"sync"
 	"testing"
+	"time"
 
-	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/internal/invariants"
+	"github.com/stretchr/testify/require"
 )
 
 // corePanics fails unless f panics.
@@ -22,10 +26,10 @@ func corePanics(t *testing.T, what string, f func()) {
 func TestLeaseAccessors(t *testing.T) {
 	p := corePool(t, 8)
 	l := coreAcquire(t, p, "req-1", 3)
-	if l.Owner() != "req-1" || l.Len() != 3 || l.State() != kvlease.LeaseActive {
+	if l.Owner() != "req-1" || l.Len() != 3 || l.State() != LeaseActive {
 		t.Fatalf("owner %q len %d state %v", l.Owner(), l.Len(), l.State())
 	}
-	refs := []kvlease.BlockRef{l.Ref(0), l.Ref(1), l.Ref(2)}
+	refs := []BlockRef{l.Ref(0), l.Ref(1), l.Ref(2)}
 	for i := range 3 {
 		r, err := l.Region(i)
 		coreNoErr(t, err, "Region")
@@ -35,7 +39,7 @@ func TestLeaseAccessors(t *testing.T) {
 	}
 	for _, i := range []int{-1, 3, 100} {
 		_, err := l.Region(i)
-		coreErrIs(t, err, kvlease.ErrInvalidArgument, "Region out of range")
+		coreErrIs(t, err, ErrInvalidArgument, "Region out of range")
 		corePanics(t, "Ref out of range", func() { l.Ref(i) })
 	}
 
@@ -44,7 +48,7 @@ func TestLeaseAccessors(t *testing.T) {
 	if len(ids) != 3 || ids[0] != refs[0].ID || ids[2] != refs[2].ID {
 		t.Fatalf("AppendBlockIDs = %v, refs %v", ids, refs)
 	}
-	dst := []kvlease.BlockID{99}
+	dst := []BlockID{99}
 	if got := l.AppendBlockIDs(dst, 2); len(got) != 2 || got[0] != 99 || got[1] != refs[2].ID {
 		t.Fatalf("AppendBlockIDs(dst, 2) = %v", got)
 	}
@@ -54,7 +58,7 @@ func TestLeaseAccessors(t *testing.T) {
 	for _, from := range []int{-1, 4} {
 		corePanics(t, "AppendBlockIDs out of range", func() { l.AppendBlockIDs(nil, from) })
 	}
-	buf := make([]kvlease.BlockID, 0, 8)
+	buf := make([]BlockID, 0, 8)
 	if n := testing.AllocsPerRun(100, func() { buf = l.AppendBlockIDs(buf[:0], 0) }); n != 0 {
 		t.Fatalf("AppendBlockIDs with room allocates %v times", n)
 	}
@@ -69,12 +73,12 @@ func TestLeaseAccessors(t *testing.T) {
 			t.Fatalf("Ref(%d) changed after Release", i)
 		}
 		_, err := p.Region(r)
-		coreErrIs(t, err, kvlease.ErrStaleRef, "Pool.Region of a released block")
+		coreErrIs(t, err, ErrStaleRef, "Pool.Region of a released block")
 	}
 	_, err := l.Region(0)
-	coreErrIs(t, err, kvlease.ErrLeaseClosed, "Region after Release")
+	coreErrIs(t, err, ErrLeaseClosed, "Region after Release")
 	_, err = l.Region(-1)
-	if !errors.Is(err, kvlease.ErrLeaseClosed) && !errors.Is(err, kvlease.ErrInvalidArgument) {
+	if !errors.Is(err, ErrLeaseClosed) && !errors.Is(err, ErrInvalidArgument) {
 		t.Fatalf("Region(-1) after Release: %v", err)
 	}
 	coreAllFree(t, p)
@@ -90,11 +94,11 @@ func TestReleaseAbortIdempotent(t *testing.T) {
 	} {
 		t.Run(seq[0]+"-"+seq[1], func(t *testing.T) {
 			rec := &coreRecorder{}
-			p := corePool(t, 4, kvlease.WithObserver(rec))
+			p := corePool(t, 4, WithObserver(rec))
 			l := coreAcquire(t, p, "a", 2)
 			hooks := 0
-			tr := kvlease.NewTransfer(func() { hooks++ })
-			coreNoErr(t, l.AttachRange(tr, 0, 1, kvlease.Write), "AttachRange")
+			tr := NewTransfer(func() { hooks++ })
+			coreNoErr(t, l.AttachRange(tr, 0, 1, Write), "AttachRange")
 			for _, op := range seq {
 				if op == "release" {
 					l.Release()
@@ -102,7 +106,7 @@ func TestReleaseAbortIdempotent(t *testing.T) {
 					l.Abort(nil)
 				}
 				coreWant(t, p, coreCounts{Free: 3, Draining: 1})
-				if l.State() != kvlease.LeaseDraining {
+				if l.State() != LeaseDraining {
 					t.Fatalf("after %s: %v", op, l.State())
 				}
 			}
@@ -113,7 +117,7 @@ func TestReleaseAbortIdempotent(t *testing.T) {
 			if hooks != wantHooks {
 				t.Fatalf("cancel hook ran %d times, want %d", hooks, wantHooks)
 			}
-			if n := rec.count(kvlease.EventReleased, l.ID()) + rec.count(kvlease.EventAborted, l.ID()); n != 1 {
+			if n := rec.count(EventReleased, l.ID()) + rec.count(EventAborted, l.ID()); n != 1 {
 				t.Fatalf("%d close events, want 1", n)
 			}
 			if st := p.Stats(); st.OpenLeases != 0 {
@@ -122,7 +126,7 @@ func TestReleaseAbortIdempotent(t *testing.T) {
 			tr.Resolve(nil)
 			l.Release()
 			l.Abort(errors.New("again"))
-			if n := rec.count(kvlease.EventSettled, l.ID()); n != 1 {
+			if n := rec.count(EventSettled, l.ID()); n != 1 {
 				t.Fatalf("%d settled events, want 1", n)
 			}
 			coreAllFree(t, p)
@@ -132,17 +136,17 @@ func TestReleaseAbortIdempotent(t *testing.T) {
 
 func TestAbortCause(t *testing.T) {
 	rec := &coreRecorder{}
-	p := corePool(t, 2, kvlease.WithObserver(rec))
+	p := corePool(t, 2, WithObserver(rec))
 	l := coreAcquire(t, p, "a", 1)
 	l.Abort(nil)
-	ev, ok := rec.last(kvlease.EventAborted)
-	if !ok || !errors.Is(ev.Err, kvlease.ErrAborted) || ev.Lease != l.ID() || ev.Owner != "a" {
+	ev, ok := rec.last(EventAborted)
+	if !ok || !errors.Is(ev.Err, ErrAborted) || ev.Lease != l.ID() || ev.Owner != "a" {
 		t.Fatalf("Abort(nil) event %+v", ev)
 	}
 	cause := errors.New("client went away")
 	m := coreAcquire(t, p, "b", 1)
 	m.Abort(cause)
-	ev, _ = rec.last(kvlease.EventAborted)
+	ev, _ = rec.last(EventAborted)
 	if !errors.Is(ev.Err, cause) {
 		t.Fatalf("Abort(cause) event %+v", ev)
 	}
@@ -151,15 +155,15 @@ func TestAbortCause(t *testing.T) {
 
 func TestExtend(t *testing.T) {
 	rec := &coreRecorder{}
-	p := corePool(t, 6, kvlease.WithObserver(rec))
+	p := corePool(t, 6, WithObserver(rec))
 	l := coreAcquire(t, p, "a", 2)
 	other := coreAcquire(t, p, "b", 2)
 
 	for _, n := range []int{0, -1, -100} {
-		coreErrIs(t, l.Extend(n), kvlease.ErrInvalidArgument, "Extend(<=0)")
+		coreErrIs(t, l.Extend(n), ErrInvalidArgument, "Extend(<=0)")
 	}
-	coreErrIs(t, l.Extend(5), kvlease.ErrExceedsCapacity, "Extend past the pool's capacity")
-	coreErrIs(t, l.Extend(3), kvlease.ErrExhausted, "Extend with 2 free")
+	coreErrIs(t, l.Extend(5), ErrExceedsCapacity, "Extend past the pool's capacity")
+	coreErrIs(t, l.Extend(3), ErrExhausted, "Extend with 2 free")
 	if l.Len() != 2 {
 		t.Fatalf("failed Extends changed Len to %d", l.Len())
 	}
@@ -170,12 +174,12 @@ func TestExtend(t *testing.T) {
 	if l.Len() != 4 || l.Ref(1) != old {
 		t.Fatalf("Extend: len %d, ref 1 %v (was %v)", l.Len(), l.Ref(1), old)
 	}
-	if ev, ok := rec.last(kvlease.EventExtended); !ok || ev.Blocks != 2 || ev.Lease != l.ID() {
+	if ev, ok := rec.last(EventExtended); !ok || ev.Blocks != 2 || ev.Lease != l.ID() {
 		t.Fatalf("EventExtended %+v", ev)
 	}
 	coreWant(t, p, coreCounts{Leased: 6})
-	seen := map[kvlease.BlockID]bool{}
-	for _, ls := range []*kvlease.Lease[[]byte]{l, other} {
+	seen := map[BlockID]bool{}
+	for _, ls := range []*Lease[[]byte]{l, other} {
 		for i := 0; i < ls.Len(); i++ {
 			r := ls.Ref(i)
 			if seen[r.ID] || r.Gen == 0 {
@@ -190,20 +194,20 @@ func TestExtend(t *testing.T) {
 		_, err := l.Region(i)
 		coreNoErr(t, err, "Lease.Region of an extended block")
 	}
-	coreErrIs(t, l.Extend(1), kvlease.ErrExhausted, "Extend on a full pool")
+	coreErrIs(t, l.Extend(1), ErrExhausted, "Extend on a full pool")
 
 	other.Release()
 	l.Release()
-	coreErrIs(t, l.Extend(1), kvlease.ErrLeaseClosed, "Extend after Release")
+	coreErrIs(t, l.Extend(1), ErrLeaseClosed, "Extend after Release")
 	m := coreAcquire(t, p, "m", 1)
 	m.Abort(nil)
-	coreErrIs(t, m.Extend(1), kvlease.ErrLeaseClosed, "Extend after Abort")
+	coreErrIs(t, m.Extend(1), ErrLeaseClosed, "Extend after Abort")
 	coreAllFree(t, p)
 
 	// Extend evicts cached blocks when nothing is free.
 	a := coreAcquire(t, p, "a", 3)
 	for i := range 3 {
-		coreNoErr(t, a.Seal(i, kvlease.BlockHash(10+i)), "Seal")
+		coreNoErr(t, a.Seal(i, BlockHash(10+i)), "Seal")
 	}
 	a.Release()
 	g := coreAcquire(t, p, "g", 3)
@@ -214,169 +218,12 @@ func TestExtend(t *testing.T) {
 	coreAllFree(t, p)
 }
 
-// Attach gates every block, including blocks Extend adds later: as a
-// Write on unsealed blocks and a Read on sealed ones.
-func TestAttachGatesExtendedBlocks(t *testing.T) {
-	p := corePool(t, 8)
-	a := coreAcquire(t, p, "a", 2)
-	coreNoErr(t, a.Seal(0, 1), "Seal")
-	a.Release() // block with hash 1 is cached now
-	l, hits, err := p.AcquirePrefix("l", []kvlease.BlockHash{1}, 2)
-	coreNoErr(t, err, "AcquirePrefix")
-	if hits != 1 {
-		t.Fatalf("hits = %d", hits)
-	}
-	tr := kvlease.NewTransfer(nil)
-	coreNoErr(t, l.Attach(tr), "Attach")
-	// Read on the sealed hit: it keeps serving hits.
-	if n := p.CachedPrefix([]kvlease.BlockHash{1}); n != 1 {
-		t.Fatalf("CachedPrefix of a block read by a pending transfer = %d, want 1", n)
-	}
-	// Write on the unsealed block: no Seal while the transfer writes it.
-	coreErrIs(t, l.Seal(1, 2), kvlease.ErrInvalidArgument, "Seal of a block under a pending whole Attach")
-
-	coreNoErr(t, l.Extend(3), "Extend")
-	for i := 2; i < 5; i++ {
-		coreErrIs(t, l.Seal(i, kvlease.BlockHash(100+i)), kvlease.ErrInvalidArgument, "Seal of an extended block under Attach")
-	}
-	l.Release()
-	coreWant(t, p, coreCounts{Free: 3, Draining: 5})
-	if l.State() != kvlease.LeaseDraining {
-		t.Fatalf("state %v", l.State())
-	}
-	select {
-	case <-l.Settled():
-		t.Fatal("settled while a transfer gates every block")
-	default:
-	}
-	tr.Resolve(nil)
-	<-l.Settled()
-	coreWant(t, p, coreCounts{Free: 7, Cached: 1})
-
-	// Quarantine reaches extended blocks too.
-	m := coreAcquire(t, p, "m", 1)
-	q := kvlease.NewTransfer(nil)
-	coreNoErr(t, m.Attach(q), "Attach")
-	q.Quarantine(nil)
-	coreNoErr(t, m.Extend(2), "Extend while quarantined")
-	if m.State() != kvlease.LeaseQuarantined {
-		t.Fatalf("state %v", m.State())
-	}
-	coreWant(t, p, coreCounts{Free: 4, Cached: 1, Quarantined: 3})
-	m.Release()
-	coreWant(t, p, coreCounts{Free: 4, Cached: 1, Quarantined: 3})
-	q.Resolve(nil)
-	coreAllFree(t, p)
-}
-
-// AttachRange ranges are fixed: blocks Extend adds are not in them.
-func TestAttachRangeFixed(t *testing.T) {
-	p := corePool(t, 8)
-	l := coreAcquire(t, p, "l", 2)
-	tr := kvlease.NewTransfer(nil)
-	coreNoErr(t, l.AttachRange(tr, 0, 2, kvlease.Write), "AttachRange")
-	coreNoErr(t, l.Extend(2), "Extend")
-	coreNoErr(t, l.Seal(2, 9), "Seal of an extended block outside the range")
-	coreErrIs(t, l.Seal(1, 8), kvlease.ErrInvalidArgument, "Seal of a block under a pending write")
-	l.Release()
-	coreWant(t, p, coreCounts{Free: 5, Cached: 1, Draining: 2})
-	tr.Resolve(nil)
-	coreWant(t, p, coreCounts{Free: 7, Cached: 1})
-}
-
-func TestAttachMisuse(t *testing.T) {
-	p := corePool(t, 4)
-	l := coreAcquire(t, p, "l", 3)
-	coreNoErr(t, l.Seal(2, 77), "Seal")
-	tr := kvlease.NewTransfer(nil)
-	for _, c := range []struct {
-		from, to int
-		a        kvlease.Access
-	}{
-		{-1, 1, kvlease.Read}, {0, 4, kvlease.Read}, {2, 1, kvlease.Write}, {4, 4, kvlease.Read},
-		{-1, -1, kvlease.Write}, {0, 1, 0}, {0, 1, 99},
-		{0, 3, kvlease.Write}, {2, 3, kvlease.Write}, // Write over a sealed block
-	} {
-		coreErrIs(t, l.AttachRange(tr, c.from, c.to, c.a), kvlease.ErrInvalidArgument, "bad AttachRange")
-	}
-	coreErrIs(t, l.AttachRange(nil, 0, 1, kvlease.Read), kvlease.ErrInvalidArgument, "AttachRange(nil)")
-	coreErrIs(t, l.Attach(nil), kvlease.ErrInvalidArgument, "Attach(nil)")
-	// Nothing was attached: the lease settles at once.
-	coreWant(t, p, coreCounts{Free: 1, Leased: 3})
-	l.Release()
-	if l.State() != kvlease.LeaseSettled {
-		t.Fatalf("refused attachments gate the lease: %v", l.State())
-	}
-	coreWant(t, p, coreCounts{Free: 3, Cached: 1})
-	if tr.State() != kvlease.TransferPending {
-		t.Fatalf("transfer %v", tr.State())
-	}
-	// Attach after close.
-	coreErrIs(t, l.Attach(tr), kvlease.ErrLeaseClosed, "Attach after Release")
-	coreErrIs(t, l.AttachRange(tr, 0, 1, kvlease.Read), kvlease.ErrLeaseClosed, "AttachRange after Release")
-	m := coreAcquire(t, p, "m", 1)
-	m.Abort(nil)
-	coreErrIs(t, m.Attach(tr), kvlease.ErrLeaseClosed, "Attach after Abort")
-	coreErrIs(t, m.AttachRange(tr, 0, 1, kvlease.Write), kvlease.ErrLeaseClosed, "AttachRange after Abort")
-	coreAllFree(t, p)
-	tr.Resolve(nil)
-	coreAllFree(t, p)
-}
-
-// An empty range, and an already resolved transfer, gate nothing.
-func TestAttachGatesNothing(t *testing.T) {
-	p := corePool(t, 4)
-	l := coreAcquire(t, p, "l", 2)
-	pending := kvlease.NewTransfer(nil)
-	coreNoErr(t, l.AttachRange(pending, 1, 1, kvlease.Write), "empty range")
-	coreNoErr(t, l.AttachRange(pending, 0, 0, kvlease.Read), "empty range at 0")
-	coreNoErr(t, l.AttachRange(pending, 2, 2, kvlease.Write), "empty range at Len")
-	done := kvlease.NewTransfer(nil)
-	done.Resolve(nil)
-	coreNoErr(t, l.Attach(done), "Attach of a resolved transfer")
-	coreNoErr(t, l.AttachRange(done, 0, 2, kvlease.Write), "AttachRange of a resolved transfer")
-	coreNoErr(t, l.Seal(0, 5), "Seal: nothing is writing")
-	l.Release()
-	if l.State() != kvlease.LeaseSettled {
-		t.Fatalf("state %v: something gates the lease", l.State())
-	}
-	<-l.Settled()
-	coreWant(t, p, coreCounts{Free: 3, Cached: 1})
-	pending.Resolve(nil)
-}
-
-// Seal refuses a block with a pending or quarantined write, and a re-seal
-// with a different hash; a pending read is fine.
-func TestSealUnderTransfers(t *testing.T) {
-	p := corePool(t, 4)
-	l := coreAcquire(t, p, "l", 3)
-	w := kvlease.NewTransfer(nil)
-	r := kvlease.NewTransfer(nil)
-	coreNoErr(t, l.AttachRange(w, 0, 1, kvlease.Write), "write")
-	coreNoErr(t, l.AttachRange(r, 1, 2, kvlease.Read), "read")
-	coreErrIs(t, l.Seal(0, 1), kvlease.ErrInvalidArgument, "Seal with a pending write")
-	coreNoErr(t, l.Seal(1, 2), "Seal with a pending read")
-	coreNoErr(t, l.Seal(1, 2), "Seal again with the same hash")
-	coreErrIs(t, l.Seal(1, 3), kvlease.ErrInvalidArgument, "re-Seal with another hash")
-	for _, i := range []int{-1, 3} {
-		coreErrIs(t, l.Seal(i, 4), kvlease.ErrInvalidArgument, "Seal out of range")
-	}
-	w.Quarantine(nil)
-	coreErrIs(t, l.Seal(0, 1), kvlease.ErrInvalidArgument, "Seal with a quarantined write")
-	w.Resolve(nil)
-	coreNoErr(t, l.Seal(0, 1), "Seal once the write resolved")
-	r.Resolve(nil)
-	l.Release()
-	coreErrIs(t, l.Seal(2, 9), kvlease.ErrLeaseClosed, "Seal after Release")
-	coreWant(t, p, coreCounts{Free: 2, Cached: 2})
-}
-
 func TestSettledChannel(t *testing.T) {
 	p := corePool(t, 4)
 	l := coreAcquire(t, p, "l", 2)
 	early := l.Settled()
-	tr := kvlease.NewTransfer(nil)
-	coreNoErr(t, l.AttachRange(tr, 0, 1, kvlease.Read), "AttachRange")
+	tr := NewTransfer(nil)
+	coreNoErr(t, l.AttachRange(tr, 0, 1, Read), "AttachRange")
 	l.Release()
 	select {
 	case <-early:
@@ -392,7 +239,7 @@ func TestSettledChannel(t *testing.T) {
 		t.Fatal("Settled not closed when Resolve returned")
 	}
 	<-l.Settled()
-	if l.State() != kvlease.LeaseSettled {
+	if l.State() != LeaseSettled {
 		t.Fatalf("state %v", l.State())
 	}
 	// Settled with nothing attached: at once.
@@ -421,20 +268,20 @@ func TestAbortCancelsUnresolved(t *testing.T) {
 	hook := func(name string) func() {
 		return func() { mu.Lock(); calls[name]++; mu.Unlock() }
 	}
-	pending := kvlease.NewTransfer(hook("pending"))
-	quar := kvlease.NewTransfer(hook("quarantined"))
-	done := kvlease.NewTransfer(hook("resolved"))
-	twice := kvlease.NewTransfer(hook("twice"))
-	var self *kvlease.Transfer
-	self = kvlease.NewTransfer(func() { // resolves synchronously from its hook
+	pending := NewTransfer(hook("pending"))
+	quar := NewTransfer(hook("quarantined"))
+	done := NewTransfer(hook("resolved"))
+	twice := NewTransfer(hook("twice"))
+	var self *Transfer
+	self = NewTransfer(func() { // resolves synchronously from its hook
 		hook("self")()
 		self.Resolve(nil)
 	})
-	coreNoErr(t, l.AttachRange(pending, 0, 1, kvlease.Write), "attach pending")
-	coreNoErr(t, l.AttachRange(quar, 1, 2, kvlease.Write), "attach quarantined")
-	coreNoErr(t, l.AttachRange(done, 2, 3, kvlease.Read), "attach resolved")
-	coreNoErr(t, l.AttachRange(twice, 0, 2, kvlease.Read), "attach twice (1)")
-	coreNoErr(t, l.AttachRange(twice, 2, 4, kvlease.Read), "attach twice (2)")
+	coreNoErr(t, l.AttachRange(pending, 0, 1, Write), "attach pending")
+	coreNoErr(t, l.AttachRange(quar, 1, 2, Write), "attach quarantined")
+	coreNoErr(t, l.AttachRange(done, 2, 3, Read), "attach resolved")
+	coreNoErr(t, l.AttachRange(twice, 0, 2, Read), "attach twice (1)")
+	coreNoErr(t, l.AttachRange(twice, 2, 4, Read), "attach twice (2)")
 	coreNoErr(t, l.Attach(self), "attach self-resolving")
 	quar.Quarantine(nil)
 	done.Resolve(nil)
@@ -451,19 +298,19 @@ func TestAbortCancelsUnresolved(t *testing.T) {
 		t.Errorf("cancel hook of a resolved transfer ran")
 	}
 	mu.Unlock()
-	if self.State() != kvlease.TransferResolved {
+	if self.State() != TransferResolved {
 		t.Fatalf("self-resolving hook: %v", self.State())
 	}
 	// Cancel is a request, not evidence: nothing else resolved.
-	if pending.State() != kvlease.TransferPending || quar.State() != kvlease.TransferQuarantined || twice.State() != kvlease.TransferPending {
+	if pending.State() != TransferPending || quar.State() != TransferQuarantined || twice.State() != TransferPending {
 		t.Fatal("Abort changed transfer states")
 	}
-	if l.State() != kvlease.LeaseQuarantined {
+	if l.State() != LeaseQuarantined {
 		t.Fatalf("state %v", l.State())
 	}
 	coreWant(t, p, coreCounts{Free: 4, Quarantined: 1, Draining: 3})
 	quar.Resolve(nil)
-	if l.State() != kvlease.LeaseDraining {
+	if l.State() != LeaseDraining {
 		t.Fatalf("state %v after lifting the quarantine", l.State())
 	}
 	pending.Resolve(nil)
@@ -489,7 +336,7 @@ func TestCloseRacesExtendAndAttach(t *testing.T) {
 		abort := round%2 == 0
 		var wg sync.WaitGroup
 		var extendErr error
-		var attached []*kvlease.Transfer
+		var attached []*Transfer
 		var cancelled sync.Map
 		start := make(chan struct{})
 		wg.Add(3)
@@ -506,10 +353,10 @@ func TestCloseRacesExtendAndAttach(t *testing.T) {
 			defer wg.Done()
 			<-start
 			for i := 0; i < 1000; i++ {
-				var tr *kvlease.Transfer
-				tr = kvlease.NewTransfer(func() { cancelled.Store(tr, true) })
-				if err := l.AttachRange(tr, 0, 1, kvlease.Read); err != nil {
-					if !errors.Is(err, kvlease.ErrLeaseClosed) {
+				var tr *Transfer
+				tr = NewTransfer(func() { cancelled.Store(tr, true) })
+				if err := l.AttachRange(tr, 0, 1, Read); err != nil {
+					if !errors.Is(err, ErrLeaseClosed) {
 						t.Errorf("AttachRange racing close: %v", err)
 					}
 					return
@@ -528,8 +375,8 @@ func TestCloseRacesExtendAndAttach(t *testing.T) {
 		}()
 		close(start)
 		wg.Wait()
-		if !errors.Is(extendErr, kvlease.ErrLeaseClosed) && !errors.Is(extendErr, kvlease.ErrExhausted) &&
-			!errors.Is(extendErr, kvlease.ErrExceedsCapacity) {
+		if !errors.Is(extendErr, ErrLeaseClosed) && !errors.Is(extendErr, ErrExhausted) &&
+			!errors.Is(extendErr, ErrExceedsCapacity) {
 			t.Fatalf("Extend racing close: %v", extendErr)
 		}
 		coreConsistent(t, p)
@@ -539,7 +386,7 @@ func TestCloseRacesExtendAndAttach(t *testing.T) {
 			}
 		}
 		if len(attached) > 0 {
-			if l.State() != kvlease.LeaseDraining {
+			if l.State() != LeaseDraining {
 				t.Fatalf("state %v with %d transfers attached", l.State(), len(attached))
 			}
 			if st := p.Stats(); st.Draining != 1 {
@@ -554,22 +401,272 @@ func TestCloseRacesExtendAndAttach(t *testing.T) {
 	}
 }
 
-// A Write over a sealed block is refused whatever the transfer's state:
-// DESIGN.md says so without exception, and the range and access checks
-// already come before the "resolved gates nothing" rule.
-func TestAttachResolvedWriteOverSealed(t *testing.T) {
-	p := corePool(t, 2)
-	l := coreAcquire(t, p, "l", 1)
-	coreNoErr(t, l.Seal(0, 1), "Seal")
-	done := kvlease.NewTransfer(nil)
-	done.Resolve(nil)
-	coreErrIs(t, l.AttachRange(done, 0, 1, kvlease.Write), kvlease.ErrInvalidArgument,
-		"AttachRange(resolved transfer, Write) over a sealed block")
-	q := kvlease.NewTransfer(nil)
-	q.Quarantine(nil)
-	coreErrIs(t, l.AttachRange(q, 0, 1, kvlease.Write), kvlease.ErrInvalidArgument,
-		"AttachRange(quarantined transfer, Write) over a sealed block")
+// No lease can obtain a writable region of a sealed block or of one it
+// shares with another lease; ReadRegion serves them.
+func TestRegionRefusesSealedAndShared(t *testing.T) {
+	p := newTestPool(t, 8)
+	a, err := p.Acquire("a", 3)
+	require.NoError(t, err)
+	for i := range 3 {
+		r, err := a.Region(i)
+		require.NoError(t, err, "fresh private blocks are writable")
+		r[0] = byte(i + 1)
+	}
+	require.NoError(t, a.Seal(0, 100))
+	require.NoError(t, a.Seal(1, 101))
+	_, err = a.Region(0)
+	require.ErrorIs(t, err, ErrReadOnly, "sealed: immutable even for its sealer")
+	r, err := a.ReadRegion(0)
+	require.NoError(t, err)
+	require.Equal(t, byte(1), r[0])
+	_, err = a.AppendRegions(nil, 0)
+	require.ErrorIs(t, err, ErrReadOnly)
+	rs, err := a.AppendRegions(nil, 2)
+	require.NoError(t, err, "the unsealed tail is writable")
+	require.Len(t, rs, 1)
+	rs, err = a.AppendReadRegions(nil, 0)
+	require.NoError(t, err)
+	require.Len(t, rs, 3)
+
+	// A prefix hit shares the sealed blocks: read-only on both sides.
+	b, hits, err := p.AcquirePrefix("b", []BlockHash{100, 101}, 3)
+	require.NoError(t, err)
+	require.Equal(t, 2, hits)
+	for _, l := range []*Lease[[]byte]{a, b} {
+		for i := range 2 {
+			_, err := l.Region(i)
+			require.ErrorIs(t, err, ErrReadOnly)
+			_, err = l.ReadRegion(i)
+			require.NoError(t, err)
+		}
+	}
+	_, err = b.Region(2)
+	require.NoError(t, err, "b's own fresh block")
+
+	// Share: the shared blocks are read-only in both leases.
+	s, err := a.Share("s", 2)
+	require.NoError(t, err)
+	_, err = s.Region(1)
+	require.ErrorIs(t, err, ErrReadOnly)
+	_, err = s.ReadRegion(1)
+	require.NoError(t, err)
+
+	require.False(t, a.Closed())
+	a.Release()
+	require.True(t, a.Closed())
+	_, err = a.ReadRegion(0)
+	require.ErrorIs(t, err, ErrLeaseClosed)
+	_, err = a.AppendReadRegions(nil, 0)
+	require.ErrorIs(t, err, ErrLeaseClosed)
+	_, err = b.ReadRegion(3)
+	require.ErrorIs(t, err, ErrInvalidArgument)
+	b.Release()
+	s.Abort(nil)
+	require.True(t, s.Closed())
+	require.NoError(t, p.Check())
+}
+
+// Extend with a huge n can never succeed: ErrExceedsCapacity, not a
+// retryable ErrExhausted from a wrapped sum.
+func TestExtendHugeNExceedsCapacity(t *testing.T) {
+	p := newTestPool(t, 4)
+	l, err := p.Acquire("a", 2)
+	require.NoError(t, err)
+	for _, n := range []int{math.MaxInt, math.MaxInt - 1, math.MaxInt - 2, 3} {
+		err := l.Extend(n)
+		require.ErrorIs(t, err, ErrExceedsCapacity, "n=%d", n)
+		require.NotErrorIs(t, err, ErrExhausted)
+	}
+	require.NoError(t, l.Extend(2))
+	_, err = l.Share("s", math.MaxInt)
+	require.ErrorIs(t, err, ErrInvalidArgument)
+	require.ErrorIs(t, l.AttachRange(NewTransfer(nil), 0, math.MaxInt, Read), ErrInvalidArgument)
+	require.ErrorIs(t, l.AttachRange(NewTransfer(nil), math.MinInt, 1, Read), ErrInvalidArgument)
+	_, err = p.Acquire("b", math.MaxInt)
+	require.ErrorIs(t, err, ErrExceedsCapacity)
+	_, _, err = p.AcquirePrefix("b", []BlockHash{1}, math.MaxInt)
+	require.ErrorIs(t, err, ErrExceedsCapacity)
+	_, _, err = p.AcquirePrefixTokens("b", 1, prompt(1, 8), math.MaxInt)
+	require.ErrorIs(t, err, ErrInvalidArgument, "no block size configured")
 	l.Release()
-	q.Resolve(nil)
-	coreAllFree(t, p)
+}
+
+// lkPool is a pool whose observer forwards leak reports to a channel (and
+// keeps nothing that could keep a lease reachable).
+func lkPool(t *testing.T, n int, opts ...Option) (*Pool[[]byte], chan Event) {
+	t.Helper()
+	leaked := make(chan Event, 64)
+	obs := ObserverFunc(func(e Event) {
+		if e.Kind == EventLeaked {
+			leaked <- e
+		}
+	})
+	mem, err := NewHostMemory(n, 16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := NewPool[[]byte](mem, append([]Option{WithObserver(obs)}, opts...)...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p, leaked
+}
+
+// lkDrop acquires a lease and drops it while open; it returns the lease's
+// id and a channel closed once the lease has been collected.
+//
+//go:noinline
+func lkDrop(t *testing.T, p *Pool[[]byte], owner string, n int, release bool) (uint64, chan struct{}) {
+	l, err := p.Acquire(owner, n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if release {
+		l.Release()
+	}
+	gone := make(chan struct{})
+	runtime.AddCleanup(l, func(ch chan struct{}) { close(ch) }, gone)
+	return l.ID(), gone
+}
+
+// lkGC runs the collector until ch delivers, a bounded number of times.
+func lkGC[T any](t *testing.T, ch <-chan T, what string) T {
+	t.Helper()
+	for range 500 {
+		runtime.GC()
+		select {
+		case v := <-ch:
+			return v
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+	t.Fatalf("%s: nothing after 500 collections", what)
+	panic("unreachable")
+}
+
+// A lease dropped while open is reported to the observer and its blocks
+// stay leased; a released lease dropped is not reported.
+func TestLeakReported(t *testing.T) {
+	p, leaked := lkPool(t, 8, WithLeakCheck(true))
+	id, gone := lkDrop(t, p, "forgetful", 3, false)
+	closedID, closedGone := lkDrop(t, p, "tidy", 2, true)
+
+	ev := lkGC(t, leaked, "leak report")
+	if ev.Lease != id || ev.Owner != "forgetful" || ev.Err == nil {
+		t.Fatalf("EventLeaked %+v, want lease %d", ev, id)
+	}
+	lkGC(t, gone, "leaked lease collected")
+	lkGC(t, closedGone, "released lease collected")
+	for range 3 {
+		runtime.GC()
+	}
+	select {
+	case ev := <-leaked:
+		t.Fatalf("second leak report %+v (released lease is %d)", ev, closedID)
+	case <-time.After(20 * time.Millisecond):
+	}
+
+	// Its blocks are not reclaimed behind the owner's back.
+	st := p.Stats()
+	if st.Leased != 3 || st.Free != 5 || st.OpenLeases != 1 {
+		t.Fatalf("after the leak: %+v", st)
+	}
+	if err := p.Check(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.Acquire("x", 6); err == nil {
+		t.Fatal("leaked blocks were handed out again")
+	}
+}
+
+// With the leak check off nothing is reported; in checked builds it is on
+// by default.
+func TestLeakCheckDefault(t *testing.T) {
+	p, leaked := lkPool(t, 4, WithLeakCheck(false))
+	_, gone := lkDrop(t, p, "off", 1, false)
+	lkGC(t, gone, "lease collected")
+	runtime.GC()
+	select {
+	case ev := <-leaked:
+		t.Fatalf("reported with the leak check off: %+v", ev)
+	case <-time.After(20 * time.Millisecond):
+	}
+
+	if !invariants.Enabled {
+		t.Log("not a checked build: the default is off")
+		return
+	}
+	q, leakedQ := lkPool(t, 4)
+	id, _ := lkDrop(t, q, "default", 2, false)
+	if ev := lkGC(t, leakedQ, "leak report in a checked build"); ev.Lease != id {
+		t.Fatalf("EventLeaked %+v, want lease %d", ev, id)
+	}
+}
+
+// A leak check with no observer costs nothing and reports nowhere; a
+// lease dropped while draining is not a leak.
+func TestLeakCheckQuiet(t *testing.T) {
+	mem, _ := NewHostMemory(2, 8)
+	p, err := NewPool[[]byte](mem, WithLeakCheck(true))
+	if err != nil {
+		t.Fatal(err)
+	}
+	func() {
+		l, _ := p.Acquire("x", 1)
+		_ = l
+	}()
+	runtime.GC()
+
+	q, leaked := lkPool(t, 4, WithLeakCheck(true))
+	tr := NewTransfer(nil)
+	_, gone := func() (uint64, chan struct{}) {
+		l, _ := q.Acquire("draining", 2)
+		if err := l.Attach(tr); err != nil {
+			t.Fatal(err)
+		}
+		l.Release()
+		gone := make(chan struct{})
+		runtime.AddCleanup(l, func(ch chan struct{}) { close(ch) }, gone)
+		return l.ID(), gone
+	}()
+	tr.Resolve(nil) // drops the transfer's reference to the lease
+	lkGC(t, gone, "closed lease collected")
+	runtime.GC()
+	select {
+	case ev := <-leaked:
+		t.Fatalf("closed lease reported as leaked: %+v", ev)
+	case <-time.After(20 * time.Millisecond):
+	}
+	if st := q.Stats(); st.Free != 4 {
+		t.Fatalf("%+v", st)
+	}
+}
+
+func TestAppendRegionsAndAvailable(t *testing.T) {
+	p := newTestPool(t, 6)
+	require.Equal(t, 6, p.Available())
+	l, err := p.Acquire("a", 3)
+	require.NoError(t, err)
+	require.Equal(t, 3, p.Available())
+	rs, err := l.AppendRegions(nil, 1)
+	require.NoError(t, err)
+	require.Len(t, rs, 2)
+	for i, r := range rs {
+		want, _ := l.Region(i + 1)
+		require.Equal(t, &want[0], &r[0], "region %d", i+1)
+	}
+	rs, err = l.AppendRegions(rs[:0], 3)
+	require.NoError(t, err)
+	require.Empty(t, rs)
+	_, err = l.AppendRegions(nil, 4)
+	require.ErrorIs(t, err, ErrInvalidArgument)
+	_, err = l.AppendRegions(nil, -1)
+	require.ErrorIs(t, err, ErrInvalidArgument)
+	buf := make([][]byte, 0, 3)
+	allocs := testing.AllocsPerRun(50, func() { buf, _ = l.AppendRegions(buf[:0], 0) })
+	require.Zero(t, allocs)
+	l.Release()
+	_, err = l.AppendRegions(nil, 0)
+	require.ErrorIs(t, err, ErrLeaseClosed)
+	require.Equal(t, 6, p.Available())
 }

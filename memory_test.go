@@ -1,10 +1,8 @@
-package kvlease_test
+package kvlease
 
 import (
 	"math"
 	"testing"
-
-	"github.com/kvlease/kvlease"
 )
 
 func TestNewHostMemoryBadSizes(t *testing.T) {
@@ -14,8 +12,8 @@ func TestNewHostMemoryBadSizes(t *testing.T) {
 		{math.MaxInt / 2, 3},   // product overflows
 		{math.MaxInt32 + 1, 1}, // more blocks than a BlockID can name
 	} {
-		m, err := kvlease.NewHostMemory(c.blocks, c.bytes)
-		coreErrIs(t, err, kvlease.ErrInvalidArgument, "NewHostMemory with bad sizes")
+		m, err := NewHostMemory(c.blocks, c.bytes)
+		coreErrIs(t, err, ErrInvalidArgument, "NewHostMemory with bad sizes")
 		if m != nil {
 			t.Fatalf("NewHostMemory(%d, %d) returned memory with an error", c.blocks, c.bytes)
 		}
@@ -26,14 +24,14 @@ func TestNewHostMemoryBadSizes(t *testing.T) {
 // neighbour, and regions never overlap.
 func TestHostMemoryRegions(t *testing.T) {
 	const blocks, size = 5, 48
-	m, err := kvlease.NewHostMemory(blocks, size)
+	m, err := NewHostMemory(blocks, size)
 	coreNoErr(t, err, "NewHostMemory")
-	var mem kvlease.Memory[[]byte] = m
+	var mem Memory[[]byte] = m
 	if mem.Blocks() != blocks || mem.BlockBytes() != size {
 		t.Fatalf("sizes %d × %d", mem.Blocks(), mem.BlockBytes())
 	}
 	for i := range blocks {
-		r := mem.Region(kvlease.BlockID(i))
+		r := mem.Region(BlockID(i))
 		if len(r) != size || cap(r) != size {
 			t.Fatalf("region %d: len %d cap %d, want %d", i, len(r), cap(r), size)
 		}
@@ -42,7 +40,7 @@ func TestHostMemoryRegions(t *testing.T) {
 		}
 	}
 	for i := range blocks {
-		for j, b := range mem.Region(kvlease.BlockID(i)) {
+		for j, b := range mem.Region(BlockID(i)) {
 			if b != byte(i+1) {
 				t.Fatalf("region %d byte %d = %d: regions overlap", i, j, b)
 			}
@@ -50,12 +48,12 @@ func TestHostMemoryRegions(t *testing.T) {
 	}
 	// Appending to a region reallocates; the neighbour is untouched.
 	for i := range blocks - 1 {
-		r := mem.Region(kvlease.BlockID(i))
+		r := mem.Region(BlockID(i))
 		grown := append(r, 0xEE, 0xEE, 0xEE)
 		if &grown[0] == &r[0] {
 			t.Fatalf("append to region %d grew in place", i)
 		}
-		next := mem.Region(kvlease.BlockID(i + 1))
+		next := mem.Region(BlockID(i + 1))
 		for j, b := range next {
 			if b != byte(i+2) {
 				t.Fatalf("append to region %d reached region %d byte %d", i, i+1, j)
@@ -63,7 +61,7 @@ func TestHostMemoryRegions(t *testing.T) {
 		}
 	}
 	// The same through a pool's leases.
-	p, err := kvlease.NewPool[[]byte](m)
+	p, err := NewPool[[]byte](m)
 	coreNoErr(t, err, "NewPool")
 	l := coreAcquire(t, p, "l", blocks)
 	for i := range blocks {
@@ -75,7 +73,7 @@ func TestHostMemoryRegions(t *testing.T) {
 		_ = append(r, 0xFF)
 	}
 	for i := range blocks {
-		for _, b := range mem.Region(kvlease.BlockID(i)) {
+		for _, b := range mem.Region(BlockID(i)) {
 			if b == 0xFF || b == 0xEE {
 				t.Fatal("an append reached another block")
 			}
@@ -86,8 +84,8 @@ func TestHostMemoryRegions(t *testing.T) {
 }
 
 func TestHostMemoryRegionOutOfRangePanics(t *testing.T) {
-	m, _ := kvlease.NewHostMemory(2, 8)
-	for _, id := range []kvlease.BlockID{-1, 2} {
+	m, _ := NewHostMemory(2, 8)
+	for _, id := range []BlockID{-1, 2} {
 		func() {
 			defer func() {
 				if recover() == nil {

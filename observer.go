@@ -104,13 +104,14 @@ type ObserverFunc func(Event)
 // Observe calls f(e).
 func (f ObserverFunc) Observe(e Event) { f(e) }
 
-// events collects the events of one operation while locks are held, to be
-// delivered after every lock is released. One operation may touch several
+// outbox holds the observer events (and eviction-hook batches) of one
+// operation while locks are held, to be delivered after every lock is
+// released. One operation may touch several
 // pools (a transfer gating a source and a destination lease), each with its
 // own observer, so every entry carries its observer. It is one slice
 // header: with no observer set nothing is added, nothing allocated, and the
 // hot path pays for zeroing 24 bytes.
-type events struct {
+type outbox struct {
 	list []observed
 }
 
@@ -119,7 +120,7 @@ type observed struct {
 	ev  Event
 }
 
-func (e *events) add(o Observer, ev Event) {
+func (e *outbox) add(o Observer, ev Event) {
 	if o == nil {
 		return
 	}
@@ -127,7 +128,7 @@ func (e *events) add(o Observer, ev Event) {
 }
 
 // flush delivers the collected events in order. Call with no lock held.
-func (e *events) flush() {
+func (e *outbox) flush() {
 	for _, x := range e.list {
 		x.obs.Observe(x.ev)
 	}

@@ -164,3 +164,40 @@ func (c *config) alertLimit(capacity int) int {
 	}
 	return int(c.alertShare * float64(capacity))
 }
+
+// WithBlockTokens tells the pool how many tokens fill a block. It enables
+// AcquirePrefixTokens and CachedPrefixTokens, and fills BlockSize in KV
+// events. blockTokens must be positive.
+func WithBlockTokens(blockTokens int) Option {
+	return newOption(fmt.Sprintf("WithBlockTokens(%d)", blockTokens), func(c *config) error {
+		return c.setBlockTokens(blockTokens)
+	})
+}
+
+// WithVerifiedPrefix turns on verified mode (see the package's Prefix
+// cache section) for blocks of blockTokens tokens: blocks are sealed only
+// with SealTokens, and every prefix hit of AcquirePrefixTokens is checked
+// against the sealed block's parent and tokens. Hash-only lookups
+// (AcquirePrefix, CachedPrefix) cannot be verified and always miss. It
+// sets the block tokens as WithBlockTokens does: the two may be combined
+// only with the same value.
+func WithVerifiedPrefix(blockTokens int) Option {
+	return newOption(fmt.Sprintf("WithVerifiedPrefix(%d)", blockTokens), func(c *config) error {
+		if err := c.setBlockTokens(blockTokens); err != nil {
+			return err
+		}
+		c.verify = true
+		return nil
+	})
+}
+
+func (c *config) setBlockTokens(blockTokens int) error {
+	if blockTokens <= 0 {
+		return fmt.Errorf("kvlease: %s: block tokens must be positive: %w", c.applyingName, ErrInvalidArgument)
+	}
+	if err := c.claim("block tokens", c.blockTokens == blockTokens); err != nil {
+		return err
+	}
+	c.blockTokens = blockTokens
+	return nil
+}

@@ -8,7 +8,7 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// Options that disagree are refused, naming both (issue 11, bug 7).
+// Options that disagree are refused, naming both.
 func TestConflictingOptionsRefused(t *testing.T) {
 	mem := must(NewHostMemory(4, 8))
 	obs := ObserverFunc(func(Event) {})
@@ -50,7 +50,7 @@ func TestConflictingOptionsRefused(t *testing.T) {
 }
 
 // Sizes on the public API never overflow into a panic or a retryable
-// error (issue 11, bug 3).
+// error.
 func TestOptionSizesBounded(t *testing.T) {
 	mem := must(NewHostMemory(4, 8))
 	_, err := NewPool[[]byte](mem, WithKVEvents(1<<62))

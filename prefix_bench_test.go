@@ -11,13 +11,12 @@ import (
 	"github.com/cespare/xxhash/v2"
 
 	"github.com/kvlease/kvlease/bench/trace"
-	"github.com/kvlease/kvlease/internal/benchswitch"
 )
 
 var sink uint64
 
 // BenchmarkChainHashes hashes a 1024-token prompt in 16-token blocks and
-// reports ns per block (target, issue 3: ≤ 15 ns per 16-token block).
+// reports ns per block (target: ≤ 15 ns per 16-token block).
 // Two baselines run interleaved in the same run, over the same blocks
 // already encoded (72 bytes each):
 //
@@ -62,7 +61,7 @@ func BenchmarkChainHashes(b *testing.B) {
 
 // BenchmarkAcquirePrefix acquires 32 blocks whose first k hit the cache,
 // then releases them; it reports the cost per hit block beyond a plain
-// Acquire(32)+Release measured in the same run (target, issue 3: ≤ 40 ns
+// Acquire(32)+Release measured in the same run (target: ≤ 40 ns
 // per hit block).
 func BenchmarkAcquirePrefix(b *testing.B) {
 	for _, mode := range []string{"plain", "verified"} {
@@ -158,7 +157,7 @@ func BenchmarkEvictionChurn(b *testing.B) {
 	b.ReportMetric(float64(b.Elapsed())/float64(bare), "x-unsealed-cycle")
 }
 
-// prodTrace is the production-shaped workload of issue 16, precomputed
+// prodTrace is the production-shaped workload of BenchmarkProductionReplay, precomputed
 // once: a generated Mooncake trace (trace.ProductionMooncake: prompts of
 // about 12,000 tokens, ~750 blocks of 16, half of each a shared prefix
 // from 64 prefixes), each request's chained hashes and block count.
@@ -182,7 +181,7 @@ var prodTrace = sync.OnceValue(func() (w struct {
 // releases the oldest live one when live are in flight, AcquirePrefix of
 // the prompt (looking up every full block but the one holding the last
 // token), Seal of the full blocks that missed. ops counts block
-// operations as issue 16 does (each block acquired fresh or hit, sealed or
+// operations as bench/README.md does (each block acquired fresh or hit, sealed or
 // released counts one; the caller adds evictions from Stats).
 type prodReplay struct {
 	p     *Pool[[]byte]
@@ -238,15 +237,6 @@ func (r *prodReplay) request(b *testing.B) {
 	r.looks += int64(len(look))
 }
 
-// newProdReplayMapIndex is newProdReplay with the pool's prefix index in a
-// Go map, as before issue 16 (benchswitch.MapIndex, read when the pool is
-// made).
-func newProdReplayMapIndex(b *testing.B, live int) *prodReplay {
-	benchswitch.MapIndex.Store(true)
-	defer benchswitch.MapIndex.Store(false)
-	return newProdReplay(b, live)
-}
-
 // prodSlots is the per-block floor of the production replay: the same
 // requests' blocks handed out and given back by the slot list (a
 // generation bumped and checked per block, no prefix cache) over the same
@@ -282,20 +272,20 @@ func (s *prodSlots) request(b *testing.B) {
 	s.ops += int64(n)
 }
 
-// BenchmarkProductionReplay is the replay issue 16 shapes after
-// production traffic: prompts of about 12,000 tokens (≈ 750 blocks), a
+// BenchmarkProductionReplay is a replay shaped after production
+// traffic: prompts of about 12,000 tokens (≈ 750 blocks), a
 // 262,144-block pool, 128 requests live, the pool kept full of cached
 // blocks so that nearly every fresh block evicts one. One op is one
 // request; ns/block-op is the pool's time per block operation (acquire,
 // hit, seal, release and evict each count one). Target: ≤ 15 ns.
 //
-// alone runs the replay by itself. paired runs two floors interleaved
-// with it (see interleave), each on its own warmed pool (so the three
-// share the cache, and each round starts colder than alone): the same replay with the prefix index in a Go map, as
-// before issue 16 (map-index-ns/block-op, x-map-index: below 1 is faster),
-// and the slot list handing out and taking back the same requests' blocks
-// without a prefix cache (slots-ns/block-op per block popped or pushed,
-// x-slots: ns/block-op over it).
+// alone runs the replay by itself. paired runs the floor interleaved with
+// it (see interleave), on its own slots (so the two share the cache, and
+// each round starts colder than alone): the slot list handing out and
+// taking back the same requests' blocks without a prefix cache
+// (slots-ns/block-op per block popped or pushed, x-slots: ns/block-op
+// over it). (The Go map the prefix index replaced is measured against it
+// by BenchmarkPrefixIndex.)
 func BenchmarkProductionReplay(b *testing.B) {
 	b.Run("alone", func(b *testing.B) {
 		r := newProdReplay(b, 128)
@@ -318,27 +308,19 @@ func BenchmarkProductionReplay(b *testing.B) {
 
 func benchProductionPaired(b *testing.B) {
 	r := newProdReplay(b, 128)
-	old := newProdReplayMapIndex(b, 128)
 	sl := newProdSlots(128)
 	for range len(prodTrace().blocks) {
 		sl.request(b)
 	}
 	sl.ops = 0
-	ev0, oev0 := r.p.Stats().Evictions, old.p.Stats().Evictions
+	ev0 := r.p.Stats().Evictions
 	b.ReportAllocs()
-	spent := interleave(b, func() { r.request(b) }, func() { old.request(b) }, func() { sl.request(b) })
+	spent := interleave(b, func() { r.request(b) }, func() { sl.request(b) })
 	ev := int64(r.p.Stats().Evictions - ev0)
 	ops := r.ops + ev
-	oops := old.ops + int64(old.p.Stats().Evictions-oev0)
-	if oops != ops {
-		b.Fatalf("the map index replay did %d block ops, the flat one %d", oops, ops)
-	}
 	ns := float64(b.Elapsed().Nanoseconds()) / float64(ops)
-	mapNs := float64(spent[0].Nanoseconds()) / float64(oops)
-	slotNs := float64(spent[1].Nanoseconds()) / float64(sl.ops)
+	slotNs := float64(spent[0].Nanoseconds()) / float64(sl.ops)
 	b.ReportMetric(ns, "ns/block-op")
-	b.ReportMetric(mapNs, "map-index-ns/block-op")
-	b.ReportMetric(ns/mapNs, "x-map-index")
 	b.ReportMetric(slotNs, "slots-ns/block-op")
 	b.ReportMetric(ns/slotNs, "x-slots")
 	b.ReportMetric(float64(ops)/float64(b.N), "block-ops/op")

@@ -4,10 +4,12 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"math/rand/v2"
+	"runtime"
 	"slices"
+	"sync"
 	"testing"
 
-	"github.com/cespare/xxhash/v2"
 	"github.com/stretchr/testify/require"
 )
 
@@ -32,49 +34,6 @@ func prompt(id, n int) []int32 {
 		out[i] = int32(id*1000 + i)
 	}
 	return out
-}
-
-func TestHashBlockEncoding(t *testing.T) {
-	// The documented encoding, spelled out byte by byte.
-	parent := BlockHash(0x0102030405060708)
-	tokens := []int32{1, -1, 0x7fffffff, 42}
-	var buf []byte
-	buf = binary.LittleEndian.AppendUint64(buf, uint64(parent))
-	for _, tk := range tokens {
-		buf = binary.LittleEndian.AppendUint32(buf, uint32(tk))
-	}
-	require.Equal(t, BlockHash(xxhash.Sum64(buf)), HashBlock(parent, tokens))
-
-	// Long blocks cross the internal buffer; the result must not change.
-	long := prompt(3, 1000)
-	buf = binary.LittleEndian.AppendUint64(nil, 7)
-	for _, tk := range long {
-		buf = binary.LittleEndian.AppendUint32(buf, uint32(tk))
-	}
-	require.Equal(t, BlockHash(xxhash.Sum64(buf)), HashBlock(7, long))
-}
-
-func TestChainHashes(t *testing.T) {
-	toks := prompt(1, 16*3+5) // three full blocks and a partial one
-	h := ChainHashes(99, toks, 16)
-	require.Len(t, h, 3)
-	parent := BlockHash(99)
-	for k := range h {
-		parent = HashBlock(parent, toks[k*16:(k+1)*16])
-		require.Equal(t, parent, h[k], "block %d", k)
-	}
-	require.NotEqual(t, h, ChainHashes(100, toks, 16), "the seed separates namespaces")
-	require.Nil(t, ChainHashes(1, toks, 0))
-	require.Nil(t, ChainHashes(1, toks[:15], 16))
-	// A change in block 0 changes every later hash (the chain).
-	other := slices.Clone(toks)
-	other[0]++
-	h2 := ChainHashes(99, other, 16)
-	for k := range h {
-		require.NotEqual(t, h[k], h2[k])
-	}
-	allocs := testing.AllocsPerRun(100, func() { _ = ChainHashes(1, toks, 16) })
-	require.Equal(t, 1.0, allocs, "only the result slice is allocated")
 }
 
 // fillSealed acquires a lease of len(hashes) blocks, writes marker content
@@ -140,36 +99,6 @@ func TestPrefixSharingWhileLive(t *testing.T) {
 	st = p.Stats()
 	require.Equal(t, 2, st.Cached)
 	require.Equal(t, 6, st.Free)
-}
-
-func TestEvictionLRUTailFirst(t *testing.T) {
-	p := newTestPool(t, 6)
-	chainA := ChainHashes(1, prompt(1, 48), 16) // 3 blocks
-	chainB := ChainHashes(1, prompt(2, 32), 16) // 2 blocks
-	a := fillSealed(t, p, "a", chainA)
-	a.Release() // A is older
-	b := fillSealed(t, p, "b", chainB)
-	b.Release()
-	require.Equal(t, 5, p.Stats().Cached)
-
-	// One block is free: eviction waits until it is used.
-	l1, err := p.Acquire("x", 1)
-	require.NoError(t, err)
-	require.EqualValues(t, 0, p.Stats().Evictions, "evict only when nothing is free")
-	require.Equal(t, 3, p.CachedPrefix(chainA))
-
-	// The next fresh block evicts A's tail: the least recently used, and
-	// the end of its chain, so no findable block is left without parent.
-	l2, err := p.Acquire("y", 1)
-	require.NoError(t, err)
-	require.EqualValues(t, 1, p.Stats().Evictions)
-	require.Equal(t, 2, p.CachedPrefix(chainA))
-	require.Equal(t, 2, p.CachedPrefix(chainB))
-	require.NoError(t, l2.Extend(2))
-	require.Equal(t, 0, p.CachedPrefix(chainA), "A is evicted from its end, whole")
-	require.Equal(t, 2, p.CachedPrefix(chainB), "B is more recent")
-	l1.Release()
-	l2.Release()
 }
 
 func TestPrefixHitRefreshesRecency(t *testing.T) {
@@ -253,43 +182,6 @@ func TestAcquirePrefixRespectsWaiters(t *testing.T) {
 	require.NoError(t, <-ready)
 }
 
-func TestSealRules(t *testing.T) {
-	var seen []Event
-	p := newTestPool(t, 8, WithObserver(ObserverFunc(func(e Event) { seen = append(seen, e) })))
-	l, err := p.Acquire("a", 3)
-	require.NoError(t, err)
-	require.ErrorIs(t, l.Seal(3, 1), ErrInvalidArgument)
-	require.ErrorIs(t, l.Seal(-1, 1), ErrInvalidArgument)
-	require.NoError(t, l.Seal(0, 7))
-	require.NoError(t, l.Seal(0, 7), "same hash again is a no-op")
-	require.ErrorIs(t, l.Seal(0, 8), ErrInvalidArgument, "re-sealing with another hash")
-
-	w := NewTransfer(nil)
-	require.NoError(t, l.AttachRange(w, 1, 2, Write))
-	require.ErrorIs(t, l.Seal(1, 9), ErrInvalidArgument, "a pending write")
-	w.Quarantine(nil)
-	require.ErrorIs(t, l.Seal(1, 9), ErrInvalidArgument, "a quarantined write: content unknown")
-	w.Resolve(nil)
-	require.NoError(t, l.Seal(1, 9))
-	require.ErrorIs(t, l.AttachRange(NewTransfer(nil), 0, 2, Write), ErrInvalidArgument, "no write over sealed content")
-
-	// A second block with a taken hash is sealed but private.
-	b, err := p.Acquire("b", 1)
-	require.NoError(t, err)
-	require.NoError(t, b.Seal(0, 7))
-	require.EqualValues(t, 1, p.Stats().DuplicateSeals)
-	require.True(t, slices.ContainsFunc(seen, func(e Event) bool { return e.Kind == EventDuplicateSeal }))
-	b.Release()
-	require.Equal(t, 0, p.Stats().Cached, "a private sealed block is free once unreferenced")
-	l.Release()
-	require.Equal(t, 2, p.Stats().Cached)
-	require.ErrorIs(t, l.Seal(2, 10), ErrLeaseClosed)
-	h, hits, err := p.AcquirePrefix("c", []BlockHash{7, 9}, 2)
-	require.NoError(t, err)
-	require.Equal(t, 2, hits)
-	h.Release()
-}
-
 func TestPrefixHitOnDrainingAndQuarantinedReads(t *testing.T) {
 	p := newTestPool(t, 8)
 	hs := ChainHashes(1, prompt(1, 32), 16)
@@ -311,34 +203,6 @@ func TestPrefixHitOnDrainingAndQuarantinedReads(t *testing.T) {
 	c.Release()
 	send.Resolve(nil)
 	require.Equal(t, 2, p.Stats().Cached)
-}
-
-func TestShare(t *testing.T) {
-	p := newTestPool(t, 8)
-	hs := ChainHashes(1, prompt(1, 32), 16)
-	a, err := p.Acquire("a", 3)
-	require.NoError(t, err)
-	require.NoError(t, a.Seal(0, hs[0]))
-	_, err = a.Share("beam", 2)
-	require.ErrorIs(t, err, ErrInvalidArgument, "block 1 is not sealed")
-	require.NoError(t, a.Seal(1, hs[1]))
-	_, err = a.Share("", 2)
-	require.ErrorIs(t, err, ErrInvalidArgument)
-	_, err = a.Share("beam", 4)
-	require.ErrorIs(t, err, ErrInvalidArgument)
-	b, err := a.Share("beam", 2)
-	require.NoError(t, err)
-	require.Equal(t, a.Ref(0), b.Ref(0))
-	require.Equal(t, a.Ref(1), b.Ref(1))
-	require.NoError(t, b.Extend(1))
-	require.Equal(t, 4, p.Stats().Leased)
-	a.Release()
-	require.Equal(t, 3, p.Stats().Leased)
-	_, err = a.Share("late", 1)
-	require.ErrorIs(t, err, ErrLeaseClosed)
-	b.Release()
-	require.Equal(t, 2, p.Stats().Cached)
-	require.Equal(t, 6, p.Stats().Free)
 }
 
 func TestResetCache(t *testing.T) {
@@ -381,144 +245,11 @@ func TestResetCacheDropsUnreferenced(t *testing.T) {
 	require.Equal(t, KVAllBlocksCleared, evs[0].Kind, "an emptied index is one AllBlocksCleared")
 }
 
-func TestKVEvents(t *testing.T) {
-	p := newTestPool(t, 4, WithKVEvents(64), WithBlockTokens(16))
-	toks := prompt(1, 32)
-	hs := ChainHashes(5, toks, 16)
-	a, err := p.Acquire("a", 2)
-	require.NoError(t, err)
-	h0, err := a.SealTokens(0, 5, toks[:16])
-	require.NoError(t, err)
-	require.Equal(t, hs[0], h0)
-	require.NoError(t, a.Seal(1, hs[1]))
-	select {
-	case <-p.KVEventsReady():
-	default:
-		t.Fatal("KVEventsReady not signalled")
-	}
-	a.Release()
-	evs, dropped := p.DrainKVEvents(nil)
-	require.Zero(t, dropped)
-	require.Len(t, evs, 2, "release stores or removes nothing: cached blocks still serve")
-	require.Equal(t, KVEvent{Seq: 1, Kind: KVBlockStored, BlockHash: hs[0],
-		TokenIDs: toks[:16], BlockSize: 16}, evs[0], "a chain's first block has no parent (the seed is not a block)")
-	require.Equal(t, KVEvent{Seq: 2, Kind: KVBlockStored, BlockHash: hs[1], ParentBlockHash: hs[0], HasParent: true,
-		BlockSize: 16}, evs[1], "plain Seal learns the parent from the previous sealed block")
-
-	x, err := p.Acquire("x", 4) // evicts both, tail first
-	require.NoError(t, err)
-	evs, _ = p.DrainKVEvents(evs[:0])
-	require.Len(t, evs, 2)
-	require.Equal(t, KVEvent{Seq: 3, Kind: KVBlockRemoved, BlockHash: hs[1]}, evs[0])
-	require.Equal(t, KVEvent{Seq: 4, Kind: KVBlockRemoved, BlockHash: hs[0]}, evs[1])
-	x.Release()
-}
-
-func TestKVEventsOverflow(t *testing.T) {
-	p := newTestPool(t, 8, WithKVEvents(2))
-	a, err := p.Acquire("a", 5)
-	require.NoError(t, err)
-	for i := range 5 {
-		require.NoError(t, a.Seal(i, BlockHash(100+i)))
-	}
-	evs, dropped := p.DrainKVEvents(nil)
-	require.Len(t, evs, 2)
-	require.EqualValues(t, 3, dropped, "overflow is counted: resync needed")
-	require.EqualValues(t, []uint64{1, 2}, []uint64{evs[0].Seq, evs[1].Seq})
-	seq, hashes := p.SnapshotKVCache()
-	require.EqualValues(t, 5, seq)
-	require.Equal(t, []BlockHash{100, 101, 102, 103, 104}, hashes)
-	require.NoError(t, a.Seal(0, 100))
-	a.Extend(1)
-	require.NoError(t, a.Seal(5, 200))
-	evs, dropped = p.DrainKVEvents(nil)
-	require.Zero(t, dropped)
-	require.Len(t, evs, 1)
-	require.EqualValues(t, 6, evs[0].Seq, "sequence numbers continue across the gap")
-	a.Release()
-	_, err = NewPool[[]byte](must(NewHostMemory(1, 1)), WithKVEvents(0))
-	require.ErrorIs(t, err, ErrInvalidArgument)
-}
-
 func must[T any](v T, err error) T {
 	if err != nil {
 		panic(err)
 	}
 	return v
-}
-
-func TestVerifiedModeCatchesCollision(t *testing.T) {
-	const seed = BlockHash(11)
-	victim := prompt(1, 16)
-	attacker := prompt(2, 16)
-	forged := HashBlock(seed, attacker) // the attacker's lookup hash
-
-	for _, verified := range []bool{false, true} {
-		t.Run(fmt.Sprintf("verified=%v", verified), func(t *testing.T) {
-			opts := []Option{WithBlockTokens(16)}
-			if verified {
-				opts = []Option{WithVerifiedPrefix(16)}
-			}
-			p := newTestPool(t, 4, opts...)
-			v, err := p.Acquire("victim", 1)
-			require.NoError(t, err)
-			r, _ := v.Region(0)
-			copy(r, "victim's secret KV")
-			// Inject a collision: the victim's block is findable by the
-			// hash of the attacker's tokens.
-			require.NoError(t, v.ls.seal(0, forged, &sealTokens{parent: seed, tokens: victim}))
-			v.Release()
-
-			// One more token: the forged block is not the one holding the
-			// prompt's last token, so it may hit.
-			l, hits, err := p.AcquirePrefixTokens("attacker", seed, append(slices.Clone(attacker), 7), 2)
-			require.NoError(t, err)
-			defer l.Release()
-			if !verified {
-				require.Equal(t, 1, hits, "plain mode trusts the hash: this is the danger")
-				return
-			}
-			require.Equal(t, 0, hits, "verified mode turns the collision into a miss")
-			require.EqualValues(t, 1, p.Stats().VerifyMismatches)
-			got, _ := l.Region(0)
-			require.NotContains(t, string(got), "secret")
-		})
-	}
-}
-
-func TestVerifiedModeRules(t *testing.T) {
-	p := newTestPool(t, 8, WithVerifiedPrefix(4))
-	toks := prompt(1, 12)
-	a, err := p.Acquire("a", 3)
-	require.NoError(t, err)
-	require.ErrorIs(t, a.Seal(0, 1), ErrInvalidArgument, "verified mode needs the tokens")
-	_, err = a.SealTokens(0, 0, toks[:3])
-	require.ErrorIs(t, err, ErrInvalidArgument, "a block holds exactly 4 tokens")
-	parent := BlockHash(9)
-	for i := range 3 {
-		parent, err = a.SealTokens(i, parent, toks[i*4:(i+1)*4])
-		require.NoError(t, err)
-	}
-	a.Release()
-	hs := ChainHashes(9, toks, 4)
-	require.Equal(t, 0, p.CachedPrefix(hs), "hash-only lookups cannot be verified")
-	require.Equal(t, 2, p.CachedPrefixTokens(9, toks), "never the block holding the last token")
-	require.Equal(t, 3, p.CachedPrefixTokens(9, append(slices.Clone(toks), 1)))
-	require.Equal(t, 0, p.CachedPrefixTokens(8, append(slices.Clone(toks), 1)), "another namespace")
-	l, hits, err := p.AcquirePrefixTokens("b", 9, append(slices.Clone(toks), 1, 2), 4)
-	require.NoError(t, err)
-	require.Equal(t, 3, hits)
-	l.Release()
-	// A different middle block stops the match there.
-	other := append(slices.Clone(toks), 1)
-	other[5] = -5
-	require.Equal(t, 1, p.CachedPrefixTokens(9, other))
-
-	plain := newTestPool(t, 2)
-	_, _, err = plain.AcquirePrefixTokens("x", 0, toks, 1)
-	require.ErrorIs(t, err, ErrInvalidArgument, "no block size configured")
-	_, err = NewPool[[]byte](must(NewHostMemory(1, 1)), WithVerifiedPrefix(0))
-	require.ErrorIs(t, err, ErrInvalidArgument)
 }
 
 func TestPrefixChainNeverRepeatsABlock(t *testing.T) {
@@ -536,20 +267,489 @@ func TestPrefixChainNeverRepeatsABlock(t *testing.T) {
 	require.True(t, errors.Is(p.Check(), nil))
 }
 
-func TestExhaustedErrorsReadWell(t *testing.T) {
-	p := newTestPool(t, 3)
-	l, err := p.Acquire("a", 2)
+// A fully cached, block-aligned prompt must not hit the block holding its
+// last token: the engine recomputes that token into it, so it must be a
+// fresh private block.
+func TestTokenLookupNeverHitsLastTokenBlock(t *testing.T) {
+	for _, verified := range []bool{false, true} {
+		opts := []Option{WithBlockTokens(4)}
+		if verified {
+			opts = []Option{WithVerifiedPrefix(4)}
+		}
+		p := newTestPool(t, 8, opts...)
+		toks := prompt(3, 12) // exactly 3 full blocks
+		a, err := p.Acquire("a", 3)
+		require.NoError(t, err)
+		parent := BlockHash(1)
+		for i := range 3 {
+			parent, err = a.SealTokens(i, parent, toks[i*4:(i+1)*4])
+			require.NoError(t, err)
+		}
+		a.Release()
+
+		require.Equal(t, 2, p.CachedPrefixTokens(1, toks), "verified=%v", verified)
+		b, hits, err := p.AcquirePrefixTokens("b", 1, toks, 3)
+		require.NoError(t, err)
+		require.Equal(t, 2, hits, "verified=%v: the last token's block is never a hit", verified)
+		w, err := b.Region(2)
+		require.NoError(t, err, "the last block is fresh and private: writable")
+		copy(w, "recomputed")
+		for i := range 2 {
+			_, err := b.Region(i)
+			require.ErrorIs(t, err, ErrReadOnly)
+		}
+		b.Release()
+
+		// One more token: all three full blocks may hit.
+		c, hits, err := p.AcquirePrefixTokens("c", 1, append(slices.Clone(toks), 9), 4)
+		require.NoError(t, err)
+		require.Equal(t, 3, hits)
+		c.Release()
+		// A prompt shorter than a block, or empty, hits nothing.
+		require.Equal(t, 0, p.CachedPrefixTokens(1, toks[:4]))
+		require.Equal(t, 0, p.CachedPrefixTokens(1, nil))
+		require.NoError(t, p.Check())
+	}
+}
+
+// ResetCache(ResetAll) makes in-use sealed blocks unfindable too: after a
+// weight update nothing old may hit. The default keeps them findable.
+func TestResetCacheAll(t *testing.T) {
+	p := newTestPool(t, 6, WithKVEvents(32))
+	hs := []BlockHash{1, 2, 3}
+	a, err := p.Acquire("a", 3)
 	require.NoError(t, err)
-	hold, err := p.Acquire("hold", 1)
+	for i, h := range hs {
+		require.NoError(t, a.Seal(i, h))
+	}
+	b, hits, err := p.AcquirePrefix("b", hs[:2], 2)
 	require.NoError(t, err)
-	defer hold.Release()
-	_, err = p.Acquire("b", 1)
-	require.ErrorIs(t, err, ErrExhausted)
-	require.Equal(t, `kvlease: acquire 1 blocks for "b": 0 free or evictable: kvlease: exhausted`, err.Error())
-	err = l.Extend(1)
-	require.ErrorIs(t, err, ErrExhausted)
-	require.Contains(t, err.Error(), "extend lease")
-	_, _, err = p.AcquirePrefix("c", []BlockHash{1}, 1)
-	require.ErrorIs(t, err, ErrExhausted)
-	l.Release()
+	require.Equal(t, 2, hits)
+	b.Release() // blocks 0,1 still held by a
+	c, err := p.Acquire("c", 1)
+	require.NoError(t, err)
+	require.NoError(t, c.Seal(0, 9))
+	c.Release() // cached, unreferenced
+	p.DrainKVEvents(nil)
+
+	require.Equal(t, 1, p.ResetCache(), "default: only the unreferenced block")
+	require.Equal(t, 3, p.CachedPrefix(hs), "in-use blocks stay findable by default")
+
+	require.Equal(t, 3, p.ResetCache(ResetAll))
+	require.Equal(t, 0, p.CachedPrefix(hs), "nothing old may hit")
+	evs, _ := p.DrainKVEvents(nil)
+	require.Equal(t, KVAllBlocksCleared, evs[len(evs)-1].Kind)
+	_, seq := p.SnapshotKVCache()
+	require.Empty(t, seq)
+	// a still reads its sealed blocks; they stay immutable.
+	_, err = a.ReadRegion(0)
+	require.NoError(t, err)
+	_, err = a.Region(0)
+	require.ErrorIs(t, err, ErrReadOnly)
+	// A new seal of the same hash by another lease is findable again.
+	d, err := p.Acquire("d", 1)
+	require.NoError(t, err)
+	require.NoError(t, d.Seal(0, 1))
+	require.Equal(t, 1, p.CachedPrefix(hs))
+	a.Release()
+	d.Release()
+	st := p.Stats()
+	require.Equal(t, 1, st.Cached, "a's blocks are free once unreferenced, not cached")
+	require.Equal(t, 5, st.Free)
+}
+
+func runtimeGosched() { runtime.Gosched() }
+
+// sealedContent is what a block sealed with hash h holds in the churn
+// test: anyone hitting h must read exactly this.
+func sealedContent(dst []byte, h BlockHash) {
+	for i := 0; i+8 <= len(dst); i += 8 {
+		binary.LittleEndian.PutUint64(dst[i:], uint64(h)+uint64(i))
+	}
+}
+
+// privateContent marks a block only its lease may see.
+func privateContent(dst []byte, lease uint64, i int) {
+	for j := 0; j+8 <= len(dst); j += 8 {
+		binary.LittleEndian.PutUint64(dst[j:], lease<<20|uint64(i)<<8|uint64(j)|1<<63)
+	}
+}
+
+// TestPrefixChurnMarkers runs many requests that share system prompts
+// through a small verified-mode pool: hits must see exactly the sealed
+// content, private blocks exactly their owner's marker, under eviction
+// pressure, late transfers and aborts. Run it under -race.
+func TestPrefixChurnMarkers(t *testing.T) {
+	const (
+		workers   = 8
+		iters     = 300
+		bt        = 4
+		blockSize = 64
+		seed      = BlockHash(0x5eed)
+	)
+	mem, err := NewHostMemory(48, blockSize)
+	require.NoError(t, err)
+	p, err := NewPool[[]byte](mem, WithVerifiedPrefix(bt))
+	require.NoError(t, err)
+
+	var wg sync.WaitGroup
+	var pending sync.WaitGroup
+	errs := make(chan error, workers)
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rng := rand.New(rand.NewPCG(uint64(w), 7))
+			fail := func(format string, args ...any) {
+				select {
+				case errs <- fmt.Errorf(format, args...):
+				default:
+				}
+			}
+			for it := range iters {
+				sys := rng.IntN(3)
+				toks := prompt(sys, bt*(2+sys))                                    // shared system prompt
+				toks = append(toks, prompt(100+w, bt*rng.IntN(3)+rng.IntN(bt))...) // the user's turn
+				full := len(toks) / bt
+				n := full + 1
+				l, hits, err := p.AcquirePrefixTokens(fmt.Sprintf("w%d-%d", w, it), seed, toks, n)
+				if errors.Is(err, ErrExhausted) {
+					continue
+				}
+				if err != nil {
+					fail("acquire: %v", err)
+					return
+				}
+				hashes := ChainHashes(seed, toks, bt)
+				for i := range hits {
+					r, _ := l.ReadRegion(i)
+					want := make([]byte, blockSize)
+					sealedContent(want, hashes[i])
+					if string(r) != string(want) {
+						fail("lease %d hit block %d (%v) holds foreign content", l.ID(), i, l.Ref(i))
+					}
+				}
+				parent := seed
+				if hits > 0 {
+					parent = hashes[hits-1]
+				}
+				for i := hits; i < n; i++ {
+					r, _ := l.Region(i)
+					if i < full {
+						sealedContent(r, hashes[i])
+						h, err := l.SealTokens(i, parent, toks[i*bt:(i+1)*bt])
+						if err != nil || h != hashes[i] {
+							fail("seal block %d: %v", i, err)
+						}
+						parent = h
+					} else {
+						privateContent(r, l.ID(), i)
+					}
+				}
+				// Sometimes an asynchronous send reads the whole lease.
+				var tr *Transfer
+				if rng.IntN(3) == 0 {
+					tr = NewTransfer(nil)
+					if err := l.Attach(tr); err != nil {
+						fail("attach: %v", err)
+					}
+				}
+				r, _ := l.ReadRegion(n - 1)
+				want := make([]byte, blockSize)
+				privateContent(want, l.ID(), n-1)
+				if string(r) != string(want) {
+					fail("lease %d private block overwritten", l.ID())
+				}
+				if rng.IntN(4) == 0 {
+					l.Abort(nil)
+				} else {
+					l.Release()
+				}
+				if tr != nil {
+					pending.Add(1)
+					go func() {
+						defer pending.Done()
+						if rng := rand.New(rand.NewPCG(tr.ID(), 1)); rng.IntN(4) == 0 {
+							tr.Quarantine(nil)
+						}
+						tr.Resolve(nil)
+					}()
+				}
+			}
+		}()
+	}
+	done := make(chan struct{})
+	go func() {
+		for {
+			select {
+			case <-done:
+				return
+			default:
+			}
+			s := p.Stats()
+			if sum := s.Free + s.Cached + s.Leased + s.Draining + s.Quarantined; sum != s.Capacity {
+				errs <- fmt.Errorf("state counts %+v sum to %d", s, sum)
+				return
+			}
+		}
+	}()
+	wg.Wait()
+	pending.Wait()
+	close(done)
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	require.NoError(t, p.Check())
+	s := p.Stats()
+	require.Zero(t, s.Leased+s.Draining+s.Quarantined, "%+v", s)
+	require.Equal(t, s.Capacity, s.Free+s.Cached)
+	require.NotZero(t, s.PrefixHits, "the workload must exercise hits")
+	require.NotZero(t, s.Evictions, "the workload must exercise eviction")
+}
+
+// prefixModel is a deliberately naive model of the prefix cache: plain
+// slices and maps, linear scans, no shared code with the pool. Blocks are
+// the model's own numbers; only observable facts are compared.
+type prefixModel struct {
+	capacity int
+	blocks   map[int]*modelBlock // live (not free) blocks by model id
+	next     int
+	index    map[BlockHash]int // findable hash → model block
+	lru      []int             // unreferenced findable blocks, oldest first
+	leases   [][]int           // open leases: model block per position
+
+	queries, hits, refused uint64 // Stats.PrefixQueries, PrefixHits, PrefixRefused
+}
+
+type modelBlock struct {
+	refs   int
+	sealed bool
+	hash   BlockHash
+}
+
+func newPrefixModel(capacity int) *prefixModel {
+	return &prefixModel{capacity: capacity, blocks: map[int]*modelBlock{}, index: map[BlockHash]int{}}
+}
+
+func (m *prefixModel) free() int { return m.capacity - len(m.blocks) }
+
+func (m *prefixModel) hitCount(hashes []BlockHash) int {
+	seen := map[int]bool{}
+	for k, h := range hashes {
+		b, ok := m.index[h]
+		if !ok || seen[b] {
+			return k
+		}
+		seen[b] = true
+	}
+	return len(hashes)
+}
+
+// acquire mirrors AcquirePrefix: hits first, then fresh blocks from the
+// free pool, then by evicting the oldest LRU entries.
+func (m *prefixModel) acquire(hashes []BlockHash, n int) (int, bool) {
+	if len(hashes) > n {
+		hashes = hashes[:n]
+	}
+	h := m.hitCount(hashes)
+	lruHits := 0
+	for _, x := range hashes[:h] {
+		if slices.Contains(m.lru, m.index[x]) {
+			lruHits++
+		}
+	}
+	if n-h > m.free()+len(m.lru)-lruHits {
+		m.refused += uint64(len(hashes))
+		return 0, false
+	}
+	m.queries += uint64(len(hashes))
+	m.hits += uint64(h)
+	var l []int
+	for _, x := range hashes[:h] {
+		b := m.index[x]
+		m.lru = slices.DeleteFunc(m.lru, func(y int) bool { return y == b })
+		m.blocks[b].refs++
+		l = append(l, b)
+	}
+	for range n - h {
+		if m.free() == 0 {
+			old := m.lru[0]
+			m.lru = m.lru[1:]
+			delete(m.index, m.blocks[old].hash)
+			delete(m.blocks, old)
+		}
+		m.next++
+		m.blocks[m.next] = &modelBlock{refs: 1}
+		l = append(l, m.next)
+	}
+	m.leases = append(m.leases, l)
+	return h, true
+}
+
+func (m *prefixModel) seal(lease, i int, h BlockHash) error {
+	b := m.blocks[m.leases[lease][i]]
+	if b.sealed {
+		if b.hash != h {
+			return ErrInvalidArgument
+		}
+		return nil
+	}
+	b.sealed, b.hash = true, h
+	if _, taken := m.index[h]; !taken {
+		m.index[h] = m.leases[lease][i]
+	}
+	return nil
+}
+
+func (m *prefixModel) release(lease int) {
+	l := m.leases[lease]
+	m.leases = slices.Delete(m.leases, lease, lease+1)
+	for i := len(l) - 1; i >= 0; i-- {
+		b := m.blocks[l[i]]
+		b.refs--
+		if b.refs > 0 {
+			continue
+		}
+		if b.sealed && m.index[b.hash] == l[i] {
+			m.lru = append(m.lru, l[i])
+		} else {
+			delete(m.blocks, l[i])
+		}
+	}
+}
+
+func (m *prefixModel) reset(all bool) int {
+	n := len(m.lru)
+	for _, b := range m.lru {
+		delete(m.index, m.blocks[b].hash)
+		delete(m.blocks, b)
+	}
+	m.lru = nil
+	if all {
+		// In-use blocks stay sealed but leave the index.
+		n += len(m.index)
+		clear(m.index)
+	}
+	return n
+}
+
+// FuzzPrefixCache drives seal / hit / release / evict / reset sequences
+// through a small pool and the model, and compares after every step.
+func FuzzPrefixCache(f *testing.F) {
+	f.Add([]byte{0, 0, 4, 1, 0, 0, 1, 0, 1, 2, 0, 0, 1, 4, 0, 3, 0, 0})
+	f.Add([]byte{4, 6, 2, 0, 0, 1, 4, 0, 2, 1, 3, 0, 3, 0, 0})
+	f.Add([]byte{0, 1, 3, 1, 0, 0, 1, 0, 1, 1, 0, 2, 2, 0, 0, 0, 2, 5, 2, 0, 0, 4, 1, 0, 2, 1, 0})
+	f.Add([]byte{0, 0, 4, 1, 0, 0, 1, 0, 1, 3, 0, 1, 0, 0, 4, 2, 0, 0, 0, 0, 4})
+	const capacity = 6
+	chains := [][]BlockHash{
+		ChainHashes(1, prompt(1, 12), 4),
+		ChainHashes(1, prompt(2, 16), 4),
+		ChainHashes(2, prompt(1, 12), 4), // same tokens, another namespace
+	}
+	f.Fuzz(func(t *testing.T, ops []byte) {
+		p := newTestPool(t, capacity)
+		m := newPrefixModel(capacity)
+		type live struct {
+			l     *Lease[[]byte]
+			chain int
+		}
+		var leases []live
+		for step := 0; step+2 < len(ops); step += 3 {
+			op, a, b := ops[step]%5, int(ops[step+1]), int(ops[step+2])
+			what := ""
+			switch op {
+			case 0: // acquire a prefix
+				chain := a % len(chains)
+				n := 1 + b%5
+				what = fmt.Sprintf("acquire chain %d n=%d", chain, n)
+				wantHits, ok := m.acquire(chains[chain], n)
+				l, hits, err := p.AcquirePrefix("f", chains[chain], n)
+				if !ok {
+					if !errors.Is(err, ErrExhausted) && !errors.Is(err, ErrExceedsCapacity) {
+						t.Fatalf("step %d %s: model says exhausted, pool says %v", step, what, err)
+					}
+					break
+				}
+				if err != nil || hits != wantHits {
+					t.Fatalf("step %d %s: pool hits=%d err=%v, model hits=%d", step, what, hits, err, wantHits)
+				}
+				leases = append(leases, live{l, chain})
+			case 1: // seal block i with its chain hash
+				if len(leases) == 0 {
+					continue
+				}
+				j := a % len(leases)
+				i := b % leases[j].l.Len()
+				chain := chains[leases[j].chain]
+				h := BlockHash(1000 + i) // beyond the chain: a private hash
+				if i < len(chain) {
+					h = chain[i]
+				}
+				what = fmt.Sprintf("seal lease %d block %d", j, i)
+				want := m.seal(j, i, h)
+				if got := leases[j].l.Seal(i, h); !errors.Is(got, want) {
+					t.Fatalf("step %d %s: pool %v, model %v", step, what, got, want)
+				}
+			case 2: // release
+				if len(leases) == 0 {
+					continue
+				}
+				j := a % len(leases)
+				what = fmt.Sprintf("release lease %d", j)
+				leases[j].l.Release()
+				leases = slices.Delete(leases, j, j+1)
+				m.release(j)
+			case 3:
+				all := b%2 == 1
+				what = fmt.Sprintf("reset (all=%v)", all)
+				var got int
+				if all {
+					got = p.ResetCache(ResetAll)
+				} else {
+					got = p.ResetCache()
+				}
+				if want := m.reset(all); got != want {
+					t.Fatalf("step %d %s: pool reset %d blocks, model %d", step, what, got, want)
+				}
+			case 4: // plain acquire
+				n := 1 + a%3
+				what = fmt.Sprintf("acquire %d", n)
+				_, ok := m.acquire(nil, n)
+				l, err := p.Acquire("f", n)
+				if ok != (err == nil) {
+					t.Fatalf("step %d %s: model ok=%v, pool %v", step, what, ok, err)
+				}
+				if ok {
+					leases = append(leases, live{l, 0})
+				}
+			}
+			st := p.Stats()
+			leased := 0
+			for _, blk := range m.blocks {
+				if blk.refs > 0 {
+					leased++
+				}
+			}
+			if st.Free != m.free() || st.Cached != len(m.lru) || st.Leased != leased {
+				t.Fatalf("step %d %s: pool free=%d cached=%d leased=%d, model free=%d cached=%d leased=%d",
+					step, what, st.Free, st.Cached, st.Leased, m.free(), len(m.lru), leased)
+			}
+			if st.PrefixQueries != m.queries || st.PrefixHits != m.hits || st.PrefixRefused != m.refused {
+				t.Fatalf("step %d %s: pool queries=%d hits=%d refused=%d, model %d %d %d", step, what,
+					st.PrefixQueries, st.PrefixHits, st.PrefixRefused, m.queries, m.hits, m.refused)
+			}
+			for c, chain := range chains {
+				if got, want := p.CachedPrefix(chain), m.hitCount(chain); got != want {
+					t.Fatalf("step %d %s: chain %d: pool prefix %d, model %d", step, what, c, got, want)
+				}
+			}
+			if err := p.Check(); err != nil {
+				t.Fatalf("step %d %s: %v", step, what, err)
+			}
+		}
+		for _, l := range leases {
+			l.l.Release()
+		}
+	})
 }

@@ -4,8 +4,6 @@ import (
 	"fmt"
 	"iter"
 	"math/bits"
-
-	"github.com/kvlease/kvlease/internal/benchswitch"
 )
 
 // prefixIndex is the prefix cache's index: BlockHash → the slot findable
@@ -15,7 +13,8 @@ import (
 //
 // Why not a Go map: a prefix-heavy replay with a pool kept full of cached
 // blocks (nearly every fresh block evicts one) spent over 40% of the
-// pool's time in map operations (issue 16). Here the key is already a
+// pool's time in map operations (BenchmarkPrefixIndex compares the two;
+// bench/README.md has the replay's figures). Here the key is already a
 // uniformly distributed hash and the number of entries is bounded by the
 // pool's capacity (a slot is in the index at most once), so a table of
 // twice the capacity, rounded up to a power of two, never fills past half
@@ -31,16 +30,11 @@ import (
 //
 // The table is allocated by the first insert: a pool that never seals
 // pays nothing. Guarded by the pool's mutex.
-//
-// legacy keeps the previous index, a Go map, for same-run comparisons
-// only (see benchswitch.MapIndex); production pools never set it.
 type prefixIndex struct {
 	tab   []uint64
 	shift uint8        // 64 - log2(len(tab)): home = mixed >> shift
 	n     int          // entries
 	pre   []prefixSlot // the pool's: each slot's hash, to confirm a tag match
-
-	legacy map[BlockHash]BlockID
 }
 
 // indexMix spreads a hash over the high bits (Fibonacci hashing): chained
@@ -56,11 +50,7 @@ func indexEntry(m uint64, id BlockID) uint64 {
 // newPrefixIndex returns an empty index over the pool's prefix state pre
 // (one entry per slot, which holds each indexed slot's hash).
 func newPrefixIndex(pre []prefixSlot) prefixIndex {
-	x := prefixIndex{pre: pre}
-	if benchswitch.MapIndex.Load() {
-		x.legacy = make(map[BlockHash]BlockID)
-	}
-	return x
+	return prefixIndex{pre: pre}
 }
 
 // init allocates the table on first use.
@@ -73,21 +63,14 @@ func (x *prefixIndex) init() {
 
 // len returns the number of entries.
 func (x *prefixIndex) len() int {
-	if x.legacy != nil {
-		return len(x.legacy)
-	}
 	return x.n
 }
 
 // find returns the slot findable by h.
 func (x *prefixIndex) find(h BlockHash) (BlockID, bool) {
-	if x.legacy != nil {
-		id, ok := x.legacy[h]
-		return id, ok
-	}
 	tab := x.tab
 	if len(tab) == 0 {
-		return nilID, false
+		return -1, false
 	}
 	m := uint64(h) * indexMix
 	mask := uint64(len(tab) - 1)
@@ -95,7 +78,7 @@ func (x *prefixIndex) find(h BlockHash) (BlockID, bool) {
 	for i := m >> x.shift; ; i = (i + 1) & mask {
 		e := tab[i]
 		if e == 0 {
-			return nilID, false
+			return -1, false
 		}
 		if e>>32 == tag {
 			if id := BlockID(uint32(e) - 1); x.pre[id].hash == h {
@@ -108,13 +91,6 @@ func (x *prefixIndex) find(h BlockHash) (BlockID, bool) {
 // insert makes slot id findable by h unless another slot already is; it
 // reports whether it did. (The slot's recorded hash need not be h yet.)
 func (x *prefixIndex) insert(h BlockHash, id BlockID) bool {
-	if x.legacy != nil {
-		if _, taken := x.legacy[h]; taken {
-			return false
-		}
-		x.legacy[h] = id
-		return true
-	}
 	if x.tab == nil {
 		x.init()
 	}
@@ -139,13 +115,6 @@ func (x *prefixIndex) insert(h BlockHash, id BlockID) bool {
 // whether it was there. Later entries of the probe run shift back into
 // the hole (backward-shift deletion), so no tombstone is left.
 func (x *prefixIndex) remove(h BlockHash, id BlockID) bool {
-	if x.legacy != nil {
-		if got, ok := x.legacy[h]; !ok || got != id {
-			return false
-		}
-		delete(x.legacy, h)
-		return true
-	}
 	tab := x.tab
 	if len(tab) == 0 {
 		return false
@@ -186,14 +155,6 @@ func (x *prefixIndex) remove(h BlockHash, id BlockID) bool {
 // all iterates over the entries: each findable hash and its slot.
 func (x *prefixIndex) all() iter.Seq2[BlockHash, BlockID] {
 	return func(yield func(BlockHash, BlockID) bool) {
-		if x.legacy != nil {
-			for h, id := range x.legacy {
-				if !yield(h, id) {
-					return
-				}
-			}
-			return
-		}
 		for _, e := range x.tab {
 			if e != 0 {
 				id := BlockID(uint32(e) - 1)
@@ -211,9 +172,6 @@ func (x *prefixIndex) all() iter.Seq2[BlockHash, BlockID] {
 // or a count that disagrees with the entries.
 func (x *prefixIndex) check() error {
 	pre := x.pre
-	if x.legacy != nil {
-		return nil
-	}
 	mask := uint64(len(x.tab) - 1)
 	n := 0
 	seen := make(map[BlockID]bool)
@@ -249,10 +207,6 @@ func (x *prefixIndex) check() error {
 
 // clear removes every entry.
 func (x *prefixIndex) clear() {
-	if x.legacy != nil {
-		clear(x.legacy)
-		return
-	}
 	clear(x.tab)
 	x.n = 0
 }

@@ -3,7 +3,8 @@ package kvlease
 import (
 	"fmt"
 	"sync"
-	"sync/atomic"
+
+	"go.uber.org/atomic"
 )
 
 // TransferState is where a transfer is in its lifecycle:
@@ -134,7 +135,7 @@ func (t *Transfer) gateAt(i int) gateRef {
 // quarantine). When Resolve returns, every block it gated that nobody else
 // holds is back in its pool.
 func (t *Transfer) Resolve(err error) bool {
-	var ev events
+	var ev outbox
 	t.mu.Lock()
 	next, ok := t.state.Load().next(evResolve)
 	if !ok {
@@ -166,7 +167,7 @@ func (t *Transfer) Quarantine(reason error) {
 	if reason == nil {
 		reason = ErrQuarantined
 	}
-	var ev events
+	var ev outbox
 	t.mu.Lock()
 	next, ok := t.state.Load().next(evQuarantine)
 	if !ok {
@@ -182,7 +183,7 @@ func (t *Transfer) Quarantine(reason error) {
 
 // applyAll brings every attachment to state to, pool by pool. Called with
 // t.mu held; takes each pool's lock in turn (lock order: transfer, pool).
-func (t *Transfer) applyAll(to TransferState, ev *events) {
+func (t *Transfer) applyAll(to TransferState, ev *outbox) {
 	var locked *core
 	for i := 0; i < t.ngates; i++ {
 		g := t.gateAt(i)
@@ -190,7 +191,7 @@ func (t *Transfer) applyAll(to TransferState, ev *events) {
 		if c != locked {
 			if locked != nil {
 				locked.serve(ev)
-				locked.mu.Unlock()
+				locked.unlock()
 			}
 			c.mu.Lock()
 			locked = c
@@ -199,7 +200,7 @@ func (t *Transfer) applyAll(to TransferState, ev *events) {
 	}
 	if locked != nil {
 		locked.serve(ev)
-		locked.mu.Unlock()
+		locked.unlock()
 	}
 }
 

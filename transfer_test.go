@@ -1,13 +1,12 @@
-package kvlease_test
+package kvlease
 
 import (
 	"errors"
 	"fmt"
 	"sync"
-	"sync/atomic"
 	"testing"
 
-	"github.com/kvlease/kvlease"
+	"go.uber.org/atomic"
 )
 
 func coreIsClosed(ch <-chan struct{}) bool {
@@ -20,8 +19,8 @@ func coreIsClosed(ch <-chan struct{}) bool {
 }
 
 func TestTransferResolve(t *testing.T) {
-	tr := kvlease.NewTransfer(nil)
-	if tr.State() != kvlease.TransferPending || tr.Err() != nil || coreIsClosed(tr.Done()) {
+	tr := NewTransfer(nil)
+	if tr.State() != TransferPending || tr.Err() != nil || coreIsClosed(tr.Done()) {
 		t.Fatalf("new transfer: %v err=%v", tr.State(), tr.Err())
 	}
 	outcome := errors.New("copy failed, engine stopped")
@@ -31,21 +30,21 @@ func TestTransferResolve(t *testing.T) {
 	if tr.Resolve(nil) {
 		t.Fatal("second Resolve won")
 	}
-	if tr.State() != kvlease.TransferResolved || !errors.Is(tr.Err(), outcome) || !coreIsClosed(tr.Done()) {
+	if tr.State() != TransferResolved || !errors.Is(tr.Err(), outcome) || !coreIsClosed(tr.Done()) {
 		t.Fatalf("resolved: %v err=%v", tr.State(), tr.Err())
 	}
 	// Quarantine after Resolve is a no-op.
 	tr.Quarantine(errors.New("too late"))
-	if tr.State() != kvlease.TransferResolved || !errors.Is(tr.Err(), outcome) {
+	if tr.State() != TransferResolved || !errors.Is(tr.Err(), outcome) {
 		t.Fatalf("Quarantine after Resolve changed it: %v err=%v", tr.State(), tr.Err())
 	}
 }
 
 func TestTransferQuarantine(t *testing.T) {
-	tr := kvlease.NewTransfer(nil)
+	tr := NewTransfer(nil)
 	done := tr.Done() // asked before: closed only on Resolve
 	tr.Quarantine(nil)
-	if tr.State() != kvlease.TransferQuarantined || !errors.Is(tr.Err(), kvlease.ErrQuarantined) {
+	if tr.State() != TransferQuarantined || !errors.Is(tr.Err(), ErrQuarantined) {
 		t.Fatalf("Quarantine(nil): %v err=%v", tr.State(), tr.Err())
 	}
 	if coreIsClosed(done) || coreIsClosed(tr.Done()) {
@@ -53,14 +52,14 @@ func TestTransferQuarantine(t *testing.T) {
 	}
 	// A second Quarantine keeps the first reason.
 	tr.Quarantine(errors.New("second"))
-	if !errors.Is(tr.Err(), kvlease.ErrQuarantined) {
+	if !errors.Is(tr.Err(), ErrQuarantined) {
 		t.Fatalf("second Quarantine replaced the reason: %v", tr.Err())
 	}
 	// Late evidence wins.
 	if !tr.Resolve(nil) {
 		t.Fatal("Resolve after Quarantine lost")
 	}
-	if tr.State() != kvlease.TransferResolved || tr.Err() != nil || !coreIsClosed(done) {
+	if tr.State() != TransferResolved || tr.Err() != nil || !coreIsClosed(done) {
 		t.Fatalf("late Resolve: %v err=%v", tr.State(), tr.Err())
 	}
 	if tr.Resolve(nil) {
@@ -68,7 +67,7 @@ func TestTransferQuarantine(t *testing.T) {
 	}
 
 	reason := errors.New("peer vanished mid-write")
-	q := kvlease.NewTransfer(nil)
+	q := NewTransfer(nil)
 	q.Quarantine(reason)
 	if !errors.Is(q.Err(), reason) {
 		t.Fatalf("reason %v", q.Err())
@@ -79,18 +78,18 @@ func TestTransferQuarantine(t *testing.T) {
 // state.
 func TestTransferCancel(t *testing.T) {
 	var n atomic.Int32
-	tr := kvlease.NewTransfer(func() { n.Add(1) })
+	tr := NewTransfer(func() { n.Add(1) })
 	tr.Cancel()
 	tr.Cancel()
 	if n.Load() != 1 {
 		t.Fatalf("hook ran %d times", n.Load())
 	}
-	if tr.State() != kvlease.TransferPending {
+	if tr.State() != TransferPending {
 		t.Fatalf("Cancel changed the state to %v", tr.State())
 	}
 
 	var m atomic.Int32
-	r := kvlease.NewTransfer(func() { m.Add(1) })
+	r := NewTransfer(func() { m.Add(1) })
 	r.Resolve(nil)
 	r.Cancel()
 	if m.Load() != 0 {
@@ -98,10 +97,10 @@ func TestTransferCancel(t *testing.T) {
 	}
 
 	var q atomic.Int32
-	qt := kvlease.NewTransfer(func() { q.Add(1) })
+	qt := NewTransfer(func() { q.Add(1) })
 	qt.Quarantine(nil)
 	qt.Cancel()
-	if q.Load() != 1 || qt.State() != kvlease.TransferQuarantined {
+	if q.Load() != 1 || qt.State() != TransferQuarantined {
 		t.Fatalf("Cancel of a quarantined transfer: hook %d, state %v", q.Load(), qt.State())
 	}
 	qt.Resolve(nil)
@@ -110,11 +109,11 @@ func TestTransferCancel(t *testing.T) {
 		t.Fatal("hook ran twice")
 	}
 
-	kvlease.NewTransfer(nil).Cancel() // a nil hook is allowed
+	NewTransfer(nil).Cancel() // a nil hook is allowed
 
 	// Many concurrent Cancels: still once.
 	var c atomic.Int32
-	ct := kvlease.NewTransfer(func() { c.Add(1) })
+	ct := NewTransfer(func() { c.Add(1) })
 	var wg sync.WaitGroup
 	for range 16 {
 		wg.Add(1)
@@ -131,13 +130,13 @@ func TestTransferCancel(t *testing.T) {
 func TestCancelHookResolves(t *testing.T) {
 	p := corePool(t, 4)
 	l := coreAcquire(t, p, "l", 3)
-	var tr *kvlease.Transfer
-	tr = kvlease.NewTransfer(func() { tr.Resolve(errors.New("cancelled, engine fenced")) })
+	var tr *Transfer
+	tr = NewTransfer(func() { tr.Resolve(errors.New("cancelled, engine fenced")) })
 	coreNoErr(t, l.Attach(tr), "Attach")
 	l.Release()
 	coreWant(t, p, coreCounts{Free: 1, Draining: 3})
 	tr.Cancel()
-	if tr.State() != kvlease.TransferResolved || l.State() != kvlease.LeaseSettled {
+	if tr.State() != TransferResolved || l.State() != LeaseSettled {
 		t.Fatalf("after Cancel: %v %v", tr.State(), l.State())
 	}
 	coreAllFree(t, p)
@@ -150,16 +149,16 @@ func TestTransferGatesTwoPools(t *testing.T) {
 	for _, end := range []string{"resolve", "failed", "quarantine-then-resolve"} {
 		t.Run(end, func(t *testing.T) {
 			srcRec, dstRec := &coreRecorder{}, &coreRecorder{}
-			src := corePool(t, 4, kvlease.WithObserver(srcRec))
-			dstPool, err := kvlease.NewPool[uint64](coreFakeMem{6, 64}, kvlease.WithObserver(dstRec))
+			src := corePool(t, 4, WithObserver(srcRec))
+			dstPool, err := NewPool[uint64](coreFakeMem{6, 64}, WithObserver(dstRec))
 			coreNoErr(t, err, "NewPool")
 			sl := coreAcquire(t, src, "prefill", 3)
 			dl, err := dstPool.Acquire("decode", 3)
 			coreNoErr(t, err, "Acquire dst")
 
-			copyT := kvlease.NewTransfer(nil)
-			coreNoErr(t, sl.AttachRange(copyT, 0, 3, kvlease.Read), "attach src")
-			coreNoErr(t, dl.AttachRange(copyT, 0, 3, kvlease.Write), "attach dst")
+			copyT := NewTransfer(nil)
+			coreNoErr(t, sl.AttachRange(copyT, 0, 3, Read), "attach src")
+			coreNoErr(t, dl.AttachRange(copyT, 0, 3, Write), "attach dst")
 			sl.Release()
 			coreWant(t, src, coreCounts{Free: 1, Draining: 3})
 			if st := coreConsistent(t, dstPool); st.Leased != 3 {
@@ -176,31 +175,31 @@ func TestTransferGatesTwoPools(t *testing.T) {
 				if st := coreConsistent(t, dstPool); st.Quarantined != 3 || st.Free != 3 {
 					t.Fatalf("dst %+v", coreCountsOf(st))
 				}
-				if sl.State() != kvlease.LeaseQuarantined || dl.State() != kvlease.LeaseQuarantined {
+				if sl.State() != LeaseQuarantined || dl.State() != LeaseQuarantined {
 					t.Fatalf("states %v %v", sl.State(), dl.State())
 				}
-				if srcRec.count(kvlease.EventTransferQuarantined, sl.ID()) != 1 ||
-					dstRec.count(kvlease.EventTransferQuarantined, dl.ID()) != 1 {
+				if srcRec.count(EventTransferQuarantined, sl.ID()) != 1 ||
+					dstRec.count(EventTransferQuarantined, dl.ID()) != 1 {
 					t.Fatal("each pool's observer sees the quarantine of its own lease")
 				}
 				dl.Release()
-				if dl.State() != kvlease.LeaseQuarantined {
+				if dl.State() != LeaseQuarantined {
 					t.Fatalf("Release while quarantined: %v", dl.State())
 				}
 				copyT.Resolve(nil)
 			}
 			// Both sides, before Resolve returned.
 			coreWant(t, src, coreCounts{Free: 4})
-			if sl.State() != kvlease.LeaseSettled {
+			if sl.State() != LeaseSettled {
 				t.Fatalf("src lease %v", sl.State())
 			}
 			if end == "quarantine-then-resolve" {
 				coreAllFree(t, dstPool)
-				if dl.State() != kvlease.LeaseSettled {
+				if dl.State() != LeaseSettled {
 					t.Fatalf("dst lease %v", dl.State())
 				}
 			} else {
-				if dl.State() != kvlease.LeaseActive {
+				if dl.State() != LeaseActive {
 					t.Fatalf("dst lease %v", dl.State())
 				}
 				if st := coreConsistent(t, dstPool); st.Leased != 3 || st.Free != 3 {
@@ -209,10 +208,10 @@ func TestTransferGatesTwoPools(t *testing.T) {
 				dl.Release()
 				coreAllFree(t, dstPool)
 			}
-			if srcRec.count(kvlease.EventTransferResolved, sl.ID()) != 1 {
+			if srcRec.count(EventTransferResolved, sl.ID()) != 1 {
 				t.Fatal("src observer missed the resolve")
 			}
-			if dstRec.count(kvlease.EventTransferResolved, 0) != 1 {
+			if dstRec.count(EventTransferResolved, 0) != 1 {
 				t.Fatal("dst observer missed the resolve")
 			}
 		})
@@ -226,9 +225,9 @@ func TestAbortOneSideOfCopy(t *testing.T) {
 	sl := coreAcquire(t, src, "src", 2)
 	dl := coreAcquire(t, dst, "dst", 2)
 	var hooks atomic.Int32
-	copyT := kvlease.NewTransfer(func() { hooks.Add(1) })
-	coreNoErr(t, sl.AttachRange(copyT, 0, 2, kvlease.Read), "attach src")
-	coreNoErr(t, dl.AttachRange(copyT, 0, 2, kvlease.Write), "attach dst")
+	copyT := NewTransfer(func() { hooks.Add(1) })
+	coreNoErr(t, sl.AttachRange(copyT, 0, 2, Read), "attach src")
+	coreNoErr(t, dl.AttachRange(copyT, 0, 2, Write), "attach dst")
 	dl.Abort(errors.New("request rejected"))
 	if hooks.Load() != 1 {
 		t.Fatalf("hook ran %d times", hooks.Load())
@@ -250,16 +249,16 @@ func TestAbortOneSideOfCopy(t *testing.T) {
 // quarantined: never reused until late evidence.
 func TestQuarantineReadVersusWrite(t *testing.T) {
 	p := corePool(t, 6)
-	hs := []kvlease.BlockHash{11, 12}
+	hs := []BlockHash{11, 12}
 	l := coreAcquire(t, p, "l", 4)
 	coreNoErr(t, l.Seal(0, hs[0]), "Seal 0")
 	coreNoErr(t, l.Seal(1, hs[1]), "Seal 1")
-	tr := kvlease.NewTransfer(nil)
-	coreNoErr(t, l.AttachRange(tr, 0, 2, kvlease.Read), "attach read")
-	coreNoErr(t, l.AttachRange(tr, 2, 4, kvlease.Write), "attach write")
+	tr := NewTransfer(nil)
+	coreNoErr(t, l.AttachRange(tr, 0, 2, Read), "attach read")
+	coreNoErr(t, l.AttachRange(tr, 2, 4, Write), "attach write")
 	tr.Quarantine(errors.New("peer vanished"))
 	coreWant(t, p, coreCounts{Free: 2, Quarantined: 4})
-	if l.State() != kvlease.LeaseQuarantined {
+	if l.State() != LeaseQuarantined {
 		t.Fatalf("state %v", l.State())
 	}
 	// Read side: still hits.
@@ -267,19 +266,19 @@ func TestQuarantineReadVersusWrite(t *testing.T) {
 		t.Fatalf("CachedPrefix over quarantined reads = %d, want 2", n)
 	}
 	// Write side: content unknown, no Seal.
-	coreErrIs(t, l.Seal(2, 13), kvlease.ErrInvalidArgument, "Seal of a quarantined write block")
+	coreErrIs(t, l.Seal(2, 13), ErrInvalidArgument, "Seal of a quarantined write block")
 	// The open, quarantined lease still works otherwise.
 	_, err := l.Region(3)
 	coreNoErr(t, err, "Region of an open quarantined lease")
 
 	l.Release()
-	if l.State() != kvlease.LeaseQuarantined {
+	if l.State() != LeaseQuarantined {
 		t.Fatalf("Release while quarantined: %v", l.State())
 	}
 	coreWant(t, p, coreCounts{Free: 2, Quarantined: 4})
 	// Never reused: only the 2 free blocks can be had, even with a cache.
 	_, err = p.Acquire("x", 3)
-	coreErrIs(t, err, kvlease.ErrExhausted, "Acquire over quarantined blocks")
+	coreErrIs(t, err, ErrExhausted, "Acquire over quarantined blocks")
 	hit, hits, err := p.AcquirePrefix("hit", hs, 3)
 	coreNoErr(t, err, "AcquirePrefix over quarantined reads")
 	if hits != 2 || hit.Ref(0) != l.Ref(0) || hit.Ref(1) != l.Ref(1) {
@@ -289,7 +288,7 @@ func TestQuarantineReadVersusWrite(t *testing.T) {
 
 	// Late evidence lifts it.
 	tr.Resolve(nil)
-	if l.State() != kvlease.LeaseSettled {
+	if l.State() != LeaseSettled {
 		t.Fatalf("after late Resolve: %v", l.State())
 	}
 	coreWant(t, p, coreCounts{Free: 3, Leased: 3})
@@ -301,44 +300,44 @@ func TestQuarantineReadVersusWrite(t *testing.T) {
 // if closed with pending transfers, Settled otherwise.
 func TestLateResolveLiftsQuarantine(t *testing.T) {
 	rec := &coreRecorder{}
-	p := corePool(t, 8, kvlease.WithObserver(rec))
+	p := corePool(t, 8, WithObserver(rec))
 	l := coreAcquire(t, p, "l", 3)
-	q1, q2, pend := kvlease.NewTransfer(nil), kvlease.NewTransfer(nil), kvlease.NewTransfer(nil)
-	coreNoErr(t, l.AttachRange(q1, 0, 1, kvlease.Write), "attach")
-	coreNoErr(t, l.AttachRange(q2, 1, 2, kvlease.Write), "attach")
-	coreNoErr(t, l.AttachRange(pend, 2, 3, kvlease.Read), "attach")
+	q1, q2, pend := NewTransfer(nil), NewTransfer(nil), NewTransfer(nil)
+	coreNoErr(t, l.AttachRange(q1, 0, 1, Write), "attach")
+	coreNoErr(t, l.AttachRange(q2, 1, 2, Write), "attach")
+	coreNoErr(t, l.AttachRange(pend, 2, 3, Read), "attach")
 	q1.Quarantine(nil)
 	q2.Quarantine(nil)
-	if l.State() != kvlease.LeaseQuarantined || rec.count(kvlease.EventLeaseQuarantined, l.ID()) != 1 {
+	if l.State() != LeaseQuarantined || rec.count(EventLeaseQuarantined, l.ID()) != 1 {
 		t.Fatalf("state %v", l.State())
 	}
 	q1.Resolve(nil)
-	if l.State() != kvlease.LeaseQuarantined {
+	if l.State() != LeaseQuarantined {
 		t.Fatalf("one quarantined transfer left: %v", l.State())
 	}
 	q2.Resolve(nil)
-	if l.State() != kvlease.LeaseActive || rec.count(kvlease.EventQuarantineLifted, l.ID()) != 1 {
+	if l.State() != LeaseActive || rec.count(EventQuarantineLifted, l.ID()) != 1 {
 		t.Fatalf("open lease after the last late Resolve: %v", l.State())
 	}
 	coreWant(t, p, coreCounts{Free: 5, Leased: 3})
 
 	// Attaching an already quarantined transfer quarantines the lease.
-	q3 := kvlease.NewTransfer(nil)
+	q3 := NewTransfer(nil)
 	q3.Quarantine(nil)
-	coreNoErr(t, l.AttachRange(q3, 0, 2, kvlease.Write), "attach a quarantined transfer")
-	if l.State() != kvlease.LeaseQuarantined {
+	coreNoErr(t, l.AttachRange(q3, 0, 2, Write), "attach a quarantined transfer")
+	if l.State() != LeaseQuarantined {
 		t.Fatalf("state %v", l.State())
 	}
 	coreWant(t, p, coreCounts{Free: 5, Leased: 1, Quarantined: 2})
 	l.Release()
 	coreWant(t, p, coreCounts{Free: 5, Draining: 1, Quarantined: 2})
 	q3.Resolve(nil)
-	if l.State() != kvlease.LeaseDraining {
+	if l.State() != LeaseDraining {
 		t.Fatalf("closed lease with a pending transfer after late Resolve: %v", l.State())
 	}
 	coreWant(t, p, coreCounts{Free: 7, Draining: 1})
 	pend.Resolve(nil)
-	if l.State() != kvlease.LeaseSettled || rec.count(kvlease.EventSettled, l.ID()) != 1 {
+	if l.State() != LeaseSettled || rec.count(EventSettled, l.ID()) != 1 {
 		t.Fatalf("state %v", l.State())
 	}
 	coreAllFree(t, p)
@@ -346,7 +345,7 @@ func TestLateResolveLiftsQuarantine(t *testing.T) {
 
 // Done is closed by Resolve, from any goroutine; waiting on it works.
 func TestTransferDoneConcurrent(t *testing.T) {
-	tr := kvlease.NewTransfer(nil)
+	tr := NewTransfer(nil)
 	var wg sync.WaitGroup
 	for range 8 {
 		wg.Add(1)
@@ -373,9 +372,9 @@ func TestTransferDoneConcurrent(t *testing.T) {
 // them before returning.
 func TestTransferGatesManyLeases(t *testing.T) {
 	ra, rb := &coreRecorder{}, &coreRecorder{}
-	pa, pb := corePool(t, 8, kvlease.WithObserver(ra)), corePool(t, 8, kvlease.WithObserver(rb))
-	tr := kvlease.NewTransfer(nil)
-	var ls []*kvlease.Lease[[]byte]
+	pa, pb := corePool(t, 8, WithObserver(ra)), corePool(t, 8, WithObserver(rb))
+	tr := NewTransfer(nil)
+	var ls []*Lease[[]byte]
 	for i := range 5 {
 		p := pa
 		if i%2 == 1 {
@@ -385,8 +384,8 @@ func TestTransferGatesManyLeases(t *testing.T) {
 		if i%2 == 0 {
 			coreNoErr(t, l.Attach(tr), "Attach")
 		} else {
-			coreNoErr(t, l.AttachRange(tr, 0, 1, kvlease.Write), "AttachRange")
-			coreNoErr(t, l.AttachRange(tr, 1, 2, kvlease.Read), "AttachRange")
+			coreNoErr(t, l.AttachRange(tr, 0, 1, Write), "AttachRange")
+			coreNoErr(t, l.AttachRange(tr, 1, 2, Read), "AttachRange")
 		}
 		ls = append(ls, l)
 	}
@@ -399,7 +398,7 @@ func TestTransferGatesManyLeases(t *testing.T) {
 	coreWant(t, pa, coreCounts{Free: 2, Quarantined: 6})
 	coreWant(t, pb, coreCounts{Free: 4, Quarantined: 4})
 	for _, l := range ls {
-		if l.State() != kvlease.LeaseQuarantined {
+		if l.State() != LeaseQuarantined {
 			t.Fatalf("lease %s: %v", l.Owner(), l.State())
 		}
 	}
@@ -407,9 +406,9 @@ func TestTransferGatesManyLeases(t *testing.T) {
 	coreWant(t, pa, coreCounts{Free: 6, Leased: 2})
 	coreWant(t, pb, coreCounts{Free: 6, Leased: 2})
 	for i, l := range ls {
-		want := kvlease.LeaseSettled
+		want := LeaseSettled
 		if i >= 3 {
-			want = kvlease.LeaseActive
+			want = LeaseActive
 		}
 		if l.State() != want {
 			t.Fatalf("lease %s: %v, want %v", l.Owner(), l.State(), want)
@@ -425,8 +424,8 @@ func TestTransferGatesManyLeases(t *testing.T) {
 		if i%2 == 1 {
 			rec, other = rb, ra
 		}
-		for _, k := range []kvlease.EventKind{kvlease.EventLeaseQuarantined, kvlease.EventQuarantineLifted,
-			kvlease.EventSettled} {
+		for _, k := range []EventKind{EventLeaseQuarantined, EventQuarantineLifted,
+			EventSettled} {
 			if n := rec.count(k, l.ID()); n != 1 {
 				t.Errorf("lease %s: %d %v events", l.Owner(), n, k)
 			}
@@ -435,7 +434,7 @@ func TestTransferGatesManyLeases(t *testing.T) {
 		if i%2 == 1 {
 			wantResolved = 2 // two ranges, two attachments
 		}
-		for _, k := range []kvlease.EventKind{kvlease.EventTransferQuarantined, kvlease.EventTransferResolved} {
+		for _, k := range []EventKind{EventTransferQuarantined, EventTransferResolved} {
 			if n := rec.count(k, l.ID()); n != wantResolved {
 				t.Errorf("lease %s: %d %v events, want %d (one per attachment)", l.Owner(), n, k, wantResolved)
 			}
@@ -444,6 +443,30 @@ func TestTransferGatesManyLeases(t *testing.T) {
 			if e.Owner == l.Owner() {
 				t.Errorf("lease %s's event %v went to the other pool's observer", l.Owner(), e.Kind)
 			}
+		}
+	}
+}
+
+func TestTransferNextTable(t *testing.T) {
+	type key struct {
+		s TransferState
+		e transferEvent
+	}
+	want := map[key]struct {
+		to TransferState
+		ok bool
+	}{
+		{TransferPending, evResolve}:        {TransferResolved, true},
+		{TransferPending, evQuarantine}:     {TransferQuarantined, true},
+		{TransferQuarantined, evResolve}:    {TransferResolved, true}, // late evidence
+		{TransferQuarantined, evQuarantine}: {TransferQuarantined, false},
+		{TransferResolved, evResolve}:       {TransferResolved, false}, // terminal
+		{TransferResolved, evQuarantine}:    {TransferResolved, false},
+	}
+	for k, w := range want {
+		to, ok := k.s.next(k.e)
+		if to != w.to || ok != w.ok {
+			t.Errorf("%v.next(%d) = (%v, %v), want (%v, %v)", k.s, k.e, to, ok, w.to, w.ok)
 		}
 	}
 }

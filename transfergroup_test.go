@@ -1,4 +1,4 @@
-package kvlease_test
+package kvlease
 
 import (
 	"errors"
@@ -7,51 +7,49 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
-
-	"github.com/kvlease/kvlease"
 )
 
 func TestTransferGroupStates(t *testing.T) {
-	r0, r1, r2 := kvlease.NewTransfer(nil), kvlease.NewTransfer(nil), kvlease.NewTransfer(nil)
-	g, err := kvlease.NewTransferGroup(r0, r1, r2)
+	r0, r1, r2 := NewTransfer(nil), NewTransfer(nil), NewTransfer(nil)
+	g, err := NewTransferGroup(r0, r1, r2)
 	require.NoError(t, err)
 	require.Equal(t, 3, g.Ranks())
 	require.Same(t, r1, g.Rank(1))
-	require.Equal(t, kvlease.TransferPending, g.State())
+	require.Equal(t, TransferPending, g.State())
 	done := g.Done()
 
 	require.True(t, r0.Resolve(nil))
-	require.Equal(t, kvlease.TransferPending, g.State(), "one rank resolved is not the whole")
+	require.Equal(t, TransferPending, g.State(), "one rank resolved is not the whole")
 
 	reason := errors.New("rank 1 peer vanished")
 	r1.Quarantine(reason)
-	require.Equal(t, kvlease.TransferQuarantined, g.State())
+	require.Equal(t, TransferQuarantined, g.State())
 	require.Equal(t, []int{1}, g.Quarantined(nil))
 	require.ErrorIs(t, g.Err(), reason)
 
 	require.True(t, r1.Resolve(nil), "late evidence")
-	require.Equal(t, kvlease.TransferPending, g.State(), "lifted: rank 2 is still pending")
+	require.Equal(t, TransferPending, g.State(), "lifted: rank 2 is still pending")
 	require.Empty(t, g.Quarantined(nil))
 	require.False(t, coreIsClosed(done))
 
 	outcome := errors.New("rank 2 copy failed but stopped")
 	require.True(t, r2.Resolve(outcome))
 	<-done
-	require.Equal(t, kvlease.TransferResolved, g.State())
+	require.Equal(t, TransferResolved, g.State())
 	require.ErrorIs(t, g.Err(), outcome)
 	require.Contains(t, g.Err().Error(), "rank 2")
 	require.True(t, coreIsClosed(g.Done()))
 }
 
 func TestTransferGroupInvalid(t *testing.T) {
-	r := kvlease.NewTransfer(nil)
-	for _, ranks := range [][]*kvlease.Transfer{nil, {r, nil}, {r, r}} {
-		_, err := kvlease.NewTransferGroup(ranks...)
-		require.ErrorIs(t, err, kvlease.ErrInvalidArgument)
+	r := NewTransfer(nil)
+	for _, ranks := range [][]*Transfer{nil, {r, nil}, {r, r}} {
+		_, err := NewTransferGroup(ranks...)
+		require.ErrorIs(t, err, ErrInvalidArgument)
 	}
 	// A group of resolved ranks is resolved, Done closed at once.
 	require.True(t, r.Resolve(nil))
-	g, err := kvlease.NewTransferGroup(r)
+	g, err := NewTransferGroup(r)
 	require.NoError(t, err)
 	require.True(t, coreIsClosed(g.Done()))
 	require.NoError(t, g.Err())
@@ -59,17 +57,17 @@ func TestTransferGroupInvalid(t *testing.T) {
 
 func TestTransferGroupCancel(t *testing.T) {
 	var runs [2]int
-	r0 := kvlease.NewTransfer(func() { runs[0]++ })
-	var r1 *kvlease.Transfer
-	r1 = kvlease.NewTransfer(func() { runs[1]++; r1.Resolve(errors.New("cancelled, fenced")) })
-	g, err := kvlease.NewTransferGroup(r0, r1)
+	r0 := NewTransfer(func() { runs[0]++ })
+	var r1 *Transfer
+	r1 = NewTransfer(func() { runs[1]++; r1.Resolve(errors.New("cancelled, fenced")) })
+	g, err := NewTransferGroup(r0, r1)
 	require.NoError(t, err)
 	g.Cancel()
 	g.Cancel()
 	require.Equal(t, [2]int{1, 1}, runs)
-	require.Equal(t, kvlease.TransferPending, g.State())
+	require.Equal(t, TransferPending, g.State())
 	r0.Resolve(nil)
-	require.Equal(t, kvlease.TransferResolved, g.State())
+	require.Equal(t, TransferResolved, g.State())
 }
 
 // A lease gated by the group settles only when every rank resolved and
@@ -77,33 +75,33 @@ func TestTransferGroupCancel(t *testing.T) {
 func TestTransferGroupGatesLease(t *testing.T) {
 	p := corePool(t, 8)
 	l := coreAcquire(t, p, "tp", 4)
-	ranks := []*kvlease.Transfer{kvlease.NewTransfer(nil), kvlease.NewTransfer(nil)}
-	g, err := kvlease.NewTransferGroup(ranks...)
+	ranks := []*Transfer{NewTransfer(nil), NewTransfer(nil)}
+	g, err := NewTransferGroup(ranks...)
 	require.NoError(t, err)
-	require.NoError(t, kvlease.AttachGroupRange(l, g, 0, 2, kvlease.Read))
-	require.ErrorIs(t, kvlease.AttachGroupRange(l, g, 0, 9, kvlease.Read), kvlease.ErrInvalidArgument)
+	require.NoError(t, AttachGroupRange(l, g, 0, 2, Read))
+	require.ErrorIs(t, AttachGroupRange(l, g, 0, 9, Read), ErrInvalidArgument)
 	l.Release()
 	coreWant(t, p, coreCounts{Free: 6, Draining: 2})
 
 	ranks[1].Quarantine(nil)
-	require.Equal(t, kvlease.LeaseQuarantined, l.State())
+	require.Equal(t, LeaseQuarantined, l.State())
 	coreWant(t, p, coreCounts{Free: 6, Quarantined: 2})
 	ranks[0].Resolve(nil)
-	require.Equal(t, kvlease.LeaseQuarantined, l.State(), "rank 1 is still quarantined")
+	require.Equal(t, LeaseQuarantined, l.State(), "rank 1 is still quarantined")
 	ranks[1].Resolve(nil)
 	<-l.Settled()
 	coreAllFree(t, p)
 
 	l2 := coreAcquire(t, p, "tp", 2)
-	g2, _ := kvlease.NewTransferGroup(kvlease.NewTransfer(nil), kvlease.NewTransfer(nil))
-	require.NoError(t, kvlease.AttachGroup(l2, g2))
+	g2, _ := NewTransferGroup(NewTransfer(nil), NewTransfer(nil))
+	require.NoError(t, AttachGroup(l2, g2))
 	l2.Abort(nil)
-	require.Equal(t, kvlease.LeaseDraining, l2.State())
+	require.Equal(t, LeaseDraining, l2.State())
 	g2.Rank(0).Resolve(nil)
-	require.Equal(t, kvlease.LeaseDraining, l2.State())
+	require.Equal(t, LeaseDraining, l2.State())
 	g2.Rank(1).Resolve(nil)
-	require.Equal(t, kvlease.LeaseSettled, l2.State())
-	require.ErrorIs(t, kvlease.AttachGroup(l2, g2), kvlease.ErrLeaseClosed)
+	require.Equal(t, LeaseSettled, l2.State())
+	require.ErrorIs(t, AttachGroup(l2, g2), ErrLeaseClosed)
 	coreAllFree(t, p)
 }
 
@@ -113,14 +111,14 @@ func TestTransferGroupConcurrent(t *testing.T) {
 	p := corePool(t, 64)
 	for round := range 50 {
 		const nr = 8
-		ranks := make([]*kvlease.Transfer, nr)
+		ranks := make([]*Transfer, nr)
 		for i := range ranks {
-			ranks[i] = kvlease.NewTransfer(nil)
+			ranks[i] = NewTransfer(nil)
 		}
-		g, err := kvlease.NewTransferGroup(ranks...)
+		g, err := NewTransferGroup(ranks...)
 		require.NoError(t, err)
 		l := coreAcquire(t, p, fmt.Sprint("tp", round), 4)
-		require.NoError(t, kvlease.AttachGroup(l, g))
+		require.NoError(t, AttachGroup(l, g))
 		done := g.Done()
 		var wg sync.WaitGroup
 		for i, r := range ranks {
@@ -138,7 +136,7 @@ func TestTransferGroupConcurrent(t *testing.T) {
 		go func() { defer wg.Done(); l.Release(); _ = g.State(); _ = g.Err() }()
 		wg.Wait()
 		<-done
-		require.Equal(t, kvlease.TransferResolved, g.State())
+		require.Equal(t, TransferResolved, g.State())
 		<-l.Settled()
 		coreAllFree(t, p)
 	}
@@ -147,8 +145,8 @@ func TestTransferGroupConcurrent(t *testing.T) {
 // Two tensor-parallel ranks each send their shard; the logical transfer
 // resolves when both have.
 func ExampleTransferGroup() {
-	rank0, rank1 := kvlease.NewTransfer(nil), kvlease.NewTransfer(nil)
-	g, _ := kvlease.NewTransferGroup(rank0, rank1)
+	rank0, rank1 := NewTransfer(nil), NewTransfer(nil)
+	g, _ := NewTransferGroup(rank0, rank1)
 
 	rank0.Resolve(nil)
 	fmt.Println("rank 0 done:", g.State())

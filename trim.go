@@ -46,7 +46,7 @@ func (l *lease) first() int {
 func (l *lease) liveFrom(from int) []BlockRef {
 	l.c.mu.Lock()
 	b, first := l.blocks, l.first()
-	l.c.mu.Unlock()
+	l.c.unlock()
 	if from < first && from >= 0 {
 		panic(fmt.Sprintf("kvlease: block ids from %d of lease %d: blocks before %d were trimmed", from, l.id, first))
 	}
@@ -58,7 +58,7 @@ func (l *lease) liveFrom(from int) []BlockRef {
 func (l *Lease[R]) Trimmed() int {
 	c := l.ls.c
 	c.mu.Lock()
-	defer c.mu.Unlock()
+	defer c.unlock()
 	return l.ls.first()
 }
 
@@ -76,29 +76,32 @@ func (l *Lease[R]) Trimmed() int {
 func (l *Lease[R]) TrimTo(i int) error {
 	ls := &l.ls
 	c := ls.c
-	var ev events
+	var ev outbox
 	c.mu.Lock()
 	switch {
 	case ls.closed:
-		c.mu.Unlock()
+		c.unlock()
 		return fmt.Errorf("kvlease: trim lease %d (%s) to %d: %w", ls.id, ls.owner, i, ErrLeaseClosed)
 	case i < 0 || i > len(ls.blocks):
 		n := len(ls.blocks)
-		c.mu.Unlock()
+		c.unlock()
 		return fmt.Errorf("kvlease: trim lease %d (%s) with %d blocks to %d: %w", ls.id, ls.owner, n, i, ErrInvalidArgument)
 	}
 	first := ls.first()
 	if i <= first {
-		c.mu.Unlock()
+		c.unlock()
 		return nil
 	}
 	ls.ext().trimmed = i
+	if ls.natts > 0 {
+		c.pinDeferred(ls) // the trimmed blocks drain until their transfers resolve
+	}
 	c.drop(ls.blocks[first:i])
 	c.serve(&ev)
 	if c.obs != nil {
 		ev.add(c.obs, Event{Kind: EventTrimmed, Owner: ls.owner, Lease: ls.id, Blocks: i - first})
 	}
-	c.mu.Unlock()
+	c.unlock()
 	ev.flush()
 	return nil
 }

@@ -1,4 +1,4 @@
-package kvlease_test
+package kvlease
 
 import (
 	"errors"
@@ -6,14 +6,12 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
-
-	"github.com/kvlease/kvlease"
 )
 
 func TestTrimIndicesStayAbsolute(t *testing.T) {
 	p := corePool(t, 8)
 	l := coreAcquire(t, p, "sw", 4)
-	refs := []kvlease.BlockRef{l.Ref(0), l.Ref(1), l.Ref(2), l.Ref(3)}
+	refs := []BlockRef{l.Ref(0), l.Ref(1), l.Ref(2), l.Ref(3)}
 
 	require.NoError(t, l.TrimTo(2))
 	require.Equal(t, 4, l.Len(), "Len counts trimmed positions")
@@ -23,33 +21,33 @@ func TestTrimIndicesStayAbsolute(t *testing.T) {
 	}
 	coreWant(t, p, coreCounts{Free: 6, Leased: 2})
 	_, err := p.Region(refs[0])
-	require.ErrorIs(t, err, kvlease.ErrStaleRef, "a trimmed, unsealed block is free")
+	require.ErrorIs(t, err, ErrStaleRef, "a trimmed, unsealed block is free")
 
 	_, err = l.Region(1)
-	require.ErrorIs(t, err, kvlease.ErrInvalidArgument)
+	require.ErrorIs(t, err, ErrInvalidArgument)
 	_, err = l.Region(2)
 	require.NoError(t, err)
 	_, err = l.AppendRegions(nil, 1)
-	require.ErrorIs(t, err, kvlease.ErrInvalidArgument)
+	require.ErrorIs(t, err, ErrInvalidArgument)
 	rs, err := l.AppendRegions(nil, 2)
 	require.NoError(t, err)
 	require.Len(t, rs, 2)
-	require.Equal(t, []kvlease.BlockID{refs[2].ID, refs[3].ID}, l.AppendBlockIDs(nil, 2))
+	require.Equal(t, []BlockID{refs[2].ID, refs[3].ID}, l.AppendBlockIDs(nil, 2))
 	require.Empty(t, l.AppendBlockIDs(nil, 4))
 	corePanics(t, "AppendBlockIDs below Trimmed", func() { l.AppendBlockIDs(nil, 1) })
 	corePanics(t, "AppendBlockIDs past Len", func() { l.AppendBlockIDs(nil, 5) })
 
-	tr := kvlease.NewTransfer(nil)
-	require.ErrorIs(t, l.AttachRange(tr, 1, 3, kvlease.Read), kvlease.ErrInvalidArgument)
-	require.ErrorIs(t, l.Seal(1, 7), kvlease.ErrInvalidArgument)
+	tr := NewTransfer(nil)
+	require.ErrorIs(t, l.AttachRange(tr, 1, 3, Read), ErrInvalidArgument)
+	require.ErrorIs(t, l.Seal(1, 7), ErrInvalidArgument)
 	_, err = l.Share("beam", 3)
-	require.ErrorIs(t, err, kvlease.ErrInvalidArgument, "Share refuses a trimmed lease")
+	require.ErrorIs(t, err, ErrInvalidArgument, "Share refuses a trimmed lease")
 
 	// No-ops, errors that change nothing.
 	require.NoError(t, l.TrimTo(1))
 	require.NoError(t, l.TrimTo(2))
-	require.ErrorIs(t, l.TrimTo(5), kvlease.ErrInvalidArgument)
-	require.ErrorIs(t, l.TrimTo(-1), kvlease.ErrInvalidArgument)
+	require.ErrorIs(t, l.TrimTo(5), ErrInvalidArgument)
+	require.ErrorIs(t, l.TrimTo(-1), ErrInvalidArgument)
 	require.Equal(t, 2, l.Trimmed())
 
 	// Extend appends at the absolute end.
@@ -60,11 +58,11 @@ func TestTrimIndicesStayAbsolute(t *testing.T) {
 	// Trim everything: open, holds nothing, may grow again.
 	require.NoError(t, l.TrimTo(5))
 	coreWant(t, p, coreCounts{Free: 8})
-	require.Equal(t, kvlease.LeaseActive, l.State())
+	require.Equal(t, LeaseActive, l.State())
 	require.NoError(t, l.Extend(2))
 	coreWant(t, p, coreCounts{Free: 6, Leased: 2})
 	l.Release()
-	require.ErrorIs(t, l.TrimTo(6), kvlease.ErrLeaseClosed)
+	require.ErrorIs(t, l.TrimTo(6), ErrLeaseClosed)
 	require.Equal(t, 7, l.Len())
 	coreAllFree(t, p)
 }
@@ -80,7 +78,7 @@ func TestTrimExtendCountsHeldBlocks(t *testing.T) {
 		coreConsistent(t, p)
 	}
 	require.Equal(t, 44, l.Len())
-	require.ErrorIs(t, l.Extend(3), kvlease.ErrExceedsCapacity)
+	require.ErrorIs(t, l.Extend(3), ErrExceedsCapacity)
 	l.Release()
 	coreAllFree(t, p)
 }
@@ -91,15 +89,15 @@ func TestTrimExtendCountsHeldBlocks(t *testing.T) {
 func TestTrimUnderTransfers(t *testing.T) {
 	p := corePool(t, 8)
 	l := coreAcquire(t, p, "sw", 4)
-	send := kvlease.NewTransfer(nil)
-	require.NoError(t, l.AttachRange(send, 0, 2, kvlease.Read))
-	whole := kvlease.NewTransfer(nil)
+	send := NewTransfer(nil)
+	require.NoError(t, l.AttachRange(send, 0, 2, Read))
+	whole := NewTransfer(nil)
 	require.NoError(t, l.Attach(whole))
 
 	require.NoError(t, l.TrimTo(3))
 	// Blocks 0..2 are gated: they drain. Block 3 is leased.
 	coreWant(t, p, coreCounts{Free: 4, Leased: 1, Draining: 3})
-	require.Equal(t, kvlease.LeaseActive, l.State())
+	require.Equal(t, LeaseActive, l.State())
 
 	require.True(t, whole.Resolve(nil))
 	// Block 2 was gated by whole alone; 0 and 1 still by send.
@@ -107,14 +105,14 @@ func TestTrimUnderTransfers(t *testing.T) {
 
 	send.Quarantine(nil)
 	coreWant(t, p, coreCounts{Free: 5, Leased: 1, Quarantined: 2})
-	require.Equal(t, kvlease.LeaseQuarantined, l.State())
+	require.Equal(t, LeaseQuarantined, l.State())
 	require.True(t, send.Resolve(nil), "late evidence")
 	coreWant(t, p, coreCounts{Free: 7, Leased: 1})
-	require.Equal(t, kvlease.LeaseActive, l.State())
+	require.Equal(t, LeaseActive, l.State())
 
 	// A whole attachment made after the trim gates the held blocks only;
 	// its resolve must not touch the trimmed ones.
-	after := kvlease.NewTransfer(nil)
+	after := NewTransfer(nil)
 	require.NoError(t, l.Attach(after))
 	require.NoError(t, l.Extend(1))
 	require.NoError(t, l.TrimTo(4))
@@ -124,16 +122,16 @@ func TestTrimUnderTransfers(t *testing.T) {
 
 	// Abort cancels a transfer that gates only trimmed blocks.
 	cancelled := 0
-	var old *kvlease.Transfer
-	old = kvlease.NewTransfer(func() { cancelled++ })
-	require.NoError(t, l.AttachRange(old, 4, 5, kvlease.Read))
+	var old *Transfer
+	old = NewTransfer(func() { cancelled++ })
+	require.NoError(t, l.AttachRange(old, 4, 5, Read))
 	require.NoError(t, l.TrimTo(5))
 	coreWant(t, p, coreCounts{Free: 7, Draining: 1})
 	l.Abort(nil)
 	require.Equal(t, 1, cancelled)
-	require.Equal(t, kvlease.LeaseDraining, l.State())
+	require.Equal(t, LeaseDraining, l.State())
 	require.True(t, old.Resolve(nil))
-	require.Equal(t, kvlease.LeaseSettled, l.State())
+	require.Equal(t, LeaseSettled, l.State())
 	coreAllFree(t, p)
 }
 
@@ -145,7 +143,7 @@ func TestTrimSealedStaysCached(t *testing.T) {
 	require.NoError(t, l.Seal(1, 12))
 	require.NoError(t, l.TrimTo(2))
 	coreWant(t, p, coreCounts{Free: 1, Cached: 2, Leased: 1})
-	l2, hits, err := p.AcquirePrefix("next", []kvlease.BlockHash{11, 12}, 2)
+	l2, hits, err := p.AcquirePrefix("next", []BlockHash{11, 12}, 2)
 	require.NoError(t, err)
 	require.Equal(t, 2, hits)
 	require.Equal(t, l.Ref(0), l2.Ref(0), "same slot, same generation")
@@ -156,9 +154,9 @@ func TestTrimSealedStaysCached(t *testing.T) {
 
 func TestTrimObserved(t *testing.T) {
 	var mu sync.Mutex
-	var got []kvlease.Event
-	p := corePool(t, 4, kvlease.WithObserver(kvlease.ObserverFunc(func(e kvlease.Event) {
-		if e.Kind == kvlease.EventTrimmed {
+	var got []Event
+	p := corePool(t, 4, WithObserver(ObserverFunc(func(e Event) {
+		if e.Kind == EventTrimmed {
 			mu.Lock()
 			got = append(got, e)
 			mu.Unlock()
@@ -182,21 +180,21 @@ func TestTrimConcurrent(t *testing.T) {
 	p := corePool(t, 64)
 	for round := range 50 {
 		l := coreAcquire(t, p, "sw", 8)
-		tr := kvlease.NewTransfer(nil)
-		require.NoError(t, l.AttachRange(tr, 0, 6, kvlease.Read))
+		tr := NewTransfer(nil)
+		require.NoError(t, l.AttachRange(tr, 0, 6, Read))
 		var wg sync.WaitGroup
 		wg.Add(4)
 		go func() {
 			defer wg.Done()
 			for i := 1; i <= 8; i++ {
-				if err := l.TrimTo(i); err != nil && !errors.Is(err, kvlease.ErrLeaseClosed) {
+				if err := l.TrimTo(i); err != nil && !errors.Is(err, ErrLeaseClosed) {
 					t.Errorf("TrimTo: %v", err)
 				}
 			}
 		}()
 		go func() {
 			defer wg.Done()
-			if err := l.Extend(2); err != nil && !errors.Is(err, kvlease.ErrLeaseClosed) {
+			if err := l.Extend(2); err != nil && !errors.Is(err, ErrLeaseClosed) {
 				t.Errorf("Extend: %v", err)
 			}
 		}()

@@ -5,9 +5,10 @@ import (
 	"fmt"
 	"runtime"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
+
+	"go.uber.org/atomic"
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/bench/baseline"
@@ -156,7 +157,7 @@ func bareBase(b *testing.B, n int) base {
 var cycleSizes = []int{1, 16, 256}
 
 // BenchmarkLeaseCycle is Acquire(n) + Release on an idle pool of 1024
-// blocks, against the baselines doing the same. Targets (issue 16): x-bare
+// blocks, against the baselines doing the same. Targets: x-bare
 // ≤ 3 at 1 block; x-slots ≤ 2 at 16 blocks and ≤ 1.5 at 256, where slots
 // is the per-block floor (a generation bumped and checked per block, see
 // baseline.SlotList); at most one allocation per cycle.
@@ -195,7 +196,7 @@ func BenchmarkBaseline(b *testing.B) {
 }
 
 // BenchmarkLeaseCycleTransfer is a lease cycle of 16 blocks with one
-// transfer attached over all of them and resolved. Target (issue 16):
+// transfer attached over all of them and resolved. Target:
 // x-slots ≤ 3 against slots(16), one allocation (the transfer).
 //
 //   - resolve-release: the copy finishes while the lease is open.
@@ -278,7 +279,7 @@ func BenchmarkLeaseCycleTransfer(b *testing.B) {
 // rest queue. ns/op is wall time per cycle (all goroutines together).
 // x-uncontended compares it with Acquire(4)+Release by one goroutine on an
 // idle pool; x-bare with baseline.BareList.PopWait under the same
-// contention (a FIFO of channels behind one mutex). Target (issue 16):
+// contention (a FIFO of channels behind one mutex). Target:
 // x-bare ≤ 1.1.
 func BenchmarkAcquireWait(b *testing.B) {
 	const n = 4
@@ -445,7 +446,7 @@ func BenchmarkPrefix(b *testing.B) {
 // GOMAXPROCS 1, 2 and 4 (sub-benchmarks set it with runtime.GOMAXPROCS;
 // on a 2-core machine 4 oversubscribes). The bare baseline runs under the
 // same parallelism before and after the target; x-bare divides by the
-// mean of the two. Target (issue 16): x-bare ≤ 3 for cycle/blocks=4 on
+// mean of the two. Target: x-bare ≤ 3 for cycle/blocks=4 on
 // all cores.
 func BenchmarkParallel(b *testing.B) {
 	type op struct {

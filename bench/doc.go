@@ -29,7 +29,7 @@
 // allocator that hands out BlockRefs, rule 5), "chan" a buffered channel
 // of ids, "map" a request-keyed map of block tables plus a block→owner map.
 //
-// # Targets (issue 16)
+// # Targets
 //
 // The first targets (x-bare ≤ 2 at 16 and 256 blocks) were below the
 // per-block floor: SlotList alone is about 2× bare at 16 blocks and 10×
@@ -51,9 +51,8 @@
 //   - Prefix-heavy replay shaped like production (BenchmarkProductionReplay:
 //     ~750-block prompts, a 262,144-block pool, 128 live requests, nearly
 //     every fresh block evicting): ≤ 15 ns of pool time per block
-//     operation; the pool time of a prefix-heavy replay ≥ 2.5× faster than
-//     with the old map index, measured in the same run
-//     (BenchmarkReplayIndex, replay.KVLeaseMapIndex).
+//     operation (the flat prefix index against the Go map it replaced:
+//     the root package's BenchmarkPrefixIndex).
 //   - EvictionChurn per block ≤ 2× an unsealed lease cycle, AcquirePrefix
 //     per hit block ≤ 10 ns (root package).
 //   - Trace replay (bench/replay, go run ./bench/cmd/replay): at least 10⁶

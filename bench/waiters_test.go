@@ -191,7 +191,7 @@ func TestAcquireWaitNoLostWakeups(t *testing.T) {
 	}
 }
 
-// TestLeaseCycleAllocs guards the allocation budget of issue 16: no
+// TestLeaseCycleAllocs guards the allocation budget: no
 // allocation for a lease cycle of up to 64 blocks (leases come from slabs,
 // amortised to nothing; the pool's event lists stay on the stack), one for
 // a larger lease's block table, one for a transfer, none for a prefix

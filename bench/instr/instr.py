@@ -19,7 +19,9 @@ rather than reading callgrind_annotate's table keeps inlined code in,
 whatever file it came from.
 
 With -own SRCDIR it also prints the self count, per op, of the code
-compiled from the non-test Go files directly in SRCDIR (inlined code
+compiled from the non-test Go files directly in SRCDIR (a comma-separated
+list of directories: -own .,internal/slots counts the core and its slot
+table) (inlined code
 included wherever it landed; the runtime's code, even inlined, excluded):
 the measure the earlier tables in bench/README.md used ("kvlease's own
 functions"). It counts every benchmark's share of that code, baselines
@@ -91,10 +93,10 @@ def own(path, srcdir):
     cur = fl = None
     pending = False
     tot = 0
-    srcdir = os.path.abspath(srcdir)
+    dirs = {os.path.abspath(d) for d in srcdir.split(",")}
 
     def mine(f):
-        return (f is not None and os.path.dirname(f) == srcdir
+        return (f is not None and os.path.dirname(f) in dirs
                 and f.endswith(".go") and not f.endswith("_test.go"))
 
     with open(path) as f:
@@ -131,7 +133,7 @@ def own(path, srcdir):
 
 
 def run(binary, bench, n, out, cache):
-    env = dict(os.environ, GODEBUG="asyncpreemptoff=1", GOGC="off", GOMAXPROCS="1")
+    env = dict(os.environ, GODEBUG="asyncpreemptoff=1,cpu.rdtscp=off", GOGC="off", GOMAXPROCS="1")
     cmd = ["valgrind", "--tool=callgrind", "--callgrind-out-file=" + out]
     if cache:
         cmd += ["--cache-sim=yes", "--D1=49152,12,64", "--I1=32768,8,64", "--LL=16777216,16,64"]

@@ -2,11 +2,11 @@ package replay
 
 import (
 	"fmt"
-	"sync/atomic"
+
+	"go.uber.org/atomic"
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/bench/baseline"
-	"github.com/kvlease/kvlease/internal/benchswitch"
 )
 
 // Allocator is what the replayed engine allocates through: a kvlease pool
@@ -41,25 +41,12 @@ type Lease interface {
 // Kinds lists the allocators New knows, kvlease first.
 var Kinds = []string{"kvlease", "bare", "chan", "map"}
 
-// KVLeaseMapIndex is a kind New also knows: kvlease with its prefix
-// index in a Go map, as before issue 16 (internal/benchswitch), to
-// measure the flat index against it in the same run.
-const KVLeaseMapIndex = "kvlease-map"
-
 // New returns the allocator of the given kind over blocks blocks of
 // blockBytes bytes each.
 func New(kind string, blocks, blockBytes int) (Allocator, error) {
 	switch kind {
 	case "kvlease":
 		return NewKVLease(blocks, blockBytes)
-	case KVLeaseMapIndex:
-		benchswitch.MapIndex.Store(true)
-		defer benchswitch.MapIndex.Store(false)
-		a, err := NewKVLease(blocks, blockBytes)
-		if a != nil {
-			a.name = KVLeaseMapIndex
-		}
-		return a, err
 	}
 	return NewBaseline(kind, blocks, blockBytes)
 }
@@ -86,7 +73,7 @@ func NewKVLease(blocks, blockBytes int) (*KVLease, error) {
 	return &KVLease{Pool: p, mem: mem, name: "kvlease"}, nil
 }
 
-// Name returns "kvlease" (or KVLeaseMapIndex).
+// Name returns "kvlease".
 func (a *KVLease) Name() string { return a.name }
 
 // AcquirePrefix is Pool.AcquirePrefix.

@@ -26,8 +26,7 @@ func TestReplayMooncake(t *testing.T) {
 	var rates []float64
 	for _, bt := range []int{16, 64} {
 		cfg := Config{BlockTokens: bt, Blocks: 16384 / bt, MaxRunning: 8}
-		var kv *Result
-		for _, kind := range []string{"kvlease", KVLeaseMapIndex, "bare"} {
+		for _, kind := range []string{"kvlease", "bare"} {
 			a, err := New(kind, cfg.Blocks, 64)
 			if err != nil {
 				t.Fatal(err)
@@ -48,14 +47,6 @@ func TestReplayMooncake(t *testing.T) {
 					t.Fatal("PoolOps")
 				}
 				rates = append(rates, res.HitRate())
-				kv = res
-			}
-			if kind == KVLeaseMapIndex {
-				// The old index behind the switch schedules exactly alike.
-				if res.Allocator != KVLeaseMapIndex || res.PoolOps() != kv.PoolOps() || res.Evictions() != kv.Evictions() ||
-					res.Pools[0].Hits != kv.Pools[0].Hits || res.Steps != kv.Steps {
-					t.Fatalf("%d-token blocks: map index %+v, flat %+v", bt, res, kv)
-				}
 			}
 		}
 	}

@@ -121,7 +121,7 @@ type Result struct {
 	AcquireP99 time.Duration
 }
 
-// PoolOps counts block operations as issue 16 does: every block handed
+// PoolOps counts block operations as bench/README.md does: every block handed
 // out (acquired fresh or hit), sealed, given back (released or aborted) or
 // evicted counts one.
 func (r *Result) PoolOps() int64 {

@@ -132,7 +132,7 @@ type MooncakeGenConfig struct {
 	IntervalMean float64 `json:"interval_mean"` // mean ms between arrivals (exponential)
 }
 
-// ProductionMooncake is the shape issue 16 measures: prompts of about
+// ProductionMooncake is the shape BenchmarkProductionReplay measures: prompts of about
 // 12,000 tokens (≈ 750 blocks of 16), half of each a shared prefix, from
 // 64 prefixes.
 func ProductionMooncake() MooncakeGenConfig {

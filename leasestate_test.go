@@ -2,8 +2,9 @@ package kvlease
 
 import (
 	"fmt"
-	"math"
 	"testing"
+
+	"github.com/stretchr/testify/require"
 )
 
 // The lifecycle table of DESIGN.md, as (from, to) edges. Quarantined +
@@ -144,30 +145,6 @@ func TestLeaseStateMachineWalk(t *testing.T) {
 	}
 }
 
-func TestTransferNextTable(t *testing.T) {
-	type key struct {
-		s TransferState
-		e transferEvent
-	}
-	want := map[key]struct {
-		to TransferState
-		ok bool
-	}{
-		{TransferPending, evResolve}:        {TransferResolved, true},
-		{TransferPending, evQuarantine}:     {TransferQuarantined, true},
-		{TransferQuarantined, evResolve}:    {TransferResolved, true}, // late evidence
-		{TransferQuarantined, evQuarantine}: {TransferQuarantined, false},
-		{TransferResolved, evResolve}:       {TransferResolved, false}, // terminal
-		{TransferResolved, evQuarantine}:    {TransferResolved, false},
-	}
-	for k, w := range want {
-		to, ok := k.s.next(k.e)
-		if to != w.to || ok != w.ok {
-			t.Errorf("%v.next(%d) = (%v, %v), want (%v, %v)", k.s, k.e, to, ok, w.to, w.ok)
-		}
-	}
-}
-
 func TestStateNames(t *testing.T) {
 	for s, name := range map[LeaseState]string{LeaseActive: "active", LeaseDraining: "draining",
 		LeaseSettled: "settled", LeaseQuarantined: "quarantined"} {
@@ -296,65 +273,20 @@ func TestLifecycleEdgesThroughAPI(t *testing.T) {
 	}
 }
 
-// A slot's generation skips 0 when it wraps: 0 is never handed out.
-func TestGenerationWrapSkipsZero(t *testing.T) {
-	p := smPool(t, 1)
-	p.mu.Lock()
-	p.slots[0].gen = math.MaxUint32
-	p.mu.Unlock()
-	l, err := p.Acquire("a", 1)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if g := l.Ref(0).Gen; g == 0 || g == math.MaxUint32 {
-		t.Fatalf("generation after wrap = %d", g)
-	}
+// Closed tells an open quarantined lease from a closed one, which State
+// cannot.
+func TestLeaseClosedWhileQuarantined(t *testing.T) {
+	p := newTestPool(t, 4)
+	l, err := p.Acquire("q", 2)
+	require.NoError(t, err)
+	tr := NewTransfer(nil)
+	require.NoError(t, l.Attach(tr))
+	tr.Quarantine(nil)
+	require.Equal(t, LeaseQuarantined, l.State())
+	require.False(t, l.Closed())
 	l.Release()
-	// The slow path (eviction) wraps the same way.
-	l, _ = p.Acquire("b", 1)
-	if err := l.Seal(0, 1); err != nil {
-		t.Fatal(err)
-	}
-	l.Release()
-	p.mu.Lock()
-	p.slots[0].gen = math.MaxUint32
-	p.mu.Unlock()
-	m, err := p.Acquire("c", 1) // evicts the cached block
-	if err != nil {
-		t.Fatal(err)
-	}
-	if g := m.Ref(0).Gen; g == 0 || g == math.MaxUint32 {
-		t.Fatalf("generation after wrap by eviction = %d", g)
-	}
-	m.Release()
-	smCheck(t, p)
-}
-
-// Pool.Check finds a corrupted slot table (it is the tool every other test
-// relies on, so it must be able to fail).
-func TestCheckFindsCorruption(t *testing.T) {
-	corrupt := []struct {
-		name string
-		f    func(p *Pool[[]byte])
-	}{
-		{"wrong class", func(p *Pool[[]byte]) { p.slots[1].class = classLeased }},
-		{"count drift", func(p *Pool[[]byte]) { p.counts[classFree]--; p.counts[classCached]++ }},
-		{"negative refs", func(p *Pool[[]byte]) { p.slots[0].refs = -1 }},
-		{"free but held", func(p *Pool[[]byte]) { p.slots[2].pins = 1 }},
-		{"free stack short", func(p *Pool[[]byte]) { p.free = p.free[:len(p.free)-1] }},
-	}
-	for _, c := range corrupt {
-		p := smPool(t, 4)
-		l, _ := p.Acquire("a", 1)
-		p.mu.Lock()
-		c.f(p)
-		p.mu.Unlock()
-		if err := p.Check(); err == nil {
-			t.Errorf("%s: Check found nothing", c.name)
-		}
-		_ = l
-	}
-	if err := smPool(t, 4).Check(); err != nil {
-		t.Fatal(err)
-	}
+	require.Equal(t, LeaseQuarantined, l.State())
+	require.True(t, l.Closed())
+	tr.Resolve(nil)
+	require.Equal(t, LeaseSettled, l.State())
 }

@@ -1,5 +1,0 @@
-package kvlease
-
-import "runtime"
-
-func runtimeGosched() { runtime.Gosched() }

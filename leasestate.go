@@ -1,0 +1,106 @@
+package kvlease
+
+import (
+	"fmt"
+)
+
+// LeaseState is where a lease is in its lifecycle.
+//
+//	Active ──Release/Abort──▶ Draining ──last transfer resolves──▶ Settled
+//	   │  └───────────── (nothing gates it) ─────────────────────▶ Settled
+//	   └──transfer quarantined──▶ Quarantined ──late Resolve──▶ Active | Draining | Settled
+//
+// Draining also goes to Quarantined when a gating transfer is quarantined.
+type LeaseState uint8
+
+// The lease states.
+const (
+	// LeaseActive: open; its owner may read, write, extend and attach.
+	LeaseActive LeaseState = iota + 1
+	// LeaseDraining: closed; some blocks wait for pending transfers.
+	LeaseDraining
+	// LeaseSettled: closed and holding none of its blocks. Terminal.
+	LeaseSettled
+	// LeaseQuarantined: some gating transfer ended without proof; open or
+	// closed, its blocks are not reused until late evidence resolves it.
+	LeaseQuarantined
+)
+
+var leaseStateNames = [...]string{"invalid", "active", "draining", "settled", "quarantined"}
+
+func (s LeaseState) String() string {
+	if int(s) < len(leaseStateNames) {
+		return leaseStateNames[s]
+	}
+	return "invalid"
+}
+
+// nextLeaseState is the lease state machine's one transition function. A
+// lease's state is a function of three facts, so every event (close, a
+// transfer attached, quarantined or resolved) recomputes it here.
+func nextLeaseState(closed bool, pending, quarantined int) LeaseState {
+	switch {
+	case quarantined > 0:
+		return LeaseQuarantined
+	case !closed:
+		return LeaseActive
+	case pending > 0:
+		return LeaseDraining
+	default:
+		return LeaseSettled
+	}
+}
+
+// leaseEdge reports whether from → to is an edge of the lifecycle table in
+// doc.go. Checked builds verify every transition against it.
+func leaseEdge(from, to LeaseState) bool {
+	switch from {
+	case LeaseActive:
+		return to == LeaseDraining || to == LeaseSettled || to == LeaseQuarantined
+	case LeaseDraining:
+		return to == LeaseSettled || to == LeaseQuarantined
+	case LeaseQuarantined:
+		return to == LeaseActive || to == LeaseDraining || to == LeaseSettled
+	}
+	return false
+}
+
+// transition moves l to the state its facts now imply, with the side
+// effects of entering it. Called with c.mu held.
+func (c *core) transition(l *lease, ev *outbox) {
+	next := nextLeaseState(l.closed, int(l.pending), int(l.quarantined))
+	prev := l.state
+	if next == prev {
+		return
+	}
+	if !leaseEdge(prev, next) {
+		panic(fmt.Sprintf("kvlease: lease %d: impossible transition %v → %v", l.id, prev, next))
+	}
+	l.state = next
+	switch {
+	case next == LeaseQuarantined:
+		c.stats.quarantines++
+	case prev == LeaseQuarantined:
+		c.stats.quarantineLifts++
+	}
+	if c.obs != nil {
+		switch {
+		case next == LeaseQuarantined:
+			ev.add(c.obs, Event{Kind: EventLeaseQuarantined, Owner: l.owner, Lease: l.id, Blocks: len(l.blocks)})
+		case prev == LeaseQuarantined:
+			ev.add(c.obs, Event{Kind: EventQuarantineLifted, Owner: l.owner, Lease: l.id, Blocks: len(l.blocks)})
+		}
+	}
+	if next == LeaseSettled {
+		if ch := l.settledChan(); ch != nil {
+			close(ch)
+		}
+		if x := l.extra; x != nil && x.timer != nil {
+			x.timer.Stop()
+			x.timer = nil
+		}
+		if c.obs != nil {
+			ev.add(c.obs, Event{Kind: EventSettled, Owner: l.owner, Lease: l.id, Blocks: len(l.blocks)})
+		}
+	}
+}

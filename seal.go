@@ -1,0 +1,231 @@
+package kvlease
+
+import (
+	"fmt"
+)
+
+// Seal declares block i full and immutable from now on, findable by h for
+// prefix hits once nobody references it (and while they do). If another
+// block is already findable by h, Seal still returns nil: the existing
+// block stays findable and this one is sealed but private (counted in
+// Stats.DuplicateSeals and reported as EventDuplicateSeal; once
+// unreferenced it is free, not cached). Sealing again with the same hash is
+// a no-op.
+//
+// Errors wrap ErrLeaseClosed after Release or Abort, and
+// ErrInvalidArgument for an i outside the lease, a block with a pending or
+// quarantined write (its content is not known), or a block already sealed
+// with a different hash.
+func (l *Lease[R]) Seal(i int, h BlockHash) error {
+	return l.ls.seal(i, h, nil)
+}
+
+// sealTokens carries what verified mode records: the parent hash and the
+// block's tokens; chain overrides where its KV event places the block in
+// its chain (SealChained).
+type sealTokens struct {
+	parent BlockHash
+	tokens []int32
+	chain  chainPlace
+}
+
+// chainPlace says where a sealed block sits in its chain, for its KV event.
+type chainPlace uint8
+
+const (
+	chainByLease  chainPlace = iota // block 0 of the lease starts a chain, later blocks follow parent
+	chainChild                      // parent is a block: the event names it, whatever i is
+	chainStartAny                   // the chain's first block: no parent, whatever i is
+)
+
+func (l *lease) seal(i int, h BlockHash, st *sealTokens) error {
+	c := l.c
+	var ev outbox
+	c.mu.Lock()
+	err := l.sealLocked(i, h, st, &ev)
+	c.unlock()
+	ev.flush()
+	return err
+}
+
+func (l *lease) sealLocked(i int, h BlockHash, st *sealTokens, ev *outbox) error {
+	c := l.c
+	if l.closed {
+		return fmt.Errorf("kvlease: seal block %d of lease %d (%s): %w", i, l.id, l.owner, ErrLeaseClosed)
+	}
+	if i < l.first() || i >= len(l.blocks) {
+		return fmt.Errorf("kvlease: seal block %d of lease %d (%s) with %d blocks: %w", i, l.id, l.owner, len(l.blocks), ErrInvalidArgument)
+	}
+	id := l.blocks[i].ID
+	if c.tab.Sealed(int32(id)) {
+		if old := c.pre[id].hash; old != h {
+			return fmt.Errorf("kvlease: seal block %d of lease %d (%s) with hash %016x: already sealed with %016x: %w",
+				i, l.id, l.owner, uint64(h), uint64(old), ErrInvalidArgument)
+		}
+		return nil
+	}
+	if c.tab.Writing(int32(id)) {
+		return fmt.Errorf("kvlease: seal block %d of lease %d (%s): a transfer is still writing it: %w",
+			i, l.id, l.owner, ErrInvalidArgument)
+	}
+	if st != nil || c.verified { // (a plain Seal on a plain pool has nothing to check)
+		if err := c.checkSealTokens(st); err != nil {
+			return fmt.Errorf("kvlease: seal block %d of lease %d (%s): %w", i, l.id, l.owner, err)
+		}
+	}
+	c.tab.Seal(int32(id))
+	c.pre[id].hash = h
+	if c.verified || c.kv != nil {
+		// (Only verification and the KV events read the record: a pool
+		// without either does not write it. BenchmarkEvictionChurn.)
+		c.recordSeal(l, i, id, st)
+	}
+	if !c.index.insert(h, id) {
+		c.stats.duplicateSeals++
+		if c.obs != nil {
+			ev.add(c.obs, Event{Kind: EventDuplicateSeal, Owner: l.owner, Lease: l.id, Blocks: 1})
+		}
+		return nil
+	}
+	c.tab.SetIndexed(int32(id), true)
+	if c.kv != nil {
+		c.kv.sealed(c, id, h)
+	}
+	return nil
+}
+
+// SealTokens seals block i with the hash of its tokens under parent (the
+// previous block's hash, or the namespace seed for the first block) and
+// returns that hash. It is Seal with the hash computed for you, and the
+// only way to seal in verified mode (WithVerifiedPrefix), where the pool
+// keeps parent and tokens to check every later hit against. In every mode
+// tokens must be exactly one full block (the configured block tokens): a
+// partial block is never sealed (its KV will still grow), and a pool
+// without WithBlockTokens or WithVerifiedPrefix refuses SealTokens. Both
+// wrap ErrInvalidArgument; other errors as Seal.
+func (l *Lease[R]) SealTokens(i int, parent BlockHash, tokens []int32) (BlockHash, error) {
+	h := HashBlock(parent, tokens)
+	return h, l.ls.seal(i, h, &sealTokens{parent: parent, tokens: tokens})
+}
+
+// SealChained is SealTokens for a block whose place in its chain is not
+// its place in the lease, such as a lower tier's copy of a block (a tiered
+// cache offloads blocks of many chains in one lease). hasParent says
+// whether parent is a block, so that the block's KV event names it as the
+// parent even for block 0 of the lease, or the namespace seed (the block
+// starts its chain: the event names no parent, even for a later block of
+// the lease). The hash, the checks and the errors are SealTokens'.
+func (l *Lease[R]) SealChained(i int, parent BlockHash, hasParent bool, tokens []int32) (BlockHash, error) {
+	h := HashBlock(parent, tokens)
+	place := chainStartAny
+	if hasParent {
+		place = chainChild
+	}
+	return h, l.ls.seal(i, h, &sealTokens{parent: parent, tokens: tokens, chain: place})
+}
+
+// Share returns a second lease, owned by owner, over the first n blocks of
+// this one: the same slots at the same generations, reference counted, for
+// parallel sampling and beam search. Every shared block must be sealed
+// (shared content must be immutable): a block still being written is
+// refused with ErrInvalidArgument, as is an n outside [1, Len()]. The new
+// lease is independent: it may Extend with fresh blocks and is released on
+// its own. Errors also wrap ErrLeaseClosed and ErrPoolClosed.
+func (l *Lease[R]) Share(owner string, n int) (*Lease[R], error) {
+	ls := &l.ls
+	c := ls.c
+	if owner == "" {
+		return nil, fmt.Errorf("kvlease: share lease %d (%s): empty owner: %w", ls.id, ls.owner, ErrInvalidArgument)
+	}
+	var ev outbox
+	c.mu.Lock()
+	var err error
+	switch {
+	case ls.closed:
+		err = fmt.Errorf("kvlease: share lease %d (%s): %w", ls.id, ls.owner, ErrLeaseClosed)
+	case c.closed.Load():
+		err = fmt.Errorf("kvlease: share lease %d (%s): %w", ls.id, ls.owner, ErrPoolClosed)
+	case n <= 0 || n > len(ls.blocks) || ls.first() > 0:
+		err = fmt.Errorf("kvlease: share %d blocks of lease %d (%s) with %d blocks: %w", n, ls.id, ls.owner, len(ls.blocks), ErrInvalidArgument)
+	default:
+		for i, r := range ls.blocks[:n] {
+			if !c.tab.Sealed(int32(r.ID)) {
+				err = fmt.Errorf("kvlease: share block %d of lease %d (%s): not sealed, its content may still change: %w",
+					i, ls.id, ls.owner, ErrInvalidArgument)
+				break
+			}
+		}
+	}
+	if err != nil {
+		c.unlock()
+		return nil, err
+	}
+	nl := l.p.newLease(owner, n)
+	for _, r := range ls.blocks[:n] {
+		c.tab.Ref(int32(r.ID))
+	}
+	copy(nl.ls.blocks, ls.blocks[:n])
+	c.opened(&nl.ls, n, &ev)
+	c.unlock()
+	ev.flush()
+	return nl, nil
+}
+
+// sealRecord is how a block was sealed: one per slot, written when it is
+// sealed (in a pool with verified mode or KV events: nothing else reads
+// it) and meaningful while it stays sealed (a slot that is unsealed keeps
+// a stale record nobody reads). Verified mode checks hits against
+// it, and the KV events (a stored event, a snapshot) are made from it:
+// the one record of a block's parent and tokens, read through
+// core.sealRecord.
+type sealRecord struct {
+	// parent is the hash the block was sealed under: the previous block's
+	// hash, or the namespace seed for a chain's first block.
+	parent BlockHash
+	// known: parent is known (SealTokens and SealChained give it; a plain
+	// Seal knows it only when the lease's previous block is sealed).
+	known bool
+	// chained: parent is a block, so the block's KV event names it (false
+	// for a chain's first block: the seed is not a block).
+	chained bool
+	// tokens: the block's tokens are in the pool's token arena.
+	tokens bool
+}
+
+// recordSeal writes the seal record of block i of l (slot id), sealed
+// with st (nil for a plain Seal). Called with c.mu held, after
+// checkSealTokens, in a pool whose records someone reads (verified mode,
+// KV events).
+func (c *core) recordSeal(l *lease, i int, id BlockID, st *sealTokens) {
+	var r sealRecord
+	if st != nil {
+		r.parent, r.known = st.parent, true
+		r.chained = st.chain == chainChild || (st.chain == chainByLease && i > 0)
+		if bt := c.cfg.blockTokens; bt > 0 && len(st.tokens) == bt {
+			if c.sealTok == nil {
+				c.sealTok = make([]int32, c.tab.Len()*bt)
+			}
+			copy(c.sealTok[int(id)*bt:(int(id)+1)*bt], st.tokens)
+			r.tokens = true
+		}
+	} else if i > 0 {
+		// A plain Seal: block 0 of a lease starts its chain; a later block
+		// follows the block before it in the lease when that one is sealed.
+		if pid := l.blocks[i-1].ID; c.tab.Sealed(int32(pid)) {
+			r.parent, r.known, r.chained = c.pre[pid].hash, true, true
+		}
+	}
+	c.seals[id] = r
+}
+
+// sealRecord returns how slot id was sealed and its tokens (a view of the
+// arena, nil when sealed without them). Meaningful while the slot is
+// sealed. Called with c.mu held.
+func (c *core) sealRecord(id BlockID) (sealRecord, []int32) {
+	r := c.seals[id]
+	if !r.tokens {
+		return r, nil
+	}
+	bt := c.cfg.blockTokens
+	return r, c.sealTok[int(id)*bt : (int(id)+1)*bt : (int(id)+1)*bt]
+}
