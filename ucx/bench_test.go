@@ -111,7 +111,7 @@ func benchRegions(n, size int) [][]byte {
 }
 
 // BenchmarkPull256x64K is one handoff of 256 blocks of 64 KiB over
-// UCX_TLS=tcp on loopback: a worker per handoff on each side, the
+// UCX_TLS=tcp on loopback in the pull model (Config.Pull): a worker per handoff on each side, the
 // handshake, the registrations, the gets and the flush, the revocation.
 // Its baseline is ucx_perftest's get bandwidth at the same message size
 // and window, measured in the same run, in rounds interleaved with ours
@@ -123,12 +123,12 @@ func BenchmarkPull256x64K(b *testing.B) {
 	}{{"get=64KiB", benchBlockBytes}, {"get=1MiB", 1 << 20}} {
 		b.Run(c.name, func(b *testing.B) {
 			const window, rounds = 16, 3
-			s, err := ucx.NewSender(ucx.Config{})
+			s, err := ucx.NewSender(ucx.Config{Pull: true})
 			if err != nil {
 				b.Fatal(err)
 			}
 			defer s.Close()
-			r, err := ucx.NewReceiver(ucx.Config{Window: window, MaxGet: c.maxGet})
+			r, err := ucx.NewReceiver(ucx.Config{Pull: true, Window: window, MaxGet: c.maxGet})
 			if err != nil {
 				b.Fatal(err)
 			}

@@ -4,7 +4,7 @@
 // (github.com/kvlease/kvlease/ucx) because it needs cgo and the UCX
 // libraries (Debian: apt-get install libucx-dev; UCX ≥ 1.13); the root
 // module stays pure Go. The cgo layer is this package's own: the few UCP
-// calls a pull transfer needs (the public Go bindings lack remote memory
+// calls a transfer needs (the public Go bindings lack remote memory
 // access on 1.13).
 //
 // Sender implements handoff.SendPlane on the source (prefill) side,
@@ -12,27 +12,75 @@
 // its usual environment (UCX_TLS, UCX_NET_DEVICES, ...): the tests run
 // UCX_TLS=tcp on lo.
 //
-// # Pull model
+// # Push model (the default)
 //
-// The destination reads; the source only exposes. A block is a list of
-// pieces (Span): a plain block is one piece, a block of per-layer KV its
-// Layers·KVs pieces in (layer, kv) order (see Layered blocks). For each
-// handoff the source starts a UCX worker of the handoff's own, registers
-// the handoff's pieces with ucp_mem_map (one registration per contiguous
-// run of them, this handoff's alone: revoking it revokes nothing else,
-// and nothing outside the pieces is registered), packs a remote key per
-// run (ucp_rkey_pack) and sends, in the Start message's plane bytes, the
-// worker's address, the piece sizes of a block, each run's address,
-// length and key, and the segments: where the pieces lie, as maximal
-// contiguous stretches in block or piece order (omitted when they are the
-// runs themselves, as for a contiguous lease). The destination starts a
-// worker of its own, connects to the source's (ucp_ep_create with peer
-// error handling; a flush of the fresh endpoint completes the handshake
-// before anything is attached), unpacks the keys (ucp_ep_rkey_unpack),
-// registers its own pieces the same way, and reads with ucp_get_nbx —
-// what is contiguous on both sides with one get, up to Config.MaxGet,
-// Config.Window gets outstanding — then flushes the endpoint
-// (ucp_ep_flush_nbx). The Accept bytes carry only the block count.
+// The source sends; the destination receives into its own pieces and
+// exposes nothing. A block is a list of pieces (Span): a plain block is
+// one piece, a block of per-layer KV its Layers·KVs pieces in (layer, kv)
+// order (see Layered blocks). For each handoff the destination's Prepare
+// starts a UCX worker of the handoff's own and puts its address and a
+// random tag salt in the Accept bytes. The source's Send starts a worker
+// of its own, connects to the destination's (a flush of the fresh
+// endpoint completes the handshake before anything is attached), and
+// returns, in the Start bytes, the piece sizes of a block, the block
+// count, the integrity mode, a random nonce and its worker's address;
+// then, from its worker's thread, it sends each block as one tagged
+// message (ucp_tag_send_nbx with the tag salt·2³²+block, gathered from
+// the block's pieces with an iov datatype when it has several; at most
+// Config.Window outstanding), and after the last block a table of the
+// blocks' integrity sums. The destination's Receive connects to the
+// source's worker (only to hear of its failure: peer error handling),
+// attaches, and posts one receive per block with the block's exact tag
+// into the block's own pieces (ucp_tag_recv_nbx, scattered with an iov
+// datatype; Config.Window outstanding), and one for the sums table. A
+// message lands only where the destination put it: a message of another
+// tag waits in UCX's unexpected queue (UCX memory, never a region) and
+// is dropped with the worker; a longer one is truncated and fails.
+//
+// Both contexts of the push model are created without UCP_FEATURE_RMA,
+// so neither side's worker serves a get or a put: UCX installs its
+// software emulation of remote memory access (the handlers a get over
+// tcp reaches) only for that feature. The destination never names an
+// address of the source.
+//
+// Integrity: once every block and the table arrived, the destination
+// checks each block against its sum before the transfer resolves nil;
+// a block that fails resolves the transfer with an error wrapping
+// ErrCorrupt (the handoff fails; nothing is sealed). The sums are keyed
+// when the control session is authenticated (IntegrityMAC: a GMAC,
+// AES-256-GCM, per block, under a key derived with HKDF-SHA256 from the
+// session's key for this handoff alone — its id, the source's nonce and
+// the destination's salt are mixed in — with the block index in each
+// nonce), and crc32c otherwise (IntegrityCRC: the insecure mode's check,
+// against corruption, not forgery). A destination with a session key
+// refuses crc32c sums, and one without refuses keyed sums, before
+// anything is attached. Device memory (Memory CUDA) is not summed
+// (IntegrityNone): the CPU cannot read it.
+//
+// # Pull model (Config.Pull)
+//
+// With Config.Pull on both sides the destination reads; the source only
+// exposes. For each handoff the source starts a UCX worker of the
+// handoff's own, registers the handoff's pieces with ucp_mem_map (one
+// registration per contiguous run of them, this handoff's alone: revoking
+// it revokes nothing else, and nothing outside the pieces is
+// registered), packs a remote key per run (ucp_rkey_pack) and sends, in
+// the Start message's plane bytes, the worker's address, the piece sizes
+// of a block, each run's address, length and key, and the segments:
+// where the pieces lie, as maximal contiguous stretches in block or
+// piece order (omitted when they are the runs themselves, as for a
+// contiguous lease). The destination starts a worker of its own,
+// connects to the source's (ucp_ep_create with peer error handling; a
+// flush of the fresh endpoint completes the handshake before anything is
+// attached), unpacks the keys (ucp_ep_rkey_unpack), registers its own
+// pieces the same way, and reads with ucp_get_nbx — what is contiguous on
+// both sides with one get, up to Config.MaxGet, Config.Window gets
+// outstanding — then flushes the endpoint (ucp_ep_flush_nbx). The Accept
+// bytes carry only the block count. A sender refuses the other model's
+// Accept bytes (ErrCorrupt): a destination cannot talk a pushing source
+// into exposing its memory.
+//
+// Pull trusts the destination with the whole source process: see Trust.
 //
 // Every UCX call on a worker, its endpoints and its requests runs on one
 // goroutine locked to its OS thread (UCS_THREAD_MODE_SINGLE), which also
@@ -45,37 +93,98 @@
 // What resolves each side's kvlease.Transfer, and which UCX call carries
 // it:
 //
-//   - Destination (Write): resolves when every get it posted has
+//   - Destination, push: resolves when every receive it posted has
+//     completed (ucp_tag_recv_nbx's callback): its message landed, or a
+//     cancel withdrew it before a message matched (ucp_request_cancel:
+//     the receive completes with UCS_ERR_CANCELED and UCX never writes
+//     its buffer). The outcome is nil when every block arrived and passed
+//     its check, ErrCanceled when a cancel stopped it, an error wrapping
+//     ErrCorrupt for a block of the wrong length or sum. A receive that
+//     a message already matched is not withdrawn: a source stopped in
+//     the middle of one leaves the transfer pending (quarantine), until
+//     it resumes, fails (the endpoint's error: revocation) or Close.
+//   - Destination, pull: resolves when every get it posted has
 //     completed (ucp_get_nbx's callback) and a flush of the endpoint
 //     posted after them has completed (ucp_ep_flush_nbx's callback, with
 //     UCS_OK). The outcome is nil when every block arrived, ErrCanceled
 //     when a cancel stopped it before its last get (the flush still
 //     covers the posted ones), the first failed get otherwise.
-//   - Source (Read): resolves on the destination's done without error —
-//     the Done message, which the destination sends only after that
-//     flush (Finish with a nil peer) — after the registration is revoked;
+//   - Source (both models): resolves on the destination's done without
+//     error — the Done message, which the destination sends only after
+//     its own evidence (Finish with a nil peer) — after the revocation;
 //     if the destination reported an error, aborted, went silent past the
 //     deadline (the cancel) or lost its control connection, the source
 //     revokes and the revocation is its evidence (outcome wraps
 //     ErrRevoked).
-//   - Revocation is ucp_mem_unmap of each of the handoff's registrations
-//     (a hardware transport's remote key stops working) and
-//     ucp_worker_destroy of the handoff's worker (with UCX_TLS=tcp, UCX
+//   - Revocation is ucp_worker_destroy of the handoff's worker (after a
+//     forced close of its endpoint, push: whatever is still being sent
+//     stops, and nothing of UCX reads the regions any more) and, pull,
+//     ucp_mem_unmap of each of the handoff's registrations (a hardware
+//     transport's remote key stops working; with UCX_TLS=tcp, UCX
 //     emulates the get in software: the source's worker serves it from
 //     its progress loop, which never runs again). Only after both does
 //     the transfer resolve.
-//   - Not evidence: a get that completed with an error, a failed flush,
-//     an endpoint error (UCX completes outstanding requests with an error
-//     or as cancelled without the peer's confirmation), a forced endpoint
-//     close, a cancel. A destination in that state revokes its own side
-//     (forced close of the endpoint, ucp_worker_destroy of its handoff
-//     worker, ucp_mem_unmap of its registrations), and that is its
-//     evidence. A destination whose source is alive but silent (a
-//     stopped process: its gets and its flush neither complete nor fail)
-//     has nothing: its cancel is a request, its blocks stay draining and
-//     then quarantined, until the source resumes (the gets and the flush
-//     complete: late evidence), the connection fails (revocation), or the
-//     operator calls Close (revocation of everything still reading).
+//   - Not evidence: a get or a receive that completed with an error
+//     because the endpoint failed, a failed flush, an endpoint error
+//     (UCX completes outstanding requests with an error or as cancelled
+//     without the peer's confirmation), a forced endpoint close, a
+//     cancel. A destination in that state revokes its own side (forced
+//     close of the endpoint, ucp_worker_destroy of its handoff worker,
+//     ucp_mem_unmap of its registrations), and that is its evidence. A
+//     destination whose source is alive but silent (a stopped process:
+//     its gets and its flush, or a matched receive, neither complete nor
+//     fail) has nothing: its cancel is a request, its blocks stay
+//     draining and then quarantined, until the source resumes (late
+//     evidence), the connection fails (revocation), or the operator calls
+//     Close (revocation of everything still reading).
+//
+// # Trust
+//
+// What crosses between the processes, and what each side exposes:
+//
+//   - The worker addresses, the tag salt, the nonce and (pull) the
+//     remote keys travel only in the Accept and Start messages' plane
+//     bytes, inside the handoff's control session: authenticated and
+//     MACed when the halves are configured with an authenticator (the
+//     handoff package's default), in the clear with Insecure. The plane
+//     opens no channel of its own besides UCX's.
+//   - Push (the default): the source's worker serves nothing (no
+//     UCP_FEATURE_RMA): a destination that asks it for any address — its
+//     own blocks shifted, another request's block of the same pool —
+//     gets nothing (TestPushExposesNothing, and across processes, with
+//     an authenticated hostile destination, TestProcsHostileDestination).
+//     The source sends only the handoff's pieces, from addresses of its
+//     own regions.
+//   - Pull: UCX 1.13 emulates a get in software when the remote key
+//     names no registration that a hardware transport can check (always
+//     over tcp; on any transport for a key the destination crafts), and
+//     the source's worker then serves any address of the source process,
+//     for gets and for puts alike (rma_sw.c's handlers copy from and to
+//     the requested address;
+//     TestPullTrustsTheDestination reads another request's block this
+//     way). Which transports the endpoint uses cannot make pull safe:
+//     the handler is installed for the feature, not per transport. So
+//     pull is opt-in (Config.Pull) for a destination trusted with the
+//     source process's memory, and a pushing sender refuses a
+//     destination that asks to pull.
+//   - Integrity: with an authenticated session each block is MACed under
+//     the session (IntegrityMAC): a block injected by anyone who does not
+//     hold the session key, or taken from another handoff or session, or
+//     moved within the handoff, fails its check and the handoff fails.
+//   - The trust boundary: UCX authenticates nobody. A process that can
+//     reach a worker's transport (over tcp, its listening port) can
+//     connect to it without the control session; the plane's defences
+//     against it are that the push model's workers serve no remote
+//     memory access and that the destination checks every block's MAC.
+//     UCX's tcp transport itself honours a raw put request from a peer
+//     connected at its level (uct_tcp_ep_handle_put_req writes where the
+//     request says), which no configuration of ours turns off: run UCX
+//     over tcp only where the peers that can reach the workers are
+//     trusted, or use the root module's TCP plane, which authenticates
+//     its data connections. Such a process can also fill a handoff
+//     worker's unexpected-message queue (UCX memory, until the worker is
+//     destroyed at the handoff's end). An authenticated peer can still
+//     send wrong but well-formed KV.
 //
 // # Layered blocks
 //
@@ -85,7 +194,8 @@
 // and NewReceiverOfPieces take any region type with a function that lists
 // its pieces (device memory: Spans with Memory CUDA). A block moves as all
 // its pieces, and a handoff is still one Transfer per side, with the same
-// evidence:
+// evidence. Pushed, a block is one message whatever the pieces (gathered
+// and scattered by UCX's iov datatype). Pulled:
 //
 //   - registrations: in a layer-separated layout ([layers][K, V][blocks]
 //     [piece]) the pieces of consecutive blocks in one layer and kind are
@@ -112,7 +222,15 @@
 //
 // # Limits
 //
-// The Start bytes carry the run table inline while it fits
+// Pushed, the Start bytes hold a block's piece sizes (4 bytes each) and
+// the source worker's address, whatever the lease's fragmentation; the
+// sums table is blocks·16 bytes (keyed) or blocks·4 (crc32c). A source
+// may send before the destination posts its receives: those messages
+// wait in the destination's UCX memory (bounded by the handoff, which
+// the destination accepted). A prepared handoff holds its worker (an OS
+// thread and a listening socket) until its Start or its Forget: the
+// handoff package's per-session caps and start timeout bound how many.
+// Pulled, the Start bytes carry the run table inline while it fits
 // handoff.MaxPlane (4096): with UCX_TLS=tcp a worker address takes about
 // 50 bytes and each run 28 (a 10-byte key), so about 140 runs when the
 // segments are the runs (a contiguous lease in block order, a
@@ -125,10 +243,12 @@
 //
 // UCX 1.13 aborts the process when ucp_worker_destroy purges a wireup
 // reply that is still pending (the peer stopped before taking it). The
-// plane therefore finishes the handshake before attaching, and flushes a
-// source worker (bounded) before destroying it; when that flush cannot
+// plane therefore finishes the source's handshake before attaching, and
+// flushes a handoff worker (bounded) before destroying it (the push
+// destination does not wait for its endpoint to the source: that
+// endpoint only reports the source's failure); when that flush cannot
 // complete, the worker is abandoned instead: never progressed again (so
-// it serves no get: the revocation holds), never freed (Abandoned counts
+// it serves nothing: the revocation holds), never freed (Abandoned counts
 // them; each keeps a few sockets until the process exits).
 //
 // # Device memory

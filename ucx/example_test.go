@@ -12,7 +12,8 @@ import (
 
 // Both halves of a handoff over UCX in one process (in production they
 // are two processes on two machines): the decode side reads the prefill
-// side's blocks with RMA gets.
+// side's blocks as tagged messages, each block checked against a MAC
+// under the authenticated session's key.
 func Example() {
 	envelope := handoff.Envelope{BlockTokens: 16, BlockBytes: 4096, PoolBlocks: 64,
 		MaxContextTokens: 1024, MaxPrefillTokens: 512, MaxRunningRequests: 4}
@@ -22,6 +23,10 @@ func Example() {
 		return p
 	}
 	prefill, decode := newPool(), newPool()
+	// Both halves hold the pre-shared key: the control session is
+	// authenticated, and every block is bound to it.
+	key, _ := handoff.GenerateKey()
+	auth := &handoff.PSK{ID: "prefill-fleet", Key: key}
 
 	receiver, err := ucx.NewReceiver(ucx.Config{})
 	if err != nil {
@@ -38,7 +43,7 @@ func Example() {
 
 	delivered := make(chan string, 1)
 	dst, _ := handoff.NewDestination(decode, receiver, handoff.DestinationConfig[[]byte]{
-		HalfConfig: handoff.HalfConfig{Envelope: envelope},
+		HalfConfig: handoff.HalfConfig{Envelope: envelope, Auth: auth},
 		OnDelivered: func(in *handoff.Incoming[[]byte]) {
 			b, _ := in.Lease().Region(3)
 			delivered <- string(b[:5])
@@ -53,14 +58,18 @@ func Example() {
 		}
 	}()
 	conn, _ := net.Dial("tcp", ln.Addr().String())
-	src, _ := handoff.NewSource(conn, sender, handoff.HalfConfig{Envelope: envelope})
+	src, err := handoff.NewSource(conn, sender, handoff.HalfConfig{Envelope: envelope, Auth: auth})
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
 	defer src.Close()
 
 	lease, _ := prefill.Acquire("req-1", 8)
 	b, _ := lease.Region(3)
 	copy(b, "hello")
 	o, _ := src.Propose(1, "req-1", lease, nil)
-	fmt.Println("source:", o.Wait(10*time.Second))
+	fmt.Println("source:", o.Wait(10*time.Second), "to", src.Peer().Identity)
 	select {
 	case got := <-delivered:
 		fmt.Println("decode block 3:", got)
@@ -69,6 +78,6 @@ func Example() {
 	}
 	lease.Release()
 	// Output:
-	// source: delivered
+	// source: delivered to psk:prefill-fleet
 	// decode block 3: hello
 }

@@ -5,8 +5,11 @@ import (
 	"fmt"
 	"net"
 	"slices"
+	"strings"
+	"sync"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
@@ -38,7 +41,7 @@ func newLocalDest(t *testing.T, conn net.Conn, cfg ucx.Config, deadline time.Dur
 		t.Fatal(err)
 	}
 	dst, err := handoff.NewDestination(d.pool, d.recv, handoff.DestinationConfig[[]byte]{
-		HalfConfig:  handoff.HalfConfig{Envelope: env(64), Name: "decode", Peer: "prefill", Deadline: deadline},
+		HalfConfig:  withAuth(handoff.HalfConfig{Envelope: env(64), Name: "decode", Peer: "prefill", Deadline: deadline}, keyFor(cfg)),
 		OnDelivered: func(*handoff.Incoming[[]byte]) {},
 		OnFinal:     func(in *handoff.Incoming[[]byte]) { d.finals <- in },
 	})
@@ -86,13 +89,17 @@ type localSource struct {
 }
 
 func newLocalSource(t *testing.T, conn net.Conn, deadline time.Duration, seed uint32) *localSource {
+	return newLocalSourceOf(t, conn, ucx.Config{}, deadline, seed)
+}
+
+func newLocalSourceOf(t *testing.T, conn net.Conn, cfg ucx.Config, deadline time.Duration, seed uint32) *localSource {
 	t.Helper()
 	s := &localSource{pool: hostPool(t, 64)}
 	var err error
-	if s.sender, err = ucx.NewSender(ucx.Config{}); err != nil {
+	if s.sender, err = ucx.NewSender(cfg); err != nil {
 		t.Fatal(err)
 	}
-	if s.src, err = handoff.NewSource(conn, s.sender, handoff.HalfConfig{Envelope: env(64), Name: "prefill", Peer: "decode", Deadline: deadline}); err != nil {
+	if s.src, err = handoff.NewSource(conn, s.sender, withAuth(handoff.HalfConfig{Envelope: env(64), Name: "prefill", Peer: "decode", Deadline: deadline}, keyFor(cfg))); err != nil {
 		t.Fatal(err)
 	}
 	if s.lease, err = s.pool.Acquire("r", suiteBlocks); err != nil {
@@ -145,7 +152,9 @@ func TestProcsClean(t *testing.T) {
 		p.expect("pool free 64 quarantined 0")
 		p.waitExit()
 		allFree(t, "destination", d.pool)
-		if s := d.recv.Stats(); s.Completed != 1 || s.Revoked != 0 || s.Bytes != suiteBlocks*blockBytes {
+		// Authenticated through the key the peer inherited: every block
+		// checked against a MAC under the session.
+		if s := d.recv.Stats(); s.Completed != 1 || s.Revoked != 0 || s.Bytes != suiteBlocks*blockBytes || s.Keyed != 1 {
 			t.Fatalf("receiver %+v", s)
 		}
 	})
@@ -164,7 +173,7 @@ func TestProcsClean(t *testing.T) {
 		p.expect("pool free 64 quarantined 0")
 		p.waitExit()
 		s.finish(t, 22)
-		if st := s.sender.Stats(); st.Completed != 1 || st.Revoked != 0 {
+		if st := s.sender.Stats(); st.Completed != 1 || st.Revoked != 0 || st.Keyed != 1 {
 			t.Fatalf("sender %+v", st)
 		}
 	})
@@ -172,11 +181,39 @@ func TestProcsClean(t *testing.T) {
 
 func TestProcsPeerKilled(t *testing.T) {
 	t.Run("peer-is-source", func(t *testing.T) {
+		// The source dies after sending three blocks: the destination's
+		// endpoint to it fails (UCX completes nothing for the receives
+		// still posted: not evidence, so the destination revokes its
+		// own side), or the lost control connection cancels first and
+		// the receives no message matched are withdrawn.
+		p := startPeer(t, "source", "KVUCX_SEED=31", "KVUCX_STALL=3")
+		receiving := make(chan struct{})
+		var once sync.Once
+		d := newLocalDest(t, p.conn, ucx.Config{Window: 1, BeforeGet: func(handoff.PlaneID, int) {
+			once.Do(func() { close(receiving) })
+		}}, 20*time.Second)
+		select {
+		case <-receiving: // the destination attached and receives
+		case <-time.After(30 * time.Second):
+			t.Fatal("the destination never received")
+		}
+		p.expect("sending 3")
+		p.kill()
+		in := d.final(t)
+		if st := in.State(); st != handoff.Aborted && st != handoff.Failed {
+			t.Fatalf("destination %v: %v", st, in.History())
+		}
+		allFree(t, "destination", d.pool)
+		if s := d.recv.Stats(); s.Revoked+s.Canceled != 1 || s.Completed != 0 {
+			t.Fatalf("receiver %+v", s)
+		}
+	})
+	t.Run("peer-is-source/pull", func(t *testing.T) {
 		// The source dies after the destination has read two blocks:
 		// UCX completes the outstanding gets with an error, which is
 		// not evidence; the destination revokes its own side.
-		p := startPeer(t, "source", "KVUCX_SEED=31")
-		cfg := ucx.Config{MaxGet: blockBytes, Window: 1, BeforeGet: func(_ handoff.PlaneID, block int) {
+		p := startPeer(t, "source", "KVUCX_SEED=31", "KVUCX_PULL=1")
+		cfg := ucx.Config{Pull: true, MaxGet: blockBytes, Window: 1, BeforeGet: func(_ handoff.PlaneID, block int) {
 			if block == 2 {
 				p.kill()
 			}
@@ -217,14 +254,50 @@ func TestProcsPeerKilled(t *testing.T) {
 
 func TestProcsPeerStopped(t *testing.T) {
 	t.Run("peer-is-source", func(t *testing.T) {
-		// The source stops (SIGSTOP) with the destination's gets
-		// outstanding, past the destination's deadline: the
+		// Pushed: the source stops (SIGSTOP) after its third block,
+		// past the destination's deadline, which quarantines the blocks
+		// and cancels. The cancel withdraws the receives no message
+		// matched (ucp_request_cancel), and their completions are
+		// evidence of our own: the quarantine lifts and the blocks come
+		// back while the source is still stopped (pulled, they wait for
+		// the source: see peer-is-source/pull). Resumed, the source
+		// hears the abort and revokes.
+		p := startPeer(t, "source", "KVUCX_SEED=43", "KVUCX_DEADLINE_MS=60000", "KVUCX_STALL=3")
+		receiving := make(chan struct{})
+		var once sync.Once
+		d := newLocalDest(t, p.conn, ucx.Config{Window: 4, BeforeGet: func(handoff.PlaneID, int) {
+			once.Do(func() { close(receiving) })
+		}}, 300*time.Millisecond)
+		select {
+		case <-receiving: // the destination attached and receives
+		case <-time.After(30 * time.Second):
+			t.Fatal("the destination never received")
+		}
+		p.expect("sending 3")
+		p.stop()
+		in := d.final(t)
+		if st := in.State(); st != handoff.Aborted {
+			t.Fatalf("destination %v: %v", st, in.History())
+		}
+		allFree(t, "destination", d.pool)
+		if s := d.recv.Stats(); s.Canceled != 1 || s.Revoked != 0 || s.Completed != 0 {
+			t.Fatalf("receiver %+v", s)
+		}
+		p.tell("go")
+		p.resume()
+		p.expect("source aborted markers ok")
+		p.expect("pool free 64 quarantined 0")
+		p.waitExit()
+	})
+	t.Run("peer-is-source/pull", func(t *testing.T) {
+		// Pulled: the source stops (SIGSTOP) with the destination's
+		// gets outstanding, past the destination's deadline: the
 		// destination's blocks are quarantined, and the cancel that the
 		// deadline sends is not evidence. Resumed (SIGCONT), the source
 		// serves the gets or revokes; either is late evidence that
 		// lifts the quarantine.
-		p := startPeer(t, "source", "KVUCX_SEED=41", "KVUCX_DEADLINE_MS=60000")
-		cfg := ucx.Config{MaxGet: blockBytes, Window: 4, BeforeGet: func(_ handoff.PlaneID, block int) {
+		p := startPeer(t, "source", "KVUCX_SEED=41", "KVUCX_DEADLINE_MS=60000", "KVUCX_PULL=1")
+		cfg := ucx.Config{Pull: true, MaxGet: blockBytes, Window: 4, BeforeGet: func(_ handoff.PlaneID, block int) {
 			if block == 2 {
 				p.stop()
 			}
@@ -344,4 +417,57 @@ func TestProcsAbortMidRead(t *testing.T) {
 		p.waitExit()
 		s.finish(t, 52)
 	})
+}
+
+func TestProcsHostileDestination(t *testing.T) {
+	// A destination process that passed the authentication but does not
+	// follow the protocol: given the Start bytes, it asks the source's
+	// handoff worker for another request's block of the same pool (the
+	// block right after the handoff's, whose address the test tells it:
+	// a worst case of guessing). Pushed, it gets nothing: the source's
+	// worker serves no get. Pulled (trusted networks only), it reads the
+	// secret: why pull is opt-in.
+	for _, pull := range []bool{false, true} {
+		t.Run(fmt.Sprintf("pull=%v", pull), func(t *testing.T) {
+			extra := []string{"KVUCX_SEED=61"}
+			if pull {
+				extra = append(extra, "KVUCX_PULL=1")
+			}
+			p := startPeer(t, "hostile", extra...)
+			s := newLocalSourceOf(t, p.conn, ucx.Config{Pull: pull}, 20*time.Second, 61)
+			secret, err := s.pool.Acquire("another request", 1)
+			if err != nil {
+				t.Fatal(err)
+			}
+			sr, _ := secret.Region(0)
+			for i := range sr {
+				sr[i] = 0x5E
+			}
+			p.tell(fmt.Sprintf("target %#x", uintptr(unsafe.Pointer(unsafe.SliceData(sr)))))
+			o, err := s.src.Propose(1, "r", s.lease, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			line := p.expect("stolen")
+			if st := o.Wait(30 * time.Second); st != handoff.Delivered {
+				t.Fatalf("source %v: %v", st, o.History())
+			}
+			p.expect("hostile delivered")
+			leaked := strings.Contains(line, "5e5e5e5e")
+			if !pull && leaked {
+				t.Fatalf("the pushing source leaked another request's block: %q", line)
+			}
+			if !pull && !strings.HasPrefix(line, "stolen false") {
+				t.Fatalf("the hostile get completed: %q", line)
+			}
+			if pull && !leaked {
+				t.Fatalf("pulled, the hostile read got %q: UCX refuses it now, revisit Config.Pull", line)
+			}
+			_ = s.src.Close()
+			p.tell("done")
+			p.waitExit()
+			secret.Release()
+			s.finish(t, 61)
+		})
+	}
 }

@@ -20,12 +20,45 @@ func init() {
 	os.Setenv("UCX_TLS", "tcp")
 	os.Setenv("UCX_NET_DEVICES", "lo")
 	if os.Getenv("UCX_LOG_LEVEL") == "" {
-		// The fault suite makes UCX log the peers' failures it causes.
+		// The fault and exposure suites make UCX log the peers' failures
+		// and the refused requests they cause. The variable reaches the
+		// peer processes; this process loaded UCX already.
 		os.Setenv("UCX_LOG_LEVEL", "fatal")
+		_ = ucx.SetLogLevel("fatal")
 	}
 }
 
 const blockBytes = 4096
+
+// testKey is this process's pre-shared key: the tests' halves
+// authenticate with it, and their peer processes get it through an
+// inherited pipe (keypipe), never the command line or the environment.
+var testKey = func() []byte {
+	k, err := handoff.GenerateKey()
+	if err != nil {
+		panic(err)
+	}
+	return k
+}()
+
+// withAuth authenticates hc with key (PSK), or runs it Insecure when key
+// is nil (the pull model's tests: pull refuses authenticated sessions).
+func withAuth(hc handoff.HalfConfig, key []byte) handoff.HalfConfig {
+	if key == nil {
+		hc.Insecure = true
+	} else {
+		hc.Auth = &handoff.PSK{ID: "ucx-test", Key: key}
+	}
+	return hc
+}
+
+// keyFor is the key of a test whose plane config is cfg.
+func keyFor(cfg ucx.Config) []byte {
+	if cfg.Pull {
+		return nil
+	}
+	return testKey
+}
 
 func env(poolBlocks int) handoff.Envelope {
 	return handoff.Envelope{BlockTokens: 16, BlockBytes: blockBytes, PoolBlocks: poolBlocks,
@@ -133,6 +166,16 @@ type loopConfig struct {
 	deadline   time.Duration
 	recv, send ucx.Config
 	keepLeases bool
+	insecure   bool // both halves Insecure (the pull model's are anyway)
+	tls        bool // mutual TLS instead of the test key
+}
+
+// key is the loop's pre-shared key for a side configured with cfg.
+func (lc loopConfig) key(cfg ucx.Config) []byte {
+	if lc.insecure {
+		return nil
+	}
+	return keyFor(cfg)
 }
 
 func newLoop(t *testing.T, lc loopConfig) *loop {
@@ -152,8 +195,14 @@ func newLoop(t *testing.T, lc loopConfig) *loop {
 	if dl == 0 {
 		dl = 10 * time.Second
 	}
+	dstHC := withAuth(handoff.HalfConfig{Envelope: env(64), Name: "decode", Peer: "prefill", Deadline: dl}, lc.key(lc.recv))
+	srcHC := withAuth(handoff.HalfConfig{Envelope: env(64), Name: "prefill", Peer: "decode", Deadline: dl}, lc.key(lc.send))
+	if lc.tls {
+		s, d := testTLS(t)
+		srcHC.Auth, dstHC.Auth = &handoff.TLS{Config: s}, &handoff.TLS{Config: d}
+	}
 	l.dst, err = handoff.NewDestination(l.dstPool, l.recv, handoff.DestinationConfig[[]byte]{
-		HalfConfig: handoff.HalfConfig{Envelope: env(64), Name: "decode", Peer: "prefill", Deadline: dl},
+		HalfConfig: dstHC,
 		OnDelivered: func(in *handoff.Incoming[[]byte]) {
 			if !lc.keepLeases {
 				in.Lease().Release()
@@ -181,7 +230,7 @@ func newLoop(t *testing.T, lc loopConfig) *loop {
 	if err != nil {
 		t.Fatal(err)
 	}
-	l.src, err = handoff.NewSource(c, l.sender, handoff.HalfConfig{Envelope: env(64), Name: "prefill", Peer: "decode", Deadline: dl})
+	l.src, err = handoff.NewSource(c, l.sender, srcHC)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -14,7 +14,10 @@ import (
 // Blocks as pieces. Every region (a block) is a list of pieces, each a
 // Span, in a fixed order: a plain block is the one-piece case, a block of
 // per-layer KV (layout.Block, gpu.HostBlock) is its Layers·KVs pieces in
-// (layer, kv) order. The plane works on pieces throughout:
+// (layer, kv) order. Pushed, a block is one message, gathered from the
+// source's pieces and scattered into the destination's by UCX's iov
+// datatype, its sum taken over the source's pieces (push.go). Pulled, the
+// plane works on pieces throughout:
 //
 //   - the source registers, for the handoff alone, one ucp_mem_map per
 //     contiguous run of the handoff's pieces (sorted by address; in a

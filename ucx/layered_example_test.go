@@ -11,8 +11,10 @@ import (
 
 // A block of per-layer KV moves as all its pieces: here from a
 // layer-separated source ([layers][K, V][blocks][piece], vLLM's per-layer
-// tensors) into a block-contiguous destination. The plane-level calls are
-// what handoff.Source and handoff.Destination make.
+// tensors) into a block-contiguous destination, one message per block
+// gathered from the source's pieces and scattered into the destination's.
+// The plane-level calls are what handoff.Source and handoff.Destination
+// make.
 func ExampleNewLayeredSender() {
 	src, _ := layout.NewHost(layout.LayerSeparated(4, 2, 16, 256, "bf16"))
 	dst, _ := layout.NewHost(layout.Contiguous(4, 2, 16, 256, "bf16"))
@@ -51,10 +53,9 @@ func ExampleNewLayeredSender() {
 	fmt.Println("read:", read.Err())
 	fmt.Println("layer 3's V:", to[0].Piece(3, 1)[0], to[1].Piece(3, 1)[0], to[2].Piece(3, 1)[0])
 	s, r := sender.Stats(), receiver.Stats()
-	fmt.Printf("source: %d registrations of %d bytes; destination: %d registration, %d gets\n",
-		s.Registrations, s.RegisteredBytes, r.Registrations, r.Gets)
+	fmt.Printf("source: %d messages sent; destination: %d received, %d bytes\n", s.Messages, r.Messages, r.Bytes)
 	// Output:
 	// read: <nil>
 	// layer 3's V: 10 11 12
-	// source: 8 registrations of 6144 bytes; destination: 1 registration, 24 gets
+	// source: 3 messages sent; destination: 3 received, 6144 bytes
 }

@@ -136,7 +136,7 @@ func roundTrip[S, D any](t *testing.T, sender *ucx.Sender[S], recv *ucx.Receiver
 
 func layeredPlanes(t *testing.T, cfg ucx.Config) (*ucx.Sender[layout.Block], *ucx.Receiver[layout.Block]) {
 	t.Helper()
-	sender, err := ucx.NewLayeredSender[layout.Block](ucx.Config{})
+	sender, err := ucx.NewLayeredSender[layout.Block](ucx.Config{Pull: cfg.Pull})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -152,9 +152,11 @@ func layeredPlanes(t *testing.T, cfg ucx.Config) (*ucx.Sender[layout.Block], *uc
 func TestLayeredSeparatedToContiguous(t *testing.T) {
 	// A layer-separated source ([layers][K, V][blocks][piece]) into a
 	// block-contiguous destination: every piece lands at its place in
-	// the destination block, nothing else of the destination is written,
-	// and the source registered one run per layer and kind per stretch of
-	// consecutive blocks: exactly the handoff's pieces.
+	// the destination block, nothing else of the destination is written.
+	// Pushed, each block is one message gathered from the source's pieces
+	// and scattered into the destination's, and nothing is registered;
+	// pulled, the source registered one run per layer and kind per
+	// stretch of consecutive blocks: exactly the handoff's pieces.
 	fragmented := make([]int, 40) // 320 registrations: the run table is read remotely
 	dstFrag := make([]int, 40)
 	for i := range fragmented {
@@ -168,39 +170,51 @@ func TestLayeredSeparatedToContiguous(t *testing.T) {
 		{"one block", []int{50}, []int{0}},
 		{"fragmented", fragmented, dstFrag},
 	} {
-		t.Run(tc.name, func(t *testing.T) {
-			src := newHost(t, layout.LayerSeparated(lLayers, 2, 96, lPiece, lTag))
-			dst := newHost(t, layout.Contiguous(lLayers, 2, 96, lPiece, lTag))
-			sender, recv := layeredPlanes(t, ucx.Config{})
-			sb, db := blocksOf(src, tc.src), blocksOf(dst, tc.dst)
-			for i, b := range sb {
-				stampBlock(b, 9, i)
-			}
-			roundTrip(t, sender, recv, handoff.PlaneID{Session: 1, Handoff: 1}, sb, db)
-			for i, b := range db {
-				if err := checkBlock(b, 9, i); err != nil {
+		for _, pull := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/pull=%v", tc.name, pull), func(t *testing.T) {
+				src := newHost(t, layout.LayerSeparated(lLayers, 2, 96, lPiece, lTag))
+				dst := newHost(t, layout.Contiguous(lLayers, 2, 96, lPiece, lTag))
+				sender, recv := layeredPlanes(t, ucx.Config{Pull: pull})
+				sb, db := blocksOf(src, tc.src), blocksOf(dst, tc.dst)
+				for i, b := range sb {
+					stampBlock(b, 9, i)
+				}
+				roundTrip(t, sender, recv, handoff.PlaneID{Session: 1, Handoff: 1}, sb, db)
+				for i, b := range db {
+					if err := checkBlock(b, 9, i); err != nil {
+						t.Fatal(err)
+					}
+				}
+				if err := untouched(dst, tc.dst); err != nil {
 					t.Fatal(err)
 				}
-			}
-			if err := untouched(dst, tc.dst); err != nil {
-				t.Fatal(err)
-			}
-			n := int64(len(tc.src) * lBlock)
-			if s := sender.Stats(); s.Registrations != runsOf(tc.src)*lLayers*2 || s.RegisteredBytes != n || s.Completed != 1 {
-				t.Fatalf("sender %+v, want %d registrations of %d bytes", s, runsOf(tc.src)*lLayers*2, n)
-			}
-			// The destination's blocks are contiguous, the source's
-			// pieces are not: one get per piece.
-			if s := recv.Stats(); s.Registrations != runsOf(tc.dst) || s.RegisteredBytes != n || s.Gets != len(tc.dst)*lLayers*2 || s.Bytes != n {
-				t.Fatalf("receiver %+v, want %d registrations of %d bytes, %d gets", s, runsOf(tc.dst), n, len(tc.dst)*lLayers*2)
-			}
-		})
+				n := int64(len(tc.src) * lBlock)
+				if !pull {
+					if s := sender.Stats(); s.Registrations != 0 || s.Messages != len(tc.src) || s.Completed != 1 {
+						t.Fatalf("sender %+v, want %d messages, no registration", s, len(tc.src))
+					}
+					if s := recv.Stats(); s.Registrations != 0 || s.Messages != len(tc.src) || s.Bytes != n || s.Completed != 1 {
+						t.Fatalf("receiver %+v, want %d messages of %d bytes", s, len(tc.src), n)
+					}
+					return
+				}
+				if s := sender.Stats(); s.Registrations != runsOf(tc.src)*lLayers*2 || s.RegisteredBytes != n || s.Completed != 1 {
+					t.Fatalf("sender %+v, want %d registrations of %d bytes", s, runsOf(tc.src)*lLayers*2, n)
+				}
+				// The destination's blocks are contiguous, the source's
+				// pieces are not: one get per piece.
+				if s := recv.Stats(); s.Registrations != runsOf(tc.dst) || s.RegisteredBytes != n || s.Gets != len(tc.dst)*lLayers*2 || s.Bytes != n {
+					t.Fatalf("receiver %+v, want %d registrations of %d bytes, %d gets", s, runsOf(tc.dst), n, len(tc.dst)*lLayers*2)
+				}
+			})
+		}
 	}
 }
 
 func TestLayeredBatchesGets(t *testing.T) {
-	// Pieces contiguous on both sides share a get: layer by layer when
-	// both are layer-separated, block by block when both are contiguous.
+	// Pulled, pieces contiguous on both sides share a get: layer by
+	// layer when both are layer-separated, block by block when both are
+	// contiguous.
 	ids, dids := []int{3, 4, 5, 6, 7, 8, 9, 10}, []int{0, 1, 2, 3, 4, 5, 6, 7}
 	for _, tc := range []struct {
 		name     string
@@ -214,7 +228,7 @@ func TestLayeredBatchesGets(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			src := newHost(t, tc.src(lLayers, 2, 16, lPiece, lTag))
 			dst := newHost(t, tc.dst(lLayers, 2, 16, lPiece, lTag))
-			sender, recv := layeredPlanes(t, ucx.Config{})
+			sender, recv := layeredPlanes(t, ucx.Config{Pull: true})
 			sb, db := blocksOf(src, ids), blocksOf(dst, dids)
 			for i, b := range sb {
 				stampBlock(b, 3, i)
@@ -376,7 +390,7 @@ func TestLayeredHandoff(t *testing.T) {
 	sender, recv := layeredPlanes(t, ucx.Config{})
 	got := make(chan *handoff.Incoming[layout.Block], 1)
 	dst, err := handoff.NewDestination(dstPool, recv, handoff.DestinationConfig[layout.Block]{
-		HalfConfig:  handoff.HalfConfig{Envelope: e, Name: "decode", Peer: "prefill", Deadline: 10 * time.Second},
+		HalfConfig:  withAuth(handoff.HalfConfig{Envelope: e, Name: "decode", Peer: "prefill", Deadline: 10 * time.Second}, testKey),
 		OnDelivered: func(*handoff.Incoming[layout.Block]) {}, // the test reads, then releases
 		OnFinal:     func(in *handoff.Incoming[layout.Block]) { got <- in },
 	})
@@ -401,7 +415,7 @@ func TestLayeredHandoff(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	src, err := handoff.NewSource(c, sender, handoff.HalfConfig{Envelope: e, Name: "prefill", Peer: "decode", Deadline: 10 * time.Second})
+	src, err := handoff.NewSource(c, sender, withAuth(handoff.HalfConfig{Envelope: e, Name: "prefill", Peer: "decode", Deadline: 10 * time.Second}, testKey))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -466,7 +480,7 @@ func TestLayeredCancelBetweenPieces(t *testing.T) {
 	// the blocks read before it are whole, nothing after it is written,
 	// and a flush after the posted gets is the evidence (ErrCanceled).
 	stuck, release := make(chan struct{}), make(chan struct{})
-	sender, recv := layeredPlanes(t, ucx.Config{MaxGet: lPiece, Window: 1, BeforeGet: func(_ handoff.PlaneID, block int) {
+	sender, recv := layeredPlanes(t, ucx.Config{Pull: true, MaxGet: lPiece, Window: 1, BeforeGet: func(_ handoff.PlaneID, block int) {
 		if block == 2 {
 			select {
 			case <-stuck:

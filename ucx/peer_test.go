@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -17,6 +18,7 @@ import (
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
 	"github.com/kvlease/kvlease/ucx"
+	"github.com/kvlease/kvlease/ucx/internal/keypipe"
 )
 
 // The fault suite runs the two halves in two processes: the test binary
@@ -42,9 +44,10 @@ func say(format string, args ...any) { fmt.Printf("KV "+format+"\n", args...) }
 
 // peerMain is the peer process: role "source" proposes one handoff of
 // KVUCX_BLOCKS blocks stamped with KVUCX_SEED; role "dest" serves one.
-// KVUCX_STALL (dest) stops its reader before the get of that block until
-// a line arrives on stdin; KVUCX_ABORT (source) aborts when "abort"
-// arrives on stdin.
+// KVUCX_STALL stops the destination's reader before the receive (or
+// get) of that block, or the source's sender before its message, until a
+// line arrives on stdin; KVUCX_ABORT (source) aborts when "abort"
+// arrives on stdin; KVUCX_PULL=1 selects the pull model.
 func peerMain(role string) int {
 	seed := uint32(envInt("KVUCX_SEED", 1))
 	blocks := envInt("KVUCX_BLOCKS", 8)
@@ -57,15 +60,28 @@ func peerMain(role string) int {
 	mem, _ := kvlease.NewHostMemory(64, blockBytes)
 	pool, _ := kvlease.NewPool[[]byte](mem)
 	stdin := bufio.NewReader(os.Stdin)
-	cfg := ucx.Config{MaxGet: blockBytes, Window: 2}
+	cfg := ucx.Config{MaxGet: blockBytes, Window: 2, Pull: os.Getenv("KVUCX_PULL") == "1"}
+	// The test process hands its key down a pipe; none: insecure (pull).
+	key, _, err := keypipe.Read()
+	if err != nil {
+		say("error %v", err)
+		return 1
+	}
+	stall := envInt("KVUCX_STALL", -1)
 	switch role {
 	case "source":
+		cfg.BeforeSend = func(_ handoff.PlaneID, block int) {
+			if block == stall {
+				say("sending %d", block)
+				_, _ = stdin.ReadString('\n')
+			}
+		}
 		sender, err := ucx.NewSender(cfg)
 		if err != nil {
 			say("error %v", err)
 			return 1
 		}
-		src, err := handoff.NewSource(conn, sender, handoff.HalfConfig{Envelope: env(64), Name: "prefill", Peer: "decode", Deadline: deadline})
+		src, err := handoff.NewSource(conn, sender, withAuth(handoff.HalfConfig{Envelope: env(64), Name: "prefill", Peer: "decode", Deadline: deadline}, key))
 		if err != nil {
 			say("error %v", err)
 			return 1
@@ -103,8 +119,35 @@ func peerMain(role string) int {
 		_ = sender.Close()
 		s := pool.Stats()
 		say("pool free %d quarantined %d", s.Free, s.Quarantined)
+	case "hostile":
+		// An authenticated destination that, given the Start bytes,
+		// asks the source's worker for the address the test names on
+		// stdin ("target ADDR"), then receives as usual.
+		recv, err := ucx.NewReceiver(cfg)
+		if err != nil {
+			say("error %v", err)
+			return 1
+		}
+		finals := make(chan *handoff.Incoming[[]byte], 1)
+		dst, err := handoff.NewDestination(pool, hostilePlane{recv, stdin}, handoff.DestinationConfig[[]byte]{
+			HalfConfig:  withAuth(handoff.HalfConfig{Envelope: env(64), Name: "decode", Peer: "prefill", Deadline: deadline}, key),
+			OnDelivered: func(in *handoff.Incoming[[]byte]) { in.Lease().Release() },
+			OnFinal:     func(in *handoff.Incoming[[]byte]) { finals <- in },
+		})
+		if err != nil {
+			say("error %v", err)
+			return 1
+		}
+		go func() { _ = dst.Serve(conn) }()
+		select {
+		case in := <-finals:
+			say("hostile %v", in.State())
+		case <-time.After(60 * time.Second):
+			say("hostile timeout")
+		}
+		_, _ = stdin.ReadString('\n') // until the test is done with us
+		_ = recv.Close()
 	case "dest":
-		stall := envInt("KVUCX_STALL", -1)
 		cfg.BeforeGet = func(_ handoff.PlaneID, block int) {
 			if block == stall {
 				say("reading %d", block)
@@ -118,7 +161,7 @@ func peerMain(role string) int {
 		}
 		finals := make(chan *handoff.Incoming[[]byte], 1)
 		dst, err := handoff.NewDestination(pool, recv, handoff.DestinationConfig[[]byte]{
-			HalfConfig:  handoff.HalfConfig{Envelope: env(64), Name: "decode", Peer: "prefill", Deadline: deadline},
+			HalfConfig:  withAuth(handoff.HalfConfig{Envelope: env(64), Name: "decode", Peer: "prefill", Deadline: deadline}, key),
 			OnDelivered: func(*handoff.Incoming[[]byte]) {},
 			OnFinal:     func(in *handoff.Incoming[[]byte]) { finals <- in },
 		})
@@ -153,6 +196,29 @@ func peerMain(role string) int {
 	return 0
 }
 
+// hostilePlane is the hostile peer's plane: before receiving, it tries
+// to read target from the source's worker and says what it got.
+type hostilePlane struct {
+	*ucx.Receiver[[]byte]
+	stdin *bufio.Reader
+}
+
+func (h hostilePlane) Receive(id handoff.PlaneID, regions [][]byte, start []byte, attach func(*kvlease.Transfer) error) error {
+	line, _ := h.stdin.ReadString('\n')
+	target, err := strconv.ParseUint(strings.TrimPrefix(strings.TrimSpace(line), "target "), 0, 64)
+	if err != nil {
+		say("stolen error %v", err)
+		return h.Receiver.Receive(id, regions, start, attach)
+	}
+	got, ok, err := ucx.HostileRead(start, target, blockBytes)
+	if err != nil {
+		say("stolen error %v", err)
+	} else {
+		say("stolen %v %x", ok, got[:8])
+	}
+	return h.Receiver.Receive(id, regions, start, attach)
+}
+
 func verdict(err error) string {
 	if err != nil {
 		return "bad"
@@ -171,7 +237,9 @@ type peer struct {
 }
 
 // startPeer starts the peer in role with the extra environment and
-// returns it with its control connection accepted.
+// returns it with its control connection accepted. The peer gets the test
+// key through an inherited pipe, unless it runs the pull model
+// (KVUCX_PULL=1: insecure).
 func startPeer(t *testing.T, role string, extra ...string) *peer {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -183,6 +251,12 @@ func startPeer(t *testing.T, role string, extra ...string) *peer {
 	cmd.Env = append(os.Environ(), "KVUCX_PEER="+role, "KVUCX_CTRL="+ln.Addr().String(),
 		"UCX_TLS=tcp", "UCX_NET_DEVICES=lo")
 	cmd.Env = append(cmd.Env, extra...)
+	sendKey := func() error { return nil }
+	if !slices.Contains(extra, "KVUCX_PULL=1") {
+		if sendKey, err = keypipe.Attach(cmd, testKey); err != nil {
+			t.Fatal(err)
+		}
+	}
 	cmd.Stderr = os.Stderr
 	p := &peer{t: t, cmd: cmd, lines: make(chan string, 64), exited: make(chan struct{})}
 	if p.stdin, err = cmd.StdinPipe(); err != nil {
@@ -192,7 +266,11 @@ func startPeer(t *testing.T, role string, extra ...string) *peer {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := cmd.Start(); err != nil {
+	err = cmd.Start()
+	if kerr := sendKey(); err == nil {
+		err = kerr
+	}
+	if err != nil {
 		t.Fatal(err)
 	}
 	go func() {

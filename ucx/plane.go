@@ -30,6 +30,11 @@ var (
 	ErrClosed = errors.New("ucx: plane closed")
 )
 
+// errPullSecure refuses the pull model in an authenticated session: its
+// blocks carry no sums bound to the session, and its source's worker
+// serves the destination any address (see Trust in the package doc).
+var errPullSecure = fmt.Errorf("ucx: the pull model (Config.Pull) binds nothing to an authenticated session: push (the default), or run the halves Insecure on a trusted network: %w", kvlease.ErrInvalidArgument)
+
 const (
 	version = 2
 	// How the Start bytes carry the run table: inline, or as the
@@ -52,9 +57,24 @@ type Config struct {
 	// anything is attached; 1e6 when zero).
 	ConnectSpins int
 	// BeforeGet, if set, runs on the destination's worker thread before
-	// the get that starts at block is posted (fault injection: tests stop
-	// or abort a handoff there). It must not call into the plane.
+	// the get that starts at block is posted (pull), or before the
+	// receive of block is posted (push): fault injection, tests stop or
+	// abort a handoff there. It must not call into the plane.
 	BeforeGet func(id handoff.PlaneID, block int)
+	// BeforeSend, if set, runs on the source's worker thread before the
+	// message of block is posted (push model; fault injection). It must
+	// not call into the plane.
+	BeforeSend func(id handoff.PlaneID, block int)
+	// Pull selects the pull model (the destination reads the source's
+	// registered pieces with ucp_get_nbx) instead of the default push
+	// model (the source sends its pieces as tagged messages). Both sides
+	// must agree: a sender refuses the other model's Accept bytes. Pull
+	// trusts the destination with the source process's memory: UCX 1.13
+	// serves, in software, a get (or a put) whose remote key names no
+	// hardware registration, at any address the destination names, on
+	// every transport (see Trust in the package doc). Set it only when the
+	// destination is as trusted as the source process itself.
+	Pull bool
 }
 
 func (c *Config) defaults() {
@@ -83,8 +103,15 @@ type Stats struct {
 	// counted) and RegisteredBytes their bytes: exactly the pieces'.
 	Registrations   int
 	RegisteredBytes int64
-	// Gets counts the gets posted (destination).
+	// Gets counts the gets posted (destination, pull model).
 	Gets int
+	// Messages counts the block messages posted: sends on the source,
+	// receives on the destination (push model).
+	Messages int
+	// Keyed counts the started handoffs whose blocks carry sums keyed by
+	// their authenticated session (IntegrityMAC); the others carry
+	// crc32c (an insecure session), or nothing (device memory, pull).
+	Keyed int
 }
 
 type counters struct {
@@ -134,15 +161,18 @@ func HostBytes(b []byte) Span {
 }
 
 // Sender is the source side's plane: for each handoff it starts a UCX
-// worker of the handoff's own, registers the regions' pieces (one
-// ucp_mem_map per contiguous run of them) and puts the worker's address and the
-// packed remote keys in the Start bytes. Finish, or a cancel, revokes
-// them. It is safe for concurrent use.
+// worker of the handoff's own. Pushing (the default), it connects to the
+// destination's worker and sends each block as a tagged message, then
+// the blocks' sums; pulling (Config.Pull), it registers the regions'
+// pieces (one ucp_mem_map per contiguous run of them) and puts the
+// worker's address and the packed remote keys in the Start bytes. Finish,
+// or a cancel, revokes. It is safe for concurrent use.
 type Sender[R any] struct {
 	cfg    Config
 	ctx    *context
 	pieces func(R, []Span) []Span
 	stats  counters
+	keys   sessionKeys
 
 	mu     sync.Mutex
 	jobs   map[handoff.PlaneID]*sendJob[R]
@@ -168,7 +198,7 @@ func NewSenderOf[R any](cfg Config, loc func(R) Span) (*Sender[R], error) {
 
 func newSender[R any](cfg Config, pieces func(R, []Span) []Span) (*Sender[R], error) {
 	cfg.defaults()
-	ctx, err := newContext()
+	ctx, err := newContext(cfg.Pull)
 	if err != nil {
 		return nil, err
 	}
@@ -188,23 +218,44 @@ type sendJob[R any] struct {
 	// attached is set under Sender.mu once attach succeeded: Close
 	// revokes those; Send itself revokes one attached after Close.
 	attached bool
+	push     *pushSend // the push model's state, or nil
 }
 
 func parseAccept(b []byte) (int, error) {
+	if len(b) > 2 && b[0] == 'K' && b[1] == 'U' && b[2] == pushVersion {
+		return 0, fmt.Errorf("ucx: the destination expects the push model, this sender pulls (Config.Pull): %w", ErrCorrupt)
+	}
 	if len(b) != acceptLength || b[0] != 'K' || b[1] != 'U' || b[2] != version {
 		return 0, fmt.Errorf("ucx: accept bytes of %d: %w", len(b), ErrCorrupt)
 	}
 	return int(binary.LittleEndian.Uint32(b[3:])), nil
 }
 
-// Send registers the regions' pieces for this handoff alone, attaches
-// the transfer and returns the Start bytes: the handoff worker's address,
-// a block's piece sizes, per contiguous run of pieces its address, its
-// length and its packed remote key, and where the pieces lie (the
-// segments). Regions whose pieces disagree or overlap are refused with
-// kvlease.ErrInvalidArgument before anything is registered. The transfer resolves on Finish or a cancel, after
-// the revocation (see the package doc).
+// Send implements handoff.SendPlane. Pushing, it connects to the
+// destination's worker named in the Accept bytes, attaches the transfer,
+// starts sending the blocks and returns the Start bytes (a block's piece
+// sizes, the block count, the integrity mode, a random nonce, the
+// handoff worker's address). Pulling, it registers the regions' pieces
+// for this handoff alone, attaches the transfer and returns the Start
+// bytes: the handoff worker's address, a block's piece sizes, per
+// contiguous run of pieces its address, its length and its packed remote
+// key, and where the pieces lie (the segments). Accept bytes of the
+// other model are refused with ErrCorrupt; regions whose pieces disagree
+// or overlap with kvlease.ErrInvalidArgument, before anything is sent or
+// registered. The transfer resolves on Finish or a cancel, after the
+// revocation (see the package doc).
 func (s *Sender[R]) Send(id handoff.PlaneID, regions []R, accept []byte, attach func(*kvlease.Transfer) error) ([]byte, error) {
+	if !s.cfg.Pull {
+		return s.sendPush(id, regions, accept, attach)
+	}
+	return s.sendPull(id, regions, accept, attach)
+}
+
+// sendPull is Send in the pull model.
+func (s *Sender[R]) sendPull(id handoff.PlaneID, regions []R, accept []byte, attach func(*kvlease.Transfer) error) ([]byte, error) {
+	if s.keys.secure(id) {
+		return nil, errPullSecure
+	}
 	blocks, err := parseAccept(accept)
 	if err != nil {
 		return nil, err
@@ -336,7 +387,17 @@ func (s *Sender[R]) Send(id handoff.PlaneID, regions []R, accept []byte, attach 
 // progress, which never runs again).
 func (j *sendJob[R]) teardown() {
 	if j.w != nil {
-		j.w.destroy(j.w.settle)
+		j.w.destroy(func() {
+			if j.push != nil && j.push.ep != nil {
+				// A revocation: whatever is still being sent stops.
+				_ = j.w.closeEP(j.push.ep, true)
+				j.push.ep = nil
+			}
+			j.w.settle()
+		})
+	}
+	if j.push != nil {
+		j.push.free()
 	}
 	for _, m := range j.memhs {
 		_ = j.s.ctx.unmap(m)
@@ -368,8 +429,8 @@ func (j *sendJob[R]) revoke(cause error) {
 	})
 }
 
-// Finish revokes the handoff's registration. With the destination's done
-// (peer nil: sent after its gets and its flush completed) the transfer
+// Finish revokes the handoff's worker (and, pulled, its registration).
+// With the destination's done (peer nil: sent after its own evidence) the transfer
 // resolves nil; otherwise the revocation is the evidence and the outcome
 // wraps ErrRevoked.
 func (s *Sender[R]) Finish(id handoff.PlaneID, peer error) {
@@ -413,18 +474,21 @@ func (s *Sender[R]) Close() error {
 }
 
 // Receiver is the destination side's plane: for each handoff it starts a
-// UCX worker of its own, connects to the source's handoff worker, unpacks
-// the remote keys and reads the blocks with ucp_get_nbx into its own
-// registered regions, then flushes the endpoint. It is safe for
-// concurrent use.
+// UCX worker of its own. Pushed (the default), it posts a tagged receive
+// per block into the block's own pieces and checks every block against
+// its sum; pulled (Config.Pull), it connects to the source's handoff
+// worker, unpacks the remote keys and reads the blocks with ucp_get_nbx
+// into its own registered regions, then flushes the endpoint. It is safe
+// for concurrent use.
 type Receiver[R any] struct {
 	cfg    Config
 	ctx    *context
 	pieces func(R, []Span) []Span
 	stats  counters
+	keys   sessionKeys
 
 	mu       sync.Mutex
-	prepared map[handoff.PlaneID]int
+	prepared map[handoff.PlaneID]*prepared
 	jobs     map[*recvJob[R]]struct{}
 	closed   bool
 	wg       sync.WaitGroup
@@ -447,38 +511,80 @@ func NewReceiverOf[R any](cfg Config, loc func(R) Span) (*Receiver[R], error) {
 
 func newReceiver[R any](cfg Config, pieces func(R, []Span) []Span) (*Receiver[R], error) {
 	cfg.defaults()
-	ctx, err := newContext()
+	ctx, err := newContext(cfg.Pull)
 	if err != nil {
 		return nil, err
 	}
-	return &Receiver[R]{cfg: cfg, ctx: ctx, pieces: pieces, prepared: make(map[handoff.PlaneID]int), jobs: make(map[*recvJob[R]]struct{})}, nil
+	return &Receiver[R]{cfg: cfg, ctx: ctx, pieces: pieces, prepared: make(map[handoff.PlaneID]*prepared), jobs: make(map[*recvJob[R]]struct{})}, nil
 }
 
-// Prepare implements handoff.RecvPlane: the Accept bytes carry the block
-// count (the source's worker address travels in Start: the source owns
-// the registration, the destination connects to it).
+// Prepare implements handoff.RecvPlane. Pushed, it starts the handoff's
+// worker and the Accept bytes carry the block count, a random tag salt
+// and the worker's address (the source connects to it). Pulled, they
+// carry the block count (the source's worker address travels in Start:
+// the source owns the registration, the destination connects to it);
+// pull refuses an authenticated session (kvlease.ErrInvalidArgument).
 func (r *Receiver[R]) Prepare(id handoff.PlaneID, blocks int) ([]byte, error) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.closed {
-		return nil, fmt.Errorf("ucx: prepare: %w", ErrClosed)
-	}
-	if _, dup := r.prepared[id]; dup {
-		return nil, fmt.Errorf("ucx: prepare: %v already prepared: %w", id, kvlease.ErrInvalidArgument)
-	}
-	if blocks <= 0 {
+	if blocks <= 0 || blocks > handoff.MaxBlocks {
 		return nil, fmt.Errorf("ucx: prepare %d blocks: %w", blocks, kvlease.ErrInvalidArgument)
 	}
-	r.prepared[id] = blocks
-	b := []byte{'K', 'U', version}
-	return binary.LittleEndian.AppendUint32(b, uint32(blocks)), nil
+	p := &prepared{blocks: blocks}
+	var accept []byte
+	if r.cfg.Pull && r.keys.secure(id) {
+		return nil, errPullSecure
+	}
+	if r.cfg.Pull {
+		accept = binary.LittleEndian.AppendUint32([]byte{'K', 'U', version}, uint32(blocks))
+	} else {
+		var err error
+		if accept, err = r.preparePush(p); err != nil {
+			return nil, err
+		}
+	}
+	r.mu.Lock()
+	_, dup := r.prepared[id]
+	closed := r.closed
+	if !dup && !closed {
+		r.prepared[id] = p
+	}
+	r.mu.Unlock()
+	if dup || closed {
+		p.release()
+		if closed {
+			return nil, fmt.Errorf("ucx: prepare: %w", ErrClosed)
+		}
+		return nil, fmt.Errorf("ucx: prepare: %v already prepared: %w", id, kvlease.ErrInvalidArgument)
+	}
+	return accept, nil
 }
 
-// Forget implements handoff.RecvPlane.
+// prepared is a handoff between Prepare and Receive: its block count
+// and, in the push model, the worker its messages arrive at and the salt
+// of their tags.
+type prepared struct {
+	blocks int
+	w      *worker
+	salt   uint32
+}
+
+// release destroys a prepared worker that will never receive.
+func (p *prepared) release() {
+	if p.w != nil {
+		p.w.destroy(p.w.settle)
+		p.w = nil
+	}
+}
+
+// Forget implements handoff.RecvPlane: in the push model it destroys the
+// handoff's worker (nothing was received into a region: no transfer).
 func (r *Receiver[R]) Forget(id handoff.PlaneID) {
 	r.mu.Lock()
+	p := r.prepared[id]
 	delete(r.prepared, id)
 	r.mu.Unlock()
+	if p != nil {
+		p.release()
+	}
 }
 
 // start is the parsed Start bytes.
@@ -587,7 +693,8 @@ type recvJob[R any] struct {
 	flushed bool // the flush is posted
 	postErr error
 	bytes   int64
-	dead    bool // torn down: step must not touch UCX
+	dead    bool      // torn down: step must not touch UCX
+	push    *pushRecv // the push model's state, or nil
 
 	canceled atomic.Bool
 	once     sync.Once
@@ -603,13 +710,14 @@ type getOp struct {
 	key   int // index into keys
 }
 
-// Receive implements handoff.RecvPlane: it connects to the source's
-// handoff worker, registers the destination regions, attaches the
-// transfer and reads on the handoff worker's thread. The transfer
-// resolves as the package doc says.
+// Receive implements handoff.RecvPlane: it checks the Start bytes against
+// the regions (ErrCorrupt, kvlease.ErrInvalidArgument: nothing attached),
+// connects to the source's handoff worker, attaches the transfer and
+// receives (or, pulled, registers the regions and reads) on the handoff
+// worker's thread. The transfer resolves as the package doc says.
 func (r *Receiver[R]) Receive(id handoff.PlaneID, regions []R, startBytes []byte, attach func(*kvlease.Transfer) error) error {
 	r.mu.Lock()
-	blocks, ok := r.prepared[id]
+	p, ok := r.prepared[id]
 	delete(r.prepared, id)
 	closed := r.closed
 	r.mu.Unlock()
@@ -617,8 +725,13 @@ func (r *Receiver[R]) Receive(id handoff.PlaneID, regions []R, startBytes []byte
 		return fmt.Errorf("ucx: receive: %v not prepared: %w", id, kvlease.ErrInvalidArgument)
 	}
 	if closed {
+		p.release()
 		return fmt.Errorf("ucx: receive: %w", ErrClosed)
 	}
+	if !r.cfg.Pull {
+		return r.receivePush(id, p, regions, startBytes, attach)
+	}
+	blocks := p.blocks
 	st, err := parseStart(startBytes)
 	if err != nil {
 		return err
@@ -824,6 +937,9 @@ func (j *recvJob[R]) teardown() {
 				_ = j.w.closeEP(j.ep, true)
 				j.ep = nil
 			}
+			if j.push != nil {
+				j.w.settle() // the source connected to this worker
+			}
 		})
 	}
 	for _, m := range j.memhs {
@@ -843,8 +959,15 @@ func (j *recvJob[R]) finish(out error, revoked bool) {
 		j.r.mu.Lock()
 		delete(j.r.jobs, j)
 		j.r.mu.Unlock()
+		if j.push != nil {
+			j.push.free()
+		}
 		j.r.stats.add(func(s *Stats) {
-			s.Gets += j.next
+			if j.push != nil {
+				s.Messages += j.next
+			} else {
+				s.Gets += j.next
+			}
 			switch {
 			case revoked:
 				s.Revoked++
@@ -873,7 +996,15 @@ func (r *Receiver[R]) Close() error {
 	for j := range r.jobs {
 		all = append(all, j)
 	}
+	preps := make([]*prepared, 0, len(r.prepared))
+	for id, p := range r.prepared {
+		preps = append(preps, p)
+		delete(r.prepared, id)
+	}
 	r.mu.Unlock()
+	for _, p := range preps {
+		p.release()
+	}
 	for _, j := range all {
 		j.finish(fmt.Errorf("%w: %w", ErrClosed, ErrRevoked), true)
 	}

@@ -10,45 +10,71 @@ import (
 )
 
 func TestLoopbackDelivered(t *testing.T) {
-	l := newLoop(t, loopConfig{keepLeases: true})
-	lease, err := l.srcPool.Acquire("r1", 10)
-	if err != nil {
-		t.Fatal(err)
+	for _, tc := range []struct {
+		name  string
+		lc    loopConfig
+		keyed bool
+	}{
+		{"psk", loopConfig{keepLeases: true}, true},
+		{"tls", loopConfig{keepLeases: true, tls: true}, true},
+		{"insecure", loopConfig{keepLeases: true, insecure: true}, false},
+		{"pull", loopConfig{keepLeases: true, send: ucx.Config{Pull: true}, recv: ucx.Config{Pull: true}}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			l := newLoop(t, tc.lc)
+			lease, err := l.srcPool.Acquire("r1", 10)
+			if err != nil {
+				t.Fatal(err)
+			}
+			stamp(t, lease, 11)
+			o, err := l.src.Propose(1, "r1", lease, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			waitFinal(t, o)
+			if o.State() != handoff.Delivered {
+				t.Fatalf("source %v: %v", o.State(), o.History())
+			}
+			in := waitIncoming(t, l, 1)
+			if in.State() != handoff.Delivered {
+				t.Fatalf("destination %v: %v", in.State(), in.History())
+			}
+			if err := marked(in.Lease(), 11); err != nil {
+				t.Fatal(err)
+			}
+			if err := marked(lease, 11); err != nil {
+				t.Fatalf("source blocks changed: %v", err)
+			}
+			in.Lease().Release()
+			lease.Release()
+			// Authenticated, every block was checked against a MAC under
+			// the session's key; insecure, against a crc32c.
+			want := 0
+			if tc.keyed {
+				want = 1
+			}
+			if s, r := l.sender.Stats(), l.recv.Stats(); s.Keyed != want || r.Keyed != want || r.Completed != 1 {
+				t.Fatalf("send %+v recv %+v, want %d keyed", s, r, want)
+			}
+			if tc.lc.tls {
+				if p := in.Peer(); p.Mode != handoff.AuthTLS || p.Identity != prefillIdentity {
+					t.Fatalf("destination saw the proposer as %v", p)
+				}
+			}
+		})
 	}
-	stamp(t, lease, 11)
-	o, err := l.src.Propose(1, "r1", lease, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	waitFinal(t, o)
-	if o.State() != handoff.Delivered {
-		t.Fatalf("source %v: %v", o.State(), o.History())
-	}
-	in := waitIncoming(t, l, 1)
-	if in.State() != handoff.Delivered {
-		t.Fatalf("destination %v: %v", in.State(), in.History())
-	}
-	if err := marked(in.Lease(), 11); err != nil {
-		t.Fatal(err)
-	}
-	if err := marked(lease, 11); err != nil {
-		t.Fatalf("source blocks changed: %v", err)
-	}
-	in.Lease().Release()
-	lease.Release()
-	t.Logf("send %+v recv %+v", l.sender.Stats(), l.recv.Stats())
 }
 
 func TestManyRunsReadTheTable(t *testing.T) {
 	// 200 blocks, no two adjacent: 200 registrations, whose keys do not
-	// fit the Start bytes. The destination reads the run table from the
-	// source first, then the blocks.
-	sender, err := ucx.NewSender(ucx.Config{})
+	// fit the Start bytes. Pulled, the destination reads the run table
+	// from the source first, then the blocks.
+	sender, err := ucx.NewSender(ucx.Config{Pull: true})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer sender.Close()
-	recv, err := ucx.NewReceiver(ucx.Config{})
+	recv, err := ucx.NewReceiver(ucx.Config{Pull: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -240,4 +266,75 @@ func TestCancelIsARequest(t *testing.T) {
 		t.Fatalf("receiver %+v", s)
 	}
 	sender.Finish(id, errors.New("test over"))
+}
+
+func TestModelsMustAgree(t *testing.T) {
+	// A pushing sender refuses a destination that asks to pull (it would
+	// expose the source's memory), and a pulling sender refuses push
+	// Accept bytes: both with ErrCorrupt, before anything is attached.
+	regions := [][]byte{make([]byte, 64)}
+	attach := func(*kvlease.Transfer) error { t.Fatal("attached across models"); return nil }
+	for _, pull := range []bool{false, true} {
+		s, err := ucx.NewSender(ucx.Config{Pull: pull})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer s.Close()
+		r, err := ucx.NewReceiver(ucx.Config{Pull: !pull})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer r.Close()
+		id := handoff.PlaneID{Session: 1, Handoff: 1}
+		accept, err := r.Prepare(id, 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := s.Send(id, regions, accept, attach); !errors.Is(err, ucx.ErrCorrupt) {
+			t.Fatalf("sender (pull %v) took the other model's accept: %v", pull, err)
+		}
+		r.Forget(id)
+		if st := s.Stats(); st.Started != 0 || st.Registrations != 0 {
+			t.Fatalf("sender %+v", st)
+		}
+	}
+}
+
+func TestForgedBlocksFailTheHandoff(t *testing.T) {
+	// Blocks whose MACs are not under the session's key (here the
+	// source's plane derives its keys from another secret: blocks of
+	// another session, or from someone who lacks the key) land in the
+	// destination's lease but fail their check: the transfer resolves
+	// with ErrCorrupt, the handoff fails, nothing is sealed, and every
+	// block goes back to the pool.
+	l := newLoop(t, loopConfig{})
+	ucx.ForgeSessionKeys(l.sender, make([]byte, 32))
+	lease, err := l.srcPool.Acquire("r1", 6)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lease.Release()
+	stamp(t, lease, 12)
+	tokens := make([]int32, 6*env(64).BlockTokens)
+	for i := range tokens {
+		tokens[i] = int32(i)
+	}
+	o, err := l.src.ProposeTokens(1, "r1", lease, 0, tokens)
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFinal(t, o)
+	in := waitIncoming(t, l, 1)
+	if in.State() != handoff.Failed {
+		t.Fatalf("destination %v: %v", in.State(), in.History())
+	}
+	if o.State() != handoff.Failed {
+		t.Fatalf("source %v: %v", o.State(), o.History())
+	}
+	if s := l.dstPool.Stats(); s.Free != s.Capacity || s.Cached != 0 {
+		t.Fatalf("destination pool after forged blocks: %+v", s)
+	}
+	if r := l.recv.Stats(); r.Keyed != 1 || r.Completed != 0 {
+		t.Fatalf("receiver %+v", r)
+	}
 }

@@ -3,6 +3,7 @@ package ucx
 /*
 #cgo LDFLAGS: -lucp -lucs
 #include <ucp/api/ucp.h>
+#include <ucs/config/global_opts.h>
 #include <poll.h>
 #include <unistd.h>
 #include <stdlib.h>
@@ -54,14 +55,17 @@ static void kvu_ep_err(void *arg, ucp_ep_h ep, ucs_status_t st) {
 	e->failed = 1;
 }
 
-static ucs_status_t kvu_init(ucp_context_h *ctx) {
+// kvu_init creates a context: with remote memory access (rma: the pull
+// model) or with tagged messages only (the push model: no RMA feature, so
+// no worker of it serves UCP's software-emulated gets or puts).
+static ucs_status_t kvu_init(ucp_context_h *ctx, int rma) {
 	ucp_config_t *cfg;
 	ucs_status_t st = ucp_config_read(NULL, NULL, &cfg);
 	if (st != UCS_OK) return st;
 	ucp_params_t p;
 	memset(&p, 0, sizeof p);
 	p.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
-	p.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+	p.features = (rma ? UCP_FEATURE_RMA : UCP_FEATURE_TAG) | UCP_FEATURE_WAKEUP;
 	p.mt_workers_shared = 1;
 	st = ucp_init(&p, cfg, ctx);
 	ucp_config_release(cfg);
@@ -202,6 +206,104 @@ static int kvu_flush(ucp_ep_h ep, kvu_op *o, ucs_status_t *st) {
 	if (UCS_PTR_IS_ERR(r)) { *st = UCS_PTR_STATUS(r); return -1; }
 	return 0;
 }
+
+// kvu_recv is one posted tagged receive (a block, or the integrity
+// table): its request while outstanding, then its status and length. C
+// memory, touched only on its worker's thread.
+typedef struct {
+	void *req;
+	int done;
+	ucs_status_t status;
+	size_t length;
+	kvu_batch *batch;
+} kvu_recv;
+
+static void kvu_recv_cb(void *req, ucs_status_t st, const ucp_tag_recv_info_t *info, void *user) {
+	kvu_recv *r = (kvu_recv *)user;
+	r->status = st;
+	r->length = (st == UCS_OK && info != NULL) ? info->length : 0;
+	r->done = 1;
+	r->req = NULL;
+	if (r->batch != NULL) {
+		r->batch->completed++;
+		if (st != UCS_OK) {
+			if (r->batch->failed == 0) r->batch->first = st;
+			r->batch->failed++;
+		}
+	}
+	ucp_request_free(req);
+}
+
+// kvu_tag_recv posts a receive of exactly tag into buf (count bytes, or
+// count ucp_dt_iov_t entries when iov). Completion always comes through
+// kvu_recv_cb; it returns -1 on an immediate error (r is then done).
+static int kvu_tag_recv(ucp_worker_h w, uintptr_t buf, size_t count, int iov, uint64_t tag, kvu_recv *r) {
+	ucp_request_param_t p;
+	memset(&p, 0, sizeof p);
+	p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+	if (iov) {
+		p.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+		p.datatype = ucp_dt_make_iov();
+	}
+	p.cb.recv = kvu_recv_cb;
+	p.user_data = r;
+	ucs_status_ptr_t q = ucp_tag_recv_nbx(w, (void *)buf, count, tag, (ucp_tag_t)-1, &p);
+	if (UCS_PTR_IS_ERR(q)) {
+		r->done = 1;
+		r->status = UCS_PTR_STATUS(q);
+		if (r->batch != NULL) {
+			r->batch->completed++;
+			if (r->batch->failed == 0) r->batch->first = r->status;
+			r->batch->failed++;
+		}
+		return -1;
+	}
+	if (q == NULL) { // completed at once despite NO_IMM_CMPL: length unknown
+		r->done = 1;
+		r->status = UCS_ERR_NO_MESSAGE;
+		if (r->batch != NULL) {
+			r->batch->completed++;
+			if (r->batch->failed == 0) r->batch->first = r->status;
+			r->batch->failed++;
+		}
+		return -1;
+	}
+	r->req = q;
+	return 0;
+}
+
+// kvu_recv_cancel asks UCX to cancel r if it is still outstanding (a
+// receive not yet matched completes with UCS_ERR_CANCELED; a matched one
+// completes as usual).
+static void kvu_recv_cancel(ucp_worker_h w, kvu_recv *r) {
+	if (!r->done && r->req != NULL) ucp_request_cancel(w, r->req);
+}
+
+// kvu_tag_send posts a send of buf (count bytes, or count ucp_dt_iov_t
+// entries when iov) with tag; like kvu_get.
+static int kvu_tag_send(ucp_ep_h ep, uintptr_t buf, size_t count, int iov, uint64_t tag, kvu_batch *b,
+		ucs_status_t *st) {
+	ucp_request_param_t p;
+	memset(&p, 0, sizeof p);
+	p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+	if (iov) {
+		p.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+		p.datatype = ucp_dt_make_iov();
+	}
+	p.cb.send = kvu_batch_cb;
+	p.user_data = b;
+	ucs_status_ptr_t r = ucp_tag_send_nbx(ep, (const void *)buf, count, tag, &p);
+	if (r == NULL) { *st = UCS_OK; return 1; }
+	if (UCS_PTR_IS_ERR(r)) { *st = UCS_PTR_STATUS(r); return -1; }
+	return 0;
+}
+
+static void kvu_iov_set(ucp_dt_iov_t *v, size_t i, uintptr_t addr, size_t len) {
+	v[i].buffer = (void *)addr;
+	v[i].length = len;
+}
+
+static void *kvu_ptr(uintptr_t a) { return (void *)a; }
 */
 import "C"
 
@@ -213,6 +315,16 @@ import (
 	"sync/atomic"
 	"unsafe"
 )
+
+// setLogLevel sets UCX's log level. UCX reads UCX_LOG_LEVEL when the
+// library loads, before any Go code runs: tests that set the variable in
+// init use this for their own process.
+func setLogLevel(level string) error {
+	cn, cv := C.CString("LOG_LEVEL"), C.CString(level)
+	defer C.free(unsafe.Pointer(cn))
+	defer C.free(unsafe.Pointer(cv))
+	return status(C.ucs_global_opts_set_value(cn, cv))
+}
 
 // Status is a UCX status code (ucs_status_t) as an error.
 type Status int
@@ -253,9 +365,15 @@ var abandoned atomic.Int64
 // some memory until the process exits; none is ever progressed again.
 func Abandoned() int64 { return abandoned.Load() }
 
-func newContext() (*context, error) {
+// newContext initialises UCX: with remote memory access when rma (the
+// pull model), with tagged messages only otherwise (the push model).
+func newContext(rma bool) (*context, error) {
 	var h C.ucp_context_h
-	if err := status(C.kvu_init(&h)); err != nil {
+	r := C.int(0)
+	if rma {
+		r = 1
+	}
+	if err := status(C.kvu_init(&h, r)); err != nil {
 		return nil, fmt.Errorf("ucx: ucp_init: %w", err)
 	}
 	return &context{h: h}, nil
@@ -660,3 +778,103 @@ func (w *worker) getWait(e *endpoint, b cbuf, raddr uint64, k *rkey, spins int) 
 	}
 	return true, nil
 }
+
+// iovs is an array of ucp_dt_iov_t in C memory: the pieces of blocks, as
+// UCX gathers (send) or scatters (receive) one block's message.
+type iovs struct {
+	p *C.ucp_dt_iov_t
+	n int
+}
+
+func newIovs(spans []Span) iovs {
+	v := iovs{p: (*C.ucp_dt_iov_t)(C.calloc(C.size_t(max(len(spans), 1)), C.size_t(unsafe.Sizeof(C.ucp_dt_iov_t{})))), n: len(spans)}
+	for i, sp := range spans {
+		C.kvu_iov_set(v.p, C.size_t(i), C.uintptr_t(sp.Addr), C.size_t(sp.Len))
+	}
+	return v
+}
+
+func (v iovs) free() {
+	if v.p != nil {
+		C.free(unsafe.Pointer(v.p))
+	}
+}
+
+// at returns the address of entry i.
+func (v iovs) at(i int) uintptr { return uintptr(unsafe.Pointer(&unsafe.Slice(v.p, v.n)[i])) }
+
+// hostBytes returns the bytes of a host span, for the plane's own
+// integrity sums (the regions are the plane's to read or write while
+// their transfer is attached).
+func hostBytes(sp Span) []byte {
+	if sp.pin != nil {
+		return unsafe.Slice((*byte)(sp.pin), sp.Len)
+	}
+	return unsafe.Slice((*byte)(C.kvu_ptr(C.uintptr_t(sp.Addr))), sp.Len)
+}
+
+// send posts ucp_tag_send_nbx of n bytes at buf (or n iov entries at buf
+// when iov) with tag; completion is counted in b. It returns whether it
+// completed at once, and an immediate error.
+func (e *endpoint) send(buf uintptr, n int, iov bool, tag uint64, b batch) (bool, error) {
+	var st C.ucs_status_t
+	v := C.int(0)
+	if iov {
+		v = 1
+	}
+	switch C.kvu_tag_send(e.h, C.uintptr_t(buf), C.size_t(n), v, C.uint64_t(tag), b.b, &st) {
+	case 1:
+		return true, nil
+	case 0:
+		return false, nil
+	}
+	return false, fmt.Errorf("ucx: ucp_tag_send_nbx: %w", Status(st))
+}
+
+// recvs is an array of kvu_recv in C memory, one per posted receive,
+// whose completions are also counted in a batch.
+type recvs struct {
+	p *C.kvu_recv
+	n int
+	b batch
+}
+
+func newRecvs(n int) recvs {
+	r := recvs{p: (*C.kvu_recv)(C.calloc(C.size_t(max(n, 1)), C.size_t(unsafe.Sizeof(C.kvu_recv{})))), n: n, b: newBatch()}
+	for i := range n {
+		r.at(i).batch = r.b.b
+	}
+	return r
+}
+
+func (r recvs) free() {
+	if r.p != nil {
+		C.free(unsafe.Pointer(r.p))
+		r.b.free()
+	}
+}
+
+func (r recvs) at(i int) *C.kvu_recv { return &unsafe.Slice(r.p, r.n)[i] }
+
+// result reports whether receive i completed, its length and its status.
+func (r recvs) result(i int) (done bool, n int, err error) {
+	x := r.at(i)
+	return x.done != 0, int(x.length), status(x.status)
+}
+
+// recv posts receive i: n bytes at buf (or n iov entries when iov) with
+// exactly tag. Worker thread only.
+func (w *worker) recv(r recvs, i int, buf uintptr, n int, iov bool, tag uint64) error {
+	v := C.int(0)
+	if iov {
+		v = 1
+	}
+	if C.kvu_tag_recv(w.h, C.uintptr_t(buf), C.size_t(n), v, C.uint64_t(tag), r.at(i)) != 0 {
+		return fmt.Errorf("ucx: ucp_tag_recv_nbx: %w", Status(r.at(i).status))
+	}
+	return nil
+}
+
+// cancel asks UCX to cancel receive i if it is outstanding. Worker
+// thread only.
+func (w *worker) cancel(r recvs, i int) { C.kvu_recv_cancel(w.h, r.at(i)) }

@@ -1,10 +1,22 @@
 #!/usr/bin/env bash
-# UCX data plane: the two-process teaching example over UCX_TLS=tcp, once,
-# as the README runs it. UCX is installed and the module's tests (its
-# fault suite among them) run in .ci/run with the other nested modules.
+# UCX data plane: the two-process teaching example over UCX_TLS=tcp, as
+# the README runs it: authenticated by default (the prefill process hands
+# the decode process a pre-shared key through an inherited pipe), then
+# once -insecure. UCX is installed and the module's tests (its fault,
+# exposure and integrity suites among them) run in .ci/run with the other
+# nested modules.
 set -euo pipefail
 cd "$(dirname "$0")/../../ucx"
 out=$(go run ./examples/disagg -seed 1)
-echo "$out" | tail -12
+echo "$out" | tail -13
 echo "$out" | grep -Eq '^  marker mismatches +0$'
 echo "$out" | grep -Eq '^  late writes +0 '
+echo "$out" | grep -Eq '^  authenticated psk '
+out=$(go run ./examples/disagg -seed 1 -insecure -quiet)
+echo "$out" | grep -Eq '^  authenticated none '
+echo "$out" | grep -Eq '^  marker mismatches +0$'
+echo "$out" | grep -Eq '^  late writes +0 '
+# The plane bytes come from the peer: a short fuzz of each parser.
+for f in FuzzParsePushAccept FuzzParsePushStart FuzzParseStart; do
+	go test -run '^$' -fuzz "^$f\$" -fuzztime 10s . > /dev/null
+done

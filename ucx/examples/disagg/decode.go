@@ -15,6 +15,7 @@ import (
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
 	"github.com/kvlease/kvlease/ucx"
+	"github.com/kvlease/kvlease/ucx/internal/keypipe"
 )
 
 // IsDecode reports whether this process is the decode side that Run
@@ -84,9 +85,10 @@ func (p plane) Receive(id handoff.PlaneID, regions [][]byte, start []byte, attac
 	})
 }
 
-// beforeGet runs on a handoff's reader thread before each get: the audit
-// (a get into a handoff whose transfer resolved would write memory that
-// may be back in the pool) and the seed's faults.
+// beforeGet runs on a handoff's reader thread before each block's
+// receive is posted: the audit (a receive posted into a handoff whose
+// transfer resolved would let a message write memory that may be back in
+// the pool) and the seed's faults.
 func (d *decode) beforeGet(id handoff.PlaneID, block int) {
 	d.mu.Lock()
 	t := d.transfers[id.Handoff]
@@ -117,6 +119,13 @@ func RunDecode(Config) int {
 		return 1
 	}
 	ucxEnv()
+	// The pre-shared key comes down the pipe the prefill process handed
+	// us; without one, only an -insecure run goes on.
+	key, ok, err := keypipe.Read()
+	if err != nil || (!ok && !cfg.Insecure) {
+		fmt.Fprintln(os.Stderr, "disagg decode: no key from the prefill process:", err)
+		return 1
+	}
 	mem, err := kvlease.NewHostMemory(decodeBlocks, envelope.BlockBytes)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "disagg decode:", err)
@@ -131,7 +140,8 @@ func RunDecode(Config) int {
 		d.goCh[uint64(p.id)] = make(chan struct{})
 		d.resume[uint64(p.id)] = make(chan struct{})
 	}
-	// One block per get, so that a fault lands between two blocks.
+	// One block per message (and, pulled, per get), so that a fault
+	// lands between two blocks.
 	if d.recv, err = ucx.NewReceiver(ucx.Config{MaxGet: envelope.BlockBytes, Window: 4, BeforeGet: d.beforeGet}); err != nil {
 		fmt.Fprintln(os.Stderr, "disagg decode:", err)
 		return 1
@@ -139,7 +149,10 @@ func RunDecode(Config) int {
 	decodeEnv := envelope
 	decodeEnv.PoolBlocks = decodeBlocks
 	dst, err := handoff.NewDestination(pool, plane{d}, handoff.DestinationConfig[[]byte]{
-		HalfConfig: handoff.HalfConfig{Envelope: decodeEnv, Name: "decode", Peer: "prefill", Deadline: cfg.Deadline},
+		HalfConfig: auth(handoff.HalfConfig{Envelope: decodeEnv, Name: "decode", Peer: "prefill", Deadline: cfg.Deadline}, key),
+		// One prefill process, authenticated: the whole pool is its to
+		// fill (the default caps a session at half of it).
+		MaxSessionBlocks: -1,
 		Decide: func(*handoff.ProposeMsg) error {
 			d.mu.Lock()
 			defer d.mu.Unlock()

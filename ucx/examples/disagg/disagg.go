@@ -22,6 +22,7 @@ import (
 	"github.com/kvlease/kvlease/handoff"
 	"github.com/kvlease/kvlease/internal/ledger"
 	"github.com/kvlease/kvlease/ucx"
+	"github.com/kvlease/kvlease/ucx/internal/keypipe"
 )
 
 // Config is one run of the example. The flags are the root example's;
@@ -43,8 +44,8 @@ type Config struct {
 	// evidence lifts the quarantine.
 	LateAckRate float64
 	// IgnoreCancelRate is accepted for the root example's command lines:
-	// a UCX get cannot ignore a cancel (the plane stops posting gets and
-	// flushes), so it changes nothing here.
+	// the UCX plane cannot ignore a cancel (it stops posting receives and
+	// withdraws the ones no message matched), so it changes nothing here.
 	IgnoreCancelRate float64
 	// AbortRate and EarlyAbortRate are the probabilities that a client
 	// goes away while its blocks are being read, or right after its
@@ -53,6 +54,13 @@ type Config struct {
 	// Deadline is both halves' deadline.
 	Deadline time.Duration
 	Quiet    bool
+	// Insecure runs the control session unauthenticated (and the blocks
+	// with crc32c sums). By default the prefill process draws a
+	// pre-shared key and hands it to the decode process through an
+	// inherited pipe (never the command line or the environment); the
+	// session is authenticated with it and every block carries a MAC
+	// under the session.
+	Insecure bool
 }
 
 // DefaultConfig is the README's run.
@@ -72,11 +80,12 @@ func (cfg *Config) Flags(fs *flag.FlagSet) {
 	fs.Float64Var(&cfg.FailRate, "fail", cfg.FailRate, "probability a transfer fails (its Start bytes arrive corrupted)")
 	fs.Float64Var(&cfg.LostAckRate, "lost-ack", cfg.LostAckRate, "probability the decode reader stalls mid-transfer past the deadlines (no evidence from it)")
 	fs.Float64Var(&cfg.LateAckRate, "late-ack", cfg.LateAckRate, "probability a stalled reader resumes later (late evidence lifting the quarantine)")
-	fs.Float64Var(&cfg.IgnoreCancelRate, "ignore-cancel", cfg.IgnoreCancelRate, "accepted for compatibility: a UCX get cannot ignore a cancel")
+	fs.Float64Var(&cfg.IgnoreCancelRate, "ignore-cancel", cfg.IgnoreCancelRate, "accepted for compatibility: the UCX plane cannot ignore a cancel")
 	fs.Float64Var(&cfg.AbortRate, "abort", cfg.AbortRate, "probability the client goes away while its blocks are read")
 	fs.Float64Var(&cfg.EarlyAbortRate, "early-abort", cfg.EarlyAbortRate, "probability the client goes away right after its proposal")
 	fs.DurationVar(&cfg.Deadline, "deadline", cfg.Deadline, "both halves' deadline for evidence")
 	fs.BoolVar(&cfg.Quiet, "quiet", cfg.Quiet, "print only the ledger")
+	fs.BoolVar(&cfg.Insecure, "insecure", cfg.Insecure, "run the control session unauthenticated (blocks with crc32c, not MACs)")
 	fs.Bool("net", true, "accepted for the root example's command lines: this example always runs two processes")
 }
 
@@ -244,9 +253,23 @@ func ucxEnv() {
 
 const roleEnv, configEnv, ctrlEnv = "KVLEASE_UCX_DISAGG_ROLE", "KVLEASE_UCX_DISAGG_CONFIG", "KVLEASE_UCX_DISAGG_CTRL"
 
+// pskID names the example's pre-shared key.
+const pskID = "ucx-disagg"
+
+// auth is a half config's authentication with key (nil: insecure).
+func auth(hc handoff.HalfConfig, key []byte) handoff.HalfConfig {
+	if key == nil {
+		hc.Insecure = true
+	} else {
+		hc.Auth = &handoff.PSK{ID: pskID, Key: key}
+	}
+	return hc
+}
+
 // startChild re-executes this program as the decode process, which dials
-// back the control listener ln.
-func startChild(cfg Config, ln net.Listener) (*child, error) {
+// back the control listener ln. key, unless nil, goes down a pipe the
+// child inherits (keypipe): never its command line or environment.
+func startChild(cfg Config, ln net.Listener, key []byte) (*child, error) {
 	exe, err := os.Executable()
 	if err != nil {
 		return nil, err
@@ -258,6 +281,12 @@ func startChild(cfg Config, ln net.Listener) (*child, error) {
 	cmd := exec.Command(exe)
 	cmd.Env = append(os.Environ(), roleEnv+"=decode", configEnv+"="+string(js), ctrlEnv+"="+ln.Addr().String())
 	cmd.Stderr = os.Stderr
+	sendKey := func() error { return nil }
+	if key != nil {
+		if sendKey, err = keypipe.Attach(cmd, key); err != nil {
+			return nil, err
+		}
+	}
 	c := &child{cmd: cmd, lines: make(chan string, 256), done: make(chan struct{})}
 	if c.in, err = cmd.StdinPipe(); err != nil {
 		return nil, err
@@ -266,7 +295,13 @@ func startChild(cfg Config, ln net.Listener) (*child, error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := cmd.Start(); err != nil {
+	err = cmd.Start()
+	if kerr := sendKey(); err == nil && kerr != nil {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		err = kerr
+	}
+	if err != nil {
 		return nil, err
 	}
 	go func() {
@@ -315,7 +350,14 @@ func Run(cfg Config, out io.Writer) (Ledger, error) {
 	if err != nil {
 		return Ledger{}, err
 	}
-	c, err := startChild(cfg, ln)
+	var key []byte
+	if !cfg.Insecure {
+		if key, err = handoff.GenerateKey(); err != nil {
+			_ = ln.Close()
+			return Ledger{}, err
+		}
+	}
+	c, err := startChild(cfg, ln, key)
 	if err != nil {
 		_ = ln.Close()
 		return Ledger{}, err
@@ -335,7 +377,7 @@ func Run(cfg Config, out io.Writer) (Ledger, error) {
 	if err != nil {
 		return Ledger{}, fmt.Errorf("the decode process never connected: %w", err)
 	}
-	src, err := handoff.NewSource(conn, sender, handoff.HalfConfig{Envelope: envelope, Name: "prefill", Peer: "decode", Deadline: cfg.Deadline})
+	src, err := handoff.NewSource(conn, sender, auth(handoff.HalfConfig{Envelope: envelope, Name: "prefill", Peer: "decode", Deadline: cfg.Deadline}, key))
 	if err != nil {
 		return Ledger{}, err
 	}
@@ -448,6 +490,7 @@ func Run(cfg Config, out io.Writer) (Ledger, error) {
 
 	var l Ledger
 	l.Requests = len(reqs)
+	l.Authenticated = src.Peer().Mode.String()
 	for _, r := range reqs {
 		if r.src != nil {
 			r.src.Release() // the prefill side is done with it, whatever happened
@@ -572,6 +615,15 @@ func printLedger(out io.Writer, cfg Config, l Ledger) {
 		fmt.Fprintf(out, "  %-7s blocks free %4d of %d, quarantined %d, other %d\n",
 			p.name, p.s.Free, p.s.Capacity, p.s.Quarantined, p.s.Capacity-p.s.Free-p.s.Quarantined)
 	}
+	fmt.Fprintf(out, "  authenticated %s  (%s)\n", l.Authenticated, authNote(l.Authenticated))
 	fmt.Fprintf(out, "  marker mismatches  %4d\n", l.MarkerMismatches)
-	fmt.Fprintf(out, "  late writes        %4d  (gets posted into handoffs already resolved)\n", l.LateWrites)
+	fmt.Fprintf(out, "  late writes        %4d  (receives posted into handoffs already resolved)\n", l.LateWrites)
+}
+
+// authNote says what the authentication mode of the run means.
+func authNote(mode string) string {
+	if mode == "none" {
+		return "-insecure: crc32c block sums; anyone who reaches the ports could propose, or send blocks"
+	}
+	return "both halves proved the key; every control frame and every block bound to the session"
 }

@@ -28,7 +28,7 @@ func TestRunClean(t *testing.T) {
 		if p := l.Problems(); len(p) > 0 {
 			t.Fatalf("seed %d: %v\n%s", seed, p, out.String())
 		}
-		for _, line := range []string{"marker mismatches     0", "late writes           0"} {
+		for _, line := range []string{"marker mismatches     0", "late writes           0", "\n  authenticated psk  ("} {
 			if !strings.Contains(out.String(), line) {
 				t.Fatalf("seed %d: no line %q in\n%s", seed, line, out.String())
 			}
@@ -52,5 +52,21 @@ func TestRunShowsEveryOutcome(t *testing.T) {
 	}
 	if l.Delivered == 0 || l.Failed == 0 || l.Aborted == 0 || l.Quarantined == 0 || l.Rejected() == 0 {
 		t.Fatalf("not every outcome: %+v\n%s", l, out.String())
+	}
+}
+
+// TestRunInsecure: -insecure runs the halves unauthenticated, and the
+// ledger says so; the default run is authenticated (TestRunClean).
+func TestRunInsecure(t *testing.T) {
+	cfg := DefaultConfig()
+	cfg.Insecure = true
+	cfg.Requests = 8
+	var out strings.Builder
+	l, err := Run(cfg, &out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p := l.Problems(); len(p) > 0 || l.Authenticated != "none" || !strings.Contains(out.String(), "\n  authenticated none  (") {
+		t.Fatalf("problems %v, authenticated %q\n%s", p, l.Authenticated, out.String())
 	}
 }

@@ -8,20 +8,24 @@
 // Every request is admitted (or refused) against one agreed Envelope,
 // prefilled into its own prefill lease, where it writes its own marker,
 // then proposed to the decode process, which accepts (holding a lease)
-// or rejects (by policy or because its pool is exhausted) and then reads
-// the blocks with RMA gets from the registration the prefill side made
-// for that handoff. Faults are real ones, injected at the decode side:
+// or rejects (by policy or because its pool is exhausted) and then
+// receives the blocks, which the prefill side sends as tagged messages,
+// each checked against a MAC under the session. The two processes
+// authenticate each other with a pre-shared key the prefill process draws
+// and hands down a pipe (-insecure: none; the ledger's "authenticated"
+// line says which). Faults are real ones, injected at the decode side:
 // Start bytes corrupted in transit (-fail), a reader that stalls in the
 // middle of a transfer past both deadlines (-lost-ack) and may resume
 // later (-late-ack), a client that goes away while its blocks are being
 // read (-abort) or before (-early-abort). The program prints each
 // request's ownership timeline on both sides (which blocks it held, and
 // the evidence for every transition), then the ledger. Marker mismatches
-// and late writes (a get posted into a handoff whose transfer had already
-// resolved, so whose blocks could be back in the pool) must be 0.
+// and late writes (a receive posted into a handoff whose transfer had
+// already resolved, so whose blocks could be back in the pool) must be 0.
 //
 //	cd ucx && go run ./examples/disagg -seed 1
 //	cd ucx && go run ./examples/disagg -requests 60 -seed 7 -lost-ack 0.2 -quiet
+//	cd ucx && go run ./examples/disagg -seed 1 -insecure
 package main
 
 import (

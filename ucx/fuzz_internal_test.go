@@ -1,0 +1,66 @@
+package ucx
+
+import (
+	"errors"
+	"testing"
+)
+
+// The plane bytes come from the peer: every parser refuses what it
+// cannot use with ErrCorrupt, never panics, and allocates only after a
+// length check.
+
+func FuzzParsePushAccept(f *testing.F) {
+	f.Add(append([]byte{'K', 'U', pushVersion, 2, 0, 0, 0, 7, 0, 0, 0, 3, 0}, 1, 2, 3))
+	f.Add([]byte{'K', 'U', version, 2, 0, 0, 0})
+	f.Fuzz(func(t *testing.T, b []byte) {
+		blocks, _, addr, err := parsePushAccept(b)
+		if err != nil {
+			if !errors.Is(err, ErrCorrupt) {
+				t.Fatalf("error %v does not wrap ErrCorrupt", err)
+			}
+			return
+		}
+		if blocks <= 0 || len(addr) == 0 {
+			t.Fatalf("accepted %d blocks, address of %d bytes", blocks, len(addr))
+		}
+	})
+}
+
+func FuzzParsePushStart(f *testing.F) {
+	f.Add(appendPushStart(nil, []int{4096}, 3, IntegrityMAC, make([]byte, nonceLen), []byte{1, 2, 3}))
+	f.Add(appendPushStart(nil, []int{256, 256, 512}, 1, IntegrityCRC, make([]byte, nonceLen), make([]byte, 60)))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		st, err := parsePushStart(b)
+		if err != nil {
+			if !errors.Is(err, ErrCorrupt) {
+				t.Fatalf("error %v does not wrap ErrCorrupt", err)
+			}
+			return
+		}
+		if again := appendPushStart(nil, st.sizes, st.blocks, st.mode, st.nonce, st.addr); string(again) != string(b) {
+			t.Fatalf("parsed start does not round-trip")
+		}
+	})
+}
+
+func FuzzParseStart(f *testing.F) {
+	regs := []run{{addr: 0x1000, n: 4096}, {addr: 0x3000, n: 8192}}
+	keys := [][]byte{{1, 2}, {3}}
+	table := appendTable(nil, regs, keys, regs, false)
+	good := []byte{'K', 'U', version, 1, 0, 0, 16, 0, 0, 3, 0, 0, 0, 2, 0, 9, 9, tableInline}
+	f.Add(append(good, table...))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		st, err := parseStart(b)
+		if err != nil {
+			if !errors.Is(err, ErrCorrupt) {
+				t.Fatalf("error %v does not wrap ErrCorrupt", err)
+			}
+			return
+		}
+		if st.table != nil {
+			if _, _, err := parseTable(st.table, st.blocks, st.sizes); err != nil && !errors.Is(err, ErrCorrupt) {
+				t.Fatalf("table error %v does not wrap ErrCorrupt", err)
+			}
+		}
+	})
+}

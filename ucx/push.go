@@ -1,0 +1,792 @@
+package ucx
+
+import (
+	"crypto/aes"
+	"crypto/cipher"
+	"crypto/hmac"
+	"crypto/rand"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"hash/crc32"
+
+	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/handoff"
+)
+
+// The push model (the default). The destination exposes nothing and
+// names no address of the source: its Prepare starts a worker of the
+// handoff's own and puts that worker's address and a random tag salt in
+// the Accept bytes; the source connects to it and sends each block as
+// one tagged message (ucp_tag_send_nbx; a block of several pieces is
+// gathered from its pieces with an iov datatype), then a table of the
+// blocks' integrity sums. The destination receives each block into its
+// own pieces (ucp_tag_recv_nbx with the block's exact tag, scattered
+// with an iov datatype), so a message lands only where the destination
+// put it, and only into a block of this handoff. Both contexts are
+// created without UCP_FEATURE_RMA: no worker of this model serves a
+// software-emulated get or put (UCX registers those handlers only for
+// that feature).
+
+const (
+	// pushVersion is the version byte of the push model's plane bytes.
+	pushVersion = 3
+	// pushAcceptMin is "KU", version, blocks, salt, address length.
+	pushAcceptMin = 2 + 1 + 4 + 4 + 2
+	// tableIndex is the low half of the integrity table's tag.
+	tableIndex = 0xFFFF_FFFF
+	// macLen is the bytes of a block's keyed sum (a GMAC tag).
+	macLen = 16
+	// nonceLen is the bytes of the source's random nonce in Start.
+	nonceLen = 16
+)
+
+// Integrity is how the destination checks each block it received in the
+// push model.
+type Integrity byte
+
+const (
+	// IntegrityNone: no check (device memory, which the CPU cannot read).
+	IntegrityNone Integrity = iota
+	// IntegrityCRC: crc32c (Castagnoli) of each block. It catches
+	// corruption, not forgery: the insecure mode's check.
+	IntegrityCRC
+	// IntegrityMAC: a GMAC (AES-256-GCM) of each block under a key
+	// derived from the control session's key for this handoff alone, with
+	// the block index in its nonce: a block of another handoff, another
+	// session, another place in this handoff, or from anyone who does not
+	// hold the session key, is refused.
+	IntegrityMAC
+)
+
+// String returns the mode's name: none, crc32c or gmac.
+func (m Integrity) String() string {
+	switch m {
+	case IntegrityNone:
+		return "none"
+	case IntegrityCRC:
+		return "crc32c"
+	case IntegrityMAC:
+		return "gmac"
+	}
+	return fmt.Sprintf("Integrity(%d)", byte(m))
+}
+
+func (m Integrity) sumLen() int {
+	switch m {
+	case IntegrityCRC:
+		return 4
+	case IntegrityMAC:
+		return macLen
+	}
+	return 0
+}
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+// keyLabel is the HKDF label of this plane's keys (handoff.Peer.Key).
+const keyLabel = "kvlease ucx data v1"
+
+// keyContext is what a handoff's MAC key is derived for: the handoff id,
+// the source's random nonce and the destination's salt, so the key is
+// new for every handoff (even if an id repeated in a session, as long as
+// either side is honest) and a nonce never repeats under it.
+func keyContext(handoffID uint64, nonce []byte, salt uint32) []byte {
+	c := binary.LittleEndian.AppendUint64(nil, handoffID)
+	c = append(c, nonce...)
+	return binary.LittleEndian.AppendUint32(c, salt)
+}
+
+// summer computes blocks' integrity sums. One per job, used on one
+// thread at a time.
+//
+// The keyed sum is GMAC (AES-256-GCM over no plaintext, the data as
+// additional data) under the handoff's key: one GMAC per unit, the
+// source's pieces (so both sides cut a block the same way, however their
+// own pieces lie), each with the nonce (block, unit); a block of one
+// unit's sum is that GMAC, a block of several units' is a GMAC of their
+// GMACs with the nonce (block, all units). The block index is in every
+// nonce, the handoff (and the session) in the key. A unit that straddles
+// two of a side's pieces is copied into a scratch buffer first.
+type summer struct {
+	mode    Integrity
+	units   []int // the source's piece sizes
+	gcm     cipher.AEAD
+	scratch []byte
+	tags    []byte
+	nonce   [12]byte
+}
+
+func newSummer(mode Integrity, key []byte, units []int) (*summer, error) {
+	s := &summer{mode: mode, units: units}
+	if mode != IntegrityMAC {
+		return s, nil
+	}
+	c, err := aes.NewCipher(key)
+	if err != nil {
+		return nil, fmt.Errorf("ucx: block key: %w", err)
+	}
+	if s.gcm, err = cipher.NewGCM(c); err != nil {
+		return nil, fmt.Errorf("ucx: block key: %w", err)
+	}
+	return s, nil
+}
+
+// gmac appends the GMAC of data under nonce (block, unit) to dst.
+func (s *summer) gmac(dst, data []byte, block, unit uint32) []byte {
+	binary.LittleEndian.PutUint32(s.nonce[0:], block)
+	binary.LittleEndian.PutUint32(s.nonce[4:], unit)
+	return s.gcm.Seal(dst, s.nonce[:], nil, data)
+}
+
+// sum writes block b's sum of the block's bytes (its pieces, in piece
+// order) to dst.
+func (s *summer) sum(dst []byte, b int, pieces []Span) {
+	switch s.mode {
+	case IntegrityCRC:
+		var c uint32
+		for _, sp := range pieces {
+			c = crc32.Update(c, castagnoli, hostBytes(sp))
+		}
+		binary.LittleEndian.PutUint32(dst, c)
+	case IntegrityMAC:
+		s.tags = s.tags[:0]
+		pi, off := 0, 0 // the piece and offset the next unit starts at
+		for u, n := range s.units {
+			var data []byte
+			if p := hostBytes(pieces[pi]); len(p)-off >= n {
+				data = p[off : off+n]
+				if off += n; off == len(p) {
+					pi, off = pi+1, 0
+				}
+			} else {
+				if cap(s.scratch) < n {
+					s.scratch = make([]byte, n)
+				}
+				data = s.scratch[:n]
+				for got := 0; got < n; {
+					p := hostBytes(pieces[pi])
+					c := copy(data[got:], p[off:])
+					got += c
+					if off += c; off == len(p) {
+						pi, off = pi+1, 0
+					}
+				}
+			}
+			s.tags = s.gmac(s.tags, data, uint32(b), uint32(u))
+		}
+		if len(s.units) == 1 {
+			copy(dst, s.tags)
+			return
+		}
+		copy(dst, s.gmac(s.tags[len(s.tags):], s.tags, uint32(b), tableIndex))
+	}
+}
+
+func tagOf(salt uint32, i uint32) uint64 { return uint64(salt)<<32 | uint64(i) }
+
+// allHost reports whether every span is host memory (which the CPU can
+// sum).
+func allHost(spans []Span) bool {
+	for _, sp := range spans {
+		if sp.Memory != Host {
+			return false
+		}
+	}
+	return true
+}
+
+// integrityFor picks the sums for a handoff: keyed when the session has
+// a key, crc32c without one, none for device memory.
+func integrityFor(key []byte, spans []Span) Integrity {
+	switch {
+	case !allHost(spans):
+		return IntegrityNone
+	case key != nil:
+		return IntegrityMAC
+	}
+	return IntegrityCRC
+}
+
+// preparePush starts the handoff's worker and returns the Accept bytes:
+// "KU", pushVersion, blocks, salt, the worker's address.
+func (r *Receiver[R]) preparePush(p *prepared) ([]byte, error) {
+	var salt [4]byte
+	if _, err := rand.Read(salt[:]); err != nil {
+		return nil, fmt.Errorf("ucx: prepare: %w", err)
+	}
+	p.salt = binary.LittleEndian.Uint32(salt[:])
+	w, err := r.ctx.newWorker()
+	if err != nil {
+		return nil, err
+	}
+	var addr []byte
+	if cerr := w.call(func() { addr, err = w.address() }); cerr != nil {
+		err = cerr
+	}
+	if err != nil {
+		w.destroy(nil)
+		return nil, err
+	}
+	p.w = w
+	b := []byte{'K', 'U', pushVersion}
+	b = binary.LittleEndian.AppendUint32(b, uint32(p.blocks))
+	b = binary.LittleEndian.AppendUint32(b, p.salt)
+	b = binary.LittleEndian.AppendUint16(b, uint16(len(addr)))
+	b = append(b, addr...)
+	if len(b) > handoff.MaxPlane {
+		p.release()
+		return nil, fmt.Errorf("ucx: accept bytes %d exceed %d: %w", len(b), handoff.MaxPlane, kvlease.ErrExceedsCapacity)
+	}
+	return b, nil
+}
+
+// parsePushAccept parses the push model's Accept bytes.
+func parsePushAccept(b []byte) (blocks int, salt uint32, addr []byte, err error) {
+	if len(b) >= 3 && b[0] == 'K' && b[1] == 'U' && b[2] == version {
+		return 0, 0, nil, fmt.Errorf("ucx: the destination asks to read this source's memory (the pull model); this sender pushes (set Config.Pull on both sides to trust the destination with it): %w", ErrCorrupt)
+	}
+	if len(b) < pushAcceptMin || b[0] != 'K' || b[1] != 'U' || b[2] != pushVersion {
+		return 0, 0, nil, fmt.Errorf("ucx: accept bytes of %d: %w", len(b), ErrCorrupt)
+	}
+	blocks = int(binary.LittleEndian.Uint32(b[3:]))
+	salt = binary.LittleEndian.Uint32(b[7:])
+	n := int(binary.LittleEndian.Uint16(b[11:]))
+	if n == 0 || len(b) != pushAcceptMin+n || blocks <= 0 || blocks > handoff.MaxBlocks {
+		return 0, 0, nil, fmt.Errorf("ucx: accept bytes: %d blocks, address of %d bytes in %d: %w", blocks, n, len(b), ErrCorrupt)
+	}
+	return blocks, salt, b[pushAcceptMin:], nil
+}
+
+// pushStart is the push model's parsed Start bytes: "KU", pushVersion,
+// the piece count and sizes of a block, the block count, the integrity
+// mode, a random nonce of the source's, the source worker's address (the destination connects to it to
+// learn of the source's failure; it reads nothing there).
+type pushStart struct {
+	sizes  []int
+	blocks int
+	mode   Integrity
+	nonce  []byte // the source's, for the handoff's MAC key
+	addr   []byte
+}
+
+func appendPushStart(b []byte, sizes []int, blocks int, mode Integrity, nonce, addr []byte) []byte {
+	b = append(b, 'K', 'U', pushVersion)
+	b = binary.LittleEndian.AppendUint16(b, uint16(len(sizes)))
+	for _, n := range sizes {
+		b = binary.LittleEndian.AppendUint32(b, uint32(n))
+	}
+	b = binary.LittleEndian.AppendUint32(b, uint32(blocks))
+	b = append(b, byte(mode))
+	b = append(b, nonce...)
+	b = binary.LittleEndian.AppendUint16(b, uint16(len(addr)))
+	return append(b, addr...)
+}
+
+func parsePushStart(b []byte) (*pushStart, error) {
+	r := &reader{b: b}
+	if h := r.take(3); h == nil || h[0] != 'K' || h[1] != 'U' || h[2] != pushVersion {
+		return nil, fmt.Errorf("ucx: start bytes: bad header: %w", ErrCorrupt)
+	}
+	np := r.u16()
+	if r.err == nil && (np == 0 || np > maxPieces) {
+		return nil, fmt.Errorf("ucx: start bytes: blocks of %d pieces: %w", np, ErrCorrupt)
+	}
+	s := &pushStart{sizes: make([]int, np)}
+	for i := range s.sizes {
+		if s.sizes[i] = r.u32(); r.err == nil && s.sizes[i] <= 0 {
+			return nil, fmt.Errorf("ucx: start bytes: piece %d of %d bytes: %w", i, s.sizes[i], ErrCorrupt)
+		}
+	}
+	s.blocks = r.u32()
+	mode := r.take(1)
+	s.nonce = r.take(nonceLen)
+	s.addr = r.take(r.u16())
+	if r.err != nil {
+		return nil, r.err
+	}
+	s.mode = Integrity(mode[0])
+	if len(r.b) != 0 || len(s.addr) == 0 || s.blocks <= 0 || s.blocks > handoff.MaxBlocks || s.mode > IntegrityMAC {
+		return nil, fmt.Errorf("ucx: start bytes: %d blocks, integrity %d, address of %d bytes, %d trailing: %w", s.blocks, mode[0], len(s.addr), len(r.b), ErrCorrupt)
+	}
+	return s, nil
+}
+
+// pushSend is a source job's push state. Everything is owned by the
+// job's worker thread once it is polled.
+type pushSend struct {
+	ep     *endpoint
+	salt   uint32
+	g      *geometry
+	iov    iovs // the pieces of every block, when a block has several
+	sums   cbuf // the integrity table, sent after the last block
+	summer *summer
+	b      batch
+	next   int // blocks posted
+	inline int // sends that completed at once
+	tabled bool
+	err    error // a send that could not be posted
+}
+
+func (p *pushSend) free() {
+	p.iov.free()
+	p.iov = iovs{}
+	if p.sums.p != nil {
+		p.sums.free()
+		p.sums = cbuf{}
+	}
+	if p.b.b != nil {
+		p.b.free()
+		p.b = batch{}
+	}
+}
+
+// sendPush is Send in the push model: it connects to the destination's
+// worker, attaches the transfer and sends the blocks from the worker's
+// thread. The transfer resolves as in the pull model: on Finish or a
+// cancel, after the revocation (the handoff's endpoint closed, its
+// worker destroyed: nothing of UCX reads the regions any more).
+func (s *Sender[R]) sendPush(id handoff.PlaneID, regions []R, accept []byte, attach func(*kvlease.Transfer) error) ([]byte, error) {
+	blocks, salt, addr, err := parsePushAccept(accept)
+	if err != nil {
+		return nil, err
+	}
+	if blocks != len(regions) {
+		return nil, fmt.Errorf("ucx: send: accept for %d blocks, %d regions: %w", blocks, len(regions), ErrCorrupt)
+	}
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil, fmt.Errorf("ucx: send: %w", ErrClosed)
+	}
+	if _, dup := s.jobs[id]; dup {
+		s.mu.Unlock()
+		return nil, fmt.Errorf("ucx: send: %v already sending: %w", id, kvlease.ErrInvalidArgument)
+	}
+	j := &sendJob[R]{s: s, id: id, push: &pushSend{salt: salt}}
+	s.jobs[id] = j
+	s.wg.Add(1)
+	s.mu.Unlock()
+
+	fail := func(err error) ([]byte, error) {
+		j.teardown()
+		s.mu.Lock()
+		delete(s.jobs, id)
+		s.mu.Unlock()
+		s.wg.Done()
+		return nil, err
+	}
+	p := j.push
+	if p.g, err = locate(s.pieces, regions, &j.pin); err != nil {
+		return fail(err)
+	}
+	if _, err := registrations(p.g.spans); err != nil {
+		return fail(err) // overlapping pieces
+	}
+	var nonce [nonceLen]byte
+	if _, err := rand.Read(nonce[:]); err != nil {
+		return fail(fmt.Errorf("ucx: send: %w", err))
+	}
+	key, err := s.keys.derive(id, keyContext(id.Handoff, nonce[:], salt))
+	if err != nil {
+		return fail(fmt.Errorf("ucx: send: block key: %w", err))
+	}
+	mode := integrityFor(key, p.g.spans)
+	if p.summer, err = newSummer(mode, key, p.g.sizes); err != nil {
+		return fail(err)
+	}
+	if j.w, err = s.ctx.newWorker(); err != nil {
+		return fail(err)
+	}
+	var own []byte
+	if cerr := j.w.call(func() {
+		if own, err = j.w.address(); err != nil {
+			return
+		}
+		if p.ep, err = j.w.connect(addr); err != nil {
+			return
+		}
+		err = j.w.flushWait(p.ep, s.cfg.ConnectSpins)
+	}); cerr != nil {
+		err = cerr
+	}
+	if err != nil {
+		return fail(err)
+	}
+	start := appendPushStart(nil, p.g.sizes, blocks, mode, nonce[:], own)
+	if len(start) > handoff.MaxPlane {
+		return fail(fmt.Errorf("ucx: start bytes %d exceed %d: %w", len(start), handoff.MaxPlane, kvlease.ErrExceedsCapacity))
+	}
+	if len(p.g.sizes) > 1 {
+		p.iov = newIovs(p.g.spans)
+	}
+	if n := mode.sumLen(); n > 0 {
+		p.sums = newCbuf(n * blocks)
+	}
+	p.b = newBatch()
+	t := kvlease.NewTransfer(func() {
+		go j.revoke(fmt.Errorf("ucx: source canceled: %w", ErrRevoked))
+	})
+	s.mu.Lock()
+	j.t = t
+	s.mu.Unlock()
+	if err := attach(j.t); err != nil {
+		// Nothing was sent: tearing down is evidence.
+		j.teardown()
+		j.t.Resolve(err)
+		s.mu.Lock()
+		delete(s.jobs, id)
+		s.mu.Unlock()
+		s.wg.Done()
+		return nil, err
+	}
+	s.stats.add(func(st *Stats) {
+		st.Started++
+		if mode == IntegrityMAC {
+			st.Keyed++
+		}
+	})
+	s.mu.Lock()
+	j.attached = true
+	closed := s.closed
+	s.mu.Unlock()
+	if closed {
+		j.revoke(fmt.Errorf("%w: %w", ErrClosed, ErrRevoked))
+		return nil, fmt.Errorf("ucx: send: %w", ErrClosed)
+	}
+	if !j.w.do(func() { j.w.pollers = append(j.w.pollers, j.pushStep) }) {
+		go j.revoke(fmt.Errorf("ucx: send: %w: %w", errWorkerGone, ErrRevoked))
+	}
+	return start, nil
+}
+
+// pushStep posts the job's sends, at most Window outstanding, then the
+// integrity table; true once everything is posted (or posting failed).
+// The source's evidence does not come from the sends' completions but
+// from Finish or a cancel (the revocation), as in the pull model. Worker
+// thread only.
+func (j *sendJob[R]) pushStep() bool {
+	p := j.push
+	if p.ep == nil || p.ep.failed() != nil {
+		return true
+	}
+	np := len(p.g.sizes)
+	blocks := p.g.blocks()
+	completed := p.inline + p.b.completed()
+	posted := 0
+	for p.next < blocks && p.next-completed < j.s.cfg.Window {
+		b := p.next
+		if hook := j.s.cfg.BeforeSend; hook != nil {
+			hook(j.id, b)
+		}
+		if n := p.summer.mode.sumLen(); n > 0 {
+			p.summer.sum(p.sums.bytes()[b*n:(b+1)*n], b, p.g.spans[b*np:(b+1)*np])
+		}
+		var done bool
+		var err error
+		if np == 1 {
+			sp := p.g.spans[b]
+			done, err = p.ep.send(sp.Addr, sp.Len, false, tagOf(p.salt, uint32(b)), p.b)
+		} else {
+			done, err = p.ep.send(p.iov.at(b*np), np, true, tagOf(p.salt, uint32(b)), p.b)
+		}
+		if err != nil {
+			p.err = err
+			break
+		}
+		p.next++
+		posted++
+		if done {
+			p.inline++
+			completed++
+		}
+	}
+	if posted > 0 {
+		j.s.stats.add(func(st *Stats) { st.Messages += posted })
+	}
+	if p.err != nil {
+		return true
+	}
+	if p.next < blocks {
+		return false
+	}
+	if p.sums.p != nil && !p.tabled {
+		p.tabled = true
+		if done, err := p.ep.send(p.sums.addr(), p.sums.n, false, tagOf(p.salt, tableIndex), p.b); err != nil {
+			p.err = err
+		} else if done {
+			p.inline++
+		}
+	}
+	return true
+}
+
+// pushRecv is a destination job's push state.
+type pushRecv struct {
+	prep   *prepared
+	g      *geometry
+	iov    iovs
+	rv     recvs // one per block, then the integrity table's
+	sums   cbuf
+	mode   Integrity
+	summer *summer
+	tabled bool // the table's receive is posted
+	cancel bool // outstanding receives were asked to cancel
+}
+
+func (p *pushRecv) free() {
+	p.iov.free()
+	p.iov = iovs{}
+	p.rv.free()
+	p.rv = recvs{}
+	if p.sums.p != nil {
+		p.sums.free()
+		p.sums = cbuf{}
+	}
+}
+
+// receivePush is Receive in the push model: it checks the Start bytes
+// against the regions, connects to the source's worker (to hear of its
+// failure), attaches the transfer and posts the receives from the
+// handoff worker's thread.
+func (r *Receiver[R]) receivePush(id handoff.PlaneID, prep *prepared, regions []R, startBytes []byte, attach func(*kvlease.Transfer) error) error {
+	j := &recvJob[R]{r: r, id: id, w: prep.w, push: &pushRecv{prep: prep}}
+	p := j.push
+	fail := func(err error) error {
+		j.teardown()
+		p.free()
+		return err
+	}
+	st, err := parsePushStart(startBytes)
+	if err != nil {
+		return fail(err)
+	}
+	if len(regions) != prep.blocks || st.blocks != prep.blocks {
+		return fail(fmt.Errorf("ucx: receive: start describes %d blocks; %d prepared, %d regions: %w",
+			st.blocks, prep.blocks, len(regions), ErrCorrupt))
+	}
+	if p.g, err = locate(r.pieces, regions, &j.pin); err != nil {
+		return fail(err)
+	}
+	if err := matchPieces(st.sizes, p.g.sizes); err != nil {
+		return fail(err)
+	}
+	if _, err := registrations(p.g.spans); err != nil {
+		return fail(err)
+	}
+	key, err := r.keys.derive(id, keyContext(id.Handoff, st.nonce, prep.salt))
+	if err != nil {
+		return fail(fmt.Errorf("ucx: receive: block key: %w", err))
+	}
+	p.mode = st.mode
+	switch {
+	case key != nil && st.mode == IntegrityCRC:
+		return fail(fmt.Errorf("ucx: receive: an authenticated session's blocks carry crc32c, not keyed sums: %w", ErrCorrupt))
+	case key == nil && st.mode == IntegrityMAC:
+		return fail(fmt.Errorf("ucx: receive: keyed block sums without a session key: %w", ErrCorrupt))
+	case st.mode != IntegrityNone && !allHost(p.g.spans):
+		p.mode = IntegrityNone // device memory: the CPU cannot check it
+	}
+	if p.summer, err = newSummer(p.mode, key, st.sizes); err != nil {
+		return fail(err)
+	}
+	// The endpoint only carries the source's failure to us (peer error
+	// handling): nothing waits for its handshake, so a source that
+	// stalls does not stall the destination's Receive. (If the
+	// handshake never completes, teardown's bounded flush abandons the
+	// worker rather than destroy it; see Limits in the package doc.)
+	if cerr := j.w.call(func() { j.ep, err = j.w.connect(st.addr) }); cerr != nil {
+		err = cerr
+	}
+	if err != nil {
+		return fail(err)
+	}
+	if len(p.g.sizes) > 1 {
+		p.iov = newIovs(p.g.spans)
+	}
+	p.rv = newRecvs(st.blocks + 1)
+	if n := st.mode.sumLen(); n > 0 {
+		p.sums = newCbuf(n * st.blocks)
+	}
+	j.t = kvlease.NewTransfer(func() {
+		j.canceled.Store(true)
+		j.w.do(func() {}) // wake the worker
+	})
+	if err := attach(j.t); err != nil {
+		j.teardown() // nothing was received: evidence
+		p.free()
+		j.t.Resolve(err)
+		return err
+	}
+	r.mu.Lock()
+	if r.closed {
+		r.mu.Unlock()
+		j.teardown()
+		p.free()
+		j.t.Resolve(fmt.Errorf("ucx: receive: %w", ErrClosed))
+		return nil
+	}
+	r.jobs[j] = struct{}{}
+	r.wg.Add(1)
+	r.mu.Unlock()
+	r.stats.add(func(s *Stats) {
+		s.Started++
+		if p.mode == IntegrityMAC {
+			s.Keyed++
+		}
+	})
+	if !j.w.do(func() { j.w.pollers = append(j.w.pollers, j.stepPush) }) {
+		go j.finish(fmt.Errorf("ucx: receive: %w", errWorkerGone), true)
+	}
+	return nil
+}
+
+// stepPush advances a push job on its worker's thread: it posts the
+// integrity table's receive, then the blocks' receives (at most Window
+// outstanding), and once every posted receive has completed (its
+// message landed, or it was canceled before one matched) it checks the
+// blocks and resolves. True when it is done.
+func (j *recvJob[R]) stepPush() bool {
+	if j.dead {
+		return true
+	}
+	p := j.push
+	if err := j.ep.failed(); err != nil {
+		go j.finish(fmt.Errorf("%w: %w", err, ErrRevoked), true)
+		return true
+	}
+	blocks := p.g.blocks()
+	np := len(p.g.sizes)
+	if !p.tabled && p.sums.p != nil {
+		p.tabled = true
+		if err := j.w.recv(p.rv, blocks, p.sums.addr(), p.sums.n, false, tagOf(p.prep.salt, tableIndex)); err != nil {
+			j.postErr = err
+		}
+	}
+	table := 0
+	if p.tabled {
+		table = 1
+	}
+	completed := p.rv.b.completed()
+	stopping := j.canceled.Load() || j.postErr != nil || p.rv.b.failedN() > 0
+	for !stopping && j.next < blocks && j.next+table-completed < j.r.cfg.Window+table {
+		b := j.next
+		if hook := j.r.cfg.BeforeGet; hook != nil {
+			hook(j.id, b)
+			if j.canceled.Load() {
+				stopping = true
+				break
+			}
+		}
+		var err error
+		if np == 1 {
+			sp := p.g.spans[b]
+			err = j.w.recv(p.rv, b, sp.Addr, sp.Len, false, tagOf(p.prep.salt, uint32(b)))
+		} else {
+			err = j.w.recv(p.rv, b, p.iov.at(b*np), np, true, tagOf(p.prep.salt, uint32(b)))
+		}
+		j.next++ // posted, or failed at once (counted as completed)
+		if err != nil {
+			j.postErr = err
+			stopping = true
+		}
+		completed = p.rv.b.completed()
+	}
+	if stopping && !p.cancel {
+		p.cancel = true
+		for i := range j.next {
+			j.w.cancel(p.rv, i)
+		}
+		if p.tabled {
+			j.w.cancel(p.rv, blocks)
+		}
+	}
+	if p.rv.b.completed() < j.next+table {
+		return false // wait for the posted receives
+	}
+	if !stopping && j.next < blocks {
+		return false
+	}
+	// Every posted receive completed: UCX writes none of the regions
+	// any more. Evidence; the outcome says whether every block arrived
+	// intact.
+	go j.finish(j.pushOutcome(), false)
+	return true
+}
+
+// pushOutcome checks what the completed receives delivered. Worker
+// thread only, once every posted receive completed.
+func (j *recvJob[R]) pushOutcome() error {
+	p := j.push
+	blocks := p.g.blocks()
+	var canceled bool
+	check := func(i, want int, what string) error {
+		_, n, err := p.rv.result(i)
+		switch {
+		case errors.Is(err, ErrCanceled):
+			canceled = true
+			return nil
+		case err != nil:
+			return fmt.Errorf("ucx: %s: %w: %w", what, err, ErrCorrupt)
+		case n != want:
+			return fmt.Errorf("ucx: %s: %d bytes, want %d: %w", what, n, want, ErrCorrupt)
+		}
+		return nil
+	}
+	for b := range j.next {
+		if err := check(b, p.g.bb, fmt.Sprintf("block %d of %d", b, blocks)); err != nil {
+			return err
+		}
+	}
+	if p.tabled {
+		if err := check(blocks, p.sums.n, "integrity table"); err != nil {
+			return err
+		}
+	}
+	if j.postErr != nil {
+		return j.postErr
+	}
+	if canceled || j.next < blocks {
+		return fmt.Errorf("ucx: stopped after %d of %d blocks: %w", j.next, blocks, ErrCanceled)
+	}
+	if n := p.mode.sumLen(); n > 0 {
+		got := make([]byte, n)
+		want := p.sums.bytes()
+		np := len(p.g.sizes)
+		for b := range blocks {
+			p.summer.sum(got, b, p.g.spans[b*np:(b+1)*np])
+			if !hmac.Equal(got, want[b*n:(b+1)*n]) {
+				return fmt.Errorf("ucx: block %d of %d fails its %v check: %w", b, blocks, p.mode, ErrCorrupt)
+			}
+		}
+	}
+	j.bytes = int64(blocks) * int64(p.g.bb)
+	return nil
+}
+
+// sessionKeys derives a handoff's 32-byte MAC key from its control
+// session for context; nil, nil when the session is not authenticated.
+// The planes use handoff.Peer.Key (nil sessionKeys); tests substitute
+// their own.
+type sessionKeys func(id handoff.PlaneID, context []byte) ([]byte, error)
+
+// derive returns id's handoff key for context, or nil for an
+// unauthenticated session.
+func (k sessionKeys) derive(id handoff.PlaneID, context []byte) ([]byte, error) {
+	if k != nil {
+		return k(id, context)
+	}
+	if !id.Peer.Secure() {
+		return nil, nil
+	}
+	return id.Peer.Key(keyLabel, context, 32)
+}
+
+// secure reports whether id's session is authenticated.
+func (k sessionKeys) secure(id handoff.PlaneID) bool {
+	if k != nil {
+		key, _ := k(id, nil)
+		return key != nil
+	}
+	return id.Peer.Secure()
+}
