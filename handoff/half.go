@@ -4,47 +4,11 @@ import (
 	"errors"
 	"fmt"
 	"log"
-	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/kvlease/kvlease"
 )
-
-// machine is one half's view of a handoff: the same states, table and
-// History as the in-process Handoff. Its owner performs the effects of
-// each move (aborting its lease, sending a message) after fire returns.
-type machine struct {
-	mu      sync.Mutex
-	state   State
-	history []Step
-	tid     uint64        // the attached transfer's ID
-	done    chan struct{} // closed on entering a final state
-	onFinal func()        // if set, called (under mu) on entering a final state
-}
-
-func newMachine() machine { return machine{done: make(chan struct{})} }
-
-// fire applies e. It returns the edge's kind and the state it left.
-// Called with m.mu held.
-func (m *machine) fire(by string, e Event, err error) (edgeKind, State) {
-	edge := next(m.state, e)
-	from := m.state
-	if edge.kind != edgeMove {
-		return edge.kind, from
-	}
-	m.state = edge.to
-	m.history = append(m.history, Step{From: from, To: edge.to, Event: e, By: by, Err: err, Transfer: m.tid, At: time.Now()})
-	if edge.to.Final() {
-		close(m.done)
-		if m.onFinal != nil {
-			m.onFinal()
-		}
-	}
-	return edgeMove, from
-}
-
-func (m *machine) lastErr() error { return m.history[len(m.history)-1].Err }
 
 // Errors of the halves.
 var (
