@@ -111,11 +111,11 @@ type Config struct {
 // Pool, Lease or Transfer method.
 type Handoff[S, D any] struct {
 	machine
-	src   *kvlease.Lease[S]
-	pool  *kvlease.Pool[D]
-	dst   *kvlease.Lease[D] // set by Accept
-	t     *kvlease.Transfer // set by the winning attach
-	n     int               // blocks handed off: src.Len() at Propose
+	src  *kvlease.Lease[S]
+	pool *kvlease.Pool[D]
+	dst  *kvlease.Lease[D] // set by Accept
+	t    *kvlease.Transfer // set by the winning attach
+	n    int               // blocks handed off: src.Len() at Propose
 	// accepting is set while one Accept acquires without the lock; a
 	// concurrent Accept is refused instead of racing it.
 	accepting bool
