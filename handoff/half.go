@@ -130,16 +130,6 @@ func (c *HalfConfig) report(err error) {
 	}
 }
 
-// deadlineTimer returns a channel that fires after d, or never for d < 0,
-// and its stop function.
-func deadlineTimer(d time.Duration) (<-chan time.Time, func()) {
-	if d < 0 {
-		return nil, func() {}
-	}
-	t := time.NewTimer(d)
-	return t.C, func() { t.Stop() }
-}
-
 // HalfStats counts what a half refused and why. Destination.Stats sums
 // its sessions; Source.Stats is its one session's.
 type HalfStats struct {
