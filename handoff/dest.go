@@ -556,11 +556,17 @@ func (in *Incoming[R]) attach(t *kvlease.Transfer) error {
 // Telling the source and the callbacks (finish) run on a goroutine of
 // their own, off the plane's.
 func (in *Incoming[R]) resolved(err error) {
-	in.mu.Lock()
-	msg, ok := in.settle(err)
-	in.unlock()
-	if ok {
-		go in.finish(msg)
+	if err, ok := in.arrive(err); ok {
+		in.resolvedLocked(err)
+		in.unlock()
+	}
+}
+
+// resolvedLocked is resolved with in.mu held: what settle recorded is
+// told and called back on a goroutine of its own, after unlock.
+func (in *Incoming[R]) resolvedLocked(err error) {
+	if msg, ok := in.settle(err); ok {
+		in.later(func() { go in.finish(msg) })
 	}
 }
 
@@ -582,23 +588,22 @@ func (in *Incoming[R]) expire() {
 		return
 	}
 	reason := fmt.Errorf("kvlease: handoff %d: no evidence within %v: %w", in.id, d.cfg.Deadline, kvlease.ErrQuarantined)
+	in.t.Quarantine(reason)
 	kind, from := in.fire("deadline", EventExpire, reason)
 	if kind == edgeMove {
-		// Counted and told before the transfer is quarantined, which may
-		// make the plane stop and resolve it (the late evidence that
-		// lifts the quarantine): the report comes before Done. A Resolve
-		// that wins the race meanwhile makes the Quarantine a no-op.
-		d.stats.quarantined.Add(1)
-		t, lease := in.t, in.lease
-		in.later(func() {
-			d.cfg.quarantined(in.id, reason)
-			t.Quarantine(reason)
-			if from == Transferring {
-				lease.Abort(reason)
-			}
-		})
+		d.stats.quarantined.Add(1) // before the late evidence can make it final
+	}
+	if kind == edgeMove && from == Transferring {
+		if err, ok := in.effect(func() { in.lease.Abort(reason) }); ok {
+			in.resolvedLocked(err)
+		}
 	}
 	in.unlock()
+	if kind == edgeMove {
+		// Without the lock: the late evidence may make the handoff final
+		// meanwhile (Stats counted it already).
+		d.cfg.quarantined(in.id, reason)
+	}
 	if kind == edgeMove && from == Transferring {
 		_ = in.s.c.send(&AbortMsg{ID: in.id, Cause: "destination deadline passed"})
 	}
@@ -762,10 +767,11 @@ func (in *Incoming[R]) abortLocked(by string, cause error, tell bool) error {
 		return fmt.Errorf("kvlease: handoff %d: abort while %v: %w", in.id, st, ErrState)
 	}
 	if kind == edgeMove && in.lease != nil {
-		// After unlock: aborting the lease cancels the transfer, whose
-		// hook may resolve it at once, back into resolved.
-		lease := in.lease
-		in.later(func() { lease.Abort(cause) })
+		// Aborting the lease cancels the transfer, whose hook may
+		// resolve it at once: effect takes that evidence.
+		if err, ok := in.effect(func() { in.lease.Abort(cause) }); ok {
+			in.resolvedLocked(err)
+		}
 	}
 	in.unlock()
 	if kind == edgeMove {

@@ -72,7 +72,9 @@ type HalfConfig struct {
 	// OnQuarantine, if set, is told every handoff that becomes
 	// Quarantined (no evidence by the deadline) with the reason; the
 	// handoff's later final state (Done) says when late evidence lifted
-	// it. Called without the half's locks held; must not block long.
+	// it. Called without the half's locks held, so the late evidence may
+	// make the handoff final before or while it runs (HalfStats.Quarantined
+	// counts it before that); must not block long.
 	OnQuarantine func(handoff uint64, reason error)
 	// OnError, if set, is told every protocol error that changed nothing
 	// (an unknown id, a message the state does not allow) and, on the

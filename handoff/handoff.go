@@ -177,7 +177,7 @@ func Propose[S, D any](src *kvlease.Lease[S], dst *kvlease.Pool[D], cfg Config) 
 
 // step fires event e (machine.fire) and performs the effects of entering
 // the new state. It returns the edge's kind; a refusal changes nothing.
-// Called with h.mu held; the lease aborts run at h.unlock.
+// Called with h.mu held.
 func (h *Handoff[S, D]) step(by string, e Event, err error) edgeKind {
 	kind, from := h.fire(by, e, err)
 	if kind != edgeMove {
@@ -187,20 +187,21 @@ func (h *Handoff[S, D]) step(by string, e Event, err error) edgeKind {
 	case e == EventAbort || (e == EventExpire && from == Transferring):
 		// The request is gone on both sides. Aborting the leases cancels
 		// the transfer, if any; their blocks drain until it resolves (or
-		// stay quarantined, for Expire, until late evidence). After
-		// unlock: a cancel hook may resolve the transfer at once, and its
-		// evidence comes back to this handoff.
+		// stay quarantined, for Expire, until late evidence). A cancel
+		// hook may resolve the transfer at once: effect takes that
+		// evidence.
 		cause := err
 		if cause == nil {
 			cause = kvlease.ErrAborted
 		}
-		dst, src := h.dst, h.src
-		h.later(func() {
-			if dst != nil {
-				dst.Abort(cause)
+		if err, ok := h.effect(func() {
+			if h.dst != nil {
+				h.dst.Abort(cause)
 			}
-			src.Abort(cause)
-		})
+			h.src.Abort(cause)
+		}); ok {
+			h.evidence(err)
+		}
 	case h.state == Rejected || h.state == Failed:
 		// Nothing is in flight (never attached, or resolved): the
 		// destination lease's blocks return at once.
@@ -429,9 +430,10 @@ func (h *Handoff[S, D]) attach(t *kvlease.Transfer) error {
 // current when Resolve returns. The evidence may come much later than the
 // deadline: it is what lifts a quarantine.
 func (h *Handoff[S, D]) resolved(err error) {
-	h.mu.Lock()
-	h.evidence(err)
-	h.unlock()
+	if err, ok := h.arrive(err); ok {
+		h.evidence(err)
+		h.unlock()
+	}
 }
 
 // evidence records a resolved transfer's outcome. A repeat (Expire already

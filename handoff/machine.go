@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -249,7 +250,18 @@ type machine struct {
 	onFinal func()        // if set, called (under mu) on entering a final state
 	after   []func()      // effects queued under mu, run by unlock
 	timer   *time.Timer   // the deadline, if one is running; stopped when final
+
+	// effecting is set while the holder of mu performs an effect that may
+	// resolve the transfer on its own goroutine (aborting a lease cancels
+	// its transfer, whose hook may Resolve it at once): the transfer's
+	// OnResolve callback then parks its evidence for that holder instead
+	// of waiting for mu, which would deadlock. See effect and arrive.
+	effecting atomic.Bool
+	parked    atomic.Pointer[parkedEvidence]
 }
+
+// parkedEvidence is a transfer's outcome waiting for the holder of mu.
+type parkedEvidence struct{ err error }
 
 func newMachine() machine { return machine{done: make(chan struct{})} }
 
@@ -317,6 +329,44 @@ func (m *machine) deadline(d time.Duration, f func()) {
 	if d >= 0 && m.timer == nil && !m.state.Final() {
 		m.timer = time.AfterFunc(d, f)
 	}
+}
+
+// effect runs f with m.mu held and returns the transfer's evidence if it
+// arrived meanwhile (on this goroutine, from inside f, or on another):
+// the caller handles it before releasing m.mu. Called with m.mu held.
+func (m *machine) effect(f func()) (error, bool) {
+	m.effecting.Store(true)
+	f()
+	m.effecting.Store(false)
+	return m.unpark()
+}
+
+func (m *machine) unpark() (error, bool) {
+	if p := m.parked.Swap(nil); p != nil {
+		return p.err, true
+	}
+	return nil, false
+}
+
+// arrive begins every OnResolve callback. It parks err; if the holder of
+// m.mu is inside an effect, that holder takes the evidence (it is
+// handled before m.mu is released, so State is current once Resolve
+// returns) and arrive returns false. Otherwise it returns with m.mu held
+// and the evidence, unless another holder took it first (false, m.mu
+// released). Sequentially consistent atomics make this exact: a holder
+// that clears effecting then swaps parked sees every evidence parked by
+// a callback that saw effecting set.
+func (m *machine) arrive(err error) (error, bool) {
+	m.parked.Store(&parkedEvidence{err})
+	if m.effecting.Load() {
+		return nil, false
+	}
+	m.mu.Lock()
+	e, ok := m.unpark()
+	if !ok {
+		m.unlock()
+	}
+	return e, ok
 }
 
 func (m *machine) lastErr() error { return m.history[len(m.history)-1].Err }

@@ -403,12 +403,18 @@ func (o *Outgoing[R]) attach(t *kvlease.Transfer) error {
 // (EventQuiescent) and the handoff waits for the destination's word;
 // once aborted or quarantined it is final evidence.
 func (o *Outgoing[R]) resolved(err error) {
-	o.mu.Lock()
+	if err, ok := o.arrive(err); ok {
+		o.resolvedLocked(err)
+		o.unlock()
+	}
+}
+
+// resolvedLocked is resolved with o.mu held.
+func (o *Outgoing[R]) resolvedLocked(err error) {
 	if kind, _ := o.fire("transport", EventQuiescent, err); kind == edgeRefuse {
 		o.evidence(err)
 	}
 	o.settle()
-	o.unlock()
 }
 
 // evidence records our transfer's outcome as a move (Aborting or
@@ -488,6 +494,7 @@ func (o *Outgoing[R]) doneMsg(m *DoneMsg) {
 func (o *Outgoing[R]) expire() {
 	o.mu.Lock()
 	var send bool
+	var quarantined error
 	switch {
 	case o.state.Final():
 	case o.t.State() == kvlease.TransferResolved && o.state == Transferring:
@@ -499,26 +506,25 @@ func (o *Outgoing[R]) expire() {
 		o.evidence(o.t.Err())
 	default:
 		reason := fmt.Errorf("kvlease: handoff %d: no evidence within %v: %w", o.id, o.s.cfg.Deadline, kvlease.ErrQuarantined)
+		o.t.Quarantine(reason)
 		kind, from := o.fire("deadline", EventExpire, reason)
 		if kind == edgeMove {
-			// Counted and told before the transfer is quarantined, which
-			// may make the plane stop and resolve it (the late evidence
-			// that lifts the quarantine): the report comes before Done. A
-			// Resolve that wins the race meanwhile makes the Quarantine a
-			// no-op.
-			o.s.stats.quarantined.Add(1)
-			t, src, cfg := o.t, o.src, &o.s.cfg
-			o.later(func() {
-				cfg.quarantined(o.id, reason)
-				t.Quarantine(reason)
-				if from == Transferring {
-					src.Abort(reason)
-				}
-			})
-			send = from == Transferring
+			o.s.stats.quarantined.Add(1) // before the late evidence can make it final
+			quarantined = reason
+		}
+		if kind == edgeMove && from == Transferring {
+			if err, ok := o.effect(func() { o.src.Abort(reason) }); ok {
+				o.resolvedLocked(err)
+			}
+			send = true
 		}
 	}
 	o.unlock()
+	if quarantined != nil {
+		// Without the lock: the late evidence may make the handoff final
+		// meanwhile (Stats counted it already).
+		o.s.cfg.quarantined(o.id, quarantined)
+	}
 	if send {
 		_ = o.s.c.send(&AbortMsg{ID: o.id, Cause: "source deadline passed"})
 	}
@@ -548,10 +554,11 @@ func (o *Outgoing[R]) abort(by string, cause error, tell bool) error {
 		return fmt.Errorf("kvlease: handoff %d: abort while %v: %w", o.id, st, ErrState)
 	}
 	if kind == edgeMove {
-		// After unlock: aborting the lease cancels the transfer, whose
-		// hook may resolve it at once, back into resolved.
-		src := o.src
-		o.later(func() { src.Abort(cause) })
+		// Aborting the lease cancels the transfer, whose hook may
+		// resolve it at once: effect takes that evidence.
+		if err, ok := o.effect(func() { o.src.Abort(cause) }); ok {
+			o.resolvedLocked(err)
+		}
 		if !tell {
 			o.peerWord(by, cause, true)
 		}

@@ -482,6 +482,11 @@ func TestProcStopped(t *testing.T) {
 			t.Fatalf("destination %v: %v", s, in.History())
 		}
 		lifted(t, "destination", in.History())
+		// OnQuarantine runs without the half's lock, so the late evidence
+		// may end the handoff first; Stats counted it before that.
+		for end := time.Now().Add(5 * time.Second); len(d.quarantines()) == 0 && time.Now().Before(end); {
+			time.Sleep(time.Millisecond)
+		}
 		if q := d.quarantines(); len(q) != 1 || q[0] != 1 {
 			t.Errorf("OnQuarantine told %v, want handoff 1", q)
 		}
