@@ -155,7 +155,7 @@ func (d *Destination[R]) Stats() HalfStats { return d.stats.snapshot() }
 // bounded by HandshakeTimeout) and serves it until it ends, and returns
 // why: an error wrapping ErrAuth for a peer that could not be
 // authenticated (nothing of it was acted on), io.EOF for a clean close,
-// an error wrapping ErrProtocol for a malformed frame (and ErrAuth too
+// an error wrapping ErrProtocolFatal (and ErrProtocol) for a malformed frame (and ErrAuth too
 // for a record that does not verify). When it returns, every handoff of
 // the connection that had not started is aborted (ErrConnLost); a
 // started one is asked to stop and ends by its plane's evidence: Failed
@@ -203,7 +203,7 @@ func (d *Destination[R]) serve(conn net.Conn, authenticated func()) error {
 		case *AckMsg:
 			_ = s.get(m)
 		default:
-			d.cfg.report(fmt.Errorf("kvlease: handoff destination: unexpected %v for handoff %d: %w", m.Type(), m.Handoff(), ErrProtocol))
+			d.cfg.report(fmt.Errorf("kvlease: handoff destination: unexpected %v for handoff %d: %w", m.Type(), m.Handoff(), ErrProtocolRefused))
 		}
 	}
 }
@@ -258,9 +258,9 @@ func (s *session[R]) get(m Message) *Incoming[R] {
 	case recent && m.Type() == MsgAbort:
 		_ = s.c.send(&AckMsg{ID: m.Handoff(), Of: MsgAbort})
 	case recent:
-		s.d.cfg.report(fmt.Errorf("kvlease: handoff %d: %v while %v: %w", m.Handoff(), m.Type(), st, ErrProtocol))
+		s.d.cfg.report(fmt.Errorf("kvlease: handoff %d: %v while %v: %w", m.Handoff(), m.Type(), st, ErrProtocolRefused))
 	default:
-		s.d.cfg.report(fmt.Errorf("kvlease: handoff destination: %v for unknown handoff %d: %w", m.Type(), m.Handoff(), ErrProtocol))
+		s.d.cfg.report(fmt.Errorf("kvlease: handoff destination: %v for unknown handoff %d: %w", m.Type(), m.Handoff(), ErrProtocolRefused))
 	}
 	return in
 }
@@ -481,7 +481,7 @@ func (in *Incoming[R]) start(m *StartMsg) {
 	if next(in.state, EventAttach).kind != edgeMove {
 		st := in.state
 		in.unlock()
-		d.cfg.report(fmt.Errorf("kvlease: handoff %d: start while %v: %w", in.id, st, ErrProtocol))
+		d.cfg.report(fmt.Errorf("kvlease: handoff %d: start while %v: %w", in.id, st, ErrProtocolRefused))
 		return
 	}
 	regions := make([]R, 0, in.n-in.from)

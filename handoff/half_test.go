@@ -232,8 +232,8 @@ func TestSourceRefusesBadMessages(t *testing.T) {
 		t.Helper()
 		select {
 		case err := <-errs:
-			if !errors.Is(err, ErrProtocol) || !strings.Contains(err.Error(), substr) {
-				t.Fatalf("reported %v, want ErrProtocol and %q", err, substr)
+			if !errors.Is(err, ErrProtocol) || !errors.Is(err, ErrProtocolRefused) || errors.Is(err, ErrProtocolFatal) || !strings.Contains(err.Error(), substr) {
+				t.Fatalf("reported %v, want ErrProtocolRefused and %q", err, substr)
 			}
 		case <-time.After(10 * time.Second):
 			t.Fatalf("nothing reported, want %q", substr)
@@ -289,7 +289,7 @@ func TestSourceRefusesBadMessages(t *testing.T) {
 		t.Fatal(err)
 	}
 	<-o2.Done()
-	if s, err := o2.State(), o2.Err(); s != Rejected || !errors.Is(err, ErrConnLost) || !errors.Is(err, ErrProtocol) {
+	if s, err := o2.State(), o2.Err(); s != Rejected || !errors.Is(err, ErrConnLost) || !errors.Is(err, ErrProtocolFatal) {
 		t.Fatalf("unstarted handoff after a corrupted frame: %v %v", s, err)
 	}
 	if s := o.State(); s != Delivered {

@@ -210,9 +210,9 @@ func (s *Source[R]) get(m Message) *Outgoing[R] {
 	case recent && m.Type() == MsgAbort:
 		_ = s.c.send(&AckMsg{ID: m.Handoff(), Of: MsgAbort})
 	case recent:
-		s.cfg.report(fmt.Errorf("kvlease: handoff %d: %v while %v: %w", m.Handoff(), m.Type(), st, ErrProtocol))
+		s.cfg.report(fmt.Errorf("kvlease: handoff %d: %v while %v: %w", m.Handoff(), m.Type(), st, ErrProtocolRefused))
 	default:
-		s.cfg.report(fmt.Errorf("kvlease: handoff source: %v for unknown handoff %d: %w", m.Type(), m.Handoff(), ErrProtocol))
+		s.cfg.report(fmt.Errorf("kvlease: handoff source: %v for unknown handoff %d: %w", m.Type(), m.Handoff(), ErrProtocolRefused))
 	}
 	return o
 }
@@ -247,7 +247,7 @@ func (s *Source[R]) readLoop() {
 		case *AckMsg:
 			_ = s.get(m)
 		default:
-			s.cfg.report(fmt.Errorf("kvlease: handoff source: unexpected %v for handoff %d: %w", m.Type(), m.Handoff(), ErrProtocol))
+			s.cfg.report(fmt.Errorf("kvlease: handoff source: unexpected %v for handoff %d: %w", m.Type(), m.Handoff(), ErrProtocolRefused))
 		}
 	}
 }
@@ -307,13 +307,13 @@ func (o *Outgoing[R]) accepted(m *AcceptMsg) {
 	o.mu.Lock()
 	if int(m.From) > o.n {
 		o.unlock()
-		s.cfg.report(fmt.Errorf("kvlease: handoff %d: accept wants blocks from %d of %d: %w", o.id, m.From, o.n, ErrProtocol))
+		s.cfg.report(fmt.Errorf("kvlease: handoff %d: accept wants blocks from %d of %d: %w", o.id, m.From, o.n, ErrProtocolRefused))
 		return
 	}
 	if kind, _ := o.fire(s.cfg.Peer, EventAccept, nil); kind != edgeMove {
 		st := o.state
 		o.unlock()
-		s.cfg.report(fmt.Errorf("kvlease: handoff %d: accept while %v: %w", o.id, st, ErrProtocol))
+		s.cfg.report(fmt.Errorf("kvlease: handoff %d: accept while %v: %w", o.id, st, ErrProtocolRefused))
 		return
 	}
 	o.from = int(m.From)
@@ -470,7 +470,7 @@ func (o *Outgoing[R]) rejected(m *RejectMsg) {
 	}
 	o.unlock()
 	if kind == edgeRefuse && st != Transferring {
-		o.s.cfg.report(fmt.Errorf("kvlease: handoff %d: reject while %v: %w", o.id, st, ErrProtocol))
+		o.s.cfg.report(fmt.Errorf("kvlease: handoff %d: reject while %v: %w", o.id, st, ErrProtocolRefused))
 	}
 }
 
@@ -484,7 +484,7 @@ func (o *Outgoing[R]) doneMsg(m *DoneMsg) {
 	noted := o.peerWord(o.s.cfg.Peer, err, false)
 	o.unlock()
 	if !noted {
-		o.s.cfg.report(fmt.Errorf("kvlease: handoff %d: done while %v: %w", o.id, st, ErrProtocol))
+		o.s.cfg.report(fmt.Errorf("kvlease: handoff %d: done while %v: %w", o.id, st, ErrProtocolRefused))
 		return
 	}
 	_ = o.s.c.send(&AckMsg{ID: o.id, Of: MsgDone})
