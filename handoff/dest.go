@@ -468,9 +468,14 @@ func (s *session[R]) propose(m *ProposeMsg) {
 // attached, so the lease's blocks return at once.
 func (in *Incoming[R]) startTimeout(d time.Duration) {
 	err := fmt.Errorf("kvlease: handoff %d: no start within %v: %w", in.id, d, ErrLimit)
-	if in.abortIf(Accepted, in.s.d.cfg.Name, err) {
-		in.s.d.stats.startTimeouts.Add(1)
+	in.mu.Lock()
+	if in.state != Accepted {
+		in.unlock()
+		return
 	}
+	// Counted before the abort makes the handoff final (OnFinal, Done).
+	in.s.d.stats.startTimeouts.Add(1)
+	_ = in.abortLocked(in.s.d.cfg.Name, err, true)
 }
 
 // start takes the source's Start: the plane receives into the wanted
@@ -740,17 +745,6 @@ func (in *Incoming[R]) Abort(by string, cause error) error {
 		cause = kvlease.ErrAborted
 	}
 	return in.abort(by, cause, true)
-}
-
-// abortIf aborts the handoff (and tells the source) only if it is in
-// state st, and reports whether it did.
-func (in *Incoming[R]) abortIf(st State, by string, cause error) bool {
-	in.mu.Lock()
-	if in.state != st {
-		in.unlock()
-		return false
-	}
-	return in.abortLocked(by, cause, true) == nil
 }
 
 func (in *Incoming[R]) abort(by string, cause error, tell bool) error {
