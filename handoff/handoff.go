@@ -108,7 +108,10 @@ type Config struct {
 // leases and its transfer with its own lock held (so a decision and its
 // effect are one step), so a transport's cancel hook or a pool's observer
 // must not call this handoff's methods synchronously; they may call any
-// Pool, Lease or Transfer method.
+// Pool, Lease or Transfer method, and a cancel hook may Resolve the
+// transfer at once (the evidence is then recorded before Abort returns).
+// The handoff learns of the transfer's evidence through
+// kvlease.Transfer.OnResolve: no goroutine waits on it.
 type Handoff[S, D any] struct {
 	machine
 	src  *kvlease.Lease[S]
