@@ -176,3 +176,22 @@ func ExamplePool_SealInfo() {
 	// true true true [5 6 7 8]
 	// true true true [5 6 7 8]
 }
+
+// OnResolve acts on a transfer's evidence without a goroutine waiting on
+// Done: the callback runs inside the winning Resolve, after the blocks
+// are back.
+func ExampleTransfer_OnResolve() {
+	mem, _ := kvlease.NewHostMemory(4, 64)
+	pool, _ := kvlease.NewPool[[]byte](mem)
+	lease, _ := pool.Acquire("req-3", 2)
+	copyT := kvlease.NewTransfer(nil)
+	_ = lease.AttachRange(copyT, 0, 2, kvlease.Read)
+	lease.Release()
+
+	copyT.OnResolve(func(err error) {
+		fmt.Println("resolved:", err, "free", pool.Stats().Free)
+	})
+	copyT.Resolve(nil)
+	// Output:
+	// resolved: <nil> free 4
+}

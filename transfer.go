@@ -76,6 +76,9 @@ type Transfer struct {
 	cancel func() // the transport's hook; nil once run or resolved
 	asked  bool   // Cancel was called
 	done   chan struct{}
+	// onResolve runs once, after Resolve, with no lock held (OnResolve);
+	// several registrations are chained into one. Nil once run.
+	onResolve func(error)
 
 	// The leases this transfer gates: gates0 inline (a copy gates two),
 	// more beyond. Cleared once resolved.
@@ -152,9 +155,48 @@ func (t *Transfer) Resolve(err error) bool {
 	if t.done != nil {
 		close(t.done)
 	}
+	hook := t.onResolve
+	t.onResolve = nil
 	t.mu.Unlock()
 	ev.flush()
+	if hook != nil {
+		hook(err)
+	}
 	return true
+}
+
+// OnResolve registers f to run once the transfer resolves, with its
+// outcome (Err after Resolve). f runs at most once, with no lock of the
+// transfer or of any pool held, on the goroutine that calls the winning
+// Resolve, after the blocks the transfer gated are back in their pools
+// and after Done is closed, before that Resolve returns: so whoever
+// waits for Resolve to return sees what f did. If the transfer has
+// already resolved, f runs at once on the caller's goroutine. A
+// Quarantine does not run f (it is not evidence); the late Resolve that
+// lifts it does. Several registrations run in the order they were made.
+// A nil f is ignored. f may call any Transfer, Lease or Pool method; it
+// should not block, since the transport's Resolve waits for it.
+//
+// OnResolve is how a component that must act on the evidence (a
+// handoff moving to Delivered) does so without a goroutine per transfer
+// waiting on Done.
+func (t *Transfer) OnResolve(f func(err error)) {
+	if f == nil {
+		return
+	}
+	t.mu.Lock()
+	if t.state.Load() != TransferResolved {
+		if prev := t.onResolve; prev != nil {
+			t.onResolve = func(err error) { prev(err); f(err) }
+		} else {
+			t.onResolve = f
+		}
+		t.mu.Unlock()
+		return
+	}
+	err := t.err
+	t.mu.Unlock()
+	f(err)
 }
 
 // Quarantine says the transfer ended without proof of quiescence: the peer

@@ -470,3 +470,81 @@ func TestTransferNextTable(t *testing.T) {
 		}
 	}
 }
+
+// OnResolve runs each registered callback once, in order, with the
+// outcome, after the gated blocks are back and with no lock held; one
+// registered after resolution runs at once; Quarantine runs none.
+func TestTransferOnResolve(t *testing.T) {
+	p := corePool(t, 4)
+	l := coreAcquire(t, p, "r", 3)
+	tr := NewTransfer(nil)
+	coreNoErr(t, l.AttachRange(tr, 0, 3, Read), "attach")
+	l.Release()
+
+	var order []string
+	outcome := errors.New("copy failed, provably stopped")
+	tr.OnResolve(nil) // ignored
+	tr.OnResolve(func(err error) {
+		// No lock held: every method may be called, and the blocks are
+		// back in the pool already.
+		if !errors.Is(err, outcome) || !errors.Is(tr.Err(), outcome) || tr.State() != TransferResolved || !coreIsClosed(tr.Done()) {
+			t.Errorf("first callback: err %v, transfer %v", err, tr)
+		}
+		if st := p.Stats(); st.Free != 4 || l.State() != LeaseSettled {
+			t.Errorf("first callback: free %d, lease %v", st.Free, l.State())
+		}
+		tr.Cancel()
+		order = append(order, "first")
+	})
+	tr.OnResolve(func(error) { order = append(order, "second") })
+	tr.Quarantine(errors.New("deadline"))
+	if len(order) != 0 {
+		t.Fatalf("Quarantine ran callbacks: %v", order)
+	}
+	tr.Resolve(outcome)
+	tr.Resolve(nil)
+	if fmt.Sprint(order) != "[first second]" {
+		t.Fatalf("callbacks ran %v, want [first second]", order)
+	}
+	var late error
+	ran := false
+	tr.OnResolve(func(err error) { ran, late = true, err })
+	if !ran || !errors.Is(late, outcome) {
+		t.Fatalf("callback registered after Resolve: ran %v err %v", ran, late)
+	}
+	tr.Resolve(nil)
+	if len(order) != 2 {
+		t.Fatalf("callbacks ran again: %v", order)
+	}
+	coreAllFree(t, p)
+}
+
+// Registrations racing Resolves: every callback runs exactly once,
+// whichever side wins.
+func TestTransferOnResolveConcurrent(t *testing.T) {
+	for range 50 {
+		tr := NewTransfer(nil)
+		var runs atomic.Int32
+		var wg sync.WaitGroup
+		for i := range 8 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				if i%2 == 0 {
+					tr.OnResolve(func(err error) {
+						if err != nil {
+							t.Errorf("outcome %v", err)
+						}
+						runs.Add(1)
+					})
+				} else {
+					tr.Resolve(nil)
+				}
+			}()
+		}
+		wg.Wait()
+		if runs.Load() != 4 {
+			t.Fatalf("%d callbacks ran, want 4", runs.Load())
+		}
+	}
+}

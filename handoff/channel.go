@@ -68,7 +68,7 @@ func (ch *channel) seal(b, frame []byte) []byte {
 // readRecord reads one record from r into buf and returns the frame it
 // holds (opened in place) and the buffer for the next call. began is
 // called once the first byte has arrived. Errors wrap ErrAuth (and
-// ErrProtocol) for anything but r's own.
+// ErrProtocolFatal) for anything but r's own.
 func (ch *channel) readRecord(r io.Reader, buf []byte, began func()) ([]byte, []byte, error) {
 	if cap(buf) < recordHeader {
 		buf = make([]byte, 0, 512)
@@ -81,14 +81,14 @@ func (ch *channel) readRecord(r io.Reader, buf []byte, began func()) ([]byte, []
 		began()
 	}
 	if _, err := io.ReadFull(r, h[1:]); err != nil {
-		return nil, buf, fmt.Errorf("kvlease: handoff: half a record header: %w (%w)", ErrProtocol, err)
+		return nil, buf, fmt.Errorf("kvlease: handoff: half a record header: %w (%w)", ErrProtocolFatal, err)
 	}
 	n := le.Uint32(h)
 	if n < 8+recordTag || n > maxRecord {
-		return nil, buf, fmt.Errorf("kvlease: handoff: record of %d bytes outside %d..%d: %w (%w)", n, 8+recordTag, maxRecord, ErrProtocol, ErrAuth)
+		return nil, buf, fmt.Errorf("kvlease: handoff: record of %d bytes outside %d..%d: %w (%w)", n, 8+recordTag, maxRecord, ErrProtocolFatal, ErrAuth)
 	}
 	if seq := le.Uint64(h[4:]); seq != ch.rseq {
-		return nil, buf, fmt.Errorf("kvlease: handoff: record sequence %d, want %d (replayed, reordered or from another session): %w (%w)", seq, ch.rseq, ErrAuth, ErrProtocol)
+		return nil, buf, fmt.Errorf("kvlease: handoff: record sequence %d, want %d (replayed, reordered or from another session): %w (%w)", seq, ch.rseq, ErrAuth, ErrProtocolFatal)
 	}
 	if cap(buf) < 4+int(n) {
 		nb := make([]byte, 4+int(n))
@@ -97,11 +97,11 @@ func (ch *channel) readRecord(r io.Reader, buf []byte, began func()) ([]byte, []
 	}
 	rec := buf[:4+int(n)]
 	if _, err := io.ReadFull(r, rec[recordHeader:]); err != nil {
-		return nil, buf, fmt.Errorf("kvlease: handoff: half a record (%d bytes announced): %w (%w)", n, ErrProtocol, err)
+		return nil, buf, fmt.Errorf("kvlease: handoff: half a record (%d bytes announced): %w (%w)", n, ErrProtocolFatal, err)
 	}
 	frame, err := ch.recv.Open(rec[recordHeader:recordHeader], seqNonce(ch.rseq), rec[recordHeader:], rec[:recordHeader])
 	if err != nil {
-		return nil, buf, fmt.Errorf("kvlease: handoff: record %d does not verify under the session key (forged or from another session): %w (%w)", ch.rseq, ErrAuth, ErrProtocol)
+		return nil, buf, fmt.Errorf("kvlease: handoff: record %d does not verify under the session key (forged or from another session): %w (%w)", ch.rseq, ErrAuth, ErrProtocolFatal)
 	}
 	ch.rseq++
 	return frame, buf, nil

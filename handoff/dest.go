@@ -52,7 +52,9 @@ type DestinationConfig[R any] struct {
 	// lease is released at once (its sealed blocks stay cached).
 	OnDelivered func(*Incoming[R])
 	// OnFinal, if set, is called once for every handoff that becomes
-	// final (after OnDelivered for a delivered one).
+	// final (after OnDelivered for a delivered one). A proposal refused
+	// before it became a handoff (a duplicate id, a per-session cap) is
+	// not one: the source is told, the Stats count it.
 	OnFinal func(*Incoming[R])
 	// OnAccept, if set, receives each accepted handoff before its Accept
 	// is sent, so the caller holds the handle (to Abort it, say when the
@@ -153,7 +155,7 @@ func (d *Destination[R]) Stats() HalfStats { return d.stats.snapshot() }
 // bounded by HandshakeTimeout) and serves it until it ends, and returns
 // why: an error wrapping ErrAuth for a peer that could not be
 // authenticated (nothing of it was acted on), io.EOF for a clean close,
-// an error wrapping ErrProtocol for a malformed frame (and ErrAuth too
+// an error wrapping ErrProtocolFatal (and ErrProtocol) for a malformed frame (and ErrAuth too
 // for a record that does not verify). When it returns, every handoff of
 // the connection that had not started is aborted (ErrConnLost); a
 // started one is asked to stop and ends by its plane's evidence: Failed
@@ -201,7 +203,7 @@ func (d *Destination[R]) serve(conn net.Conn, authenticated func()) error {
 		case *AckMsg:
 			_ = s.get(m)
 		default:
-			d.cfg.report(fmt.Errorf("kvlease: handoff destination: unexpected %v for handoff %d: %w", m.Type(), m.Handoff(), ErrProtocol))
+			d.cfg.report(fmt.Errorf("kvlease: handoff destination: unexpected %v for handoff %d: %w", m.Type(), m.Handoff(), ErrProtocolRefused))
 		}
 	}
 }
@@ -256,9 +258,9 @@ func (s *session[R]) get(m Message) *Incoming[R] {
 	case recent && m.Type() == MsgAbort:
 		_ = s.c.send(&AckMsg{ID: m.Handoff(), Of: MsgAbort})
 	case recent:
-		s.d.cfg.report(fmt.Errorf("kvlease: handoff %d: %v while %v: %w", m.Handoff(), m.Type(), st, ErrProtocol))
+		s.d.cfg.report(fmt.Errorf("kvlease: handoff %d: %v while %v: %w", m.Handoff(), m.Type(), st, ErrProtocolRefused))
 	default:
-		s.d.cfg.report(fmt.Errorf("kvlease: handoff destination: %v for unknown handoff %d: %w", m.Type(), m.Handoff(), ErrProtocol))
+		s.d.cfg.report(fmt.Errorf("kvlease: handoff destination: %v for unknown handoff %d: %w", m.Type(), m.Handoff(), ErrProtocolRefused))
 	}
 	return in
 }
@@ -286,11 +288,11 @@ func (in *Incoming[R]) connLost(lost error) {
 	in.mu.Lock()
 	if in.state == Transferring || in.state == Aborting || in.state == Quarantined {
 		t := in.t
-		in.mu.Unlock()
+		in.unlock()
 		t.Cancel()
 		return
 	}
-	in.mu.Unlock()
+	in.unlock()
 	_ = in.abort(in.s.d.cfg.Name, lost, false)
 }
 
@@ -317,14 +319,14 @@ func (in *Incoming[R]) pid() PlaneID {
 // Peer returns the proposer as the session's handshake authenticated it.
 func (in *Incoming[R]) Peer() *Peer { return in.s.peer }
 
-// forget moves a final handoff out of the session's table into the
-// recent ids, and gives back its blocks to the session's cap.
-func (s *session[R]) forget(in *Incoming[R]) {
-	<-in.done
+// forget moves a handoff that became final (in st) out of the session's
+// table into the recent ids. It runs as an effect of the final move,
+// after in.mu is released (lock order: s.mu before in.mu).
+func (s *session[R]) forget(in *Incoming[R], st State) {
 	s.mu.Lock()
 	if s.in[in.id] == in {
 		delete(s.in, in.id)
-		s.recent.add(in.id, in.State())
+		s.recent.add(in.id, st)
 	}
 	s.mu.Unlock()
 }
@@ -397,11 +399,12 @@ func (s *session[R]) propose(m *ProposeMsg) {
 	in.onFinal = func() {
 		s.inflight.Add(-1)
 		s.held.Add(-int64(in.n))
+		st := in.state
+		in.later(func() { s.forget(in, st) })
 	}
 	in.mu.Lock()
 	in.fire(d.cfg.Peer, EventPropose, nil)
 	s.mu.Unlock()
-	go s.forget(in)
 
 	var err, aerr error
 	if d.cfg.Authorize != nil {
@@ -442,16 +445,16 @@ func (s *session[R]) propose(m *ProposeMsg) {
 			in.lease = nil
 		}
 		in.fire(d.cfg.Name, EventReject, err)
-		in.mu.Unlock()
+		in.unlock()
 		in.final()
 		_ = s.c.send(&RejectMsg{ID: m.ID, Code: rejectCode(err), Reason: err.Error()})
 		return
 	}
 	in.fire(d.cfg.Name, EventAccept, nil)
-	in.mu.Unlock()
-	if d.cfg.StartTimeout > 0 {
-		go in.startTimer(d.cfg.StartTimeout)
+	if st := d.cfg.StartTimeout; st > 0 {
+		in.deadline(st, func() { in.startTimeout(st) })
 	}
+	in.unlock()
 	if d.cfg.OnAccept != nil {
 		d.cfg.OnAccept(in)
 	}
@@ -460,27 +463,19 @@ func (s *session[R]) propose(m *ProposeMsg) {
 	}
 }
 
-// startTimer aborts the handoff if it is still Accepted after d: the
-// source never started it. Nothing was attached, so the lease's blocks
-// return at once.
-func (in *Incoming[R]) startTimer(d time.Duration) {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-in.done:
-		return
-	case <-t.C:
-	}
-	in.mu.Lock()
-	st := in.state
-	in.mu.Unlock()
-	if st != Accepted {
-		return
-	}
+// startTimeout is the start timer's handler: it aborts the handoff if it
+// is still Accepted after d (the source never started it). Nothing was
+// attached, so the lease's blocks return at once.
+func (in *Incoming[R]) startTimeout(d time.Duration) {
 	err := fmt.Errorf("kvlease: handoff %d: no start within %v: %w", in.id, d, ErrLimit)
-	if in.abortIf(Accepted, in.s.d.cfg.Name, err) {
-		in.s.d.stats.startTimeouts.Add(1)
+	in.mu.Lock()
+	if in.state != Accepted {
+		in.unlock()
+		return
 	}
+	// Counted before the abort makes the handoff final (OnFinal, Done).
+	in.s.d.stats.startTimeouts.Add(1)
+	_ = in.abortLocked(in.s.d.cfg.Name, err, true)
 }
 
 // start takes the source's Start: the plane receives into the wanted
@@ -490,8 +485,8 @@ func (in *Incoming[R]) start(m *StartMsg) {
 	in.mu.Lock()
 	if next(in.state, EventAttach).kind != edgeMove {
 		st := in.state
-		in.mu.Unlock()
-		d.cfg.report(fmt.Errorf("kvlease: handoff %d: start while %v: %w", in.id, st, ErrProtocol))
+		in.unlock()
+		d.cfg.report(fmt.Errorf("kvlease: handoff %d: start while %v: %w", in.id, st, ErrProtocolRefused))
 		return
 	}
 	regions := make([]R, 0, in.n-in.from)
@@ -501,7 +496,7 @@ func (in *Incoming[R]) start(m *StartMsg) {
 		r, err = in.lease.Region(i)
 		regions = append(regions, r)
 	}
-	in.mu.Unlock()
+	in.unlock()
 	if err == nil {
 		if in.from == in.n {
 			t := kvlease.NewTransfer(nil)
@@ -522,7 +517,7 @@ func (in *Incoming[R]) start(m *StartMsg) {
 				in.lease.Release()
 			}
 		}
-		in.mu.Unlock()
+		in.unlock()
 		if kind == edgeMove {
 			in.final()
 			_ = in.s.c.send(&DoneMsg{ID: in.id, Err: err.Error()})
@@ -531,59 +526,87 @@ func (in *Incoming[R]) start(m *StartMsg) {
 }
 
 // attach is the plane's attach callback: under in.mu, and only from
-// Accepted, the transfer gates the wanted blocks as a Write.
+// Accepted, the transfer gates the wanted blocks as a Write. From then on
+// the transfer's OnResolve callback (resolved) and the deadline's timer
+// (expire) are the handlers of the evidence.
 func (in *Incoming[R]) attach(t *kvlease.Transfer) error {
 	if t == nil {
 		return fmt.Errorf("kvlease: handoff attach: nil transfer: %w", kvlease.ErrInvalidArgument)
 	}
 	in.mu.Lock()
-	defer in.mu.Unlock()
 	if next(in.state, EventAttach).kind != edgeMove {
-		return fmt.Errorf("kvlease: handoff %d: attach while %v: %w", in.id, in.state, ErrState)
+		err := fmt.Errorf("kvlease: handoff %d: attach while %v: %w", in.id, in.state, ErrState)
+		in.unlock()
+		return err
 	}
 	if err := in.lease.AttachRange(t, in.from, in.n, kvlease.Write); err != nil {
+		in.unlock()
 		return fmt.Errorf("kvlease: handoff %d: attach: %w", in.id, err)
 	}
 	in.t = t
 	in.tid = t.ID()
 	in.fire("transport", EventAttach, nil)
-	go in.watch(t)
+	if in.timer != nil { // the start timer: the start came
+		in.timer.Stop()
+		in.timer = nil
+	}
+	in.deadline(in.s.d.cfg.Deadline, in.expire)
+	in.unlock()
+	t.OnResolve(in.resolved)
 	return nil
 }
 
-func (in *Incoming[R]) watch(t *kvlease.Transfer) {
-	expire, stop := deadlineTimer(in.s.d.cfg.Deadline)
-	defer stop()
-	select {
-	case <-t.Done():
-	case <-expire:
-		in.expire()
-		<-t.Done()
-	}
-	in.mu.Lock()
-	msg, ok := in.settle()
-	in.mu.Unlock()
-	if ok {
-		in.finish(msg) // on this goroutine: one hop fewer to the source
+// resolved is the handler of the transfer's evidence: it runs once,
+// inside the plane's Resolve, so State is current when Resolve returns.
+// Telling the source and the callbacks (finish) run on a goroutine of
+// their own, off the plane's.
+func (in *Incoming[R]) resolved(err error) {
+	if err, ok := in.arrive(err); ok {
+		in.resolvedLocked(err)
+		in.unlock()
 	}
 }
 
+// resolvedLocked is resolved with in.mu held: what settle recorded is
+// told and called back on a goroutine of its own, after unlock.
+func (in *Incoming[R]) resolvedLocked(err error) {
+	if msg, ok := in.settle(err); ok {
+		in.later(func() { go in.finish(msg) })
+	}
+}
+
+// expire is the deadline's handler: it gives up on evidence.
 func (in *Incoming[R]) expire() {
 	d := in.s.d
 	in.mu.Lock()
-	if in.current() {
-		in.mu.Unlock()
+	if in.state.Final() {
+		in.unlock()
+		return
+	}
+	if in.t.State() == kvlease.TransferResolved {
+		// The evidence came; its callback waits for our lock.
+		msg, ok := in.settle(in.t.Err())
+		in.unlock()
+		if ok {
+			in.finish(msg)
+		}
 		return
 	}
 	reason := fmt.Errorf("kvlease: handoff %d: no evidence within %v: %w", in.id, d.cfg.Deadline, kvlease.ErrQuarantined)
 	in.t.Quarantine(reason)
 	kind, from := in.fire("deadline", EventExpire, reason)
-	if kind == edgeMove && from == Transferring {
-		in.lease.Abort(reason)
-	}
-	in.mu.Unlock()
 	if kind == edgeMove {
-		d.stats.quarantined.Add(1)
+		d.stats.quarantined.Add(1) // before the late evidence can make it final
+	}
+	if kind == edgeMove && from == Transferring {
+		if err, ok := in.effect(func() { in.lease.Abort(reason) }); ok {
+			in.resolvedLocked(err)
+		}
+	}
+	in.unlock()
+	if kind == edgeMove {
+		// Without the lock: the late evidence may make the handoff final
+		// meanwhile (Stats counted it already).
 		d.cfg.quarantined(in.id, reason)
 	}
 	if kind == edgeMove && from == Transferring {
@@ -591,28 +614,15 @@ func (in *Incoming[R]) expire() {
 	}
 }
 
-// current records the transfer's evidence once it has come (so State is
-// current as soon as Resolve returns): see settle. It tells the source
-// and runs the callbacks on a goroutine of their own (the caller holds
-// in.mu). It reports whether the handoff is final. Called with in.mu
-// held.
-func (in *Incoming[R]) current() bool {
-	if msg, ok := in.settle(); ok {
-		go in.finish(msg)
-	}
-	return in.state.Final()
-}
-
-// settle records the transfer's evidence if it has come and is not
-// recorded yet: Delivered seals the wanted blocks, Failed releases the
-// lease. It returns the Done message to send (nil when the source was
-// not waiting for one) and whether it recorded anything; the caller
-// then calls finish, without in.mu. Called with in.mu held.
-func (in *Incoming[R]) settle() (*DoneMsg, bool) {
-	if in.state.Final() || in.t == nil || in.t.State() != kvlease.TransferResolved {
+// settle records the transfer's evidence (its outcome err) unless the
+// handoff is final already: Delivered seals the wanted blocks, Failed
+// releases the lease. It returns the Done message to send (nil when the
+// source was not waiting for one) and whether it recorded anything; the
+// caller then calls finish, without in.mu. Called with in.mu held.
+func (in *Incoming[R]) settle(err error) (*DoneMsg, bool) {
+	if in.state.Final() {
 		return nil, false
 	}
-	err := in.t.Err()
 	from := in.state
 	if err == nil && from == Transferring {
 		in.seal()
@@ -682,7 +692,7 @@ func (in *Incoming[R]) final() {
 	d := in.s.d
 	in.mu.Lock()
 	st, sealErr := in.state, in.sealErr
-	in.mu.Unlock()
+	in.unlock()
 	if sealErr != nil {
 		d.cfg.report(sealErr)
 	}
@@ -710,13 +720,13 @@ func (in *Incoming[R]) Reject(by string, reason error) error {
 	kind, from := in.fire(by, EventReject, reason)
 	if kind == edgeRefuse {
 		st := in.state
-		in.mu.Unlock()
+		in.unlock()
 		return fmt.Errorf("kvlease: handoff %d: reject while %v: %w", in.id, st, ErrState)
 	}
 	if kind == edgeMove && in.lease != nil {
 		in.lease.Release()
 	}
-	in.mu.Unlock()
+	in.unlock()
 	if kind == edgeMove {
 		if from == Accepted {
 			in.s.d.plane.Forget(in.pid())
@@ -737,17 +747,6 @@ func (in *Incoming[R]) Abort(by string, cause error) error {
 	return in.abort(by, cause, true)
 }
 
-// abortIf aborts the handoff (and tells the source) only if it is in
-// state st, and reports whether it did.
-func (in *Incoming[R]) abortIf(st State, by string, cause error) bool {
-	in.mu.Lock()
-	if in.state != st {
-		in.mu.Unlock()
-		return false
-	}
-	return in.abortLocked(by, cause, true) == nil
-}
-
 func (in *Incoming[R]) abort(by string, cause error, tell bool) error {
 	in.mu.Lock()
 	return in.abortLocked(by, cause, tell)
@@ -758,13 +757,17 @@ func (in *Incoming[R]) abortLocked(by string, cause error, tell bool) error {
 	kind, from := in.fire(by, EventAbort, cause)
 	if kind == edgeRefuse {
 		st := in.state
-		in.mu.Unlock()
+		in.unlock()
 		return fmt.Errorf("kvlease: handoff %d: abort while %v: %w", in.id, st, ErrState)
 	}
 	if kind == edgeMove && in.lease != nil {
-		in.lease.Abort(cause) // cancels the transfer, if any
+		// Aborting the lease cancels the transfer, whose hook may
+		// resolve it at once: effect takes that evidence.
+		if err, ok := in.effect(func() { in.lease.Abort(cause) }); ok {
+			in.resolvedLocked(err)
+		}
 	}
-	in.mu.Unlock()
+	in.unlock()
 	if kind == edgeMove {
 		if from == Accepted {
 			in.s.d.plane.Forget(in.pid())
@@ -779,29 +782,16 @@ func (in *Incoming[R]) abortLocked(by string, cause error, tell bool) error {
 	return nil
 }
 
-// State returns the handoff's state, current with the evidence.
-func (in *Incoming[R]) State() State {
-	in.mu.Lock()
-	defer in.mu.Unlock()
-	in.current()
-	return in.state
-}
+// State returns the handoff's state. It only reads: the handlers of the
+// source's messages, of the transfer's evidence (run inside its Resolve)
+// and of the timers make every change.
+func (in *Incoming[R]) State() State { return in.current() }
 
 // Err returns the error of the step that entered the current state.
-func (in *Incoming[R]) Err() error {
-	in.mu.Lock()
-	defer in.mu.Unlock()
-	in.current()
-	return in.lastErr()
-}
+func (in *Incoming[R]) Err() error { return in.err() }
 
 // History returns a copy of every step so far, oldest first.
-func (in *Incoming[R]) History() []Step {
-	in.mu.Lock()
-	defer in.mu.Unlock()
-	in.current()
-	return append([]Step(nil), in.history...)
-}
+func (in *Incoming[R]) History() []Step { return in.steps() }
 
 // Done is closed when the handoff reaches a final state.
 func (in *Incoming[R]) Done() <-chan struct{} { return in.done }

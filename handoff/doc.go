@@ -17,13 +17,28 @@
 // Source (the prefill side, holding only its own leases) and Destination
 // (the decode side, holding only its own pool) are the two halves of a
 // handoff in different processes. They speak a small versioned control
-// protocol over one authenticated connection (proto.go: Propose,
-// Accept, Reject, Start, Done, Abort and their Acks, each frame naming
-// its handoff; anything malformed, duplicated, reordered or for
-// an unknown handoff is refused and changes nothing), and move the
-// blocks over a data plane (SendPlane, RecvPlane): package tcp in pure
-// Go, UCX in the nested module ucx/. Each half keeps the same states,
-// table and History as Handoff.
+// protocol over one authenticated connection (frame.go: the frame and
+// who sends what; messages.go: Propose, Accept, Reject, Start, Done,
+// Abort and their Acks, each naming its handoff, each with a parse
+// function; conn.go: the connection). A malformed frame ends the
+// connection (ErrProtocolFatal); a well-formed message that is
+// duplicated, reordered or for an unknown handoff is refused and changes
+// nothing (ErrProtocolRefused); both wrap ErrProtocol. The blocks move
+// over a data plane (SendPlane, RecvPlane): package tcp in pure Go, UCX
+// in the nested module ucx/.
+//
+// # One state machine
+//
+// Handoff and each half's handle (Outgoing, Incoming) share one state
+// machine (machine.go): one transition table, one function that performs
+// transitions, the same History. State changes only in the handlers of
+// inputs: a caller's method, a peer's message, the transfer's evidence
+// (its kvlease.Transfer.OnResolve callback, which runs inside the
+// transport's Resolve, so State is current once Resolve returns) and the
+// timers of the deadlines. State, Err and History only read. The source
+// half needs two facts before it is final, its own transfer's
+// resolution and the destination's word; each is a note in the table
+// (EventQuiescent, EventPeerOutcome), recorded in History.
 //
 // The destination takes its own prefix-cache hits on accept and asks
 // for the missing blocks alone; delivered blocks are sealed on arrival

@@ -4,47 +4,11 @@ import (
 	"errors"
 	"fmt"
 	"log"
-	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/kvlease/kvlease"
 )
-
-// machine is one half's view of a handoff: the same states, table and
-// History as the in-process Handoff. Its owner performs the effects of
-// each move (aborting its lease, sending a message) after fire returns.
-type machine struct {
-	mu      sync.Mutex
-	state   State
-	history []Step
-	tid     uint64        // the attached transfer's ID
-	done    chan struct{} // closed on entering a final state
-	onFinal func()        // if set, called (under mu) on entering a final state
-}
-
-func newMachine() machine { return machine{done: make(chan struct{})} }
-
-// fire applies e. It returns the edge's kind and the state it left.
-// Called with m.mu held.
-func (m *machine) fire(by string, e Event, err error) (edgeKind, State) {
-	edge := next(m.state, e)
-	from := m.state
-	if edge.kind != edgeMove {
-		return edge.kind, from
-	}
-	m.state = edge.to
-	m.history = append(m.history, Step{From: from, To: edge.to, Event: e, By: by, Err: err, Transfer: m.tid, At: time.Now()})
-	if edge.to.Final() {
-		close(m.done)
-		if m.onFinal != nil {
-			m.onFinal()
-		}
-	}
-	return edgeMove, from
-}
-
-func (m *machine) lastErr() error { return m.history[len(m.history)-1].Err }
 
 // Errors of the halves.
 var (
@@ -108,7 +72,9 @@ type HalfConfig struct {
 	// OnQuarantine, if set, is told every handoff that becomes
 	// Quarantined (no evidence by the deadline) with the reason; the
 	// handoff's later final state (Done) says when late evidence lifted
-	// it. Called without the half's locks held; must not block long.
+	// it. Called without the half's locks held, so the late evidence may
+	// make the handoff final before or while it runs (HalfStats.Quarantined
+	// counts it before that); must not block long.
 	OnQuarantine func(handoff uint64, reason error)
 	// OnError, if set, is told every protocol error that changed nothing
 	// (an unknown id, a message the state does not allow) and, on the
@@ -164,16 +130,6 @@ func (c *HalfConfig) report(err error) {
 	if c.OnError != nil {
 		c.OnError(err)
 	}
-}
-
-// deadlineTimer returns a channel that fires after d, or never for d < 0,
-// and its stop function.
-func deadlineTimer(d time.Duration) (<-chan time.Time, func()) {
-	if d < 0 {
-		return nil, func() {}
-	}
-	t := time.NewTimer(d)
-	return t.C, func() { t.Stop() }
 }
 
 // HalfStats counts what a half refused and why. Destination.Stats sums

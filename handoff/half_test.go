@@ -232,8 +232,8 @@ func TestSourceRefusesBadMessages(t *testing.T) {
 		t.Helper()
 		select {
 		case err := <-errs:
-			if !errors.Is(err, ErrProtocol) || !strings.Contains(err.Error(), substr) {
-				t.Fatalf("reported %v, want ErrProtocol and %q", err, substr)
+			if !errors.Is(err, ErrProtocol) || !errors.Is(err, ErrProtocolRefused) || errors.Is(err, ErrProtocolFatal) || !strings.Contains(err.Error(), substr) {
+				t.Fatalf("reported %v, want ErrProtocolRefused and %q", err, substr)
 			}
 		case <-time.After(10 * time.Second):
 			t.Fatalf("nothing reported, want %q", substr)
@@ -289,7 +289,7 @@ func TestSourceRefusesBadMessages(t *testing.T) {
 		t.Fatal(err)
 	}
 	<-o2.Done()
-	if s, err := o2.State(), o2.Err(); s != Rejected || !errors.Is(err, ErrConnLost) || !errors.Is(err, ErrProtocol) {
+	if s, err := o2.State(), o2.Err(); s != Rejected || !errors.Is(err, ErrConnLost) || !errors.Is(err, ErrProtocolFatal) {
 		t.Fatalf("unstarted handoff after a corrupted frame: %v %v", s, err)
 	}
 	if s := o.State(); s != Delivered {
@@ -301,4 +301,46 @@ func TestSourceRefusesBadMessages(t *testing.T) {
 	if s := pool.Stats(); s.Leased != 5 || s.Quarantined != 0 {
 		t.Fatalf("%+v", s)
 	}
+}
+
+// TestSourceNotes: the source's two facts show in History as notes, the
+// reads change nothing, and the source is final only with both.
+func TestSourceNotes(t *testing.T) {
+	h := newHalves(t, -1)
+	lease, _ := h.srcPool.Acquire("r", 3)
+	o, err := h.src.Propose(1, "r", lease, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	in := <-h.incoming
+	st, dt := h.send.next(t), h.recv.next(t)
+	waitHalf(t, "source", o.State, Transferring)
+	n, m := len(o.History()), len(in.History())
+	for range 3 {
+		_, _, _ = o.State(), o.Err(), o.History()
+		_, _, _ = in.State(), in.Err(), in.History()
+	}
+	if len(o.History()) != n || len(in.History()) != m {
+		t.Fatalf("reads changed the histories: %d → %d, %d → %d", n, len(o.History()), m, len(in.History()))
+	}
+	st.Resolve(nil)
+	hist := o.History()
+	if last := hist[len(hist)-1]; o.State() != Transferring || last.Event != EventQuiescent || last.From != Transferring || last.To != Transferring || last.By != "transport" {
+		t.Fatalf("after our own Resolve: %v, last step %v", o.State(), last)
+	}
+	dt.Resolve(nil)
+	waitHalf(t, "source", o.State, Delivered)
+	notes := map[Event]int{}
+	for _, s := range o.History() {
+		if s.From == s.To {
+			notes[s.Event]++
+			if s.Event == EventPeerOutcome && (s.By != "destination" || s.Err != nil) {
+				t.Errorf("peer outcome %v", s)
+			}
+		}
+	}
+	if len(notes) != 2 || notes[EventQuiescent] != 1 || notes[EventPeerOutcome] != 1 {
+		t.Fatalf("notes %v in %v", notes, o.History())
+	}
+	lease.Release()
 }

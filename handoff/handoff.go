@@ -4,8 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strings"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -20,212 +18,6 @@ var ErrState = errors.New("kvlease: handoff in the wrong state")
 
 // ErrRejected is the default reason recorded by Reject(by, nil).
 var ErrRejected = errors.New("kvlease: handoff rejected")
-
-// State is where a handoff is. See Handoff for the diagram.
-type State uint8
-
-// The handoff states.
-const (
-	stateNone State = iota // before Propose; only in History's first From
-
-	// Proposed: the source offers a lease; the destination holds
-	// nothing yet.
-	Proposed
-	// Rejected: the destination refused. Final: no transfer can
-	// ever start; the source lease is untouched and still the caller's.
-	Rejected
-	// Accepted: the destination holds a lease of the same length;
-	// no transfer yet.
-	Accepted
-	// Transferring: one transfer is attached to both leases (Read
-	// on the source, Write on the destination).
-	Transferring
-	// Delivered: the transfer resolved without error. Final: the
-	// destination lease is the caller's (Destination); the source lease is
-	// untouched.
-	Delivered
-	// Failed: the transfer resolved with an error, or the transport
-	// could not start it. Final: the destination lease is released (the
-	// memory was already quiescent); the source lease is untouched.
-	Failed
-	// Aborting: Abort came while the transfer was in flight. Both
-	// leases are aborted and the transfer cancelled; their blocks drain
-	// until the transport proves quiescence.
-	Aborting
-	// Aborted: aborted, and nothing the handoff started can touch
-	// memory any more. Final.
-	Aborted
-	// Quarantined: no evidence came in time (Expire): the transfer
-	// is quarantined with every block of both leases, which are aborted.
-	// Not final: only the transfer's late Resolve lifts it, to Aborted.
-	Quarantined
-
-	numStates
-)
-
-var stateNames = [numStates]string{
-	"none", "proposed", "rejected", "accepted", "transferring",
-	"delivered", "failed", "aborting", "aborted", "quarantined",
-}
-
-func (s State) String() string {
-	if s < numStates {
-		return stateNames[s]
-	}
-	return "invalid"
-}
-
-// Final reports whether s is final: Rejected, Delivered, Failed or
-// Aborted. No event leaves a final state.
-func (s State) Final() bool {
-	return s == Rejected || s == Delivered || s == Failed || s == Aborted
-}
-
-// Event is what moves a handoff: a caller's decision or the
-// transport's evidence. Each step of History names one.
-type Event uint8
-
-// The handoff events.
-const (
-	// EventPropose: Propose created the handoff.
-	EventPropose Event = iota + 1
-	// EventAccept: the destination acquired its lease.
-	EventAccept
-	// EventReject: the destination refused, by decision (Reject) or
-	// because its acquire failed (Accept, AcceptWait).
-	EventReject
-	// EventAttach: the transport attached the transfer to both leases;
-	// bytes may move from now on.
-	EventAttach
-	// EventStartFail: Start could not attach a transfer (the source
-	// lease was closed, the transport failed). Nothing moved.
-	EventStartFail
-	// EventResolve: the transfer resolved without error: quiescent and
-	// complete.
-	EventResolve
-	// EventResolveError: the transfer resolved with an error: quiescent,
-	// content incomplete.
-	EventResolveError
-	// EventAbort: either side gave up on the request (Abort).
-	EventAbort
-	// EventExpire: no evidence by the deadline (the handoff's timer or a
-	// caller's Expire), and the transfer was still unresolved.
-	EventExpire
-
-	numEvents
-)
-
-var eventNames = [numEvents]string{
-	"", "propose", "accept", "reject", "attach", "start-fail",
-	"resolve", "resolve-error", "abort", "expire",
-}
-
-func (e Event) String() string {
-	if e > 0 && e < numEvents {
-		return eventNames[e]
-	}
-	return "invalid"
-}
-
-// edge is one cell of the transition table.
-type edge struct {
-	to   State
-	kind edgeKind
-}
-
-type edgeKind uint8
-
-const (
-	edgeRefuse edgeKind = iota // the event is not allowed here: ErrState
-	edgeMove                   // the state changes to `to`
-	edgeNoop                   // already done (a second Abort, a late timer): nil, nothing changes
-)
-
-// table is the handoff's one transition function, as a table: the
-// cell for (state, event) says whether the event moves the handoff, is an
-// idempotent repeat, or is refused. Missing cells are refusals. Every
-// state change goes through next.
-var table = [numStates][numEvents]edge{
-	stateNone: {
-		EventPropose: {Proposed, edgeMove},
-	},
-	Proposed: {
-		EventAccept: {Accepted, edgeMove},
-		EventReject: {Rejected, edgeMove},
-		EventAbort:  {Aborted, edgeMove},
-	},
-	Rejected: {
-		EventReject: {Rejected, edgeNoop},
-		EventExpire: {Rejected, edgeNoop},
-	},
-	Accepted: {
-		EventReject:    {Rejected, edgeMove},
-		EventAttach:    {Transferring, edgeMove},
-		EventStartFail: {Failed, edgeMove},
-		EventAbort:     {Aborted, edgeMove},
-	},
-	Transferring: {
-		EventResolve:      {Delivered, edgeMove},
-		EventResolveError: {Failed, edgeMove},
-		EventAbort:        {Aborting, edgeMove},
-		EventExpire:       {Quarantined, edgeMove},
-	},
-	Delivered: {
-		EventExpire: {Delivered, edgeNoop},
-	},
-	Failed: {
-		EventExpire: {Failed, edgeNoop},
-	},
-	Aborting: {
-		EventResolve:      {Aborted, edgeMove},
-		EventResolveError: {Aborted, edgeMove},
-		EventAbort:        {Aborting, edgeNoop},
-		EventExpire:       {Quarantined, edgeMove},
-	},
-	Aborted: {
-		EventAbort:  {Aborted, edgeNoop},
-		EventExpire: {Aborted, edgeNoop},
-	},
-	Quarantined: {
-		EventResolve:      {Aborted, edgeMove},
-		EventResolveError: {Aborted, edgeMove},
-		EventAbort:        {Quarantined, edgeNoop},
-		EventExpire:       {Quarantined, edgeNoop},
-	},
-}
-
-// next looks up (s, e) in the transition table.
-func next(s State, e Event) edge {
-	if s >= numStates || e == 0 || e >= numEvents {
-		return edge{}
-	}
-	return table[s][e]
-}
-
-// A Step is one transition of a handoff with the evidence that made
-// it: which component, which event, and the error it carried (the
-// rejection reason, the transfer's outcome, the abort cause).
-type Step struct {
-	From, To State
-	Event    Event
-	By       string    // the component: a side's name, "transport", "deadline"
-	Err      error     // reason, cause or outcome; nil for success
-	Transfer uint64    // the transfer's ID, once one is attached
-	At       time.Time // when the handoff recorded it
-}
-
-// String renders the step as "from → to  by/event: err".
-func (s Step) String() string {
-	var b strings.Builder
-	fmt.Fprintf(&b, "%v → %v  %s/%v", s.From, s.To, s.By, s.Event)
-	if s.Transfer != 0 {
-		fmt.Fprintf(&b, " (transfer %d)", s.Transfer)
-	}
-	if s.Err != nil {
-		fmt.Fprintf(&b, ": %v", s.Err)
-	}
-	return b.String()
-}
 
 // DefaultDeadline is the deadline a handoff uses when
 // Config.Deadline is zero.
@@ -316,21 +108,21 @@ type Config struct {
 // leases and its transfer with its own lock held (so a decision and its
 // effect are one step), so a transport's cancel hook or a pool's observer
 // must not call this handoff's methods synchronously; they may call any
-// Pool, Lease or Transfer method.
+// Pool, Lease or Transfer method, and a cancel hook may Resolve the
+// transfer at once (the evidence is then recorded before Abort returns).
+// The handoff learns of the transfer's evidence through
+// kvlease.Transfer.OnResolve: no goroutine waits on it.
 type Handoff[S, D any] struct {
-	mu    sync.Mutex
-	state State
-	src   *kvlease.Lease[S]
-	pool  *kvlease.Pool[D]
-	dst   *kvlease.Lease[D] // set by Accept
-	t     *kvlease.Transfer // set by the winning attach
-	n     int               // blocks handed off: src.Len() at Propose
+	machine
+	src  *kvlease.Lease[S]
+	pool *kvlease.Pool[D]
+	dst  *kvlease.Lease[D] // set by Accept
+	t    *kvlease.Transfer // set by the winning attach
+	n    int               // blocks handed off: src.Len() at Propose
 	// accepting is set while one Accept acquires without the lock; a
 	// concurrent Accept is refused instead of racing it.
 	accepting bool
 	cfg       Config
-	history   []Step
-	done      chan struct{} // closed on entering a final state
 }
 
 // Propose offers the blocks of src (all src.Len() of them, as they are
@@ -379,51 +171,46 @@ func Propose[S, D any](src *kvlease.Lease[S], dst *kvlease.Pool[D], cfg Config) 
 	if cfg.Deadline == 0 {
 		cfg.Deadline = DefaultDeadline
 	}
-	h := &Handoff[S, D]{src: src, pool: dst, n: n, cfg: cfg, done: make(chan struct{})}
+	h := &Handoff[S, D]{machine: newMachine(), src: src, pool: dst, n: n, cfg: cfg}
 	h.mu.Lock()
-	h.fire(cfg.Source, EventPropose, nil)
-	h.mu.Unlock()
+	h.step(cfg.Source, EventPropose, nil)
+	h.unlock()
 	return h, nil
 }
 
-// fire applies event e to the handoff: it looks the edge up, records the
-// step and performs the effects of entering the new state. It returns the
-// edge's kind; a refusal changes nothing. Called with h.mu held.
-func (h *Handoff[S, D]) fire(by string, e Event, err error) edgeKind {
-	edge := next(h.state, e)
-	if edge.kind != edgeMove {
-		return edge.kind
+// step fires event e (machine.fire) and performs the effects of entering
+// the new state. It returns the edge's kind; a refusal changes nothing.
+// Called with h.mu held.
+func (h *Handoff[S, D]) step(by string, e Event, err error) edgeKind {
+	kind, from := h.fire(by, e, err)
+	if kind != edgeMove {
+		return kind
 	}
-	from := h.state
-	h.state = edge.to
-	var tid uint64
-	if h.t != nil {
-		tid = h.t.ID()
-	}
-	h.history = append(h.history, Step{From: from, To: edge.to, Event: e, By: by, Err: err, Transfer: tid, At: time.Now()})
-
 	switch {
 	case e == EventAbort || (e == EventExpire && from == Transferring):
 		// The request is gone on both sides. Aborting the leases cancels
 		// the transfer, if any; their blocks drain until it resolves (or
-		// stay quarantined, for Expire, until late evidence).
+		// stay quarantined, for Expire, until late evidence). A cancel
+		// hook may resolve the transfer at once: effect takes that
+		// evidence.
 		cause := err
 		if cause == nil {
 			cause = kvlease.ErrAborted
 		}
-		if h.dst != nil {
-			h.dst.Abort(cause)
+		if err, ok := h.effect(func() {
+			if h.dst != nil {
+				h.dst.Abort(cause)
+			}
+			h.src.Abort(cause)
+		}); ok {
+			h.evidence(err)
 		}
-		h.src.Abort(cause)
-	case edge.to == Rejected || edge.to == Failed:
+	case h.state == Rejected || h.state == Failed:
 		// Nothing is in flight (never attached, or resolved): the
 		// destination lease's blocks return at once.
 		if h.dst != nil {
 			h.dst.Release()
 		}
-	}
-	if edge.to.Final() {
-		close(h.done)
 	}
 	return edgeMove
 }
@@ -460,18 +247,18 @@ func (h *Handoff[S, D]) accept(ctx context.Context) error {
 	h.mu.Lock()
 	if next(h.state, EventAccept).kind != edgeMove {
 		err := h.refused("accept")
-		h.mu.Unlock()
+		h.unlock()
 		return err
 	}
 	if h.accepting {
 		// Another Accept is acquiring: it decides. This one changes
 		// nothing, acquires nothing (issue 11, bug 1).
 		err := fmt.Errorf("kvlease: handoff of lease %d (%s): accept while another accept is in progress: %w", h.src.ID(), h.src.Owner(), ErrState)
-		h.mu.Unlock()
+		h.unlock()
 		return err
 	}
 	h.accepting = true
-	h.mu.Unlock()
+	h.unlock()
 
 	// Acquire without the lock: a waiting acquire must not block Abort.
 	var l *kvlease.Lease[D]
@@ -483,7 +270,7 @@ func (h *Handoff[S, D]) accept(ctx context.Context) error {
 	}
 
 	h.mu.Lock()
-	defer h.mu.Unlock()
+	defer h.unlock()
 	h.accepting = false
 	if next(h.state, EventAccept).kind != edgeMove {
 		// Rejected, aborted or accepted by someone else meanwhile: this
@@ -496,11 +283,11 @@ func (h *Handoff[S, D]) accept(ctx context.Context) error {
 	}
 	if err != nil {
 		err = fmt.Errorf("kvlease: handoff of lease %d (%s): destination acquire of %d blocks: %w", h.src.ID(), h.src.Owner(), h.n, err)
-		h.fire(h.cfg.Destination, EventReject, err)
+		h.step(h.cfg.Destination, EventReject, err)
 		return err
 	}
 	h.dst = l
-	h.fire(h.cfg.Destination, EventAccept, nil)
+	h.step(h.cfg.Destination, EventAccept, nil)
 	return nil
 }
 
@@ -515,8 +302,8 @@ func (h *Handoff[S, D]) Reject(by string, reason error) error {
 		reason = ErrRejected
 	}
 	h.mu.Lock()
-	defer h.mu.Unlock()
-	if h.fire(by, EventReject, reason) == edgeRefuse {
+	defer h.unlock()
+	if h.step(by, EventReject, reason) == edgeRefuse {
 		return h.refused("reject")
 	}
 	return nil
@@ -528,8 +315,8 @@ func (h *Handoff[S, D]) Reject(by string, reason error) error {
 // if it is still Accepted, the transfer is attached to the source lease
 // (Read) and the destination lease (Write) and the handoff becomes
 // Transferring; from then on only the transfer's evidence, Abort or Expire
-// move it. A goroutine waits for the transfer to resolve (and for the
-// deadline).
+// move it: the transfer's OnResolve callback records its evidence, and a
+// timer the deadline.
 //
 // If the handoff is not Accepted, Start calls nothing and returns
 // ErrState: a rejected handoff never reaches a transport. If the
@@ -545,7 +332,7 @@ func (h *Handoff[S, D]) Start(tr kvlease.Transport[S, D]) error {
 	h.mu.Lock()
 	if next(h.state, EventAttach).kind != edgeMove {
 		err := h.refused("start")
-		h.mu.Unlock()
+		h.unlock()
 		return err
 	}
 	pairs := make([]kvlease.CopyPair[S, D], h.n)
@@ -556,13 +343,13 @@ func (h *Handoff[S, D]) Start(tr kvlease.Transport[S, D]) error {
 		}
 		if err != nil {
 			err = fmt.Errorf("kvlease: handoff start: %w", err)
-			h.fire(h.cfg.Source, EventStartFail, err)
-			h.mu.Unlock()
+			h.step(h.cfg.Source, EventStartFail, err)
+			h.unlock()
 			return err
 		}
 		pairs[i].Src = s
 	}
-	h.mu.Unlock()
+	h.unlock()
 
 	// attached is this call's attach outcome: 0 not called, 1 attached,
 	// -1 refused. Atomic: a transport may call attach on its own goroutine
@@ -581,7 +368,7 @@ func (h *Handoff[S, D]) Start(tr kvlease.Transport[S, D]) error {
 	case 1:
 		// The transfer is ours; its evidence decides. A transport that
 		// reports an error after attaching must still resolve the
-		// transfer, and the watcher records that.
+		// transfer, and its OnResolve callback records that.
 		return err
 	case -1:
 		return err
@@ -591,8 +378,8 @@ func (h *Handoff[S, D]) Start(tr kvlease.Transport[S, D]) error {
 	}
 	err = fmt.Errorf("kvlease: handoff start: %w", err)
 	h.mu.Lock()
-	kind := h.fire("transport", EventStartFail, err)
-	h.mu.Unlock()
+	kind := h.step("transport", EventStartFail, err)
+	h.unlock()
 	if kind == edgeRefuse {
 		return fmt.Errorf("%w (%w)", err, ErrState)
 	}
@@ -602,15 +389,17 @@ func (h *Handoff[S, D]) Start(tr kvlease.Transport[S, D]) error {
 // attach is the callback a transport calls before any byte moves. The
 // state check and both attachments happen under h.mu, so a Reject or
 // Abort either comes before (and the attach is refused) or after (and
-// sees the transfer).
+// sees the transfer). Once attached, the transfer's own completion
+// (OnResolve) and the deadline's timer are the only evidence handlers.
 func (h *Handoff[S, D]) attach(t *kvlease.Transfer) error {
-	h.mu.Lock()
-	defer h.mu.Unlock()
 	if t == nil {
 		return fmt.Errorf("kvlease: handoff attach: nil transfer: %w", kvlease.ErrInvalidArgument)
 	}
+	h.mu.Lock()
 	if next(h.state, EventAttach).kind != edgeMove {
-		return h.refused("attach")
+		err := h.refused("attach")
+		h.unlock()
+		return err
 	}
 	err := h.src.AttachRange(t, 0, h.n, kvlease.Read)
 	if err == nil {
@@ -620,45 +409,44 @@ func (h *Handoff[S, D]) attach(t *kvlease.Transfer) error {
 		// The transport resolves t with this error (nothing moved), which
 		// also drops a source attachment that succeeded.
 		err = fmt.Errorf("kvlease: handoff attach: %w", err)
-		h.fire(h.cfg.Source, EventStartFail, err)
+		h.step(h.cfg.Source, EventStartFail, err)
+		h.unlock()
 		return err
 	}
 	h.t = t
-	h.fire("transport", EventAttach, nil)
-	go h.watch(t, h.cfg.Deadline)
+	h.tid = t.ID()
+	h.step("transport", EventAttach, nil)
+	if d := h.cfg.Deadline; d > 0 {
+		h.deadline(d, func() {
+			_ = h.Expire("deadline", fmt.Errorf("kvlease: handoff: no evidence of quiescence within %v: %w", d, kvlease.ErrQuarantined))
+		})
+	}
+	h.unlock()
+	// Registered without h.mu: on a transfer already resolved the
+	// callback runs at once.
+	t.OnResolve(h.resolved)
 	return nil
 }
 
-// watch waits for the transfer's evidence, expiring the handoff if the
-// deadline passes first, and records the evidence when it comes (perhaps
-// much later: the late evidence that lifts a quarantine).
-func (h *Handoff[S, D]) watch(t *kvlease.Transfer, d time.Duration) {
-	if d > 0 {
-		timer := time.NewTimer(d)
-		select {
-		case <-t.Done():
-			timer.Stop()
-		case <-timer.C:
-			_ = h.Expire("deadline", fmt.Errorf("kvlease: handoff: no evidence of quiescence within %v: %w", d, kvlease.ErrQuarantined))
-			<-t.Done()
-		}
-	} else {
-		<-t.Done()
+// resolved is the handler of the transfer's evidence (its OnResolve
+// callback): it runs once, inside the transport's Resolve, so State is
+// current when Resolve returns. The evidence may come much later than the
+// deadline: it is what lifts a quarantine.
+func (h *Handoff[S, D]) resolved(err error) {
+	if err, ok := h.arrive(err); ok {
+		h.evidence(err)
+		h.unlock()
 	}
-	h.mu.Lock()
-	h.evidence(t)
-	h.mu.Unlock()
 }
 
 // evidence records a resolved transfer's outcome. A repeat (Expire already
-// recorded it) is a no-op. Called with h.mu held.
-func (h *Handoff[S, D]) evidence(t *kvlease.Transfer) {
-	err := t.Err()
+// recorded it) is refused and changes nothing. Called with h.mu held.
+func (h *Handoff[S, D]) evidence(err error) {
 	e := EventResolve
 	if err != nil {
 		e = EventResolveError
 	}
-	h.fire("transport", e, err)
+	h.step("transport", e, err)
 }
 
 // Abort gives up on the request, from either side (by names it). Before a
@@ -678,8 +466,8 @@ func (h *Handoff[S, D]) Abort(by string, cause error) error {
 		cause = kvlease.ErrAborted
 	}
 	h.mu.Lock()
-	defer h.mu.Unlock()
-	if h.fire(by, EventAbort, cause) == edgeRefuse {
+	defer h.unlock()
+	if h.step(by, EventAbort, cause) == edgeRefuse {
 		return h.refused("abort")
 	}
 	return nil
@@ -703,7 +491,7 @@ func (h *Handoff[S, D]) Expire(by string, reason error) error {
 		reason = kvlease.ErrQuarantined
 	}
 	h.mu.Lock()
-	defer h.mu.Unlock()
+	defer h.unlock()
 	switch next(h.state, EventExpire).kind {
 	case edgeRefuse:
 		return h.refused("expire")
@@ -712,53 +500,30 @@ func (h *Handoff[S, D]) Expire(by string, reason error) error {
 	}
 	h.t.Quarantine(reason)
 	if h.t.State() == kvlease.TransferResolved {
-		// The evidence won the race: record it, not a quarantine.
-		h.evidence(h.t)
+		// The evidence won the race (its callback waits for h.mu):
+		// record it, not a quarantine.
+		h.evidence(h.t.Err())
 		return nil
 	}
-	h.fire(by, EventExpire, reason)
+	h.step(by, EventExpire, reason)
 	return nil
 }
 
-// State returns the handoff's state. It is current: once the transfer's
-// Resolve has returned, State reflects that evidence, even if the
-// goroutine that watches the transfer has not run yet.
-func (h *Handoff[S, D]) State() State {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	h.current()
-	return h.state
-}
-
-// current records the transfer's evidence if it has come but the watcher
-// has not recorded it yet, so that State, Err and History never lag
-// behind a Resolve that has returned (issue 12, item 7). Called with h.mu
-// held.
-func (h *Handoff[S, D]) current() {
-	if h.t != nil && !h.state.Final() && h.t.State() == kvlease.TransferResolved {
-		h.evidence(h.t)
-	}
-}
+// State returns the handoff's state. It only reads: every change is made
+// by the handler of an input (a method above, the transfer's evidence,
+// the deadline). It is current with the evidence: the transfer's Resolve
+// records it (through OnResolve) before returning.
+func (h *Handoff[S, D]) State() State { return h.current() }
 
 // Err returns the error recorded by the step that entered the current
 // state: the rejection reason, the transfer's outcome, the abort cause or
 // the quarantine reason; nil when that step carried none (Proposed,
 // Accepted, Transferring, Delivered).
-func (h *Handoff[S, D]) Err() error {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	h.current()
-	return h.history[len(h.history)-1].Err
-}
+func (h *Handoff[S, D]) Err() error { return h.err() }
 
 // History returns a copy of every step so far, oldest first. The first is
 // the proposal (from "none").
-func (h *Handoff[S, D]) History() []Step {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	h.current()
-	return append([]Step(nil), h.history...)
-}
+func (h *Handoff[S, D]) History() []Step { return h.steps() }
 
 // Done returns a channel closed when the handoff reaches a final state
 // (Rejected, Delivered, Failed or Aborted). A quarantined handoff is not

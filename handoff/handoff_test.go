@@ -665,8 +665,11 @@ func TestHandoffAborted(t *testing.T) {
 		if err := f.h.Abort("decode", nil); err != nil {
 			t.Fatal(err)
 		}
-		waitDone(t, f.h)
+		// The evidence came inside Abort's own lease abort, on this
+		// goroutine, with the handoff's lock held: parked for Abort,
+		// recorded before it returned.
 		wantState(t, f.h, Aborted)
+		waitDone(t, f.h)
 		if got := f.h.History()[4]; got.Event != EventResolveError || got.By != "transport" {
 			t.Fatalf("evidence %v", got)
 		}

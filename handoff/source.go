@@ -85,13 +85,14 @@ func (s *Source[R]) Peer() *Peer { return s.peer }
 // Stats returns what this source refused and why.
 func (s *Source[R]) Stats() HalfStats { return s.stats.snapshot() }
 
-// forget moves a final handoff out of the table into the recent ids.
-func (s *Source[R]) forget(o *Outgoing[R]) {
-	<-o.done
+// forget moves a handoff that became final (in st) out of the table into
+// the recent ids. It runs as an effect of the final move, after o.mu is
+// released (lock order: s.mu before o.mu).
+func (s *Source[R]) forget(o *Outgoing[R], st State) {
 	s.mu.Lock()
 	if s.out[o.id] == o {
 		delete(s.out, o.id)
-		s.recent.add(o.id, o.State())
+		s.recent.add(o.id, st)
 	}
 	s.mu.Unlock()
 }
@@ -100,16 +101,12 @@ func (s *Source[R]) forget(o *Outgoing[R]) {
 // concurrent use.
 type Outgoing[R any] struct {
 	machine
-	s      *Source[R]
-	id     uint64
-	src    *kvlease.Lease[R]
-	n      int
-	from   int
-	t      *kvlease.Transfer
-	peer   error // the destination's outcome, once known (see peerSet)
-	peerOK bool  // the destination reported Done without error
-	known  bool  // the destination's outcome is known
-	wake   chan struct{}
+	s    *Source[R]
+	id   uint64
+	src  *kvlease.Lease[R]
+	n    int
+	from int
+	t    *kvlease.Transfer
 }
 
 // Propose offers all blocks of src (as they are now) under handoff id id,
@@ -163,7 +160,11 @@ func (s *Source[R]) propose(id uint64, request string, src *kvlease.Lease[R], ha
 	if len(hashes) > n || len(request) > MaxText {
 		return nil, fmt.Errorf("kvlease: handoff propose %d: %d hashes for %d blocks, request of %d bytes: %w", id, len(hashes), n, len(request), kvlease.ErrInvalidArgument)
 	}
-	o := &Outgoing[R]{machine: newMachine(), s: s, id: id, src: src, n: n, wake: make(chan struct{}, 1)}
+	o := &Outgoing[R]{machine: newMachine(), s: s, id: id, src: src, n: n}
+	o.onFinal = func() {
+		st := o.state
+		o.later(func() { s.forget(o, st) })
+	}
 	s.mu.Lock()
 	if s.lost != nil {
 		s.mu.Unlock()
@@ -175,10 +176,9 @@ func (s *Source[R]) propose(id uint64, request string, src *kvlease.Lease[R], ha
 		return nil, fmt.Errorf("kvlease: handoff propose: id %d already used on this connection: %w", id, ErrState)
 	}
 	s.out[id] = o
-	go s.forget(o)
 	o.mu.Lock()
 	o.fire(s.cfg.Name, EventPropose, nil)
-	o.mu.Unlock()
+	o.unlock()
 	s.mu.Unlock()
 	msg := &ProposeMsg{ID: id, Request: request, Blocks: uint32(n), Envelope: s.cfg.Envelope.Fingerprint(), Hashes: hashes, Seed: seed, Tokens: tokens}
 	if err := s.c.send(msg); err != nil {
@@ -210,9 +210,9 @@ func (s *Source[R]) get(m Message) *Outgoing[R] {
 	case recent && m.Type() == MsgAbort:
 		_ = s.c.send(&AckMsg{ID: m.Handoff(), Of: MsgAbort})
 	case recent:
-		s.cfg.report(fmt.Errorf("kvlease: handoff %d: %v while %v: %w", m.Handoff(), m.Type(), st, ErrProtocol))
+		s.cfg.report(fmt.Errorf("kvlease: handoff %d: %v while %v: %w", m.Handoff(), m.Type(), st, ErrProtocolRefused))
 	default:
-		s.cfg.report(fmt.Errorf("kvlease: handoff source: %v for unknown handoff %d: %w", m.Type(), m.Handoff(), ErrProtocol))
+		s.cfg.report(fmt.Errorf("kvlease: handoff source: %v for unknown handoff %d: %w", m.Type(), m.Handoff(), ErrProtocolRefused))
 	}
 	return o
 }
@@ -247,7 +247,7 @@ func (s *Source[R]) readLoop() {
 		case *AckMsg:
 			_ = s.get(m)
 		default:
-			s.cfg.report(fmt.Errorf("kvlease: handoff source: unexpected %v for handoff %d: %w", m.Type(), m.Handoff(), ErrProtocol))
+			s.cfg.report(fmt.Errorf("kvlease: handoff source: unexpected %v for handoff %d: %w", m.Type(), m.Handoff(), ErrProtocolRefused))
 		}
 	}
 }
@@ -270,10 +270,9 @@ func (s *Source[R]) connLost(cause error) {
 	_ = s.c.c.Close()
 	for _, o := range all {
 		o.mu.Lock()
-		o.fire(s.cfg.Name, EventReject, lost) // Proposed/Accepted only
-		o.setPeer(lost)
-		o.mu.Unlock()
-		o.poke()
+		kind, _ := o.fire(s.cfg.Name, EventReject, lost) // Proposed/Accepted only
+		o.peerWord(s.cfg.Name, lost, kind == edgeMove)
+		o.unlock()
 	}
 }
 
@@ -281,27 +280,24 @@ func (o *Outgoing[R]) pid() PlaneID {
 	return PlaneID{Session: o.s.session, Handoff: o.id, Peer: o.s.peer}
 }
 
-// setPeer records the destination's outcome once. Called with o.mu held.
-func (o *Outgoing[R]) setPeer(err error) {
-	if o.known {
-		return
+// peerWord handles the destination's word on the handoff (its Done, a
+// Reject or Abort, or the control connection's loss): on a started
+// transfer it is noted once (EventPeerOutcome). The plane is told
+// (Finish) when the word was noted or moved the handoff (moved); a bad
+// word while our transfer still runs asks it to stop, and its evidence
+// still decides. It reports whether the word was noted. Called with o.mu
+// held.
+func (o *Outgoing[R]) peerWord(by string, err error, moved bool) bool {
+	kind, _ := o.fire(by, EventPeerOutcome, err)
+	if kind != edgeNote && !moved {
+		return false
 	}
-	o.known, o.peer, o.peerOK = true, err, err == nil
-	if o.t != nil || err != nil {
-		go o.s.plane.Finish(o.pid(), err)
-	}
-	if err != nil && o.t != nil && o.state == Transferring {
-		// The destination gave up or vanished: ask our plane to stop.
-		// Its evidence still decides.
+	go o.s.plane.Finish(o.pid(), err)
+	if kind == edgeNote && err != nil && o.state == Transferring {
 		go o.t.Cancel()
 	}
-}
-
-func (o *Outgoing[R]) poke() {
-	select {
-	case o.wake <- struct{}{}:
-	default:
-	}
+	o.settle()
+	return kind == edgeNote
 }
 
 // accepted runs the start: attach the source transfer via the plane and
@@ -310,18 +306,18 @@ func (o *Outgoing[R]) accepted(m *AcceptMsg) {
 	s := o.s
 	o.mu.Lock()
 	if int(m.From) > o.n {
-		o.mu.Unlock()
-		s.cfg.report(fmt.Errorf("kvlease: handoff %d: accept wants blocks from %d of %d: %w", o.id, m.From, o.n, ErrProtocol))
+		o.unlock()
+		s.cfg.report(fmt.Errorf("kvlease: handoff %d: accept wants blocks from %d of %d: %w", o.id, m.From, o.n, ErrProtocolRefused))
 		return
 	}
 	if kind, _ := o.fire(s.cfg.Peer, EventAccept, nil); kind != edgeMove {
 		st := o.state
-		o.mu.Unlock()
-		s.cfg.report(fmt.Errorf("kvlease: handoff %d: accept while %v: %w", o.id, st, ErrProtocol))
+		o.unlock()
+		s.cfg.report(fmt.Errorf("kvlease: handoff %d: accept while %v: %w", o.id, st, ErrProtocolRefused))
 		return
 	}
 	o.from = int(m.From)
-	o.mu.Unlock()
+	o.unlock()
 
 	var start []byte
 	var err error
@@ -358,7 +354,7 @@ func (o *Outgoing[R]) accepted(m *AcceptMsg) {
 		err = fmt.Errorf("kvlease: handoff %d: start: %w", o.id, err)
 		o.mu.Lock()
 		kind, _ := o.fire(s.cfg.Name, EventStartFail, err)
-		o.mu.Unlock()
+		o.unlock()
 		if kind == edgeMove {
 			_ = s.c.send(&AbortMsg{ID: o.id, Cause: err.Error()})
 		}
@@ -366,7 +362,7 @@ func (o *Outgoing[R]) accepted(m *AcceptMsg) {
 	}
 	if err != nil {
 		// Attached, then the plane failed: its transfer still resolves,
-		// and the watcher records that. Tell the destination.
+		// and its OnResolve callback records that. Tell the destination.
 		_ = s.c.send(&AbortMsg{ID: o.id, Cause: err.Error()})
 		return
 	}
@@ -376,24 +372,90 @@ func (o *Outgoing[R]) accepted(m *AcceptMsg) {
 }
 
 // attach is the plane's attach callback: under o.mu, and only from
-// Accepted, the transfer gates the source blocks as a Read.
+// Accepted, the transfer gates the source blocks as a Read. From then on
+// the transfer's OnResolve callback (resolved) and the deadline's timer
+// (expire) are the handlers of the evidence.
 func (o *Outgoing[R]) attach(t *kvlease.Transfer) error {
 	if t == nil {
 		return fmt.Errorf("kvlease: handoff attach: nil transfer: %w", kvlease.ErrInvalidArgument)
 	}
 	o.mu.Lock()
-	defer o.mu.Unlock()
 	if next(o.state, EventAttach).kind != edgeMove {
-		return fmt.Errorf("kvlease: handoff %d: attach while %v: %w", o.id, o.state, ErrState)
+		err := fmt.Errorf("kvlease: handoff %d: attach while %v: %w", o.id, o.state, ErrState)
+		o.unlock()
+		return err
 	}
 	if err := o.src.AttachRange(t, o.from, o.n, kvlease.Read); err != nil {
+		o.unlock()
 		return fmt.Errorf("kvlease: handoff %d: attach: %w", o.id, err)
 	}
 	o.t = t
 	o.tid = t.ID()
 	o.fire("transport", EventAttach, nil)
-	go o.watch(t)
+	o.deadline(o.s.cfg.Deadline, o.expire)
+	o.unlock()
+	t.OnResolve(o.resolved)
 	return nil
+}
+
+// resolved is the handler of our transfer's evidence: it runs once,
+// inside the plane's Resolve. While Transferring it is noted
+// (EventQuiescent) and the handoff waits for the destination's word;
+// once aborted or quarantined it is final evidence.
+func (o *Outgoing[R]) resolved(err error) {
+	if err, ok := o.arrive(err); ok {
+		o.resolvedLocked(err)
+		o.unlock()
+	}
+}
+
+// resolvedLocked is resolved with o.mu held.
+func (o *Outgoing[R]) resolvedLocked(err error) {
+	if kind, _ := o.fire("transport", EventQuiescent, err); kind == edgeRefuse {
+		o.evidence(err)
+	}
+	o.settle()
+}
+
+// evidence records our transfer's outcome as a move (Aborting or
+// Quarantined to Aborted); elsewhere it is refused and changes nothing.
+// Called with o.mu held.
+func (o *Outgoing[R]) evidence(err error) {
+	if o.state != Aborting && o.state != Quarantined {
+		return
+	}
+	if err != nil {
+		o.fire("transport", EventResolveError, err)
+	} else {
+		o.fire("transport", EventResolve, nil)
+	}
+}
+
+// settle makes the handoff final once its evidence is complete: in
+// Transferring, our transfer's resolution and the destination's word,
+// both noted (Delivered only when both are clean); once aborted or
+// quarantined, our transfer's resolution alone. Called with o.mu held,
+// by every handler after its own event.
+func (o *Outgoing[R]) settle() {
+	local, quiet := o.noted(EventQuiescent)
+	if !quiet {
+		return
+	}
+	switch o.state {
+	case Transferring:
+		peer, known := o.noted(EventPeerOutcome)
+		switch {
+		case !known:
+		case local != nil:
+			o.fire("transport", EventResolveError, local)
+		case peer != nil:
+			o.fire(o.s.cfg.Peer, EventResolveError, peer)
+		default:
+			o.fire("transport", EventResolve, nil)
+		}
+	case Aborting, Quarantined:
+		o.evidence(local)
+	}
 }
 
 func (o *Outgoing[R]) rejected(m *RejectMsg) {
@@ -404,13 +466,12 @@ func (o *Outgoing[R]) rejected(m *RejectMsg) {
 	if kind == edgeRefuse && st == Transferring {
 		// A reject that crossed our Start: the destination will not
 		// receive. Our transfer stops; its evidence makes us Failed.
-		o.setPeer(err)
+		o.peerWord(o.s.cfg.Peer, err, false)
 	}
-	o.mu.Unlock()
+	o.unlock()
 	if kind == edgeRefuse && st != Transferring {
-		o.s.cfg.report(fmt.Errorf("kvlease: handoff %d: reject while %v: %w", o.id, st, ErrProtocol))
+		o.s.cfg.report(fmt.Errorf("kvlease: handoff %d: reject while %v: %w", o.id, st, ErrProtocolRefused))
 	}
-	o.poke()
 }
 
 func (o *Outgoing[R]) doneMsg(m *DoneMsg) {
@@ -420,109 +481,53 @@ func (o *Outgoing[R]) doneMsg(m *DoneMsg) {
 	}
 	o.mu.Lock()
 	st := o.state
-	if st != Transferring && st != Aborting && st != Quarantined || o.known {
-		o.mu.Unlock()
-		o.s.cfg.report(fmt.Errorf("kvlease: handoff %d: done while %v: %w", o.id, st, ErrProtocol))
+	noted := o.peerWord(o.s.cfg.Peer, err, false)
+	o.unlock()
+	if !noted {
+		o.s.cfg.report(fmt.Errorf("kvlease: handoff %d: done while %v: %w", o.id, st, ErrProtocolRefused))
 		return
 	}
-	o.setPeer(err)
-	o.current() // final now if our own evidence is in: no hop to the watcher
-	o.mu.Unlock()
 	_ = o.s.c.send(&AckMsg{ID: o.id, Of: MsgDone})
-	o.poke()
 }
 
-// watch waits for the evidence: our transfer resolved and the
-// destination's word, or the deadline.
-func (o *Outgoing[R]) watch(t *kvlease.Transfer) {
-	expire, stop := deadlineTimer(o.s.cfg.Deadline)
-	defer stop()
-	resolved := t.Done()
-	for {
-		o.mu.Lock()
-		final := o.current()
-		o.mu.Unlock()
-		if final {
-			return
-		}
-		select {
-		case <-resolved:
-			resolved = nil // now only the destination's word is missing
-		case <-o.wake:
-		case <-expire:
-			expire = nil
-			o.expire()
-		}
-	}
-}
-
-// expire gives up on evidence at the deadline.
+// expire is the deadline's handler: it gives up on evidence.
 func (o *Outgoing[R]) expire() {
 	o.mu.Lock()
-	if o.current() {
-		o.mu.Unlock()
-		return
-	}
 	var send bool
 	var quarantined error
-	if o.t.State() == kvlease.TransferResolved {
+	switch {
+	case o.state.Final():
+	case o.t.State() == kvlease.TransferResolved && o.state == Transferring:
 		// Our memory is quiescent; only the destination's word is missing.
 		o.fire("deadline", EventResolveError, ErrUnconfirmed)
 		send = true
-	} else {
+	case o.t.State() == kvlease.TransferResolved:
+		// The evidence came; its callback waits for our lock.
+		o.evidence(o.t.Err())
+	default:
 		reason := fmt.Errorf("kvlease: handoff %d: no evidence within %v: %w", o.id, o.s.cfg.Deadline, kvlease.ErrQuarantined)
 		o.t.Quarantine(reason)
 		kind, from := o.fire("deadline", EventExpire, reason)
-		if kind == edgeMove && from == Transferring {
-			o.src.Abort(reason)
-			send = true
-		}
 		if kind == edgeMove {
+			o.s.stats.quarantined.Add(1) // before the late evidence can make it final
 			quarantined = reason
 		}
+		if kind == edgeMove && from == Transferring {
+			if err, ok := o.effect(func() { o.src.Abort(reason) }); ok {
+				o.resolvedLocked(err)
+			}
+			send = true
+		}
 	}
-	o.mu.Unlock()
+	o.unlock()
 	if quarantined != nil {
-		o.s.stats.quarantined.Add(1)
+		// Without the lock: the late evidence may make the handoff final
+		// meanwhile (Stats counted it already).
 		o.s.cfg.quarantined(o.id, quarantined)
 	}
 	if send {
 		_ = o.s.c.send(&AbortMsg{ID: o.id, Cause: "source deadline passed"})
 	}
-}
-
-// current records the outcome once the evidence is complete, so that
-// State is current as soon as Resolve returns. It reports whether the
-// handoff is final. Called with o.mu held.
-func (o *Outgoing[R]) current() bool {
-	if o.state.Final() {
-		return true
-	}
-	if o.t == nil || o.t.State() != kvlease.TransferResolved {
-		return false
-	}
-	local := o.t.Err()
-	switch o.state {
-	case Transferring:
-		if !o.known {
-			return false
-		}
-		switch {
-		case local != nil:
-			o.fire("transport", EventResolveError, local)
-		case !o.peerOK:
-			o.fire(o.s.cfg.Peer, EventResolveError, o.peer)
-		default:
-			o.fire("transport", EventResolve, nil)
-		}
-	case Aborting, Quarantined:
-		if local != nil {
-			o.fire("transport", EventResolveError, local)
-		} else {
-			o.fire("transport", EventResolve, nil)
-		}
-	}
-	return o.state.Final()
 }
 
 // Abort gives up on the handoff from the source (by names the component).
@@ -538,51 +543,45 @@ func (o *Outgoing[R]) Abort(by string, cause error) error {
 	return o.abort(by, cause, true)
 }
 
+// abort is the handler of an abort, ours (tell: the destination is told)
+// or the destination's.
 func (o *Outgoing[R]) abort(by string, cause error, tell bool) error {
 	o.mu.Lock()
 	kind, _ := o.fire(by, EventAbort, cause)
 	if kind == edgeRefuse {
 		st := o.state
-		o.mu.Unlock()
+		o.unlock()
 		return fmt.Errorf("kvlease: handoff %d: abort while %v: %w", o.id, st, ErrState)
 	}
 	if kind == edgeMove {
-		o.src.Abort(cause) // cancels the transfer, if any
+		// Aborting the lease cancels the transfer, whose hook may
+		// resolve it at once: effect takes that evidence.
+		if err, ok := o.effect(func() { o.src.Abort(cause) }); ok {
+			o.resolvedLocked(err)
+		}
 		if !tell {
-			o.setPeer(cause)
+			o.peerWord(by, cause, true)
 		}
 	}
-	o.mu.Unlock()
-	o.poke()
+	o.settle()
+	o.unlock()
 	if kind == edgeMove && tell {
 		_ = o.s.c.send(&AbortMsg{ID: o.id, Cause: cause.Error()})
 	}
 	return nil
 }
 
-// State returns the handoff's state, current with the evidence.
-func (o *Outgoing[R]) State() State {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	o.current()
-	return o.state
-}
+// State returns the handoff's state. It only reads: the handlers of the
+// destination's messages, of our transfer's evidence (run inside its
+// Resolve) and of the deadline make every change.
+func (o *Outgoing[R]) State() State { return o.current() }
 
 // Err returns the error of the step that entered the current state.
-func (o *Outgoing[R]) Err() error {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	o.current()
-	return o.lastErr()
-}
+func (o *Outgoing[R]) Err() error { return o.err() }
 
-// History returns a copy of every step so far, oldest first.
-func (o *Outgoing[R]) History() []Step {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	o.current()
-	return append([]Step(nil), o.history...)
-}
+// History returns a copy of every step so far, oldest first, notes
+// (EventQuiescent, EventPeerOutcome) included.
+func (o *Outgoing[R]) History() []Step { return o.steps() }
 
 // Done is closed when the handoff reaches a final state.
 func (o *Outgoing[R]) Done() <-chan struct{} { return o.done }

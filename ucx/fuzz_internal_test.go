@@ -64,3 +64,26 @@ func FuzzParseStart(f *testing.F) {
 		}
 	})
 }
+
+// FuzzParseAccept: the pull model's Accept bytes parse only when whole,
+// of this version, and the block count is what they say; anything else,
+// the push model's accept included, is refused with ErrCorrupt.
+func FuzzParseAccept(f *testing.F) {
+	good := []byte{'K', 'U', version, 5, 0, 0, 0}
+	f.Add(good)
+	f.Add([]byte{'K', 'U', pushVersion, 5, 0, 0, 0})
+	f.Add([]byte{'K', 'U'})
+	f.Fuzz(func(t *testing.T, b []byte) {
+		blocks, err := parseAccept(b)
+		if err != nil {
+			if !errors.Is(err, ErrCorrupt) {
+				t.Fatalf("error %v does not wrap ErrCorrupt", err)
+			}
+			return
+		}
+		if len(b) != acceptLength || b[0] != 'K' || b[1] != 'U' || b[2] != version ||
+			uint64(blocks) != uint64(b[3])|uint64(b[4])<<8|uint64(b[5])<<16|uint64(b[6])<<24 {
+			t.Fatalf("accepted %x as %d blocks", b, blocks)
+		}
+	})
+}

@@ -17,6 +17,6 @@ echo "$out" | grep -Eq '^  authenticated none '
 echo "$out" | grep -Eq '^  marker mismatches +0$'
 echo "$out" | grep -Eq '^  late writes +0 '
 # The plane bytes come from the peer: a short fuzz of each parser.
-for f in FuzzParsePushAccept FuzzParsePushStart FuzzParseStart; do
+for f in FuzzParsePushAccept FuzzParsePushStart FuzzParseStart FuzzParseAccept; do
 	go test -run '^$' -fuzz "^$f\$" -fuzztime 10s . > /dev/null
 done

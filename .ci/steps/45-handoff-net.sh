@@ -16,4 +16,6 @@ go test -run '^$' -fuzz '^FuzzReadFrame$' -fuzztime 10s -fuzzminimizetime 2s ./h
 go test -run '^$' -fuzz '^FuzzRecord$' -fuzztime 5s -fuzzminimizetime 2s ./handoff
 go test -run '^$' -fuzz '^FuzzHandshake$' -fuzztime 5s -fuzzminimizetime 2s ./handoff
 go test -run '^$' -fuzz '^FuzzCheckHello$' -fuzztime 5s -fuzzminimizetime 2s ./handoff/tcp
+go test -run '^$' -fuzz '^FuzzParseAccept$' -fuzztime 5s -fuzzminimizetime 2s ./handoff/tcp
+go test -run '^$' -fuzz '^FuzzCheckFrameHeader$' -fuzztime 5s -fuzzminimizetime 2s ./handoff/tcp
 go test -run '^$' -bench . -benchtime 5x ./handoff/tcp

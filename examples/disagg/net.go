@@ -663,6 +663,10 @@ func printStep(out io.Writer, side string, s wireStep) {
 		} else {
 			fmt.Fprint(out, " [proof: our receiver goroutine writing d exited]")
 		}
+	case s.Event == handoff.EventQuiescent:
+		fmt.Fprint(out, " [noted: our sender goroutine's last read of p returned; the decode side's word is still due]")
+	case s.Event == handoff.EventPeerOutcome:
+		fmt.Fprint(out, " [noted: the decode side's word; our own evidence decides with it]")
 	case s.By == "deadline" && s.Event == handoff.EventExpire:
 		fmt.Fprint(out, " [no proof by the deadline: quarantined, never reused]")
 	case s.By == "deadline":

@@ -234,9 +234,8 @@ func readLayered[R LayeredRegion](c net.Conn, sl *seal, regions []R, lay layout.
 		if _, err := io.ReadFull(br, fh[:]); err != nil {
 			return n, fmt.Errorf("tcp: block %d of %d: header: %w", i, len(regions), err)
 		}
-		idx, ln := binary.LittleEndian.Uint32(fh[0:]), binary.LittleEndian.Uint32(fh[4:])
-		if int(idx) != i || int(ln) != bb {
-			return n, fmt.Errorf("tcp: block %d of %d: frame says block %d of %d bytes, want %d: %w", i, len(regions), idx, ln, bb, ErrCorrupt)
+		if err := checkFrameHeader(fh[:], i, len(regions), bb); err != nil {
+			return n, err
 		}
 		var sum uint32
 		gather = gather[:0]

@@ -111,9 +111,10 @@ func newHalves[S, D any](t testing.TB, srcPool *kvlease.Pool[S], dstPool *kvleas
 	h := &halves[S, D]{sender: tcp.NewSender(tcp.Config{}), recv: tcp.NewReceiver(dataLn, tcp.Config{WrapConn: wrapRecv}),
 		finals: make(chan *handoff.Incoming[D], 16)}
 	h.dst, err = handoff.NewDestination(dstPool, recv(h.recv), handoff.DestinationConfig[D]{
-		HalfConfig:  handoff.HalfConfig{Envelope: e, Name: "decode", Peer: "prefill", Deadline: 10 * time.Second, Auth: testAuth},
-		OnDelivered: func(*handoff.Incoming[D]) {}, // the test reads and releases the lease
-		OnFinal:     func(in *handoff.Incoming[D]) { h.finals <- in },
+		HalfConfig:       handoff.HalfConfig{Envelope: e, Name: "decode", Peer: "prefill", Deadline: 10 * time.Second, Auth: testAuth},
+		OnDelivered:      func(*handoff.Incoming[D]) {}, // the test reads and releases the lease
+		MaxSessionBlocks: -1,                            // a handoff may take the whole pool
+		OnFinal:          func(in *handoff.Incoming[D]) { h.finals <- in },
 	})
 	if err != nil {
 		t.Fatal(err)

@@ -2,6 +2,7 @@ package tcp
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
@@ -278,4 +279,51 @@ func slicesEqual(a, b [][]byte) bool {
 		}
 	}
 	return true
+}
+
+// FuzzParseAccept: the destination's Accept plane bytes either parse into
+// an address and a token that re-encode to the same bytes, or are refused
+// with ErrCorrupt; never a panic.
+func FuzzParseAccept(f *testing.F) {
+	good := binary.LittleEndian.AppendUint16(nil, 14)
+	good = append(good, "127.0.0.1:4000"...)
+	good = append(good, make([]byte, 16)...)
+	f.Add(good)
+	f.Add([]byte{0xff, 0xff})
+	f.Add([]byte{})
+	f.Fuzz(func(t *testing.T, b []byte) {
+		addr, tok, err := parseAccept(b)
+		if err != nil {
+			if !errors.Is(err, ErrCorrupt) {
+				t.Fatalf("error %v does not wrap ErrCorrupt", err)
+			}
+			return
+		}
+		again := binary.LittleEndian.AppendUint16(nil, uint16(len(addr)))
+		again = append(append(again, addr...), tok[:]...)
+		if !bytes.Equal(again, b) {
+			t.Fatalf("parsed %q %x from %x, which re-encode to %x", addr, tok, b, again)
+		}
+	})
+}
+
+// FuzzCheckFrameHeader: a data frame's header passes only when it names
+// exactly the block and the length the receiver expects.
+func FuzzCheckFrameHeader(f *testing.F) {
+	h := binary.LittleEndian.AppendUint32(nil, 3)
+	h = binary.LittleEndian.AppendUint32(h, 4096)
+	f.Add(h, 3, 4096)
+	f.Add([]byte{1, 2, 3}, 0, 0)
+	f.Add(h, -1, -1)
+	f.Fuzz(func(t *testing.T, h []byte, i, size int) {
+		err := checkFrameHeader(h, i, 8, size)
+		ok := len(h) >= frameHeader && i >= 0 && size >= 0 &&
+			uint64(binary.LittleEndian.Uint32(h)) == uint64(i) && uint64(binary.LittleEndian.Uint32(h[4:])) == uint64(size)
+		if (err == nil) != ok {
+			t.Fatalf("header %x for block %d of %d bytes: %v", h, i, size, err)
+		}
+		if err != nil && !errors.Is(err, ErrCorrupt) {
+			t.Fatalf("error %v does not wrap ErrCorrupt", err)
+		}
+	})
 }

@@ -225,6 +225,20 @@ func NewSender(cfg Config) *Sender {
 	return &Sender{cfg: cfg, conns: make(map[net.Conn]struct{})}
 }
 
+// checkFrameHeader checks a data frame's header (block index, body
+// length; frameHeader bytes) against what the receiver expects: block i
+// of blocks, of size bytes. A mismatch wraps ErrCorrupt: the sender is
+// out of step, and the transfer fails.
+func checkFrameHeader(h []byte, i, blocks, size int) error {
+	if len(h) < frameHeader {
+		return fmt.Errorf("tcp: block %d of %d: frame header of %d bytes: %w", i, blocks, len(h), ErrCorrupt)
+	}
+	if idx, ln := binary.LittleEndian.Uint32(h[0:]), binary.LittleEndian.Uint32(h[4:]); uint64(idx) != uint64(i) || uint64(ln) != uint64(size) {
+		return fmt.Errorf("tcp: block %d of %d: frame says block %d of %d bytes, want %d: %w", i, blocks, idx, ln, size, ErrCorrupt)
+	}
+	return nil
+}
+
 // parseAccept splits an Accept's plane bytes into address and token.
 func parseAccept(b []byte) (string, [16]byte, error) {
 	var tok [16]byte
@@ -815,9 +829,8 @@ func (r *Receiver) read(c net.Conn, sl *seal, regions [][]byte, cancel <-chan st
 				if pos < frameHeader {
 					continue
 				}
-				h := meta(i)
-				if idx, ln := binary.LittleEndian.Uint32(h[0:]), binary.LittleEndian.Uint32(h[4:]); int(idx) != i || int(ln) != len(dst) {
-					return n, fmt.Errorf("tcp: block %d of %d: frame says block %d of %d bytes, want %d: %w", i, len(regions), idx, ln, len(dst), ErrCorrupt)
+				if err := checkFrameHeader(meta(i), i, len(regions), len(dst)); err != nil {
+					return n, err
 				}
 			case pos < bodyEnd:
 				off := pos - frameHeader

@@ -84,8 +84,8 @@ func TestProtoMalformed(t *testing.T) {
 			t.Errorf("%s: parsed %v", name, m)
 			continue
 		}
-		if !errors.Is(err, ErrProtocol) {
-			t.Errorf("%s: %v does not wrap ErrProtocol", name, err)
+		if !errors.Is(err, ErrProtocol) || !errors.Is(err, ErrProtocolFatal) || errors.Is(err, ErrProtocolRefused) {
+			t.Errorf("%s: %v does not wrap ErrProtocol and ErrProtocolFatal alone", name, err)
 		}
 	}
 }
@@ -116,8 +116,8 @@ func FuzzReadFrame(f *testing.F) {
 			m, nb, err := ReadFrame(r, buf)
 			buf = nb
 			if err != nil {
-				if err != io.EOF && !errors.Is(err, ErrProtocol) {
-					t.Fatalf("error %v wraps neither EOF nor ErrProtocol", err)
+				if err != io.EOF && !errors.Is(err, ErrProtocolFatal) {
+					t.Fatalf("error %v wraps neither EOF nor ErrProtocolFatal", err)
 				}
 				return
 			}

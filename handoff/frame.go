@@ -1,0 +1,162 @@
+package handoff
+
+import (
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"io"
+)
+
+// The control protocol between the two halves of a handoff.
+//
+// Every message travels in one frame:
+//
+//	magic "KH" | version (1 byte) | type (1 byte) | length (4 bytes LE) | crc32c (4 bytes LE) | payload (length bytes)
+//
+// The checksum (Castagnoli) covers the first eight header bytes and the
+// payload. Frames follow the authentication handshake (auth.go): in a
+// psk session each travels sealed in a record (channel.go), in a tls
+// session inside TLS, in an insecure one as it is. Every payload starts with the handoff id (8 bytes LE). Strings
+// and opaque bytes are a 2-byte length and the bytes; the hashes of a
+// proposal are a 4-byte count and 8 bytes each, optionally followed by
+// its tokens: a 4-byte count, the 8-byte namespace seed, 4 bytes each. A reader checks the
+// length against MaxFrame before it allocates, and a frame that has begun
+// must arrive whole within the connection's frame timeout.
+//
+// Who sends what (S = source side, D = destination side):
+//
+//	S→D Propose  {id, request, blocks, envelope fingerprint, chained hashes[, seed, tokens]}
+//	D→S Accept   {id, first block wanted (the prefix hits), data-plane bytes}
+//	D→S Reject   {id, code, reason}          (instead of Accept, or after it while no Start came)
+//	S→D Start    {id, data-plane bytes}      (the source's transfer is attached)
+//	D→S Done     {id, error text}            (the destination's transfer resolved; "" = delivered)
+//	S→D Ack      {id, of=Done}
+//	S↔D Abort    {id, cause}
+//	S↔D Ack      {id, of=Abort}
+//
+// A message for an unknown handoff, or one its handoff's state does not
+// allow (a duplicate, a reordering), is refused with an error and changes
+// nothing. A malformed frame (bad magic, version, checksum, length or
+// payload) ends the connection.
+
+// ProtocolVersion is the control protocol's version. A frame (and a
+// handshake) of another version is refused. Version 2 added the
+// authentication handshake (auth.go) and the psk record layer.
+const ProtocolVersion = 2
+
+// Limits of the control protocol.
+const (
+	MaxFrame     = 1 << 20 // most payload bytes in one frame
+	MaxText      = 1024    // most bytes of a request name, reason or cause
+	MaxPlane     = 4096    // most data-plane bytes in Accept or Start
+	MaxBlocks    = 1 << 16 // most blocks in one handoff
+	headerLength = 12
+)
+
+// ErrProtocol is wrapped by every error about a malformed or unexpected
+// message. Each such error also wraps one of its two kinds, which say what
+// the violation cost:
+//
+//   - ErrProtocolFatal: the bytes cannot be trusted (bad framing,
+//     checksum, version or length, a payload that does not parse, a
+//     record that does not verify): the connection ends.
+//   - ErrProtocolRefused: a well-formed message the receiver will not act
+//     on (an unknown handoff id, a message its handoff's state does not
+//     allow, a reordering): it is refused, reported (HalfConfig.OnError)
+//     and changes nothing; the connection goes on.
+var ErrProtocol = errors.New("kvlease: handoff protocol violation")
+
+// The two kinds of protocol error; both wrap ErrProtocol.
+var (
+	ErrProtocolFatal   = fmt.Errorf("fatal to the connection: %w", ErrProtocol)
+	ErrProtocolRefused = fmt.Errorf("refused, nothing changed: %w", ErrProtocol)
+)
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+// crcOf is the frame checksum: crc32c over the first eight header bytes
+// and the payload.
+func crcOf(head, payload []byte) uint32 {
+	return crc32.Update(crc32.Checksum(head, castagnoli), castagnoli, payload)
+}
+
+// AppendFrame appends m's frame to b.
+func AppendFrame(b []byte, m Message) []byte {
+	start := len(b)
+	b = append(b, 'K', 'H', ProtocolVersion, byte(m.Type()), 0, 0, 0, 0, 0, 0, 0, 0)
+	b = m.appendPayload(b)
+	h := b[start : start+headerLength]
+	le.PutUint32(h[4:], uint32(len(b)-start-headerLength))
+	le.PutUint32(h[8:], crcOf(h[:8], b[start+headerLength:]))
+	return b
+}
+
+// ReadFrame reads one frame from r into buf (grown as needed, never past
+// MaxFrame) and parses it. It returns the message and the buffer for the
+// next call. Any error wraps ErrProtocol unless it is r's own (io.EOF, a
+// timeout, a reset).
+func ReadFrame(r io.Reader, buf []byte) (Message, []byte, error) {
+	return readFrame(r, buf, nil)
+}
+
+// readFrame is ReadFrame; began, if set, is called once the first byte
+// of a frame has arrived (to arm the frame deadline).
+func readFrame(r io.Reader, buf []byte, began func()) (Message, []byte, error) {
+	if cap(buf) < headerLength {
+		buf = make([]byte, 0, 512)
+	}
+	h := buf[:headerLength]
+	if _, err := io.ReadFull(r, h[:1]); err != nil {
+		return nil, buf, err
+	}
+	if began != nil {
+		began()
+	}
+	if _, err := io.ReadFull(r, h[1:]); err != nil {
+		return nil, buf, fmt.Errorf("kvlease: handoff: half a frame header: %w (%w)", ErrProtocolFatal, err)
+	}
+	if h[0] != 'K' || h[1] != 'H' {
+		return nil, buf, fmt.Errorf("kvlease: handoff: bad frame magic %q: %w", h[:2], ErrProtocolFatal)
+	}
+	if h[2] != ProtocolVersion {
+		return nil, buf, fmt.Errorf("kvlease: handoff: protocol version %d, want %d: %w", h[2], ProtocolVersion, ErrProtocolFatal)
+	}
+	n := le.Uint32(h[4:])
+	if n > MaxFrame {
+		return nil, buf, fmt.Errorf("kvlease: handoff: frame of %d bytes exceeds %d: %w", n, MaxFrame, ErrProtocolFatal)
+	}
+	if cap(buf) < headerLength+int(n) {
+		nb := make([]byte, headerLength+int(n))
+		copy(nb, h)
+		buf = nb
+	}
+	frame := buf[:headerLength+int(n)]
+	if _, err := io.ReadFull(r, frame[headerLength:]); err != nil {
+		return nil, buf, fmt.Errorf("kvlease: handoff: half a frame (%d bytes announced): %w (%w)", n, ErrProtocolFatal, err)
+	}
+	m, err := parseFrame(frame)
+	return m, buf, err
+}
+
+// parseFrame checks a whole frame (its header already checked for magic,
+// version and length by the reader) and parses its payload.
+func parseFrame(frame []byte) (Message, error) {
+	if len(frame) < headerLength {
+		return nil, fmt.Errorf("kvlease: handoff: frame of %d bytes: %w", len(frame), ErrProtocolFatal)
+	}
+	h := frame[:headerLength]
+	if h[0] != 'K' || h[1] != 'H' {
+		return nil, fmt.Errorf("kvlease: handoff: bad frame magic %q: %w", h[:2], ErrProtocolFatal)
+	}
+	if h[2] != ProtocolVersion {
+		return nil, fmt.Errorf("kvlease: handoff: protocol version %d, want %d: %w", h[2], ProtocolVersion, ErrProtocolFatal)
+	}
+	if n := le.Uint32(h[4:]); int(n) != len(frame)-headerLength {
+		return nil, fmt.Errorf("kvlease: handoff: frame announces %d bytes, holds %d: %w", n, len(frame)-headerLength, ErrProtocolFatal)
+	}
+	crc := crcOf(h[:8], frame[headerLength:])
+	if crc != le.Uint32(h[8:]) {
+		return nil, fmt.Errorf("kvlease: handoff: frame checksum %08x, computed %08x: %w", le.Uint32(h[8:]), crc, ErrProtocolFatal)
+	}
+	return ParseMessage(MsgType(h[3]), frame[headerLength:])
+}
