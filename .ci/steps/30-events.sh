@@ -7,9 +7,12 @@
 # with the other nested modules.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-go test -run '^$' -fuzz '^FuzzDecodeBatch$' -fuzztime 10s -fuzzminimizetime 2s ./events
-go test -run '^$' -fuzz '^FuzzZMTPPeer$' -fuzztime 10s -fuzzminimizetime 2s ./events
-go test -run '^$' -fuzz '^FuzzParseReady$' -fuzztime 5s -fuzzminimizetime 2s ./events
-go test -run '^$' -fuzz '^FuzzReplayRequests$' -fuzztime 5s -fuzzminimizetime 2s ./events
+# Fuzz budgets are counts (-fuzztime Nx), not durations: with a duration,
+# Go 1.26's fuzz coordinator can fail a clean run with 'context deadline
+# exceeded' when a loaded machine starves its workers (golang/go#75804).
+go test -run '^$' -fuzz '^FuzzDecodeBatch$' -fuzztime 10000x -fuzzminimizetime 2s ./events
+go test -run '^$' -fuzz '^FuzzZMTPPeer$' -fuzztime 10000x -fuzzminimizetime 2s ./events
+go test -run '^$' -fuzz '^FuzzParseReady$' -fuzztime 10000x -fuzzminimizetime 2s ./events
+go test -run '^$' -fuzz '^FuzzReplayRequests$' -fuzztime 10000x -fuzzminimizetime 2s ./events
 go test -run '^$' -bench '^BenchmarkPublisherThroughput$' -benchtime 200x ./events
 go test -run '^$' -bench '^BenchmarkReplayEvents$' -benchtime 1x ./bench
