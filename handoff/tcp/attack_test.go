@@ -318,7 +318,7 @@ func splitPlane(b []byte) (string, []byte) {
 // hello is a data connection's hello with the given token, flags and
 // MAC (zeros when nil).
 func hello(tok []byte, blocks int, flags byte, mac []byte) []byte {
-	h := append([]byte{'K', 'D', 2, flags}, tok...)
+	h := append([]byte{'K', 'D', 3, flags}, tok...)
 	h = binary.LittleEndian.AppendUint32(h, uint32(blocks))
 	h = binary.LittleEndian.AppendUint32(h, atkBlockBytes)
 	if mac == nil {
@@ -327,11 +327,15 @@ func hello(tok []byte, blocks int, flags byte, mac []byte) []byte {
 	return append(h, mac...)
 }
 
-// attackerBlocks are block frames full of 0xEE, each with a valid
-// crc32c, as the insecure plane would send them.
+// attackerBlocks are a frame layout and block frames full of 0xEE, each
+// with a valid crc32c, as the insecure plane would send them.
 func attackerBlocks(n int) []byte {
 	var b []byte
 	block := bytes.Repeat([]byte{0xEE}, atkBlockBytes)
+	b = binary.LittleEndian.AppendUint32(b, uint32(n)) // the frame layout: a block per frame
+	for range n {
+		b = binary.LittleEndian.AppendUint32(b, 1)
+	}
 	for i := range n {
 		b = binary.LittleEndian.AppendUint32(b, uint32(i))
 		b = binary.LittleEndian.AppendUint32(b, atkBlockBytes)

@@ -113,7 +113,15 @@ func writeLayered[R LayeredRegion](conn net.Conn, tok [16]byte, sl *seal, region
 	if len(regions) > 0 {
 		bb = lay.BlockBytes()
 	}
-	if _, err := conn.Write(sl.hello(tok, len(regions), bb)); err != nil {
+	head := sl.hello(tok, len(regions), bb)
+	if len(regions) > 0 {
+		// One block per frame: a block's pieces are scattered.
+		head = binary.LittleEndian.AppendUint32(head, uint32(len(regions)))
+		for range regions {
+			head = binary.LittleEndian.AppendUint32(head, 1)
+		}
+	}
+	if _, err := conn.Write(head); err != nil {
 		return 0, fmt.Errorf("tcp: hello: %w", err)
 	}
 	// A keyed tag covers the block as one run of bytes: the pieces are
@@ -216,16 +224,31 @@ func readLayered[R LayeredRegion](c net.Conn, sl *seal, regions []R, lay layout.
 		br.Reset(nil)
 		readBufs.Put(br)
 	}()
-	var fh [frameHeader]byte
-	var trBuf [tagLength]byte
-	tr := trBuf[:sl.trailer()]
-	var n int64
+	if len(regions) == 0 {
+		return 0, nil
+	}
 	bb := lay.BlockBytes()
+	// A contiguous sender's frame carries a run of blocks (its layout
+	// says how many): its pieces are read block by block, its check
+	// follows the whole run (a crc32c over the run, or a tag per block,
+	// checked over the run's blocks gathered).
+	fr, err := readLayout(br, len(regions), bb)
+	if err != nil {
+		return 0, err
+	}
+	maxRun := 0
+	for _, run := range fr {
+		maxRun = max(maxRun, run)
+	}
+	var fh [frameHeader]byte
+	tr := make([]byte, sl.checkLen(maxRun))
+	var n int64
 	var gather []byte
 	if sl.keyed {
-		gather = make([]byte, 0, bb)
+		gather = make([]byte, 0, maxRun*bb)
 	}
-	for i, r := range regions {
+	i := 0
+	for _, run := range fr {
 		select {
 		case <-cancel:
 			return n, fmt.Errorf("tcp: stopped before block %d of %d: %w", i, len(regions), ErrCanceled)
@@ -234,38 +257,45 @@ func readLayered[R LayeredRegion](c net.Conn, sl *seal, regions []R, lay layout.
 		if _, err := io.ReadFull(br, fh[:]); err != nil {
 			return n, fmt.Errorf("tcp: block %d of %d: header: %w", i, len(regions), err)
 		}
-		if err := checkFrameHeader(fh[:], i, len(regions), bb); err != nil {
+		if err := checkFrameHeader(fh[:], i, len(regions), run*bb); err != nil {
 			return n, err
 		}
 		var sum uint32
 		gather = gather[:0]
-		for l := range lay.Layers {
-			for kv := range lay.KVs {
-				p, err := piece(r, l, kv, lay, i, len(regions))
-				if err != nil {
-					return n, err
-				}
-				if _, err := io.ReadFull(br, p); err != nil {
-					return n, fmt.Errorf("tcp: block %d of %d, piece (%d, %d): %w", i, len(regions), l, kv, err)
-				}
-				if sl.keyed {
-					gather = append(gather, p...)
-				} else {
-					sum = crc32.Update(sum, castagnoli, p)
+		for b := i; b < i+run; b++ {
+			r := regions[b]
+			for l := range lay.Layers {
+				for kv := range lay.KVs {
+					p, err := piece(r, l, kv, lay, b, len(regions))
+					if err != nil {
+						return n, err
+					}
+					if _, err := io.ReadFull(br, p); err != nil {
+						return n, fmt.Errorf("tcp: block %d of %d, piece (%d, %d): %w", b, len(regions), l, kv, err)
+					}
+					if sl.keyed {
+						gather = append(gather, p...)
+					} else {
+						sum = crc32.Update(sum, castagnoli, p)
+					}
 				}
 			}
 		}
-		if _, err := io.ReadFull(br, tr); err != nil {
-			return n, fmt.Errorf("tcp: block %d of %d: checksum: %w", i, len(regions), err)
+		t := tr[:sl.checkLen(run)]
+		if _, err := io.ReadFull(br, t); err != nil {
+			return n, fmt.Errorf("tcp: block %d of %d: checksum: %w", i+run-1, len(regions), err)
 		}
 		if sl.keyed {
-			if err := sl.verify(i, gather, tr); err != nil {
-				return n, fmt.Errorf("tcp: block %d of %d: %w", i, len(regions), err)
+			for j := range run {
+				if err := sl.verify(i+j, gather[j*bb:(j+1)*bb], t[tagLength*j:tagLength*(j+1)]); err != nil {
+					return n, fmt.Errorf("tcp: block %d of %d: %w", i+j, len(regions), err)
+				}
 			}
-		} else if want := binary.LittleEndian.Uint32(tr); sum != want {
-			return n, fmt.Errorf("tcp: block %d of %d: crc32c %08x, frame says %08x: %w", i, len(regions), sum, want, ErrCorrupt)
+		} else if want := binary.LittleEndian.Uint32(t); sum != want {
+			return n, fmt.Errorf("tcp: block %d of %d: crc32c %08x, frame says %08x: %w", i+run-1, len(regions), sum, want, ErrCorrupt)
 		}
-		n += int64(bb)
+		n += int64(run * bb)
+		i += run
 	}
 	return n, nil
 }

@@ -6,3 +6,6 @@ import "net"
 
 // newScatter returns a scatter reader over c: one Read per call.
 func newScatter(c net.Conn, _ int) scatter { return plainScatter{c} }
+
+// newGather returns a gathered writer over c (net.Buffers).
+func newGather(c net.Conn) gather { return plainGather{c} }

@@ -61,6 +61,15 @@ func (s *seal) trailer() int {
 	return crcLength
 }
 
+// checkLen is the length of the check of a frame of run blocks: one
+// crc32c over the run, or one tag per block.
+func (s *seal) checkLen(run int) int {
+	if s.keyed {
+		return tagLength * run
+	}
+	return crcLength
+}
+
 const (
 	tagLength = 16
 	crcLength = 4

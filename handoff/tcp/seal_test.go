@@ -232,14 +232,16 @@ func TestKeyedPipeline(t *testing.T) {
 		r := NewReceiver(ln, Config{})
 		var wrap func(net.Conn) net.Conn
 		if flip {
-			// A byte of block 9's body, past the hello and 9 frames.
-			at := helloLength + 9*(frameHeader+bb+tagLength) + frameHeader + 100
+			// A byte of block 9's body, past the hello, the layout
+			// (a block per frame: the regions are apart) and 9 frames.
+			at := helloLength + 4 + 4*n + 9*(frameHeader+bb+tagLength) + frameHeader + 100
 			wrap = func(c net.Conn) net.Conn { return &flipConn{Conn: c, at: at} }
 		}
 		s := NewSender(Config{WrapConn: wrap})
 		src, dst := make([][]byte, n), make([][]byte, n)
 		for i := range src {
-			src[i], dst[i] = bytes.Repeat([]byte{byte(i + 1)}, bb), make([]byte, bb)
+			// A byte more than the block: no two regions are adjacent.
+			src[i], dst[i] = append(make([]byte, 0, bb+1), bytes.Repeat([]byte{byte(i + 1)}, bb)...), make([]byte, bb)
 		}
 		accept, err := r.Prepare(dstID, n)
 		if err != nil {

@@ -10,10 +10,13 @@
 // session). The data connection starts with a hello ("KD", version,
 // flags, token, block count, block bytes, HMAC-SHA256) that must arrive
 // within Config.HelloTimeout (and a Receive waits no longer than that for
-// its connection: ErrNoData), then carries one frame per block: index
-// (4 bytes LE), length (4 bytes LE), the block, and its check. The check
-// trails its block so that the sender computes it over bytes it has just
-// sent and the receiver over bytes it has just read.
+// its connection: ErrNoData), then the frame layout (how many blocks each
+// frame carries; see runs.go), then one frame per run of blocks adjacent
+// in the sender's memory (one per block where they are scattered): first
+// block's index (4 bytes LE), length (4 bytes LE), the run's bytes, and
+// its check (a crc32c over the run, or an AES-GMAC tag per block). The
+// check trails its frame so that the sender computes it over bytes it has
+// just sent and the receiver over bytes it has just read.
 //
 // Binding to the session. In an authenticated session (the PlaneID's
 // Peer is secure) both sides derive, from the session's secret, the
@@ -36,9 +39,10 @@
 // with a backoff.
 //
 // Blocks move straight between the leases' regions and the socket: the
-// sender hands each region to one gathered write (writev) with its frame
-// header, the receiver reads straight into the regions, up to 16 frames
-// per system call (readv) on Linux. Nothing is allocated per block. A
+// sender hands each run of regions to one gathered write (writev, the run
+// one iovec) with its frame header, the receiver reads straight into the
+// regions, up to 16 frames per system call (readv, regions adjacent in its
+// memory one iovec) on Linux. Nothing is allocated per block. A
 // keyed check is computed off the socket's goroutine (ahead of the
 // writer, behind the reader) by a goroutine that is joined before the
 // transfer resolves.
@@ -111,7 +115,7 @@ var (
 )
 
 const (
-	version     = 2
+	version     = 3 // 3: frames carry runs, a frame layout follows the hello
 	frameHeader = 8 // index, length
 )
 
@@ -364,53 +368,96 @@ func (s *Sender) write(conn net.Conn, tok [16]byte, sl *seal, regions [][]byte, 
 	if len(regions) > 0 {
 		bb = len(regions[0])
 	}
-	if _, err := conn.Write(sl.hello(tok, len(regions), bb)); err != nil {
+	fr := frames(nil, regions)
+	head := sl.hello(tok, len(regions), bb)
+	if len(regions) > 0 {
+		head = appendLayout(head, fr)
+	}
+	if _, err := conn.Write(head); err != nil {
 		return 0, fmt.Errorf("tcp: hello: %w", err)
 	}
+	// One gathered write per frame (a run of adjacent regions; writev
+	// on a *net.TCPConn, the run one iovec): the previous frame's check,
+	// this frame's header, the run's regions. The check is computed
+	// right after the write, over bytes still in cache, which is why it
+	// trails its frame. The small buffers and the vector are allocated
+	// once per transfer, not per frame; one frame per write keeps a
+	// cancel honoured at the next frame boundary.
+	maxRun := 0
+	for _, n := range fr {
+		maxRun = max(maxRun, n)
+	}
 	tl := sl.trailer()
-	// One gathered write per block (writev on a *net.TCPConn): the
-	// previous block's checksum, this block's header, the region itself.
-	// The checksum is computed right after the write, over bytes still in
-	// cache, which is why it trails its block. The small buffers and the
-	// vector are allocated once per transfer, not per block; one block
-	// per write keeps a cancel honoured at the next block boundary.
-	metaBuf := new([tagLength + frameHeader]byte) // trailer of block i-1, header of block i
-	meta := metaBuf[tagLength-tl:]
+	if sl.keyed {
+		tl = tagLength * maxRun
+	}
+	metaBuf := make([]byte, tl+frameHeader) // check of frame f-1, header of frame f
 	var ahead *tagAhead
 	if sl.pipelined(regions) {
 		ahead = sl.ahead(regions)
 		defer ahead.close() // before the transfer resolves: it reads the regions
 	}
-	iov := new([2][]byte)
-	var bufs net.Buffers
+	g := newGather(conn)
+	iov := make([][]byte, 0, 1+maxRun)
 	var n int64
-	for i, r := range regions {
+	prev := 0 // the previous frame's check bytes in metaBuf
+	i := 0
+	for f, run := range fr {
 		if cancel.Load() {
 			return n, fmt.Errorf("tcp: stopped before block %d of %d: %w", i, len(regions), ErrCanceled)
 		}
-		binary.LittleEndian.PutUint32(meta[tl:], uint32(i))
-		binary.LittleEndian.PutUint32(meta[tl+4:], uint32(len(r)))
-		iov[0], iov[1] = meta, r
-		if i == 0 {
-			iov[0] = meta[tl:]
+		binary.LittleEndian.PutUint32(metaBuf[tl:], uint32(i))
+		binary.LittleEndian.PutUint32(metaBuf[tl+4:], uint32(run*bb))
+		iov = append(iov[:0], metaBuf[tl-prev:])
+		iov = append(iov, regions[i:i+run]...)
+		if _, err := g.write(iov); err != nil {
+			return n, fmt.Errorf("tcp: block %d of %d (frame %d of %d): %w", i, len(regions), f, len(fr), err)
 		}
-		bufs = iov[:]
-		if _, err := bufs.WriteTo(conn); err != nil {
-			return n, fmt.Errorf("tcp: block %d of %d: %w", i, len(regions), err)
-		}
-		if ahead != nil {
-			copy(meta[:tl], ahead.tag(i))
-		} else {
-			sl.sum(meta[:tl], i, r)
-		}
-		n += int64(len(r))
+		prev = sl.checkLen(run)
+		s.check(metaBuf[tl-prev:tl], sl, ahead, regions, i, run)
+		n += int64(run * bb)
+		i += run
 	}
 	if len(regions) > 0 {
-		if _, err := conn.Write(meta[:tl]); err != nil {
-			return n, fmt.Errorf("tcp: checksum of block %d of %d: %w", len(regions)-1, len(regions), err)
+		if _, err := conn.Write(metaBuf[tl-prev : tl]); err != nil {
+			return n, fmt.Errorf("tcp: check of block %d of %d: %w", len(regions)-1, len(regions), err)
 		}
 	}
 	return n, nil
+}
+
+// check writes into dst the check of the frame of blocks i..i+run-1 (a
+// crc32c over the run, or one tag per block: sl.checkLen(run) bytes).
+func (s *Sender) check(dst []byte, sl *seal, ahead *tagAhead, regions [][]byte, i, run int) {
+	if !sl.keyed {
+		var c uint32
+		for _, r := range regions[i : i+run] {
+			c = crc32.Update(c, castagnoli, r)
+		}
+		binary.LittleEndian.PutUint32(dst, c)
+		return
+	}
+	for j := range run {
+		if ahead != nil {
+			copy(dst[tagLength*j:], ahead.tag(i+j))
+		} else {
+			sl.sum(dst[tagLength*j:], i+j, regions[i+j])
+		}
+	}
+}
+
+// gather writes a sequence of buffers in order, all of them.
+type gather interface {
+	write(bufs [][]byte) (int64, error)
+}
+
+// plainGather writes through net.Buffers (writev where the connection
+// has it).
+type plainGather struct{ c net.Conn }
+
+func (g plainGather) write(bufs [][]byte) (int64, error) {
+	b := net.Buffers(bufs)
+	return b.WriteTo(g.c)
 }
 
 // batchBlocks is the most blocks one scattered read fills.
@@ -761,15 +808,24 @@ func (r *Receiver) dropSlot(s *slot) {
 	}
 }
 
-// read receives the blocks into regions: each frame's header into a
-// small buffer, its block straight into its region, several frames per
-// system call where the connection allows (readv). Each header is
-// checked when it is complete, each block's checksum follows its bytes
-// as they arrive (no second pass) and is checked when the block is.
-// Cancel is honoured before each read; a read in progress is not
-// interrupted.
+// read receives the blocks into regions: first the sender's frame
+// layout (how many blocks each frame carries), then the frames, each
+// header and check into a small buffer, each block straight into its
+// region, several frames per system call where the connection allows
+// (readv, with the regions adjacent in memory merged into one iovec).
+// Each header is checked when it is complete; an unkeyed frame's crc32c
+// follows its bytes as they arrive (no second pass) and is checked when
+// the frame is, a keyed frame's tags (one per block) then too. Cancel is
+// honoured before each read; a read in progress is not interrupted.
 func (r *Receiver) read(c net.Conn, sl *seal, regions [][]byte, cancel <-chan struct{}) (n int64, err error) {
-	frameTrailer := sl.trailer()
+	if len(regions) == 0 {
+		return 0, nil
+	}
+	bb := len(regions[0])
+	fr, err := readLayout(c, len(regions), bb)
+	if err != nil {
+		return 0, err
+	}
 	var behind *checkBehind
 	if sl.pipelined(regions) {
 		behind = sl.behind(regions)
@@ -781,47 +837,56 @@ func (r *Receiver) read(c net.Conn, sl *seal, regions [][]byte, cancel <-chan st
 			}
 		}()
 	}
-	metaLen := frameHeader + frameTrailer
-	k := min(len(regions), batchBlocks)
-	metas := make([]byte, metaLen*k) // block b's header and trailer in slot b%k
-	meta := func(b int) []byte { return metas[metaLen*(b%k) : metaLen*(b%k+1)] }
-	sc := newScatter(c, 3*k)
-	bufs := make([][]byte, 0, 3*k)
-	i, pos := 0, 0 // the current block, and how far into its frame we are
-	var got uint32 // its checksum so far
-	for i < len(regions) {
+	maxRun := 0
+	for _, run := range fr {
+		maxRun = max(maxRun, run)
+	}
+	metaLen := frameHeader + sl.checkLen(maxRun)
+	k := min(len(fr), batchBlocks)
+	metas := make([]byte, metaLen*k) // frame g's header and check in slot g%k
+	meta := func(g int) []byte { return metas[metaLen*(g%k) : metaLen*(g%k+1)] }
+	maxBufs := maxRun + 2 + 3*batchBlocks
+	sc := newScatter(c, maxBufs)
+	bufs := make([][]byte, 0, maxBufs)
+	f, first, pos := 0, 0, 0 // the current frame, its first block, how far into it we are
+	var got uint32           // its crc32c so far
+	for f < len(fr) {
 		select {
 		case <-cancel:
-			return n, fmt.Errorf("tcp: stopped before block %d of %d: %w", i, len(regions), ErrCanceled)
+			return n, fmt.Errorf("tcp: stopped before block %d of %d: %w", first, len(regions), ErrCanceled)
 		default:
 		}
 		if behind != nil && behind.failed() != nil {
 			return n, nil // the deferred close returns the failure
 		}
 		bufs = bufs[:0]
-		for b := i; b < min(len(regions), i+k); b++ {
+		for g, b := f, first; g < min(len(fr), f+k) && (g == f || len(bufs)+fr[g]+2 <= maxBufs); g++ {
 			p := 0
-			if b == i {
+			if g == f {
 				p = pos
 			}
-			m, body := meta(b), len(regions[b])
+			m, run := meta(g), fr[g]
+			body := run * bb
 			if p < frameHeader {
 				bufs = append(bufs, m[p:frameHeader])
 				p = frameHeader
 			}
 			if p < frameHeader+body {
-				bufs = append(bufs, regions[b][p-frameHeader:])
+				off := p - frameHeader
+				bufs = append(bufs, regions[b+off/bb][off%bb:])
+				bufs = append(bufs, regions[b+off/bb+1:b+run]...)
 				p = frameHeader + body
 			}
-			bufs = append(bufs, m[frameHeader+p-frameHeader-body:])
+			bufs = append(bufs, m[p-body:frameHeader+sl.checkLen(run)])
+			b += run
 		}
 		m, err := sc.read(bufs)
 		if m == 0 && err == nil {
 			err = io.ErrNoProgress
 		}
 		for m > 0 {
-			dst := regions[i]
-			bodyEnd := frameHeader + len(dst)
+			run := fr[f]
+			body, cl := run*bb, sl.checkLen(run)
 			switch {
 			case pos < frameHeader:
 				t := min(m, frameHeader-pos)
@@ -829,43 +894,63 @@ func (r *Receiver) read(c net.Conn, sl *seal, regions [][]byte, cancel <-chan st
 				if pos < frameHeader {
 					continue
 				}
-				if err := checkFrameHeader(meta(i), i, len(regions), len(dst)); err != nil {
+				if err := checkFrameHeader(meta(f), first, len(regions), body); err != nil {
 					return n, err
 				}
-			case pos < bodyEnd:
+			case pos < frameHeader+body:
 				off := pos - frameHeader
-				t := min(m, len(dst)-off)
+				o := off % bb
+				t := min(m, bb-o)
 				if !sl.keyed {
-					got = crc32.Update(got, castagnoli, dst[off:off+t])
+					got = crc32.Update(got, castagnoli, regions[first+off/bb][o:o+t])
 				}
 				pos, m = pos+t, m-t
 			default:
-				t := min(m, bodyEnd+frameTrailer-pos)
+				t := min(m, frameHeader+body+cl-pos)
 				pos, m = pos+t, m-t
-				if pos < bodyEnd+frameTrailer {
+				if pos < frameHeader+body+cl {
 					continue
 				}
-				if behind != nil {
-					behind.check(i, meta(i)[frameHeader:])
-				} else if sl.keyed {
-					if err := sl.verify(i, dst, meta(i)[frameHeader:]); err != nil {
-						return n, fmt.Errorf("tcp: block %d of %d: %w", i, len(regions), err)
-					}
-				} else if sum := binary.LittleEndian.Uint32(meta(i)[frameHeader:]); got != sum {
-					return n, fmt.Errorf("tcp: block %d of %d: crc32c %08x, frame says %08x: %w", i, len(regions), got, sum, ErrCorrupt)
+				check := meta(f)[frameHeader : frameHeader+cl]
+				if err := r.verify(sl, behind, regions, first, run, check, got); err != nil {
+					return n, err
 				}
-				n += int64(len(dst))
-				i, pos, got = i+1, 0, 0
+				n += int64(body)
+				f, first, pos, got = f+1, first+run, 0, 0
 			}
 		}
-		if err != nil && i < len(regions) {
+		if err != nil && f < len(fr) {
 			if err == io.EOF {
 				err = io.ErrUnexpectedEOF
 			}
-			return n, fmt.Errorf("tcp: block %d of %d: %d of %d frame bytes: %w", i, len(regions), pos, frameHeader+len(regions[i])+frameTrailer, err)
+			return n, fmt.Errorf("tcp: block %d of %d: %d of %d frame bytes: %w", first, len(regions), pos, frameHeader+fr[f]*bb+sl.checkLen(fr[f]), err)
 		}
 	}
 	return n, nil
+}
+
+// verify checks the frame of blocks first..first+run-1 against its check:
+// got (the crc32c of its bytes) or, keyed, each block against its tag,
+// inline or queued behind the reader.
+func (r *Receiver) verify(sl *seal, behind *checkBehind, regions [][]byte, first, run int, check []byte, got uint32) error {
+	if !sl.keyed {
+		if sum := binary.LittleEndian.Uint32(check); got != sum {
+			if run == 1 {
+				return fmt.Errorf("tcp: block %d of %d: crc32c %08x, frame says %08x: %w", first, len(regions), got, sum, ErrCorrupt)
+			}
+			return fmt.Errorf("tcp: blocks %d to %d of %d (one frame): crc32c %08x, frame says %08x: %w", first, first+run-1, len(regions), got, sum, ErrCorrupt)
+		}
+		return nil
+	}
+	for j := range run {
+		tag := check[tagLength*j : tagLength*(j+1)]
+		if behind != nil {
+			behind.check(first+j, tag)
+		} else if err := sl.verify(first+j, regions[first+j], tag); err != nil {
+			return fmt.Errorf("tcp: block %d of %d: %w", first+j, len(regions), err)
+		}
+	}
+	return nil
 }
 
 // scatter reads into a sequence of buffers, filling them in order; it
