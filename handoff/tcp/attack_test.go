@@ -142,10 +142,12 @@ func runAttacker(v string) int {
 			conns = append(conns, c)
 		}
 		// Each connection read at once (a read past its deadline would
-		// not look), well inside the victim's hello timeout.
+		// not look) for floodWindow, well inside the victim's hello
+		// timeout (floodHello): those past the cap are closed in that
+		// window however loaded the machine, the others only later.
 		var closed atomic.Int32
 		var wg sync.WaitGroup
-		deadline := time.Now().Add(500 * time.Millisecond)
+		deadline := time.Now().Add(floodWindow)
 		for _, c := range conns {
 			wg.Add(1)
 			go func() {
@@ -422,7 +424,8 @@ type victim struct {
 type victimOpts struct {
 	auth         handoff.Authenticator // testAuth when nil
 	startTimeout time.Duration
-	advertise    string // the data address the receiver names in its Accepts (a proxy's)
+	advertise    string        // the data address the receiver names in its Accepts (a proxy's)
+	helloTimeout time.Duration // the receiver's; 2 s when zero
 }
 
 // advertised is a listener that names another address (a proxy's).
@@ -447,7 +450,11 @@ func newVictim(t *testing.T, o victimOpts) *victim {
 		}
 		dataLn = advertised{dl, a}
 	}
-	v.recv = tcp.NewReceiver(dataLn, tcp.Config{HelloTimeout: 2 * time.Second})
+	hello := o.helloTimeout
+	if hello == 0 {
+		hello = 2 * time.Second
+	}
+	v.recv = tcp.NewReceiver(dataLn, tcp.Config{HelloTimeout: hello})
 	if o.auth == nil {
 		o.auth = testAuth
 	}
@@ -848,8 +855,13 @@ func TestAttackHog(t *testing.T) {
 // TestAttackHelloFlood: connections to the data port that never say
 // hello: past MaxPendingHellos each is closed at once (counted); the
 // rest time out; an honest handoff still gets through afterwards.
+// floodWindow is how long the flooding attacker watches its connections;
+// floodHello, the victim's hello timeout in that test, leaves a wide
+// margin after it.
+const floodWindow, floodHello = 3 * time.Second, 10 * time.Second
+
 func TestAttackHelloFlood(t *testing.T) {
-	v := newVictim(t, victimOpts{})
+	v := newVictim(t, victimOpts{helloTimeout: floodHello})
 	const conns = tcp.DefaultMaxPendingHellos + 36
 	a := startAttacker(t, attackSpec{Mode: "flood", Data: v.data, Conns: conns})
 	f := a.expect("result closed")
