@@ -28,7 +28,6 @@ import (
 	"math/big"
 	"net"
 	"os"
-	"os/exec"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -371,31 +370,7 @@ func selfIssued() *tls.Config {
 // startAttacker runs the attacker process with spec.
 func startAttacker(t testing.TB, spec attackSpec) *peer {
 	t.Helper()
-	exe, err := os.Executable()
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, _ := json.Marshal(spec)
-	p := &peer{t: t, cmd: exec.Command(exe), lines: make(chan string, 1024), stderr: &syncBuffer{}, gone: make(chan struct{})}
-	p.cmd.Env = append(os.Environ(), attackEnv+"="+string(b))
-	p.cmd.Stderr = p.stderr
-	if p.stdin, err = p.cmd.StdinPipe(); err != nil {
-		t.Fatal(err)
-	}
-	stdout, err := p.cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := p.cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	go func() {
-		sc := bufio.NewScanner(stdout)
-		for sc.Scan() {
-			p.lines <- sc.Text()
-		}
-		close(p.lines)
-	}()
+	p := spawn(t, attackEnv, spec)
 	t.Cleanup(p.stop)
 	return p
 }

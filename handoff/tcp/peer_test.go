@@ -630,13 +630,25 @@ func (s *syncBuffer) String() string {
 // ready. It is killed and reaped in t.Cleanup.
 func startPeer(t testing.TB, cfg peerConfig) *peer {
 	t.Helper()
+	p := spawn(t, peerEnv, cfg)
+	t.Cleanup(func() { p.kill() })
+	return p
+}
+
+// spawn re-executes the test binary with env set to spec in JSON (the
+// peer or the attacker process), its stdout's lines in p.lines.
+func spawn(t testing.TB, env string, spec any) *peer {
+	t.Helper()
 	exe, err := os.Executable()
 	if err != nil {
 		t.Fatal(err)
 	}
-	spec, _ := json.Marshal(cfg)
+	b, err := json.Marshal(spec)
+	if err != nil {
+		t.Fatal(err)
+	}
 	p := &peer{t: t, cmd: exec.Command(exe), lines: make(chan string, 1024), stderr: &syncBuffer{}, gone: make(chan struct{})}
-	p.cmd.Env = append(os.Environ(), peerEnv+"="+string(spec))
+	p.cmd.Env = append(os.Environ(), env+"="+string(b))
 	p.cmd.Stderr = p.stderr
 	if p.stdin, err = p.cmd.StdinPipe(); err != nil {
 		t.Fatal(err)
@@ -655,7 +667,6 @@ func startPeer(t testing.TB, cfg peerConfig) *peer {
 		}
 		close(p.lines)
 	}()
-	t.Cleanup(func() { p.kill() })
 	return p
 }
 
