@@ -13,7 +13,6 @@ package tcp_test
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -34,6 +33,7 @@ import (
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
 	"github.com/kvlease/kvlease/handoff/tcp"
+	"github.com/kvlease/kvlease/internal/syncbuf"
 )
 
 const peerEnv = "KVLEASE_TCP_PEER"
@@ -601,29 +601,12 @@ type peer struct {
 	cmd     *exec.Cmd
 	stdin   io.WriteCloser
 	lines   chan string
-	stderr  *syncBuffer
+	stderr  *syncbuf.Buffer
 	mu      sync.Mutex
 	seen    []string      // every line
 	pending []string      // lines no expect took yet
 	gone    chan struct{} // closed once reaped
 	reaped  sync.Once
-}
-
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }
 
 // startPeer starts the peer process with cfg and waits for it to be
@@ -647,7 +630,7 @@ func spawn(t testing.TB, env string, spec any) *peer {
 	if err != nil {
 		t.Fatal(err)
 	}
-	p := &peer{t: t, cmd: exec.Command(exe), lines: make(chan string, 1024), stderr: &syncBuffer{}, gone: make(chan struct{})}
+	p := &peer{t: t, cmd: exec.Command(exe), lines: make(chan string, 1024), stderr: &syncbuf.Buffer{}, gone: make(chan struct{})}
 	p.cmd.Env = append(os.Environ(), env+"="+string(b))
 	p.cmd.Stderr = p.stderr
 	if p.stdin, err = p.cmd.StdinPipe(); err != nil {
