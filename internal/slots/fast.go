@@ -466,13 +466,7 @@ func (t *Table) reviveFast(dst []Ref, ids []int32) int {
 		head, tail = unlink(links, head, tail, id)
 		dst[k] = Ref{ID: id, Gen: s.gen}
 	}
-	t.lru[DefaultRetention] = lruEnds{head, tail}
-	if head == Nil {
-		t.lruMask &^= 1 << DefaultRetention
-	}
-	t.lruLen -= k
-	t.counts[Cached] -= k
-	t.counts[Leased] += k
+	t.revived(DefaultRetention, head, tail, k)
 	return k
 }
 
@@ -498,6 +492,16 @@ func (t *Table) reviveClasses(dst []Ref, ids []int32) int {
 		head, tail = unlink(links, head, tail, id)
 		dst[k] = Ref{ID: id, Gen: s.gen}
 	}
+	t.revived(r, head, tail, k)
+	return k
+}
+
+// revived stores class r's LRU ends back after a revive loop took k of
+// its cached slots (now leased) and counts them. The two loops above stay
+// separate on purpose: reviveFast's never loads t.ret, the per-slot class
+// test reviveClasses needs; only this bookkeeping, once per call, is
+// shared.
+func (t *Table) revived(r uint8, head, tail int32, k int) {
 	t.lru[r] = lruEnds{head, tail}
 	if head == Nil {
 		t.lruMask &^= 1 << r
@@ -505,7 +509,6 @@ func (t *Table) reviveClasses(dst []Ref, ids []int32) int {
 	t.lruLen -= k
 	t.counts[Cached] -= k
 	t.counts[Leased] += k
-	return k
 }
 
 // RefHeld adds an open lease's hold on the leading ids that another open
