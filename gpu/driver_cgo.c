@@ -176,17 +176,22 @@ CUresult kvl_stream_create(kvl_api *api, uintptr_t ctx, uintptr_t *s) {
 CUresult kvl_stream_destroy(kvl_api *api, uintptr_t ctx, uintptr_t s) {
 	KVL_WITH_CTX(api, ctx, api->cuStreamDestroy((CUstream)s));
 }
-// Events sleep in cuEventSynchronize (blocking sync) instead of spinning,
-// and skip timing.
-CUresult kvl_event_create(kvl_api *api, uintptr_t ctx, uintptr_t *e) {
+// kvl_event_new creates an event with flags in ctx (both kinds of event
+// below); *e is left alone when ctx cannot be made current.
+static CUresult kvl_event_new(kvl_api *api, uintptr_t ctx, uintptr_t *e, unsigned int flags) {
 	CUevent ev = NULL;
 	CUresult r = api->cuCtxPushCurrent((CUcontext)ctx);
 	if (r != KVL_CUDA_SUCCESS) return r;
-	r = api->cuEventCreate(&ev, KVL_CU_EVENT_BLOCKING_SYNC | KVL_CU_EVENT_DISABLE_TIMING);
+	r = api->cuEventCreate(&ev, flags);
 	CUcontext popped;
 	api->cuCtxPopCurrent(&popped);
 	*e = (uintptr_t)ev;
 	return r;
+}
+// Events sleep in cuEventSynchronize (blocking sync) instead of spinning,
+// and skip timing.
+CUresult kvl_event_create(kvl_api *api, uintptr_t ctx, uintptr_t *e) {
+	return kvl_event_new(api, ctx, e, KVL_CU_EVENT_BLOCKING_SYNC | KVL_CU_EVENT_DISABLE_TIMING);
 }
 CUresult kvl_event_destroy(kvl_api *api, uintptr_t ctx, uintptr_t e) {
 	KVL_WITH_CTX(api, ctx, api->cuEventDestroy((CUevent)e));
@@ -257,14 +262,7 @@ CUresult kvl_module_unload(kvl_api *api, uintptr_t ctx, uintptr_t mod) {
 // Timing events (for benchmarks and the device check) keep timing on; they
 // are never waited on, only measured.
 CUresult kvl_event_create_timed(kvl_api *api, uintptr_t ctx, uintptr_t *e) {
-	CUevent ev = NULL;
-	CUresult r = api->cuCtxPushCurrent((CUcontext)ctx);
-	if (r != KVL_CUDA_SUCCESS) return r;
-	r = api->cuEventCreate(&ev, 0);
-	CUcontext popped;
-	api->cuCtxPopCurrent(&popped);
-	*e = (uintptr_t)ev;
-	return r;
+	return kvl_event_new(api, ctx, e, 0);
 }
 CUresult kvl_elapsed(kvl_api *api, uintptr_t ctx, uintptr_t start, uintptr_t end, float *ms) {
 	KVL_WITH_CTX(api, ctx, api->cuEventElapsedTime(ms, (CUevent)start, (CUevent)end));
