@@ -163,35 +163,31 @@ CUresult kvl_host_alloc(kvl_api *api, uintptr_t ctx, void **p, size_t n) {
 CUresult kvl_host_free(kvl_api *api, uintptr_t ctx, void *p) {
 	KVL_WITH_CTX(api, ctx, api->cuMemFreeHost(p));
 }
-CUresult kvl_stream_create(kvl_api *api, uintptr_t ctx, uintptr_t *s) {
+// kvl_stream_new and kvl_event_new create a stream or an event in the
+// current context (the callers' KVL_WITH_CTX makes it so), storing it as
+// a handle.
+static CUresult kvl_stream_new(kvl_api *api, uintptr_t *s) {
 	CUstream st = NULL;
-	CUresult r = api->cuCtxPushCurrent((CUcontext)ctx);
-	if (r != KVL_CUDA_SUCCESS) return r;
-	r = api->cuStreamCreate(&st, KVL_CU_STREAM_NON_BLOCKING);
-	CUcontext popped;
-	api->cuCtxPopCurrent(&popped);
+	CUresult r = api->cuStreamCreate(&st, KVL_CU_STREAM_NON_BLOCKING);
 	*s = (uintptr_t)st;
 	return r;
+}
+static CUresult kvl_event_new(kvl_api *api, uintptr_t *e, unsigned int flags) {
+	CUevent ev = NULL;
+	CUresult r = api->cuEventCreate(&ev, flags);
+	*e = (uintptr_t)ev;
+	return r;
+}
+CUresult kvl_stream_create(kvl_api *api, uintptr_t ctx, uintptr_t *s) {
+	KVL_WITH_CTX(api, ctx, kvl_stream_new(api, s));
 }
 CUresult kvl_stream_destroy(kvl_api *api, uintptr_t ctx, uintptr_t s) {
 	KVL_WITH_CTX(api, ctx, api->cuStreamDestroy((CUstream)s));
 }
-// kvl_event_new creates an event with flags in ctx (both kinds of event
-// below); *e is left alone when ctx cannot be made current.
-static CUresult kvl_event_new(kvl_api *api, uintptr_t ctx, uintptr_t *e, unsigned int flags) {
-	CUevent ev = NULL;
-	CUresult r = api->cuCtxPushCurrent((CUcontext)ctx);
-	if (r != KVL_CUDA_SUCCESS) return r;
-	r = api->cuEventCreate(&ev, flags);
-	CUcontext popped;
-	api->cuCtxPopCurrent(&popped);
-	*e = (uintptr_t)ev;
-	return r;
-}
 // Events sleep in cuEventSynchronize (blocking sync) instead of spinning,
 // and skip timing.
 CUresult kvl_event_create(kvl_api *api, uintptr_t ctx, uintptr_t *e) {
-	return kvl_event_new(api, ctx, e, KVL_CU_EVENT_BLOCKING_SYNC | KVL_CU_EVENT_DISABLE_TIMING);
+	KVL_WITH_CTX(api, ctx, kvl_event_new(api, e, KVL_CU_EVENT_BLOCKING_SYNC | KVL_CU_EVENT_DISABLE_TIMING));
 }
 CUresult kvl_event_destroy(kvl_api *api, uintptr_t ctx, uintptr_t e) {
 	KVL_WITH_CTX(api, ctx, api->cuEventDestroy((CUevent)e));
@@ -262,7 +258,7 @@ CUresult kvl_module_unload(kvl_api *api, uintptr_t ctx, uintptr_t mod) {
 // Timing events (for benchmarks and the device check) keep timing on; they
 // are never waited on, only measured.
 CUresult kvl_event_create_timed(kvl_api *api, uintptr_t ctx, uintptr_t *e) {
-	return kvl_event_new(api, ctx, e, 0);
+	KVL_WITH_CTX(api, ctx, kvl_event_new(api, e, 0));
 }
 CUresult kvl_elapsed(kvl_api *api, uintptr_t ctx, uintptr_t start, uintptr_t end, float *ms) {
 	KVL_WITH_CTX(api, ctx, api->cuEventElapsedTime(ms, (CUevent)start, (CUevent)end));
