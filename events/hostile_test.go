@@ -2,7 +2,6 @@ package events
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -18,6 +17,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/internal/syncbuf"
 )
 
 // The tests here play hostile or broken peers against a Publisher while
@@ -475,30 +475,12 @@ func TestPublisherDefaultsToLoopback(t *testing.T) {
 		require.NoError(t, pub.Close())
 	}
 
-	var log syncBuffer
+	var log syncbuf.Buffer
 	pub, err = NewPublisher(Config{Endpoint: "tcp://*:0", Logger: newTextLogger(&log)}, Source{Pool: pool})
 	require.NoError(t, err)
 	defer pub.Close()
 	require.True(t, pub.Addr().(*net.TCPAddr).IP.IsUnspecified())
 	require.Contains(t, log.String(), "every interface")
-}
-
-// syncBuffer is a bytes.Buffer safe for a logger's goroutines.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }
 
 func newTextLogger(w io.Writer) *slog.Logger { return slog.New(slog.NewTextHandler(w, nil)) }
@@ -519,7 +501,7 @@ func TestWarnExposedBinds(t *testing.T) {
 	} {
 		ep, err := parseEndpoint(c.ep)
 		require.NoError(t, err)
-		var log syncBuffer
+		var log syncbuf.Buffer
 		warnAll(newTextLogger(&log), "PUB", ep, c.addr)
 		if c.want == "" {
 			require.Empty(t, log.String(), c.ep)

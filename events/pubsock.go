@@ -71,17 +71,9 @@ func newPubSocket(topic string, lim limits, log *slog.Logger) *pubSocket {
 
 // listen binds ep and serves subscribers until close.
 func (s *pubSocket) listen(ep endpoint) error {
-	ln, err := net.Listen(ep.network, ep.addr)
-	if err != nil {
-		return err
-	}
+	ln, err := listenAndAccept(ep, &s.wg, s.done, s.log, "PUB", s.accept)
 	s.ln = ln
-	s.wg.Add(1)
-	go func() {
-		defer s.wg.Done()
-		acceptLoop(ln, s.done, s.log, "PUB", s.accept)
-	}()
-	return nil
+	return err
 }
 
 // connect dials ep (again and again while it fails or after it ends)
@@ -123,6 +115,21 @@ func (s *pubSocket) dialLoop() {
 		}
 		backoff = min(2*backoff, 2*time.Second)
 	}
+}
+
+// listenAndAccept binds ep and runs acceptLoop on it in a goroutine
+// counted in wg; the listener is nil when binding failed.
+func listenAndAccept(ep endpoint, wg *sync.WaitGroup, done <-chan struct{}, log *slog.Logger, what string, serve func(net.Conn)) (net.Listener, error) {
+	ln, err := net.Listen(ep.network, ep.addr)
+	if err != nil {
+		return nil, err
+	}
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		acceptLoop(ln, done, log, what, serve)
+	}()
+	return ln, nil
 }
 
 // acceptLoop accepts on ln until done, handing each connection to serve;

@@ -82,17 +82,9 @@ func newReplaySocket(topic string, ring *replayRing, perRequest int, lim limits,
 }
 
 func (s *replaySocket) listen(ep endpoint) error {
-	ln, err := net.Listen(ep.network, ep.addr)
-	if err != nil {
-		return err
-	}
+	ln, err := listenAndAccept(ep, &s.wg, s.done, s.log, "replay ROUTER", s.accept)
 	s.ln = ln
-	s.wg.Add(1)
-	go func() {
-		defer s.wg.Done()
-		acceptLoop(ln, s.done, s.log, "replay ROUTER", s.accept)
-	}()
-	return nil
+	return err
 }
 
 func (s *replaySocket) accept(conn net.Conn) {

@@ -163,15 +163,23 @@ CUresult kvl_host_alloc(kvl_api *api, uintptr_t ctx, void **p, size_t n) {
 CUresult kvl_host_free(kvl_api *api, uintptr_t ctx, void *p) {
 	KVL_WITH_CTX(api, ctx, api->cuMemFreeHost(p));
 }
-CUresult kvl_stream_create(kvl_api *api, uintptr_t ctx, uintptr_t *s) {
+// kvl_stream_new and kvl_event_new create a stream or an event in the
+// current context (the callers' KVL_WITH_CTX makes it so), storing it as
+// a handle.
+static CUresult kvl_stream_new(kvl_api *api, uintptr_t *s) {
 	CUstream st = NULL;
-	CUresult r = api->cuCtxPushCurrent((CUcontext)ctx);
-	if (r != KVL_CUDA_SUCCESS) return r;
-	r = api->cuStreamCreate(&st, KVL_CU_STREAM_NON_BLOCKING);
-	CUcontext popped;
-	api->cuCtxPopCurrent(&popped);
+	CUresult r = api->cuStreamCreate(&st, KVL_CU_STREAM_NON_BLOCKING);
 	*s = (uintptr_t)st;
 	return r;
+}
+static CUresult kvl_event_new(kvl_api *api, uintptr_t *e, unsigned int flags) {
+	CUevent ev = NULL;
+	CUresult r = api->cuEventCreate(&ev, flags);
+	*e = (uintptr_t)ev;
+	return r;
+}
+CUresult kvl_stream_create(kvl_api *api, uintptr_t ctx, uintptr_t *s) {
+	KVL_WITH_CTX(api, ctx, kvl_stream_new(api, s));
 }
 CUresult kvl_stream_destroy(kvl_api *api, uintptr_t ctx, uintptr_t s) {
 	KVL_WITH_CTX(api, ctx, api->cuStreamDestroy((CUstream)s));
@@ -179,14 +187,7 @@ CUresult kvl_stream_destroy(kvl_api *api, uintptr_t ctx, uintptr_t s) {
 // Events sleep in cuEventSynchronize (blocking sync) instead of spinning,
 // and skip timing.
 CUresult kvl_event_create(kvl_api *api, uintptr_t ctx, uintptr_t *e) {
-	CUevent ev = NULL;
-	CUresult r = api->cuCtxPushCurrent((CUcontext)ctx);
-	if (r != KVL_CUDA_SUCCESS) return r;
-	r = api->cuEventCreate(&ev, KVL_CU_EVENT_BLOCKING_SYNC | KVL_CU_EVENT_DISABLE_TIMING);
-	CUcontext popped;
-	api->cuCtxPopCurrent(&popped);
-	*e = (uintptr_t)ev;
-	return r;
+	KVL_WITH_CTX(api, ctx, kvl_event_new(api, e, KVL_CU_EVENT_BLOCKING_SYNC | KVL_CU_EVENT_DISABLE_TIMING));
 }
 CUresult kvl_event_destroy(kvl_api *api, uintptr_t ctx, uintptr_t e) {
 	KVL_WITH_CTX(api, ctx, api->cuEventDestroy((CUevent)e));
@@ -257,14 +258,7 @@ CUresult kvl_module_unload(kvl_api *api, uintptr_t ctx, uintptr_t mod) {
 // Timing events (for benchmarks and the device check) keep timing on; they
 // are never waited on, only measured.
 CUresult kvl_event_create_timed(kvl_api *api, uintptr_t ctx, uintptr_t *e) {
-	CUevent ev = NULL;
-	CUresult r = api->cuCtxPushCurrent((CUcontext)ctx);
-	if (r != KVL_CUDA_SUCCESS) return r;
-	r = api->cuEventCreate(&ev, 0);
-	CUcontext popped;
-	api->cuCtxPopCurrent(&popped);
-	*e = (uintptr_t)ev;
-	return r;
+	KVL_WITH_CTX(api, ctx, kvl_event_new(api, e, 0));
 }
 CUresult kvl_elapsed(kvl_api *api, uintptr_t ctx, uintptr_t start, uintptr_t end, float *ms) {
 	KVL_WITH_CTX(api, ctx, api->cuEventElapsedTime(ms, (CUevent)start, (CUevent)end));

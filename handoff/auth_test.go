@@ -2,18 +2,12 @@ package handoff
 
 import (
 	"bytes"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
-	"crypto/x509/pkix"
 	"errors"
 	"fmt"
 	"io"
-	"math/big"
 	"net"
-	"net/url"
 	"os"
 	"runtime"
 	"strings"
@@ -23,65 +17,27 @@ import (
 	"time"
 
 	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/internal/testpki"
 )
 
 // Tests of the authentication: the handshake in each mode and its
 // refusals, the psk record layer, authorization, and the per-session
 // bounds, with hand-played peers where a real half would not misbehave.
 
-// testCA is a certificate authority for the tests' TLS identities.
-type testCA struct {
-	cert *x509.Certificate
-	key  *ecdsa.PrivateKey
-	pool *x509.CertPool
-}
-
-func newTestCA(t testing.TB, name string) *testCA {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: name},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cert, _ := x509.ParseCertificate(der)
-	pool := x509.NewCertPool()
-	pool.AddCert(cert)
-	return &testCA{cert: cert, key: key, pool: pool}
-}
-
-// issue returns a leaf certificate for uri (a URI SAN) valid until
+// issue returns a leaf certificate of ca for uri (a URI SAN) valid until
 // notAfter, for 127.0.0.1 and "decode".
-func (ca *testCA) issue(t testing.TB, uri string, notAfter time.Time) tls.Certificate {
+func issue(t testing.TB, ca *testpki.CA, uri string, notAfter time.Time) tls.Certificate {
 	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	u, _ := url.Parse(uri)
-	tmpl := &x509.Certificate{SerialNumber: big.NewInt(time.Now().UnixNano()), Subject: pkix.Name{CommonName: u.Path},
-		NotBefore: time.Now().Add(-2 * time.Hour), NotAfter: notAfter, URIs: []*url.URL{u},
-		DNSNames: []string{"decode"}, IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1)},
-		KeyUsage:    x509.KeyUsageDigitalSignature,
-		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth}}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.cert, &key.PublicKey, ca.key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key}
+	return ca.Issue(t, testpki.Leaf{Name: uri, URI: uri, DNS: []string{"decode"}, IPs: []net.IP{net.IPv4(127, 0, 0, 1)},
+		Usage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth}, NotAfter: notAfter})
 }
 
 // tlsPair returns a source's and a destination's TLS authenticators,
 // both issued by ca, with URI identities.
-func tlsPair(t testing.TB, ca *testCA) (src, dst *TLS) {
+func tlsPair(t testing.TB, ca *testpki.CA) (src, dst *TLS) {
 	later := time.Now().Add(time.Hour)
-	src = &TLS{Config: &tls.Config{Certificates: []tls.Certificate{ca.issue(t, "spiffe://kvlease/prefill", later)}, RootCAs: ca.pool, ServerName: "decode"}}
-	dst = &TLS{Config: &tls.Config{Certificates: []tls.Certificate{ca.issue(t, "spiffe://kvlease/decode", later)}, ClientCAs: ca.pool}}
+	src = &TLS{Config: &tls.Config{Certificates: []tls.Certificate{issue(t, ca, "spiffe://kvlease/prefill", later)}, RootCAs: ca.Pool, ServerName: "decode"}}
+	dst = &TLS{Config: &tls.Config{Certificates: []tls.Certificate{issue(t, ca, "spiffe://kvlease/decode", later)}, ClientCAs: ca.Pool}}
 	return src, dst
 }
 
@@ -116,7 +72,7 @@ func TestAuthRequired(t *testing.T) {
 	a, b := net.Pipe()
 	defer a.Close()
 	defer b.Close()
-	ca := newTestCA(t, "ca")
+	ca := testpki.NewCA(t, "ca")
 	srcTLS, _ := tlsPair(t, ca)
 	for _, tt := range []struct {
 		name string
@@ -148,10 +104,10 @@ func TestAuthRequired(t *testing.T) {
 // sides: who succeeds, the identities, and every refusal wrapping ErrAuth
 // (a downgrade marked as one).
 func TestHandshake(t *testing.T) {
-	ca, other := newTestCA(t, "ca"), newTestCA(t, "other")
+	ca, other := testpki.NewCA(t, "ca"), testpki.NewCA(t, "other")
 	srcTLS, dstTLS := tlsPair(t, ca)
 	strangerTLS, _ := tlsPair(t, other)
-	expired := &TLS{Config: &tls.Config{Certificates: []tls.Certificate{ca.issue(t, "spiffe://kvlease/old", time.Now().Add(-time.Minute))}, RootCAs: ca.pool, ServerName: "decode"}}
+	expired := &TLS{Config: &tls.Config{Certificates: []tls.Certificate{issue(t, ca, "spiffe://kvlease/old", time.Now().Add(-time.Minute))}, RootCAs: ca.Pool, ServerName: "decode"}}
 	otherKey := &PSK{ID: "test", Key: []byte("another key, also 32 bytes long.")}
 	ring := &PSK{Keys: map[string][]byte{"fleet-a": testPSK.Key, "fleet-b": otherKey.Key}}
 	for _, tt := range []struct {

@@ -252,15 +252,8 @@ func (s *session[R]) get(m Message) *Incoming[R] {
 	in := s.in[m.Handoff()]
 	st, recent := s.recent.state(m.Handoff())
 	s.mu.Unlock()
-	switch {
-	case in != nil:
-	case recent && m.Type() == MsgAck:
-	case recent && m.Type() == MsgAbort:
-		_ = s.c.send(&AckMsg{ID: m.Handoff(), Of: MsgAbort})
-	case recent:
-		s.d.cfg.report(fmt.Errorf("kvlease: handoff %d: %v while %v: %w", m.Handoff(), m.Type(), st, ErrProtocolRefused))
-	default:
-		s.d.cfg.report(fmt.Errorf("kvlease: handoff destination: %v for unknown handoff %d: %w", m.Type(), m.Handoff(), ErrProtocolRefused))
+	if in == nil {
+		answerAbsent(s.c, s.d.cfg.report, "destination", m, st, recent)
 	}
 	return in
 }
@@ -324,10 +317,7 @@ func (in *Incoming[R]) Peer() *Peer { return in.s.peer }
 // after in.mu is released (lock order: s.mu before in.mu).
 func (s *session[R]) forget(in *Incoming[R], st State) {
 	s.mu.Lock()
-	if s.in[in.id] == in {
-		delete(s.in, in.id)
-		s.recent.add(in.id, st)
-	}
+	retire(s.in, &s.recent, in.id, in, st)
 	s.mu.Unlock()
 }
 

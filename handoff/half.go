@@ -203,6 +203,32 @@ func (c *halfCounters) readFailed(err error) {
 // recentIDs remembers the last ids that left a session's table, so that a
 // duplicate of a finished handoff is still refused while the table stays
 // bounded: a ring of the last RecentIDs ids and a set over it.
+// retire moves handoff v (id), final in st, out of a half's table live
+// into its recent ids, unless another handoff took the id meanwhile. The
+// caller holds the lock that guards both.
+func retire[T comparable](live map[uint64]T, recent *recentIDs, id uint64, v T, st State) {
+	if live[id] == v {
+		delete(live, id)
+		recent.add(id, st)
+	}
+}
+
+// answerAbsent answers message m for a handoff not in the side's table
+// (side: "source" or "destination") as the final handoff would, when it
+// left in st (recent): an Ack is dropped, an Abort acknowledged on c,
+// anything else reported; a message for an unknown handoff is reported.
+func answerAbsent(c *ctrl, report func(error), side string, m Message, st State, recent bool) {
+	switch {
+	case recent && m.Type() == MsgAck:
+	case recent && m.Type() == MsgAbort:
+		_ = c.send(&AckMsg{ID: m.Handoff(), Of: MsgAbort})
+	case recent:
+		report(fmt.Errorf("kvlease: handoff %d: %v while %v: %w", m.Handoff(), m.Type(), st, ErrProtocolRefused))
+	default:
+		report(fmt.Errorf("kvlease: handoff %s: %v for unknown handoff %d: %w", side, m.Type(), m.Handoff(), ErrProtocolRefused))
+	}
+}
+
 type recentIDs struct {
 	ring []uint64
 	next int

@@ -67,6 +67,21 @@ type halves struct {
 	incoming         chan *Incoming[[]byte]
 }
 
+// start proposes handoff 1 of a 3-block lease from the source and
+// returns it on both halves once both planes have its transfer.
+func (h *halves) start(t *testing.T) (lease *kvlease.Lease[[]byte], o *Outgoing[[]byte], in *Incoming[[]byte], st, dt *kvlease.Transfer) {
+	t.Helper()
+	lease, err := h.srcPool.Acquire("r", 3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if o, err = h.src.Propose(1, "r", lease, nil); err != nil {
+		t.Fatal(err)
+	}
+	in = <-h.incoming
+	return lease, o, in, h.send.next(t), h.recv.next(t)
+}
+
 func newHalves(t *testing.T, deadline time.Duration) *halves {
 	t.Helper()
 	h := &halves{srcPool: newHostPool(t, 32, hbBytes), dstPool: newHostPool(t, 32, hbBytes),
@@ -113,13 +128,7 @@ func waitHalf(t *testing.T, what string, state func() State, want State) {
 func TestHalvesStateCurrentAfterResolve(t *testing.T) {
 	for range 20 {
 		h := newHalves(t, -1)
-		lease, _ := h.srcPool.Acquire("r", 3)
-		o, err := h.src.Propose(1, "r", lease, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		in := <-h.incoming
-		st, dt := h.send.next(t), h.recv.next(t)
+		lease, o, in, st, dt := h.start(t)
 		dt.Resolve(nil)
 		if s := in.State(); s != Delivered {
 			t.Fatalf("destination right after Resolve: %v", s)
@@ -130,13 +139,7 @@ func TestHalvesStateCurrentAfterResolve(t *testing.T) {
 	}
 	for range 20 {
 		h := newHalves(t, 20*time.Millisecond)
-		lease, _ := h.srcPool.Acquire("r", 3)
-		o, err := h.src.Propose(1, "r", lease, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		in := <-h.incoming
-		st, dt := h.send.next(t), h.recv.next(t)
+		_, o, in, st, dt := h.start(t)
 		waitHalf(t, "source", o.State, Quarantined)
 		waitHalf(t, "destination", in.State, Quarantined)
 		if q := h.srcPool.Stats().Quarantined; q != 3 {
@@ -307,13 +310,7 @@ func TestSourceRefusesBadMessages(t *testing.T) {
 // reads change nothing, and the source is final only with both.
 func TestSourceNotes(t *testing.T) {
 	h := newHalves(t, -1)
-	lease, _ := h.srcPool.Acquire("r", 3)
-	o, err := h.src.Propose(1, "r", lease, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	in := <-h.incoming
-	st, dt := h.send.next(t), h.recv.next(t)
+	lease, o, in, st, dt := h.start(t)
 	waitHalf(t, "source", o.State, Transferring)
 	n, m := len(o.History()), len(in.History())
 	for range 3 {

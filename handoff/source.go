@@ -90,10 +90,7 @@ func (s *Source[R]) Stats() HalfStats { return s.stats.snapshot() }
 // released (lock order: s.mu before o.mu).
 func (s *Source[R]) forget(o *Outgoing[R], st State) {
 	s.mu.Lock()
-	if s.out[o.id] == o {
-		delete(s.out, o.id)
-		s.recent.add(o.id, st)
-	}
+	retire(s.out, &s.recent, o.id, o, st)
 	s.mu.Unlock()
 }
 
@@ -204,15 +201,8 @@ func (s *Source[R]) get(m Message) *Outgoing[R] {
 	o := s.out[m.Handoff()]
 	st, recent := s.recent.state(m.Handoff())
 	s.mu.Unlock()
-	switch {
-	case o != nil:
-	case recent && m.Type() == MsgAck:
-	case recent && m.Type() == MsgAbort:
-		_ = s.c.send(&AckMsg{ID: m.Handoff(), Of: MsgAbort})
-	case recent:
-		s.cfg.report(fmt.Errorf("kvlease: handoff %d: %v while %v: %w", m.Handoff(), m.Type(), st, ErrProtocolRefused))
-	default:
-		s.cfg.report(fmt.Errorf("kvlease: handoff source: %v for unknown handoff %d: %w", m.Type(), m.Handoff(), ErrProtocolRefused))
+	if o == nil {
+		answerAbsent(s.c, s.cfg.report, "source", m, st, recent)
 	}
 	return o
 }

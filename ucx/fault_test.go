@@ -71,6 +71,21 @@ func (d *localDest) final(t *testing.T) *handoff.Incoming[[]byte] {
 	return nil
 }
 
+// stoppedShort waits for the handoff to become final and checks that it
+// ended Aborted or Failed, every block of the pool back, and that the
+// receiver's evidence was one revocation or cancel, not a completion.
+func (d *localDest) stoppedShort(t *testing.T) {
+	t.Helper()
+	in := d.final(t)
+	if st := in.State(); st != handoff.Aborted && st != handoff.Failed {
+		t.Fatalf("destination %v: %v", st, in.History())
+	}
+	allFree(t, "destination", d.pool)
+	if s := d.recv.Stats(); s.Revoked+s.Canceled != 1 || s.Completed != 0 {
+		t.Fatalf("receiver %+v", s)
+	}
+}
+
 // allFree checks that every block of the pool is back (none quarantined).
 func allFree(t *testing.T, what string, p *kvlease.Pool[[]byte]) {
 	t.Helper()
@@ -199,14 +214,7 @@ func TestProcsPeerKilled(t *testing.T) {
 		}
 		p.expect("sending 3")
 		p.kill()
-		in := d.final(t)
-		if st := in.State(); st != handoff.Aborted && st != handoff.Failed {
-			t.Fatalf("destination %v: %v", st, in.History())
-		}
-		allFree(t, "destination", d.pool)
-		if s := d.recv.Stats(); s.Revoked+s.Canceled != 1 || s.Completed != 0 {
-			t.Fatalf("receiver %+v", s)
-		}
+		d.stoppedShort(t)
 	})
 	t.Run("peer-is-source/pull", func(t *testing.T) {
 		// The source dies after the destination has read two blocks:
@@ -219,17 +227,10 @@ func TestProcsPeerKilled(t *testing.T) {
 			}
 		}}
 		d := newLocalDest(t, p.conn, cfg, 20*time.Second)
-		in := d.final(t)
-		if st := in.State(); st != handoff.Aborted && st != handoff.Failed {
-			t.Fatalf("destination %v: %v", st, in.History())
-		}
-		allFree(t, "destination", d.pool)
 		// Evidence came from a revocation, or from a flush with nothing
 		// outstanding (when the connection loss canceled the reader
 		// before its next get); never from the failed gets.
-		if s := d.recv.Stats(); s.Revoked+s.Canceled != 1 || s.Completed != 0 {
-			t.Fatalf("receiver %+v", s)
-		}
+		d.stoppedShort(t)
 	})
 	t.Run("peer-is-destination", func(t *testing.T) {
 		// The destination dies in the middle of its reads: the control

@@ -263,26 +263,13 @@ func (s *Sender[R]) sendPull(id handoff.PlaneID, regions []R, accept []byte, att
 	if blocks != len(regions) {
 		return nil, fmt.Errorf("ucx: destination prepared %d blocks, source sends %d: %w", blocks, len(regions), ErrCorrupt)
 	}
-	s.mu.Lock()
-	if s.closed {
-		s.mu.Unlock()
-		return nil, fmt.Errorf("ucx: send: %w", ErrClosed)
+	j, err := s.enroll(id, nil)
+	if err != nil {
+		return nil, err
 	}
-	if _, dup := s.jobs[id]; dup {
-		s.mu.Unlock()
-		return nil, fmt.Errorf("ucx: send: %v already sending: %w", id, kvlease.ErrInvalidArgument)
-	}
-	j := &sendJob[R]{s: s, id: id}
-	s.jobs[id] = j
-	s.wg.Add(1)
-	s.mu.Unlock()
-
 	fail := func(err error) ([]byte, error) {
 		j.teardown()
-		s.mu.Lock()
-		delete(s.jobs, id)
-		s.mu.Unlock()
-		s.wg.Done()
+		s.unenroll(id)
 		return nil, err
 	}
 	g, err := locate(s.pieces, regions, &j.pin)
@@ -296,12 +283,7 @@ func (s *Sender[R]) sendPull(id handoff.PlaneID, regions []R, accept []byte, att
 	if j.w, err = s.ctx.newWorker(); err != nil {
 		return fail(err)
 	}
-	start := []byte{'K', 'U', version}
-	start = binary.LittleEndian.AppendUint16(start, uint16(len(g.sizes)))
-	for _, n := range g.sizes {
-		start = binary.LittleEndian.AppendUint32(start, uint32(n))
-	}
-	start = binary.LittleEndian.AppendUint32(start, uint32(len(regions)))
+	start := appendStartHead(nil, version, g.sizes, len(regions))
 	var addr []byte
 	if cerr := j.w.call(func() { addr, err = j.w.address() }); cerr != nil {
 		err = cerr
@@ -350,6 +332,45 @@ func (s *Sender[R]) sendPull(id handoff.PlaneID, regions []R, accept []byte, att
 			return fail(fmt.Errorf("ucx: start bytes %d exceed %d: %w", len(start), handoff.MaxPlane, kvlease.ErrExceedsCapacity))
 		}
 	}
+	if err := s.attachJob(j, id, attach, false); err != nil {
+		return nil, err
+	}
+	return start, nil
+}
+
+// enroll makes the job of handoff id (push: the push model's state, or
+// nil pulling) and enrolls it in s.jobs and s.wg; a closed sender or an
+// id already sending is refused.
+func (s *Sender[R]) enroll(id handoff.PlaneID, push *pushSend) (*sendJob[R], error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return nil, fmt.Errorf("ucx: send: %w", ErrClosed)
+	}
+	if _, dup := s.jobs[id]; dup {
+		return nil, fmt.Errorf("ucx: send: %v already sending: %w", id, kvlease.ErrInvalidArgument)
+	}
+	j := &sendJob[R]{s: s, id: id, push: push}
+	s.jobs[id] = j
+	s.wg.Add(1)
+	return j, nil
+}
+
+// unenroll undoes enroll for a job that was never attached.
+func (s *Sender[R]) unenroll(id handoff.PlaneID) {
+	s.mu.Lock()
+	delete(s.jobs, id)
+	s.mu.Unlock()
+	s.wg.Done()
+}
+
+// attachJob gives job j (enrolled in s.jobs under id) its transfer and
+// attaches it, in both models: a failed attach tears the job down (nothing
+// was published or sent yet: the registration or the data never left
+// this process, so that is evidence) and unenrolls it; a Close that ran
+// meanwhile, and did not see the transfer, revokes it (ErrClosed). keyed
+// counts the handoff in Stats.Keyed.
+func (s *Sender[R]) attachJob(j *sendJob[R], id handoff.PlaneID, attach func(*kvlease.Transfer) error, keyed bool) error {
 	t := kvlease.NewTransfer(func() {
 		go j.revoke(fmt.Errorf("ucx: source canceled: %w", ErrRevoked))
 	})
@@ -357,27 +378,26 @@ func (s *Sender[R]) sendPull(id handoff.PlaneID, regions []R, accept []byte, att
 	j.t = t
 	s.mu.Unlock()
 	if err := attach(j.t); err != nil {
-		// Nothing was published: the registration never left this
-		// process, so tearing it down is evidence.
 		j.teardown()
 		j.t.Resolve(err)
-		s.mu.Lock()
-		delete(s.jobs, id)
-		s.mu.Unlock()
-		s.wg.Done()
-		return nil, err
+		s.unenroll(id)
+		return err
 	}
-	s.stats.add(func(st *Stats) { st.Started++ })
+	s.stats.add(func(st *Stats) {
+		st.Started++
+		if keyed {
+			st.Keyed++
+		}
+	})
 	s.mu.Lock()
 	j.attached = true
 	closed := s.closed
 	s.mu.Unlock()
 	if closed {
-		// Close ran while we registered: it did not see this transfer.
 		j.revoke(fmt.Errorf("%w: %w", ErrClosed, ErrRevoked))
-		return nil, fmt.Errorf("ucx: send: %w", ErrClosed)
+		return fmt.Errorf("ucx: send: %w", ErrClosed)
 	}
-	return start, nil
+	return nil
 }
 
 // teardown revokes everything the job exposed: each registration is
@@ -627,22 +647,44 @@ func (r *reader) u32() int {
 	return 0
 }
 
-func parseStart(b []byte) (*start, error) {
-	r := &reader{b: b}
-	if h := r.take(3); h == nil || h[0] != 'K' || h[1] != 'U' || h[2] != version {
-		return nil, fmt.Errorf("ucx: start bytes: bad header: %w", ErrCorrupt)
+// appendStartHead appends what both models' Start bytes begin with
+// (read by startHead), then the block count.
+func appendStartHead(b []byte, ver byte, sizes []int, blocks int) []byte {
+	b = append(b, 'K', 'U', ver)
+	b = binary.LittleEndian.AppendUint16(b, uint16(len(sizes)))
+	for _, n := range sizes {
+		b = binary.LittleEndian.AppendUint32(b, uint32(n))
+	}
+	return binary.LittleEndian.AppendUint32(b, uint32(blocks))
+}
+
+// startHead reads what both models' Start bytes begin with (written by
+// appendStartHead): "KU", the model's version ver, a block's piece count
+// and sizes, and the block count, which the caller checks.
+func (r *reader) startHead(ver byte) (sizes []int, blocks int, err error) {
+	if h := r.take(3); h == nil || h[0] != 'K' || h[1] != 'U' || h[2] != ver {
+		return nil, 0, fmt.Errorf("ucx: start bytes: bad header: %w", ErrCorrupt)
 	}
 	np := r.u16()
 	if r.err == nil && (np == 0 || np > maxPieces) {
-		return nil, fmt.Errorf("ucx: start bytes: blocks of %d pieces: %w", np, ErrCorrupt)
+		return nil, 0, fmt.Errorf("ucx: start bytes: blocks of %d pieces: %w", np, ErrCorrupt)
 	}
-	s := &start{sizes: make([]int, np)}
-	for i := range s.sizes {
-		if s.sizes[i] = r.u32(); r.err == nil && s.sizes[i] <= 0 {
-			return nil, fmt.Errorf("ucx: start bytes: piece %d of %d bytes: %w", i, s.sizes[i], ErrCorrupt)
+	sizes = make([]int, np)
+	for i := range sizes {
+		if sizes[i] = r.u32(); r.err == nil && sizes[i] <= 0 {
+			return nil, 0, fmt.Errorf("ucx: start bytes: piece %d of %d bytes: %w", i, sizes[i], ErrCorrupt)
 		}
 	}
-	s.blocks = r.u32()
+	return sizes, r.u32(), nil
+}
+
+func parseStart(b []byte) (*start, error) {
+	r := &reader{b: b}
+	sizes, blocks, err := r.startHead(version)
+	if err != nil {
+		return nil, err
+	}
+	s := &start{sizes: sizes, blocks: blocks}
 	s.addr = append([]byte(nil), r.take(r.u16())...)
 	mode := r.take(1)
 	if r.err != nil {
@@ -804,28 +846,51 @@ func (r *Receiver[R]) Receive(id handoff.PlaneID, regions []R, startBytes []byte
 		return err
 	}
 	j.plan = planGets(st.sizes, st.pieces, g, j.lregs, r.cfg.MaxGet)
+	return j.launch(attach, false, j.step)
+}
+
+// launch gives the job its transfer, attaches it, enrolls the job and
+// hands it to its worker's thread (poll), in both models. A failed attach
+// or a Receiver closed meanwhile tears the job down (nothing was read or
+// received: evidence) and frees the push model's state; keyed counts the
+// handoff in Stats.Keyed.
+func (j *recvJob[R]) launch(attach func(*kvlease.Transfer) error, keyed bool, poll func() bool) error {
+	r := j.r
+	drop := func() {
+		j.teardown()
+		if j.push != nil {
+			j.push.free()
+		}
+	}
 	j.t = kvlease.NewTransfer(func() {
 		j.canceled.Store(true)
 		j.w.do(func() {}) // wake the worker
 	})
 	if err := attach(j.t); err != nil {
-		j.teardown() // nothing was read: evidence
+		drop()
 		j.t.Resolve(err)
 		return err
 	}
 	r.mu.Lock()
 	if r.closed {
 		r.mu.Unlock()
-		j.teardown()
+		drop()
 		j.t.Resolve(fmt.Errorf("ucx: receive: %w", ErrClosed))
 		return nil
 	}
 	r.jobs[j] = struct{}{}
 	r.wg.Add(1)
 	r.mu.Unlock()
-	r.stats.add(func(s *Stats) { s.Started++ })
-	j.b, j.fl = newBatch(), newOp()
-	if !j.w.do(func() { j.w.pollers = append(j.w.pollers, j.step) }) {
+	r.stats.add(func(s *Stats) {
+		s.Started++
+		if keyed {
+			s.Keyed++
+		}
+	})
+	if j.push == nil {
+		j.b, j.fl = newBatch(), newOp() // the pull model's gets and flush
+	}
+	if !j.w.do(func() { j.w.pollers = append(j.w.pollers, poll) }) {
 		go j.finish(fmt.Errorf("ucx: receive: %w", errWorkerGone), true)
 	}
 	return nil

@@ -271,12 +271,7 @@ type pushStart struct {
 }
 
 func appendPushStart(b []byte, sizes []int, blocks int, mode Integrity, nonce, addr []byte) []byte {
-	b = append(b, 'K', 'U', pushVersion)
-	b = binary.LittleEndian.AppendUint16(b, uint16(len(sizes)))
-	for _, n := range sizes {
-		b = binary.LittleEndian.AppendUint32(b, uint32(n))
-	}
-	b = binary.LittleEndian.AppendUint32(b, uint32(blocks))
+	b = appendStartHead(b, pushVersion, sizes, blocks)
 	b = append(b, byte(mode))
 	b = append(b, nonce...)
 	b = binary.LittleEndian.AppendUint16(b, uint16(len(addr)))
@@ -285,20 +280,11 @@ func appendPushStart(b []byte, sizes []int, blocks int, mode Integrity, nonce, a
 
 func parsePushStart(b []byte) (*pushStart, error) {
 	r := &reader{b: b}
-	if h := r.take(3); h == nil || h[0] != 'K' || h[1] != 'U' || h[2] != pushVersion {
-		return nil, fmt.Errorf("ucx: start bytes: bad header: %w", ErrCorrupt)
+	sizes, blocks, err := r.startHead(pushVersion)
+	if err != nil {
+		return nil, err
 	}
-	np := r.u16()
-	if r.err == nil && (np == 0 || np > maxPieces) {
-		return nil, fmt.Errorf("ucx: start bytes: blocks of %d pieces: %w", np, ErrCorrupt)
-	}
-	s := &pushStart{sizes: make([]int, np)}
-	for i := range s.sizes {
-		if s.sizes[i] = r.u32(); r.err == nil && s.sizes[i] <= 0 {
-			return nil, fmt.Errorf("ucx: start bytes: piece %d of %d bytes: %w", i, s.sizes[i], ErrCorrupt)
-		}
-	}
-	s.blocks = r.u32()
+	s := &pushStart{sizes: sizes, blocks: blocks}
 	mode := r.take(1)
 	s.nonce = r.take(nonceLen)
 	s.addr = r.take(r.u16())
@@ -354,26 +340,13 @@ func (s *Sender[R]) sendPush(id handoff.PlaneID, regions []R, accept []byte, att
 	if blocks != len(regions) {
 		return nil, fmt.Errorf("ucx: send: accept for %d blocks, %d regions: %w", blocks, len(regions), ErrCorrupt)
 	}
-	s.mu.Lock()
-	if s.closed {
-		s.mu.Unlock()
-		return nil, fmt.Errorf("ucx: send: %w", ErrClosed)
+	j, err := s.enroll(id, &pushSend{salt: salt})
+	if err != nil {
+		return nil, err
 	}
-	if _, dup := s.jobs[id]; dup {
-		s.mu.Unlock()
-		return nil, fmt.Errorf("ucx: send: %v already sending: %w", id, kvlease.ErrInvalidArgument)
-	}
-	j := &sendJob[R]{s: s, id: id, push: &pushSend{salt: salt}}
-	s.jobs[id] = j
-	s.wg.Add(1)
-	s.mu.Unlock()
-
 	fail := func(err error) ([]byte, error) {
 		j.teardown()
-		s.mu.Lock()
-		delete(s.jobs, id)
-		s.mu.Unlock()
-		s.wg.Done()
+		s.unenroll(id)
 		return nil, err
 	}
 	p := j.push
@@ -424,35 +397,8 @@ func (s *Sender[R]) sendPush(id handoff.PlaneID, regions []R, accept []byte, att
 		p.sums = newCbuf(n * blocks)
 	}
 	p.b = newBatch()
-	t := kvlease.NewTransfer(func() {
-		go j.revoke(fmt.Errorf("ucx: source canceled: %w", ErrRevoked))
-	})
-	s.mu.Lock()
-	j.t = t
-	s.mu.Unlock()
-	if err := attach(j.t); err != nil {
-		// Nothing was sent: tearing down is evidence.
-		j.teardown()
-		j.t.Resolve(err)
-		s.mu.Lock()
-		delete(s.jobs, id)
-		s.mu.Unlock()
-		s.wg.Done()
+	if err := s.attachJob(j, id, attach, mode == IntegrityMAC); err != nil {
 		return nil, err
-	}
-	s.stats.add(func(st *Stats) {
-		st.Started++
-		if mode == IntegrityMAC {
-			st.Keyed++
-		}
-	})
-	s.mu.Lock()
-	j.attached = true
-	closed := s.closed
-	s.mu.Unlock()
-	if closed {
-		j.revoke(fmt.Errorf("%w: %w", ErrClosed, ErrRevoked))
-		return nil, fmt.Errorf("ucx: send: %w", ErrClosed)
 	}
 	if !j.w.do(func() { j.w.pollers = append(j.w.pollers, j.pushStep) }) {
 		go j.revoke(fmt.Errorf("ucx: send: %w: %w", errWorkerGone, ErrRevoked))
@@ -608,37 +554,7 @@ func (r *Receiver[R]) receivePush(id handoff.PlaneID, prep *prepared, regions []
 	if n := st.mode.sumLen(); n > 0 {
 		p.sums = newCbuf(n * st.blocks)
 	}
-	j.t = kvlease.NewTransfer(func() {
-		j.canceled.Store(true)
-		j.w.do(func() {}) // wake the worker
-	})
-	if err := attach(j.t); err != nil {
-		j.teardown() // nothing was received: evidence
-		p.free()
-		j.t.Resolve(err)
-		return err
-	}
-	r.mu.Lock()
-	if r.closed {
-		r.mu.Unlock()
-		j.teardown()
-		p.free()
-		j.t.Resolve(fmt.Errorf("ucx: receive: %w", ErrClosed))
-		return nil
-	}
-	r.jobs[j] = struct{}{}
-	r.wg.Add(1)
-	r.mu.Unlock()
-	r.stats.add(func(s *Stats) {
-		s.Started++
-		if p.mode == IntegrityMAC {
-			s.Keyed++
-		}
-	})
-	if !j.w.do(func() { j.w.pollers = append(j.w.pollers, j.stepPush) }) {
-		go j.finish(fmt.Errorf("ucx: receive: %w", errWorkerGone), true)
-	}
-	return nil
+	return j.launch(attach, p.mode == IntegrityMAC, j.stepPush)
 }
 
 // stepPush advances a push job on its worker's thread: it posts the

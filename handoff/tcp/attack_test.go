@@ -28,7 +28,6 @@ import (
 	"math/big"
 	"net"
 	"os"
-	"os/exec"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -38,6 +37,7 @@ import (
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
 	"github.com/kvlease/kvlease/handoff/tcp"
+	"github.com/kvlease/kvlease/internal/testpki"
 )
 
 const attackEnv = "KVLEASE_TCP_ATTACKER"
@@ -376,31 +376,7 @@ func selfIssued() *tls.Config {
 // startAttacker runs the attacker process with spec.
 func startAttacker(t testing.TB, spec attackSpec) *peer {
 	t.Helper()
-	exe, err := os.Executable()
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, _ := json.Marshal(spec)
-	p := &peer{t: t, cmd: exec.Command(exe), lines: make(chan string, 1024), stderr: &syncBuffer{}, gone: make(chan struct{})}
-	p.cmd.Env = append(os.Environ(), attackEnv+"="+string(b))
-	p.cmd.Stderr = p.stderr
-	if p.stdin, err = p.cmd.StdinPipe(); err != nil {
-		t.Fatal(err)
-	}
-	stdout, err := p.cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := p.cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	go func() {
-		sc := bufio.NewScanner(stdout)
-		for sc.Scan() {
-			p.lines <- sc.Text()
-		}
-		close(p.lines)
-	}()
+	p := spawn(t, attackEnv, spec)
 	t.Cleanup(p.stop)
 	return p
 }
@@ -637,8 +613,8 @@ func TestAttackWrongCredentials(t *testing.T) {
 		v.untouched()
 	})
 	t.Run("tls", func(t *testing.T) {
-		ca := newAtkCA(t)
-		v := newVictim(t, victimOpts{auth: &handoff.TLS{Config: &tls.Config{Certificates: []tls.Certificate{ca.leaf(t)}, ClientCAs: ca.pool}}})
+		ca := testpki.NewCA(t, "kvlease test CA")
+		v := newVictim(t, victimOpts{auth: &handoff.TLS{Config: &tls.Config{Certificates: []tls.Certificate{atkLeaf(t, ca)}, ClientCAs: ca.Pool}}})
 		a := startAttacker(t, attackSpec{Mode: "wrong-cert", Ctrl: v.ctl.Addr().String()})
 		if f := a.expect("result"); f[1] != "refused" || !strings.Contains(strings.Join(f, " "), "refused this source's certificate") {
 			t.Fatalf("%q", f)
@@ -880,36 +856,8 @@ func TestAttackHelloFlood(t *testing.T) {
 	v.untouched()
 }
 
-// atkCA is a certificate authority for the victim's TLS identity.
-type atkCA struct {
-	cert *x509.Certificate
-	key  *ecdsa.PrivateKey
-	pool *x509.CertPool
-}
-
-func newAtkCA(t *testing.T) *atkCA {
-	key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "kvlease test CA"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cert, _ := x509.ParseCertificate(der)
-	pool := x509.NewCertPool()
-	pool.AddCert(cert)
-	return &atkCA{cert: cert, key: key, pool: pool}
-}
-
-func (ca *atkCA) leaf(t *testing.T) tls.Certificate {
-	key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	tmpl := &x509.Certificate{SerialNumber: big.NewInt(2), Subject: pkix.Name{CommonName: "decode"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour), DNSNames: []string{"decode"},
-		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.cert, &key.PublicKey, ca.key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key}
+// atkLeaf is the victim's TLS identity, issued by ca.
+func atkLeaf(t *testing.T, ca *testpki.CA) tls.Certificate {
+	return ca.Issue(t, testpki.Leaf{Name: "decode", DNS: []string{"decode"},
+		Usage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}})
 }

@@ -13,7 +13,6 @@ package tcp_test
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -34,6 +33,7 @@ import (
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
 	"github.com/kvlease/kvlease/handoff/tcp"
+	"github.com/kvlease/kvlease/internal/syncbuf"
 )
 
 const peerEnv = "KVLEASE_TCP_PEER"
@@ -601,7 +601,7 @@ type peer struct {
 	cmd     *exec.Cmd
 	stdin   io.WriteCloser
 	lines   chan string
-	stderr  *syncBuffer
+	stderr  *syncbuf.Buffer
 	mu      sync.Mutex
 	seen    []string      // every line
 	pending []string      // lines no expect took yet
@@ -609,34 +609,29 @@ type peer struct {
 	reaped  sync.Once
 }
 
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
 // startPeer starts the peer process with cfg and waits for it to be
 // ready. It is killed and reaped in t.Cleanup.
 func startPeer(t testing.TB, cfg peerConfig) *peer {
+	t.Helper()
+	p := spawn(t, peerEnv, cfg)
+	t.Cleanup(func() { p.kill() })
+	return p
+}
+
+// spawn re-executes the test binary with env set to spec in JSON (the
+// peer or the attacker process), its stdout's lines in p.lines.
+func spawn(t testing.TB, env string, spec any) *peer {
 	t.Helper()
 	exe, err := os.Executable()
 	if err != nil {
 		t.Fatal(err)
 	}
-	spec, _ := json.Marshal(cfg)
-	p := &peer{t: t, cmd: exec.Command(exe), lines: make(chan string, 1024), stderr: &syncBuffer{}, gone: make(chan struct{})}
-	p.cmd.Env = append(os.Environ(), peerEnv+"="+string(spec))
+	b, err := json.Marshal(spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &peer{t: t, cmd: exec.Command(exe), lines: make(chan string, 1024), stderr: &syncbuf.Buffer{}, gone: make(chan struct{})}
+	p.cmd.Env = append(os.Environ(), env+"="+string(b))
 	p.cmd.Stderr = p.stderr
 	if p.stdin, err = p.cmd.StdinPipe(); err != nil {
 		t.Fatal(err)
@@ -655,7 +650,6 @@ func startPeer(t testing.TB, cfg peerConfig) *peer {
 		}
 		close(p.lines)
 	}()
-	t.Cleanup(func() { p.kill() })
 	return p
 }
 

@@ -1,22 +1,15 @@
 package tcp_test
 
 import (
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
-	"crypto/x509/pkix"
-	"encoding/pem"
-	"math/big"
 	"net"
-	"net/url"
 	"os"
 	"path/filepath"
 	"testing"
-	"time"
 
 	"github.com/kvlease/kvlease/handoff"
+	"github.com/kvlease/kvlease/internal/testpki"
 )
 
 // writeTLS writes test TLS material into a fresh directory (private to
@@ -26,35 +19,13 @@ import (
 func writeTLS(t testing.TB) string {
 	t.Helper()
 	dir := t.TempDir()
-	caKey, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	caTmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "kvlease test CA"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(24 * time.Hour),
-		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign}
-	caDER, err := x509.CreateCertificate(rand.Reader, caTmpl, caTmpl, &caKey.PublicKey, caKey)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ca, _ := x509.ParseCertificate(caDER)
-	write := func(name, typ string, der []byte) {
-		if err := os.WriteFile(filepath.Join(dir, name), pem.EncodeToMemory(&pem.Block{Type: typ, Bytes: der}), 0o600); err != nil {
-			t.Fatal(err)
-		}
-	}
-	write("ca.pem", "CERTIFICATE", caDER)
-	for i, role := range []string{"source", "dest"} {
-		key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-		u, _ := url.Parse("spiffe://kvlease/" + role)
-		tmpl := &x509.Certificate{SerialNumber: big.NewInt(int64(i + 2)), Subject: pkix.Name{CommonName: role},
-			NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(24 * time.Hour), URIs: []*url.URL{u},
-			DNSNames: []string{"decode"}, IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1)}, KeyUsage: x509.KeyUsageDigitalSignature,
-			ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth}}
-		der, err := x509.CreateCertificate(rand.Reader, tmpl, ca, &key.PublicKey, caKey)
-		if err != nil {
-			t.Fatal(err)
-		}
-		kb, _ := x509.MarshalECPrivateKey(key)
-		write(role+".pem", "CERTIFICATE", der)
-		write(role+".key", "EC PRIVATE KEY", kb)
+	ca := testpki.NewCA(t, "kvlease test CA")
+	ca.WriteCA(t, filepath.Join(dir, "ca.pem"))
+	for _, role := range []string{"source", "dest"} {
+		c := ca.Issue(t, testpki.Leaf{Name: role, URI: "spiffe://kvlease/" + role,
+			DNS: []string{"decode"}, IPs: []net.IP{net.IPv4(127, 0, 0, 1)},
+			Usage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth}})
+		testpki.WriteKeyPair(t, c, filepath.Join(dir, role+".pem"), filepath.Join(dir, role+".key"))
 	}
 	return dir
 }

@@ -280,14 +280,7 @@ func (t *Table) cacheFast(blocks []Ref) int {
 		s.setHead(cached)
 		head, tail = link(links, head, tail, id)
 	}
-	n := len(blocks) - i
-	t.lru[DefaultRetention] = lruEnds{head, tail}
-	if n > 0 {
-		t.lruMask |= 1 << DefaultRetention
-	}
-	t.lruLen += n
-	t.counts[Leased] -= n
-	t.counts[Cached] += n
+	t.cachedRun(DefaultRetention, head, tail, len(blocks)-i)
 	return i
 }
 
@@ -312,7 +305,15 @@ func (t *Table) cacheClasses(blocks []Ref) int {
 		s.setHead(cached)
 		head, tail = link(links, head, tail, id)
 	}
-	n := len(blocks) - i
+	t.cachedRun(r, head, tail, len(blocks)-i)
+	return i
+}
+
+// cachedRun stores class r's LRU ends back after a cache loop pushed n
+// leased slots on it (now cached) and counts them. As with revivedRun, the
+// two loops stay separate on purpose (cacheFast's never loads t.ret);
+// only this once-per-call bookkeeping is shared.
+func (t *Table) cachedRun(r uint8, head, tail int32, n int) {
 	t.lru[r] = lruEnds{head, tail}
 	if n > 0 {
 		t.lruMask |= 1 << r
@@ -320,7 +321,6 @@ func (t *Table) cacheClasses(blocks []Ref) int {
 	t.lruLen += n
 	t.counts[Leased] -= n
 	t.counts[Cached] += n
-	return i
 }
 
 // PinPending adds one pending pin (a write pin too when write) to each
@@ -466,13 +466,7 @@ func (t *Table) reviveFast(dst []Ref, ids []int32) int {
 		head, tail = unlink(links, head, tail, id)
 		dst[k] = Ref{ID: id, Gen: s.gen}
 	}
-	t.lru[DefaultRetention] = lruEnds{head, tail}
-	if head == Nil {
-		t.lruMask &^= 1 << DefaultRetention
-	}
-	t.lruLen -= k
-	t.counts[Cached] -= k
-	t.counts[Leased] += k
+	t.revivedRun(DefaultRetention, head, tail, k)
 	return k
 }
 
@@ -498,6 +492,16 @@ func (t *Table) reviveClasses(dst []Ref, ids []int32) int {
 		head, tail = unlink(links, head, tail, id)
 		dst[k] = Ref{ID: id, Gen: s.gen}
 	}
+	t.revivedRun(r, head, tail, k)
+	return k
+}
+
+// revivedRun stores class r's LRU ends back after a revive loop took k of
+// its cached slots (now leased) and counts them. The two loops above stay
+// separate on purpose: reviveFast's never loads t.ret, the per-slot class
+// test reviveClasses needs; only this bookkeeping, once per call, is
+// shared.
+func (t *Table) revivedRun(r uint8, head, tail int32, k int) {
 	t.lru[r] = lruEnds{head, tail}
 	if head == Nil {
 		t.lruMask &^= 1 << r
@@ -505,7 +509,6 @@ func (t *Table) reviveClasses(dst []Ref, ids []int32) int {
 	t.lruLen -= k
 	t.counts[Cached] -= k
 	t.counts[Leased] += k
-	return k
 }
 
 // RefHeld adds an open lease's hold on the leading ids that another open
