@@ -225,11 +225,6 @@ func TestKeyedPipeline(t *testing.T) {
 	const bb, n = 64 << 10, 32
 	for _, flip := range []bool{false, true} {
 		srcID, dstID := secureID(t, 3)
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		r := NewReceiver(ln, Config{})
 		var wrap func(net.Conn) net.Conn
 		if flip {
 			// A byte of block 9's body, past the hello, the layout
@@ -237,40 +232,20 @@ func TestKeyedPipeline(t *testing.T) {
 			at := helloLength + 4 + 4*n + 9*(frameHeader+bb+tagLength) + frameHeader + 100
 			wrap = func(c net.Conn) net.Conn { return &flipConn{Conn: c, at: at} }
 		}
-		s := NewSender(Config{WrapConn: wrap})
 		src, dst := make([][]byte, n), make([][]byte, n)
 		for i := range src {
 			// A byte more than the block: no two regions are adjacent.
 			src[i], dst[i] = append(make([]byte, 0, bb+1), bytes.Repeat([]byte{byte(i + 1)}, bb)...), make([]byte, bb)
 		}
-		accept, err := r.Prepare(dstID, n)
-		if err != nil {
-			t.Fatal(err)
-		}
-		var st, rt *kvlease.Transfer
-		if _, err := s.Send(srcID, src, accept, func(t *kvlease.Transfer) error { st = t; return nil }); err != nil {
-			t.Fatal(err)
-		}
-		if err := r.Receive(dstID, dst, nil, func(t *kvlease.Transfer) error { rt = t; return nil }); err != nil {
-			t.Fatal(err)
-		}
-		for _, tr := range []*kvlease.Transfer{st, rt} {
-			select {
-			case <-tr.Done():
-			case <-time.After(20 * time.Second):
-				t.Fatal("transfer never resolved")
-			}
-		}
+		sendErr, recvErr := transfer(t, srcID, dstID, src, dst, wrap)
 		switch {
-		case !flip && (rt.Err() != nil || st.Err() != nil):
-			t.Fatalf("clean transfer: sender %v, receiver %v", st.Err(), rt.Err())
+		case !flip && (recvErr != nil || sendErr != nil):
+			t.Fatalf("clean transfer: sender %v, receiver %v", sendErr, recvErr)
 		case !flip && !slicesEqual(src, dst):
 			t.Fatal("clean transfer delivered other bytes")
-		case flip && (!errors.Is(rt.Err(), ErrCorrupt) || !strings.Contains(rt.Err().Error(), "block 9 of 32")):
-			t.Fatalf("flipped byte: receiver %v", rt.Err())
+		case flip && (!errors.Is(recvErr, ErrCorrupt) || !strings.Contains(recvErr.Error(), "block 9 of 32")):
+			t.Fatalf("flipped byte: receiver %v", recvErr)
 		}
-		_ = s.Close()
-		_ = r.Close()
 	}
 }
 
