@@ -165,7 +165,13 @@ func TestStateNames(t *testing.T) {
 // smPool is a small host pool for the internal tests.
 func smPool(t *testing.T, n int, opts ...Option) *Pool[[]byte] {
 	t.Helper()
-	mem, err := NewHostMemory(n, 32)
+	return hostPool(t, n, 32, opts...)
+}
+
+// hostPool is a pool of n host blocks of blockBytes each.
+func hostPool(t testing.TB, n, blockBytes int, opts ...Option) *Pool[[]byte] {
+	t.Helper()
+	mem, err := NewHostMemory(n, blockBytes)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -23,15 +23,7 @@ func coreCountsOf(st Stats) coreCounts {
 // corePool returns a host-memory pool of n blocks of 64 bytes.
 func corePool(t testing.TB, n int, opts ...Option) *Pool[[]byte] {
 	t.Helper()
-	mem, err := NewHostMemory(n, 64)
-	if err != nil {
-		t.Fatalf("NewHostMemory(%d, 64): %v", n, err)
-	}
-	p, err := NewPool[[]byte](mem, opts...)
-	if err != nil {
-		t.Fatalf("NewPool: %v", err)
-	}
-	return p
+	return hostPool(t, n, 64, opts...)
 }
 
 // coreConsistent checks rule 7 and the pool's own consistency walk, and

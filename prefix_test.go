@@ -15,10 +15,7 @@ import (
 
 func newTestPool(t testing.TB, blocks int, opts ...Option) *Pool[[]byte] {
 	t.Helper()
-	mem, err := NewHostMemory(blocks, 32)
-	require.NoError(t, err)
-	p, err := NewPool[[]byte](mem, opts...)
-	require.NoError(t, err)
+	p := hostPool(t, blocks, 32, opts...)
 	t.Cleanup(func() {
 		if err := p.Check(); err != nil {
 			t.Errorf("pool inconsistent at the end: %v", err)

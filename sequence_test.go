@@ -10,15 +10,7 @@ import (
 
 func seqPool(t testing.TB, blocks int, opts ...Option) *Pool[[]byte] {
 	t.Helper()
-	mem, err := NewHostMemory(blocks, 64)
-	if err != nil {
-		t.Fatal(err)
-	}
-	p, err := NewPool[[]byte](mem, opts...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return p
+	return hostPool(t, blocks, 64, opts...)
 }
 
 func seqTokens(n int, base int32) []int32 {
