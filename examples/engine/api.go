@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -210,10 +211,10 @@ func (s *server) completions(w http.ResponseWriter, r *http.Request) {
 		req.Model = s.e.cfg.Model
 	}
 	tenant := ""
-	if keys := s.e.cfg.APIKeys; len(keys) > 0 {
+	if len(s.e.tenants) > 0 {
 		bearer, _ := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
 		var ok bool
-		if tenant, ok = keys[bearer]; !ok || bearer == "" {
+		if tenant, ok = s.e.tenants[sha256.Sum256([]byte(bearer))]; !ok || bearer == "" {
 			writeError(w, http.StatusUnauthorized, errors.New("a valid API key is required"))
 			return
 		}

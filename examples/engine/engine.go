@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"crypto/rand"
+	"crypto/sha256"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -54,7 +55,10 @@ type Engine struct {
 	env   handoff.Envelope
 	pool  *kvlease.Pool[[]byte]
 	seeds map[string]kvlease.BlockHash // model name → its namespace
-	loras map[string]kvlease.Adapter   // adapter name → its tag (lora_id from 1)
+	// tenants maps the SHA-256 of each API key to its tenant: a lookup
+	// compares digests, never the secret itself byte by byte.
+	tenants map[[sha256.Size]byte]string
+	loras   map[string]kvlease.Adapter // adapter name → its tag (lora_id from 1)
 
 	submit chan *request
 	quit   chan struct{}
@@ -128,11 +132,15 @@ func NewEngine(cfg Config) (*Engine, error) {
 	}
 	e := &Engine{
 		cfg: cfg, env: env, pool: pool,
-		seeds:  map[string]kvlease.BlockHash{},
-		loras:  map[string]kvlease.Adapter{},
-		submit: make(chan *request),
-		quit:   make(chan struct{}),
-		done:   make(chan struct{}),
+		seeds:   map[string]kvlease.BlockHash{},
+		tenants: make(map[[sha256.Size]byte]string, len(cfg.APIKeys)),
+		loras:   map[string]kvlease.Adapter{},
+		submit:  make(chan *request),
+		quit:    make(chan struct{}),
+		done:    make(chan struct{}),
+	}
+	for k, t := range cfg.APIKeys {
+		e.tenants[sha256.Sum256([]byte(k))] = t
 	}
 	// Each served model is its own namespace: the same prompt under two
 	// adapters shares no KV.

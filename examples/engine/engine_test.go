@@ -594,4 +594,12 @@ func TestTenants(t *testing.T) {
 	if _, err := parseFlags([]string{"-api-keys", path}, io.Discard); err == nil {
 		t.Fatal("a world-readable key file was accepted")
 	}
+	// A private file past the size bound is refused before it is read.
+	big := dir + "/big"
+	if err := os.WriteFile(big, bytes.Repeat([]byte("k=t\n"), maxKeysFile/4+1), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := parseFlags([]string{"-api-keys", big}, io.Discard); err == nil || !strings.Contains(err.Error(), "more than") {
+		t.Fatalf("an oversized key file: %v", err)
+	}
 }

@@ -107,18 +107,30 @@ func parseFlags(args []string, out io.Writer) (options, error) {
 	return o, nil
 }
 
+// maxKeysFile bounds the API keys file.
+const maxKeysFile = 1 << 20
+
 // readAPIKeys reads KEY=TENANT lines (blank lines and # comments
 // skipped). Keys are secrets: they never go on a command line, and the
 // file must not be readable by anyone but its owner.
 func readAPIKeys(path string) (map[string]string, error) {
-	fi, err := os.Stat(path)
+	// One open: the mode checked is the mode of the file read.
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	fi, err := f.Stat()
 	if err != nil {
 		return nil, err
 	}
 	if fi.Mode().Perm()&0o077 != 0 {
 		return nil, fmt.Errorf("-api-keys %s: mode %v lets others read the keys; chmod 600 it", path, fi.Mode().Perm())
 	}
-	data, err := os.ReadFile(path)
+	if fi.Size() > maxKeysFile {
+		return nil, fmt.Errorf("-api-keys %s: %d bytes, more than %d", path, fi.Size(), maxKeysFile)
+	}
+	data, err := io.ReadAll(io.LimitReader(f, maxKeysFile))
 	if err != nil {
 		return nil, err
 	}
