@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"log/slog"
 	"net"
+	"sort"
 	"sync"
 
 	"go.uber.org/atomic"
@@ -33,16 +34,19 @@ func (r *replayRing) add(seq uint64, payload []byte) {
 }
 
 // from appends to seqs and msgs at most limit kept batches with
-// seq ≥ start, oldest first.
+// seq ≥ start, oldest first. Seqs are kept in increasing order (the
+// publisher numbers batches one by one), so the first match is found by
+// binary search: a request costs O(log max + limit) under the lock the
+// publisher's send loop also takes, however far past the ring it asks.
 func (r *replayRing) from(start uint64, limit int, seqs []uint64, msgs [][]byte) ([]uint64, [][]byte) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	for i := 0; i < len(r.msgs) && len(msgs) < limit; i++ {
-		j := (r.start + i) % len(r.msgs)
-		if r.seqs[j] >= start {
-			seqs = append(seqs, r.seqs[j])
-			msgs = append(msgs, r.msgs[j])
-		}
+	n := len(r.msgs)
+	at := func(i int) int { return (r.start + i) % n }
+	first := sort.Search(n, func(i int) bool { return r.seqs[at(i)] >= start })
+	for i := first; i < n && len(msgs) < limit; i++ {
+		seqs = append(seqs, r.seqs[at(i)])
+		msgs = append(msgs, r.msgs[at(i)])
 	}
 	return seqs, msgs
 }
