@@ -28,13 +28,10 @@ type pubSocket struct {
 	ln    net.Listener // bind mode
 	dial  endpoint     // connect mode
 
-	mu      sync.Mutex
+	sockLife
 	conns   map[*subConn]struct{}
 	shaking map[net.Conn]struct{}      // connections in their handshake
 	list    atomic.Pointer[[]*subConn] // the established subscribers, for send (copy on write)
-	closed  bool
-	done    chan struct{}
-	wg      sync.WaitGroup
 
 	refused, hwmDrops atomic.Uint64
 }
@@ -64,7 +61,7 @@ type pubMsg struct {
 }
 
 func newPubSocket(topic string, lim limits, log *slog.Logger) *pubSocket {
-	s := &pubSocket{topic: []byte(topic), lim: lim, log: log, conns: map[*subConn]struct{}{}, shaking: map[net.Conn]struct{}{}, done: make(chan struct{})}
+	s := &pubSocket{topic: []byte(topic), lim: lim, log: log, conns: map[*subConn]struct{}{}, shaking: map[net.Conn]struct{}{}, sockLife: newSockLife()}
 	s.list.Store(&[]*subConn{})
 	return s
 }
@@ -392,21 +389,17 @@ func (s *pubSocket) addr() net.Addr {
 // close stops accepting and dialing, closes every connection and waits
 // for every goroutine of the socket.
 func (s *pubSocket) close() error {
-	s.mu.Lock()
-	if s.closed {
-		s.mu.Unlock()
+	var conns []*subConn
+	if !s.shut(func() {
+		for c := range s.conns {
+			conns = append(conns, c)
+		}
+		for conn := range s.shaking {
+			_ = conn.Close() // its handshake fails now, not at its deadline
+		}
+	}) {
 		return nil
 	}
-	s.closed = true
-	close(s.done)
-	conns := make([]*subConn, 0, len(s.conns))
-	for c := range s.conns {
-		conns = append(conns, c)
-	}
-	for conn := range s.shaking {
-		_ = conn.Close() // its handshake fails now, not at its deadline
-	}
-	s.mu.Unlock()
 	var err error
 	if s.ln != nil {
 		err = s.ln.Close()
@@ -416,4 +409,30 @@ func (s *pubSocket) close() error {
 	}
 	s.wg.Wait()
 	return err
+}
+
+// sockLife is what both sockets share to end once: the lock over their
+// connection tables, the closed flag, done (closed on close) and the
+// goroutines to wait for.
+type sockLife struct {
+	mu     sync.Mutex
+	closed bool
+	done   chan struct{}
+	wg     sync.WaitGroup
+}
+
+func newSockLife() sockLife { return sockLife{done: make(chan struct{})} }
+
+// shut marks the socket closed, closes done and runs f, all under mu,
+// the first time only; false when it was already closed.
+func (l *sockLife) shut(f func()) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.closed {
+		return false
+	}
+	l.closed = true
+	close(l.done)
+	f()
+	return true
 }

@@ -70,19 +70,16 @@ type replaySocket struct {
 	log        *slog.Logger
 	ln         net.Listener
 
-	mu      sync.Mutex
+	sockLife
 	conns   map[net.Conn]struct{} // established clients and handshakes
 	shaking int
-	closed  bool
-	done    chan struct{}
-	wg      sync.WaitGroup
 
 	refused, malformed atomic.Uint64
 }
 
 func newReplaySocket(topic string, ring *replayRing, perRequest int, lim limits, log *slog.Logger) *replaySocket {
 	return &replaySocket{topic: []byte(topic), ring: ring, perRequest: perRequest, lim: lim, log: log,
-		conns: map[net.Conn]struct{}{}, done: make(chan struct{})}
+		conns: map[net.Conn]struct{}{}, sockLife: newSockLife()}
 }
 
 func (s *replaySocket) listen(ep endpoint) error {
@@ -199,17 +196,13 @@ func (s *replaySocket) clients() int {
 }
 
 func (s *replaySocket) close() error {
-	s.mu.Lock()
-	if s.closed {
-		s.mu.Unlock()
+	if !s.shut(func() {
+		for c := range s.conns {
+			_ = c.Close()
+		}
+	}) {
 		return nil
 	}
-	s.closed = true
-	close(s.done)
-	for c := range s.conns {
-		_ = c.Close()
-	}
-	s.mu.Unlock()
 	err := s.ln.Close()
 	s.wg.Wait()
 	return err

@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"io"
+	"log/slog"
 	"net"
 	"testing"
 	"time"
@@ -248,4 +249,32 @@ type countingConn struct {
 func (c *countingConn) Write(b []byte) (int, error) {
 	c.written += len(b)
 	return len(b), nil
+}
+
+// Both sockets close once: the first close ends the connections still in
+// their handshake (long before its deadline) and closes done; a second
+// close is a no-op.
+func TestSocketsCloseOnce(t *testing.T) {
+	lim := testLimits()
+	lim.handshake = time.Hour
+	ep := endpoint{network: "tcp", addr: "127.0.0.1:0"}
+	pub := newPubSocket("kv", lim, slog.Default())
+	require.NoError(t, pub.listen(ep))
+	rep := newReplaySocket("kv", &replayRing{max: 1}, 1, lim, slog.Default())
+	require.NoError(t, rep.listen(ep))
+	pc, rc := rawDial(t, pub.addr()), rawDial(t, rep.addr())
+	require.Eventually(t, func() bool { return rep.clients() == 1 }, 5*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool {
+		pub.mu.Lock()
+		defer pub.mu.Unlock()
+		return len(pub.shaking) == 1
+	}, 5*time.Second, time.Millisecond)
+	for range 2 {
+		require.NoError(t, pub.close())
+		require.NoError(t, rep.close())
+	}
+	<-pub.done
+	<-rep.done
+	closedByPeer(t, pc, 5*time.Second)
+	closedByPeer(t, rc, 5*time.Second)
 }
