@@ -278,3 +278,21 @@ func TestSocketsCloseOnce(t *testing.T) {
 	closedByPeer(t, pc, 5*time.Second)
 	closedByPeer(t, rc, 5*time.Second)
 }
+
+// A peer's messages cost no allocation once the reader's buffers have
+// grown: what a peer sends does not drive the garbage collector.
+func TestPeerReaderNoAllocPerMessage(t *testing.T) {
+	msg := appendFrameHeader(nil, flagMore, 0)
+	msg = appendFrameHeader(msg, 0, 8)
+	msg = binary.BigEndian.AppendUint64(msg, 7)
+	const runs = 100
+	data := bytes.Repeat(msg, runs+2) // AllocsPerRun runs once more to warm up
+	pr := peerReader{r: bufio.NewReader(bytes.NewReader(data)), limit: 4096}
+	allocs := testing.AllocsPerRun(runs, func() {
+		_, _, frames, err := pr.next()
+		if err != nil || len(frames) != 2 || binary.BigEndian.Uint64(frames[1]) != 7 {
+			t.Fatalf("frames %q, err %v", frames, err)
+		}
+	})
+	require.Zero(t, allocs)
+}
