@@ -43,6 +43,7 @@ type subConn struct {
 
 	mu     sync.Mutex
 	counts []int64 // subscriptions to topic[:i], by i (others can never match)
+	total  int64   // sum of counts
 	q      []pubMsg
 	busy   int // messages the writer took and has not finished
 	notify chan struct{}
@@ -353,14 +354,12 @@ func (c *subConn) subscribe(sub subscription) {
 	switch {
 	case sub.subscribe:
 		*n++
+		c.total++
 	case *n > 0:
 		*n--
+		c.total--
 	}
-	any := false
-	for _, k := range c.counts {
-		any = any || k > 0
-	}
-	c.matches.Store(any)
+	c.matches.Store(c.total > 0)
 }
 
 // subscriptions returns the topic prefixes subscribers hold.

@@ -162,9 +162,13 @@ func FuzzZMTPPeer(f *testing.F) {
 					}
 				}
 			}
+			var sum int64
 			for _, k := range c.counts {
 				require.GreaterOrEqual(t, k, int64(0))
+				sum += k
 			}
+			require.Equal(t, sum, c.total)
+			require.Equal(t, sum > 0, c.matches.Load())
 		}
 	})
 }
