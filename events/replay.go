@@ -152,11 +152,11 @@ func (s *replaySocket) serve(conn net.Conn, r *bufio.Reader) {
 		case cmd != "":
 			continue
 		}
-		if len(frames) != 2 || len(frames[0]) != 0 || len(frames[1]) != 8 {
+		start, ok := parseReplayRequest(frames)
+		if !ok {
 			s.malformed.Inc()
 			continue
 		}
-		start := binary.BigEndian.Uint64(frames[1])
 		seqs, msgs = s.ring.from(start, s.perRequest, seqs[:0], msgs[:0])
 		var sb [8]byte
 		for i := range msgs {
@@ -183,6 +183,15 @@ func (s *replaySocket) serve(conn net.Conn, r *bufio.Reader) {
 			return
 		}
 	}
+}
+
+// parseReplayRequest reads a replay request's frames: an empty delimiter
+// and an 8-byte big-endian start seq. ok is false for any other shape.
+func parseReplayRequest(frames [][]byte) (start uint64, ok bool) {
+	if len(frames) != 2 || len(frames[0]) != 0 || len(frames[1]) != 8 {
+		return 0, false
+	}
+	return binary.BigEndian.Uint64(frames[1]), true
 }
 
 func (s *replaySocket) addr() net.Addr { return s.ln.Addr() }

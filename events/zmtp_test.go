@@ -299,3 +299,22 @@ func TestPeerReaderNoAllocPerMessage(t *testing.T) {
 	})
 	require.Zero(t, allocs)
 }
+
+// FuzzParseReplayRequest: any frames parse as a request only in the one
+// shape [empty, 8-byte seq], whose seq comes back.
+func FuzzParseReplayRequest(f *testing.F) {
+	f.Add([]byte{}, binary.BigEndian.AppendUint64(nil, 5), true)
+	f.Add([]byte{1}, []byte{0, 0, 0, 0, 0, 0, 0, 1}, true)
+	f.Add([]byte{}, []byte{1, 2, 3}, false)
+	f.Fuzz(func(t *testing.T, a, b []byte, two bool) {
+		frames := [][]byte{a}
+		if two {
+			frames = append(frames, b)
+		}
+		start, ok := parseReplayRequest(frames)
+		require.Equal(t, two && len(a) == 0 && len(b) == 8, ok)
+		if ok {
+			require.Equal(t, binary.BigEndian.Uint64(b), start)
+		}
+	})
+}
