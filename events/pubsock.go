@@ -210,6 +210,17 @@ func (s *pubSocket) serveHandshaken(conn net.Conn, asServer bool) *subConn {
 	return c
 }
 
+// appendBatchHead appends a batch message's frames up to its payload:
+// the topic, the seq (8 bytes big-endian) and the header of the payload
+// frame of n bytes. The PUB socket and the replay answers share it.
+func appendBatchHead(buf, topic []byte, seq uint64, n int) []byte {
+	buf = appendFrameHeader(buf, flagMore, len(topic))
+	buf = append(buf, topic...)
+	buf = appendFrameHeader(buf, flagMore, 8)
+	buf = binary.BigEndian.AppendUint64(buf, seq)
+	return appendFrameHeader(buf, 0, n)
+}
+
 // publishList republishes the subscriber list; s.mu held.
 func (s *pubSocket) publishList() {
 	l := make([]*subConn, 0, len(s.conns))
@@ -281,11 +292,7 @@ func (c *subConn) writeLoop() {
 			if m.ctrl != nil {
 				_, _ = w.Write(m.ctrl)
 			} else {
-				hdr = appendFrameHeader(hdr[:0], flagMore, len(c.s.topic))
-				hdr = append(hdr, c.s.topic...)
-				hdr = appendFrameHeader(hdr, flagMore, 8)
-				hdr = binary.BigEndian.AppendUint64(hdr, m.seq)
-				hdr = appendFrameHeader(hdr, 0, len(m.payload))
+				hdr = appendBatchHead(hdr[:0], c.s.topic, m.seq, len(m.payload))
 				_, _ = w.Write(hdr)
 				_, _ = w.Write(m.payload)
 			}

@@ -2,7 +2,6 @@ package events
 
 import (
 	"bufio"
-	"bytes"
 	"encoding/binary"
 	"log/slog"
 	"net"
@@ -51,8 +50,11 @@ func (r *replayRing) from(start uint64, limit int, seqs []uint64, msgs [][]byte)
 	return seqs, msgs
 }
 
-// replayEnd is the seq frame of the answer that ends a replay.
-var replayEnd = bytes.Repeat([]byte{0xFF}, 8)
+// replayEndSeq is the seq of the answer that ends a replay (0xFF×8 on
+// the wire, replayEnd), with an empty topic and payload.
+const replayEndSeq = ^uint64(0)
+
+var replayEnd = binary.BigEndian.AppendUint64(nil, replayEndSeq)
 
 // replaySocket is the replay service: a ZeroMQ ROUTER socket as DEALER
 // and REQ clients see it (ZMTP 3.x, NULL mechanism). Each client has its
@@ -158,15 +160,9 @@ func (s *replaySocket) serve(conn net.Conn, r *bufio.Reader) {
 			continue
 		}
 		seqs, msgs = s.ring.from(start, s.perRequest, seqs[:0], msgs[:0])
-		var sb [8]byte
 		for i := range msgs {
-			binary.BigEndian.PutUint64(sb[:], seqs[i])
-			hdr = appendFrameHeader(hdr[:0], flagMore, 0)
-			hdr = appendFrameHeader(hdr, flagMore, len(s.topic))
-			hdr = append(hdr, s.topic...)
-			hdr = appendFrameHeader(hdr, flagMore, 8)
-			hdr = append(hdr, sb[:]...)
-			hdr = appendFrameHeader(hdr, 0, len(msgs[i]))
+			hdr = appendFrameHeader(hdr[:0], flagMore, 0) // the empty delimiter
+			hdr = appendBatchHead(hdr, s.topic, seqs[i], len(msgs[i]))
 			_, _ = w.Write(hdr)
 			if _, err := w.Write(msgs[i]); err != nil {
 				return
@@ -174,10 +170,7 @@ func (s *replaySocket) serve(conn net.Conn, r *bufio.Reader) {
 		}
 		clear(msgs)
 		hdr = appendFrameHeader(hdr[:0], flagMore, 0)
-		hdr = appendFrameHeader(hdr, flagMore, 0)
-		hdr = appendFrameHeader(hdr, flagMore, 8)
-		hdr = append(hdr, replayEnd...)
-		hdr = appendFrameHeader(hdr, 0, 0)
+		hdr = appendBatchHead(hdr, nil, replayEndSeq, 0)
 		_, _ = w.Write(hdr)
 		if err := w.Flush(); err != nil {
 			return
