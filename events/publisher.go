@@ -790,9 +790,11 @@ func (d *drainer) enqueueAll(evs []wireEvent, wait bool) bool {
 		}
 		p.enqueued.Add(1)
 		p.events.Add(uint64(len(chunk)))
+		blocks := 0
 		for i := range chunk {
-			p.blocks.Add(uint64(len(chunk[i].hashes)))
+			blocks += len(chunk[i].hashes)
 		}
+		p.blocks.Add(uint64(blocks)) // one atomic add per batch, not per event
 	}
 	return true
 }
