@@ -217,7 +217,7 @@ type Publisher struct {
 	ring replayRing
 
 	batches, events, blocks, droppedBatches, droppedEvents, unpublishable, resyncs atomic.Uint64
-	enqueued, sent                                                                 atomic.Uint64
+	enqueued                                                                       atomic.Uint64
 }
 
 type source struct {
@@ -427,7 +427,7 @@ func (p *Publisher) Flush(ctx context.Context) error {
 		return ctx.Err()
 	}
 	want := p.enqueued.Load()
-	for p.sent.Load() < want {
+	for p.batches.Load() < want {
 		select {
 		case <-p.ctx.Done():
 			return ErrClosed
@@ -580,8 +580,7 @@ func (p *Publisher) sendLoop() {
 				p.ring.add(seq, payload)
 			}
 			seq++
-			p.batches.Add(1)
-			p.sent.Add(1)
+			p.batches.Add(1) // also what Flush waits for
 		}
 	}
 }
@@ -791,9 +790,11 @@ func (d *drainer) enqueueAll(evs []wireEvent, wait bool) bool {
 		}
 		p.enqueued.Add(1)
 		p.events.Add(uint64(len(chunk)))
+		blocks := 0
 		for i := range chunk {
-			p.blocks.Add(uint64(len(chunk[i].hashes)))
+			blocks += len(chunk[i].hashes)
 		}
+		p.blocks.Add(uint64(blocks)) // one atomic add per batch, not per event
 	}
 	return true
 }

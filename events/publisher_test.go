@@ -422,6 +422,38 @@ func TestReplayRingKeepsLast(t *testing.T) {
 	require.Equal(t, []uint64{2, 3}, seqs, "at most limit, oldest first")
 }
 
+// TestReplayRingFromEveryState checks the ring's binary search against a
+// plain scan in every fill and wrap state, for every start (before, in
+// and past the kept seqs) and limit.
+func TestReplayRingFromEveryState(t *testing.T) {
+	const max = 5
+	r := replayRing{max: max}
+	var kept []uint64 // the reference: the last max seqs added
+	for added := uint64(0); added <= 3*max; added++ {
+		for start := uint64(0); start <= added+1; start++ {
+			for limit := 0; limit <= max+1; limit++ {
+				var want []uint64
+				for _, s := range kept {
+					if s >= start && len(want) < limit {
+						want = append(want, s)
+					}
+				}
+				seqs, msgs := r.from(start, limit, nil, nil)
+				require.Equal(t, want, seqs, "added %d start %d limit %d", added, start, limit)
+				require.Len(t, msgs, len(seqs))
+				for i, m := range msgs {
+					require.Equal(t, []byte{byte(seqs[i])}, m)
+				}
+			}
+		}
+		r.add(added, []byte{byte(added)})
+		kept = append(kept, added)
+		if len(kept) > max {
+			kept = kept[1:]
+		}
+	}
+}
+
 func FuzzDecodeBatch(f *testing.F) {
 	for _, enc := range []Encoding{MapEncoding, ArrayEncoding} {
 		b := newBatchEncoder(enc, 0)

@@ -28,13 +28,10 @@ type pubSocket struct {
 	ln    net.Listener // bind mode
 	dial  endpoint     // connect mode
 
-	mu      sync.Mutex
+	sockLife
 	conns   map[*subConn]struct{}
 	shaking map[net.Conn]struct{}      // connections in their handshake
 	list    atomic.Pointer[[]*subConn] // the established subscribers, for send (copy on write)
-	closed  bool
-	done    chan struct{}
-	wg      sync.WaitGroup
 
 	refused, hwmDrops atomic.Uint64
 }
@@ -46,6 +43,7 @@ type subConn struct {
 
 	mu     sync.Mutex
 	counts []int64 // subscriptions to topic[:i], by i (others can never match)
+	total  int64   // sum of counts
 	q      []pubMsg
 	busy   int // messages the writer took and has not finished
 	notify chan struct{}
@@ -64,7 +62,7 @@ type pubMsg struct {
 }
 
 func newPubSocket(topic string, lim limits, log *slog.Logger) *pubSocket {
-	s := &pubSocket{topic: []byte(topic), lim: lim, log: log, conns: map[*subConn]struct{}{}, shaking: map[net.Conn]struct{}{}, done: make(chan struct{})}
+	s := &pubSocket{topic: []byte(topic), lim: lim, log: log, conns: map[*subConn]struct{}{}, shaking: map[net.Conn]struct{}{}, sockLife: newSockLife()}
 	s.list.Store(&[]*subConn{})
 	return s
 }
@@ -212,6 +210,17 @@ func (s *pubSocket) serveHandshaken(conn net.Conn, asServer bool) *subConn {
 	return c
 }
 
+// appendBatchHead appends a batch message's frames up to its payload:
+// the topic, the seq (8 bytes big-endian) and the header of the payload
+// frame of n bytes. The PUB socket and the replay answers share it.
+func appendBatchHead(buf, topic []byte, seq uint64, n int) []byte {
+	buf = appendFrameHeader(buf, flagMore, len(topic))
+	buf = append(buf, topic...)
+	buf = appendFrameHeader(buf, flagMore, 8)
+	buf = binary.BigEndian.AppendUint64(buf, seq)
+	return appendFrameHeader(buf, 0, n)
+}
+
 // publishList republishes the subscriber list; s.mu held.
 func (s *pubSocket) publishList() {
 	l := make([]*subConn, 0, len(s.conns))
@@ -283,11 +292,7 @@ func (c *subConn) writeLoop() {
 			if m.ctrl != nil {
 				_, _ = w.Write(m.ctrl)
 			} else {
-				hdr = appendFrameHeader(hdr[:0], flagMore, len(c.s.topic))
-				hdr = append(hdr, c.s.topic...)
-				hdr = appendFrameHeader(hdr, flagMore, 8)
-				hdr = binary.BigEndian.AppendUint64(hdr, m.seq)
-				hdr = appendFrameHeader(hdr, 0, len(m.payload))
+				hdr = appendBatchHead(hdr[:0], c.s.topic, m.seq, len(m.payload))
 				_, _ = w.Write(hdr)
 				_, _ = w.Write(m.payload)
 			}
@@ -356,14 +361,12 @@ func (c *subConn) subscribe(sub subscription) {
 	switch {
 	case sub.subscribe:
 		*n++
+		c.total++
 	case *n > 0:
 		*n--
+		c.total--
 	}
-	any := false
-	for _, k := range c.counts {
-		any = any || k > 0
-	}
-	c.matches.Store(any)
+	c.matches.Store(c.total > 0)
 }
 
 // subscriptions returns the topic prefixes subscribers hold.
@@ -392,21 +395,17 @@ func (s *pubSocket) addr() net.Addr {
 // close stops accepting and dialing, closes every connection and waits
 // for every goroutine of the socket.
 func (s *pubSocket) close() error {
-	s.mu.Lock()
-	if s.closed {
-		s.mu.Unlock()
+	var conns []*subConn
+	if !s.shut(func() {
+		for c := range s.conns {
+			conns = append(conns, c)
+		}
+		for conn := range s.shaking {
+			_ = conn.Close() // its handshake fails now, not at its deadline
+		}
+	}) {
 		return nil
 	}
-	s.closed = true
-	close(s.done)
-	conns := make([]*subConn, 0, len(s.conns))
-	for c := range s.conns {
-		conns = append(conns, c)
-	}
-	for conn := range s.shaking {
-		_ = conn.Close() // its handshake fails now, not at its deadline
-	}
-	s.mu.Unlock()
 	var err error
 	if s.ln != nil {
 		err = s.ln.Close()
@@ -416,4 +415,30 @@ func (s *pubSocket) close() error {
 	}
 	s.wg.Wait()
 	return err
+}
+
+// sockLife is what both sockets share to end once: the lock over their
+// connection tables, the closed flag, done (closed on close) and the
+// goroutines to wait for.
+type sockLife struct {
+	mu     sync.Mutex
+	closed bool
+	done   chan struct{}
+	wg     sync.WaitGroup
+}
+
+func newSockLife() sockLife { return sockLife{done: make(chan struct{})} }
+
+// shut marks the socket closed, closes done and runs f, all under mu,
+// the first time only; false when it was already closed.
+func (l *sockLife) shut(f func()) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.closed {
+		return false
+	}
+	l.closed = true
+	close(l.done)
+	f()
+	return true
 }

@@ -2,10 +2,10 @@ package events
 
 import (
 	"bufio"
-	"bytes"
 	"encoding/binary"
 	"log/slog"
 	"net"
+	"sort"
 	"sync"
 
 	"go.uber.org/atomic"
@@ -33,22 +33,28 @@ func (r *replayRing) add(seq uint64, payload []byte) {
 }
 
 // from appends to seqs and msgs at most limit kept batches with
-// seq ≥ start, oldest first.
+// seq ≥ start, oldest first. Seqs are kept in increasing order (the
+// publisher numbers batches one by one), so the first match is found by
+// binary search: a request costs O(log max + limit) under the lock the
+// publisher's send loop also takes, however far past the ring it asks.
 func (r *replayRing) from(start uint64, limit int, seqs []uint64, msgs [][]byte) ([]uint64, [][]byte) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	for i := 0; i < len(r.msgs) && len(msgs) < limit; i++ {
-		j := (r.start + i) % len(r.msgs)
-		if r.seqs[j] >= start {
-			seqs = append(seqs, r.seqs[j])
-			msgs = append(msgs, r.msgs[j])
-		}
+	n := len(r.msgs)
+	at := func(i int) int { return (r.start + i) % n }
+	first := sort.Search(n, func(i int) bool { return r.seqs[at(i)] >= start })
+	for i := first; i < n && len(msgs) < limit; i++ {
+		seqs = append(seqs, r.seqs[at(i)])
+		msgs = append(msgs, r.msgs[at(i)])
 	}
 	return seqs, msgs
 }
 
-// replayEnd is the seq frame of the answer that ends a replay.
-var replayEnd = bytes.Repeat([]byte{0xFF}, 8)
+// replayEndSeq is the seq of the answer that ends a replay (0xFF×8 on
+// the wire, replayEnd), with an empty topic and payload.
+const replayEndSeq = ^uint64(0)
+
+var replayEnd = binary.BigEndian.AppendUint64(nil, replayEndSeq)
 
 // replaySocket is the replay service: a ZeroMQ ROUTER socket as DEALER
 // and REQ clients see it (ZMTP 3.x, NULL mechanism). Each client has its
@@ -66,19 +72,16 @@ type replaySocket struct {
 	log        *slog.Logger
 	ln         net.Listener
 
-	mu      sync.Mutex
+	sockLife
 	conns   map[net.Conn]struct{} // established clients and handshakes
 	shaking int
-	closed  bool
-	done    chan struct{}
-	wg      sync.WaitGroup
 
 	refused, malformed atomic.Uint64
 }
 
 func newReplaySocket(topic string, ring *replayRing, perRequest int, lim limits, log *slog.Logger) *replaySocket {
 	return &replaySocket{topic: []byte(topic), ring: ring, perRequest: perRequest, lim: lim, log: log,
-		conns: map[net.Conn]struct{}{}, done: make(chan struct{})}
+		conns: map[net.Conn]struct{}{}, sockLife: newSockLife()}
 }
 
 func (s *replaySocket) listen(ep endpoint) error {
@@ -151,21 +154,15 @@ func (s *replaySocket) serve(conn net.Conn, r *bufio.Reader) {
 		case cmd != "":
 			continue
 		}
-		if len(frames) != 2 || len(frames[0]) != 0 || len(frames[1]) != 8 {
+		start, ok := parseReplayRequest(frames)
+		if !ok {
 			s.malformed.Inc()
 			continue
 		}
-		start := binary.BigEndian.Uint64(frames[1])
 		seqs, msgs = s.ring.from(start, s.perRequest, seqs[:0], msgs[:0])
-		var sb [8]byte
 		for i := range msgs {
-			binary.BigEndian.PutUint64(sb[:], seqs[i])
-			hdr = appendFrameHeader(hdr[:0], flagMore, 0)
-			hdr = appendFrameHeader(hdr, flagMore, len(s.topic))
-			hdr = append(hdr, s.topic...)
-			hdr = appendFrameHeader(hdr, flagMore, 8)
-			hdr = append(hdr, sb[:]...)
-			hdr = appendFrameHeader(hdr, 0, len(msgs[i]))
+			hdr = appendFrameHeader(hdr[:0], flagMore, 0) // the empty delimiter
+			hdr = appendBatchHead(hdr, s.topic, seqs[i], len(msgs[i]))
 			_, _ = w.Write(hdr)
 			if _, err := w.Write(msgs[i]); err != nil {
 				return
@@ -173,15 +170,21 @@ func (s *replaySocket) serve(conn net.Conn, r *bufio.Reader) {
 		}
 		clear(msgs)
 		hdr = appendFrameHeader(hdr[:0], flagMore, 0)
-		hdr = appendFrameHeader(hdr, flagMore, 0)
-		hdr = appendFrameHeader(hdr, flagMore, 8)
-		hdr = append(hdr, replayEnd...)
-		hdr = appendFrameHeader(hdr, 0, 0)
+		hdr = appendBatchHead(hdr, nil, replayEndSeq, 0)
 		_, _ = w.Write(hdr)
 		if err := w.Flush(); err != nil {
 			return
 		}
 	}
+}
+
+// parseReplayRequest reads a replay request's frames: an empty delimiter
+// and an 8-byte big-endian start seq. ok is false for any other shape.
+func parseReplayRequest(frames [][]byte) (start uint64, ok bool) {
+	if len(frames) != 2 || len(frames[0]) != 0 || len(frames[1]) != 8 {
+		return 0, false
+	}
+	return binary.BigEndian.Uint64(frames[1]), true
 }
 
 func (s *replaySocket) addr() net.Addr { return s.ln.Addr() }
@@ -195,17 +198,13 @@ func (s *replaySocket) clients() int {
 }
 
 func (s *replaySocket) close() error {
-	s.mu.Lock()
-	if s.closed {
-		s.mu.Unlock()
+	if !s.shut(func() {
+		for c := range s.conns {
+			_ = c.Close()
+		}
+	}) {
 		return nil
 	}
-	s.closed = true
-	close(s.done)
-	for c := range s.conns {
-		_ = c.Close()
-	}
-	s.mu.Unlock()
 	err := s.ln.Close()
 	s.wg.Wait()
 	return err

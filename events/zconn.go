@@ -147,6 +147,7 @@ type peerReader struct {
 	buf   []byte // one message's frames, back to back
 	frame []byte // one frame's body while reading it
 	ends  []int  // end offset in buf of each frame
+	out   [maxPeerFrames][]byte
 }
 
 // next reads the next command or whole message. A command returns its
@@ -177,7 +178,7 @@ func (p *peerReader) next() (cmd string, data []byte, frames [][]byte, err error
 			break
 		}
 	}
-	frames = make([][]byte, len(p.ends))
+	frames = p.out[:len(p.ends)]
 	lo := 0
 	for i, hi := range p.ends {
 		frames[i] = p.buf[lo:hi:hi]

@@ -206,10 +206,11 @@ func parseCommand(body []byte) (name string, data []byte, err error) {
 	return string(body[1 : 1+n]), body[1+n:], nil
 }
 
-// readyProps is what a peer's READY says that we use.
+// readyProps is what a peer's READY says that we use. A peer's Identity
+// is checked but not kept: the replay socket answers on the connection a
+// request came in on, so it needs no routing id.
 type readyProps struct {
 	socketType string
-	identity   []byte // a copy; nil when absent
 }
 
 // maxIdentity bounds a peer's routing id (spec 23: 0..255 bytes).
@@ -241,7 +242,6 @@ func parseReady(data []byte) (readyProps, error) {
 			if len(value) > maxIdentity {
 				return p, fmt.Errorf("events: identity of %d bytes: %w", len(value), ErrProtocol)
 			}
-			p.identity = append([]byte{}, value...)
 		}
 	}
 	if p.socketType == "" {
