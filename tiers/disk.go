@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"hash"
 	"os"
-	"path/filepath"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -151,9 +150,11 @@ func OpenDisk(cfg DiskConfig) (*Disk, error) {
 		return nil, fmt.Errorf("tiers: disk tier key of %d bytes (want at least %d): %w", len(cfg.Key), minKeyLen, kvlease.ErrInvalidArgument)
 	}
 	cfg.Key = slices.Clone(cfg.Key)
-	if err := privateDir(cfg.Dir); err != nil {
+	dir, err := privateDir(cfg.Dir)
+	if err != nil {
 		return nil, err
 	}
+	defer dir.Close()
 	d := &Disk{
 		cfg:       cfg,
 		ns:        namespaceID(cfg.Namespace),
@@ -162,7 +163,7 @@ func OpenDisk(cfg DiskConfig) (*Disk, error) {
 		direct:    cfg.Direct,
 	}
 	for f := range cfg.Files {
-		file, direct, err := openSlotFile(filepath.Join(cfg.Dir, fmt.Sprintf("tier-%03d.slots", f)),
+		file, direct, err := openSlotFile(dir, fmt.Sprintf("tier-%03d.slots", f),
 			int64(d.fileSlots(f))*int64(d.slotBytes), d.direct, d.slotBytes)
 		if err != nil {
 			d.closeFiles()

@@ -216,3 +216,23 @@ func TestDiskKeyedSlotTamperIsAMiss(t *testing.T) {
 	_, err = OpenDisk(DiskConfig{Dir: t.TempDir(), Slots: 2, BlockBytes: testBlockBytes, Key: []byte("short")})
 	require.ErrorIs(t, err, kvlease.ErrInvalidArgument)
 }
+
+// The slot files are created in the directory that was checked: a path
+// swapped for a symbolic link to another directory right after the
+// check (as whoever can write its parent could) does not redirect them.
+func TestDiskDirectorySwappedAfterCheck(t *testing.T) {
+	parent := t.TempDir()
+	dir, moved, elsewhere := filepath.Join(parent, "kv"), filepath.Join(parent, "kv.checked"), t.TempDir()
+	dirChecked = func(string) {
+		require.NoError(t, os.Rename(dir, moved))
+		require.NoError(t, os.Symlink(elsewhere, dir))
+	}
+	defer func() { dirChecked = func(string) {} }()
+	d, err := OpenDisk(DiskConfig{Dir: dir, Slots: 4, BlockBytes: testBlockBytes, Workers: 1})
+	require.NoError(t, err)
+	require.NoError(t, d.Close())
+	_, err = os.Stat(slotFile(moved))
+	require.NoError(t, err, "the slot file is in the directory checked")
+	_, err = os.Stat(slotFile(elsewhere))
+	require.ErrorIs(t, err, os.ErrNotExist, "nothing is created where the swapped path points")
+}
