@@ -28,7 +28,8 @@ type DiskConfig struct {
 	// Dir holds the slot files (tier-NNN.slots); it is created 0700 if
 	// needed. An existing Dir must belong to the process's user and not
 	// be writable by group or others; the slot files are 0600, opened
-	// without following symbolic links, and must belong to the user too.
+	// without following symbolic links (on Linux relative to the
+	// directory checked), and must belong to the user too.
 	// Files already there with the same geometry are scanned and their
 	// valid slots are findable again (see OpenDisk).
 	Dir string
