@@ -102,8 +102,8 @@ func openSlotFile(dir *os.File, name string, size int64, direct bool, slotBytes 
 	return f, false, nil
 }
 
-// private checks that the open file f is a regular file of ours and makes
-// it 0600.
+// private checks that the open file f is a regular file of ours with no
+// other name (hard link) and makes it 0600.
 func private(f *os.File) error {
 	fi, err := f.Stat()
 	if err != nil {
@@ -113,6 +113,9 @@ func private(f *os.File) error {
 		return fmt.Errorf("%s is not a regular file: %w", f.Name(), kvlease.ErrInvalidArgument)
 	}
 	if err := ownedByUs(fi); err != nil {
+		return fmt.Errorf("%s: %w", f.Name(), err)
+	}
+	if err := singleLink(fi); err != nil {
 		return fmt.Errorf("%s: %w", f.Name(), err)
 	}
 	if fi.Mode().Perm() != 0o600 {

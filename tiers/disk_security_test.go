@@ -236,3 +236,18 @@ func TestDiskDirectorySwappedAfterCheck(t *testing.T) {
 	_, err = os.Stat(slotFile(elsewhere))
 	require.ErrorIs(t, err, os.ErrNotExist, "nothing is created where the swapped path points")
 }
+
+// A slot file that is a hard link to another file of ours is refused:
+// sizing it would have emptied that file.
+func TestDiskRefusesHardLinkedSlotFile(t *testing.T) {
+	dir := t.TempDir()
+	victim := filepath.Join(t.TempDir(), "victim")
+	require.NoError(t, os.WriteFile(victim, []byte("precious"), 0o600))
+	require.NoError(t, os.Link(victim, slotFile(dir)))
+	_, err := OpenDisk(DiskConfig{Dir: dir, Slots: 4, BlockBytes: testBlockBytes})
+	require.ErrorIs(t, err, kvlease.ErrInvalidArgument)
+	require.ErrorContains(t, err, "hard links")
+	got, err := os.ReadFile(victim)
+	require.NoError(t, err)
+	require.Equal(t, "precious", string(got))
+}
