@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"hash"
 	"os"
-	"path/filepath"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -29,7 +28,8 @@ type DiskConfig struct {
 	// Dir holds the slot files (tier-NNN.slots); it is created 0700 if
 	// needed. An existing Dir must belong to the process's user and not
 	// be writable by group or others; the slot files are 0600, opened
-	// without following symbolic links, and must belong to the user too.
+	// without following symbolic links (on Linux relative to the
+	// directory checked), and must belong to the user too.
 	// Files already there with the same geometry are scanned and their
 	// valid slots are findable again (see OpenDisk).
 	Dir string
@@ -151,9 +151,11 @@ func OpenDisk(cfg DiskConfig) (*Disk, error) {
 		return nil, fmt.Errorf("tiers: disk tier key of %d bytes (want at least %d): %w", len(cfg.Key), minKeyLen, kvlease.ErrInvalidArgument)
 	}
 	cfg.Key = slices.Clone(cfg.Key)
-	if err := privateDir(cfg.Dir); err != nil {
+	dir, err := privateDir(cfg.Dir)
+	if err != nil {
 		return nil, err
 	}
+	defer dir.Close()
 	d := &Disk{
 		cfg:       cfg,
 		ns:        namespaceID(cfg.Namespace),
@@ -162,7 +164,7 @@ func OpenDisk(cfg DiskConfig) (*Disk, error) {
 		direct:    cfg.Direct,
 	}
 	for f := range cfg.Files {
-		file, direct, err := openSlotFile(filepath.Join(cfg.Dir, fmt.Sprintf("tier-%03d.slots", f)),
+		file, direct, err := openSlotFile(dir, fmt.Sprintf("tier-%03d.slots", f),
 			int64(d.fileSlots(f))*int64(d.slotBytes), d.direct, d.slotBytes)
 		if err != nil {
 			d.closeFiles()

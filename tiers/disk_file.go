@@ -4,23 +4,45 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 	"syscall"
 
 	"github.com/kvlease/kvlease"
 )
 
-// privateDir creates dir 0700 if needed and checks that it is a
-// directory of the process's user that neither group nor others can
+// dirChecked runs after privateDir checked the directory (tests swap the
+// path under it there).
+var dirChecked = func(string) {}
+
+// privateDir creates dir 0700 if needed, opens it and checks that it is
+// a directory of the process's user that neither group nor others can
 // write: slot files hold KV and prompt tokens, and whoever can write the
-// directory can replace them.
-func privateDir(dir string) error {
+// directory can replace them. The checks are on the open directory, and
+// the slot files are opened relative to it (openIn), so a path swapped
+// after the check (a parent directory someone else can write) does not
+// redirect them.
+func privateDir(dir string) (*os.File, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return fmt.Errorf("tiers: disk tier: %w", err)
+		return nil, fmt.Errorf("tiers: disk tier: %w", err)
 	}
-	fi, err := os.Stat(dir)
+	f, err := os.Open(dir)
+	if err != nil {
+		return nil, fmt.Errorf("tiers: disk tier: %w", err)
+	}
+	if err := checkDir(f); err != nil {
+		_ = f.Close()
+		return nil, err
+	}
+	dirChecked(dir)
+	return f, nil
+}
+
+func checkDir(f *os.File) error {
+	fi, err := f.Stat()
 	if err != nil {
 		return fmt.Errorf("tiers: disk tier: %w", err)
 	}
+	dir := f.Name()
 	if !fi.IsDir() {
 		return fmt.Errorf("tiers: disk tier %s is not a directory: %w", dir, kvlease.ErrInvalidArgument)
 	}
@@ -33,17 +55,17 @@ func privateDir(dir string) error {
 	return nil
 }
 
-// openSlotFile opens (or creates, 0600) a slot file of size bytes without
-// following a symbolic link; a file of another user is refused, one
+// openSlotFile opens (or creates, 0600) the slot file name in dir, of
+// size bytes, without following a symbolic link; a file of another user is refused, one
 // readable by others is made private, one of another size is emptied
 // first. With direct it tries O_DIRECT and falls back to buffered I/O
 // when the open or an aligned read is refused; directOK says which it
 // got.
-func openSlotFile(path string, size int64, direct bool, slotBytes int) (f *os.File, directOK bool, err error) {
+func openSlotFile(dir *os.File, name string, size int64, direct bool, slotBytes int) (f *os.File, directOK bool, err error) {
 	open := func(extra int) (*os.File, error) {
-		f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|oNoFollow|extra, 0o600)
+		f, err := openIn(dir, name, os.O_RDWR|os.O_CREATE|oNoFollow|extra, 0o600)
 		if errors.Is(err, syscall.ELOOP) {
-			return nil, fmt.Errorf("%s is a symbolic link (not followed): %w", path, kvlease.ErrInvalidArgument)
+			return nil, fmt.Errorf("%s is a symbolic link (not followed): %w", filepath.Join(dir.Name(), name), kvlease.ErrInvalidArgument)
 		}
 		if err != nil {
 			return nil, err
@@ -80,8 +102,8 @@ func openSlotFile(path string, size int64, direct bool, slotBytes int) (f *os.Fi
 	return f, false, nil
 }
 
-// private checks that the open file f is a regular file of ours and makes
-// it 0600.
+// private checks that the open file f is a regular file of ours with no
+// other name (hard link) and makes it 0600.
 func private(f *os.File) error {
 	fi, err := f.Stat()
 	if err != nil {
@@ -91,6 +113,9 @@ func private(f *os.File) error {
 		return fmt.Errorf("%s is not a regular file: %w", f.Name(), kvlease.ErrInvalidArgument)
 	}
 	if err := ownedByUs(fi); err != nil {
+		return fmt.Errorf("%s: %w", f.Name(), err)
+	}
+	if err := singleLink(fi); err != nil {
 		return fmt.Errorf("%s: %w", f.Name(), err)
 	}
 	if fi.Mode().Perm() != 0o600 {

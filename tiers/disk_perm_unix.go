@@ -27,3 +27,13 @@ func ownedByUs(fi os.FileInfo) error {
 	}
 	return nil
 }
+
+// singleLink refuses a file with other names (hard links): sizing or
+// writing a slot file must not change a file that is also something
+// else.
+func singleLink(fi os.FileInfo) error {
+	if st, ok := fi.Sys().(*syscall.Stat_t); ok && st.Nlink != 1 {
+		return fmt.Errorf("has %d hard links, not 1: %w", st.Nlink, kvlease.ErrInvalidArgument)
+	}
+	return nil
+}

@@ -216,3 +216,38 @@ func TestDiskKeyedSlotTamperIsAMiss(t *testing.T) {
 	_, err = OpenDisk(DiskConfig{Dir: t.TempDir(), Slots: 2, BlockBytes: testBlockBytes, Key: []byte("short")})
 	require.ErrorIs(t, err, kvlease.ErrInvalidArgument)
 }
+
+// The slot files are created in the directory that was checked: a path
+// swapped for a symbolic link to another directory right after the
+// check (as whoever can write its parent could) does not redirect them.
+func TestDiskDirectorySwappedAfterCheck(t *testing.T) {
+	parent := t.TempDir()
+	dir, moved, elsewhere := filepath.Join(parent, "kv"), filepath.Join(parent, "kv.checked"), t.TempDir()
+	dirChecked = func(string) {
+		require.NoError(t, os.Rename(dir, moved))
+		require.NoError(t, os.Symlink(elsewhere, dir))
+	}
+	defer func() { dirChecked = func(string) {} }()
+	d, err := OpenDisk(DiskConfig{Dir: dir, Slots: 4, BlockBytes: testBlockBytes, Workers: 1})
+	require.NoError(t, err)
+	require.NoError(t, d.Close())
+	_, err = os.Stat(slotFile(moved))
+	require.NoError(t, err, "the slot file is in the directory checked")
+	_, err = os.Stat(slotFile(elsewhere))
+	require.ErrorIs(t, err, os.ErrNotExist, "nothing is created where the swapped path points")
+}
+
+// A slot file that is a hard link to another file of ours is refused:
+// sizing it would have emptied that file.
+func TestDiskRefusesHardLinkedSlotFile(t *testing.T) {
+	dir := t.TempDir()
+	victim := filepath.Join(t.TempDir(), "victim")
+	require.NoError(t, os.WriteFile(victim, []byte("precious"), 0o600))
+	require.NoError(t, os.Link(victim, slotFile(dir)))
+	_, err := OpenDisk(DiskConfig{Dir: dir, Slots: 4, BlockBytes: testBlockBytes})
+	require.ErrorIs(t, err, kvlease.ErrInvalidArgument)
+	require.ErrorContains(t, err, "hard links")
+	got, err := os.ReadFile(victim)
+	require.NoError(t, err)
+	require.Equal(t, "precious", string(got))
+}

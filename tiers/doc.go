@@ -70,7 +70,8 @@
 // files hold KV and prompt tokens, so they are private: 0600 in a 0700
 // directory of the process's user (a directory of another user, or one
 // that group or others can write, is refused), opened without following
-// symbolic links. The disk's queue of jobs is unbounded, so queueing
+// symbolic links and, on Linux, relative to the directory that was
+// checked (openat). The disk's queue of jobs is unbounded, so queueing
 // never blocks a caller behind a slow disk.
 //
 // # Metrics and events

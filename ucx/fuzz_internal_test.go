@@ -1,7 +1,9 @@
 package ucx
 
 import (
+	"encoding/binary"
 	"errors"
+	"runtime"
 	"testing"
 )
 
@@ -86,4 +88,34 @@ func FuzzParseAccept(f *testing.F) {
 			t.Fatalf("accepted %x as %d blocks", b, blocks)
 		}
 	})
+}
+
+// A run table whose counts promise more registrations or segments than
+// its bytes hold is refused before anything is allocated for them: a
+// peer cannot make the destination allocate by count.
+func TestParseTableCountsBoundedByBytes(t *testing.T) {
+	const blocks = 1 << 16
+	sizes := make([]int, maxPieces)
+	for i := range sizes {
+		sizes[i] = 1
+	}
+	pieces := blocks * maxPieces
+	regsClaim := binary.LittleEndian.AppendUint32(nil, uint32(pieces))
+	regsClaim = append(regsClaim, make([]byte, 64)...)
+	one := appendTable(nil, []run{{addr: 0x1000, n: 4096}}, [][]byte{{1}}, nil, false)
+	segsClaim := append(one[:len(one)-4:len(one)-4], binary.LittleEndian.AppendUint32(nil, uint32(pieces))...)
+	segsClaim = append(segsClaim, make([]byte, 64)...)
+	for name, b := range map[string][]byte{"registrations": regsClaim, "segments": segsClaim} {
+		var before, after runtime.MemStats
+		runtime.GC()
+		runtime.ReadMemStats(&before)
+		_, _, err := parseTable(b, blocks, sizes)
+		runtime.ReadMemStats(&after)
+		if !errors.Is(err, ErrCorrupt) {
+			t.Fatalf("%s: a count of %d in %d bytes: %v, want ErrCorrupt", name, pieces, len(b), err)
+		}
+		if got := after.TotalAlloc - before.TotalAlloc; got > 1<<20 {
+			t.Fatalf("%s: a table of %d bytes allocated %d bytes", name, len(b), got)
+		}
+	}
 }

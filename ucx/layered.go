@@ -303,6 +303,13 @@ type remotePiece struct {
 	reg  int
 }
 
+// The least bytes a registration takes in a run table (address, length,
+// key length), and the bytes of a segment.
+const (
+	regMin   = 8 + 8 + 2
+	segBytes = 8 + 8
+)
+
 // maxTable bounds a run table for pieces pieces: one registration and
 // one segment per piece, each key at most 1 KiB.
 func maxTable(pieces int) int { return 4 + 1 + 4 + pieces*(8+8+2+1024+16) }
@@ -316,7 +323,10 @@ func parseTable(b []byte, blocks int, sizes []int) ([]remoteRun, []remotePiece, 
 	r := &reader{b: b}
 	pieces := blocks * len(sizes)
 	n := r.u32()
-	if r.err != nil || n <= 0 || n > pieces {
+	// Each registration takes at least regMin bytes of the table, each
+	// segment segBytes: counts the bytes cannot hold are refused before
+	// anything is allocated for them.
+	if r.err != nil || n <= 0 || n > pieces || n > len(r.b)/regMin {
 		return nil, nil, fmt.Errorf("ucx: run table: %d registrations for %d pieces: %w", n, pieces, ErrCorrupt)
 	}
 	regs := make([]remoteRun, 0, n)
@@ -342,7 +352,7 @@ func parseTable(b []byte, blocks int, sizes []int) ([]remoteRun, []remotePiece, 
 		segs = regs
 	} else {
 		m := r.u32()
-		if r.err != nil || m <= 0 || m > pieces {
+		if r.err != nil || m <= 0 || m > pieces || m > len(r.b)/segBytes {
 			return nil, nil, fmt.Errorf("ucx: run table: %d segments for %d pieces: %w", m, pieces, ErrCorrupt)
 		}
 		segs = make([]remoteRun, 0, m)

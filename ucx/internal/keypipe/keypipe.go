@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"strconv"
+	"sync/atomic"
 )
 
 // Env is the variable that tells the child which descriptor holds its
@@ -50,10 +51,18 @@ func Attach(cmd *exec.Cmd, key []byte) (send func() error, err error) {
 	}, nil
 }
 
+// read is set once Read has taken the inherited descriptor.
+var read atomic.Bool
+
 // Read reads the key this process inherited, once: the descriptor named
-// by Env is read to its end and closed. ok is false when the parent
-// handed down no key.
+// by Env is read to its end and closed, and Env is removed from the
+// environment (children started later inherit neither). A second Read
+// fails rather than read whatever the descriptor's number names by then.
+// ok is false when the parent handed down no key.
 func Read() (key []byte, ok bool, err error) {
+	if read.Load() {
+		return nil, false, errors.New("keypipe: the inherited key was read already")
+	}
 	v := os.Getenv(Env)
 	if v == "" {
 		return nil, false, nil
@@ -62,6 +71,10 @@ func Read() (key []byte, ok bool, err error) {
 	if err != nil || fd < 3 {
 		return nil, false, fmt.Errorf("keypipe: %s=%q is not an inherited descriptor", Env, v)
 	}
+	if !read.CompareAndSwap(false, true) {
+		return nil, false, fmt.Errorf("keypipe: descriptor %d was read already", fd)
+	}
+	_ = os.Unsetenv(Env)
 	f := os.NewFile(uintptr(fd), "kvlease-key")
 	if f == nil {
 		return nil, false, fmt.Errorf("keypipe: descriptor %d is not open", fd)
