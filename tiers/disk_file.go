@@ -33,6 +33,14 @@ func privateDir(dir string) (*os.File, error) {
 		_ = f.Close()
 		return nil, err
 	}
+	// Ours and not writable by others, but perhaps listable (an existing
+	// 0755): made private on the open directory, as a slot file is.
+	if fi, err := f.Stat(); err == nil && fi.Mode().Perm() != 0o700 {
+		if err := f.Chmod(0o700); err != nil {
+			_ = f.Close()
+			return nil, fmt.Errorf("tiers: disk tier directory %s: %w", dir, err)
+		}
+	}
 	dirChecked(dir)
 	return f, nil
 }

@@ -77,6 +77,15 @@ func TestDiskFilesArePrivate(t *testing.T) {
 	fi, err = os.Stat(slotFile(dir))
 	require.NoError(t, err)
 	require.Equal(t, os.FileMode(0o600), fi.Mode().Perm())
+
+	// An existing directory others can list is made private too.
+	require.NoError(t, os.Chmod(dir, 0o755))
+	d, err = OpenDisk(cfg)
+	require.NoError(t, err)
+	require.NoError(t, d.Close())
+	fi, err = os.Stat(dir)
+	require.NoError(t, err)
+	require.Equal(t, os.FileMode(0o700), fi.Mode().Perm())
 }
 
 // A directory others can write, or another user owns, is refused; so is
