@@ -304,3 +304,32 @@ func FuzzCheckFrameHeader(f *testing.F) {
 		}
 	})
 }
+
+// TestHelloBlockBytes: an unkeyed hello (no MAC covers it) announcing
+// blocks of another size than the receiver's regions is refused
+// (ErrCorrupt) before a byte is read into them; the sender's own hello
+// goes through.
+func TestHelloBlockBytes(t *testing.T) {
+	const bb, n = 4096, 4
+	for _, flip := range []bool{false, true} {
+		var wrap func(net.Conn) net.Conn
+		if flip {
+			// The low byte of the hello's block bytes (offset 24): 4096 becomes 4097.
+			wrap = func(c net.Conn) net.Conn { return &flipConn{Conn: c, at: 24} }
+		}
+		src, dst := make([][]byte, n), make([][]byte, n)
+		for i := range src {
+			src[i], dst[i] = bytes.Repeat([]byte{byte(i + 1)}, bb), make([]byte, bb)
+		}
+		id := handoff.PlaneID{Handoff: 1}
+		sendErr, recvErr := transfer(t, id, id, src, dst, wrap)
+		switch {
+		case !flip && (sendErr != nil || recvErr != nil || !slicesEqual(src, dst)):
+			t.Fatalf("clean transfer: sender %v, receiver %v", sendErr, recvErr)
+		case flip && (!errors.Is(recvErr, ErrCorrupt) || !strings.Contains(recvErr.Error(), "hello announces blocks of 4097 bytes")):
+			t.Fatalf("hello of another block size: receiver %v", recvErr)
+		case flip && !bytes.Equal(dst[0], make([]byte, bb)):
+			t.Fatal("the receiver wrote into its regions after refusing the hello")
+		}
+	}
+}
