@@ -66,7 +66,9 @@ func secureID(t testing.TB, handoffID uint64) (src, dst handoff.PlaneID) {
 
 // TestSeal: a keyed seal's hello and block tags verify only under the
 // same session, token, handoff and block index; an unkeyed seal's
-// hello is refused by a keyed slot (a downgrade) and the reverse.
+// hello is refused by a keyed slot (a downgrade) and the reverse; a
+// hello with an unknown flag, or an unkeyed one with a MAC field not
+// zero, is refused as corrupt.
 func TestSeal(t *testing.T) {
 	srcID, dstID := secureID(t, 7)
 	tok := [16]byte{1, 2, 3}
@@ -94,6 +96,23 @@ func TestSeal(t *testing.T) {
 	}
 	if err := plain.checkHello(h); !errors.Is(err, ErrCorrupt) {
 		t.Errorf("keyed hello to an unkeyed slot: %v", err)
+	}
+	// An unkeyed hello carries a zero MAC field and no flag but keyed's.
+	ph := plain.hello(tok, 4, 4096)
+	if err := plain.checkHello(ph); err != nil {
+		t.Errorf("the unkeyed sender's own hello: %v", err)
+	}
+	for name, at := range map[string]int{"nonzero MAC field": helloLength - 1, "unknown flag": 3} {
+		bad := bytes.Clone(ph)
+		bad[at] ^= 2
+		if err := plain.checkHello(bad); !errors.Is(err, ErrCorrupt) {
+			t.Errorf("unkeyed hello with a %s: %v", name, err)
+		}
+	}
+	bad := bytes.Clone(h)
+	bad[3] |= 0x80
+	if err := d.checkHello(bad); !errors.Is(err, ErrCorrupt) {
+		t.Errorf("keyed hello with an unknown flag: %v", err)
 	}
 	block := bytes.Repeat([]byte{5}, 4096)
 	tag := make([]byte, s.trailer())
