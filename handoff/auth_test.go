@@ -623,6 +623,42 @@ func TestListen(t *testing.T) {
 	}
 }
 
+// TestRecordSealInPlace: a frame sealed where it lies (the send path:
+// after other bytes, in a buffer with no spare capacity or with plenty)
+// makes the record seal makes from a copy, and opens to the frame.
+func TestRecordSealInPlace(t *testing.T) {
+	k1, k2 := bytes.Repeat([]byte{1}, 32), bytes.Repeat([]byte{2}, 32)
+	copying, _ := newChannel(k1, k2)
+	inPlace, _ := newChannel(k1, k2)
+	recv, _ := newChannel(k2, k1)
+	var stream []byte
+	for i, spare := range []int{0, 1, recordTag, 4096} {
+		frame := AppendFrame(nil, &AbortMsg{ID: uint64(i + 1), Cause: strings.Repeat("c", 100*i)})
+		want := copying.seal(nil, frame)
+		prefix := []byte("earlier bytes")
+		b := make([]byte, 0, len(prefix)+recordHeader+len(frame)+spare)
+		b = append(append(append(b, prefix...), make([]byte, recordHeader)...), frame...)
+		got := inPlace.sealTail(b, len(prefix))
+		if !bytes.Equal(got[:len(prefix)], prefix) || !bytes.Equal(got[len(prefix):], want) {
+			t.Fatalf("spare %d: in place %x, from a copy %x", spare, got[len(prefix):], want)
+		}
+		stream = append(stream, got[len(prefix):]...)
+	}
+	r := bytes.NewReader(stream)
+	var buf []byte
+	for i := range 4 {
+		frame, nb, err := recv.readRecord(r, buf, nil)
+		buf = nb
+		if err != nil {
+			t.Fatalf("record %d: %v", i, err)
+		}
+		m, err := parseFrame(frame)
+		if err != nil || m.(*AbortMsg).ID != uint64(i+1) {
+			t.Fatalf("record %d: %v, %v", i, m, err)
+		}
+	}
+}
+
 // FuzzRecord: whatever bytes arrive as psk records, the reader takes a
 // record only if it was sealed under its key with the next sequence, and
 // otherwise returns an error; it never panics or allocates past

@@ -5,6 +5,7 @@ import (
 	"crypto/cipher"
 	"fmt"
 	"io"
+	"slices"
 )
 
 // channel is the record layer of a psk session: each control frame is
@@ -58,11 +59,22 @@ func seqNonce(seq uint64) []byte {
 // seal appends the record of frame to b. Called with the writer's lock.
 func (ch *channel) seal(b, frame []byte) []byte {
 	start := len(b)
-	b = le.AppendUint32(b, uint32(8+len(frame)+recordTag))
-	b = le.AppendUint64(b, ch.sseq)
-	b = ch.send.Seal(b, seqNonce(ch.sseq), frame, b[start:start+recordHeader])
+	b = append(append(b, make([]byte, recordHeader)...), frame...)
+	return ch.sealTail(b, start)
+}
+
+// sealTail turns b[start:] (recordHeader bytes to fill, then a frame)
+// into the frame's record, sealing the frame in place (no copy of it),
+// and returns b grown by the tag. Called with the writer's lock.
+func (ch *channel) sealTail(b []byte, start int) []byte {
+	n := len(b) - start - recordHeader // the frame's length
+	le.PutUint32(b[start:], uint32(8+n+recordTag))
+	le.PutUint64(b[start+4:], ch.sseq)
+	b = slices.Grow(b, recordTag) // Seal then appends the tag in place
+	frame := b[start+recordHeader:]
+	sealed := ch.send.Seal(frame[:0], seqNonce(ch.sseq), frame, b[start:start+recordHeader])
 	ch.sseq++
-	return b
+	return b[:start+recordHeader+len(sealed)]
 }
 
 // readRecord reads one record from r into buf and returns the frame it

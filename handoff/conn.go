@@ -20,8 +20,7 @@ type ctrl struct {
 	rbuf    []byte
 
 	wmu  sync.Mutex
-	wbuf []byte
-	sbuf []byte // the sealed record
+	wbuf []byte // the frame, or in a psk session its record
 }
 
 func newCtrl(c net.Conn, timeout time.Duration) *ctrl {
@@ -52,13 +51,15 @@ func (c *ctrl) read() (Message, error) {
 func (c *ctrl) send(m Message) error {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
-	c.wbuf = AppendFrame(c.wbuf[:0], m)
-	out := c.wbuf
-	if c.ch != nil {
-		c.sbuf = c.ch.seal(c.sbuf[:0], c.wbuf)
-		out = c.sbuf
+	if c.ch == nil {
+		c.wbuf = AppendFrame(c.wbuf[:0], m)
+	} else {
+		// The frame goes after room for the record header and is
+		// sealed where it lies.
+		var head [recordHeader]byte
+		c.wbuf = c.ch.sealTail(AppendFrame(append(c.wbuf[:0], head[:]...), m), 0)
 	}
 	_ = c.c.SetWriteDeadline(time.Now().Add(c.timeout))
-	_, err := c.c.Write(out)
+	_, err := c.c.Write(c.wbuf)
 	return err
 }

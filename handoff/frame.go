@@ -115,15 +115,9 @@ func readFrame(r io.Reader, buf []byte, began func()) (Message, []byte, error) {
 	if _, err := io.ReadFull(r, h[1:]); err != nil {
 		return nil, buf, fmt.Errorf("kvlease: handoff: half a frame header: %w (%w)", ErrProtocolFatal, err)
 	}
-	if h[0] != 'K' || h[1] != 'H' {
-		return nil, buf, fmt.Errorf("kvlease: handoff: bad frame magic %q: %w", h[:2], ErrProtocolFatal)
-	}
-	if h[2] != ProtocolVersion {
-		return nil, buf, fmt.Errorf("kvlease: handoff: protocol version %d, want %d: %w", h[2], ProtocolVersion, ErrProtocolFatal)
-	}
-	n := le.Uint32(h[4:])
-	if n > MaxFrame {
-		return nil, buf, fmt.Errorf("kvlease: handoff: frame of %d bytes exceeds %d: %w", n, MaxFrame, ErrProtocolFatal)
+	n, err := checkHeader(h)
+	if err != nil {
+		return nil, buf, err
 	}
 	if cap(buf) < headerLength+int(n) {
 		nb := make([]byte, headerLength+int(n))
@@ -138,20 +132,36 @@ func readFrame(r io.Reader, buf []byte, began func()) (Message, []byte, error) {
 	return m, buf, err
 }
 
-// parseFrame checks a whole frame (its header already checked for magic,
-// version and length by the reader) and parses its payload.
+// checkHeader checks a frame header's magic, version and length (at most
+// MaxFrame) and returns the length: the one check of a header, whether
+// it came bare (readFrame, before the payload is allocated) or out of a
+// record (parseFrame).
+func checkHeader(h []byte) (uint32, error) {
+	if h[0] != 'K' || h[1] != 'H' {
+		return 0, fmt.Errorf("kvlease: handoff: bad frame magic %q: %w", h[:2], ErrProtocolFatal)
+	}
+	if h[2] != ProtocolVersion {
+		return 0, fmt.Errorf("kvlease: handoff: protocol version %d, want %d: %w", h[2], ProtocolVersion, ErrProtocolFatal)
+	}
+	n := le.Uint32(h[4:])
+	if n > MaxFrame {
+		return 0, fmt.Errorf("kvlease: handoff: frame of %d bytes exceeds %d: %w", n, MaxFrame, ErrProtocolFatal)
+	}
+	return n, nil
+}
+
+// parseFrame checks a whole frame (header and checksum) and parses its
+// payload.
 func parseFrame(frame []byte) (Message, error) {
 	if len(frame) < headerLength {
 		return nil, fmt.Errorf("kvlease: handoff: frame of %d bytes: %w", len(frame), ErrProtocolFatal)
 	}
 	h := frame[:headerLength]
-	if h[0] != 'K' || h[1] != 'H' {
-		return nil, fmt.Errorf("kvlease: handoff: bad frame magic %q: %w", h[:2], ErrProtocolFatal)
+	n, err := checkHeader(h)
+	if err != nil {
+		return nil, err
 	}
-	if h[2] != ProtocolVersion {
-		return nil, fmt.Errorf("kvlease: handoff: protocol version %d, want %d: %w", h[2], ProtocolVersion, ErrProtocolFatal)
-	}
-	if n := le.Uint32(h[4:]); int(n) != len(frame)-headerLength {
+	if int(n) != len(frame)-headerLength {
 		return nil, fmt.Errorf("kvlease: handoff: frame announces %d bytes, holds %d: %w", n, len(frame)-headerLength, ErrProtocolFatal)
 	}
 	crc := crcOf(h[:8], frame[headerLength:])

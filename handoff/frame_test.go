@@ -87,6 +87,12 @@ func TestProtoMalformed(t *testing.T) {
 		if !errors.Is(err, ErrProtocol) || !errors.Is(err, ErrProtocolFatal) || errors.Is(err, ErrProtocolRefused) {
 			t.Errorf("%s: %v does not wrap ErrProtocol and ErrProtocolFatal alone", name, err)
 		}
+		// The same bytes out of a record (a psk session) take the
+		// other path, parseFrame, which must refuse them alike.
+		m, err = parseFrame(b)
+		if m != nil || !errors.Is(err, ErrProtocolFatal) || errors.Is(err, ErrProtocolRefused) {
+			t.Errorf("%s out of a record: parsed %v, %v", name, m, err)
+		}
 	}
 }
 

@@ -194,11 +194,14 @@ func (lr LayeredReceiver[R]) Forget(id handoff.PlaneID) { lr.r.Forget(id) }
 // prepared id is dropped, as for a wrong region count).
 func (lr LayeredReceiver[R]) Receive(id handoff.PlaneID, regions []R, _ []byte, attach func(*kvlease.Transfer) error) error {
 	var lay layout.Layout
-	check := func() (err error) {
-		lay, err = regionsLayout(regions)
-		return err
+	blockBytes := func() (int, error) {
+		var err error
+		if lay, err = regionsLayout(regions); err != nil || len(regions) == 0 {
+			return 0, err
+		}
+		return lay.BlockBytes(), nil
 	}
-	return lr.r.receive(id, len(regions), check, attach, func(c net.Conn, sl *seal, cancel <-chan struct{}) (int64, error) {
+	return lr.r.receive(id, len(regions), blockBytes, attach, func(c net.Conn, sl *seal, cancel <-chan struct{}) (int64, error) {
 		return readLayered(c, sl, regions, lay, cancel)
 	})
 }

@@ -1,6 +1,7 @@
 package tcp
 
 import (
+	"bytes"
 	"crypto/aes"
 	"crypto/cipher"
 	"crypto/hmac"
@@ -127,15 +128,24 @@ func (s *seal) hello(tok [16]byte, blocks, bb int) []byte {
 	return m.Sum(h)
 }
 
-// checkHello verifies a hello against the slot's seal.
+// zeroMAC is the MAC field of an unkeyed hello.
+var zeroMAC [sha256.Size]byte
+
+// checkHello verifies a hello against the slot's seal: its flags (no
+// unknown bit), and its MAC (keyed) or the zero MAC field (unkeyed).
 func (s *seal) checkHello(h []byte) error {
 	keyed := h[3]&flagKeyed != 0
 	switch {
+	case h[3]&^flagKeyed != 0:
+		return fmt.Errorf("a hello with unknown flags %#x: %w", h[3], ErrCorrupt)
 	case s.keyed && !keyed:
 		return fmt.Errorf("an unkeyed hello for an authenticated session's handoff (a downgrade): %w", ErrUnauthenticated)
 	case !s.keyed && keyed:
 		return fmt.Errorf("a keyed hello for an unauthenticated session's handoff: %w", ErrCorrupt)
 	case !s.keyed:
+		if !bytes.Equal(h[helloBody:helloLength], zeroMAC[:]) {
+			return fmt.Errorf("an unkeyed hello whose MAC field is not zero: %w", ErrCorrupt)
+		}
 		return nil
 	}
 	m := hmac.New(sha256.New, s.helloKey)

@@ -66,7 +66,9 @@ func secureID(t testing.TB, handoffID uint64) (src, dst handoff.PlaneID) {
 
 // TestSeal: a keyed seal's hello and block tags verify only under the
 // same session, token, handoff and block index; an unkeyed seal's
-// hello is refused by a keyed slot (a downgrade) and the reverse.
+// hello is refused by a keyed slot (a downgrade) and the reverse; a
+// hello with an unknown flag, or an unkeyed one with a MAC field not
+// zero, is refused as corrupt.
 func TestSeal(t *testing.T) {
 	srcID, dstID := secureID(t, 7)
 	tok := [16]byte{1, 2, 3}
@@ -94,6 +96,23 @@ func TestSeal(t *testing.T) {
 	}
 	if err := plain.checkHello(h); !errors.Is(err, ErrCorrupt) {
 		t.Errorf("keyed hello to an unkeyed slot: %v", err)
+	}
+	// An unkeyed hello carries a zero MAC field and no flag but keyed's.
+	ph := plain.hello(tok, 4, 4096)
+	if err := plain.checkHello(ph); err != nil {
+		t.Errorf("the unkeyed sender's own hello: %v", err)
+	}
+	for name, at := range map[string]int{"nonzero MAC field": helloLength - 1, "unknown flag": 3} {
+		bad := bytes.Clone(ph)
+		bad[at] ^= 2
+		if err := plain.checkHello(bad); !errors.Is(err, ErrCorrupt) {
+			t.Errorf("unkeyed hello with a %s: %v", name, err)
+		}
+	}
+	bad := bytes.Clone(h)
+	bad[3] |= 0x80
+	if err := d.checkHello(bad); !errors.Is(err, ErrCorrupt) {
+		t.Errorf("keyed hello with an unknown flag: %v", err)
 	}
 	block := bytes.Repeat([]byte{5}, 4096)
 	tag := make([]byte, s.trailer())
@@ -303,4 +322,33 @@ func FuzzCheckFrameHeader(f *testing.F) {
 			t.Fatalf("error %v does not wrap ErrCorrupt", err)
 		}
 	})
+}
+
+// TestHelloBlockBytes: an unkeyed hello (no MAC covers it) announcing
+// blocks of another size than the receiver's regions is refused
+// (ErrCorrupt) before a byte is read into them; the sender's own hello
+// goes through.
+func TestHelloBlockBytes(t *testing.T) {
+	const bb, n = 4096, 4
+	for _, flip := range []bool{false, true} {
+		var wrap func(net.Conn) net.Conn
+		if flip {
+			// The low byte of the hello's block bytes (offset 24): 4096 becomes 4097.
+			wrap = func(c net.Conn) net.Conn { return &flipConn{Conn: c, at: 24} }
+		}
+		src, dst := make([][]byte, n), make([][]byte, n)
+		for i := range src {
+			src[i], dst[i] = bytes.Repeat([]byte{byte(i + 1)}, bb), make([]byte, bb)
+		}
+		id := handoff.PlaneID{Handoff: 1}
+		sendErr, recvErr := transfer(t, id, id, src, dst, wrap)
+		switch {
+		case !flip && (sendErr != nil || recvErr != nil || !slicesEqual(src, dst)):
+			t.Fatalf("clean transfer: sender %v, receiver %v", sendErr, recvErr)
+		case flip && (!errors.Is(recvErr, ErrCorrupt) || !strings.Contains(recvErr.Error(), "hello announces blocks of 4097 bytes")):
+			t.Fatalf("hello of another block size: receiver %v", recvErr)
+		case flip && !bytes.Equal(dst[0], make([]byte, bb)):
+			t.Fatal("the receiver wrote into its regions after refusing the hello")
+		}
+	}
 }

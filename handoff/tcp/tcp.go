@@ -32,6 +32,8 @@
 // (an insecure session) the hello carries no MAC and each block a crc32c,
 // which catches accidents, not attackers.
 //
+// A hello announcing blocks of another size than the receiving regions
+// fails the transfer (ErrCorrupt) before a byte is read into them.
 // Garbage, half a hello or an unknown token on the data port is refused
 // (Stats.Refused, Config.OnError) and changes nothing; at most
 // Config.MaxPendingHellos connections wait for their hello, one more is
@@ -511,7 +513,7 @@ type slot struct {
 	tok    [16]byte
 	seal   *seal
 	blocks int
-	conn   chan net.Conn // the data connection, once its hello checked out
+	conn   chan dataConn // the data connection, once its hello checked out
 	gone   chan struct{} // closed by Forget
 }
 
@@ -650,19 +652,25 @@ func (r *Receiver) hello(c, raw net.Conn) {
 		r.refuse(raw, err)
 		return
 	}
-	s.conn <- connPair{c, raw}.pack()
+	s.conn <- dataConn{c: c, raw: raw, bb: int64(binary.LittleEndian.Uint32(h[24:]))}
 }
 
-// connPair carries the wrapped connection and the raw one (tracked for
-// Close) together.
-type connPair struct{ c, raw net.Conn }
-
-type packed struct {
-	net.Conn
-	raw net.Conn
+// dataConn is a data connection whose hello checked out: the connection
+// to read (wrapped), the raw one (tracked for Close), and the block bytes
+// its hello announced.
+type dataConn struct {
+	c, raw net.Conn
+	bb     int64
 }
 
-func (p connPair) pack() net.Conn { return packed{p.c, p.raw} }
+// checkBlockBytes refuses a data connection whose hello announced blocks
+// of another size than the receiver's regions (bb).
+func (d dataConn) checkBlockBytes(bb int) error {
+	if d.bb != int64(bb) {
+		return fmt.Errorf("tcp: the hello announces blocks of %d bytes, the regions hold %d: %w", d.bb, bb, ErrCorrupt)
+	}
+	return nil
+}
 
 // Prepare implements handoff.RecvPlane: it draws a token and returns the
 // listener's address and the token.
@@ -675,7 +683,7 @@ func (r *Receiver) Prepare(id handoff.PlaneID, blocks int) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &slot{id: id, tok: tok, seal: sl, blocks: blocks, conn: make(chan net.Conn, 1), gone: make(chan struct{})}
+	s := &slot{id: id, tok: tok, seal: sl, blocks: blocks, conn: make(chan dataConn, 1), gone: make(chan struct{})}
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.closed {
@@ -706,7 +714,7 @@ func (r *Receiver) Forget(id handoff.PlaneID) {
 	close(s.gone)
 	select {
 	case c := <-s.conn:
-		r.untrack(c.(packed).raw)
+		r.untrack(c.raw)
 	default:
 	}
 }
@@ -716,18 +724,26 @@ func (r *Receiver) Forget(id handoff.PlaneID) {
 // source's data connection has arrived. The transfer resolves when that
 // goroutine has exited.
 func (r *Receiver) Receive(id handoff.PlaneID, regions [][]byte, _ []byte, attach func(*kvlease.Transfer) error) error {
-	return r.receive(id, len(regions), nil, attach, func(c net.Conn, sl *seal, cancel <-chan struct{}) (int64, error) {
+	blockBytes := func() (int, error) {
+		if len(regions) == 0 {
+			return 0, nil
+		}
+		return len(regions[0]), nil
+	}
+	return r.receive(id, len(regions), blockBytes, attach, func(c net.Conn, sl *seal, cancel <-chan struct{}) (int64, error) {
 		return r.read(c, sl, regions, cancel)
 	})
 }
 
 // receive is the body of a receive, shared by the contiguous and the
 // layered planes: it takes the prepared slot for id (blocks regions),
-// runs check (nil: none), attaches a fresh transfer, and waits on a
-// goroutine of its own for the data connection and runs read on it; the
-// goroutine's return resolves the transfer (the receiver's evidence). A
-// refusal before the attach drops the prepared slot.
-func (r *Receiver) receive(id handoff.PlaneID, blocks int, check func() error, attach func(*kvlease.Transfer) error,
+// runs blockBytes (which checks the regions and returns their block
+// bytes), attaches a fresh transfer, and waits on a goroutine of its own
+// for the data connection, checks that its hello announced blocks of
+// that size, and runs read on it; the goroutine's return resolves the
+// transfer (the receiver's evidence). A refusal before the attach drops
+// the prepared slot.
+func (r *Receiver) receive(id handoff.PlaneID, blocks int, blockBytes func() (int, error), attach func(*kvlease.Transfer) error,
 	read func(c net.Conn, sl *seal, cancel <-chan struct{}) (int64, error)) error {
 	r.mu.Lock()
 	s := r.byID[id]
@@ -740,11 +756,10 @@ func (r *Receiver) receive(id handoff.PlaneID, blocks int, check func() error, a
 		r.dropSlot(s)
 		return fmt.Errorf("tcp: receive: %d regions for %d prepared blocks: %w", blocks, s.blocks, kvlease.ErrInvalidArgument)
 	}
-	if check != nil {
-		if err := check(); err != nil {
-			r.dropSlot(s)
-			return fmt.Errorf("tcp: receive: %w", err)
-		}
+	bb, err := blockBytes()
+	if err != nil {
+		r.dropSlot(s)
+		return fmt.Errorf("tcp: receive: %w", err)
 	}
 	cancel := make(chan struct{})
 	var once sync.Once
@@ -765,8 +780,11 @@ func (r *Receiver) receive(id handoff.PlaneID, blocks int, check func() error, a
 		wait := time.NewTimer(r.cfg.HelloTimeout)
 		defer wait.Stop()
 		select {
-		case c := <-s.conn:
-			p := c.(packed)
+		case p := <-s.conn:
+			if err = p.checkBlockBytes(bb); err != nil {
+				r.untrack(p.raw)
+				break
+			}
 			// A cancel ends a read blocked on a stalled peer at once (a
 			// read deadline in the past): the reader's return is then our
 			// evidence, so a quarantine lifts as soon as it is set.
@@ -774,11 +792,11 @@ func (r *Receiver) receive(id handoff.PlaneID, blocks int, check func() error, a
 			go func() {
 				select {
 				case <-cancel:
-					_ = p.Conn.SetReadDeadline(time.Now())
+					_ = p.c.SetReadDeadline(time.Now())
 				case <-done:
 				}
 			}()
-			n, err = read(p.Conn, s.seal, cancel)
+			n, err = read(p.c, s.seal, cancel)
 			close(done)
 			r.untrack(p.raw)
 		case <-cancel:
@@ -803,7 +821,7 @@ func (r *Receiver) dropSlot(s *slot) {
 	r.mu.Unlock()
 	select {
 	case c := <-s.conn:
-		r.untrack(c.(packed).raw)
+		r.untrack(c.raw)
 	default:
 	}
 }

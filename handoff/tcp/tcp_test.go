@@ -349,24 +349,37 @@ func TestLoopbackChunked(t *testing.T) {
 	}
 }
 
-// TestLoopbackCorrupt: a flipped byte in a header, a block or a
-// checksum fails the transfer on the destination with ErrCorrupt; the
+// TestLoopbackCorrupt: a flipped byte in the layout, a header, a block or
+// a check fails the transfer on the destination with ErrCorrupt, by the
+// check that guards that byte (the offsets follow the current wire; they
+// once assumed a 27-byte hello and a frame per block, so every flip
+// landed in a block's bytes); the
 // source learns it from Done and fails too; every block returns.
 func TestLoopbackCorrupt(t *testing.T) {
-	const hello = 27
-	frame := int64(8 + blockBytes + 4)
-	cases := map[string]int64{
-		"header index":  hello + frame + 1,                // block 1's index
-		"header length": hello + 2*frame + 5,              // block 2's length
-		"block":         hello + frame + 8 + 100,          // inside block 1
-		"checksum":      hello + 2*frame + 8 + blockBytes, // block 2's crc32c
-		"last checksum": hello + 4*frame - 1,
-		"hello token":   5,
+	// The wire of the 4 adjacent blocks, in the keyed (psk) session: the
+	// hello (60 bytes), the layout (a count and one frame of 4 blocks),
+	// the frame's header (index, length), its 4 blocks, a 16-byte tag
+	// per block.
+	const hello, layout, header, tag = 60, 8, 8, 16
+	const body = hello + layout + header
+	const tags = body + 4*blockBytes
+	type flip struct {
+		at   int64
+		want string // what the destination's error names
 	}
-	for name, at := range cases {
+	cases := map[string]flip{
+		"layout count":  {hello, "layout of 65 frames"},
+		"header index":  {hello + layout + 1, "frame says block 16384 of"},
+		"header length": {hello + layout + 5, "frame says block 0 of 0 bytes"},
+		"block":         {body + blockBytes + 100, "block 1 of 4"},
+		"checksum":      {tags + 2*tag, "block 2 of 4"},
+		"last checksum": {tags + 4*tag - 1, "block 3 of 4"},
+		"hello token":   {5, ""},
+	}
+	for name, f := range cases {
 		t.Run(name, func(t *testing.T) {
 			l := newLoop(t, loopConfig{hello: 200 * time.Millisecond, wrapSend: func(c net.Conn) net.Conn {
-				return &chunkConn{Conn: c, size: 1 << 20, flip: at}
+				return &chunkConn{Conn: c, size: 1 << 20, flip: f.at}
 			}})
 			lease, _ := l.srcPool.Acquire("r", 4)
 			stamp(t, lease, 3)
@@ -391,8 +404,8 @@ func TestLoopbackCorrupt(t *testing.T) {
 				}
 			} else {
 				in := waitIncoming(t, l, 1)
-				if in.State() != handoff.Failed || !errors.Is(in.Err(), tcp.ErrCorrupt) {
-					t.Fatalf("destination %v %v", in.State(), in.Err())
+				if in.State() != handoff.Failed || !errors.Is(in.Err(), tcp.ErrCorrupt) || !strings.Contains(in.Err().Error(), f.want) {
+					t.Fatalf("destination %v %v, want an error naming %q", in.State(), in.Err(), f.want)
 				}
 				if s := l.recv.Stats(); s.Failed != 1 || s.Completed != 0 {
 					t.Fatalf("receiver %+v", s)
