@@ -61,6 +61,23 @@ type SendPlane[R any] interface {
 	Finish(id PlaneID, peer error)
 }
 
+// StreamSendPlane is a SendPlane that can send while the source's blocks
+// are still being written (a streaming handoff: Streaming). Its
+// SendStream is Send with the prefill's progress: it may read part
+// (region i, layer j) of regions only once ready says it is written
+// (Ready.Wait), sends what is written as it is marked, and the rest
+// later; the Start bytes are returned at once, before the blocks are
+// written. Everything else is Send's contract: attach before reading,
+// the transfer gates the regions as a Read and resolves only once the
+// plane will never read them again (a cancel also ends a wait for
+// progress). A SendPlane that is not a StreamSendPlane still carries a
+// streaming handoff: the source calls its Send once the progress is
+// complete.
+type StreamSendPlane[R any] interface {
+	SendPlane[R]
+	SendStream(id PlaneID, regions []R, ready Ready, accept []byte, attach func(*kvlease.Transfer) error) (start []byte, err error)
+}
+
 // RecvPlane is the destination side's data plane.
 type RecvPlane[R any] interface {
 	// Prepare readies the plane to receive blocks blocks for id and

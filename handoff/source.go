@@ -104,6 +104,53 @@ type Outgoing[R any] struct {
 	n    int
 	from int
 	t    *kvlease.Transfer
+	prog *Progress // a streaming handoff's progress (Streaming), or nil
+}
+
+// ProposeOption is an option of Source.Propose and Source.ProposeTokens.
+type ProposeOption func(*proposal) error
+
+type proposal struct{ progress *Progress }
+
+// Streaming makes the handoff stream: the lease's blocks are still being
+// written, and p (of as many blocks as the lease has) says how far. The
+// plane sends what p marks written while the rest is computed (a
+// StreamSendPlane), or once p is complete (any other SendPlane, which
+// then sends its Start only after the prefill: the destination's
+// StartTimeout must cover that). Nothing changes for the evidence: the
+// source's transfer gates the whole lease from the start, the
+// destination's Write resolves when its last write ends, an abort or a
+// failure mid-stream ends both sides by their own evidence, and parts not
+// yet marked are never read. The handoff's Deadline runs from the start,
+// so it must cover the rest of the prefill too. A p whose layers do not
+// split the envelope's blocks (BlockBytes, or the Layout's layers) is
+// refused at propose (kvlease.ErrInvalidArgument).
+func Streaming(p *Progress) ProposeOption {
+	return func(o *proposal) error {
+		if p == nil {
+			return fmt.Errorf("kvlease: handoff propose: nil progress: %w", kvlease.ErrInvalidArgument)
+		}
+		o.progress = p
+		return nil
+	}
+}
+
+// checkProgress refuses a progress that does not fit the lease's n blocks
+// or the envelope's geometry.
+func (s *Source[R]) checkProgress(p *Progress, n int) error {
+	if p == nil {
+		return nil
+	}
+	e := s.cfg.Envelope
+	switch {
+	case p.Blocks() != n:
+		return fmt.Errorf("progress of %d blocks for a lease of %d: %w", p.Blocks(), n, kvlease.ErrInvalidArgument)
+	case e.HasLayout() && p.Layers() != 1 && p.Layers() != e.Layout.Layers:
+		return fmt.Errorf("progress of %d layers for blocks of %d layers: %w", p.Layers(), e.Layout.Layers, kvlease.ErrInvalidArgument)
+	case e.BlockBytes%p.Layers() != 0:
+		return fmt.Errorf("progress of %d layers does not split %d-byte blocks: %w", p.Layers(), e.BlockBytes, kvlease.ErrInvalidArgument)
+	}
+	return nil
 }
 
 // Propose offers all blocks of src (as they are now) under handoff id id,
@@ -113,8 +160,8 @@ type Outgoing[R any] struct {
 // layout the envelope does not name), ErrLeaseClosed,
 // ErrExceedsCapacity (more blocks than a maximum-context request),
 // ErrState (id already used on this connection), ErrConnLost.
-func (s *Source[R]) Propose(id uint64, request string, src *kvlease.Lease[R], hashes []kvlease.BlockHash) (*Outgoing[R], error) {
-	return s.propose(id, request, src, hashes, 0, nil)
+func (s *Source[R]) Propose(id uint64, request string, src *kvlease.Lease[R], hashes []kvlease.BlockHash, opts ...ProposeOption) (*Outgoing[R], error) {
+	return s.propose(id, request, src, hashes, 0, nil, opts)
 }
 
 // ProposeTokens is Propose for a lease whose blocks hold the KV of
@@ -125,7 +172,7 @@ func (s *Source[R]) Propose(id uint64, request string, src *kvlease.Lease[R], ha
 // (AcquirePrefixTokens) and seals what arrives with them (SealTokens).
 // Errors as Propose; ErrInvalidArgument also for no tokens, more tokens
 // than the lease's blocks hold, or more than one frame carries.
-func (s *Source[R]) ProposeTokens(id uint64, request string, src *kvlease.Lease[R], seed kvlease.BlockHash, tokens []int32) (*Outgoing[R], error) {
+func (s *Source[R]) ProposeTokens(id uint64, request string, src *kvlease.Lease[R], seed kvlease.BlockHash, tokens []int32, opts ...ProposeOption) (*Outgoing[R], error) {
 	if src == nil {
 		return nil, fmt.Errorf("kvlease: handoff propose: nil lease: %w", kvlease.ErrInvalidArgument)
 	}
@@ -137,12 +184,18 @@ func (s *Source[R]) ProposeTokens(id uint64, request string, src *kvlease.Lease[
 		return nil, fmt.Errorf("kvlease: handoff propose %d: %d tokens for %d blocks of %d (a proposal of %d bytes, at most %d): %w",
 			id, len(tokens), src.Len(), bt, size, MaxFrame, kvlease.ErrInvalidArgument)
 	}
-	return s.propose(id, request, src, hashes, seed, tokens)
+	return s.propose(id, request, src, hashes, seed, tokens, opts)
 }
 
-func (s *Source[R]) propose(id uint64, request string, src *kvlease.Lease[R], hashes []kvlease.BlockHash, seed kvlease.BlockHash, tokens []int32) (*Outgoing[R], error) {
+func (s *Source[R]) propose(id uint64, request string, src *kvlease.Lease[R], hashes []kvlease.BlockHash, seed kvlease.BlockHash, tokens []int32, opts []ProposeOption) (*Outgoing[R], error) {
 	if src == nil {
 		return nil, fmt.Errorf("kvlease: handoff propose: nil lease: %w", kvlease.ErrInvalidArgument)
+	}
+	var pr proposal
+	for _, opt := range opts {
+		if err := opt(&pr); err != nil {
+			return nil, err
+		}
 	}
 	if _, err := src.Region(0); errors.Is(err, kvlease.ErrLeaseClosed) {
 		return nil, fmt.Errorf("kvlease: handoff propose: %w", err)
@@ -157,7 +210,10 @@ func (s *Source[R]) propose(id uint64, request string, src *kvlease.Lease[R], ha
 	if len(hashes) > n || len(request) > MaxText {
 		return nil, fmt.Errorf("kvlease: handoff propose %d: %d hashes for %d blocks, request of %d bytes: %w", id, len(hashes), n, len(request), kvlease.ErrInvalidArgument)
 	}
-	o := &Outgoing[R]{machine: newMachine(), s: s, id: id, src: src, n: n}
+	if err := s.checkProgress(pr.progress, n); err != nil {
+		return nil, fmt.Errorf("kvlease: handoff propose %d: %w", id, err)
+	}
+	o := &Outgoing[R]{machine: newMachine(), s: s, id: id, src: src, n: n, prog: pr.progress}
 	o.onFinal = func() {
 		st := o.state
 		o.later(func() { s.forget(o, st) })
@@ -308,7 +364,41 @@ func (o *Outgoing[R]) accepted(m *AcceptMsg) {
 	}
 	o.from = int(m.From)
 	o.unlock()
+	if o.prog != nil && !o.prog.Complete() && o.from < o.n {
+		if _, ok := s.plane.(StreamSendPlane[R]); !ok {
+			// A plane that cannot stream sends once the prefill is
+			// done; an abort or the end of the handoff meanwhile ends
+			// the wait (the start then finds the handoff moved on).
+			go func() {
+				o.waitComplete()
+				if o.current() == Accepted {
+					o.start(m.Plane)
+				}
+			}()
+			return
+		}
+	}
+	o.start(m.Plane)
+}
 
+// waitComplete blocks until the handoff's progress is complete or the
+// handoff is final.
+func (o *Outgoing[R]) waitComplete() {
+	r, _ := o.prog.Ready(o.from)
+	l, b := -1, -1
+	for !r.Complete() {
+		var ok bool
+		if l, b, ok = r.Wait(l, b, o.done); !ok {
+			return
+		}
+	}
+}
+
+// start sends the blocks past the destination's hits over the plane
+// (streaming where the handoff and the plane do) and tells the
+// destination.
+func (o *Outgoing[R]) start(accept []byte) {
+	s := o.s
 	var start []byte
 	var err error
 	var attached atomic.Bool
@@ -330,8 +420,16 @@ func (o *Outgoing[R]) accepted(m *AcceptMsg) {
 			r, err = o.src.Pool().Region(o.src.Ref(i))
 			regions = append(regions, r)
 		}
-		if err == nil {
-			start, err = s.plane.Send(o.pid(), regions, m.Plane, attach)
+		sp, streams := s.plane.(StreamSendPlane[R])
+		switch {
+		case err != nil:
+		case o.prog != nil && streams:
+			var ready Ready
+			if ready, err = o.prog.Ready(o.from); err == nil {
+				start, err = sp.SendStream(o.pid(), regions, ready, accept, attach)
+			}
+		default:
+			start, err = s.plane.Send(o.pid(), regions, accept, attach)
 		}
 		if err == nil && len(start) > MaxPlane {
 			err = fmt.Errorf("kvlease: handoff %d: plane start bytes %d exceed %d: %w", o.id, len(start), MaxPlane, kvlease.ErrInvalidArgument)
