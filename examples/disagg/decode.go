@@ -47,6 +47,9 @@ type decodeView struct {
 	// says the transfer wrote a block no longer its lease's.
 	Mismatches int
 	Late       bool
+	// Arrived (-stream) is when each layer's last byte arrived (Unix
+	// ns; 0 if it never did).
+	Arrived []int64 `json:",omitempty"`
 }
 
 // wireStep is a handoff.Step as it crosses the process boundary.
@@ -76,7 +79,11 @@ func decodeMain(spec string, stdin io.Reader, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "disagg decode: still running after %v: exiting\n", limit)
 		os.Exit(4)
 	})
-	rep, err := runDecode(s)
+	run := runDecode
+	if s.Cfg.Stream {
+		run = runStreamDecode
+	}
+	rep, err := run(s)
 	if err != nil {
 		fmt.Fprintln(stderr, "disagg decode:", err)
 		return 1
@@ -353,16 +360,10 @@ func runDecode(s decodeSpec) (decodeReport, error) {
 	if err != nil {
 		return decodeReport{}, err
 	}
-	conn, err := net.DialTimeout("tcp", s.Ctl, 10*time.Second)
+	conn, err := dialParent(s)
 	if err != nil {
-		return decodeReport{}, fmt.Errorf("dial the prefill process: %w", err)
+		return decodeReport{}, err
 	}
-	_ = conn.SetWriteDeadline(time.Now().Add(10 * time.Second))
-	if _, err := conn.Write(s.Token); err != nil {
-		_ = conn.Close()
-		return decodeReport{}, fmt.Errorf("send the token: %w", err)
-	}
-	_ = conn.SetWriteDeadline(time.Time{})
 	if err := dst.Serve(conn); errors.Is(err, handoff.ErrProtocol) {
 		d.fail(err)
 	}
@@ -446,4 +447,20 @@ func runDecode(s decodeSpec) (decodeReport, error) {
 	rep.Errors = slices.Clone(d.errs)
 	d.mu.Unlock()
 	return rep, nil
+}
+
+// dialParent dials the prefill process's control listener and proves
+// with the token that this is its child.
+func dialParent(s decodeSpec) (net.Conn, error) {
+	conn, err := net.DialTimeout("tcp", s.Ctl, 10*time.Second)
+	if err != nil {
+		return nil, fmt.Errorf("dial the prefill process: %w", err)
+	}
+	_ = conn.SetWriteDeadline(time.Now().Add(10 * time.Second))
+	if _, err := conn.Write(s.Token); err != nil {
+		_ = conn.Close()
+		return nil, fmt.Errorf("send the token: %w", err)
+	}
+	_ = conn.SetWriteDeadline(time.Time{})
+	return conn, nil
 }

@@ -41,6 +41,11 @@ type Config struct {
 	// by default they authenticate with a pre-shared key the prefill
 	// process draws and hands to its child through an inherited pipe.
 	Insecure bool
+	// Stream (-net -stream) runs the streaming demonstration instead of
+	// the faulty burst: every request handed off streaming and after its
+	// prefill, a prefill of streamLayers layers of LayerDelay each.
+	Stream     bool
+	LayerDelay time.Duration
 
 	// sabotage, if set, runs on the copy goroutine before each write,
 	// after the audit: the test uses it to make the transport lie and
@@ -59,6 +64,7 @@ func DefaultConfig() Config {
 		AbortRate: 0.2, EarlyAbortRate: 0.05,
 		BlockLatency: 100 * time.Microsecond,
 		Deadline:     2 * time.Second,
+		LayerDelay:   2 * time.Millisecond,
 	}
 }
 

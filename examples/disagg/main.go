@@ -33,6 +33,12 @@
 //	go run ./examples/disagg -net
 //	go run ./examples/disagg -net -seed 7 -requests 60 -quiet
 //	go run ./examples/disagg -net -insecure
+//	go run ./examples/disagg -net -stream
+//
+// With -net -stream every request is handed off twice, streaming (the
+// handoff starts before the prefill, and each layer is sent as the
+// prefill writes it) and after its prefill; its timeline prints when each
+// layer was written and arrived, both ways (stream.go).
 package main
 
 import (
@@ -58,11 +64,16 @@ func main() {
 	flag.BoolVar(&cfg.Quiet, "quiet", cfg.Quiet, "print only the ledger")
 	flag.BoolVar(&cfg.Insecure, "insecure", false, "-net: run the two halves without authentication (the ledger says \"authenticated none\")")
 	flag.BoolVar(&netMode, "net", false, "run the decode side as a child process and hand off over TCP on 127.0.0.1 (-fail cuts streams, -lost-ack stalls them)")
+	flag.BoolVar(&cfg.Stream, "stream", false, "with -net: hand every request off streaming (each layer sent as the prefill writes it) and after its prefill, and print both timelines")
+	flag.DurationVar(&cfg.LayerDelay, "layer-delay", cfg.LayerDelay, "-stream: the simulated compute time of one layer")
 	flag.DurationVar(&cfg.Deadline, "deadline", cfg.Deadline, "-net: how long the prefill side waits for a started transfer's evidence before quarantining it (decode waits half)")
 	flag.Parse()
 
 	run := Run
-	if netMode {
+	switch {
+	case cfg.Stream:
+		run = RunStream // implies -net
+	case netMode:
 		run = RunNet
 	}
 	ledger, err := run(cfg, os.Stdout)
