@@ -18,20 +18,55 @@ type runCounter struct {
 	runs, minRuns int
 	free          []kvlease.BlockID
 	ids           []kvlease.BlockID
+	// Decode growth: extends, those whose block continued the lease's
+	// last run, and those the free space allowed to (the block after the
+	// lease's last was free).
+	extends, continued, couldContinue int
+}
+
+// countingLease counts, for each Extend, whether the new block continued
+// the lease's last run.
+type countingLease struct {
+	replay.Lease
+	c *runCounter
+}
+
+func (l countingLease) Extend(n int) error {
+	c := l.c
+	c.ids = l.AppendBlockIDs(c.ids[:0], 0)
+	last := c.ids[len(c.ids)-1]
+	c.free = kvlease.FreeIDsForTest(c.Pool, c.free[:0])
+	_, nextFree := slices.BinarySearch(c.free, last+1)
+	err := l.Lease.Extend(n)
+	if err != nil {
+		return err
+	}
+	c.ids = l.AppendBlockIDs(c.ids[:0], len(c.ids))
+	c.extends++
+	if nextFree {
+		c.couldContinue++
+	}
+	if c.ids[0] == last+1 {
+		c.continued++
+	}
+	return nil
 }
 
 func (c *runCounter) AcquirePrefix(owner string, hashes []kvlease.BlockHash, n int) (replay.Lease, int, error) {
 	c.free = kvlease.FreeIDsForTest(c.Pool, c.free[:0])
 	l, hits, err := c.KVLease.AcquirePrefix(owner, hashes, n)
-	if err != nil || hits == n {
+	if err != nil {
 		return l, hits, err
+	}
+	if hits == n {
+		return countingLease{l, c}, hits, err
 	}
 	c.ids = l.AppendBlockIDs(c.ids[:0], hits)
 	c.leases++
 	c.fresh += len(c.ids)
 	c.runs += countRuns(c.ids)
 	c.minRuns += fewestRuns(c.free, c.ids)
-	return l, hits, err
+	return countingLease{l, c}, hits, err
 }
 
 // countRuns is the number of runs of ascending consecutive ids in ids, in
@@ -104,4 +139,9 @@ func TestReplayRuns(t *testing.T) {
 	}
 	t.Logf("%d leases, %.1f fresh blocks each: %.2f runs per lease, fewest the free space allowed %.2f",
 		c.leases, float64(c.fresh)/float64(c.leases), float64(c.runs)/float64(c.leases), float64(c.minRuns)/float64(c.leases))
+	t.Logf("decode growth: %d extends of one block, %d continued the lease's last run, %d could have (the next block was free)",
+		c.extends, c.continued, c.couldContinue)
+	if c.extends == 0 || c.continued > c.couldContinue {
+		t.Fatalf("extends %d, continued %d, could %d: the count is wrong", c.extends, c.continued, c.couldContinue)
+	}
 }

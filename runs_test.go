@@ -56,3 +56,29 @@ func TestAppendRuns(t *testing.T) {
 		t.Fatalf("Span(%v): %d bytes, cap %d", dst[0], len(got), cap(got))
 	}
 }
+
+// An extend's fresh blocks come as a run when the free space holds one:
+// a released lease's blocks go back as a run, and the next extend takes
+// them in order, continuing the extended lease's own run.
+func TestExtendKeepsRuns(t *testing.T) {
+	mem, _ := kvlease.NewHostMemory(64, 64)
+	pool, _ := kvlease.NewPool[[]byte](mem)
+	a, err := pool.Acquire("a", 10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Release()
+	b, err := pool.Acquire("b", 20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	first := b.AppendRuns(nil, 0)
+	b.Release()
+	if err := a.Extend(8); err != nil {
+		t.Fatal(err)
+	}
+	got := a.AppendRuns(nil, 0)
+	if len(first) != 1 || len(got) != 1 || got[0].Len != 18 || got[0].End() != first[0].Start+8 {
+		t.Fatalf("b's runs %v; a's runs after Extend(8): %v, want one run of 18 ending 8 blocks into b's", first, got)
+	}
+}
