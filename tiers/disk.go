@@ -78,7 +78,9 @@ type DiskConfig struct {
 // Disk is a disk tier (G3): fixed-size slots in preallocated files, each
 // slot a header (magic, block hash, parent hash, size, namespace,
 // fingerprint, checksum or MAC) followed by the block, read and written
-// whole by a bounded pool of workers with pread and pwrite. A slot whose
+// whole by a bounded pool of workers with pread and pwrite: a run of
+// slots adjacent in their file (a lease's contiguous ids, with one file)
+// moves with one call of at most 1 MiB (IOs counts them). A slot whose
 // checksum, hash, namespace or fingerprint does not match (torn by a crash
 // mid-write, corrupted or forged at rest, written by another model or
 // layout) is a miss, never wrong KV: a read of it fails, and the slot
@@ -109,6 +111,8 @@ type Disk struct {
 
 	mu  sync.Mutex
 	bad map[DiskSlot]kvlease.BlockHash // slots that failed a read, by the hash they should hold
+
+	ios atomic.Int64 // preads and pwrites of Read and Write (IOs)
 }
 
 var _ kvlease.Memory[DiskSlot] = (*Disk)(nil)
@@ -569,58 +573,93 @@ func (d *Disk) next() *diskJob {
 	return j
 }
 
+// maxRunBytes bounds one merged disk I/O: a run of adjacent slots is
+// written or read with one pwrite or pread of at most this many bytes
+// (at least one slot).
+const maxRunBytes = 1 << 20
+
+// runSlots is the most slots one disk I/O covers.
+func (d *Disk) runSlots() int { return max(1, maxRunBytes/d.slotBytes) }
+
+// adjacent reports whether slot b follows slot a in the same file.
+func (d *Disk) adjacent(a, b DiskSlot) bool { return b == a+DiskSlot(len(d.files)) }
+
+// IOs returns how many disk reads and writes (pread and pwrite calls)
+// the tier has issued for Read and Write: one per run of slots adjacent
+// in their file (consecutive slots with one file; slots Files apart when
+// striped), at most 1 MiB each, rather than one per slot.
+func (d *Disk) IOs() int64 { return d.ios.Load() }
+
 // work is one disk worker.
 func (d *Disk) work() {
 	defer d.workers.Done()
-	buf := alignedBuf(d.slotBytes)
+	buf := alignedBuf(d.slotBytes * d.runSlots())
 	mac := d.newMAC()
 	for j := d.next(); j != nil; j = d.next() {
 		j.finish(d.run(j, buf, mac))
 	}
 }
 
-// run does one job; its error is the transfer's outcome.
+// run does one job; its error is the transfer's outcome. Slots adjacent
+// in their file move as one run: each slot's cancel check and BeforeIO
+// come first, in order, then one pwrite (or pread) covers the run.
 func (d *Disk) run(j *diskJob, buf []byte, mac hash.Hash) error {
-	for i := range j.writes {
-		w := &j.writes[i]
-		if j.canceled.Load() {
-			return fmt.Errorf("tiers: disk write canceled before slot %d: %w", w.Dst, ErrCanceled)
-		}
-		if d.cfg.BeforeIO != nil {
-			if err := d.cfg.BeforeIO(true, w.Dst); err != nil {
-				return err
+	most, sb := d.runSlots(), d.slotBytes
+	for i := 0; i < len(j.writes); {
+		k := 0 // slots of the run encoded into buf
+		for ; i+k < len(j.writes) && k < most && (k == 0 || d.adjacent(j.writes[i+k-1].Dst, j.writes[i+k].Dst)); k++ {
+			w := &j.writes[i+k]
+			if j.canceled.Load() {
+				return fmt.Errorf("tiers: disk write canceled before slot %d: %w", w.Dst, ErrCanceled)
 			}
+			if d.cfg.BeforeIO != nil {
+				if err := d.cfg.BeforeIO(true, w.Dst); err != nil {
+					return err
+				}
+			}
+			d.encode(buf[k*sb:(k+1)*sb], w, mac)
 		}
-		d.encode(buf, w, mac)
-		f, off := d.at(w.Dst)
-		if _, err := f.WriteAt(buf, off); err != nil {
-			return fmt.Errorf("tiers: disk write of slot %d: %w", w.Dst, err)
+		f, off := d.at(j.writes[i].Dst)
+		d.ios.Add(1)
+		if _, err := f.WriteAt(buf[:k*sb], off); err != nil {
+			return fmt.Errorf("tiers: disk write of slots %d to %d: %w", j.writes[i].Dst, j.writes[i+k-1].Dst, err)
 		}
 		d.mu.Lock()
-		delete(d.bad, w.Dst)
-		d.mu.Unlock()
-	}
-	for i := range j.reads {
-		r := &j.reads[i]
-		if j.canceled.Load() {
-			return fmt.Errorf("tiers: disk read canceled before slot %d: %w", r.Src, ErrCanceled)
+		for _, w := range j.writes[i : i+k] {
+			delete(d.bad, w.Dst)
 		}
-		if d.cfg.BeforeIO != nil {
-			if err := d.cfg.BeforeIO(false, r.Src); err != nil {
-				return err
+		d.mu.Unlock()
+		i += k
+	}
+	for i := 0; i < len(j.reads); {
+		k := 0
+		for ; i+k < len(j.reads) && k < most && (k == 0 || d.adjacent(j.reads[i+k-1].Src, j.reads[i+k].Src)); k++ {
+			r := &j.reads[i+k]
+			if j.canceled.Load() {
+				return fmt.Errorf("tiers: disk read canceled before slot %d: %w", r.Src, ErrCanceled)
+			}
+			if d.cfg.BeforeIO != nil {
+				if err := d.cfg.BeforeIO(false, r.Src); err != nil {
+					return err
+				}
 			}
 		}
-		f, off := d.at(r.Src)
-		if _, err := f.ReadAt(buf, off); err != nil {
-			return fmt.Errorf("tiers: disk read of slot %d: %w", r.Src, err)
+		f, off := d.at(j.reads[i].Src)
+		d.ios.Add(1)
+		if _, err := f.ReadAt(buf[:k*sb], off); err != nil {
+			return fmt.Errorf("tiers: disk read of slots %d to %d: %w", j.reads[i].Src, j.reads[i+k-1].Src, err)
 		}
-		if m, ok := d.decode(buf, mac); !ok || m.Hash != r.Hash {
-			d.mu.Lock()
-			d.bad[r.Src] = r.Hash
-			d.mu.Unlock()
-			return fmt.Errorf("tiers: disk slot %d (want block %016x): %w", r.Src, uint64(r.Hash), ErrCorruptSlot)
+		for q := range k {
+			r, slot := &j.reads[i+q], buf[q*sb:(q+1)*sb]
+			if m, ok := d.decode(slot, mac); !ok || m.Hash != r.Hash {
+				d.mu.Lock()
+				d.bad[r.Src] = r.Hash
+				d.mu.Unlock()
+				return fmt.Errorf("tiers: disk slot %d (want block %016x): %w", r.Src, uint64(r.Hash), ErrCorruptSlot)
+			}
+			copy(r.Dst, slot[headerSize:headerSize+d.cfg.BlockBytes])
 		}
-		copy(r.Dst, buf[headerSize:headerSize+d.cfg.BlockBytes])
+		i += k
 	}
 	return nil
 }
