@@ -171,8 +171,8 @@ func HostBytes(b []byte) Span {
 
 // Sender is the source side's plane: for each handoff it starts a UCX
 // worker of the handoff's own. Pushing (the default), it connects to the
-// destination's worker and sends each block as a tagged message, then
-// the blocks' sums; pulling (Config.Pull), it registers the regions'
+// destination's worker and sends each run of blocks adjacent in memory,
+// and each other block, as a tagged message, then the blocks' sums; pulling (Config.Pull), it registers the regions'
 // pieces (one ucp_mem_map per contiguous run of them) and puts the
 // worker's address and the packed remote keys in the Start bytes. Finish,
 // or a cancel, revokes. It is safe for concurrent use.
@@ -244,11 +244,12 @@ func parseAccept(b []byte) (int, error) {
 // destination's worker named in the Accept bytes, attaches the transfer,
 // starts sending the blocks and returns the Start bytes (a block's piece
 // sizes, the block count, the integrity mode, a random nonce, the
-// handoff worker's address). Pulling, it registers the regions' pieces
-// for this handoff alone, attaches the transfer and returns the Start
-// bytes: the handoff worker's address, a block's piece sizes, per
-// contiguous run of pieces its address, its length and its packed remote
-// key, and where the pieces lie (the segments). Accept bytes of the
+// handoff worker's address, the most blocks of one message, the runs).
+// Pulling, it registers the regions' pieces for this handoff alone,
+// attaches the transfer and returns the Start bytes: the handoff
+// worker's address, a block's piece sizes, per contiguous run of pieces
+// its address, its length and its packed remote key, and where the
+// pieces lie (the segments). Accept bytes of the
 // other model are refused with ErrCorrupt; regions whose pieces disagree
 // or overlap with kvlease.ErrInvalidArgument, before anything is sent or
 // registered. The transfer resolves on Finish or a cancel, after the
