@@ -129,8 +129,9 @@ func oneGet(b *testing.B, c *context, src []byte) int64 {
 
 // BenchmarkPush256x64K is one handoff of 256 blocks of 64 KiB over
 // UCX_TLS=tcp on loopback in the push model (the default): a worker per
-// handoff on each side, the handshake, one tagged message per block and
-// the sums table, the destination's check of every block. Three modes in
+// handoff on each side, the handshake, the tagged messages (the blocks
+// are one run: 16 messages of 1 MiB, the default MaxGet) and the sums
+// table, the destination's check of every block. Three modes in
 // one run, in interleaved rounds (medians reported): insecure (crc32c
 // sums), authenticated (GMAC sums under the session's key), and the pull
 // model's gets of the same blocks (no sums) for reference. auth/insecure
