@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"testing"
+	"time"
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
@@ -369,5 +370,81 @@ func TestPushRunsBeyondTheStartBytes(t *testing.T) {
 	want := len(listed) + 2*(runs+1-len(listed))
 	if st := s.Stats(); st.Messages != want {
 		t.Fatalf("source %+v, want %d messages", st, want)
+	}
+}
+
+func TestPushRunCanceledBeforeItsMessage(t *testing.T) {
+	// A cancel withdraws a run's receive that no message matched yet:
+	// the destination resolves with ErrCanceled and none of the run's
+	// blocks is written, then or once the source sends it. The handoff is
+	// a run of n blocks and one block apart; the destination's hook for
+	// that block runs once the run's receive is posted.
+	const n = 8
+	release := make(chan struct{})
+	s, err := NewSender(Config{BeforeSend: func(_ handoff.PlaneID, block int) {
+		if block == 0 {
+			select {
+			case <-release:
+			case <-time.After(20 * time.Second):
+			}
+		}
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	posted := make(chan struct{})
+	r, err := NewReceiver(Config{BeforeGet: func(_ handoff.PlaneID, block int) {
+		if block == n {
+			close(posted)
+		}
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	sa, da := newRunArena(n+2), newRunArena(n+1)
+	src, dst := sa.regions(append(seq(0, n, 1), n+1)), da.regions(seq(0, n+1, 1))
+	fillRuns(src, 9)
+	id := handoff.PlaneID{Session: 1, Handoff: 1}
+	accept, err := r.Prepare(id, n+1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var st, dt *kvlease.Transfer
+	start, err := s.Send(id, src, accept, func(t *kvlease.Transfer) error { st = t; return nil })
+	if err != nil {
+		close(release)
+		t.Fatal(err)
+	}
+	if err := r.Receive(id, dst, start, func(t *kvlease.Transfer) error { dt = t; return nil }); err != nil {
+		close(release)
+		t.Fatal(err)
+	}
+	select {
+	case <-posted:
+	case <-time.After(20 * time.Second):
+		close(release)
+		t.Fatal("the destination never posted the run's receive")
+	}
+	dt.Cancel()
+	select {
+	case <-dt.Done():
+	case <-time.After(20 * time.Second):
+		close(release)
+		t.Fatal("the canceled destination did not resolve")
+	}
+	if err := dt.Err(); !errors.Is(err, ErrCanceled) {
+		close(release)
+		t.Fatalf("destination outcome %v, want ErrCanceled", err)
+	}
+	close(release) // the source now sends the run
+	s.Finish(id, dt.Err())
+	<-st.Done()
+	if err := da.untouched(nil); err != nil {
+		t.Fatal(err)
+	}
+	if got := r.Stats(); got.Canceled != 1 || got.Messages < 1 {
+		t.Fatalf("destination %+v, want the run's receive posted, then canceled", got)
 	}
 }
