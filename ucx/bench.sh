@@ -13,9 +13,14 @@
 #  - BenchmarkRegister256: ucp_mem_map + ucp_rkey_pack + ucp_mem_unmap of
 #    256 blocks of 64 KiB (256 runs, and 1 run), next to one get of the
 #    same 16 MiB (get-ns; ratio = registration over get).
+#  - BenchmarkRuns256x4K: one handoff of 256 blocks of 4 KiB, scattered
+#    (no two blocks adjacent), contiguous (one run) and as the same bytes
+#    in one buffer, alternating in one run, for push (crc32c), push
+#    (gmac) and pull: MB/s per layout, registrations and ops (messages or
+#    gets) per handoff, and contiguous-%-of-one-buffer (the goal is >= 80).
 # Needs libucx-dev and ucx-utils (ucx_perftest).
 set -euo pipefail
 cd "$(dirname "$0")"
 export UCX_TLS=tcp UCX_NET_DEVICES=lo
 ucx_info -v | head -1
-go test -run '^$' -bench 'Push256x64K|Pull256x64K|Register256' -benchtime "${BENCHTIME:-10x}" -count "${COUNT:-3}" -benchmem .
+go test -run '^$' -bench 'Push256x64K|Pull256x64K|Register256|Runs256x4K' -benchtime "${BENCHTIME:-10x}" -count "${COUNT:-3}" -benchmem .

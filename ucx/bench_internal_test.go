@@ -1,12 +1,14 @@
 package ucx
 
 import (
+	"errors"
 	"os"
 	"slices"
 	"testing"
 	"time"
 	"unsafe"
 
+	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
 )
 
@@ -127,8 +129,9 @@ func oneGet(b *testing.B, c *context, src []byte) int64 {
 
 // BenchmarkPush256x64K is one handoff of 256 blocks of 64 KiB over
 // UCX_TLS=tcp on loopback in the push model (the default): a worker per
-// handoff on each side, the handshake, one tagged message per block and
-// the sums table, the destination's check of every block. Three modes in
+// handoff on each side, the handshake, the tagged messages (the blocks
+// are one run: 16 messages of 1 MiB, the default MaxGet) and the sums
+// table, the destination's check of every block. Three modes in
 // one run, in interleaved rounds (medians reported): insecure (crc32c
 // sums), authenticated (GMAC sums under the session's key), and the pull
 // model's gets of the same blocks (no sums) for reference. auth/insecure
@@ -200,4 +203,146 @@ func BenchmarkPush256x64K(b *testing.B) {
 	if st := modes[1].r.Stats(); st.Keyed != st.Started {
 		b.Fatalf("authenticated rows not keyed: %+v", st)
 	}
+}
+
+// BenchmarkRuns256x4K is one handoff of 256 blocks of 4 KiB over
+// UCX_TLS=tcp on loopback, in three layouts of the same bytes: scattered
+// (every other block of an arena, on both sides: no two blocks
+// adjacent), contiguous (one run of blocks on both sides, as a lease of
+// consecutive ids) and one buffer (a single 1 MiB block), alternating
+// in the same run; one sub-benchmark per model: push with crc32c sums
+// (insecure), push with GMAC sums (authenticated), pull. Each layout
+// has its own planes, so its descriptors are its own: regs/handoff
+// counts ucp_mem_map calls of both sides, ops/handoff the messages
+// (push) or gets (pull) of a handoff. contiguous-%-of-one-buffer is the
+// contiguous layout's bandwidth as a percentage of the one-buffer
+// layout's (goal: 80 % or more). SetBytes covers one handoff of each
+// layout per op.
+func BenchmarkRuns256x4K(b *testing.B) {
+	os.Setenv("UCX_TLS", "tcp")
+	os.Setenv("UCX_NET_DEVICES", "lo")
+	const n, bb = 256, 4 << 10
+	srcArena, dstArena := make([]byte, 2*n*bb), make([]byte, 2*n*bb)
+	for i := range srcArena {
+		srcArena[i] = byte(i*7 + i/bb)
+	}
+	layouts := []struct {
+		name     string
+		src, dst [][]byte
+	}{
+		{"scattered", everyOther(blocksIn(srcArena, 2*n, bb), 0), everyOther(blocksIn(dstArena, 2*n, bb), 1)},
+		{"contiguous", blocksIn(srcArena, n, bb), blocksIn(dstArena[n*bb:], n, bb)},
+		{"one-buffer", [][]byte{srcArena[: n*bb : n*bb]}, [][]byte{dstArena[: n*bb : n*bb]}},
+	}
+	for _, model := range []struct {
+		name string
+		cfg  Config
+		keys sessionKeys
+	}{
+		{"push-crc32c", Config{}, nil},
+		{"push-gmac", Config{}, keyed(make([]byte, 32))},
+		{"pull", Config{Pull: true}, nil},
+	} {
+		b.Run(model.name, func(b *testing.B) {
+			type planes struct {
+				s *Sender[[]byte]
+				r *Receiver[[]byte]
+			}
+			ps := make([]planes, len(layouts))
+			for i := range ps {
+				s, err := NewSender(model.cfg)
+				if err != nil {
+					b.Fatal(err)
+				}
+				defer s.Close()
+				r, err := NewReceiver(model.cfg)
+				if err != nil {
+					b.Fatal(err)
+				}
+				defer r.Close()
+				s.keys, r.keys = model.keys, model.keys
+				ps[i] = planes{s, r}
+			}
+			next := uint64(0)
+			move := func(i int) time.Duration {
+				next++
+				id := handoff.PlaneID{Session: 1, Handoff: next}
+				start := time.Now()
+				if err := moveOnce(ps[i].s, ps[i].r, id, layouts[i].src, layouts[i].dst); err != nil {
+					b.Fatalf("%s: %v", layouts[i].name, err)
+				}
+				return time.Since(start)
+			}
+			for i, l := range layouts { // warm, and check the bytes once
+				clear(dstArena)
+				move(i)
+				for k := range l.src {
+					if string(l.dst[k]) != string(l.src[k]) {
+						b.Fatalf("%s: block %d differs", l.name, k)
+					}
+				}
+			}
+			took := make([]time.Duration, len(layouts))
+			b.SetBytes(int64(len(layouts) * n * bb))
+			b.ResetTimer()
+			for k := range b.N {
+				for j := range layouts {
+					i := (k + j) % len(layouts)
+					took[i] += move(i)
+				}
+			}
+			b.StopTimer()
+			for i, l := range layouts {
+				ss, rs := ps[i].s.Stats(), ps[i].r.Stats()
+				h := float64(rs.Started)
+				ops := ss.Messages
+				if model.cfg.Pull {
+					ops = rs.Gets
+				}
+				b.ReportMetric(float64(b.N)*n*bb/took[i].Seconds()/1e6, l.name+"-MB/s")
+				b.ReportMetric(float64(ss.Registrations+rs.Registrations)/h, l.name+"-regs/handoff")
+				b.ReportMetric(float64(ops)/h, l.name+"-ops/handoff")
+				if i < 2 {
+					b.ReportMetric(100*took[2].Seconds()/took[i].Seconds(), l.name+"-%-of-one-buffer")
+				}
+			}
+		})
+	}
+}
+
+// everyOther returns rs[from], rs[from+2], ...
+func everyOther(rs [][]byte, from int) [][]byte {
+	var out [][]byte
+	for i := from; i < len(rs); i += 2 {
+		out = append(out, rs[i])
+	}
+	return out
+}
+
+// moveOnce is one handoff through the planes alone: Prepare, Send,
+// Receive, the destination's evidence, Finish, the source's.
+func moveOnce(s *Sender[[]byte], r *Receiver[[]byte], id handoff.PlaneID, src, dst [][]byte) error {
+	accept, err := r.Prepare(id, len(dst))
+	if err != nil {
+		return err
+	}
+	var st, dt *kvlease.Transfer
+	start, err := s.Send(id, src, accept, func(t *kvlease.Transfer) error { st = t; return nil })
+	if err != nil {
+		return err
+	}
+	if err := r.Receive(id, dst, start, func(t *kvlease.Transfer) error { dt = t; return nil }); err != nil {
+		s.Finish(id, err)
+		return err
+	}
+	<-dt.Done()
+	s.Finish(id, dt.Err())
+	<-st.Done()
+	if err := dt.Err(); err != nil {
+		return err
+	}
+	if err := st.Err(); err != nil && !errors.Is(err, ErrRevoked) {
+		return err
+	}
+	return nil
 }

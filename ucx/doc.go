@@ -23,19 +23,22 @@
 // of its own, connects to the destination's (a flush of the fresh
 // endpoint completes the handshake before anything is attached), and
 // returns, in the Start bytes, the piece sizes of a block, the block
-// count, the integrity mode, a random nonce and its worker's address;
-// then, from its worker's thread, it sends each block as one tagged
-// message (ucp_tag_send_nbx with the tag salt·2³²+block, gathered from
-// the block's pieces with an iov datatype when it has several; at most
-// Config.Window outstanding), and after the last block a table of the
-// blocks' integrity sums. The destination's Receive connects to the
-// source's worker (only to hear of its failure: peer error handling),
-// attaches, and posts one receive per block with the block's exact tag
-// into the block's own pieces (ucp_tag_recv_nbx, scattered with an iov
-// datatype; Config.Window outstanding), and one for the sums table. A
-// message lands only where the destination put it: a message of another
-// tag waits in UCX's unexpected queue (UCX memory, never a region) and
-// is dropped with the worker; a longer one is truncated and fails.
+// count, the integrity mode, a random nonce, its worker's address, the
+// most blocks of one message and its runs (see Runs); then, from its
+// worker's thread, it sends each run as one tagged message and each
+// other block as one (ucp_tag_send_nbx with the tag salt·2³²+first
+// block, gathered from the pieces with an iov datatype when they are
+// not one buffer; at most Config.Window outstanding), and after the last
+// a table of the blocks' integrity sums. The destination's Receive
+// connects to the source's worker (only to hear of its failure: peer
+// error handling), attaches, and posts one receive per message with its
+// exact tag into the message's blocks' own pieces (ucp_tag_recv_nbx; one
+// buffer where they are adjacent in the destination's memory, scattered
+// with an iov datatype otherwise; Config.Window outstanding), and one
+// for the sums table. A message lands only where the destination put it:
+// a message of another tag waits in UCX's unexpected queue (UCX memory,
+// never a region) and is dropped with the worker; a longer one is
+// truncated and fails, a shorter one fails its length check.
 //
 // Both contexts of the push model are created without UCP_FEATURE_RMA,
 // so neither side's worker serves a get or a put: UCX installs its
@@ -82,6 +85,47 @@
 //
 // Pull trusts the destination with the whole source process: see Trust.
 //
+// # Runs
+//
+// Moving KV costs per descriptor more than per byte, and a lease's fresh
+// blocks come as few runs of consecutive block ids as the pool's free
+// space allows (kvlease.Lease.AppendRuns). On this plane a run is a
+// stretch of consecutive blocks of a handoff that lie one after the
+// other in memory (each block's pieces, block by block, adjacent and of
+// one memory type): block i+1 starts where block i ends. Consecutive ids
+// of a kvlease.HostMemory or an arena are such a run; a layer-separated
+// layout's blocks are not (their pieces of one layer and kind are, which
+// the pull model's registrations and gets merge).
+//
+//   - Push: a run of the source's is one message, cut at
+//     max(1, min(source's, destination's Config.MaxGet) / block bytes)
+//     blocks (the destination's bound travels in its Accept bytes; a
+//     source that exceeds it is refused with ErrCorrupt before anything
+//     is attached). The Start bytes list the runs of two blocks or more
+//     (their first block and count, 8 bytes each); when they do not all
+//     fit handoff.MaxPlane, the longest that fit are listed and the
+//     blocks of the others move one message each. Both sides cut the
+//     same messages from that list. The destination need not hold the
+//     run adjacently: it scatters the message into its blocks. Nothing
+//     is registered with ucp_mem_map (UCX registers, through its own
+//     cache, what a zero-copy protocol needs, per message). Stats.Messages
+//     counts the messages: 256 adjacent blocks of 4 KiB are one message,
+//     the same blocks scattered 256.
+//   - Pull: each side registers one ucp_mem_map (and the source packs one
+//     remote key) per run of its pieces sorted by address, and the
+//     destination reads what is adjacent on both sides with one get, up
+//     to Config.MaxGet. Stats.Registrations and Stats.Gets count them:
+//     256 adjacent blocks of 4 KiB are one registration a side and one
+//     get, scattered 256 of each.
+//
+// The integrity sums stay per block (the table, the keys and the nonces
+// are as without runs): a block moved inside its run's message, or a
+// message cut differently from the list, fails the destination's length
+// or sum check (ErrCorrupt). The evidence rules are unchanged: a run's
+// message or get is one of the receives or gets the destination waits
+// for; a cancel withdraws the receives not yet matched, so Config.MaxGet
+// also bounds what a matched receive holds back after a cancel.
+//
 // Every UCX call on a worker, its endpoints and its requests runs on one
 // goroutine locked to its OS thread (UCS_THREAD_MODE_SINGLE), which also
 // runs the completion callbacks inside ucp_worker_progress and sleeps on
@@ -99,7 +143,8 @@
 //     the receive completes with UCS_ERR_CANCELED and UCX never writes
 //     its buffer). The outcome is nil when every block arrived and passed
 //     its check, ErrCanceled when a cancel stopped it, an error wrapping
-//     ErrCorrupt for a block of the wrong length or sum. A receive that
+//     ErrCorrupt for a message of the wrong length or a block of the
+//     wrong sum. A receive that
 //     a message already matched is not withdrawn: a source stopped in
 //     the middle of one leaves the transfer pending (quarantine), until
 //     it resumes, fails (the endpoint's error: revocation) or Close.
@@ -195,7 +240,9 @@
 // its pieces (device memory: Spans with Memory CUDA). A block moves as all
 // its pieces, and a handoff is still one Transfer per side, with the same
 // evidence. Pushed, a block is one message whatever the pieces (gathered
-// and scattered by UCX's iov datatype). Pulled:
+// and scattered by UCX's iov datatype), and a run of blocks one message
+// where the source's blocks are each one stretch of memory (the
+// contiguous layout; see Runs). Pulled:
 //
 //   - registrations: in a layer-separated layout ([layers][K, V][blocks]
 //     [piece]) the pieces of consecutive blocks in one layer and kind are
@@ -222,9 +269,10 @@
 //
 // # Limits
 //
-// Pushed, the Start bytes hold a block's piece sizes (4 bytes each) and
-// the source worker's address, whatever the lease's fragmentation; the
-// sums table is blocks·16 bytes (keyed) or blocks·4 (crc32c). A source
+// Pushed, the Start bytes hold a block's piece sizes (4 bytes each), the
+// source worker's address and as many runs as fit (8 bytes each): a
+// lease's fragmentation costs messages, never a refusal; the sums table
+// is blocks·16 bytes (keyed) or blocks·4 (crc32c). A source
 // may send before the destination posts its receives: those messages
 // wait in the destination's UCX memory (bounded by the handoff, which
 // the destination accepted). A prepared handoff holds its worker (an OS

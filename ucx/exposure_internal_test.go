@@ -157,11 +157,7 @@ func TestPushExposesNothing(t *testing.T) {
 	defer s.Close()
 	h, addr := newHostile(t)
 	defer h.close()
-	accept := []byte{'K', 'U', pushVersion}
-	accept = binary.LittleEndian.AppendUint32(accept, 2)
-	accept = binary.LittleEndian.AppendUint32(accept, 7)
-	accept = binary.LittleEndian.AppendUint16(accept, uint16(len(addr)))
-	accept = append(accept, addr...)
+	accept := appendPushAccept(nil, 2, 7, 1<<20, addr)
 	id := handoff.PlaneID{Session: 1, Handoff: 1}
 	start, err := s.Send(id, regions, accept, func(*kvlease.Transfer) error { return nil })
 	if err != nil {

@@ -12,25 +12,32 @@ import (
 // length check.
 
 func FuzzParsePushAccept(f *testing.F) {
-	f.Add(append([]byte{'K', 'U', pushVersion, 2, 0, 0, 0, 7, 0, 0, 0, 3, 0}, 1, 2, 3))
+	f.Add(appendPushAccept(nil, 2, 7, 1<<20, []byte{1, 2, 3}))
+	f.Add(append([]byte{'K', 'U', 3, 2, 0, 0, 0, 7, 0, 0, 0, 3, 0}, 1, 2, 3)) // version 3
 	f.Add([]byte{'K', 'U', version, 2, 0, 0, 0})
 	f.Fuzz(func(t *testing.T, b []byte) {
-		blocks, _, addr, err := parsePushAccept(b)
+		a, err := parsePushAccept(b)
 		if err != nil {
 			if !errors.Is(err, ErrCorrupt) {
 				t.Fatalf("error %v does not wrap ErrCorrupt", err)
 			}
 			return
 		}
-		if blocks <= 0 || len(addr) == 0 {
-			t.Fatalf("accepted %d blocks, address of %d bytes", blocks, len(addr))
+		if a.blocks <= 0 || len(a.addr) == 0 || a.maxMsg <= 0 {
+			t.Fatalf("accepted %d blocks, messages of %d bytes, address of %d bytes", a.blocks, a.maxMsg, len(a.addr))
+		}
+		if again := appendPushAccept(nil, a.blocks, a.salt, a.maxMsg, a.addr); string(again) != string(b) {
+			t.Fatalf("parsed accept does not round-trip")
 		}
 	})
 }
 
 func FuzzParsePushStart(f *testing.F) {
-	f.Add(appendPushStart(nil, []int{4096}, 3, IntegrityMAC, make([]byte, nonceLen), []byte{1, 2, 3}))
-	f.Add(appendPushStart(nil, []int{256, 256, 512}, 1, IntegrityCRC, make([]byte, nonceLen), make([]byte, 60)))
+	nonce := make([]byte, nonceLen)
+	f.Add(appendPushStart(nil, &pushStart{sizes: []int{4096}, blocks: 3, mode: IntegrityMAC, nonce: nonce, addr: []byte{1, 2, 3}, per: 1}))
+	f.Add(appendPushStart(nil, &pushStart{sizes: []int{256, 256, 512}, blocks: 1, mode: IntegrityCRC, nonce: nonce, addr: make([]byte, 60), per: 256}))
+	f.Add(appendPushStart(nil, &pushStart{sizes: []int{4096}, blocks: 10, mode: IntegrityCRC, nonce: nonce, addr: []byte{1}, per: 3,
+		runs: []blockRun{{first: 1, count: 4}, {first: 5, count: 2}, {first: 8, count: 2}}}))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		st, err := parsePushStart(b)
 		if err != nil {
@@ -39,8 +46,27 @@ func FuzzParsePushStart(f *testing.F) {
 			}
 			return
 		}
-		if again := appendPushStart(nil, st.sizes, st.blocks, st.mode, st.nonce, st.addr); string(again) != string(b) {
+		if again := appendPushStart(nil, st); string(again) != string(b) {
 			t.Fatalf("parsed start does not round-trip")
+		}
+		if st.blocks*len(st.sizes) > 1<<16 {
+			return
+		}
+		// The messages the destination would post cover every block
+		// once, in order, none longer than per blocks.
+		g := &geometry{sizes: st.sizes, bb: 1}
+		for range st.blocks * len(st.sizes) {
+			g.spans = append(g.spans, Span{Addr: 0x1000, Len: 1})
+		}
+		next := 0
+		for _, m := range messagesOf(g, st.runs, st.per) {
+			if m.first != next || m.count < 1 || m.count > st.per {
+				t.Fatalf("message of %d blocks at %d after block %d (per %d)", m.count, m.first, next, st.per)
+			}
+			next += m.count
+		}
+		if next != st.blocks {
+			t.Fatalf("messages cover %d of %d blocks", next, st.blocks)
 		}
 	})
 }

@@ -16,7 +16,9 @@ import (
 // per-layer KV (layout.Block, gpu.HostBlock) is its Layers·KVs pieces in
 // (layer, kv) order. Pushed, a block is one message, gathered from the
 // source's pieces and scattered into the destination's by UCX's iov
-// datatype, its sum taken over the source's pieces (push.go). Pulled, the
+// datatype, its sum taken over the source's pieces (push.go); a run of
+// blocks each one stretch of the source's memory, one after the other,
+// is one message. Pulled, the
 // plane works on pieces throughout:
 //
 //   - the source registers, for the handoff alone, one ucp_mem_map per

@@ -534,3 +534,45 @@ func TestLayeredCancelBetweenPieces(t *testing.T) {
 	}
 	sender.Finish(id, errors.New("test over"))
 }
+
+func TestLayeredPushRuns(t *testing.T) {
+	// Pushed, a block-contiguous source's run of consecutive blocks is
+	// one message, scattered into a layer-separated destination's pieces;
+	// a layer-separated source's blocks are one message each (a block's
+	// pieces are not adjacent there).
+	ids, dids := []int{3, 4, 5, 6, 9, 10, 20}, []int{0, 1, 2, 3, 4, 5, 6}
+	for _, tc := range []struct {
+		name     string
+		src, dst func(layers, kvs, blocks, pieceBytes int, tag string) layout.Layout
+		messages int
+	}{
+		{"contiguous to separated", layout.Contiguous, layout.LayerSeparated, 3},
+		{"contiguous to contiguous", layout.Contiguous, layout.Contiguous, 3},
+		{"separated to contiguous", layout.LayerSeparated, layout.Contiguous, len(ids)},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			src := newHost(t, tc.src(lLayers, 2, 32, lPiece, lTag))
+			dst := newHost(t, tc.dst(lLayers, 2, 32, lPiece, lTag))
+			sender, recv := layeredPlanes(t, ucx.Config{})
+			sb, db := blocksOf(src, ids), blocksOf(dst, dids)
+			for i, b := range sb {
+				stampBlock(b, 4, i)
+			}
+			roundTrip(t, sender, recv, handoff.PlaneID{Session: 3, Handoff: 1}, sb, db)
+			for i, b := range db {
+				if err := checkBlock(b, 4, i); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := untouched(dst, dids); err != nil {
+				t.Fatal(err)
+			}
+			if s := sender.Stats(); s.Messages != tc.messages || s.Registrations != 0 {
+				t.Fatalf("sender %+v, want %d messages", s, tc.messages)
+			}
+			if s := recv.Stats(); s.Messages != tc.messages || s.Bytes != int64(len(ids)*lBlock) {
+				t.Fatalf("receiver %+v, want %d messages", s, tc.messages)
+			}
+		})
+	}
+}

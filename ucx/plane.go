@@ -48,22 +48,29 @@ const (
 type Config struct {
 	// Window bounds the gets one handoff has outstanding (16 when zero).
 	Window int
-	// MaxGet bounds the bytes of one get: contiguous blocks (on both
-	// sides) are read with one get up to this size (1 MiB when zero; a
-	// value below the block size reads one block per get).
+	// MaxGet bounds the bytes of one get (pull) or one message (push):
+	// blocks adjacent in memory (a run) are read with one get (pull:
+	// adjacent on both sides) or sent as one message (push: adjacent in
+	// the source's memory) up to this size (1 MiB when zero; a value
+	// below the block size moves one block per get or message). Pushed,
+	// the destination's value travels in its Accept bytes and the
+	// source cuts its runs at the smaller of the two; it also bounds
+	// what a cancel cannot withdraw (a receive a message already
+	// matched).
 	MaxGet int
 	// ConnectSpins bounds the progress calls the destination spends
 	// connecting to a handoff's source before it gives up (before
 	// anything is attached; 1e6 when zero).
 	ConnectSpins int
 	// BeforeGet, if set, runs on the destination's worker thread before
-	// the get that starts at block is posted (pull), or before the
-	// receive of block is posted (push): fault injection, tests stop or
-	// abort a handoff there. It must not call into the plane.
+	// the get that starts at block is posted (pull), or, for each block
+	// of a message, before the message's receive is posted (push): fault
+	// injection, tests stop or abort a handoff there. It must not call
+	// into the plane.
 	BeforeGet func(id handoff.PlaneID, block int)
-	// BeforeSend, if set, runs on the source's worker thread before the
-	// message of block is posted (push model; fault injection). It must
-	// not call into the plane.
+	// BeforeSend, if set, runs on the source's worker thread, for each
+	// block of a message, before the message is posted (push model;
+	// fault injection). It must not call into the plane.
 	BeforeSend func(id handoff.PlaneID, block int)
 	// Pull selects the pull model (the destination reads the source's
 	// registered pieces with ucp_get_nbx) instead of the default push
@@ -105,8 +112,10 @@ type Stats struct {
 	RegisteredBytes int64
 	// Gets counts the gets posted (destination, pull model).
 	Gets int
-	// Messages counts the block messages posted: sends on the source,
-	// receives on the destination (push model).
+	// Messages counts the messages posted (push model): sends on the
+	// source, receives on the destination; one per run of blocks
+	// adjacent in the source's memory (cut at MaxGet), one per other
+	// block. The sums table's message is not counted.
 	Messages int
 	// Keyed counts the started handoffs whose blocks carry sums keyed by
 	// their authenticated session (IntegrityMAC); the others carry
@@ -162,8 +171,8 @@ func HostBytes(b []byte) Span {
 
 // Sender is the source side's plane: for each handoff it starts a UCX
 // worker of the handoff's own. Pushing (the default), it connects to the
-// destination's worker and sends each block as a tagged message, then
-// the blocks' sums; pulling (Config.Pull), it registers the regions'
+// destination's worker and sends each run of blocks adjacent in memory,
+// and each other block, as a tagged message, then the blocks' sums; pulling (Config.Pull), it registers the regions'
 // pieces (one ucp_mem_map per contiguous run of them) and puts the
 // worker's address and the packed remote keys in the Start bytes. Finish,
 // or a cancel, revokes. It is safe for concurrent use.
@@ -235,11 +244,12 @@ func parseAccept(b []byte) (int, error) {
 // destination's worker named in the Accept bytes, attaches the transfer,
 // starts sending the blocks and returns the Start bytes (a block's piece
 // sizes, the block count, the integrity mode, a random nonce, the
-// handoff worker's address). Pulling, it registers the regions' pieces
-// for this handoff alone, attaches the transfer and returns the Start
-// bytes: the handoff worker's address, a block's piece sizes, per
-// contiguous run of pieces its address, its length and its packed remote
-// key, and where the pieces lie (the segments). Accept bytes of the
+// handoff worker's address, the most blocks of one message, the runs).
+// Pulling, it registers the regions' pieces for this handoff alone,
+// attaches the transfer and returns the Start bytes: the handoff
+// worker's address, a block's piece sizes, per contiguous run of pieces
+// its address, its length and its packed remote key, and where the
+// pieces lie (the segments). Accept bytes of the
 // other model are refused with ErrCorrupt; regions whose pieces disagree
 // or overlap with kvlease.ErrInvalidArgument, before anything is sent or
 // registered. The transfer resolves on Finish or a cancel, after the

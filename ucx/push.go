@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"hash/crc32"
+	"slices"
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
@@ -27,12 +28,28 @@ import (
 // created without UCP_FEATURE_RMA: no worker of this model serves a
 // software-emulated get or put (UCX registers those handlers only for
 // that feature).
+//
+// Runs: consecutive blocks that lie one after the other in the source's
+// memory (all their pieces, block by block) form a run, and a run moves
+// as one message (tagged with its first block), cut at the smaller of
+// the two sides' Config.MaxGet (the destination's travels in the Accept
+// bytes); the Start bytes list the runs of two blocks or more, and every
+// other block is a message of its own, as before. The destination
+// receives a run's message into its own blocks: one buffer where they
+// are adjacent in its memory too, scattered with an iov datatype where
+// they are not. The sums stay per block.
 
 const (
-	// pushVersion is the version byte of the push model's plane bytes.
-	pushVersion = 3
-	// pushAcceptMin is "KU", version, blocks, salt, address length.
-	pushAcceptMin = 2 + 1 + 4 + 4 + 2
+	// pushVersion is the version byte of the push model's plane bytes
+	// (4: the destination's message bound in Accept, the run list in
+	// Start).
+	pushVersion = 4
+	// pushAcceptMin is "KU", version, blocks, salt, the destination's
+	// message bound, address length.
+	pushAcceptMin = 2 + 1 + 4 + 4 + 4 + 2
+	// runBytes is the bytes of a run in the Start bytes' run list: its
+	// first block and its block count.
+	runBytes = 4 + 4
 	// tableIndex is the low half of the integrity table's tag.
 	tableIndex = 0xFFFF_FFFF
 	// macLen is the bytes of a block's keyed sum (a GMAC tag).
@@ -209,7 +226,8 @@ func integrityFor(key []byte, spans []Span) Integrity {
 }
 
 // preparePush starts the handoff's worker and returns the Accept bytes:
-// "KU", pushVersion, blocks, salt, the worker's address.
+// "KU", pushVersion, blocks, salt, the most bytes of one message
+// (Config.MaxGet), the worker's address.
 func (r *Receiver[R]) preparePush(p *prepared) ([]byte, error) {
 	var salt [4]byte
 	if _, err := rand.Read(salt[:]); err != nil {
@@ -229,11 +247,7 @@ func (r *Receiver[R]) preparePush(p *prepared) ([]byte, error) {
 		return nil, err
 	}
 	p.w = w
-	b := []byte{'K', 'U', pushVersion}
-	b = binary.LittleEndian.AppendUint32(b, uint32(p.blocks))
-	b = binary.LittleEndian.AppendUint32(b, p.salt)
-	b = binary.LittleEndian.AppendUint16(b, uint16(len(addr)))
-	b = append(b, addr...)
+	b := appendPushAccept(nil, p.blocks, p.salt, r.cfg.MaxGet, addr)
 	if len(b) > handoff.MaxPlane {
 		p.release()
 		return nil, fmt.Errorf("ucx: accept bytes %d exceed %d: %w", len(b), handoff.MaxPlane, kvlease.ErrExceedsCapacity)
@@ -241,43 +255,84 @@ func (r *Receiver[R]) preparePush(p *prepared) ([]byte, error) {
 	return b, nil
 }
 
+// appendPushAccept appends the push model's Accept bytes (read by
+// parsePushAccept).
+func appendPushAccept(b []byte, blocks int, salt uint32, maxMsg int, addr []byte) []byte {
+	b = append(b, 'K', 'U', pushVersion)
+	b = binary.LittleEndian.AppendUint32(b, uint32(blocks))
+	b = binary.LittleEndian.AppendUint32(b, salt)
+	b = binary.LittleEndian.AppendUint32(b, uint32(maxMsg))
+	b = binary.LittleEndian.AppendUint16(b, uint16(len(addr)))
+	return append(b, addr...)
+}
+
+// pushAccept is the push model's parsed Accept bytes.
+type pushAccept struct {
+	blocks int
+	salt   uint32
+	maxMsg int // the most bytes the destination takes in one message
+	addr   []byte
+}
+
 // parsePushAccept parses the push model's Accept bytes.
-func parsePushAccept(b []byte) (blocks int, salt uint32, addr []byte, err error) {
+func parsePushAccept(b []byte) (*pushAccept, error) {
 	if len(b) >= 3 && b[0] == 'K' && b[1] == 'U' && b[2] == version {
-		return 0, 0, nil, fmt.Errorf("ucx: the destination asks to read this source's memory (the pull model); this sender pushes (set Config.Pull on both sides to trust the destination with it): %w", ErrCorrupt)
+		return nil, fmt.Errorf("ucx: the destination asks to read this source's memory (the pull model); this sender pushes (set Config.Pull on both sides to trust the destination with it): %w", ErrCorrupt)
 	}
 	if len(b) < pushAcceptMin || b[0] != 'K' || b[1] != 'U' || b[2] != pushVersion {
-		return 0, 0, nil, fmt.Errorf("ucx: accept bytes of %d: %w", len(b), ErrCorrupt)
+		return nil, fmt.Errorf("ucx: accept bytes of %d: %w", len(b), ErrCorrupt)
 	}
-	blocks = int(binary.LittleEndian.Uint32(b[3:]))
-	salt = binary.LittleEndian.Uint32(b[7:])
-	n := int(binary.LittleEndian.Uint16(b[11:]))
-	if n == 0 || len(b) != pushAcceptMin+n || blocks <= 0 || blocks > handoff.MaxBlocks {
-		return 0, 0, nil, fmt.Errorf("ucx: accept bytes: %d blocks, address of %d bytes in %d: %w", blocks, n, len(b), ErrCorrupt)
+	a := &pushAccept{
+		blocks: int(binary.LittleEndian.Uint32(b[3:])),
+		salt:   binary.LittleEndian.Uint32(b[7:]),
+		maxMsg: int(binary.LittleEndian.Uint32(b[11:])),
 	}
-	return blocks, salt, b[pushAcceptMin:], nil
+	n := int(binary.LittleEndian.Uint16(b[15:]))
+	if n == 0 || len(b) != pushAcceptMin+n || a.blocks <= 0 || a.blocks > handoff.MaxBlocks || a.maxMsg <= 0 {
+		return nil, fmt.Errorf("ucx: accept bytes: %d blocks, messages of %d bytes, address of %d bytes in %d: %w", a.blocks, a.maxMsg, n, len(b), ErrCorrupt)
+	}
+	a.addr = b[pushAcceptMin:]
+	return a, nil
 }
 
 // pushStart is the push model's parsed Start bytes: "KU", pushVersion,
 // the piece count and sizes of a block, the block count, the integrity
-// mode, a random nonce of the source's, the source worker's address (the destination connects to it to
-// learn of the source's failure; it reads nothing there).
+// mode, a random nonce of the source's, the source worker's address (the
+// destination connects to it to learn of the source's failure; it reads
+// nothing there), the most blocks of one message, and the runs.
 type pushStart struct {
 	sizes  []int
 	blocks int
 	mode   Integrity
 	nonce  []byte // the source's, for the handoff's MAC key
 	addr   []byte
+	per    int        // the most blocks of one message
+	runs   []blockRun // runs of two blocks or more, in block order
 }
 
-func appendPushStart(b []byte, sizes []int, blocks int, mode Integrity, nonce, addr []byte) []byte {
-	b = appendStartHead(b, pushVersion, sizes, blocks)
-	b = append(b, byte(mode))
-	b = append(b, nonce...)
-	b = binary.LittleEndian.AppendUint16(b, uint16(len(addr)))
-	return append(b, addr...)
+// blockRun is a run of count consecutive blocks from first that lie one
+// after the other in the source's memory.
+type blockRun struct{ first, count int }
+
+func appendPushStart(b []byte, st *pushStart) []byte {
+	b = appendStartHead(b, pushVersion, st.sizes, st.blocks)
+	b = append(b, byte(st.mode))
+	b = append(b, st.nonce...)
+	b = binary.LittleEndian.AppendUint16(b, uint16(len(st.addr)))
+	b = append(b, st.addr...)
+	b = binary.LittleEndian.AppendUint32(b, uint32(st.per))
+	b = binary.LittleEndian.AppendUint32(b, uint32(len(st.runs)))
+	for _, r := range st.runs {
+		b = binary.LittleEndian.AppendUint32(b, uint32(r.first))
+		b = binary.LittleEndian.AppendUint32(b, uint32(r.count))
+	}
+	return b
 }
 
+// parsePushStart parses the push model's Start bytes. The runs must be
+// in block order, disjoint, of two blocks or more, inside the handoff,
+// and their count must fit the bytes left (checked before anything is
+// allocated for them); anything else wraps ErrCorrupt.
 func parsePushStart(b []byte) (*pushStart, error) {
 	r := &reader{b: b}
 	sizes, blocks, err := r.startHead(pushVersion)
@@ -288,14 +343,109 @@ func parsePushStart(b []byte) (*pushStart, error) {
 	mode := r.take(1)
 	s.nonce = r.take(nonceLen)
 	s.addr = r.take(r.u16())
+	s.per = r.u32()
+	nr := r.u32()
 	if r.err != nil {
 		return nil, r.err
 	}
 	s.mode = Integrity(mode[0])
-	if len(r.b) != 0 || len(s.addr) == 0 || s.blocks <= 0 || s.blocks > handoff.MaxBlocks || s.mode > IntegrityMAC {
-		return nil, fmt.Errorf("ucx: start bytes: %d blocks, integrity %d, address of %d bytes, %d trailing: %w", s.blocks, mode[0], len(s.addr), len(r.b), ErrCorrupt)
+	if len(s.addr) == 0 || s.blocks <= 0 || s.blocks > handoff.MaxBlocks || s.mode > IntegrityMAC || s.per <= 0 || s.per > handoff.MaxBlocks {
+		return nil, fmt.Errorf("ucx: start bytes: %d blocks, integrity %d, address of %d bytes, messages of %d blocks: %w", s.blocks, mode[0], len(s.addr), s.per, ErrCorrupt)
+	}
+	if nr > len(r.b)/runBytes || len(r.b) != nr*runBytes {
+		return nil, fmt.Errorf("ucx: start bytes: %d runs in %d bytes: %w", nr, len(r.b), ErrCorrupt)
+	}
+	if nr > 0 {
+		s.runs = make([]blockRun, 0, nr)
+	}
+	end := 0
+	for range nr {
+		run := blockRun{first: r.u32(), count: r.u32()}
+		if run.first < end || run.count < 2 || run.count > s.blocks-run.first {
+			return nil, fmt.Errorf("ucx: start bytes: a run of %d blocks at block %d (after block %d, of %d): %w", run.count, run.first, end, s.blocks, ErrCorrupt)
+		}
+		end = run.first + run.count
+		s.runs = append(s.runs, run)
 	}
 	return s, nil
+}
+
+// message is one tagged message of the push model: count blocks from
+// first (its tag's index), in one buffer of count·bb bytes at addr when
+// contig, else gathered or scattered with the iov entries of its pieces.
+type message struct {
+	first, count int
+	addr         uintptr
+	contig       bool
+}
+
+// adjacentSpans reports whether spans lie one after the other in memory
+// of one type.
+func adjacentSpans(spans []Span) bool {
+	for i := 1; i < len(spans); i++ {
+		if spans[i].Addr != spans[i-1].Addr+uintptr(spans[i-1].Len) || spans[i].Memory != spans[i-1].Memory {
+			return false
+		}
+	}
+	return true
+}
+
+// blockRuns returns g's runs of two blocks or more: consecutive blocks
+// whose pieces, block by block, lie one after the other in memory.
+func blockRuns(g *geometry) []blockRun {
+	np := len(g.sizes)
+	var out []blockRun
+	for b := 0; b < g.blocks(); {
+		n := 1
+		for b+n < g.blocks() && adjacentSpans(g.spans[(b+n-1)*np:(b+n+1)*np]) {
+			n++
+		}
+		if n >= 2 {
+			out = append(out, blockRun{first: b, count: n})
+		}
+		b += n
+	}
+	return out
+}
+
+// fitRuns keeps the longest of runs that fit in room bytes of a run list
+// (the Start bytes are bounded), in block order; the blocks of the runs
+// left out move one message each.
+func fitRuns(runs []blockRun, room int) []blockRun {
+	k := max(0, room/runBytes)
+	if len(runs) <= k {
+		return runs
+	}
+	kept := slices.Clone(runs)
+	slices.SortStableFunc(kept, func(a, b blockRun) int { return b.count - a.count })
+	kept = kept[:k]
+	slices.SortFunc(kept, func(a, b blockRun) int { return a.first - b.first })
+	return kept
+}
+
+// messagesOf cuts the handoff's blocks into messages: each run into
+// messages of at most per blocks, every other block one message; each
+// is one buffer where its pieces in g (this side's memory) are adjacent.
+func messagesOf(g *geometry, runs []blockRun, per int) []message {
+	np := len(g.sizes)
+	out := make([]message, 0, g.blocks()-len(runs))
+	add := func(first, count int) {
+		spans := g.spans[first*np : (first+count)*np]
+		out = append(out, message{first: first, count: count, addr: spans[0].Addr, contig: adjacentSpans(spans)})
+	}
+	b := 0
+	for _, r := range runs {
+		for ; b < r.first; b++ {
+			add(b, 1)
+		}
+		for ; b < r.first+r.count; b += min(per, r.first+r.count-b) {
+			add(b, min(per, r.first+r.count-b))
+		}
+	}
+	for ; b < g.blocks(); b++ {
+		add(b, 1)
+	}
+	return out
 }
 
 // pushSend is a source job's push state. Everything is owned by the
@@ -304,11 +454,12 @@ type pushSend struct {
 	ep     *endpoint
 	salt   uint32
 	g      *geometry
-	iov    iovs // the pieces of every block, when a block has several
+	msgs   []message
+	iov    iovs // the pieces of every block, when a message is not one buffer
 	sums   cbuf // the integrity table, sent after the last block
 	summer *summer
 	b      batch
-	next   int // blocks posted
+	next   int // messages posted
 	inline int // sends that completed at once
 	tabled bool
 	err    error // a send that could not be posted
@@ -327,20 +478,27 @@ func (p *pushSend) free() {
 	}
 }
 
+// needIov reports whether a message of msgs is not one buffer.
+func needIov(msgs []message) bool {
+	return slices.ContainsFunc(msgs, func(m message) bool { return !m.contig })
+}
+
 // sendPush is Send in the push model: it connects to the destination's
-// worker, attaches the transfer and sends the blocks from the worker's
+// worker, attaches the transfer and sends the blocks (a message per run
+// of blocks adjacent in memory, one per other block) from the worker's
 // thread. The transfer resolves as in the pull model: on Finish or a
 // cancel, after the revocation (the handoff's endpoint closed, its
 // worker destroyed: nothing of UCX reads the regions any more).
 func (s *Sender[R]) sendPush(id handoff.PlaneID, regions []R, accept []byte, attach func(*kvlease.Transfer) error) ([]byte, error) {
-	blocks, salt, addr, err := parsePushAccept(accept)
+	acc, err := parsePushAccept(accept)
 	if err != nil {
 		return nil, err
 	}
+	blocks := acc.blocks
 	if blocks != len(regions) {
 		return nil, fmt.Errorf("ucx: send: accept for %d blocks, %d regions: %w", blocks, len(regions), ErrCorrupt)
 	}
-	j, err := s.enroll(id, &pushSend{salt: salt})
+	j, err := s.enroll(id, &pushSend{salt: acc.salt})
 	if err != nil {
 		return nil, err
 	}
@@ -360,7 +518,7 @@ func (s *Sender[R]) sendPush(id handoff.PlaneID, regions []R, accept []byte, att
 	if _, err := rand.Read(nonce[:]); err != nil {
 		return fail(fmt.Errorf("ucx: send: %w", err))
 	}
-	key, err := s.keys.derive(id, keyContext(id.Handoff, nonce[:], salt))
+	key, err := s.keys.derive(id, keyContext(id.Handoff, nonce[:], acc.salt))
 	if err != nil {
 		return fail(fmt.Errorf("ucx: send: block key: %w", err))
 	}
@@ -376,7 +534,7 @@ func (s *Sender[R]) sendPush(id handoff.PlaneID, regions []R, accept []byte, att
 		if own, err = j.w.address(); err != nil {
 			return
 		}
-		if p.ep, err = j.w.connect(addr); err != nil {
+		if p.ep, err = j.w.connect(acc.addr); err != nil {
 			return
 		}
 		err = j.w.flushWait(p.ep, s.cfg.ConnectSpins)
@@ -386,11 +544,19 @@ func (s *Sender[R]) sendPush(id handoff.PlaneID, regions []R, accept []byte, att
 	if err != nil {
 		return fail(err)
 	}
-	start := appendPushStart(nil, p.g.sizes, blocks, mode, nonce[:], own)
+	st := &pushStart{sizes: p.g.sizes, blocks: blocks, mode: mode, nonce: nonce[:], addr: own,
+		per: max(1, min(s.cfg.MaxGet, acc.maxMsg)/p.g.bb)}
+	start := appendPushStart(nil, st)
 	if len(start) > handoff.MaxPlane {
 		return fail(fmt.Errorf("ucx: start bytes %d exceed %d: %w", len(start), handoff.MaxPlane, kvlease.ErrExceedsCapacity))
 	}
-	if len(p.g.sizes) > 1 {
+	if st.per > 1 {
+		// The runs the Start bytes hold (the longest, if not all fit).
+		st.runs = fitRuns(blockRuns(p.g), handoff.MaxPlane-len(start))
+		start = appendPushStart(start[:0], st)
+	}
+	p.msgs = messagesOf(p.g, st.runs, st.per)
+	if needIov(p.msgs) {
 		p.iov = newIovs(p.g.spans)
 	}
 	if n := mode.sumLen(); n > 0 {
@@ -406,35 +572,36 @@ func (s *Sender[R]) sendPush(id handoff.PlaneID, regions []R, accept []byte, att
 	return start, nil
 }
 
-// pushStep posts the job's sends, at most Window outstanding, then the
-// integrity table; true once everything is posted (or posting failed).
-// The source's evidence does not come from the sends' completions but
-// from Finish or a cancel (the revocation), as in the pull model. Worker
-// thread only.
+// pushStep posts the job's messages, at most Window outstanding, then
+// the integrity table; true once everything is posted (or posting
+// failed). The source's evidence does not come from the sends'
+// completions but from Finish or a cancel (the revocation), as in the
+// pull model. Worker thread only.
 func (j *sendJob[R]) pushStep() bool {
 	p := j.push
 	if p.ep == nil || p.ep.failed() != nil {
 		return true
 	}
 	np := len(p.g.sizes)
-	blocks := p.g.blocks()
 	completed := p.inline + p.b.completed()
 	posted := 0
-	for p.next < blocks && p.next-completed < j.s.cfg.Window {
-		b := p.next
-		if hook := j.s.cfg.BeforeSend; hook != nil {
-			hook(j.id, b)
-		}
-		if n := p.summer.mode.sumLen(); n > 0 {
-			p.summer.sum(p.sums.bytes()[b*n:(b+1)*n], b, p.g.spans[b*np:(b+1)*np])
+	for p.next < len(p.msgs) && p.next-completed < j.s.cfg.Window {
+		m := p.msgs[p.next]
+		for b := m.first; b < m.first+m.count; b++ {
+			if hook := j.s.cfg.BeforeSend; hook != nil {
+				hook(j.id, b)
+			}
+			if n := p.summer.mode.sumLen(); n > 0 {
+				p.summer.sum(p.sums.bytes()[b*n:(b+1)*n], b, p.g.spans[b*np:(b+1)*np])
+			}
 		}
 		var done bool
 		var err error
-		if np == 1 {
-			sp := p.g.spans[b]
-			done, err = p.ep.send(sp.Addr, sp.Len, false, tagOf(p.salt, uint32(b)), p.b)
+		tag := tagOf(p.salt, uint32(m.first))
+		if m.contig {
+			done, err = p.ep.send(m.addr, m.count*p.g.bb, false, tag, p.b)
 		} else {
-			done, err = p.ep.send(p.iov.at(b*np), np, true, tagOf(p.salt, uint32(b)), p.b)
+			done, err = p.ep.send(p.iov.at(m.first*np), m.count*np, true, tag, p.b)
 		}
 		if err != nil {
 			p.err = err
@@ -453,7 +620,7 @@ func (j *sendJob[R]) pushStep() bool {
 	if p.err != nil {
 		return true
 	}
-	if p.next < blocks {
+	if p.next < len(p.msgs) {
 		return false
 	}
 	if p.sums.p != nil && !p.tabled {
@@ -471,8 +638,9 @@ func (j *sendJob[R]) pushStep() bool {
 type pushRecv struct {
 	prep   *prepared
 	g      *geometry
+	msgs   []message
 	iov    iovs
-	rv     recvs // one per block, then the integrity table's
+	rv     recvs // one per message, then the integrity table's
 	sums   cbuf
 	mode   Integrity
 	summer *summer
@@ -520,6 +688,9 @@ func (r *Receiver[R]) receivePush(id handoff.PlaneID, prep *prepared, regions []
 	if _, err := registrations(p.g.spans); err != nil {
 		return fail(err)
 	}
+	if limit := max(1, r.cfg.MaxGet/p.g.bb); st.per > limit {
+		return fail(fmt.Errorf("ucx: receive: the source sends up to %d blocks per message, this destination takes %d: %w", st.per, limit, ErrCorrupt))
+	}
 	key, err := r.keys.derive(id, keyContext(id.Handoff, st.nonce, prep.salt))
 	if err != nil {
 		return fail(fmt.Errorf("ucx: receive: block key: %w", err))
@@ -547,10 +718,11 @@ func (r *Receiver[R]) receivePush(id handoff.PlaneID, prep *prepared, regions []
 	if err != nil {
 		return fail(err)
 	}
-	if len(p.g.sizes) > 1 {
+	p.msgs = messagesOf(p.g, st.runs, st.per)
+	if needIov(p.msgs) {
 		p.iov = newIovs(p.g.spans)
 	}
-	p.rv = newRecvs(st.blocks + 1)
+	p.rv = newRecvs(len(p.msgs) + 1)
 	if n := st.mode.sumLen(); n > 0 {
 		p.sums = newCbuf(n * st.blocks)
 	}
@@ -558,7 +730,7 @@ func (r *Receiver[R]) receivePush(id handoff.PlaneID, prep *prepared, regions []
 }
 
 // stepPush advances a push job on its worker's thread: it posts the
-// integrity table's receive, then the blocks' receives (at most Window
+// integrity table's receive, then the messages' receives (at most Window
 // outstanding), and once every posted receive has completed (its
 // message landed, or it was canceled before one matched) it checks the
 // blocks and resolves. True when it is done.
@@ -571,11 +743,11 @@ func (j *recvJob[R]) stepPush() bool {
 		go j.finish(fmt.Errorf("%w: %w", err, ErrRevoked), true)
 		return true
 	}
-	blocks := p.g.blocks()
+	msgs := len(p.msgs)
 	np := len(p.g.sizes)
 	if !p.tabled && p.sums.p != nil {
 		p.tabled = true
-		if err := j.w.recv(p.rv, blocks, p.sums.addr(), p.sums.n, false, tagOf(p.prep.salt, tableIndex)); err != nil {
+		if err := j.w.recv(p.rv, msgs, p.sums.addr(), p.sums.n, false, tagOf(p.prep.salt, tableIndex)); err != nil {
 			j.postErr = err
 		}
 	}
@@ -585,21 +757,23 @@ func (j *recvJob[R]) stepPush() bool {
 	}
 	completed := p.rv.b.completed()
 	stopping := j.canceled.Load() || j.postErr != nil || p.rv.b.failedN() > 0
-	for !stopping && j.next < blocks && j.next+table-completed < j.r.cfg.Window+table {
-		b := j.next
+	for !stopping && j.next < msgs && j.next+table-completed < j.r.cfg.Window+table {
+		m := p.msgs[j.next]
 		if hook := j.r.cfg.BeforeGet; hook != nil {
-			hook(j.id, b)
-			if j.canceled.Load() {
-				stopping = true
+			for b := m.first; b < m.first+m.count && !stopping; b++ {
+				hook(j.id, b)
+				stopping = j.canceled.Load()
+			}
+			if stopping {
 				break
 			}
 		}
 		var err error
-		if np == 1 {
-			sp := p.g.spans[b]
-			err = j.w.recv(p.rv, b, sp.Addr, sp.Len, false, tagOf(p.prep.salt, uint32(b)))
+		tag := tagOf(p.prep.salt, uint32(m.first))
+		if m.contig {
+			err = j.w.recv(p.rv, j.next, m.addr, m.count*p.g.bb, false, tag)
 		} else {
-			err = j.w.recv(p.rv, b, p.iov.at(b*np), np, true, tagOf(p.prep.salt, uint32(b)))
+			err = j.w.recv(p.rv, j.next, p.iov.at(m.first*np), m.count*np, true, tag)
 		}
 		j.next++ // posted, or failed at once (counted as completed)
 		if err != nil {
@@ -614,13 +788,13 @@ func (j *recvJob[R]) stepPush() bool {
 			j.w.cancel(p.rv, i)
 		}
 		if p.tabled {
-			j.w.cancel(p.rv, blocks)
+			j.w.cancel(p.rv, msgs)
 		}
 	}
 	if p.rv.b.completed() < j.next+table {
 		return false // wait for the posted receives
 	}
-	if !stopping && j.next < blocks {
+	if !stopping && j.next < msgs {
 		return false
 	}
 	// Every posted receive completed: UCX writes none of the regions
@@ -649,21 +823,25 @@ func (j *recvJob[R]) pushOutcome() error {
 		}
 		return nil
 	}
-	for b := range j.next {
-		if err := check(b, p.g.bb, fmt.Sprintf("block %d of %d", b, blocks)); err != nil {
+	for i, m := range p.msgs[:j.next] {
+		what := fmt.Sprintf("block %d of %d", m.first, blocks)
+		if m.count > 1 {
+			what = fmt.Sprintf("blocks %d to %d of %d", m.first, m.first+m.count-1, blocks)
+		}
+		if err := check(i, m.count*p.g.bb, what); err != nil {
 			return err
 		}
 	}
 	if p.tabled {
-		if err := check(blocks, p.sums.n, "integrity table"); err != nil {
+		if err := check(len(p.msgs), p.sums.n, "integrity table"); err != nil {
 			return err
 		}
 	}
 	if j.postErr != nil {
 		return j.postErr
 	}
-	if canceled || j.next < blocks {
-		return fmt.Errorf("ucx: stopped after %d of %d blocks: %w", j.next, blocks, ErrCanceled)
+	if canceled || j.next < len(p.msgs) {
+		return fmt.Errorf("ucx: stopped after %d of %d messages: %w", j.next, len(p.msgs), ErrCanceled)
 	}
 	if n := p.mode.sumLen(); n > 0 {
 		got := make([]byte, n)

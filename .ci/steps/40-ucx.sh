@@ -23,3 +23,7 @@ echo "$out" | grep -Eq '^  late writes +0 '
 for f in FuzzParsePushAccept FuzzParsePushStart FuzzParseStart FuzzParseAccept; do
 	out=$(go test -run '^$' -fuzz "^$f\$" -fuzztime 10000x . 2>&1) || { echo "$out" | tail -20; exit 1; }
 done
+# Runs: the benchmark's layouts once (its bytes are checked; the tests
+# count the descriptors), so that it keeps running.
+out=$(go test -run '^$' -bench '^BenchmarkRuns256x4K$' -benchtime 1x . 2>&1) || { echo "$out" | tail -20; exit 1; }
+echo "$out" | grep -E '^BenchmarkRuns256x4K/'
