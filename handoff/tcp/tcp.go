@@ -384,10 +384,6 @@ func (s *Sender) start(id handoff.PlaneID, accept []byte, attach func(*kvlease.T
 	if err := s.checkAddr(id, addr); err != nil {
 		return nil, err
 	}
-	sl, err := newSeal(id, tok)
-	if err != nil {
-		return nil, err
-	}
 	sc, reused, err := s.get(addr)
 	if err != nil {
 		return nil, err
@@ -421,7 +417,13 @@ func (s *Sender) start(id handoff.PlaneID, accept []byte, attach func(*kvlease.T
 	s.stats.mu.Unlock()
 	go func() {
 		defer s.wg.Done()
-		n, err := write(sc.c, tok, sl, &cancel)
+		// The session's key is derived here, after Send has returned
+		// (the Start message need not wait for it).
+		sl, err := newSeal(id, tok)
+		var n int64
+		if err == nil {
+			n, err = write(sc.c, tok, sl, &cancel)
+		}
 		if err != nil && reused && isHelloError(err) && !cancel.Load() {
 			// The pooled connection died before the peek could tell
 			// (its FIN was still on the way): no block byte left, the
@@ -730,9 +732,12 @@ func (r *Receiver) hello(c, raw net.Conn, reused bool) {
 	var h [helloLength]byte
 	if reused {
 		_ = c.SetReadDeadline(time.Now().Add(2 * r.cfg.IdleTimeout))
-		_, err := io.ReadFull(c, h[:1])
+		got, err := c.Read(h[:]) // usually the whole hello at once
 		r.idle.Add(-1)
-		if err != nil {
+		if got == 0 && err == nil {
+			err = io.ErrNoProgress
+		}
+		if got == 0 {
 			r.untrack(raw) // first: a counted expiry is a closed connection
 			var ne net.Error
 			if errors.As(err, &ne) && ne.Timeout() {
@@ -742,10 +747,12 @@ func (r *Receiver) hello(c, raw net.Conn, reused bool) {
 			}
 			return
 		}
-		_ = c.SetReadDeadline(time.Now().Add(r.cfg.HelloTimeout))
-		if n, err := io.ReadFull(c, h[1:]); err != nil {
-			r.refuse(raw, fmt.Errorf("half a hello (%d of %d bytes): %w (%w)", 1+n, helloLength, ErrCorrupt, err))
-			return
+		if got < helloLength {
+			_ = c.SetReadDeadline(time.Now().Add(r.cfg.HelloTimeout))
+			if n, err := io.ReadFull(c, h[got:]); err != nil {
+				r.refuse(raw, fmt.Errorf("half a hello (%d of %d bytes): %w (%w)", got+n, helloLength, ErrCorrupt, err))
+				return
+			}
 		}
 	} else {
 		defer r.pending.Add(-1)
@@ -789,24 +796,21 @@ func (r *Receiver) hello(c, raw net.Conn, reused bool) {
 	s.conn <- dataConn{c: c, raw: raw, bb: int64(binary.LittleEndian.Uint32(h[24:]))}
 }
 
-// after is told that the transfer on a data connection ended: cleanly
-// (every byte read and checked, no cancel) or not. A clean connection
-// waits, idle, for its next hello (at most MaxIdleConns of them); any
-// other is closed, before the transfer resolves (so that the sender's
-// peek sees the close by the time the destination's word arrives).
-func (r *Receiver) after(p dataConn, clean bool) {
+// keep is told that the transfer on a data connection ended: cleanly
+// (every byte read and checked, no cancel) or not. It reports whether
+// the connection is kept to wait, idle, for its next hello (a clean one,
+// while fewer than MaxIdleConns wait); any other is closed now, before
+// the transfer resolves, so that the sender's peek sees the close by the
+// time the destination's word arrives.
+func (r *Receiver) keep(p dataConn, clean bool) bool {
 	if clean && r.cfg.MaxIdleConns >= 0 {
 		if r.idle.Add(1) <= int32(r.cfg.MaxIdleConns) {
-			r.wg.Add(1)
-			go func() {
-				defer r.wg.Done()
-				r.hello(p.c, p.raw, true)
-			}()
-			return
+			return true
 		}
 		r.idle.Add(-1)
 	}
 	r.untrack(p.raw)
+	return false
 }
 
 // dataConn is a data connection whose hello checked out: the connection
@@ -915,9 +919,27 @@ func (r *Receiver) receive(id handoff.PlaneID, blocks int, blockBytes func() (in
 		r.dropSlot(s)
 		return fmt.Errorf("tcp: receive: %w", err)
 	}
+	// A cancel ends a read blocked on a stalled peer at once (a read
+	// deadline in the past, set by the hook itself on the connection
+	// being read): the reader's return is then our evidence, so a
+	// quarantine lifts as soon as it is set. Once the read has returned
+	// the hook leaves the connection alone (it may be reused); a
+	// connection whose transfer saw a cancel is closed.
 	cancel := make(chan struct{})
-	var once sync.Once
-	t := kvlease.NewTransfer(func() { once.Do(func() { close(cancel) }) })
+	var mu sync.Mutex
+	var reading net.Conn // the connection being read, while it is
+	canceled := false
+	t := kvlease.NewTransfer(func() {
+		mu.Lock()
+		defer mu.Unlock()
+		if !canceled {
+			canceled = true
+			close(cancel)
+			if reading != nil {
+				_ = reading.SetReadDeadline(time.Now())
+			}
+		}
+	})
 	if err := attach(t); err != nil {
 		r.dropSlot(s)
 		t.Resolve(err)
@@ -931,6 +953,7 @@ func (r *Receiver) receive(id handoff.PlaneID, blocks int, blockBytes func() (in
 		defer r.wg.Done()
 		var n int64
 		var err error
+		var kept *dataConn // reused for the next hello once resolved
 		wait := time.NewTimer(r.cfg.HelloTimeout)
 		defer wait.Stop()
 		select {
@@ -939,37 +962,20 @@ func (r *Receiver) receive(id handoff.PlaneID, blocks int, blockBytes func() (in
 				r.untrack(p.raw)
 				break
 			}
-			// A cancel ends a read blocked on a stalled peer at once (a
-			// read deadline in the past): the reader's return is then our
-			// evidence, so a quarantine lifts as soon as it is set. Once
-			// the read has returned, the watcher leaves the connection
-			// alone (it may be reused); a cancel that came closes it.
-			done := make(chan struct{})
-			var mu sync.Mutex
-			ended := false
-			go func() {
-				select {
-				case <-cancel:
-					mu.Lock()
-					if !ended {
-						_ = p.c.SetReadDeadline(time.Now())
-					}
-					mu.Unlock()
-				case <-done:
-				}
-			}()
+			mu.Lock()
+			reading = p.c
+			if canceled {
+				_ = p.c.SetReadDeadline(time.Now())
+			}
+			mu.Unlock()
 			n, err = read(p.c, s.seal, cancel)
 			mu.Lock()
-			ended = true
+			reading = nil
+			clean := err == nil && !canceled
 			mu.Unlock()
-			close(done)
-			canceled := false
-			select {
-			case <-cancel:
-				canceled = true
-			default:
+			if r.keep(p, clean) {
+				kept = &p
 			}
-			r.after(p, err == nil && !canceled)
 		case <-cancel:
 			err = fmt.Errorf("tcp: canceled before the data connection came: %w", ErrCanceled)
 			r.dropSlot(s)
@@ -982,6 +988,9 @@ func (r *Receiver) receive(id handoff.PlaneID, blocks int, blockBytes func() (in
 		}
 		r.stats.outcome(err, n)
 		t.Resolve(err) // the loop has exited: no write of ours is in progress
+		if kept != nil {
+			r.hello(kept.c, kept.raw, true) // this goroutine waits for the next one
+		}
 	}()
 	return nil
 }
