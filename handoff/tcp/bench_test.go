@@ -69,8 +69,15 @@ func newBenchRigWith(b *testing.B, auth string, blockBytes, blocks int, cfg tcp.
 // handoff moves the whole lease to the peer once (no hashes: nothing
 // hits in its cache) and returns how long propose → delivered took.
 func (r *benchRig) handoff(b *testing.B) time.Duration {
+	return r.handoffWith(b, nil)
+}
+
+// handoffWith is handoff with the lease's blocks named by hashes: once
+// the peer holds them, every block hits and nothing moves (the control
+// messages alone).
+func (r *benchRig) handoffWith(b *testing.B, hashes []kvlease.BlockHash) time.Duration {
 	start := time.Now()
-	o, err := r.src.Propose(r.next, "bench", r.lease, nil)
+	o, err := r.src.Propose(r.next, "bench", r.lease, hashes)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -253,7 +260,9 @@ func BenchmarkControlLatency(b *testing.B) {
 // the data connections dialled per timed handoff. Goal: reused p50 ≤ 3 ×
 // the round trip's p50. For scale, copy-p50 is the same bytes copied raw
 // to the peer over a held connection until its one-byte answer: a
-// handoff needs at least a round trip (propose, accept) and that copy.
+// handoff needs at least a round trip (propose, accept) and that copy;
+// ctl-p50 is a handoff of the same blocks that all hit in the peer's
+// cache (nothing moves: the control messages alone).
 func BenchmarkReuseLatency(b *testing.B) {
 	for _, auth := range []string{"none", "psk"} {
 		b.Run("auth="+auth, func(b *testing.B) {
@@ -288,6 +297,11 @@ func BenchmarkReuseLatency(b *testing.B) {
 			}
 			defer sink.Close()
 			rigs[0].copyOn(b, sink)
+			hashes := hashesFor(1, 16)
+			rigs[0].handoffWith(b, hashes) // the peer caches them
+			if d := rigs[0].handoffWith(b, hashes); d <= 0 {
+				b.Fatal(d)
+			}
 			dials := make([]int, len(rigs))
 			for i, r := range rigs {
 				dials[i] = -r.sender.Stats().Dials
@@ -295,6 +309,7 @@ func BenchmarkReuseLatency(b *testing.B) {
 			hs := make([][]time.Duration, len(rigs))
 			rs := make([]time.Duration, 0, b.N)
 			cs := make([]time.Duration, 0, b.N)
+			ctl := make([]time.Duration, 0, b.N)
 			b.ReportAllocs()
 			b.ResetTimer()
 			for k := range b.N {
@@ -304,12 +319,15 @@ func BenchmarkReuseLatency(b *testing.B) {
 				}
 				rs = append(rs, rtt())
 				cs = append(cs, rigs[0].copyOn(b, sink))
+				ctl = append(ctl, rigs[0].handoffWith(b, hashes))
 			}
 			b.StopTimer()
 			rp50, _ := percentiles(rs)
 			cp50, _ := percentiles(cs)
 			b.ReportMetric(float64(rp50.Nanoseconds())/1e3, "rtt-p50-µs")
 			b.ReportMetric(float64(cp50.Nanoseconds())/1e3, "copy-p50-µs")
+			ctl50, _ := percentiles(ctl)
+			b.ReportMetric(float64(ctl50.Nanoseconds())/1e3, "ctl-p50-µs")
 			for i, m := range names {
 				dials[i] += rigs[i].sender.Stats().Dials
 				p50, p99 := percentiles(hs[i])
