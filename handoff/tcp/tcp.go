@@ -614,7 +614,36 @@ type slot struct {
 	seal   *seal
 	blocks int
 	conn   chan dataConn // the data connection, once its hello checked out
-	gone   chan struct{} // closed by Forget
+
+	mu      sync.Mutex
+	dropped bool // no receive will take conn any more
+}
+
+// offer hands the connection p, whose hello named s, to the slot's
+// receive; a slot dropped meanwhile (a timeout, a cancel, Forget)
+// closes it instead.
+func (s *slot) offer(r *Receiver, p dataConn) {
+	s.mu.Lock()
+	if !s.dropped {
+		s.conn <- p // buffered: one hello per slot
+		s.mu.Unlock()
+		return
+	}
+	s.mu.Unlock()
+	r.untrack(p.raw)
+}
+
+// drop marks the slot dropped and closes a connection that waited in
+// it.
+func (s *slot) drop(r *Receiver) {
+	s.mu.Lock()
+	s.dropped = true
+	s.mu.Unlock()
+	select {
+	case c := <-s.conn:
+		r.untrack(c.raw)
+	default:
+	}
 }
 
 var _ handoff.RecvPlane[[]byte] = (*Receiver)(nil)
@@ -793,7 +822,7 @@ func (r *Receiver) hello(c, raw net.Conn, reused bool) {
 		r.stats.s.Reuses++
 		r.stats.mu.Unlock()
 	}
-	s.conn <- dataConn{c: c, raw: raw, bb: int64(binary.LittleEndian.Uint32(h[24:]))}
+	s.offer(r, dataConn{c: c, raw: raw, bb: int64(binary.LittleEndian.Uint32(h[24:]))})
 }
 
 // keep is told that the transfer on a data connection ended: cleanly
@@ -841,7 +870,7 @@ func (r *Receiver) Prepare(id handoff.PlaneID, blocks int) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &slot{id: id, tok: tok, seal: sl, blocks: blocks, conn: make(chan dataConn, 1), gone: make(chan struct{})}
+	s := &slot{id: id, tok: tok, seal: sl, blocks: blocks, conn: make(chan dataConn, 1)}
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.closed {
@@ -866,14 +895,8 @@ func (r *Receiver) Forget(id handoff.PlaneID) {
 		delete(r.byTok, s.tok)
 	}
 	r.mu.Unlock()
-	if s == nil {
-		return
-	}
-	close(s.gone)
-	select {
-	case c := <-s.conn:
-		r.untrack(c.raw)
-	default:
+	if s != nil {
+		s.drop(r)
 	}
 }
 
@@ -999,11 +1022,7 @@ func (r *Receiver) dropSlot(s *slot) {
 	r.mu.Lock()
 	delete(r.byTok, s.tok)
 	r.mu.Unlock()
-	select {
-	case c := <-s.conn:
-		r.untrack(c.raw)
-	default:
-	}
+	s.drop(r)
 }
 
 // read receives the blocks into regions: first the sender's frame
