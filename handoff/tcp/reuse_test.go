@@ -3,6 +3,7 @@ package tcp_test
 import (
 	"bytes"
 	"errors"
+	"io"
 	"net"
 	"sync"
 	"testing"
@@ -237,11 +238,13 @@ func TestReuseIdleExpiry(t *testing.T) {
 		}
 	})
 	t.Run("receiver first", func(t *testing.T) {
+		var sent connLog
 		l := newLoop(t, loopConfig{keepLeases: true, sendCfg: tcp.Config{IdleTimeout: time.Minute},
-			recvCfg: tcp.Config{IdleTimeout: 20 * time.Millisecond}})
+			recvCfg: tcp.Config{IdleTimeout: 20 * time.Millisecond}, wrapSend: sent.wrap})
 		deliver(t, l, 1, 2, 1)
 		idleIs(t, l.sender, 1)
 		waitStats(t, "receiver expiry", l.recv.Stats, func(s tcp.Stats) bool { return s.IdleExpired == 1 })
+		waitEOF(t, sent.get(0))
 		deliver(t, l, 2, 2, 2)
 		if s := l.sender.Stats(); s.Dials != 2 || s.Stale != 1 || s.Reuses != 0 || s.Failed != 0 {
 			t.Fatalf("sender %+v: want the closed connection found and replaced", s)
@@ -268,21 +271,34 @@ func (c *connLog) get(i int) net.Conn {
 	return c.conns[i]
 }
 
+// waitEOF waits until the sender's connection c has the receiver's FIN
+// (the close is complete on this side too: what the sender's peek looks
+// for; a FIN still on its way is the redial's case, TestReuseHelloRetry).
+func waitEOF(t *testing.T, c net.Conn) {
+	t.Helper()
+	_ = c.SetReadDeadline(time.Now().Add(bound))
+	if n, err := c.Read(make([]byte, 1)); n != 0 || !errors.Is(err, io.EOF) {
+		t.Fatalf("the sender's connection read %d bytes, %v; want the receiver's FIN", n, err)
+	}
+	_ = c.SetReadDeadline(time.Time{})
+}
+
 // TestReuseKilledBetween: an idle connection closed by either side
 // between handoffs is replaced by a fresh dial, and the next handoff is
 // delivered.
 func TestReuseKilledBetween(t *testing.T) {
 	for _, side := range []string{"sender", "receiver"} {
 		t.Run(side, func(t *testing.T) {
-			var log connLog
-			lc := loopConfig{keepLeases: true, wrapSend: log.wrap}
-			if side == "receiver" {
-				lc = loopConfig{keepLeases: true, wrapRecv: log.wrap}
-			}
-			l := newLoop(t, lc)
+			var sent, got connLog
+			l := newLoop(t, loopConfig{keepLeases: true, wrapSend: sent.wrap, wrapRecv: got.wrap})
 			deliver(t, l, 1, 3, 1)
 			idleIs(t, l.sender, 1)
-			_ = log.get(0).Close()
+			if side == "sender" {
+				_ = sent.get(0).Close()
+			} else {
+				_ = got.get(0).Close()
+				waitEOF(t, sent.get(0))
+			}
 			waitStats(t, "receiver", l.recv.Stats, func(s tcp.Stats) bool { return s.Idle == 0 })
 			deliver(t, l, 2, 3, 2)
 			if s := l.sender.Stats(); s.Dials != 2 || s.Stale != 1 || s.Failed != 0 || s.Completed != 2 {
