@@ -943,11 +943,13 @@ func (r *Receiver) receive(id handoff.PlaneID, blocks int, blockBytes func() (in
 		return fmt.Errorf("tcp: receive: %w", err)
 	}
 	// A cancel ends a read blocked on a stalled peer at once (a read
-	// deadline in the past, set by the hook itself on the connection
-	// being read): the reader's return is then our evidence, so a
-	// quarantine lifts as soon as it is set. Once the read has returned
-	// the hook leaves the connection alone (it may be reused); a
-	// connection whose transfer saw a cancel is closed.
+	// deadline in the past, set on the connection being read by a
+	// goroutine the hook starts: the hook may be called from inside the
+	// read, and the read stops at its next system call, not within the
+	// hook): the reader's return is then our evidence, so a quarantine
+	// lifts as soon as it is set. Once the read has returned the
+	// connection is left alone (it may be reused); a connection whose
+	// transfer saw a cancel is closed.
 	cancel := make(chan struct{})
 	var mu sync.Mutex
 	var reading net.Conn // the connection being read, while it is
@@ -955,12 +957,19 @@ func (r *Receiver) receive(id handoff.PlaneID, blocks int, blockBytes func() (in
 	t := kvlease.NewTransfer(func() {
 		mu.Lock()
 		defer mu.Unlock()
-		if !canceled {
-			canceled = true
-			close(cancel)
-			if reading != nil {
-				_ = reading.SetReadDeadline(time.Now())
-			}
+		if canceled {
+			return
+		}
+		canceled = true
+		close(cancel)
+		if c := reading; c != nil {
+			go func() {
+				mu.Lock()
+				defer mu.Unlock()
+				if reading == c {
+					_ = c.SetReadDeadline(time.Now())
+				}
+			}()
 		}
 	})
 	if err := attach(t); err != nil {
