@@ -501,9 +501,9 @@ type honest struct {
 	pool   *kvlease.Pool[[]byte]
 }
 
-func newHonest(t *testing.T, ctrl string, plane func(*tcp.Sender) handoff.SendPlane[[]byte], wrap func(net.Conn) net.Conn) *honest {
+func newHonest(t *testing.T, ctrl string, plane func(*tcp.Sender) handoff.SendPlane[[]byte], cfg tcp.Config) *honest {
 	t.Helper()
-	h := &honest{sender: tcp.NewSender(tcp.Config{WrapConn: wrap}), pool: hostPool2(t, atkPool, atkBlockBytes)}
+	h := &honest{sender: tcp.NewSender(cfg), pool: hostPool2(t, atkPool, atkBlockBytes)}
 	c, err := net.Dial("tcp", ctrl)
 	if err != nil {
 		t.Fatal(err)
@@ -652,7 +652,7 @@ func TestAttackStolenToken(t *testing.T) {
 				}
 			}
 		}}
-	}, nil)
+	}, tcp.Config{})
 	o := h.propose(t, 1, 4)
 	if st := o.Wait(bound); st != handoff.Delivered {
 		t.Fatalf("honest handoff %v: %v", st, o.History())
@@ -671,7 +671,7 @@ func TestAttackReplayedData(t *testing.T) {
 	v := newVictim(t, victimOpts{})
 	var mu sync.Mutex
 	var captured bytes.Buffer
-	h := newHonest(t, v.ctl.Addr().String(), nil, func(c net.Conn) net.Conn { return &tap{Conn: c, mu: &mu, w: &captured} })
+	h := newHonest(t, v.ctl.Addr().String(), nil, tcp.Config{WrapConn: func(c net.Conn) net.Conn { return &tap{Conn: c, mu: &mu, w: &captured} }})
 	o := h.propose(t, 1, 4)
 	if st := o.Wait(bound); st != handoff.Delivered {
 		t.Fatalf("honest handoff %v", st)
@@ -788,7 +788,10 @@ func TestAttackBlocksOfAnotherHandoff(t *testing.T) {
 	proxy := a.expect("ready")[1]
 	v := newVictim(t, victimOpts{advertise: proxy})
 	a.do("data %s", v.data)
-	h := newHonest(t, v.ctl.Addr().String(), nil, nil)
+	// A connection per handoff: the proxy splices the second
+	// connection's hello onto the first one's blocks (on a reused
+	// connection, TestReuseReplayedHello).
+	h := newHonest(t, v.ctl.Addr().String(), nil, tcp.Config{MaxIdleConns: -1})
 	o1 := h.propose(t, 1, 4)
 	if st := o1.Wait(bound); st != handoff.Delivered {
 		t.Fatalf("first handoff %v: %v", st, o1.History())
@@ -848,7 +851,7 @@ func TestAttackHelloFlood(t *testing.T) {
 	if st.RefusedBusy != conns-tcp.DefaultMaxPendingHellos {
 		t.Errorf("receiver stats %+v", st)
 	}
-	h := newHonest(t, v.ctl.Addr().String(), nil, nil)
+	h := newHonest(t, v.ctl.Addr().String(), nil, tcp.Config{})
 	if o := h.propose(t, 1, 4); o.Wait(bound) != handoff.Delivered {
 		t.Fatalf("honest handoff after the flood: %v", o.History())
 	}

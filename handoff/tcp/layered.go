@@ -122,7 +122,7 @@ func writeLayered[R LayeredRegion](conn net.Conn, tok [16]byte, sl *seal, region
 		}
 	}
 	if _, err := conn.Write(head); err != nil {
-		return 0, fmt.Errorf("tcp: hello: %w", err)
+		return 0, helloError{err}
 	}
 	// A keyed tag covers the block as one run of bytes: the pieces are
 	// gathered into one buffer per transfer for it (the write still goes
@@ -177,8 +177,9 @@ func writeLayered[R LayeredRegion](conn net.Conn, tok [16]byte, sl *seal, region
 	return n, nil
 }
 
-// Finish implements handoff.SendPlane: a push plane has its own evidence.
-func (LayeredSender[R]) Finish(handoff.PlaneID, error) {}
+// Finish implements handoff.SendPlane as Sender.Finish (the word decides
+// whether the data connection is reused).
+func (ls LayeredSender[R]) Finish(id handoff.PlaneID, peer error) { ls.s.Finish(id, peer) }
 
 // Prepare implements handoff.RecvPlane as Receiver.Prepare.
 func (lr LayeredReceiver[R]) Prepare(id handoff.PlaneID, blocks int) ([]byte, error) {
@@ -221,12 +222,6 @@ func piece[R LayeredRegion](r R, l, kv int, lay layout.Layout, i, n int) ([]byte
 var readBufs = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, 64<<10) }}
 
 func readLayered[R LayeredRegion](c net.Conn, sl *seal, regions []R, lay layout.Layout, cancel <-chan struct{}) (int64, error) {
-	br := readBufs.Get().(*bufio.Reader)
-	br.Reset(c)
-	defer func() {
-		br.Reset(nil)
-		readBufs.Put(br)
-	}()
 	if len(regions) == 0 {
 		return 0, nil
 	}
@@ -235,14 +230,23 @@ func readLayered[R LayeredRegion](c net.Conn, sl *seal, regions []R, lay layout.
 	// says how many): its pieces are read block by block, its check
 	// follows the whole run (a crc32c over the run, or a tag per block,
 	// checked over the run's blocks gathered).
-	fr, err := readLayout(br, len(regions), bb)
+	fr, err := readLayout(c, len(regions), bb)
 	if err != nil {
 		return 0, err
 	}
-	maxRun := 0
+	maxRun, rest := 0, int64(0)
 	for _, run := range fr {
 		maxRun = max(maxRun, run)
+		rest += int64(frameHeader + run*bb + sl.checkLen(run))
 	}
+	// The buffer reads no further than this transfer's last byte: the
+	// connection may carry the next handoff's hello after it.
+	br := readBufs.Get().(*bufio.Reader)
+	br.Reset(io.LimitReader(c, rest))
+	defer func() {
+		br.Reset(nil)
+		readBufs.Put(br)
+	}()
 	var fh [frameHeader]byte
 	tr := make([]byte, sl.checkLen(maxRun))
 	var n int64

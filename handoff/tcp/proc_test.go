@@ -107,6 +107,7 @@ type sideOpts struct {
 	gateOnAccept bool
 	auth         handoff.Authenticator // testAuth when nil (and not insecure)
 	insecure     bool
+	sendCfg      tcp.Config // the source side's plane (its WrapConn is newSrcSide's wrap)
 }
 
 func newDestSide(t testing.TB, o sideOpts, pc peerConfig) *destSide {
@@ -242,7 +243,7 @@ func newSrcSide(t testing.TB, o sideOpts, pc peerConfig, blockBytes, poolBlocks 
 	t.Helper()
 	ln := listen(t)
 	pc.Role, pc.Ctrl, pc.BlockBytes, pc.PoolBlocks = "dest", ln.Addr().String(), blockBytes, poolBlocks
-	s := &srcSide{t: t, pool: hostPool2(t, poolBlocks, blockBytes), sender: tcp.NewSender(tcp.Config{WrapConn: wrap}), starts: make(chan uint64, 64)}
+	s := &srcSide{t: t, pool: hostPool2(t, poolBlocks, blockBytes), sender: tcp.NewSender(withWrap(o.sendCfg, wrap)), starts: make(chan uint64, 64)}
 	s.peer = startPeer(t, pc)
 	s.ctl = &ctlConn{Conn: acceptOne(t, ln), onStart: func(id uint64) {
 		select {
@@ -275,6 +276,11 @@ func newSrcSide(t testing.TB, o sideOpts, pc peerConfig, blockBytes, poolBlocks 
 		}
 	})
 	return s
+}
+
+func withWrap(c tcp.Config, wrap func(net.Conn) net.Conn) tcp.Config {
+	c.WrapConn = wrap
+	return c
 }
 
 func hostPool2(t testing.TB, blocks, blockBytes int) *kvlease.Pool[[]byte] {

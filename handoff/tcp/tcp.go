@@ -1,16 +1,28 @@
 // Package tcp is a pure-Go data plane for cross-process handoffs: the
-// source pushes blocks over a TCP data connection that it dials to the
-// destination's data listener, one connection per handoff, while the
-// control messages travel on the handoff's control connection (package
-// handoff's Source and Destination). Sender implements
-// handoff.SendPlane[[]byte], Receiver handoff.RecvPlane[[]byte].
+// source pushes blocks over a TCP data connection to the destination's
+// data listener, while the control messages travel on the handoff's
+// control connection (package handoff's Source and Destination). Sender
+// implements handoff.SendPlane[[]byte], Receiver handoff.RecvPlane[[]byte].
+//
+// Reused connections. A data connection carries one handoff at a time
+// and, after one that ended cleanly on both sides, the next: the sender
+// keeps up to Config.MaxIdleConns idle connections per destination data
+// address (closed after Config.IdleTimeout idle), a handoff takes one or
+// dials, and every handoff opens with its own hello, so each proves its
+// session on its own. The receiver, after a clean transfer, reads the
+// next hello on the same connection (waiting up to twice IdleTimeout, so
+// that the sender expires first). An error, a cancel or a refused hello
+// closes the connection (never reused mid-frame); a broken connection
+// fails only the handoff on it, and the next handoff dials. See pool.go
+// for how the sender avoids a connection the receiver has closed.
 //
 // Wire. The Accept message's plane bytes are the listener's address and a
 // random 16-byte token (they travel inside the authenticated control
-// session). The data connection starts with a hello ("KD", version,
-// flags, token, block count, block bytes, HMAC-SHA256) that must arrive
-// within Config.HelloTimeout (and a Receive waits no longer than that for
-// its connection: ErrNoData), then the frame layout (how many blocks each
+// session). Each handoff on a data connection starts with a hello ("KD",
+// version, flags, token, block count, block bytes, HMAC-SHA256) that
+// must arrive within Config.HelloTimeout of a new connection's accept
+// (and a Receive waits no longer than that for its hello: ErrNoData),
+// then the frame layout (how many blocks each
 // frame carries; see runs.go), then one frame per run of blocks adjacent
 // in the sender's memory (one per block where they are scattered): first
 // block's index (4 bytes LE), length (4 bytes LE), the run's bytes, and
@@ -36,9 +48,11 @@
 // fails the transfer (ErrCorrupt) before a byte is read into them.
 // Garbage, half a hello or an unknown token on the data port is refused
 // (Stats.Refused, Config.OnError) and changes nothing; at most
-// Config.MaxPendingHellos connections wait for their hello, one more is
-// closed at once; the accept loop survives transient errors (EMFILE)
-// with a backoff.
+// Config.MaxPendingHellos new connections wait for their first hello,
+// one more is closed at once (a connection that carried a handoff and
+// waits, idle, for its next hello counts under MaxIdleConns instead,
+// for at most twice IdleTimeout); the accept loop survives transient
+// errors (EMFILE) with a backoff.
 //
 // Blocks move straight between the leases' regions and the socket: the
 // sender hands each run of regions to one gathered write (writev, the run
@@ -71,8 +85,12 @@
 //     outside the socket (in the process itself) keeps its quarantine
 //     until it returns.
 //
-// Close is the operator's way out: it closes every connection, and the
-// loops' return is then the evidence.
+// Reuse changes none of this: a connection goes back to the pool only
+// once its loop on each side has returned cleanly, and those returns,
+// not the connection's fate, resolve the transfers.
+//
+// Close is the operator's way out: it closes every connection (idle ones
+// too), and the loops' return is then the evidence.
 package tcp
 
 import (
@@ -134,8 +152,9 @@ type Config struct {
 	// hello once it is accepted, and a Receive's wait for its data
 	// connection (5 s when zero).
 	HelloTimeout time.Duration
-	// WrapConn, if set, wraps every data connection (tests use it to
-	// observe or break the stream).
+	// WrapConn, if set, wraps every data connection once, when it is
+	// dialled or accepted (tests use it to observe or break the stream;
+	// a reused connection carries several handoffs through one wrapper).
 	WrapConn func(net.Conn) net.Conn
 	// OnError, if set, is told why the receiver refused a data
 	// connection (garbage, half a hello, an unknown token: an error
@@ -150,9 +169,22 @@ type Config struct {
 	// only to the peer it authenticated (ErrAddress otherwise).
 	AllowDataHosts []string
 	// MaxPendingHellos caps the receiver's data connections accepted but
-	// not through their hello yet (DefaultMaxPendingHellos when zero);
-	// one more is closed at once (Stats.RefusedBusy).
+	// not through their first hello yet (DefaultMaxPendingHellos when
+	// zero); one more is closed at once (Stats.RefusedBusy). A
+	// connection that carried a handoff of an authenticated hello and
+	// waits, idle, for its next hello counts under MaxIdleConns instead.
 	MaxPendingHellos int
+	// MaxIdleConns caps idle data connections kept for later handoffs:
+	// on a sender, per destination data address (DefaultMaxIdleConns when
+	// zero); on a receiver, in all (DefaultReceiverIdleConns when zero):
+	// one more is closed after its transfer. Negative turns reuse off: a
+	// connection closes after its handoff (a dial per handoff).
+	MaxIdleConns int
+	// IdleTimeout is how long a sender keeps an idle data connection
+	// (DefaultIdleTimeout when zero). A receiver waits for the next hello
+	// on an idle connection twice as long, so that with the same setting
+	// on both sides the sender, which picks connections, closes first.
+	IdleTimeout time.Duration
 }
 
 func (c *Config) defaults() {
@@ -164,6 +196,9 @@ func (c *Config) defaults() {
 	}
 	if c.HelloTimeout <= 0 {
 		c.HelloTimeout = 5 * time.Second
+	}
+	if c.IdleTimeout <= 0 {
+		c.IdleTimeout = DefaultIdleTimeout
 	}
 }
 
@@ -193,6 +228,22 @@ type Stats struct {
 	// AcceptErrors counts failed accepts of the receiver's listener,
 	// retried after a backoff.
 	AcceptErrors int
+	// Dials counts data connections dialled (a sender) or accepted (a
+	// receiver).
+	Dials int
+	// Reuses counts handoffs carried by a connection that had carried
+	// another before: taken from a sender's pool, or a hello accepted on
+	// a receiver's idle connection.
+	Reuses int
+	// IdleExpired counts idle connections closed for their idle timeout
+	// (a sender's, parked ones included; a receiver's twice as long).
+	IdleExpired int
+	// Stale counts, on a sender, idle connections found closed by the
+	// receiver when taken, or whose hello could not be written: the
+	// handoff dialled a fresh one instead.
+	Stale int
+	// Idle is the number of idle connections now (a gauge).
+	Idle int
 }
 
 type counters struct {
@@ -216,11 +267,15 @@ func (c *counters) outcome(err error, bytes int64) {
 
 // Sender is the source side's plane. It is safe for concurrent use.
 type Sender struct {
-	cfg   Config
-	stats counters
-	mu    sync.Mutex
-	conns map[net.Conn]struct{}
-	wg    sync.WaitGroup
+	cfg    Config
+	stats  counters
+	mu     sync.Mutex
+	conns  map[*sconn]struct{}        // every open data connection
+	idle   map[string][]*sconn        // per address, most recently used last
+	byID   map[handoff.PlaneID]*sconn // active or parked, for Finish
+	parked map[string]int             // per address, connections waiting for their word
+	closed bool
+	wg     sync.WaitGroup
 }
 
 var _ handoff.SendPlane[[]byte] = (*Sender)(nil)
@@ -228,7 +283,10 @@ var _ handoff.SendPlane[[]byte] = (*Sender)(nil)
 // NewSender returns a sender plane.
 func NewSender(cfg Config) *Sender {
 	cfg.defaults()
-	return &Sender{cfg: cfg, conns: make(map[net.Conn]struct{})}
+	if cfg.MaxIdleConns == 0 {
+		cfg.MaxIdleConns = DefaultMaxIdleConns
+	}
+	return &Sender{cfg: cfg, conns: make(map[*sconn]struct{}), idle: make(map[string][]*sconn), byID: make(map[handoff.PlaneID]*sconn), parked: make(map[string]int)}
 }
 
 // checkFrameHeader checks a data frame's header (block index, body
@@ -311,10 +369,13 @@ func (s *Sender) checkAddr(id handoff.PlaneID, addr string) error {
 }
 
 // start is the body of a send, shared by the contiguous and the layered
-// planes: it dials the destination that accept names, attaches a fresh
-// transfer, and runs write on a goroutine of its own whose return
-// resolves the transfer (the sender's evidence). Argument checks come
-// before it: nothing is dialled for regions that are refused.
+// planes: it takes an idle data connection to the destination that
+// accept names (or dials one), attaches a fresh transfer, and runs write
+// on a goroutine of its own whose return resolves the transfer (the
+// sender's evidence). write sends the hello first (wrapping a failure to
+// write it in helloError), then the frames. Argument checks come before
+// it: nothing is dialled for regions that are refused. The connection
+// goes back to the pool after a clean transfer (pool.go).
 func (s *Sender) start(id handoff.PlaneID, accept []byte, attach func(*kvlease.Transfer) error, write func(conn net.Conn, tok [16]byte, sl *seal, cancel *atomic.Bool) (int64, error)) ([]byte, error) {
 	addr, tok, err := parseAccept(accept)
 	if err != nil {
@@ -323,42 +384,66 @@ func (s *Sender) start(id handoff.PlaneID, accept []byte, attach func(*kvlease.T
 	if err := s.checkAddr(id, addr); err != nil {
 		return nil, err
 	}
-	sl, err := newSeal(id, tok)
+	sc, reused, err := s.get(addr)
 	if err != nil {
 		return nil, err
 	}
-	raw, err := net.DialTimeout("tcp", addr, s.cfg.DialTimeout)
-	if err != nil {
-		return nil, fmt.Errorf("tcp: dial %s: %w", addr, err)
-	}
-	conn := s.cfg.wrap(raw)
 	var cancel atomic.Bool
+	var cur atomic.Pointer[sconn] // the connection the writer uses
+	cur.Store(sc)
 	// A cancel stops the writer at the next block boundary, and ends a
 	// write blocked on a stalled peer at once (a write deadline in the
-	// past): the writer's return is our evidence either way.
+	// past): the writer's return is our evidence either way. Such a
+	// connection is never reused.
 	t := kvlease.NewTransfer(func() {
 		cancel.Store(true)
-		_ = conn.SetWriteDeadline(time.Now())
+		_ = cur.Load().c.SetWriteDeadline(time.Now())
 	})
 	if err := attach(t); err != nil {
-		_ = conn.Close()
+		// Nothing was written on the connection: it stays good.
+		s.mu.Lock()
+		keep := s.toIdle(sc)
+		s.mu.Unlock()
+		if !keep {
+			sc.close()
+		}
 		t.Resolve(err) // nothing read the regions: evidence
 		return nil, err
 	}
-	s.mu.Lock()
-	s.conns[conn] = struct{}{}
-	s.mu.Unlock()
+	s.carry(sc, id)
 	s.wg.Add(1)
 	s.stats.mu.Lock()
 	s.stats.s.Started++
 	s.stats.mu.Unlock()
 	go func() {
 		defer s.wg.Done()
-		n, err := write(conn, tok, sl, &cancel)
-		_ = conn.Close()
-		s.mu.Lock()
-		delete(s.conns, conn)
-		s.mu.Unlock()
+		// The session's key is derived here, after Send has returned
+		// (the Start message need not wait for it).
+		sl, err := newSeal(id, tok)
+		var n int64
+		if err == nil {
+			n, err = write(sc.c, tok, sl, &cancel)
+		}
+		if err != nil && reused && isHelloError(err) && !cancel.Load() {
+			// The pooled connection died before the peek could tell
+			// (its FIN was still on the way): no block byte left, the
+			// regions were not read, the receiver has not taken the
+			// token. Dial once more.
+			s.stats.mu.Lock()
+			s.stats.s.Stale++
+			s.stats.mu.Unlock()
+			if fresh, derr := s.dial(addr); derr == nil {
+				s.replace(sc, fresh)
+				sc = fresh
+				cur.Store(sc)
+				if cancel.Load() {
+					n, err = 0, fmt.Errorf("tcp: stopped before the hello: %w", ErrCanceled)
+				} else {
+					n, err = write(sc.c, tok, sl, &cancel)
+				}
+			}
+		}
+		s.ended(sc, err == nil && !cancel.Load())
 		s.stats.outcome(err, n)
 		t.Resolve(err) // the loop has exited: no read of ours is in progress
 	}()
@@ -376,7 +461,7 @@ func (s *Sender) write(conn net.Conn, tok [16]byte, sl *seal, regions [][]byte, 
 		head = appendLayout(head, fr)
 	}
 	if _, err := conn.Write(head); err != nil {
-		return 0, fmt.Errorf("tcp: hello: %w", err)
+		return 0, helloError{err}
 	}
 	// One gathered write per frame (a run of adjacent regions; writev
 	// on a *net.TCPConn, the run one iovec): the previous frame's check,
@@ -465,24 +550,38 @@ func (g plainGather) write(bufs [][]byte) (int64, error) {
 // batchBlocks is the most blocks one scattered read fills.
 const batchBlocks = 16
 
-// Finish implements handoff.SendPlane: a push plane has its own evidence.
-func (s *Sender) Finish(handoff.PlaneID, error) {}
-
 // Stats returns what the sender did.
 func (s *Sender) Stats() Stats {
-	s.stats.mu.Lock()
-	defer s.stats.mu.Unlock()
-	return s.stats.s
-}
-
-// Close closes every data connection (their loops then exit and resolve
-// their transfers) and waits for the loops.
-func (s *Sender) Close() error {
 	s.mu.Lock()
-	for c := range s.conns {
-		_ = c.Close()
+	idle := 0
+	for _, l := range s.idle {
+		idle += len(l)
 	}
 	s.mu.Unlock()
+	s.stats.mu.Lock()
+	defer s.stats.mu.Unlock()
+	st := s.stats.s
+	st.Idle = idle
+	return st
+}
+
+// Close closes every data connection, idle or carrying a handoff (their
+// loops then exit and resolve their transfers), and waits for the loops.
+// A Send after Close fails (ErrClosed).
+func (s *Sender) Close() error {
+	s.mu.Lock()
+	s.closed = true
+	all := make([]*sconn, 0, len(s.conns))
+	for sc := range s.conns {
+		all = append(all, sc)
+	}
+	for _, sc := range all {
+		s.forget(sc)
+	}
+	s.mu.Unlock()
+	for _, sc := range all {
+		sc.close()
+	}
 	s.wg.Wait()
 	return nil
 }
@@ -495,7 +594,8 @@ type Receiver struct {
 	addr  string
 	stats counters
 
-	pending atomic.Int32  // connections waiting for their hello
+	pending atomic.Int32  // connections waiting for their first hello
+	idle    atomic.Int32  // connections waiting for their next hello
 	closing chan struct{} // closed by Close
 
 	mu      sync.Mutex
@@ -514,7 +614,36 @@ type slot struct {
 	seal   *seal
 	blocks int
 	conn   chan dataConn // the data connection, once its hello checked out
-	gone   chan struct{} // closed by Forget
+
+	mu      sync.Mutex
+	dropped bool // no receive will take conn any more
+}
+
+// offer hands the connection p, whose hello named s, to the slot's
+// receive; a slot dropped meanwhile (a timeout, a cancel, Forget)
+// closes it instead.
+func (s *slot) offer(r *Receiver, p dataConn) {
+	s.mu.Lock()
+	if !s.dropped {
+		s.conn <- p // buffered: one hello per slot
+		s.mu.Unlock()
+		return
+	}
+	s.mu.Unlock()
+	r.untrack(p.raw)
+}
+
+// drop marks the slot dropped and closes a connection that waited in
+// it.
+func (s *slot) drop(r *Receiver) {
+	s.mu.Lock()
+	s.dropped = true
+	s.mu.Unlock()
+	select {
+	case c := <-s.conn:
+		r.untrack(c.raw)
+	default:
+	}
 }
 
 var _ handoff.RecvPlane[[]byte] = (*Receiver)(nil)
@@ -522,6 +651,9 @@ var _ handoff.RecvPlane[[]byte] = (*Receiver)(nil)
 // NewReceiver serves data connections on ln until Close.
 func NewReceiver(ln net.Listener, cfg Config) *Receiver {
 	cfg.defaults()
+	if cfg.MaxIdleConns == 0 {
+		cfg.MaxIdleConns = DefaultReceiverIdleConns
+	}
 	r := &Receiver{cfg: cfg, ln: ln, addr: ln.Addr().String(), byTok: make(map[[16]byte]*slot),
 		byID: make(map[handoff.PlaneID]*slot), conns: make(map[net.Conn]struct{}), stopped: make(chan struct{}), closing: make(chan struct{})}
 	go r.acceptLoop()
@@ -577,10 +709,13 @@ func (r *Receiver) acceptLoop() {
 			_ = c.Close()
 			return
 		}
+		r.stats.mu.Lock()
+		r.stats.s.Dials++
+		r.stats.mu.Unlock()
 		r.wg.Add(1)
 		go func() {
 			defer r.wg.Done()
-			r.hello(r.cfg.wrap(c), c)
+			r.hello(r.cfg.wrap(c), c, false)
 		}()
 	}
 }
@@ -617,14 +752,44 @@ func (r *Receiver) refuse(raw net.Conn, why error) {
 
 // hello reads and checks a data connection's hello, then hands it to its
 // slot. Anything else (garbage, half a hello, an unknown token, a second
-// connection for a slot) closes it.
-func (r *Receiver) hello(c, raw net.Conn) {
-	defer r.pending.Add(-1)
+// connection for a slot) closes it. A reused connection (its previous
+// transfer ended cleanly) is idle until the hello's first byte: it waits
+// for it up to twice IdleTimeout and is closed quietly when the time is
+// up (Stats.IdleExpired) or the sender closes it; the rest of the hello
+// then comes within HelloTimeout, as on a fresh connection.
+func (r *Receiver) hello(c, raw net.Conn, reused bool) {
 	var h [helloLength]byte
-	_ = c.SetReadDeadline(time.Now().Add(r.cfg.HelloTimeout))
-	if n, err := io.ReadFull(c, h[:]); err != nil {
-		r.refuse(raw, fmt.Errorf("half a hello (%d of %d bytes): %w (%w)", n, helloLength, ErrCorrupt, err))
-		return
+	if reused {
+		_ = c.SetReadDeadline(time.Now().Add(2 * r.cfg.IdleTimeout))
+		got, err := c.Read(h[:]) // usually the whole hello at once
+		r.idle.Add(-1)
+		if got == 0 && err == nil {
+			err = io.ErrNoProgress
+		}
+		if got == 0 {
+			r.untrack(raw) // first: a counted expiry is a closed connection
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() {
+				r.stats.mu.Lock()
+				r.stats.s.IdleExpired++
+				r.stats.mu.Unlock()
+			}
+			return
+		}
+		if got < helloLength {
+			_ = c.SetReadDeadline(time.Now().Add(r.cfg.HelloTimeout))
+			if n, err := io.ReadFull(c, h[got:]); err != nil {
+				r.refuse(raw, fmt.Errorf("half a hello (%d of %d bytes): %w (%w)", got+n, helloLength, ErrCorrupt, err))
+				return
+			}
+		}
+	} else {
+		defer r.pending.Add(-1)
+		_ = c.SetReadDeadline(time.Now().Add(r.cfg.HelloTimeout))
+		if n, err := io.ReadFull(c, h[:]); err != nil {
+			r.refuse(raw, fmt.Errorf("half a hello (%d of %d bytes): %w (%w)", n, helloLength, ErrCorrupt, err))
+			return
+		}
 	}
 	if h[0] != 'K' || h[1] != 'D' || h[2] != version {
 		r.refuse(raw, fmt.Errorf("hello starts %q, want \"KD\" version %d: %w", h[:3], version, ErrCorrupt))
@@ -652,7 +817,29 @@ func (r *Receiver) hello(c, raw net.Conn) {
 		r.refuse(raw, err)
 		return
 	}
-	s.conn <- dataConn{c: c, raw: raw, bb: int64(binary.LittleEndian.Uint32(h[24:]))}
+	if reused {
+		r.stats.mu.Lock()
+		r.stats.s.Reuses++
+		r.stats.mu.Unlock()
+	}
+	s.offer(r, dataConn{c: c, raw: raw, bb: int64(binary.LittleEndian.Uint32(h[24:]))})
+}
+
+// keep is told that the transfer on a data connection ended: cleanly
+// (every byte read and checked, no cancel) or not. It reports whether
+// the connection is kept to wait, idle, for its next hello (a clean one,
+// while fewer than MaxIdleConns wait); any other is closed now, before
+// the transfer resolves, so that the sender's peek sees the close by the
+// time the destination's word arrives.
+func (r *Receiver) keep(p dataConn, clean bool) bool {
+	if clean && r.cfg.MaxIdleConns >= 0 {
+		if r.idle.Add(1) <= int32(r.cfg.MaxIdleConns) {
+			return true
+		}
+		r.idle.Add(-1)
+	}
+	r.untrack(p.raw)
+	return false
 }
 
 // dataConn is a data connection whose hello checked out: the connection
@@ -683,7 +870,7 @@ func (r *Receiver) Prepare(id handoff.PlaneID, blocks int) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &slot{id: id, tok: tok, seal: sl, blocks: blocks, conn: make(chan dataConn, 1), gone: make(chan struct{})}
+	s := &slot{id: id, tok: tok, seal: sl, blocks: blocks, conn: make(chan dataConn, 1)}
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.closed {
@@ -708,14 +895,8 @@ func (r *Receiver) Forget(id handoff.PlaneID) {
 		delete(r.byTok, s.tok)
 	}
 	r.mu.Unlock()
-	if s == nil {
-		return
-	}
-	close(s.gone)
-	select {
-	case c := <-s.conn:
-		r.untrack(c.raw)
-	default:
+	if s != nil {
+		s.drop(r)
 	}
 }
 
@@ -761,9 +942,36 @@ func (r *Receiver) receive(id handoff.PlaneID, blocks int, blockBytes func() (in
 		r.dropSlot(s)
 		return fmt.Errorf("tcp: receive: %w", err)
 	}
+	// A cancel ends a read blocked on a stalled peer at once (a read
+	// deadline in the past, set on the connection being read by a
+	// goroutine the hook starts: the hook may be called from inside the
+	// read, and the read stops at its next system call, not within the
+	// hook): the reader's return is then our evidence, so a quarantine
+	// lifts as soon as it is set. Once the read has returned the
+	// connection is left alone (it may be reused); a connection whose
+	// transfer saw a cancel is closed.
 	cancel := make(chan struct{})
-	var once sync.Once
-	t := kvlease.NewTransfer(func() { once.Do(func() { close(cancel) }) })
+	var mu sync.Mutex
+	var reading net.Conn // the connection being read, while it is
+	canceled := false
+	t := kvlease.NewTransfer(func() {
+		mu.Lock()
+		defer mu.Unlock()
+		if canceled {
+			return
+		}
+		canceled = true
+		close(cancel)
+		if c := reading; c != nil {
+			go func() {
+				mu.Lock()
+				defer mu.Unlock()
+				if reading == c {
+					_ = c.SetReadDeadline(time.Now())
+				}
+			}()
+		}
+	})
 	if err := attach(t); err != nil {
 		r.dropSlot(s)
 		t.Resolve(err)
@@ -777,6 +985,7 @@ func (r *Receiver) receive(id handoff.PlaneID, blocks int, blockBytes func() (in
 		defer r.wg.Done()
 		var n int64
 		var err error
+		var kept *dataConn // reused for the next hello once resolved
 		wait := time.NewTimer(r.cfg.HelloTimeout)
 		defer wait.Stop()
 		select {
@@ -785,20 +994,20 @@ func (r *Receiver) receive(id handoff.PlaneID, blocks int, blockBytes func() (in
 				r.untrack(p.raw)
 				break
 			}
-			// A cancel ends a read blocked on a stalled peer at once (a
-			// read deadline in the past): the reader's return is then our
-			// evidence, so a quarantine lifts as soon as it is set.
-			done := make(chan struct{})
-			go func() {
-				select {
-				case <-cancel:
-					_ = p.c.SetReadDeadline(time.Now())
-				case <-done:
-				}
-			}()
+			mu.Lock()
+			reading = p.c
+			if canceled {
+				_ = p.c.SetReadDeadline(time.Now())
+			}
+			mu.Unlock()
 			n, err = read(p.c, s.seal, cancel)
-			close(done)
-			r.untrack(p.raw)
+			mu.Lock()
+			reading = nil
+			clean := err == nil && !canceled
+			mu.Unlock()
+			if r.keep(p, clean) {
+				kept = &p
+			}
 		case <-cancel:
 			err = fmt.Errorf("tcp: canceled before the data connection came: %w", ErrCanceled)
 			r.dropSlot(s)
@@ -811,6 +1020,9 @@ func (r *Receiver) receive(id handoff.PlaneID, blocks int, blockBytes func() (in
 		}
 		r.stats.outcome(err, n)
 		t.Resolve(err) // the loop has exited: no write of ours is in progress
+		if kept != nil {
+			r.hello(kept.c, kept.raw, true) // this goroutine waits for the next one
+		}
 	}()
 	return nil
 }
@@ -819,11 +1031,7 @@ func (r *Receiver) dropSlot(s *slot) {
 	r.mu.Lock()
 	delete(r.byTok, s.tok)
 	r.mu.Unlock()
-	select {
-	case c := <-s.conn:
-		r.untrack(c.raw)
-	default:
-	}
+	s.drop(r)
 }
 
 // read receives the blocks into regions: first the sender's frame
@@ -993,7 +1201,9 @@ func (s plainScatter) read(bufs [][]byte) (int, error) {
 func (r *Receiver) Stats() Stats {
 	r.stats.mu.Lock()
 	defer r.stats.mu.Unlock()
-	return r.stats.s
+	st := r.stats.s
+	st.Idle = int(r.idle.Load())
+	return st
 }
 
 // Close stops the listener, closes every data connection (their loops

@@ -96,6 +96,9 @@ type loopConfig struct {
 	hello      time.Duration // the receiver's HelloTimeout
 	dstOpts    []kvlease.Option
 	onError    func(error) // the destination's protocol errors
+	// sendCfg and recvCfg configure the planes (wrapSend, wrapRecv and
+	// hello, where set, override theirs).
+	sendCfg, recvCfg tcp.Config
 }
 
 func newLoop(t *testing.T, lc loopConfig) *loop {
@@ -109,8 +112,18 @@ func newLoop(t *testing.T, lc loopConfig) *loop {
 	if err != nil {
 		t.Fatal(err)
 	}
-	l.recv = tcp.NewReceiver(dataLn, tcp.Config{WrapConn: lc.wrapRecv, HelloTimeout: lc.hello})
-	l.sender = tcp.NewSender(tcp.Config{WrapConn: lc.wrapSend})
+	rc, sc := lc.recvCfg, lc.sendCfg
+	if lc.wrapRecv != nil {
+		rc.WrapConn = lc.wrapRecv
+	}
+	if lc.hello != 0 {
+		rc.HelloTimeout = lc.hello
+	}
+	if lc.wrapSend != nil {
+		sc.WrapConn = lc.wrapSend
+	}
+	l.recv = tcp.NewReceiver(dataLn, rc)
+	l.sender = tcp.NewSender(sc)
 	dl := lc.deadline
 	if dl == 0 {
 		dl = 10 * time.Second
