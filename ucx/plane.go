@@ -265,6 +265,9 @@ type sendJob[R any] struct {
 	// halt is set when the job is revoked: its worker posts no further
 	// message, even before the worker is destroyed.
 	halt atomic.Bool
+	// sent is set (push) once every message and the table were posted
+	// and every send completed: the worker's thread is done with the job.
+	sent atomic.Bool
 }
 
 func parseAccept(b []byte) (int, error) {

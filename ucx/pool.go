@@ -67,6 +67,10 @@ func (c *conn) destroy() {
 	})
 }
 
+// healthy reports, from any thread, whether c's endpoint (if it has
+// one) has not failed. Only for a connection the caller holds.
+func (c *conn) healthy() bool { return c.ep == nil || c.ep.failed() == nil }
+
 // broken reports whether c's endpoint failed (or its worker is gone).
 // A destination's worker whose endpoint to its last source failed (the
 // source dropped its end) is not broken: the endpoint is closed and the

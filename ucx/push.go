@@ -571,10 +571,12 @@ func (s *Sender[R]) sendPush(id handoff.PlaneID, regions []R, accept []byte, att
 }
 
 // connection checks out an idle connection of id's session to the
-// destination worker at addr, or makes one: a worker of its own, an
-// endpoint to addr and a flush of it (the handshake completes before
-// anything is attached). An idle connection whose endpoint failed is
-// destroyed (Stats.Broken) and replaced.
+// destination worker at addr, or makes one: an endpoint to addr and a
+// flush of it (the handshake completes before anything is attached),
+// from an idle worker of the session whose endpoint goes elsewhere (its
+// old endpoint closed), else from a worker of its own. An idle
+// connection whose endpoint failed is destroyed (Stats.Broken) and
+// replaced.
 func (s *Sender[R]) connection(id handoff.PlaneID, addr []byte) (*conn, error) {
 	k := keyOf(id)
 	for range 2 * max(s.cfg.MaxIdle, 1) { // bounded: at most the idle ones
@@ -582,12 +584,36 @@ func (s *Sender[R]) connection(id handoff.PlaneID, addr []byte) (*conn, error) {
 		if c == nil {
 			break
 		}
-		if !c.broken() {
+		if c.healthy() {
 			s.stats.add(func(st *Stats) { st.Reuses++ })
 			return c, nil
 		}
 		c.destroy()
 		s.stats.add(func(st *Stats) { st.Broken++ })
+	}
+	// The destinations's workers and ours are evicted independently: a
+	// worker of ours may be idle with an endpoint to one the destination
+	// no longer names. Connect it to this one instead.
+	if c := s.pool.take(k, nil); c != nil {
+		var err error
+		if cerr := c.w.call(func() {
+			if c.ep != nil {
+				_ = c.w.closeEP(c.ep, true)
+				c.ep, c.peer = nil, ""
+			}
+			if c.ep, err = c.w.connect(addr); err != nil {
+				return
+			}
+			c.peer = string(addr)
+			err = c.w.flushWait(c.ep, s.cfg.ConnectSpins)
+		}); cerr != nil {
+			err = cerr
+		}
+		if err == nil {
+			s.stats.add(func(st *Stats) { st.Connects++ })
+			return c, nil
+		}
+		c.destroy()
 	}
 	w, err := s.ctx.newWorker()
 	if err != nil {
@@ -623,7 +649,7 @@ func (s *Sender[R]) connection(id handoff.PlaneID, addr []byte) (*conn, error) {
 // resolves nil: the destination's done stands).
 func (j *sendJob[R]) release() {
 	j.once.Do(func() {
-		if j.quiesced() {
+		if j.sent.Load() || j.quiesced() {
 			j.push.free()
 			j.pin.Unpin()
 			j.s.pool.put(keyOf(j.id), j.c)
@@ -735,10 +761,15 @@ func (j *sendJob[R]) pushStep() bool {
 		p.tabled = true
 		if done, err := p.ep.send(p.sums.addr(), p.sums.n, false, tagOf(p.salt, tableIndex), p.b); err != nil {
 			p.err = err
+			return true
 		} else if done {
 			p.inline++
 		}
 	}
+	if p.inline+p.b.completed() < p.posted() {
+		return false // until every send completed: release then needs no wait
+	}
+	j.sent.Store(true)
 	return true
 }
 
@@ -822,14 +853,10 @@ func (r *Receiver[R]) receivePush(id handoff.PlaneID, prep *prepared, regions []
 	// worker rather than destroy it; see Limits in the package doc.)
 	c := prep.c
 	var connected, broken bool
-	if cerr := j.w.call(func() {
-		if c.ep != nil && c.peer == string(st.addr) {
-			if c.ep.failed() == nil {
-				j.ep = c.ep // the source's worker of the last handoff: reused
-				return
-			}
-			broken = true
-		}
+	if c.ep != nil && c.peer == string(st.addr) && c.healthy() {
+		j.ep = c.ep // the source's worker of the last handoff: reused
+	} else if cerr := j.w.call(func() {
+		broken = c.ep != nil && c.peer == string(st.addr)
 		if c.ep != nil {
 			_ = j.w.closeEP(c.ep, true)
 			c.ep, c.peer = nil, ""
@@ -840,14 +867,16 @@ func (r *Receiver[R]) receivePush(id handoff.PlaneID, prep *prepared, regions []
 	}); cerr != nil {
 		err = cerr
 	}
-	r.stats.add(func(s *Stats) {
-		if connected {
-			s.Connects++
-		}
-		if broken {
-			s.Broken++
-		}
-	})
+	if connected || broken {
+		r.stats.add(func(s *Stats) {
+			if connected {
+				s.Connects++
+			}
+			if broken {
+				s.Broken++
+			}
+		})
+	}
 	if err != nil {
 		return fail(err)
 	}

@@ -124,7 +124,10 @@ func TestReuseSequential(t *testing.T) {
 func TestReuseConcurrentBoundedIdle(t *testing.T) {
 	// Concurrent handoffs of one session each hold a connection of their
 	// own; afterwards at most MaxIdle stay idle a side, and the next
-	// handoff reuses one.
+	// handoffs make no worker: the destination reuses one of its idle
+	// workers, the source one of its own (reconnected to that worker if
+	// the two sides kept different ones), and the handoff after reuses
+	// both the workers and the endpoint.
 	const n, conc, maxIdle = 8, 6, 2
 	s, r := reusePlanes(t, Config{MaxIdle: maxIdle}, Config{MaxIdle: maxIdle})
 	var wg sync.WaitGroup
@@ -152,7 +155,7 @@ func TestReuseConcurrentBoundedIdle(t *testing.T) {
 	if ss.Idle > maxIdle || rs.Idle > maxIdle || ss.Idle == 0 || rs.Idle == 0 {
 		t.Fatalf("idle after %d concurrent handoffs: source %d, destination %d, want 1 to %d", conc, ss.Idle, rs.Idle, maxIdle)
 	}
-	if ss.Workers+ss.Reuses != conc || rs.Workers+rs.Reuses != conc {
+	if ss.Connects+ss.Reuses != conc || ss.Workers > ss.Connects || rs.Workers+rs.Reuses != conc {
 		t.Fatalf("source %+v, destination %+v: each handoff a new or a reused connection", ss, rs)
 	}
 	src, dst := scatteredBlocks(n, 99), emptyBlocks(n)
@@ -162,8 +165,19 @@ func TestReuseConcurrentBoundedIdle(t *testing.T) {
 	if err := sameRegions(dst, src); err != nil {
 		t.Fatal(err)
 	}
-	if s2, r2 := s.Stats(), r.Stats(); s2.Reuses != ss.Reuses+1 || s2.Workers != ss.Workers || r2.Reuses != rs.Reuses+1 || r2.Workers != rs.Workers {
-		t.Fatalf("the handoff after: source %+v, destination %+v, want both reusing", s2, r2)
+	s2, r2 := s.Stats(), r.Stats()
+	if s2.Workers != ss.Workers || s2.Reuses+s2.Connects != ss.Reuses+ss.Connects+1 || r2.Reuses != rs.Reuses+1 || r2.Workers != rs.Workers {
+		t.Fatalf("the handoff after: source %+v, destination %+v, want no new worker", s2, r2)
+	}
+	src, dst = scatteredBlocks(n, 100), emptyBlocks(n)
+	if _, err := handoffOnce(s, r, handoff.PlaneID{Session: 1, Handoff: conc + 1}, src, dst); err != nil {
+		t.Fatal(err)
+	}
+	if err := sameRegions(dst, src); err != nil {
+		t.Fatal(err)
+	}
+	if s3, r3 := s.Stats(), r.Stats(); s3.Reuses != s2.Reuses+1 || s3.Connects != s2.Connects || r3.Reuses != r2.Reuses+1 || r3.Connects != r2.Connects || s3.Workers != ss.Workers || r3.Workers != rs.Workers {
+		t.Fatalf("the second handoff after: source %+v, destination %+v, want both reusing", s3, r3)
 	}
 }
 
