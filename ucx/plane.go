@@ -145,8 +145,10 @@ type Stats struct {
 	// destination named; destination: a worker of the session); Expired
 	// the idle connections destroyed after Config.IdleTimeout; Broken
 	// the connections dropped because their endpoint failed (found idle
-	// or checked out). Idle is the connections idle now.
-	Workers, Connects, Reuses, Expired, Broken, Idle int
+	// or checked out). Idle is the connections idle now. Strays counts
+	// the destination's workers not kept after a handoff because a
+	// message no receive asked for was waiting in them.
+	Workers, Connects, Reuses, Expired, Broken, Idle, Strays int
 }
 
 type counters struct {
@@ -195,13 +197,16 @@ func HostBytes(b []byte) Span {
 	return Span{Addr: uintptr(p), Len: len(b), Memory: Host, pin: p}
 }
 
-// Sender is the source side's plane: for each handoff it starts a UCX
-// worker of the handoff's own. Pushing (the default), it connects to the
-// destination's worker and sends each run of blocks adjacent in memory,
-// and each other block, as a tagged message, then the blocks' sums; pulling (Config.Pull), it registers the regions'
-// pieces (one ucp_mem_map per contiguous run of them) and puts the
-// worker's address and the packed remote keys in the Start bytes. Finish,
-// or a cancel, revokes. It is safe for concurrent use.
+// Sender is the source side's plane. Pushing (the default), each handoff
+// takes the sender's idle endpoint to the destination's worker (or
+// connects to it; see Connections in the package doc) and sends each run
+// of blocks adjacent in memory, and each other block, as a tagged
+// message, then the blocks' sums; pulling (Config.Pull), it starts a UCX
+// worker of the handoff's own, registers the regions' pieces (one
+// ucp_mem_map per contiguous run of them) and puts the worker's address
+// and the packed remote keys in the Start bytes. A cancel, or Finish with
+// the destination's error, revokes; Close revokes everything and
+// destroys the idle connections. It is safe for concurrent use.
 type Sender[R any] struct {
 	cfg    Config
 	ctx    *context
@@ -280,8 +285,9 @@ func parseAccept(b []byte) (int, error) {
 	return int(binary.LittleEndian.Uint32(b[3:])), nil
 }
 
-// Send implements handoff.SendPlane. Pushing, it connects to the
-// destination's worker named in the Accept bytes, attaches the transfer,
+// Send implements handoff.SendPlane. Pushing, it takes its idle endpoint
+// to the destination's worker named in the Accept bytes (or connects to
+// it), attaches the transfer,
 // starts sending the blocks and returns the Start bytes (a block's piece
 // sizes, the block count, the integrity mode, a random nonce, the
 // handoff worker's address, the most blocks of one message, the runs).
@@ -555,10 +561,12 @@ func (s *Sender[R]) Close() error {
 	return nil
 }
 
-// Receiver is the destination side's plane: for each handoff it starts a
-// UCX worker of its own. Pushed (the default), it posts a tagged receive
-// per block into the block's own pieces and checks every block against
-// its sum; pulled (Config.Pull), it connects to the source's handoff
+// Receiver is the destination side's plane: each handoff has a UCX
+// worker to itself (pushed: an idle one of its session, or a new one;
+// see Connections in the package doc; pulled: a new one). Pushed (the
+// default), it posts a tagged receive per message (a run of blocks, or a
+// block) into the blocks' own pieces and checks every block against its
+// sum; pulled (Config.Pull), it connects to the source's handoff
 // worker, unpacks the remote keys and reads the blocks with ucp_get_nbx
 // into its own registered regions, then flushes the endpoint. It is safe
 // for concurrent use.
@@ -607,9 +615,11 @@ func newReceiver[R any](cfg Config, pieces func(R, []Span) []Span) (*Receiver[R]
 	return r, nil
 }
 
-// Prepare implements handoff.RecvPlane. Pushed, it starts the handoff's
-// worker and the Accept bytes carry the block count, a random tag salt
-// and the worker's address (the source connects to it). Pulled, they
+// Prepare implements handoff.RecvPlane. Pushed, it takes an idle worker
+// of the session (or starts one) for the handoff, and the Accept bytes
+// carry the block count, a tag salt new on that worker, the most bytes
+// of one message and the worker's address (the source connects to it,
+// or reuses its endpoint to it). Pulled, they
 // carry the block count (the source's worker address travels in Start:
 // the source owns the registration, the destination connects to it);
 // pull refuses an authenticated session (kvlease.ErrInvalidArgument).
@@ -667,7 +677,8 @@ func (p *prepared) release() {
 }
 
 // Forget implements handoff.RecvPlane: in the push model it destroys the
-// handoff's worker (nothing was received into a region: no transfer).
+// handoff's worker (nothing was received into a region: no transfer; it
+// is not kept, since the source may have sent to it).
 func (r *Receiver[R]) Forget(id handoff.PlaneID) {
 	r.mu.Lock()
 	p := r.prepared[id]
@@ -1099,7 +1110,10 @@ func (j *recvJob[R]) teardown() {
 // says the evidence is the teardown itself.
 func (j *recvJob[R]) finish(out error, revoked bool) {
 	j.once.Do(func() {
-		if out == nil && !revoked && j.push != nil && j.push.prep.c != nil {
+		if j.push != nil && j.push.stray {
+			j.r.stats.add(func(s *Stats) { s.Strays++ })
+		}
+		if out == nil && !revoked && j.push != nil && j.push.prep.c != nil && !j.push.stray {
 			// Every receive completed and every block passed its check:
 			// the worker and its endpoint serve the session's next
 			// handoff (a new salt, so none of this one's tags).
@@ -1146,7 +1160,8 @@ func (r *Receiver[R]) Stats() Stats {
 
 // Close revokes every handoff still reading (the operator's way out of a
 // silent source: each job's endpoint is closed, its worker destroyed and
-// its registrations unmapped, and that is its evidence) and releases UCX.
+// its registrations unmapped, and that is its evidence), destroys the
+// idle workers and releases UCX.
 func (r *Receiver[R]) Close() error {
 	r.mu.Lock()
 	r.closed = true

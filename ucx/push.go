@@ -17,9 +17,10 @@ import (
 )
 
 // The push model (the default). The destination exposes nothing and
-// names no address of the source: its Prepare starts a worker of the
-// handoff's own and puts that worker's address and a random tag salt in
-// the Accept bytes; the source connects to it and sends each block as
+// names no address of the source: its Prepare takes a worker for the
+// handoff alone (an idle one of the session, or a new one; see pool.go)
+// and puts that worker's address and a tag salt new on it in the Accept
+// bytes; the source connects to it and sends each block as
 // one tagged message (ucp_tag_send_nbx; a block of several pieces is
 // gathered from its pieces with an iov datatype), then a table of the
 // blocks' integrity sums. The destination receives each block into its
@@ -785,6 +786,7 @@ type pushRecv struct {
 	summer *summer
 	tabled bool // the table's receive is posted
 	cancel bool // outstanding receives were asked to cancel
+	stray  bool // at the end, a message no receive asked for waited in the worker
 }
 
 func (p *pushRecv) free() {
@@ -961,7 +963,9 @@ func (j *recvJob[R]) stepPush() bool {
 	}
 	// Every posted receive completed: UCX writes none of the regions
 	// any more. Evidence; the outcome says whether every block arrived
-	// intact.
+	// intact. A worker holding a message nobody asked for (of an earlier
+	// handoff, or from anyone who reached it) is not kept.
+	p.stray = j.w.stray()
 	go j.finish(j.pushOutcome(), false)
 	return true
 }

@@ -371,7 +371,8 @@ func TestReuseLateMessageOfAReusedConnection(t *testing.T) {
 	// carries late messages of handoff 1 (its first block's tag and its
 	// table's, garbage inside) to the same destination worker. Handoff
 	// 2's receives carry its own salt: they never match handoff 1's
-	// tags, so its blocks are its own and it delivers.
+	// tags, so its blocks are its own and it delivers; the destination
+	// then finds the strays waiting in its worker and does not keep it.
 	const n = 4
 	var inject atomic.Pointer[func()]
 	s, r := reusePlanes(t, Config{BeforeSend: func(id handoff.PlaneID, block int) {
@@ -432,8 +433,20 @@ func TestReuseLateMessageOfAReusedConnection(t *testing.T) {
 	if acc2.salt == acc1.salt {
 		t.Fatalf("a reused worker repeated the salt %#x", acc1.salt)
 	}
-	if ss, rs := s.Stats(), r.Stats(); ss.Reuses != 1 || rs.Reuses != 1 || rs.Connects != 1 {
-		t.Fatalf("handoff 2 should reuse both sides: source %+v, destination %+v", ss, rs)
+	// Handoff 2 reused both sides; its destination worker, holding the
+	// stray messages, is not kept for a third.
+	if ss, rs := s.Stats(), r.Stats(); ss.Reuses != 1 || rs.Reuses != 1 || rs.Connects != 1 || rs.Strays != 1 || rs.Idle != 0 {
+		t.Fatalf("handoff 2 should reuse both sides, then drop the destination's worker: source %+v, destination %+v", ss, rs)
+	}
+	src, dst = scatteredBlocks(n, 3), emptyBlocks(n)
+	if _, err := handoffOnce(s, r, handoff.PlaneID{Session: 1, Handoff: 3}, src, dst); err != nil {
+		t.Fatal(err)
+	}
+	if err := sameRegions(dst, src); err != nil {
+		t.Fatal(err)
+	}
+	if rs := r.Stats(); rs.Workers != 2 || rs.Strays != 1 {
+		t.Fatalf("handoff 3: destination %+v, want a fresh worker", rs)
 	}
 }
 

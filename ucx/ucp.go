@@ -882,6 +882,14 @@ func (w *worker) recv(r recvs, i int, buf uintptr, n int, iov bool, tag uint64) 
 	return nil
 }
 
+// stray reports whether a message that no posted receive asked for
+// waits in the worker's unexpected queue (ucp_tag_probe_nb, any tag,
+// not removed). Worker thread only.
+func (w *worker) stray() bool {
+	var info C.ucp_tag_recv_info_t
+	return C.ucp_tag_probe_nb(w.h, 0, 0, 0, &info) != nil
+}
+
 // cancel asks UCX to cancel receive i if it is outstanding. Worker
 // thread only.
 func (w *worker) cancel(r recvs, i int) { C.kvu_recv_cancel(w.h, r.at(i)) }
