@@ -303,8 +303,8 @@ func TestReuseKilledEndpoint(t *testing.T) {
 	if err := st.Err(); !errors.Is(err, ErrRevoked) {
 		t.Fatalf("source of handoff 2: %v, want ErrRevoked", err)
 	}
-	if err := dt.Err(); err == nil {
-		t.Fatal("destination of handoff 2 delivered over a killed connection")
+	if err := dt.Err(); !errors.Is(err, ErrRevoked) {
+		t.Fatalf("destination of handoff 2: %v, want ErrRevoked (its endpoint failed)", err)
 	}
 	s.Finish(idA, dt.Err())
 	if ss, rs := s.Stats(), r.Stats(); ss.Idle != 1 || rs.Idle != 1 {
@@ -500,9 +500,9 @@ func TestReuseLateMessageOfAnAbortedHandoff(t *testing.T) {
 		close(release)
 		t.Fatal("the canceled destination did not resolve")
 	}
-	if err := dt.Err(); err == nil {
+	if err := dt.Err(); !errors.Is(err, ErrCanceled) {
 		close(release)
-		t.Fatal("the canceled handoff delivered")
+		t.Fatalf("the canceled handoff: %v, want ErrCanceled", err)
 	}
 	rs := r.Stats()
 	if rs.Idle != 0 {
@@ -523,6 +523,11 @@ func TestReuseLateMessageOfAnAbortedHandoff(t *testing.T) {
 	}
 	if err := sameRegions(dst2, src2); err != nil {
 		t.Fatal(err)
+	}
+	for i, b := range dst1[2:] { // the blocks the source sent late
+		if !bytes.Equal(b, make([]byte, len(b))) {
+			t.Fatalf("block %d of the aborted handoff was written after its cancel", i+2)
+		}
 	}
 	if ss, r2 := s.Stats(), r.Stats(); ss.Workers != 2 || r2.Workers != 2 || r2.Reuses != 1 || ss.Idle != 1 || r2.Idle != 1 {
 		t.Fatalf("source %+v, destination %+v: handoff 2 on fresh connections, only it pooled", ss, r2)
