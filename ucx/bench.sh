@@ -17,10 +17,19 @@
 #    (no two blocks adjacent), contiguous (one run) and as the same bytes
 #    in one buffer, alternating in one run, for push (crc32c), push
 #    (gmac) and pull: MB/s per layout, registrations and ops (messages or
-#    gets) per handoff, and contiguous-%-of-one-buffer (the goal is >= 80).
+#    gets) per handoff, and contiguous-%-of-one-buffer (the goal is >= 80);
+#    push-gmac-fresh is push-gmac with a worker and a connect per handoff
+#    (Config.MaxIdle -1), the cost before connections were reused.
+#  - BenchmarkHandoff16Latency: propose -> delivered of a 16-block handoff
+#    between the halves (PSK), p50/p99, reused connections vs a connect
+#    per handoff, next to a 64-byte UCX tag round trip and a 64-byte TCP
+#    round trip, same run (goal: reuse/ucx-rtt-p50 <= 3).
+#  - BenchmarkPlane16Latency: the same handoff through the planes alone
+#    (Prepare -> the destination's evidence, and -> the source's).
 # Needs libucx-dev and ucx-utils (ucx_perftest).
 set -euo pipefail
 cd "$(dirname "$0")"
 export UCX_TLS=tcp UCX_NET_DEVICES=lo
 ucx_info -v | head -1
 go test -run '^$' -bench 'Push256x64K|Pull256x64K|Register256|Runs256x4K' -benchtime "${BENCHTIME:-10x}" -count "${COUNT:-3}" -benchmem .
+go test -run '^$' -bench 'Handoff16Latency|Plane16Latency' -benchtime "${LATENCY_N:-300x}" -count "${COUNT:-3}" .

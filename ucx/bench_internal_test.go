@@ -211,7 +211,12 @@ func BenchmarkPush256x64K(b *testing.B) {
 // adjacent), contiguous (one run of blocks on both sides, as a lease of
 // consecutive ids) and one buffer (a single 1 MiB block), alternating
 // in the same run; one sub-benchmark per model: push with crc32c sums
-// (insecure), push with GMAC sums (authenticated), pull. Each layout
+// (insecure), push with GMAC sums (authenticated), the same with a
+// worker and a connect per handoff on each side (push-gmac-fresh:
+// MaxIdle -1, what every handoff cost before connections were reused),
+// pull (a worker per handoff: its revocation is the worker's
+// destruction). Push reuses its connections: the first handoff of each
+// layout, untimed, connects. Each layout
 // has its own planes, so its descriptors are its own: regs/handoff
 // counts ucp_mem_map calls of both sides, ops/handoff the messages
 // (push) or gets (pull) of a handoff. contiguous-%-of-one-buffer is the
@@ -241,6 +246,7 @@ func BenchmarkRuns256x4K(b *testing.B) {
 	}{
 		{"push-crc32c", Config{}, nil},
 		{"push-gmac", Config{}, keyed(make([]byte, 32))},
+		{"push-gmac-fresh", Config{MaxIdle: -1}, keyed(make([]byte, 32))},
 		{"pull", Config{Pull: true}, nil},
 	} {
 		b.Run(model.name, func(b *testing.B) {

@@ -18,11 +18,12 @@
 // exposes nothing. A block is a list of pieces (Span): a plain block is
 // one piece, a block of per-layer KV its Layers·KVs pieces in (layer, kv)
 // order (see Layered blocks). For each handoff the destination's Prepare
-// starts a UCX worker of the handoff's own and puts its address and a
-// random tag salt in the Accept bytes. The source's Send starts a worker
-// of its own, connects to the destination's (a flush of the fresh
-// endpoint completes the handshake before anything is attached), and
-// returns, in the Start bytes, the piece sizes of a block, the block
+// takes a UCX worker for the handoff alone — an idle one of the session
+// or a new one (see Connections) — and puts its address and a tag salt
+// new on that worker in the Accept bytes. The source's Send takes its
+// idle endpoint to that worker, or connects to it from a worker of its
+// own (a flush of the fresh endpoint completes the handshake before
+// anything is attached), and returns, in the Start bytes, the piece sizes of a block, the block
 // count, the integrity mode, a random nonce, its worker's address, the
 // most blocks of one message and its runs (see Runs); then, from its
 // worker's thread, it sends each run as one tagged message and each
@@ -37,7 +38,8 @@
 // with an iov datatype otherwise; Config.Window outstanding), and one
 // for the sums table. A message lands only where the destination put it:
 // a message of another tag waits in UCX's unexpected queue (UCX memory,
-// never a region) and is dropped with the worker; a longer one is
+// never a region) and is dropped with the worker (a worker found holding
+// one at a handoff's end is not kept: Stats.Strays); a longer one is
 // truncated and fails, a shorter one fails its length check.
 //
 // Both contexts of the push model are created without UCP_FEATURE_RMA,
@@ -59,6 +61,62 @@
 // refuses crc32c sums, and one without refuses keyed sums, before
 // anything is attached. Device memory (Memory CUDA) is not summed
 // (IntegrityNone): the CPU cannot read it.
+//
+// # Connections
+//
+// Pushed, a handoff to a peer already connected costs no worker and no
+// handshake. Each side keeps, per control session (its local number and
+// its authenticated handoff.Peer: a worker, and its address, serve one
+// session only), up to Config.MaxIdle idle connections: the
+// destination's workers, the source's workers each with its endpoint to
+// a destination worker. A connection serves one handoff at a time, from
+// Prepare (destination) or Send (source) to that handoff's end, and goes
+// back to its session's idle list only if the handoff ended cleanly on
+// that side:
+//
+//   - destination: every receive it posted completed, every block
+//     passed its check (the transfer resolves nil), its endpoint to the
+//     source did not fail, and no message nobody asked for waits in the
+//     worker (ucp_tag_probe_nb);
+//   - source: the destination's done without error, and every send of
+//     the handoff completed (each message's and the table's completion
+//     callback ran: UCX is done with the regions).
+//
+// Any other end — a cancel, an abort, a corrupt block, a failed
+// endpoint, a source silent past its deadline, Close — destroys the
+// connection exactly as a worker per handoff was destroyed before (the
+// revocations of Evidence), so nothing of a handoff that ended badly
+// reaches a later one through it: a late message of an aborted handoff
+// goes to a worker that no longer exists. Every handoff still draws its
+// own salt (the destination worker's is random at its creation, then
+// one more per handoff, so no two handoffs of a worker share a tag), its
+// own nonce and its own MAC key: a late message of an earlier handoff on
+// a reused worker never matches this handoff's receives (and would fail
+// its MAC if it were taken), and is then found by the probe at the end.
+//
+// The destination's Receive reuses its worker's endpoint to the source's
+// worker when the Start bytes name the same one. A source that has no
+// idle endpoint to the worker the destination named (the two sides keep
+// and expire their idle connections independently) connects an idle
+// worker of the session to it, closing its old endpoint (Stats.Connects,
+// no new worker). An endpoint found failed when a handoff takes it, or
+// by the sweep of idle connections, is destroyed (Stats.Broken) and the
+// handoff connects afresh: a broken endpoint fails only the handoff that
+// was using it (by the evidence rules below), never one that comes after.
+//
+// Idle connections are destroyed after Config.IdleTimeout (Stats.Expired;
+// 30 s on a Sender, 60 s on a Receiver by default: the destination keeps
+// a worker longer than the source keeps its endpoint to it, so the
+// source drops its end first and the destination never destroys a worker
+// a source is about to reuse), beyond MaxIdle per session (the oldest),
+// and by Close. Config.MaxIdle -1 keeps none: a worker and a connect per
+// handoff on each side. Stats counts Workers, Connects, Reuses, Expired,
+// Broken and Strays, and Idle the connections idle now.
+//
+// The pull model keeps a worker per handoff on each side: its revocation
+// is the destruction of the source's worker (which serves the emulated
+// gets of UCX_TLS=tcp from its progress loop), so that worker cannot
+// outlive the handoff.
 //
 // # Pull model (Config.Pull)
 //
@@ -129,7 +187,9 @@
 // Every UCX call on a worker, its endpoints and its requests runs on one
 // goroutine locked to its OS thread (UCS_THREAD_MODE_SINGLE), which also
 // runs the completion callbacks inside ucp_worker_progress and sleeps on
-// the worker's event fd when idle. Registrations are made on the shared
+// the worker's event fd when idle (the endpoint's failure flag, which
+// UCX's error handler sets, is read atomically from any thread: taking a
+// kept connection costs no hop to its thread). Registrations are made on the shared
 // context (created with mt_workers_shared).
 //
 // # Evidence
@@ -154,16 +214,24 @@
 //     UCS_OK). The outcome is nil when every block arrived, ErrCanceled
 //     when a cancel stopped it before its last get (the flush still
 //     covers the posted ones), the first failed get otherwise.
-//   - Source (both models): resolves on the destination's done without
-//     error — the Done message, which the destination sends only after
-//     its own evidence (Finish with a nil peer) — after the revocation;
-//     if the destination reported an error, aborted, went silent past the
-//     deadline (the cancel) or lost its control connection, the source
-//     revokes and the revocation is its evidence (outcome wraps
-//     ErrRevoked).
-//   - Revocation is ucp_worker_destroy of the handoff's worker (after a
-//     forced close of its endpoint, push: whatever is still being sent
-//     stops, and nothing of UCX reads the regions any more) and, pull,
+//   - Source, pull: resolves on the destination's done without error —
+//     the Done message, which the destination sends only after its own
+//     evidence (Finish with a nil peer) — after the revocation.
+//   - Source, push: resolves on the destination's done without error
+//     once every send the handoff posted has completed (its completion
+//     callback: UCX is done with the buffer; the connection is kept, see
+//     Connections); if they have not within 5 s, or the endpoint failed,
+//     after the revocation instead.
+//   - Source (both models): if the destination reported an error,
+//     aborted, went silent past the deadline (the cancel) or lost its
+//     control connection, the source revokes and the revocation is its
+//     evidence (outcome wraps ErrRevoked). A revoked push source posts no
+//     further message from then on, even before its worker is destroyed.
+//   - Revocation is ucp_worker_destroy of the worker the handoff holds
+//     (its own, or a kept connection's, which serves no other handoff
+//     meanwhile; after a forced close of its endpoint, push: whatever is
+//     still being sent stops, and nothing of UCX reads the regions any
+//     more) and, pull,
 //     ucp_mem_unmap of each of the handoff's registrations (a hardware
 //     transport's remote key stops working; with UCX_TLS=tcp, UCX
 //     emulates the get in software: the source's worker serves it from
@@ -174,7 +242,7 @@
 //     (UCX completes outstanding requests with an error or as cancelled
 //     without the peer's confirmation), a forced endpoint close, a
 //     cancel. A destination in that state revokes its own side (forced
-//     close of the endpoint, ucp_worker_destroy of its handoff worker,
+//     close of the endpoint, ucp_worker_destroy of the worker it holds,
 //     ucp_mem_unmap of its registrations), and that is its evidence. A
 //     destination whose source is alive but silent (a stopped process:
 //     its gets and its flush, or a matched receive, neither complete nor
@@ -226,9 +294,11 @@
 //     request says), which no configuration of ours turns off: run UCX
 //     over tcp only where the peers that can reach the workers are
 //     trusted, or use the root module's TCP plane, which authenticates
-//     its data connections. Such a process can also fill a handoff
+//     its data connections. Such a process can also fill a destination
 //     worker's unexpected-message queue (UCX memory, until the worker is
-//     destroyed at the handoff's end). An authenticated peer can still
+//     destroyed: at the end of the handoff that finds a message there,
+//     or when it fails, expires or the plane closes; a kept worker lives
+//     across handoffs of its session). An authenticated peer can still
 //     send wrong but well-formed KV.
 //
 // # Layered blocks
@@ -276,8 +346,11 @@
 // may send before the destination posts its receives: those messages
 // wait in the destination's UCX memory (bounded by the handoff, which
 // the destination accepted). A prepared handoff holds its worker (an OS
-// thread and a listening socket) until its Start or its Forget: the
-// handoff package's per-session caps and start timeout bound how many.
+// thread and a listening socket) until its Start or its Forget (which
+// destroys it: the source may have sent to it): the handoff package's
+// per-session caps and start timeout bound how many. An idle connection
+// holds the same (the source's: a thread and its endpoint's sockets),
+// at most Config.MaxIdle per session until Config.IdleTimeout.
 // Pulled, the Start bytes carry the run table inline while it fits
 // handoff.MaxPlane (4096): with UCX_TLS=tcp a worker address takes about
 // 50 bytes and each run 28 (a 10-byte key), so about 140 runs when the

@@ -1,5 +1,7 @@
 package ucx
 
+import "time"
+
 // SetLogLevel lets the external tests quiet UCX in their own process.
 func SetLogLevel(level string) error { return setLogLevel(level) }
 
@@ -78,3 +80,8 @@ func HostileRead(start []byte, raddr uint64, n int) ([]byte, bool, error) {
 // its sessions: a source whose blocks nobody in the session vouches for
 // (the blocks of another session, or of someone without the key).
 func ForgeSessionKeys[R any](s *Sender[R], secret []byte) { s.keys = keyed(secret) }
+
+// TagRoundTrip returns a measurer of the round trip of one 64-byte
+// tagged message between two workers of a push context (UCX_TLS as the
+// environment says), and a function that releases them.
+func TagRoundTrip() (func() (time.Duration, error), func(), error) { return tagRoundTrip() }

@@ -178,7 +178,7 @@ func (lc loopConfig) key(cfg ucx.Config) []byte {
 	return keyFor(cfg)
 }
 
-func newLoop(t *testing.T, lc loopConfig) *loop {
+func newLoop(t testing.TB, lc loopConfig) *loop {
 	t.Helper()
 	l := &loop{srcPool: hostPool(t, 64), dstPool: hostPool(t, 64), finals: map[uint64]*handoff.Incoming[[]byte]{}, serveErr: make(chan error, 1)}
 	ctlLn, err := net.Listen("tcp", "127.0.0.1:0")

@@ -7,6 +7,7 @@ import (
 	"runtime"
 	"sync"
 	"sync/atomic"
+	"time"
 	"unsafe"
 
 	"github.com/kvlease/kvlease"
@@ -82,6 +83,18 @@ type Config struct {
 	// every transport (see Trust in the package doc). Set it only when the
 	// destination is as trusted as the source process itself.
 	Pull bool
+	// MaxIdle bounds the idle connections (push model) a side keeps per
+	// control session for the handoffs that follow: a source's workers
+	// each with its endpoint to a destination's worker, a destination's
+	// workers (4 when zero; negative keeps none: a worker and a
+	// connection per handoff). A connection serves one handoff at a time
+	// and is kept only after a handoff that ended cleanly on its side.
+	MaxIdle int
+	// IdleTimeout is how long an idle connection is kept (zero: 30 s on
+	// a Sender, 60 s on a Receiver). Keep the destination's longer than
+	// the source's: the source then drops its endpoint before the
+	// destination destroys the worker it is connected to.
+	IdleTimeout time.Duration
 }
 
 func (c *Config) defaults() {
@@ -93,6 +106,9 @@ func (c *Config) defaults() {
 	}
 	if c.ConnectSpins <= 0 {
 		c.ConnectSpins = 1_000_000
+	}
+	if c.MaxIdle == 0 {
+		c.MaxIdle = defaultMaxIdle
 	}
 }
 
@@ -121,6 +137,18 @@ type Stats struct {
 	// their authenticated session (IntegrityMAC); the others carry
 	// crc32c (an insecure session), or nothing (device memory, pull).
 	Keyed int
+	// Workers counts the UCX workers created for the push model's
+	// connections (the pull model's per-handoff workers are not
+	// counted); Connects the endpoints created to a peer's worker (the
+	// source's with a handshake); Reuses the handoffs that took an idle
+	// connection instead (source: an endpoint to the worker the
+	// destination named; destination: a worker of the session); Expired
+	// the idle connections destroyed after Config.IdleTimeout; Broken
+	// the connections dropped because their endpoint failed (found idle
+	// or checked out). Idle is the connections idle now. Strays counts
+	// the destination's workers not kept after a handoff because a
+	// message no receive asked for was waiting in them.
+	Workers, Connects, Reuses, Expired, Broken, Idle, Strays int
 }
 
 type counters struct {
@@ -169,19 +197,23 @@ func HostBytes(b []byte) Span {
 	return Span{Addr: uintptr(p), Len: len(b), Memory: Host, pin: p}
 }
 
-// Sender is the source side's plane: for each handoff it starts a UCX
-// worker of the handoff's own. Pushing (the default), it connects to the
-// destination's worker and sends each run of blocks adjacent in memory,
-// and each other block, as a tagged message, then the blocks' sums; pulling (Config.Pull), it registers the regions'
-// pieces (one ucp_mem_map per contiguous run of them) and puts the
-// worker's address and the packed remote keys in the Start bytes. Finish,
-// or a cancel, revokes. It is safe for concurrent use.
+// Sender is the source side's plane. Pushing (the default), each handoff
+// takes the sender's idle endpoint to the destination's worker (or
+// connects to it; see Connections in the package doc) and sends each run
+// of blocks adjacent in memory, and each other block, as a tagged
+// message, then the blocks' sums; pulling (Config.Pull), it starts a UCX
+// worker of the handoff's own, registers the regions' pieces (one
+// ucp_mem_map per contiguous run of them) and puts the worker's address
+// and the packed remote keys in the Start bytes. A cancel, or Finish with
+// the destination's error, revokes; Close revokes everything and
+// destroys the idle connections. It is safe for concurrent use.
 type Sender[R any] struct {
 	cfg    Config
 	ctx    *context
 	pieces func(R, []Span) []Span
 	stats  counters
 	keys   sessionKeys
+	pool   *pool // idle connections (push)
 
 	mu     sync.Mutex
 	jobs   map[handoff.PlaneID]*sendJob[R]
@@ -211,7 +243,13 @@ func newSender[R any](cfg Config, pieces func(R, []Span) []Span) (*Sender[R], er
 	if err != nil {
 		return nil, err
 	}
-	return &Sender[R]{cfg: cfg, ctx: ctx, pieces: pieces, jobs: make(map[handoff.PlaneID]*sendJob[R])}, nil
+	ttl := cfg.IdleTimeout
+	if ttl <= 0 {
+		ttl = defaultSenderIdle
+	}
+	s := &Sender[R]{cfg: cfg, ctx: ctx, pieces: pieces, jobs: make(map[handoff.PlaneID]*sendJob[R])}
+	s.pool = newPool(cfg.MaxIdle, ttl, &s.stats)
+	return s, nil
 }
 
 // sendJob is one handoff's registration.
@@ -228,6 +266,13 @@ type sendJob[R any] struct {
 	// revokes those; Send itself revokes one attached after Close.
 	attached bool
 	push     *pushSend // the push model's state, or nil
+	c        *conn     // the push model's connection (w is its worker)
+	// halt is set when the job is revoked: its worker posts no further
+	// message, even before the worker is destroyed.
+	halt atomic.Bool
+	// sent is set (push) once every message and the table were posted
+	// and every send completed: the worker's thread is done with the job.
+	sent atomic.Bool
 }
 
 func parseAccept(b []byte) (int, error) {
@@ -240,8 +285,9 @@ func parseAccept(b []byte) (int, error) {
 	return int(binary.LittleEndian.Uint32(b[3:])), nil
 }
 
-// Send implements handoff.SendPlane. Pushing, it connects to the
-// destination's worker named in the Accept bytes, attaches the transfer,
+// Send implements handoff.SendPlane. Pushing, it takes its idle endpoint
+// to the destination's worker named in the Accept bytes (or connects to
+// it), attaches the transfer,
 // starts sending the blocks and returns the Start bytes (a block's piece
 // sizes, the block count, the integrity mode, a random nonce, the
 // handoff worker's address, the most blocks of one message, the runs).
@@ -416,7 +462,10 @@ func (s *Sender[R]) attachJob(j *sendJob[R], id handoff.PlaneID, attach func(*kv
 // the software-emulated gets of UCX_TLS=tcp are served by this worker's
 // progress, which never runs again).
 func (j *sendJob[R]) teardown() {
-	if j.w != nil {
+	j.halt.Store(true)
+	if j.c != nil {
+		j.c.destroy() // a revocation: whatever is still being sent stops
+	} else if j.w != nil {
 		j.w.destroy(func() {
 			if j.push != nil && j.push.ep != nil {
 				// A revocation: whatever is still being sent stops.
@@ -474,6 +523,10 @@ func (s *Sender[R]) Finish(id handoff.PlaneID, peer error) {
 		return
 	}
 	if peer == nil {
+		if j.c != nil {
+			j.release()
+			return
+		}
 		j.revoke(nil)
 		return
 	}
@@ -481,7 +534,11 @@ func (s *Sender[R]) Finish(id handoff.PlaneID, peer error) {
 }
 
 // Stats returns what the sender did.
-func (s *Sender[R]) Stats() Stats { return s.stats.get() }
+func (s *Sender[R]) Stats() Stats {
+	st := s.stats.get()
+	st.Idle = s.pool.idleN()
+	return st
+}
 
 // Close revokes every handoff still registered (their transfers resolve
 // with ErrClosed and ErrRevoked) and releases UCX.
@@ -499,14 +556,17 @@ func (s *Sender[R]) Close() error {
 		j.revoke(fmt.Errorf("%w: %w", ErrClosed, ErrRevoked))
 	}
 	s.wg.Wait()
+	s.pool.close()
 	s.ctx.close()
 	return nil
 }
 
-// Receiver is the destination side's plane: for each handoff it starts a
-// UCX worker of its own. Pushed (the default), it posts a tagged receive
-// per block into the block's own pieces and checks every block against
-// its sum; pulled (Config.Pull), it connects to the source's handoff
+// Receiver is the destination side's plane: each handoff has a UCX
+// worker to itself (pushed: an idle one of its session, or a new one;
+// see Connections in the package doc; pulled: a new one). Pushed (the
+// default), it posts a tagged receive per message (a run of blocks, or a
+// block) into the blocks' own pieces and checks every block against its
+// sum; pulled (Config.Pull), it connects to the source's handoff
 // worker, unpacks the remote keys and reads the blocks with ucp_get_nbx
 // into its own registered regions, then flushes the endpoint. It is safe
 // for concurrent use.
@@ -516,6 +576,7 @@ type Receiver[R any] struct {
 	pieces func(R, []Span) []Span
 	stats  counters
 	keys   sessionKeys
+	pool   *pool // idle workers (push)
 
 	mu       sync.Mutex
 	prepared map[handoff.PlaneID]*prepared
@@ -545,12 +606,20 @@ func newReceiver[R any](cfg Config, pieces func(R, []Span) []Span) (*Receiver[R]
 	if err != nil {
 		return nil, err
 	}
-	return &Receiver[R]{cfg: cfg, ctx: ctx, pieces: pieces, prepared: make(map[handoff.PlaneID]*prepared), jobs: make(map[*recvJob[R]]struct{})}, nil
+	ttl := cfg.IdleTimeout
+	if ttl <= 0 {
+		ttl = defaultReceiverIdle
+	}
+	r := &Receiver[R]{cfg: cfg, ctx: ctx, pieces: pieces, prepared: make(map[handoff.PlaneID]*prepared), jobs: make(map[*recvJob[R]]struct{})}
+	r.pool = newPool(cfg.MaxIdle, ttl, &r.stats)
+	return r, nil
 }
 
-// Prepare implements handoff.RecvPlane. Pushed, it starts the handoff's
-// worker and the Accept bytes carry the block count, a random tag salt
-// and the worker's address (the source connects to it). Pulled, they
+// Prepare implements handoff.RecvPlane. Pushed, it takes an idle worker
+// of the session (or starts one) for the handoff, and the Accept bytes
+// carry the block count, a tag salt new on that worker, the most bytes
+// of one message and the worker's address (the source connects to it,
+// or reuses its endpoint to it). Pulled, they
 // carry the block count (the source's worker address travels in Start:
 // the source owns the registration, the destination connects to it);
 // pull refuses an authenticated session (kvlease.ErrInvalidArgument).
@@ -567,7 +636,7 @@ func (r *Receiver[R]) Prepare(id handoff.PlaneID, blocks int) ([]byte, error) {
 		accept = binary.LittleEndian.AppendUint32([]byte{'K', 'U', version}, uint32(blocks))
 	} else {
 		var err error
-		if accept, err = r.preparePush(p); err != nil {
+		if accept, err = r.preparePush(id, p); err != nil {
 			return nil, err
 		}
 	}
@@ -594,19 +663,22 @@ func (r *Receiver[R]) Prepare(id handoff.PlaneID, blocks int) ([]byte, error) {
 type prepared struct {
 	blocks int
 	w      *worker
+	c      *conn // w's connection (the push model)
 	salt   uint32
 }
 
-// release destroys a prepared worker that will never receive.
+// release destroys a prepared worker that will never receive (not
+// returned to the pool: the source may have sent to it already).
 func (p *prepared) release() {
-	if p.w != nil {
-		p.w.destroy(p.w.settle)
-		p.w = nil
+	if p.c != nil {
+		p.c.destroy()
+		p.c, p.w = nil, nil
 	}
 }
 
 // Forget implements handoff.RecvPlane: in the push model it destroys the
-// handoff's worker (nothing was received into a region: no transfer).
+// handoff's worker (nothing was received into a region: no transfer; it
+// is not kept, since the source may have sent to it).
 func (r *Receiver[R]) Forget(id handoff.PlaneID) {
 	r.mu.Lock()
 	p := r.prepared[id]
@@ -1001,7 +1073,17 @@ func (j *recvJob[R]) step() bool {
 // endpoint (forced close: only after the flush's evidence or as part of
 // a revocation), the worker, the destination's registrations.
 func (j *recvJob[R]) teardown() {
-	if j.w != nil {
+	if j.push != nil && j.push.prep.c != nil {
+		c := j.push.prep.c
+		c.w.destroy(func() {
+			j.dead = true
+			if c.ep != nil {
+				_ = c.w.closeEP(c.ep, true)
+				c.ep, j.ep = nil, nil
+			}
+			c.w.settle() // the source connected to this worker
+		})
+	} else if j.w != nil {
 		j.w.destroy(func() {
 			j.dead = true
 			for _, k := range j.keys {
@@ -1028,7 +1110,18 @@ func (j *recvJob[R]) teardown() {
 // says the evidence is the teardown itself.
 func (j *recvJob[R]) finish(out error, revoked bool) {
 	j.once.Do(func() {
-		j.teardown()
+		if j.push != nil && j.push.stray {
+			j.r.stats.add(func(s *Stats) { s.Strays++ })
+		}
+		if out == nil && !revoked && j.push != nil && j.push.prep.c != nil && !j.push.stray {
+			// Every receive completed and every block passed its check:
+			// the worker and its endpoint serve the session's next
+			// handoff (a new salt, so none of this one's tags).
+			j.pin.Unpin()
+			j.r.pool.put(keyOf(j.id), j.push.prep.c)
+		} else {
+			j.teardown()
+		}
 		j.b.free()
 		j.fl.free()
 		j.r.mu.Lock()
@@ -1059,11 +1152,16 @@ func (j *recvJob[R]) finish(out error, revoked bool) {
 }
 
 // Stats returns what the receiver did.
-func (r *Receiver[R]) Stats() Stats { return r.stats.get() }
+func (r *Receiver[R]) Stats() Stats {
+	st := r.stats.get()
+	st.Idle = r.pool.idleN()
+	return st
+}
 
 // Close revokes every handoff still reading (the operator's way out of a
 // silent source: each job's endpoint is closed, its worker destroyed and
-// its registrations unmapped, and that is its evidence) and releases UCX.
+// its registrations unmapped, and that is its evidence), destroys the
+// idle workers and releases UCX.
 func (r *Receiver[R]) Close() error {
 	r.mu.Lock()
 	r.closed = true
@@ -1084,6 +1182,7 @@ func (r *Receiver[R]) Close() error {
 		j.finish(fmt.Errorf("%w: %w", ErrClosed, ErrRevoked), true)
 	}
 	r.wg.Wait()
+	r.pool.close()
 	r.ctx.close()
 	return nil
 }

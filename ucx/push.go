@@ -10,15 +10,17 @@ import (
 	"fmt"
 	"hash/crc32"
 	"slices"
+	"time"
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
 )
 
 // The push model (the default). The destination exposes nothing and
-// names no address of the source: its Prepare starts a worker of the
-// handoff's own and puts that worker's address and a random tag salt in
-// the Accept bytes; the source connects to it and sends each block as
+// names no address of the source: its Prepare takes a worker for the
+// handoff alone (an idle one of the session, or a new one; see pool.go)
+// and puts that worker's address and a tag salt new on it in the Accept
+// bytes; the source connects to it and sends each block as
 // one tagged message (ucp_tag_send_nbx; a block of several pieces is
 // gathered from its pieces with an iov datatype), then a table of the
 // blocks' integrity sums. The destination receives each block into its
@@ -225,29 +227,40 @@ func integrityFor(key []byte, spans []Span) Integrity {
 	return IntegrityCRC
 }
 
-// preparePush starts the handoff's worker and returns the Accept bytes:
-// "KU", pushVersion, blocks, salt, the most bytes of one message
-// (Config.MaxGet), the worker's address.
-func (r *Receiver[R]) preparePush(p *prepared) ([]byte, error) {
-	var salt [4]byte
-	if _, err := rand.Read(salt[:]); err != nil {
-		return nil, fmt.Errorf("ucx: prepare: %w", err)
+// preparePush checks out an idle worker of id's session (or starts one)
+// and returns the Accept bytes: "KU", pushVersion, blocks, salt, the
+// most bytes of one message (Config.MaxGet), the worker's address. The
+// salt is new on the worker for every handoff: a random start, then one
+// more per handoff, so no two handoffs of a worker share a tag.
+func (r *Receiver[R]) preparePush(id handoff.PlaneID, p *prepared) ([]byte, error) {
+	c := r.pool.take(keyOf(id), nil)
+	if c != nil {
+		r.stats.add(func(st *Stats) { st.Reuses++ })
+	} else {
+		w, err := r.ctx.newWorker()
+		if err != nil {
+			return nil, err
+		}
+		c = &conn{w: w, dest: true}
+		if cerr := w.call(func() { c.own, err = w.address() }); cerr != nil {
+			err = cerr
+		}
+		if err != nil {
+			c.destroy()
+			return nil, err
+		}
+		var salt [4]byte
+		if _, err := rand.Read(salt[:]); err != nil {
+			c.destroy()
+			return nil, fmt.Errorf("ucx: prepare: %w", err)
+		}
+		c.salt = binary.LittleEndian.Uint32(salt[:])
+		r.stats.add(func(st *Stats) { st.Workers++ })
 	}
-	p.salt = binary.LittleEndian.Uint32(salt[:])
-	w, err := r.ctx.newWorker()
-	if err != nil {
-		return nil, err
-	}
-	var addr []byte
-	if cerr := w.call(func() { addr, err = w.address() }); cerr != nil {
-		err = cerr
-	}
-	if err != nil {
-		w.destroy(nil)
-		return nil, err
-	}
-	p.w = w
-	b := appendPushAccept(nil, p.blocks, p.salt, r.cfg.MaxGet, addr)
+	p.c, p.w = c, c.w
+	p.salt = c.salt
+	c.salt++
+	b := appendPushAccept(nil, p.blocks, p.salt, r.cfg.MaxGet, c.own)
 	if len(b) > handoff.MaxPlane {
 		p.release()
 		return nil, fmt.Errorf("ucx: accept bytes %d exceed %d: %w", len(b), handoff.MaxPlane, kvlease.ErrExceedsCapacity)
@@ -526,25 +539,11 @@ func (s *Sender[R]) sendPush(id handoff.PlaneID, regions []R, accept []byte, att
 	if p.summer, err = newSummer(mode, key, p.g.sizes); err != nil {
 		return fail(err)
 	}
-	if j.w, err = s.ctx.newWorker(); err != nil {
+	if j.c, err = s.connection(id, acc.addr); err != nil {
 		return fail(err)
 	}
-	var own []byte
-	if cerr := j.w.call(func() {
-		if own, err = j.w.address(); err != nil {
-			return
-		}
-		if p.ep, err = j.w.connect(acc.addr); err != nil {
-			return
-		}
-		err = j.w.flushWait(p.ep, s.cfg.ConnectSpins)
-	}); cerr != nil {
-		err = cerr
-	}
-	if err != nil {
-		return fail(err)
-	}
-	st := &pushStart{sizes: p.g.sizes, blocks: blocks, mode: mode, nonce: nonce[:], addr: own,
+	j.w, p.ep = j.c.w, j.c.ep
+	st := &pushStart{sizes: p.g.sizes, blocks: blocks, mode: mode, nonce: nonce[:], addr: j.c.own,
 		per: max(1, min(s.cfg.MaxGet, acc.maxMsg)/p.g.bb)}
 	start := appendPushStart(nil, st)
 	if len(start) > handoff.MaxPlane {
@@ -572,6 +571,139 @@ func (s *Sender[R]) sendPush(id handoff.PlaneID, regions []R, accept []byte, att
 	return start, nil
 }
 
+// connection checks out an idle connection of id's session to the
+// destination worker at addr, or makes one: an endpoint to addr and a
+// flush of it (the handshake completes before anything is attached),
+// from an idle worker of the session whose endpoint goes elsewhere (its
+// old endpoint closed), else from a worker of its own. An idle
+// connection whose endpoint failed is destroyed (Stats.Broken) and
+// replaced.
+func (s *Sender[R]) connection(id handoff.PlaneID, addr []byte) (*conn, error) {
+	k := keyOf(id)
+	for range 2 * max(s.cfg.MaxIdle, 1) { // bounded: at most the idle ones
+		c := s.pool.take(k, func(c *conn) bool { return c.peer == string(addr) })
+		if c == nil {
+			break
+		}
+		if c.healthy() {
+			s.stats.add(func(st *Stats) { st.Reuses++ })
+			return c, nil
+		}
+		c.destroy()
+		s.stats.add(func(st *Stats) { st.Broken++ })
+	}
+	// The destinations's workers and ours are evicted independently: a
+	// worker of ours may be idle with an endpoint to one the destination
+	// no longer names. Connect it to this one instead.
+	if c := s.pool.take(k, nil); c != nil {
+		var err error
+		if cerr := c.w.call(func() {
+			if c.ep != nil {
+				_ = c.w.closeEP(c.ep, true)
+				c.ep, c.peer = nil, ""
+			}
+			if c.ep, err = c.w.connect(addr); err != nil {
+				return
+			}
+			c.peer = string(addr)
+			err = c.w.flushWait(c.ep, s.cfg.ConnectSpins)
+		}); cerr != nil {
+			err = cerr
+		}
+		if err == nil {
+			s.stats.add(func(st *Stats) { st.Connects++ })
+			return c, nil
+		}
+		c.destroy()
+	}
+	w, err := s.ctx.newWorker()
+	if err != nil {
+		return nil, err
+	}
+	c := &conn{w: w, peer: string(addr)}
+	s.stats.add(func(st *Stats) { st.Workers++ })
+	if cerr := w.call(func() {
+		if c.own, err = w.address(); err != nil {
+			return
+		}
+		if c.ep, err = w.connect(addr); err != nil {
+			return
+		}
+		err = w.flushWait(c.ep, s.cfg.ConnectSpins)
+	}); cerr != nil {
+		err = cerr
+	}
+	if err != nil {
+		c.destroy()
+		return nil, err
+	}
+	s.stats.add(func(st *Stats) { st.Connects++ })
+	return c, nil
+}
+
+// release ends a handoff whose destination reported done without error:
+// once every send the job posted has completed (UCX is done with the
+// regions: that is the evidence), its connection goes back to the idle
+// pool and the transfer resolves nil. Sends that do not complete within
+// settleTimeout, or a connection that failed meanwhile, make it a
+// revocation instead (the connection is destroyed, then the transfer
+// resolves nil: the destination's done stands).
+func (j *sendJob[R]) release() {
+	j.once.Do(func() {
+		if j.sent.Load() || j.quiesced() {
+			j.push.free()
+			j.pin.Unpin()
+			j.s.pool.put(keyOf(j.id), j.c)
+		} else {
+			j.teardown()
+		}
+		j.s.mu.Lock()
+		delete(j.s.jobs, j.id)
+		j.s.mu.Unlock()
+		j.s.stats.add(func(st *Stats) { st.Completed++ })
+		j.t.Resolve(nil)
+		j.s.wg.Done()
+	})
+}
+
+// quiesced waits, on the worker's thread, until every message and the
+// sums table are posted and every posted send completed; false if the
+// endpoint failed, a send could not be posted, or settleTimeout passed.
+func (j *sendJob[R]) quiesced() bool {
+	done := make(chan bool, 1)
+	deadline := time.Now().Add(settleTimeout)
+	p := j.push
+	check := func() bool {
+		switch {
+		case p.ep.failed() != nil || p.err != nil:
+			done <- false
+		case p.next == len(p.msgs) && (p.sums.p == nil || p.tabled) && p.inline+p.b.completed() == p.posted():
+			done <- true
+		case time.Now().After(deadline):
+			done <- false
+		default:
+			return false
+		}
+		return true
+	}
+	if !j.w.do(func() {
+		if !check() {
+			j.w.pollers = append(j.w.pollers, check)
+		}
+	}) {
+		return false
+	}
+	return <-done
+}
+
+// posted is how many sends the job posted: its messages and the table.
+func (p *pushSend) posted() int {
+	if p.tabled {
+		return p.next + 1
+	}
+	return p.next
+}
+
 // pushStep posts the job's messages, at most Window outstanding, then
 // the integrity table; true once everything is posted (or posting
 // failed). The source's evidence does not come from the sends'
@@ -595,6 +727,9 @@ func (j *sendJob[R]) pushStep() bool {
 				p.summer.sum(p.sums.bytes()[b*n:(b+1)*n], b, p.g.spans[b*np:(b+1)*np])
 			}
 		}
+		if j.halt.Load() {
+			break // revoked: nothing more is posted
+		}
 		var done bool
 		var err error
 		tag := tagOf(p.salt, uint32(m.first))
@@ -617,7 +752,7 @@ func (j *sendJob[R]) pushStep() bool {
 	if posted > 0 {
 		j.s.stats.add(func(st *Stats) { st.Messages += posted })
 	}
-	if p.err != nil {
+	if p.err != nil || j.halt.Load() {
 		return true
 	}
 	if p.next < len(p.msgs) {
@@ -627,10 +762,15 @@ func (j *sendJob[R]) pushStep() bool {
 		p.tabled = true
 		if done, err := p.ep.send(p.sums.addr(), p.sums.n, false, tagOf(p.salt, tableIndex), p.b); err != nil {
 			p.err = err
+			return true
 		} else if done {
 			p.inline++
 		}
 	}
+	if p.inline+p.b.completed() < p.posted() {
+		return false // until every send completed: release then needs no wait
+	}
+	j.sent.Store(true)
 	return true
 }
 
@@ -646,6 +786,7 @@ type pushRecv struct {
 	summer *summer
 	tabled bool // the table's receive is posted
 	cancel bool // outstanding receives were asked to cancel
+	stray  bool // at the end, a message no receive asked for waited in the worker
 }
 
 func (p *pushRecv) free() {
@@ -712,8 +853,31 @@ func (r *Receiver[R]) receivePush(id handoff.PlaneID, prep *prepared, regions []
 	// stalls does not stall the destination's Receive. (If the
 	// handshake never completes, teardown's bounded flush abandons the
 	// worker rather than destroy it; see Limits in the package doc.)
-	if cerr := j.w.call(func() { j.ep, err = j.w.connect(st.addr) }); cerr != nil {
+	c := prep.c
+	var connected, broken bool
+	if c.ep != nil && c.peer == string(st.addr) && c.healthy() {
+		j.ep = c.ep // the source's worker of the last handoff: reused
+	} else if cerr := j.w.call(func() {
+		broken = c.ep != nil && c.peer == string(st.addr)
+		if c.ep != nil {
+			_ = j.w.closeEP(c.ep, true)
+			c.ep, c.peer = nil, ""
+		}
+		if j.ep, err = j.w.connect(st.addr); err == nil {
+			c.ep, c.peer, connected = j.ep, string(st.addr), true
+		}
+	}); cerr != nil {
 		err = cerr
+	}
+	if connected || broken {
+		r.stats.add(func(s *Stats) {
+			if connected {
+				s.Connects++
+			}
+			if broken {
+				s.Broken++
+			}
+		})
 	}
 	if err != nil {
 		return fail(err)
@@ -799,7 +963,9 @@ func (j *recvJob[R]) stepPush() bool {
 	}
 	// Every posted receive completed: UCX writes none of the regions
 	// any more. Evidence; the outcome says whether every block arrived
-	// intact.
+	// intact. A worker holding a message nobody asked for (of an earlier
+	// handoff, or from anyone who reached it) is not kept.
+	p.stray = j.w.stray()
 	go j.finish(j.pushOutcome(), false)
 	return true
 }

@@ -51,9 +51,13 @@ static void kvu_op_cb(void *req, ucs_status_t st, void *user) {
 
 static void kvu_ep_err(void *arg, ucp_ep_h ep, ucs_status_t st) {
 	kvu_ep *e = (kvu_ep *)arg;
-	if (!e->failed) e->status = st;
-	e->failed = 1;
+	if (!__atomic_load_n(&e->failed, __ATOMIC_RELAXED)) e->status = st;
+	__atomic_store_n(&e->failed, 1, __ATOMIC_RELEASE);
 }
+
+// kvu_ep_failed reads e's failure flag from any thread (the handler
+// publishes the status before the flag).
+static int kvu_ep_failed(kvu_ep *e) { return __atomic_load_n(&e->failed, __ATOMIC_ACQUIRE); }
 
 // kvu_init creates a context: with remote memory access (rma: the pull
 // model) or with tagged messages only (the push model: no RMA feature, so
@@ -623,9 +627,12 @@ func (w *worker) connect(addr []byte) (*endpoint, error) {
 	return e, nil
 }
 
-// failed returns the endpoint's error, once UCX reported one.
+// failed returns the endpoint's error, once UCX reported one. It may
+// be called from any thread while the endpoint is open (the error
+// handler runs on the worker's thread and publishes its status before
+// the flag).
 func (e *endpoint) failed() error {
-	if e.err.failed == 0 {
+	if C.kvu_ep_failed(e.err) == 0 {
 		return nil
 	}
 	return fmt.Errorf("ucx: endpoint failed: %w", Status(e.err.status))
@@ -873,6 +880,14 @@ func (w *worker) recv(r recvs, i int, buf uintptr, n int, iov bool, tag uint64) 
 		return fmt.Errorf("ucx: ucp_tag_recv_nbx: %w", Status(r.at(i).status))
 	}
 	return nil
+}
+
+// stray reports whether a message that no posted receive asked for
+// waits in the worker's unexpected queue (ucp_tag_probe_nb, any tag,
+// not removed). Worker thread only.
+func (w *worker) stray() bool {
+	var info C.ucp_tag_recv_info_t
+	return C.ucp_tag_probe_nb(w.h, 0, 0, 0, &info) != nil
 }
 
 // cancel asks UCX to cancel receive i if it is outstanding. Worker

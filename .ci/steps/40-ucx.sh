@@ -27,3 +27,7 @@ done
 # count the descriptors), so that it keeps running.
 out=$(go test -run '^$' -bench '^BenchmarkRuns256x4K$' -benchtime 1x . 2>&1) || { echo "$out" | tail -20; exit 1; }
 echo "$out" | grep -E '^BenchmarkRuns256x4K/'
+# Reused connections: the latency benchmarks a few times (each checks
+# that the reusing side connected once), so that they keep running.
+out=$(go test -run '^$' -bench '^Benchmark(Handoff|Plane)16Latency$' -benchtime 20x . 2>&1) || { echo "$out" | tail -20; exit 1; }
+echo "$out" | grep -E '^Benchmark(Handoff|Plane)16Latency'
