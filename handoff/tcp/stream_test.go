@@ -543,3 +543,51 @@ func TestStreamRefusesBadLayers(t *testing.T) {
 		t.Fatalf("SendStream with 3 layers over 4096-byte blocks: %v (attached %v)", err, attached)
 	}
 }
+
+// TestStreamProcDestinationKilled: the destination is another process,
+// killed after 3 of 8 layers while the source's writer waits for the
+// next one. The source learns it from the lost control connection (its
+// transfer is asked to stop, which ends the wait at once), ends Failed
+// by its own evidence (the writer returned), and its lease is the
+// caller's again, no block leaked.
+func TestStreamProcDestinationKilled(t *testing.T) {
+	ln := listen(t)
+	p := startPeer(t, peerConfig{Role: "dest", Ctrl: ln.Addr().String(), BlockBytes: procBlockBytes, PoolBlocks: procPool, HoldAfter: -1})
+	pool := hostPool2(t, procPool, procBlockBytes)
+	sender := tcp.NewSender(tcp.Config{})
+	src, err := handoff.NewSource(acceptOne(t, ln), sender, handoff.HalfConfig{Envelope: envFor(procBlockBytes, procPool),
+		Name: "prefill", Peer: "decode", Deadline: bound, Auth: testAuth})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.expect("ready")
+	t.Cleanup(func() {
+		p.kill()
+		_ = src.Close()
+		_ = sender.Close()
+		if err := pool.Check(); err != nil {
+			t.Error(err)
+		}
+	})
+	lease, fill := flatLease(t, pool, 8, 33, sLayers)
+	prog, _ := handoff.NewProgress(8, sLayers)
+	o, err := src.Propose(1, "seed=33", lease, nil, handoff.Streaming(prog))
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitState(t, "source", o.State, handoff.Transferring)
+	prefill(t, prog, time.Millisecond, 3, fill, nil)
+	p.kill()
+	if st := waitDone(t, "source", o.Done(), o.State); st != handoff.Failed {
+		t.Fatalf("source %v: %v", st, o.History())
+	}
+	if tr := o.Transfer(); tr == nil || tr.State() != kvlease.TransferResolved {
+		t.Fatal("Failed without its own transfer resolved")
+	}
+	if lease.State() != kvlease.LeaseActive {
+		t.Fatalf("source lease %v: a failed handoff leaves it the caller's", lease.State())
+	}
+	prefill(t, prog, 0, sLayers, fill, nil) // the prefill goes on: nothing reads it now
+	lease.Release()
+	wantStats(t, "source", localStats(pool, sender.Stats()), "free=64 leased=0 draining=0 quarantined=0 open=0 check=ok started=1 completed=0")
+}
