@@ -276,7 +276,7 @@ func writeStream(conn net.Conn, tok [16]byte, sl *seal, ps parts, ready handoff.
 	for doneL < L && doneB < n {
 		l, b, ok := ready.Wait(doneL, doneB, cancel.stop)
 		if !ok || cancel.Load() {
-			w.stop(conn)
+			w.stop(w.conn)
 			return w.sent, fmt.Errorf("tcp: stopped with %d of %d layers and %d of %d blocks sent: %w", doneL, L, doneB, n, ErrCanceled)
 		}
 		l, b = min(l, L), min(b, n)
@@ -360,8 +360,13 @@ func (w *streamWriter) send(b0, b1, l0, l1 int, cancel *cancelFlag) error {
 			binary.LittleEndian.PutUint32(w.meta[streamHeader:], sum)
 		}
 		w.iov = append(w.iov, w.meta[streamHeader:streamHeader+w.sl.checkLen(e-b)])
-		if _, err := w.g.write(w.iov); err != nil {
+		if m, err := w.g.write(w.iov); err != nil {
 			if cancel.Load() {
+				if m == 0 {
+					// The cancel's deadline stopped the write before
+					// its first byte: still at a frame boundary.
+					w.stop(w.conn)
+				}
 				err = fmt.Errorf("%w (%w)", ErrCanceled, err)
 			}
 			return fmt.Errorf("tcp: blocks %d to %d, layers %d to %d: %w", b, e-1, l0, l1-1, err)
