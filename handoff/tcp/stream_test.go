@@ -596,3 +596,81 @@ func TestStreamProcDestinationKilled(t *testing.T) {
 	lease.Release()
 	wantStats(t, "source", localStats(pool, sender.Stats()), "free=64 leased=0 draining=0 quarantined=0 open=0 check=ok started=1 completed=0")
 }
+
+// TestStreamInteroperates: the stream wire is layout-independent (a part
+// is a slice of the block's contiguous form), so a layered source streams
+// to a plain []byte pool, and a plain source to a layered pool (PSK:
+// keyed), with the layout's layers (8: a part is a layer's K and V
+// pieces) or whole blocks (1 layer: a part is every piece).
+func TestStreamInteroperates(t *testing.T) {
+	e := layeredEnv(64)
+	contiguous := func(b layout.Block) []byte { // the block's pieces in (layer, kv) order
+		var out []byte
+		for _, p := range b.AppendPieces(nil) {
+			out = append(out, p...)
+		}
+		return out
+	}
+	t.Run("layered-to-flat", func(t *testing.T) {
+		watch, srcPool := watchPool(t, layout.LayerSeparated(lLayers, 2, 64, lPiece, e.Layout.Tag))
+		dstPool := hostPool(t, 64)
+		h := newStreamHalves(t, srcPool, dstPool, e, watchSend, flatRecv, streamOpts{})
+		lease, fill := layeredLease(t, srcPool, 6, 4)
+		prog, _ := handoff.NewProgress(6, lLayers)
+		watch.prog.Store(prog)
+		out, err := h.src.Propose(1, "r4", lease, nil, handoff.Streaming(prog))
+		if err != nil {
+			t.Fatal(err)
+		}
+		in := waitIn(t, h, out)
+		prefill(t, prog, time.Millisecond, lLayers, fill, nil)
+		waitFinal(t, out)
+		if out.State() != handoff.Delivered || in.State() != handoff.Delivered {
+			t.Fatalf("source %v, destination %v: %v / %v", out.State(), in.State(), out.History(), in.History())
+		}
+		for i := range 6 {
+			r, _ := in.Lease().ReadRegion(i)
+			for j, c := range r {
+				k := j / lPiece // piece k = (layer k/2, kv k%2)
+				if want := pieceMark(4, i, k/2, k%2, j%lPiece); c != want {
+					t.Fatalf("block %d byte %d: %#x, want %#x", i, j, c, want)
+				}
+			}
+		}
+		if early := watch.early.Load(); early != 0 {
+			t.Fatalf("the plane asked for %d pieces of layers not yet marked", early)
+		}
+		in.Lease().Release()
+		lease.Release()
+	})
+	for _, layers := range []int{lLayers, 1} {
+		t.Run(fmt.Sprintf("flat-to-layered/%d-layers", layers), func(t *testing.T) {
+			srcPool := hostPool(t, 64)
+			_, dstPool := hostLayout(t, layout.LayerSeparated(lLayers, 2, 64, lPiece, e.Layout.Tag))
+			h := newStreamHalves(t, srcPool, dstPool, e, flat, layeredRecv, streamOpts{})
+			lease, fill := flatLease(t, srcPool, 6, 8, layers)
+			prog, _ := handoff.NewProgress(6, layers)
+			out, err := h.src.Propose(1, "r8", lease, nil, handoff.Streaming(prog))
+			if err != nil {
+				t.Fatal(err)
+			}
+			in := waitIn(t, h, out)
+			prefill(t, prog, 0, layers, fill, nil)
+			waitFinal(t, out)
+			if out.State() != handoff.Delivered || in.State() != handoff.Delivered {
+				t.Fatalf("source %v, destination %v: %v / %v", out.State(), in.State(), out.History(), in.History())
+			}
+			pb := blockBytes / layers
+			for i := range 6 {
+				b, _ := in.Lease().ReadRegion(i)
+				for j, c := range contiguous(b) {
+					if want := partMark(8, i, j/pb, j%pb); c != want {
+						t.Fatalf("block %d byte %d: %#x, want %#x", i, j, c, want)
+					}
+				}
+			}
+			in.Lease().Release()
+			lease.Release()
+		})
+	}
+}

@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
+	"github.com/kvlease/kvlease/layout"
 )
 
 // rawStream is a hand-made stream sender against a real Receiver: the
@@ -339,4 +340,34 @@ func FuzzStreamHeader(f *testing.F) {
 			t.Fatalf("error %v does not wrap ErrCorrupt", err)
 		}
 	})
+}
+
+// TestLayeredPartSpans: a part of a layered region, at any byte range of
+// the block's contiguous form (whole pieces, several, or inside one), is
+// exactly those bytes of the pieces in (layer, kv) order.
+func TestLayeredPartSpans(t *testing.T) {
+	lay := layout.LayerSeparated(4, 2, 3, 64, "t")
+	h, err := layout.NewHost(lay)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range h.Base() {
+		h.Base()[i] = byte(i * 7)
+	}
+	ps := layeredParts[layout.Block]{regions: []layout.Block{h.Region(0), h.Region(1), h.Region(2)}, lay: lay}
+	for b := range 3 {
+		var whole []byte
+		for _, p := range h.Region(kvlease.BlockID(b)).AppendPieces(nil) {
+			whole = append(whole, p...)
+		}
+		for _, r := range [][2]int{{0, 512}, {0, 64}, {128, 256}, {32, 64}, {96, 200}, {500, 12}} {
+			spans, err := ps.spans(nil, b, r[0], r[1])
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := bytes.Join(spans, nil); !bytes.Equal(got, whole[r[0]:r[0]+r[1]]) {
+				t.Fatalf("block %d, bytes %d+%d: spans hold other bytes", b, r[0], r[1])
+			}
+		}
+	}
 }
