@@ -3,9 +3,10 @@
 # itself as the peer) a few more times under -race, the attack suite (the
 # test binary re-executes itself as the attacker: unauthenticated and
 # wrong-key proposers, stolen and replayed tokens, a replayed record, a
-# spliced stream, a pool hog, a hello flood) under -race, the control
+# spliced stream, a pool hog, a hello flood) under -race, the streaming
+# handoffs (faults included) a few more times, the control
 # protocol's, the record layer's, the handshake's, the data hello's and
-# the frame layout's fuzz targets briefly, the run-merging tests, and the two-process benchmarks once as a smoke run
+# the frame layout's and the stream frame header's fuzz targets briefly, the run-merging tests, and the two-process benchmarks once as a smoke run
 # (they print the handoff and raw rows; nothing is asserted on speed).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -14,6 +15,7 @@ cd "$(dirname "$0")/../.."
 # exceeded' when a loaded machine starves its workers (golang/go#75804).
 go test -race -count=3 -run 'TestProc|TestLoopback|TestTLSAcrossProcesses' ./handoff/tcp
 go test -race -count=2 -run 'TestAttack|TestSeal|TestSenderRefuses|TestReceiverAccept|TestKeyedPipeline|TestFrames|TestRun|TestReadLayout' ./handoff/tcp
+go test -race -count=5 -run 'TestStream|ExampleSender_SendStream' ./handoff/tcp
 go test -race -count=2 -run 'TestAuth|TestHandshake|TestHalvesRefuse|TestRecord|TestReplayed|TestStartTimeout|TestSessionCaps|TestRejectedProposals|TestListen' ./handoff
 go test -run '^$' -fuzz '^FuzzReadFrame$' -fuzztime 10000x -fuzzminimizetime 2s ./handoff
 go test -run '^$' -fuzz '^FuzzRecord$' -fuzztime 10000x -fuzzminimizetime 2s ./handoff
@@ -22,4 +24,5 @@ go test -run '^$' -fuzz '^FuzzCheckHello$' -fuzztime 10000x -fuzzminimizetime 2s
 go test -run '^$' -fuzz '^FuzzParseAccept$' -fuzztime 10000x -fuzzminimizetime 2s ./handoff/tcp
 go test -run '^$' -fuzz '^FuzzCheckFrameHeader$' -fuzztime 10000x -fuzzminimizetime 2s ./handoff/tcp
 go test -run '^$' -fuzz '^FuzzParseLayout$' -fuzztime 10000x -fuzzminimizetime 2s ./handoff/tcp
+go test -run '^$' -fuzz '^FuzzStreamHeader$' -fuzztime 10000x -fuzzminimizetime 2s ./handoff/tcp
 go test -run '^$' -bench . -benchtime 5x ./handoff/tcp

@@ -8,7 +8,6 @@ import (
 	"io"
 	"net"
 	"sync"
-	"sync/atomic"
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
@@ -103,12 +102,12 @@ func (ls LayeredSender[R]) Send(id handoff.PlaneID, regions []R, accept []byte, 
 	if err != nil {
 		return nil, err
 	}
-	return ls.s.start(id, accept, attach, func(conn net.Conn, tok [16]byte, sl *seal, cancel *atomic.Bool) (int64, error) {
+	return ls.s.start(id, accept, attach, func(conn net.Conn, tok [16]byte, sl *seal, cancel *cancelFlag) (int64, error) {
 		return writeLayered(conn, tok, sl, regions, lay, cancel)
 	})
 }
 
-func writeLayered[R LayeredRegion](conn net.Conn, tok [16]byte, sl *seal, regions []R, lay layout.Layout, cancel *atomic.Bool) (int64, error) {
+func writeLayered[R LayeredRegion](conn net.Conn, tok [16]byte, sl *seal, regions []R, lay layout.Layout, cancel *cancelFlag) (int64, error) {
 	bb := 0
 	if len(regions) > 0 {
 		bb = lay.BlockBytes()
@@ -203,6 +202,9 @@ func (lr LayeredReceiver[R]) Receive(id handoff.PlaneID, regions []R, _ []byte, 
 		return lay.BlockBytes(), nil
 	}
 	return lr.r.receive(id, len(regions), blockBytes, attach, func(c net.Conn, sl *seal, cancel <-chan struct{}) (int64, error) {
+		if sl.stream {
+			return readStream(c, sl, layeredParts[R]{regions, lay}, cancel)
+		}
 		return readLayered(c, sl, regions, lay, cancel)
 	})
 }

@@ -26,6 +26,7 @@ import (
 // block a crc32c, which catches accidents, not attackers.
 type seal struct {
 	keyed    bool
+	stream   bool // the data connection's hello said stream mode (stream.go)
 	helloKey []byte
 	gmac     cipher.AEAD
 	nonce    [12]byte
@@ -103,7 +104,7 @@ func (s *seal) verify(i int, block, check []byte) error {
 
 // The hello: "KD" | version | flags (bit 0: keyed) | token (16) | blocks
 // (4 LE) | block bytes (4 LE) | HMAC-SHA256 of what precedes (32; zero
-// when not keyed).
+// when not keyed). Flag bit 1 (flagStream, stream.go) says stream mode.
 const (
 	helloBody   = 2 + 1 + 1 + 16 + 4 + 4
 	helloLength = helloBody + sha256.Size
@@ -111,10 +112,14 @@ const (
 )
 
 func (s *seal) hello(tok [16]byte, blocks, bb int) []byte {
+	return s.helloFlags(tok, blocks, bb, 0)
+}
+
+// helloFlags is hello with extra flags (flagStream).
+func (s *seal) helloFlags(tok [16]byte, blocks, bb int, flags byte) []byte {
 	h := make([]byte, 0, helloLength)
-	var flags byte
 	if s.keyed {
-		flags = flagKeyed
+		flags |= flagKeyed
 	}
 	h = append(h, 'K', 'D', version, flags)
 	h = append(h, tok[:]...)
@@ -136,7 +141,7 @@ var zeroMAC [sha256.Size]byte
 func (s *seal) checkHello(h []byte) error {
 	keyed := h[3]&flagKeyed != 0
 	switch {
-	case h[3]&^flagKeyed != 0:
+	case h[3]&^(flagKeyed|flagStream) != 0:
 		return fmt.Errorf("a hello with unknown flags %#x: %w", h[3], ErrCorrupt)
 	case s.keyed && !keyed:
 		return fmt.Errorf("an unkeyed hello for an authenticated session's handoff (a downgrade): %w", ErrUnauthenticated)

@@ -86,6 +86,14 @@ func TestSeal(t *testing.T) {
 	if err := d.checkHello(h); err != nil {
 		t.Fatalf("the sender's own hello: %v", err)
 	}
+	if err := d.checkHello(s.helloFlags(tok, 4, 4096, flagStream)); err != nil {
+		t.Fatalf("the sender's own stream hello: %v", err)
+	}
+	flipped := bytes.Clone(h)
+	flipped[3] |= flagStream // the flags are under the MAC: no one turns stream mode on
+	if err := d.checkHello(flipped); !errors.Is(err, ErrUnauthenticated) {
+		t.Errorf("a keyed hello whose stream flag was set in transit: %v", err)
+	}
 	for name, sl := range map[string]*seal{"another token": otherTok, "another handoff": otherHandoff} {
 		if err := sl.checkHello(h); !errors.Is(err, ErrUnauthenticated) {
 			t.Errorf("%s: hello %v", name, err)
@@ -104,10 +112,14 @@ func TestSeal(t *testing.T) {
 	}
 	for name, at := range map[string]int{"nonzero MAC field": helloLength - 1, "unknown flag": 3} {
 		bad := bytes.Clone(ph)
-		bad[at] ^= 2
+		bad[at] ^= 4 // 2 is flagStream
 		if err := plain.checkHello(bad); !errors.Is(err, ErrCorrupt) {
 			t.Errorf("unkeyed hello with a %s: %v", name, err)
 		}
+	}
+	// A stream hello is known (flagStream) and MACed like any other.
+	if err := plain.checkHello(plain.helloFlags(tok, 4, 4096, flagStream)); err != nil {
+		t.Errorf("the unkeyed sender's stream hello: %v", err)
 	}
 	bad := bytes.Clone(h)
 	bad[3] |= 0x80

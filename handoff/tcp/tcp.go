@@ -30,6 +30,19 @@
 // check trails its frame so that the sender computes it over bytes it has
 // just sent and the receiver over bytes it has just read.
 //
+// Streaming (stream.go). Sender.SendStream and LayeredSender.SendStream
+// (handoff.StreamSendPlane) start a handoff whose blocks the prefill is
+// still writing: the Start bytes go back at once, and the writer sends
+// each part (block, layer) as the handoff.Ready marks it written, never
+// before. The hello carries a stream flag and the layer count, and the
+// frames name a run of blocks and a range of layers; the receiver, which
+// needs no API change, fills a coverage bitmap and refuses a part out of
+// range, sent twice or of the wrong length (ErrCorrupt). Checks are a
+// crc32c per frame, or keyed an AES-GMAC tag per (block, layer range)
+// whose nonce binds both. The evidence is unchanged: each side resolves
+// when its own loop has returned, and a cancel also ends the writer's
+// wait for progress.
+//
 // Binding to the session. In an authenticated session (the PlaneID's
 // Peer is secure) both sides derive, from the session's secret, the
 // handoff id and the token, one key for the hello's HMAC and one for the
@@ -330,7 +343,7 @@ func (s *Sender) Send(id handoff.PlaneID, regions [][]byte, accept []byte, attac
 			return nil, fmt.Errorf("tcp: region %d of %d bytes, want %d: %w", i, len(r), bb, kvlease.ErrInvalidArgument)
 		}
 	}
-	return s.start(id, accept, attach, func(conn net.Conn, tok [16]byte, sl *seal, cancel *atomic.Bool) (int64, error) {
+	return s.start(id, accept, attach, func(conn net.Conn, tok [16]byte, sl *seal, cancel *cancelFlag) (int64, error) {
 		return s.write(conn, tok, sl, regions, cancel)
 	})
 }
@@ -376,7 +389,7 @@ func (s *Sender) checkAddr(id handoff.PlaneID, addr string) error {
 // write it in helloError), then the frames. Argument checks come before
 // it: nothing is dialled for regions that are refused. The connection
 // goes back to the pool after a clean transfer (pool.go).
-func (s *Sender) start(id handoff.PlaneID, accept []byte, attach func(*kvlease.Transfer) error, write func(conn net.Conn, tok [16]byte, sl *seal, cancel *atomic.Bool) (int64, error)) ([]byte, error) {
+func (s *Sender) start(id handoff.PlaneID, accept []byte, attach func(*kvlease.Transfer) error, write func(conn net.Conn, tok [16]byte, sl *seal, cancel *cancelFlag) (int64, error)) ([]byte, error) {
 	addr, tok, err := parseAccept(accept)
 	if err != nil {
 		return nil, err
@@ -388,16 +401,17 @@ func (s *Sender) start(id handoff.PlaneID, accept []byte, attach func(*kvlease.T
 	if err != nil {
 		return nil, err
 	}
-	var cancel atomic.Bool
+	cancel := newCancelFlag()
 	var cur atomic.Pointer[sconn] // the connection the writer uses
 	cur.Store(sc)
-	// A cancel stops the writer at the next block boundary, and ends a
-	// write blocked on a stalled peer at once (a write deadline in the
-	// past): the writer's return is our evidence either way. Such a
-	// connection is never reused.
+	// A cancel stops the writer at the next block boundary (a streaming
+	// writer's wait for progress at once), and ends a write blocked on a
+	// stalled peer at once (a write deadline in the past): the writer's
+	// return is our evidence either way. Such a connection is never
+	// reused.
 	t := kvlease.NewTransfer(func() {
-		cancel.Store(true)
 		_ = cur.Load().c.SetWriteDeadline(time.Now())
+		cancel.set() // after the deadline: a stream writer then sets its own for its stop frame
 	})
 	if err := attach(t); err != nil {
 		// Nothing was written on the connection: it stays good.
@@ -422,7 +436,7 @@ func (s *Sender) start(id handoff.PlaneID, accept []byte, attach func(*kvlease.T
 		sl, err := newSeal(id, tok)
 		var n int64
 		if err == nil {
-			n, err = write(sc.c, tok, sl, &cancel)
+			n, err = write(sc.c, tok, sl, cancel)
 		}
 		if err != nil && reused && isHelloError(err) && !cancel.Load() {
 			// The pooled connection died before the peek could tell
@@ -439,7 +453,7 @@ func (s *Sender) start(id handoff.PlaneID, accept []byte, attach func(*kvlease.T
 				if cancel.Load() {
 					n, err = 0, fmt.Errorf("tcp: stopped before the hello: %w", ErrCanceled)
 				} else {
-					n, err = write(sc.c, tok, sl, &cancel)
+					n, err = write(sc.c, tok, sl, cancel)
 				}
 			}
 		}
@@ -450,7 +464,7 @@ func (s *Sender) start(id handoff.PlaneID, accept []byte, attach func(*kvlease.T
 	return nil, nil
 }
 
-func (s *Sender) write(conn net.Conn, tok [16]byte, sl *seal, regions [][]byte, cancel *atomic.Bool) (int64, error) {
+func (s *Sender) write(conn net.Conn, tok [16]byte, sl *seal, regions [][]byte, cancel *cancelFlag) (int64, error) {
 	bb := 0
 	if len(regions) > 0 {
 		bb = len(regions[0])
@@ -822,7 +836,7 @@ func (r *Receiver) hello(c, raw net.Conn, reused bool) {
 		r.stats.s.Reuses++
 		r.stats.mu.Unlock()
 	}
-	s.offer(r, dataConn{c: c, raw: raw, bb: int64(binary.LittleEndian.Uint32(h[24:]))})
+	s.offer(r, dataConn{c: c, raw: raw, bb: int64(binary.LittleEndian.Uint32(h[24:])), flags: h[3]})
 }
 
 // keep is told that the transfer on a data connection ended: cleanly
@@ -848,6 +862,7 @@ func (r *Receiver) keep(p dataConn, clean bool) bool {
 type dataConn struct {
 	c, raw net.Conn
 	bb     int64
+	flags  byte // the hello's flags (flagStream: stream.go)
 }
 
 // checkBlockBytes refuses a data connection whose hello announced blocks
@@ -912,6 +927,9 @@ func (r *Receiver) Receive(id handoff.PlaneID, regions [][]byte, _ []byte, attac
 		return len(regions[0]), nil
 	}
 	return r.receive(id, len(regions), blockBytes, attach, func(c net.Conn, sl *seal, cancel <-chan struct{}) (int64, error) {
+		if sl.stream {
+			return readStream(c, sl, flatParts(regions), cancel)
+		}
 		return r.read(c, sl, regions, cancel)
 	})
 }
@@ -1000,7 +1018,7 @@ func (r *Receiver) receive(id handoff.PlaneID, blocks int, blockBytes func() (in
 				_ = p.c.SetReadDeadline(time.Now())
 			}
 			mu.Unlock()
-			n, err = read(p.c, s.seal, cancel)
+			n, err = read(p.c, s.seal.mode(p.flags), cancel)
 			mu.Lock()
 			reading = nil
 			clean := err == nil && !canceled
