@@ -343,10 +343,12 @@ func TestNetInsecure(t *testing.T) {
 // TestStreamRun runs -net -stream: every admitted request is delivered
 // both ways, every layer of every block arrives with its marker, no late
 // writes, nothing leaked, and the timelines are printed; a layer never
-// arrives before it was written.
+// arrives before it was written, and a streaming handoff's first layer
+// arrives while the prefill still computes (before its last layer is
+// written: 70 ms of compute later), where the other's arrives after.
 func TestStreamRun(t *testing.T) {
 	cfg := DefaultConfig()
-	cfg.Requests, cfg.LayerDelay = 5, 5*time.Millisecond
+	cfg.Requests, cfg.LayerDelay = 5, 10*time.Millisecond
 	var out bytes.Buffer
 	admitted := 0
 	l, err := runStream(cfg, &out, os.Stderr, func(r *request, st, aft *streamRun) {
@@ -360,6 +362,11 @@ func TestStreamRun(t *testing.T) {
 				if arr := time.Unix(0, at); arr.Before(run.written[layer]) {
 					t.Errorf("%s handoff %d: layer %d arrived at %v, before it was written at %v", r.name, run.id, layer, arr, run.written[layer])
 				}
+			}
+		}
+		if st.view != nil && len(st.view.Arrived) == streamLayers {
+			if first := time.Unix(0, st.view.Arrived[0]); !first.Before(st.written[streamLayers-1]) {
+				t.Errorf("%s: streaming, layer 0 arrived at %v, not before the last layer was written at %v", r.name, first, st.written[streamLayers-1])
 			}
 		}
 	})

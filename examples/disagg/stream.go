@@ -35,6 +35,7 @@ import (
 	"slices"
 	"sync"
 	"time"
+	"unsafe"
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/audit"
@@ -307,11 +308,21 @@ func printStreamTimeline(out io.Writer, r *request, st, aft *streamRun) {
 
 // streamDecoder is the decode process's state in a -stream run.
 type streamDecoder struct {
-	pool *kvlease.Pool[[]byte]
+	pool       *kvlease.Pool[[]byte]
+	base, size uintptr // the pool's host memory: its address and bytes
 
-	mu   sync.Mutex
-	incs map[uint64]*streamIncoming
-	errs []string
+	mu    sync.Mutex
+	incs  map[uint64]*streamIncoming
+	live  map[kvlease.BlockID]liveBlock // blocks live handoffs receive
+	stray int                           // reads into blocks no live handoff receives
+	errs  []string
+}
+
+// liveBlock is a block a live handoff receives: its handoff and its
+// place among the handoff's wanted blocks.
+type liveBlock struct {
+	inc *streamIncoming
+	j   int
 }
 
 // streamIncoming is one handoff as the decode side of a -stream run
@@ -325,7 +336,7 @@ type streamIncoming struct {
 	ids                 []kvlease.BlockID
 	checked, mismatches int
 	// live: the handoff is not final, its transfer may still write;
-	// late: a read landed in one of its blocks after that.
+	// late: a read landed in one of its blocks no longer its lease's.
 	live, late bool
 	final      bool // OnFinal ran (after OnDelivered released the lease)
 }
@@ -345,43 +356,44 @@ func (c *arrivalConn) Read(p []byte) (int, error) {
 	return n, err
 }
 
-// find returns the handoff and region whose bytes b starts in, and the
-// offset in it: a live handoff's first (its transfer may write there),
-// else one that ended (a late write: its blocks may belong to another
-// lease by now). A slice of a region shares its memory's end (regions
-// are slices of one host memory), so its offset is the difference of
-// the capacities; the addresses confirm it.
-func (d *streamDecoder) find(b []byte) (*streamIncoming, int, int) {
-	for _, live := range []bool{true, false} {
-		for _, inc := range d.incs {
-			if inc.live != live {
-				continue
-			}
-			for j, r := range inc.regions {
-				if off := cap(r) - cap(b); off >= 0 && off < len(r) && &r[off] == &b[0] {
-					return inc, j, off
-				}
-			}
-		}
+// locate returns the block of the decode pool's memory that b starts in,
+// and b's offset in it; ok is false for bytes outside the pool (a
+// frame's header or check). The pool is one host memory, blocks laid out
+// by id, so the address alone says which block a read fills, whatever
+// slice of it (one block, part of one, a run of several) the plane reads
+// into. Only the address is compared; nothing is read through it.
+func (d *streamDecoder) locate(b []byte) (id kvlease.BlockID, off int, ok bool) {
+	p := uintptr(unsafe.Pointer(unsafe.SliceData(b)))
+	if p < d.base || p >= d.base+uintptr(d.size) {
+		return 0, 0, false
 	}
-	return nil, 0, 0
+	o := int(p - d.base)
+	return kvlease.BlockID(o / streamBlockBytes), o % streamBlockBytes, true
 }
 
-// arrived notes b, just read, in the layers it belongs to.
+// arrived notes b, just read, in the layers it belongs to: each block it
+// covers must be one a live handoff is receiving (else it is a late
+// write: the block is no longer, or never was, a receiving lease's).
 func (d *streamDecoder) arrived(b []byte, now int64) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	for len(b) > 0 {
-		inc, j, off := d.find(b)
-		if inc == nil {
+		id, off, ok := d.locate(b)
+		if !ok {
 			return // a frame's header or check, not a region
 		}
-		if cur, err := d.pool.Region(inc.refs[inc.in.Hits()+j]); !inc.live || err != nil || &cur[0] != &inc.regions[j][0] {
-			inc.late = true // the block is no longer the lease's
-			return
+		t := min(len(b), streamBlockBytes-off)
+		at, live := d.live[id]
+		if !live {
+			d.stray++
+			b = b[t:]
+			continue
 		}
-		t := min(len(b), len(inc.regions[j])-off)
-		lb := len(inc.regions[j]) / streamLayers
+		inc := at.inc
+		if cur, err := d.pool.Region(inc.refs[inc.in.Hits()+at.j]); err != nil || &cur[0] != &inc.regions[at.j][0] {
+			inc.late = true // the block is no longer the lease's
+		}
+		lb := streamBlockBytes / streamLayers
 		for pos := off; pos < off+t; {
 			l := pos / lb
 			k := min(off+t, (l+1)*lb) - pos
@@ -407,6 +419,9 @@ func (d *streamDecoder) accepted(in *handoff.Incoming[[]byte]) {
 	}
 	d.mu.Lock()
 	d.incs[in.ID()] = inc
+	for j, ref := range inc.refs[in.Hits():] {
+		d.live[ref.ID] = liveBlock{inc, j}
+	}
 	d.mu.Unlock()
 }
 
@@ -431,20 +446,25 @@ func (d *streamDecoder) delivered(in *handoff.Incoming[[]byte]) {
 	d.mu.Unlock()
 }
 
-// retire notes that in's transfer will never write again.
+// retire notes that in's transfer will never write again: a read into
+// its blocks from now on is a late write.
 func (d *streamDecoder) retire(in *handoff.Incoming[[]byte]) {
 	d.mu.Lock()
-	if inc := d.incs[in.ID()]; inc != nil {
+	if inc := d.incs[in.ID()]; inc != nil && inc.live {
 		inc.live = false
+		for _, ref := range inc.refs[in.Hits():] {
+			delete(d.live, ref.ID)
+		}
 	}
 	d.mu.Unlock()
 }
 
 // final is OnFinal: in is final, and its lease released if delivered.
 func (d *streamDecoder) final(in *handoff.Incoming[[]byte]) {
+	d.retire(in)
 	d.mu.Lock()
 	if inc := d.incs[in.ID()]; inc != nil {
-		inc.live, inc.final = false, true
+		inc.final = true
 	}
 	d.mu.Unlock()
 }
@@ -464,11 +484,16 @@ func (d *streamDecoder) settled() bool {
 // runStreamDecode is the decode process of a -stream run: it serves the
 // control connection until it ends and reports.
 func runStreamDecode(s decodeSpec) (decodeReport, error) {
-	d := &streamDecoder{incs: map[uint64]*streamIncoming{}}
-	var err error
-	if d.pool, err = newStreamPool(); err != nil {
+	d := &streamDecoder{incs: map[uint64]*streamIncoming{}, live: map[kvlease.BlockID]liveBlock{}}
+	mem, err := kvlease.NewHostMemory(streamPoolBlocks, streamBlockBytes)
+	if err != nil {
 		return decodeReport{}, err
 	}
+	if d.pool, err = kvlease.NewPool[[]byte](mem); err != nil {
+		return decodeReport{}, err
+	}
+	all := mem.Span(kvlease.Run{Start: 0, Len: streamPoolBlocks})
+	d.base, d.size = uintptr(unsafe.Pointer(unsafe.SliceData(all))), uintptr(len(all))
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return decodeReport{}, err
@@ -525,6 +550,7 @@ func runStreamDecode(s decodeSpec) (decodeReport, error) {
 			rep.LateWrites++
 		}
 	}
+	rep.LateWrites += d.stray
 	rep.Decode = d.pool.Stats()
 	rep.Errors = slices.Clone(d.errs)
 	return rep, nil
