@@ -60,6 +60,15 @@ type wireStep struct {
 	Transfer uint64
 }
 
+// wireSteps is a history as it crosses the process boundary.
+func wireSteps(h []handoff.Step) []wireStep {
+	out := make([]wireStep, len(h))
+	for i, s := range h {
+		out[i] = wireStep{From: s.From, To: s.To, Event: s.Event, By: s.By, Err: errText(s.Err), Transfer: s.Transfer}
+	}
+	return out
+}
+
 // decodeMain is the decode process: spec is decodeEnv's value. It exits
 // (os.Exit) as soon as stdin, a pipe from the prefill process, closes: the
 // parent is gone. It returns the exit status.
@@ -432,9 +441,7 @@ func runDecode(s decodeSpec) (decodeReport, error) {
 		d.mu.Unlock()
 		if inc.in != nil {
 			v.State = inc.in.State()
-			for _, s := range inc.in.History() {
-				v.Steps = append(v.Steps, wireStep{From: s.From, To: s.To, Event: s.Event, By: s.By, Err: errText(s.Err), Transfer: s.Transfer})
-			}
+			v.Steps = wireSteps(inc.in.History())
 		}
 		rep.Handoffs = append(rep.Handoffs, v)
 		rep.MarkerMismatches += v.Mismatches

@@ -615,8 +615,8 @@ func printNetTimeline(out io.Writer, r *netReq) {
 	}
 	fmt.Fprintln(out)
 	fmt.Fprintln(out, "    prefill process")
-	for _, s := range r.out.History() {
-		printStep(out, "prefill", wireStep{From: s.From, To: s.To, Event: s.Event, By: s.By, Err: errText(s.Err), Transfer: s.Transfer})
+	for _, s := range wireSteps(r.out.History()) {
+		printStep(out, "prefill", s)
 	}
 	if v := r.view; v != nil {
 		fmt.Fprintln(out, "    decode process")

@@ -540,10 +540,8 @@ func runStreamDecode(s decodeSpec) (decodeReport, error) {
 	slices.Sort(ids)
 	for _, id := range ids {
 		inc := d.incs[id]
-		v := decodeView{ID: id, State: inc.in.State(), Blocks: inc.ids, Checked: inc.checked, Mismatches: inc.mismatches, Late: inc.late, Arrived: inc.arrived}
-		for _, s := range inc.in.History() {
-			v.Steps = append(v.Steps, wireStep{From: s.From, To: s.To, Event: s.Event, By: s.By, Err: errText(s.Err), Transfer: s.Transfer})
-		}
+		v := decodeView{ID: id, State: inc.in.State(), Blocks: inc.ids, Checked: inc.checked, Mismatches: inc.mismatches, Late: inc.late, Arrived: inc.arrived,
+			Steps: wireSteps(inc.in.History())}
 		rep.Handoffs = append(rep.Handoffs, v)
 		rep.MarkerMismatches += v.Mismatches
 		if v.Late {
