@@ -153,6 +153,7 @@ type descs struct {
 	evSubDrops, evPeerRefused, evBadReplays                     *prometheus.Desc
 	vUsage, vQueries, vHits, vConfig                            *prometheus.Desc
 	hSessions, hRefusals, hQuarantined, pRefusals, pAcceptErrs  *prometheus.Desc
+	pConns, pIdle, pTransfers, pBytes                           *prometheus.Desc
 }
 
 // New makes a Collector and registers it on reg.
@@ -211,6 +212,10 @@ func New(reg prometheus.Registerer, opts Options) (*Collector, error) {
 		hQuarantined: d("handoff_quarantined_total", "Handoffs of a half that became quarantined.", "half"),
 		pRefusals:    d("handoff_data_refusals_total", "Data connections a TCP plane refused, by reason (auth, busy, address, other).", "plane", "reason"),
 		pAcceptErrs:  d("handoff_data_accept_errors_total", "Failed accepts of a TCP plane's listener, retried after a backoff.", "plane"),
+		pConns:       d("handoff_data_connections_total", "A TCP plane's data connections, by event: dial (dialled or accepted), reuse (a handoff on a connection that had carried one), idle_expired (closed idle), stale (found closed by the peer before reuse).", "plane", "event"),
+		pIdle:        d("handoff_data_idle_connections", "A TCP plane's data connections idle now, waiting for their next handoff.", "plane"),
+		pTransfers:   d("handoff_data_transfers_total", "Transfers a TCP plane ran, by outcome (completed, failed, canceled).", "plane", "outcome"),
+		pBytes:       d("handoff_data_bytes_total", "Block bytes a TCP plane moved.", "plane"),
 	}
 	if v := opts.VLLM; v != nil {
 		names := v.Names
@@ -282,8 +287,9 @@ func (c *Collector) AddHalf(name string, h HalfSource) error {
 	return addNamed(&c.halves, "half", name, h, h == nil)
 }
 
-// AddPlane exports a TCP data plane's refusals under the label
-// plane=name.
+// AddPlane exports a TCP data plane's refusals, its data connections
+// (dials, reuses, idle expiries, stale ones, idle now) and its transfers
+// and bytes under the label plane=name.
 func (c *Collector) AddPlane(name string, p PlaneSource) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -332,6 +338,7 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 		c.d.evPublished, c.d.evBatches, c.d.evBlocks, c.d.evDropped, c.d.evBatchDropped,
 		c.d.evUnpublishable, c.d.evResyncs, c.d.evSubDrops, c.d.evPeerRefused, c.d.evBadReplays,
 		c.d.hSessions, c.d.hRefusals, c.d.hQuarantined, c.d.pRefusals, c.d.pAcceptErrs,
+		c.d.pConns, c.d.pIdle, c.d.pTransfers, c.d.pBytes,
 	} {
 		ch <- d
 	}
@@ -450,6 +457,15 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		ci(c.d.pRefusals, st.RefusedAddr, n, "address")
 		ci(c.d.pRefusals, st.Refused-st.RefusedAuth-st.RefusedBusy, n, "other")
 		ci(c.d.pAcceptErrs, st.AcceptErrors, n)
+		ci(c.d.pConns, st.Dials, n, "dial")
+		ci(c.d.pConns, st.Reuses, n, "reuse")
+		ci(c.d.pConns, st.IdleExpired, n, "idle_expired")
+		ci(c.d.pConns, st.Stale, n, "stale")
+		gauge(c.d.pIdle, float64(st.Idle), n)
+		ci(c.d.pTransfers, st.Completed, n, "completed")
+		ci(c.d.pTransfers, st.Failed, n, "failed")
+		ci(c.d.pTransfers, st.Canceled, n, "canceled")
+		counter(c.d.pBytes, uint64(max(st.Bytes, 0)), n)
 	}
 	c.transfer.Collect(ch)
 	c.drain.Collect(ch)

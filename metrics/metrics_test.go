@@ -422,7 +422,8 @@ func TestCollectorHandoffRefusals(t *testing.T) {
 	c, _, _ := newCollector(t, Options{})
 	require.NoError(t, c.AddHalf("decode", fakeHalf{handoff.HalfStats{Sessions: 3, AuthRefused: 5, Downgrades: 2, FramesRefused: 1,
 		LimitRefused: 4, StartTimeouts: 1, Quarantined: 2}}))
-	require.NoError(t, c.AddPlane("decode", fakePlane{tcp.Stats{Refused: 9, RefusedAuth: 3, RefusedBusy: 4, AcceptErrors: 1}}))
+	require.NoError(t, c.AddPlane("decode", fakePlane{tcp.Stats{Refused: 9, RefusedAuth: 3, RefusedBusy: 4, AcceptErrors: 1,
+		Dials: 2, Reuses: 7, IdleExpired: 1, Stale: 1, Idle: 1, Completed: 8, Failed: 1, Bytes: 1 << 20}}))
 	require.ErrorIs(t, c.AddHalf("decode", fakeHalf{}), ErrInvalid)
 	const want = `
 # HELP kvlease_handoff_refusals_total What a handoff half refused, by reason (auth, downgrade, frame, limit, start_timeout, duplicate, unauthorized, busy, accept_error).
@@ -442,8 +443,26 @@ kvlease_handoff_data_refusals_total{plane="decode",reason="address"} 0
 kvlease_handoff_data_refusals_total{plane="decode",reason="auth"} 3
 kvlease_handoff_data_refusals_total{plane="decode",reason="busy"} 4
 kvlease_handoff_data_refusals_total{plane="decode",reason="other"} 2
+# HELP kvlease_handoff_data_connections_total A TCP plane's data connections, by event: dial (dialled or accepted), reuse (a handoff on a connection that had carried one), idle_expired (closed idle), stale (found closed by the peer before reuse).
+# TYPE kvlease_handoff_data_connections_total counter
+kvlease_handoff_data_connections_total{event="dial",plane="decode"} 2
+kvlease_handoff_data_connections_total{event="idle_expired",plane="decode"} 1
+kvlease_handoff_data_connections_total{event="reuse",plane="decode"} 7
+kvlease_handoff_data_connections_total{event="stale",plane="decode"} 1
+# HELP kvlease_handoff_data_idle_connections A TCP plane's data connections idle now, waiting for their next handoff.
+# TYPE kvlease_handoff_data_idle_connections gauge
+kvlease_handoff_data_idle_connections{plane="decode"} 1
+# HELP kvlease_handoff_data_transfers_total Transfers a TCP plane ran, by outcome (completed, failed, canceled).
+# TYPE kvlease_handoff_data_transfers_total counter
+kvlease_handoff_data_transfers_total{outcome="canceled",plane="decode"} 0
+kvlease_handoff_data_transfers_total{outcome="completed",plane="decode"} 8
+kvlease_handoff_data_transfers_total{outcome="failed",plane="decode"} 1
+# HELP kvlease_handoff_data_bytes_total Block bytes a TCP plane moved.
+# TYPE kvlease_handoff_data_bytes_total counter
+kvlease_handoff_data_bytes_total{plane="decode"} 1.048576e+06
 `
-	require.NoError(t, testutil.CollectAndCompare(c, strings.NewReader(want), "kvlease_handoff_refusals_total", "kvlease_handoff_data_refusals_total"))
+	require.NoError(t, testutil.CollectAndCompare(c, strings.NewReader(want), "kvlease_handoff_refusals_total", "kvlease_handoff_data_refusals_total",
+		"kvlease_handoff_data_connections_total", "kvlease_handoff_data_idle_connections", "kvlease_handoff_data_transfers_total", "kvlease_handoff_data_bytes_total"))
 	problems, err := testutil.CollectAndLint(c)
 	require.NoError(t, err)
 	require.Empty(t, problems)
