@@ -246,3 +246,61 @@ func must[T any](v T, err error) T {
 	}
 	return v
 }
+
+// FuzzProgress drives a progress with arbitrary marks (valid and not) and
+// checks its invariants after each: marks only move forward, an invalid
+// mark changes nothing, a plane's view is the progress seen from its
+// first block, and complete means every part of every block is written.
+func FuzzProgress(f *testing.F) {
+	f.Add(uint8(5), uint8(3), uint8(2), []byte{0x01, 0x82, 0x03, 0x85})
+	f.Add(uint8(1), uint8(1), uint8(0), []byte{0x81})
+	f.Fuzz(func(t *testing.T, blocks, layers, from uint8, marks []byte) {
+		p, err := NewProgress(int(blocks), int(layers))
+		if blocks == 0 || layers == 0 {
+			if !errors.Is(err, kvlease.ErrInvalidArgument) {
+				t.Fatalf("%d×%d: %v", blocks, layers, err)
+			}
+			return
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		r, err := p.Ready(int(from))
+		if int(from) > int(blocks) {
+			if !errors.Is(err, kvlease.ErrInvalidArgument) {
+				t.Fatalf("ready from %d of %d: %v", from, blocks, err)
+			}
+			return
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range marks {
+			l0, b0 := p.Written()
+			v := int(m & 0x7f)
+			if m&0x80 != 0 {
+				err = p.WroteBlocks(v)
+				if (v > int(blocks)) != (err != nil) {
+					t.Fatalf("WroteBlocks(%d) of %d: %v", v, blocks, err)
+				}
+			} else {
+				err = p.WroteLayers(v)
+				if (v > int(layers)) != (err != nil) {
+					t.Fatalf("WroteLayers(%d) of %d: %v", v, layers, err)
+				}
+			}
+			l, b := p.Written()
+			if l < l0 || b < b0 || (err != nil && (l != l0 || b != b0)) {
+				t.Fatalf("(%d, %d) → (%d, %d) after mark %#x (err %v)", l0, b0, l, b, m, err)
+			}
+			complete := l == int(layers) || b == int(blocks)
+			if p.Complete() != complete || (complete && (l != int(layers) || b != int(blocks))) {
+				t.Fatalf("written (%d, %d) of %d×%d, Complete %v", l, b, blocks, layers, p.Complete())
+			}
+			rl, rb := r.Written()
+			if rl != l || rb != min(max(b-int(from), 0), int(blocks)-int(from)) || (complete && !r.Complete()) {
+				t.Fatalf("view from %d: (%d, %d) of (%d, %d)", from, rl, rb, l, b)
+			}
+		}
+	})
+}

@@ -10,3 +10,4 @@ for target in FuzzLifecycle FuzzPrefixCache; do
 done
 go test -run '^$' -fuzz '^FuzzDriver$' -fuzztime 1500x -fuzzminimizetime 2s ./audit
 go test -run '^$' -fuzz '^FuzzParseOp$' -fuzztime 10000x -fuzzminimizetime 2s ./audit
+go test -run '^$' -fuzz '^FuzzProgress$' -fuzztime 10000x -fuzzminimizetime 2s ./handoff
