@@ -17,9 +17,10 @@ import (
 // The layered plane: pools whose blocks are per-layer pieces (a
 // layout.Layout over host memory: layout.Host, gpu's LayeredPinned) move a
 // block as all its pieces. It is a view over a Sender or a Receiver
-// (SendLayered, ReceiveLayered): the same dial, hello, tokens, listener,
-// stats, Close and evidence, one data connection and one Transfer per
-// handoff (per lease range), as the contiguous plane. Only the frames'
+// (SendLayered, ReceiveLayered): the same pooled connections, hello,
+// tokens, listener, stats, Close and evidence, one data connection at a
+// time and one Transfer per handoff (per lease range), as the contiguous
+// plane; streaming too (LayeredSender.SendStream). Only the frames'
 // contents are gathered and scattered:
 //
 //   - the sender writes each block as one vectored write (writev on a TCP
