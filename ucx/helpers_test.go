@@ -160,6 +160,7 @@ type loop struct {
 	mu       sync.Mutex
 	finals   map[uint64]*handoff.Incoming[[]byte]
 	serveErr chan error
+	accepted chan *handoff.Incoming[[]byte] // each accepted handoff (while there is room)
 }
 
 type loopConfig struct {
@@ -180,7 +181,8 @@ func (lc loopConfig) key(cfg ucx.Config) []byte {
 
 func newLoop(t testing.TB, lc loopConfig) *loop {
 	t.Helper()
-	l := &loop{srcPool: hostPool(t, 64), dstPool: hostPool(t, 64), finals: map[uint64]*handoff.Incoming[[]byte]{}, serveErr: make(chan error, 1)}
+	l := &loop{srcPool: hostPool(t, 64), dstPool: hostPool(t, 64), finals: map[uint64]*handoff.Incoming[[]byte]{}, serveErr: make(chan error, 1),
+		accepted: make(chan *handoff.Incoming[[]byte], 16)}
 	ctlLn, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -203,6 +205,12 @@ func newLoop(t testing.TB, lc loopConfig) *loop {
 	}
 	l.dst, err = handoff.NewDestination(l.dstPool, l.recv, handoff.DestinationConfig[[]byte]{
 		HalfConfig: dstHC,
+		OnAccept: func(in *handoff.Incoming[[]byte]) {
+			select {
+			case l.accepted <- in:
+			default: // nobody is waiting for them
+			}
+		},
 		OnDelivered: func(in *handoff.Incoming[[]byte]) {
 			if !lc.keepLeases {
 				in.Lease().Release()

@@ -1,0 +1,306 @@
+package ucx_test
+
+import (
+	"errors"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/handoff"
+	"github.com/kvlease/kvlease/ucx"
+)
+
+// The streaming tests run a simulated prefill that computes the prompt
+// layer by layer: for each layer it spends a delay (the layer's compute),
+// then writes that layer's bytes of every block (a marker of request,
+// block and layer) and only then marks the layer written. Before the
+// prefill the source blocks hold a stale pattern: a plane that read a
+// part before its mark would ship stale bytes, and the destination's
+// marker check (and, keyed, its block sums, computed over the blocks as
+// they are once written) would fail.
+
+const (
+	sLayers = 8 // 512-byte parts of 4096-byte blocks
+	stale   = 0xEE
+	bound   = 20 * time.Second
+)
+
+// partMark is byte j of part (block i, layer l) of request seed.
+func partMark(seed byte, i, l, j int) byte { return seed + byte(31*i) + byte(7*l) + byte(j%5) }
+
+// staleLease acquires n blocks holding the stale pattern and returns
+// fill, which writes request seed's markers into layer l of each.
+func staleLease(t testing.TB, pool *kvlease.Pool[[]byte], n int, seed byte) (*kvlease.Lease[[]byte], func(int)) {
+	t.Helper()
+	l, err := pool.Acquire(fmt.Sprintf("r%d", seed), n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	regions := regionsOf(t, l)
+	for _, r := range regions {
+		for j := range r {
+			r[j] = stale
+		}
+	}
+	pb := blockBytes / sLayers
+	return l, func(layer int) {
+		for i, r := range regions {
+			part := r[layer*pb : (layer+1)*pb]
+			for j := range part {
+				part[j] = partMark(seed, i, layer, j)
+			}
+		}
+	}
+}
+
+// checkParts returns the first byte of l that does not hold request
+// seed's marker.
+func checkParts(l *kvlease.Lease[[]byte], seed byte) error {
+	pb := blockBytes / sLayers
+	for i := range l.Len() {
+		r, err := l.ReadRegion(i)
+		if err != nil {
+			return err
+		}
+		for j := range r {
+			if want := partMark(seed, i, j/pb, j%pb); r[j] != want {
+				return fmt.Errorf("block %d, layer %d, byte %d: %#x, want %#x (stale %#x)", i, j/pb, j%pb, r[j], want, stale)
+			}
+		}
+	}
+	return nil
+}
+
+// prefill computes layers [from, upTo) of p: for each, delay, then
+// fill(layer), then the mark.
+func prefill(t testing.TB, p *handoff.Progress, delay time.Duration, from, upTo int, fill func(int)) {
+	t.Helper()
+	for l := from; l < upTo; l++ {
+		time.Sleep(delay)
+		fill(l)
+		if err := p.WroteLayers(l + 1); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// waitFor polls cond every millisecond for up to bound.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(bound)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not within %v", what, bound)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// startStream proposes n stale blocks of request seed as a streaming
+// handoff of sLayers layers on l, and waits until the destination has
+// accepted it and the source has started it (the Start went out before
+// any layer was written).
+func startStream(t *testing.T, l *loop, n int, seed byte) (*handoff.Outgoing[[]byte], *handoff.Incoming[[]byte], *kvlease.Lease[[]byte], *handoff.Progress, func(int)) {
+	t.Helper()
+	lease, fill := staleLease(t, l.srcPool, n, seed)
+	prog, err := handoff.NewProgress(n, sLayers)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := l.src.Propose(uint64(seed), fmt.Sprintf("r%d", seed), lease, nil, handoff.Streaming(prog))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var in *handoff.Incoming[[]byte]
+	for in == nil || in.ID() != out.ID() { // earlier handoffs' come first
+		select {
+		case in = <-l.accepted:
+		case <-time.After(bound):
+			t.Fatal("the destination never accepted the handoff")
+		}
+	}
+	waitFor(t, "source Transferring", func() bool { return out.State() == handoff.Transferring })
+	waitFor(t, "destination Transferring", func() bool { return in.State() == handoff.Transferring })
+	return out, in, lease, prog, fill
+}
+
+// TestStreamDelivers: a prefill that writes 8 layers, 2 ms each, streams
+// 12 blocks through the two halves (PSK: keyed block sums): as one run
+// (one message per layer) and block by block (MaxGet of one block: a
+// message per block and layer). The Start goes out before any layer is
+// written, the first layers' messages go out while the prefill still
+// computes, both sides end Delivered, every byte holds its (request,
+// block, layer) marker (no stale part was read before its mark), and
+// the handoff used one connection each way.
+func TestStreamDelivers(t *testing.T) {
+	const n = 12
+	for _, tc := range []struct {
+		name string
+		cfg  ucx.Config
+		msgs int // messages of the blocks, before the layers
+	}{
+		{"run", ucx.Config{}, 1},
+		{"per-block", ucx.Config{MaxGet: blockBytes}, n},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			l := newLoop(t, loopConfig{keepLeases: true, send: tc.cfg, recv: tc.cfg})
+			out, in, lease, prog, fill := startStream(t, l, n, 5)
+			defer lease.Release()
+			prefill(t, prog, 2*time.Millisecond, 0, 3, fill)
+			// Layers 0..2 go out while layers 3..7 are still computed.
+			waitFor(t, "the first 3 layers sent", func() bool { return l.sender.Stats().Messages >= 3*tc.msgs })
+			if got := l.sender.Stats().Messages; got != 3*tc.msgs {
+				t.Fatalf("%d messages sent after 3 layers, want %d", got, 3*tc.msgs)
+			}
+			prefill(t, prog, 2*time.Millisecond, 3, sLayers, fill)
+			waitFinal(t, out)
+			waitFinal(t, in)
+			if out.State() != handoff.Delivered || in.State() != handoff.Delivered {
+				t.Fatalf("source %v, destination %v: %v / %v", out.State(), in.State(), out.History(), in.History())
+			}
+			if err := checkParts(in.Lease(), 5); err != nil {
+				t.Fatalf("marker mismatch: %v", err)
+			}
+			in.Lease().Release()
+			s, r := l.sender.Stats(), l.recv.Stats()
+			if s.Messages != sLayers*tc.msgs || r.Messages != sLayers*tc.msgs || s.Keyed != 1 || r.Completed != 1 || r.Bytes != n*blockBytes {
+				t.Fatalf("want %d messages, keyed: source %+v, destination %+v", sLayers*tc.msgs, s, r)
+			}
+		})
+	}
+}
+
+// TestStreamReusesConnection: streamed handoffs one after the other on
+// one session, each holding its connection for its whole prefill, reuse
+// one connection a side; a start-after-prefill handoff in between reuses
+// it too.
+func TestStreamReusesConnection(t *testing.T) {
+	l := newLoop(t, loopConfig{keepLeases: true})
+	for i := range 3 {
+		seed := byte(10 + i)
+		out, in, lease, prog, fill := startStream(t, l, 6, seed)
+		prefill(t, prog, time.Millisecond, 0, sLayers, fill)
+		waitFinal(t, out)
+		waitFinal(t, in)
+		if out.State() != handoff.Delivered || in.State() != handoff.Delivered {
+			t.Fatalf("handoff %d: source %v, destination %v: %v / %v", i, out.State(), in.State(), out.History(), in.History())
+		}
+		if err := checkParts(in.Lease(), seed); err != nil {
+			t.Fatalf("handoff %d: %v", i, err)
+		}
+		in.Lease().Release()
+		lease.Release()
+		if i == 1 {
+			plain, err := l.srcPool.Acquire("plain", 4)
+			if err != nil {
+				t.Fatal(err)
+			}
+			stamp(t, plain, 77)
+			proposeDelivered(t, l, 77, plain)
+			in := waitIncoming(t, l, 77)
+			if err := marked(in.Lease(), 77); err != nil {
+				t.Fatal(err)
+			}
+			in.Lease().Release()
+			plain.Release()
+		}
+	}
+	s, r := l.sender.Stats(), l.recv.Stats()
+	if s.Connects != 1 || s.Reuses != 3 || s.Completed != 4 || r.Workers != 1 || r.Reuses != 3 || r.Completed != 4 {
+		t.Fatalf("want one connection a side, 3 reuses: source %+v, destination %+v", s, r)
+	}
+}
+
+// TestStreamAbortBetweenLayers: after 3 of 8 layers, while the prefill
+// still computes, the source or the destination aborts: both sides end
+// Aborted with their own transfers resolved (the source's waiting sender
+// stopped by the cancel), the leases drain, and no block is leaked or
+// quarantined (the loop's cleanup checks both pools).
+func TestStreamAbortBetweenLayers(t *testing.T) {
+	for _, by := range []string{"source", "destination"} {
+		t.Run(by, func(t *testing.T) {
+			l := newLoop(t, loopConfig{keepLeases: true})
+			out, in, lease, prog, fill := startStream(t, l, 12, 7)
+			prefill(t, prog, time.Millisecond, 0, 3, fill)
+			waitFor(t, "the first 3 layers sent", func() bool { return l.sender.Stats().Messages >= 3 })
+			var err error
+			if by == "source" {
+				err = out.Abort("prefill", nil)
+			} else {
+				err = in.Abort("decode", nil)
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			waitFinal(t, out)
+			waitFinal(t, in)
+			if out.State() != handoff.Aborted || in.State() != handoff.Aborted {
+				t.Fatalf("source %v, destination %v: %v / %v", out.State(), in.State(), out.History(), in.History())
+			}
+			for _, tr := range []*kvlease.Transfer{out.Transfer(), in.Transfer()} {
+				if tr == nil || tr.State() != kvlease.TransferResolved {
+					t.Fatal("Aborted without its own transfer resolved")
+				}
+			}
+			// The prefill finishes; nothing more is sent.
+			sent := l.sender.Stats().Messages
+			prefill(t, prog, 0, 3, sLayers, fill)
+			lease.Release()
+			waitSettled(t, lease)
+			if got := l.sender.Stats().Messages; got != sent {
+				t.Fatalf("%d messages sent after the abort", got-sent)
+			}
+			if s, d := l.srcPool.Stats(), l.dstPool.Stats(); s.Leased+s.Draining+s.Quarantined != 0 || d.Leased+d.Draining+d.Quarantined != 0 {
+				t.Fatalf("blocks held after the abort: source %+v, destination %+v", s, d)
+			}
+		})
+	}
+}
+
+// TestStreamPeerGoneBetweenLayers: after 3 of 8 layers one side's plane
+// goes away (Close: the operator's way out, every handoff's worker
+// destroyed, as a dead process's would be): the side whose plane closed
+// ends by its revocation, the other by its own evidence (the peer's
+// failure on its endpoint, or the peer's word), neither Delivered, and
+// no block leaks.
+func TestStreamPeerGoneBetweenLayers(t *testing.T) {
+	for _, gone := range []string{"source-plane", "destination-plane"} {
+		t.Run(gone, func(t *testing.T) {
+			l := newLoop(t, loopConfig{keepLeases: true, deadline: 5 * time.Second})
+			out, in, lease, prog, fill := startStream(t, l, 12, 9)
+			prefill(t, prog, time.Millisecond, 0, 3, fill)
+			waitFor(t, "the first 3 layers sent", func() bool { return l.sender.Stats().Messages >= 3 })
+			if gone == "source-plane" {
+				_ = l.sender.Close()
+			} else {
+				_ = l.recv.Close()
+			}
+			waitFinal(t, out)
+			waitFinal(t, in)
+			if out.State() == handoff.Delivered || in.State() == handoff.Delivered {
+				t.Fatalf("source %v, destination %v after the plane went away", out.State(), in.State())
+			}
+			for _, tr := range []*kvlease.Transfer{out.Transfer(), in.Transfer()} {
+				if tr == nil || tr.State() != kvlease.TransferResolved || tr.Err() == nil {
+					t.Fatal("ended without its own failed transfer")
+				}
+			}
+			if gone == "source-plane" && !errors.Is(out.Transfer().Err(), ucx.ErrClosed) {
+				t.Fatalf("source transfer: %v", out.Transfer().Err())
+			}
+			prefill(t, prog, 0, 3, sLayers, fill)
+			lease.Release()
+			waitSettled(t, lease)
+		})
+	}
+}
+
+func waitSettled[R any](t *testing.T, l *kvlease.Lease[R]) {
+	t.Helper()
+	select {
+	case <-l.Settled():
+	case <-time.After(bound):
+		t.Fatalf("lease still %v", l.State())
+	}
+}
