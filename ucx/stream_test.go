@@ -8,6 +8,7 @@ import (
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
+	"github.com/kvlease/kvlease/layout"
 	"github.com/kvlease/kvlease/ucx"
 )
 
@@ -303,4 +304,131 @@ func waitSettled[R any](t *testing.T, l *kvlease.Lease[R]) {
 	case <-time.After(bound):
 		t.Fatalf("lease still %v", l.State())
 	}
+}
+
+// TestStreamLayered: layered regions stream at the plane's level, a
+// block's layer j being its pieces of layer j (K then V): from a
+// block-contiguous source (consecutive blocks: runs, a message per run
+// and layer, gathered from each block's slice) to a layer-separated
+// destination (each part scattered into its pieces), and from a
+// layer-separated source (a message per block and layer). The prefill
+// writes each layer's pieces after a stale pattern, then marks it; every
+// destination piece holds its marker and nothing outside the handoff's
+// blocks is written.
+func TestStreamLayered(t *testing.T) {
+	ids, dids := []int{3, 4, 5, 6, 9, 10, 20}, []int{0, 1, 2, 3, 4, 5, 6}
+	for _, tc := range []struct {
+		name     string
+		src, dst func(layers, kvs, blocks, pieceBytes int, tag string) layout.Layout
+		messages int // before the layers
+	}{
+		{"contiguous to separated", layout.Contiguous, layout.LayerSeparated, 3},
+		{"separated to contiguous", layout.LayerSeparated, layout.Contiguous, len(ids)},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			src := newHost(t, tc.src(lLayers, 2, 32, lPiece, lTag))
+			dst := newHost(t, tc.dst(lLayers, 2, 32, lPiece, lTag))
+			sender, recv := layeredPlanes(t, ucx.Config{})
+			sb, db := blocksOf(src, ids), blocksOf(dst, dids)
+			fill := func(layer int, seed byte) {
+				for i, b := range sb {
+					for kv := range 2 {
+						p := b.Piece(layer, kv)
+						for j := range p {
+							p[j] = seed
+							if seed != stale {
+								p[j] = pieceMark(seed, i, layer, kv, j)
+							}
+						}
+					}
+				}
+			}
+			for layer := range lLayers {
+				fill(layer, stale)
+			}
+			prog, err := handoff.NewProgress(len(ids), lLayers)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ready, err := prog.Ready(0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			id := handoff.PlaneID{Session: 3, Handoff: 1}
+			accept, err := recv.Prepare(id, len(db))
+			if err != nil {
+				t.Fatal(err)
+			}
+			var st, dt *kvlease.Transfer
+			start, err := sender.SendStream(id, sb, ready, accept, func(t *kvlease.Transfer) error { st = t; return nil })
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := recv.Receive(id, db, start, func(t *kvlease.Transfer) error { dt = t; return nil }); err != nil {
+				t.Fatal(err)
+			}
+			for layer := range lLayers {
+				time.Sleep(time.Millisecond)
+				fill(layer, 4)
+				if err := prog.WroteLayers(layer + 1); err != nil {
+					t.Fatal(err)
+				}
+			}
+			select {
+			case <-dt.Done():
+			case <-time.After(bound):
+				t.Fatal("the destination's transfer never resolved")
+			}
+			if err := dt.Err(); err != nil {
+				t.Fatal(err)
+			}
+			sender.Finish(id, nil)
+			<-st.Done()
+			if err := st.Err(); err != nil {
+				t.Fatal(err)
+			}
+			for i, b := range db {
+				if err := checkBlock(b, 4, i); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := untouched(dst, dids); err != nil {
+				t.Fatal(err)
+			}
+			if s := sender.Stats(); s.Messages != tc.messages*lLayers {
+				t.Fatalf("sender %+v, want %d messages", s, tc.messages*lLayers)
+			}
+		})
+	}
+}
+
+// TestStreamPullStartsAfterPrefill: the pull model does not stream (its
+// destination reads whenever it has the Start bytes): a streaming
+// handoff's SendStream returns only once the progress is complete, and
+// the handoff then delivers every marker.
+func TestStreamPullStartsAfterPrefill(t *testing.T) {
+	cfg := ucx.Config{Pull: true}
+	l := newLoop(t, loopConfig{keepLeases: true, send: cfg, recv: cfg})
+	lease, fill := staleLease(t, l.srcPool, 6, 21)
+	defer lease.Release()
+	prog, _ := handoff.NewProgress(6, sLayers)
+	out, err := l.src.Propose(21, "r21", lease, nil, handoff.Streaming(prog))
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "source Accepted", func() bool { return out.State() == handoff.Accepted })
+	prefill(t, prog, time.Millisecond, 0, sLayers-1, fill)
+	if st := out.State(); st != handoff.Accepted || l.sender.Stats().Started != 0 {
+		t.Fatalf("the pull plane started (%v, %+v) before the prefill finished", st, l.sender.Stats())
+	}
+	prefill(t, prog, time.Millisecond, sLayers-1, sLayers, fill)
+	waitFinal(t, out)
+	in := waitIncoming(t, l, 21)
+	if out.State() != handoff.Delivered || in.State() != handoff.Delivered {
+		t.Fatalf("source %v, destination %v: %v / %v", out.State(), in.State(), out.History(), in.History())
+	}
+	if err := checkParts(in.Lease(), 21); err != nil {
+		t.Fatal(err)
+	}
+	in.Lease().Release()
 }
