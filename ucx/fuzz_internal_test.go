@@ -100,12 +100,12 @@ func FuzzParsePushStart(f *testing.F) {
 			t.Fatalf("%d parts of %d messages × %d layers", len(parts), len(msgs), st.layers)
 		}
 		for i, pt := range parts {
-			m := msgs[i/st.layers]
+			m := msgs[i%len(msgs)] // layer-major
 			got := 0
 			for _, sp := range spans[pt.iov : pt.iov+pt.niov] {
 				got += sp.Len
 			}
-			if pt.first != m.first || pt.layer != i%st.layers || pt.n != m.count*g.bb/st.layers || got != pt.n {
+			if pt.first != m.first || pt.layer != i/len(msgs) || pt.n != m.count*g.bb/st.layers || got != pt.n {
 				t.Fatalf("part %d: %+v of message %+v, spans of %d bytes", i, pt, m, got)
 			}
 		}

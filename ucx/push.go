@@ -137,6 +137,8 @@ type summer struct {
 	scratch []byte
 	tags    []byte
 	nonce   [12]byte
+	spans   []Span // unit's slices (stream.go)
+	folded  []byte // fold's GMAC
 }
 
 func newSummer(mode Integrity, key []byte, units []int) (*summer, error) {
@@ -581,7 +583,11 @@ func (s *Sender[R]) sendPush(id handoff.PlaneID, regions []R, accept []byte, att
 		return fail(fmt.Errorf("ucx: send: block key: %w", err))
 	}
 	mode := integrityFor(key, p.g.spans)
-	if p.summer, err = newSummer(mode, key, p.g.sizes); err != nil {
+	units := p.g.sizes
+	if ready != nil {
+		units = layerUnits(p.g.bb, ready.Layers())
+	}
+	if p.summer, err = newSummer(mode, key, units); err != nil {
 		return fail(err)
 	}
 	if j.c, err = s.connection(id, acc.addr); err != nil {
@@ -856,6 +862,8 @@ type pushRecv struct {
 	parts  []part // streaming: message i's layer l is parts[i*layers+l]
 	cancel bool   // outstanding receives were asked to cancel
 	epErr  error  // streaming: the source's endpoint failed (stopGrace)
+	utags  []byte // streaming, keyed: each (block, layer)'s GMAC (unitTags), or nil
+	summed int    // streaming: parts [0, summed) have their unit tags
 	stray  bool   // at the end, a message no receive asked for waited in the worker
 }
 
@@ -915,7 +923,11 @@ func (r *Receiver[R]) receivePush(id handoff.PlaneID, prep *prepared, regions []
 	case st.mode != IntegrityNone && !allHost(p.g.spans):
 		p.mode = IntegrityNone // device memory: the CPU cannot check it
 	}
-	if p.summer, err = newSummer(p.mode, key, st.sizes); err != nil {
+	units := st.sizes
+	if st.layers > 0 {
+		units = layerUnits(p.g.bb, st.layers)
+	}
+	if p.summer, err = newSummer(p.mode, key, units); err != nil {
 		return fail(err)
 	}
 	// The endpoint only carries the source's failure to us (peer error
@@ -963,6 +975,7 @@ func (r *Receiver[R]) receivePush(id handoff.PlaneID, prep *prepared, regions []
 			return fail(fmt.Errorf("%w: %w", err, ErrCorrupt))
 		}
 		p.iov = newIovs(spans)
+		p.utags = unitTags(p.mode, st.blocks, st.layers)
 	} else if needIov(p.msgs) {
 		p.iov = newIovs(p.g.spans)
 	}
@@ -1059,6 +1072,9 @@ func (j *recvJob[R]) stepPush() bool {
 			j.w.cancel(p.rv, msgs)
 		}
 	}
+	if p.utags != nil && !stopping {
+		j.sumArrived()
+	}
 	if p.rv.b.completed() < j.next+table {
 		return false // wait for the posted receives
 	}
@@ -1133,8 +1149,14 @@ func (j *recvJob[R]) pushOutcome() error {
 		got := make([]byte, n)
 		want := p.sums.bytes()
 		np := len(p.g.sizes)
+		folded := p.utags != nil && p.summed == len(p.parts)
 		for b := range blocks {
-			p.summer.sum(got, b, p.g.spans[b*np:(b+1)*np])
+			if folded {
+				L := p.layers
+				p.summer.fold(got, p.utags[b*L*macLen:(b+1)*L*macLen], b)
+			} else {
+				p.summer.sum(got, b, p.g.spans[b*np:(b+1)*np])
+			}
 			if !hmac.Equal(got, want[b*n:(b+1)*n]) {
 				return fmt.Errorf("ucx: block %d of %d fails its %v check: %w", b, blocks, p.mode, ErrCorrupt)
 			}

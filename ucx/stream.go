@@ -2,8 +2,10 @@ package ucx
 
 import (
 	"fmt"
+	"math"
 	"sync"
 	"time"
+	"unsafe"
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
@@ -53,7 +55,7 @@ type part struct {
 }
 
 // planParts cuts msgs (of g's blocks) into their layers: message i's
-// layer l is parts[i*layers+l], and spans are the iov entries every part
+// layer l is parts[l*len(msgs)+i], and spans are the iov entries every part
 // points into (its slices of each block's pieces, adjacent ones merged).
 // Errors wrap kvlease.ErrInvalidArgument (layers that do not split the
 // block) or kvlease.ErrExceedsCapacity (more than maxStreamParts parts).
@@ -82,12 +84,21 @@ func planParts(g *geometry, msgs []message, layers int) ([]part, []Span, error) 
 			parts = append(parts, pt)
 		}
 	}
-	return parts, spans, nil
+	// Layer-major (the order a layer-by-layer prefill marks them in):
+	// message i's layer l is out[l*len(msgs)+i].
+	out := make([]part, 0, len(parts))
+	for l := range layers {
+		for i := range msgs {
+			out = append(out, parts[i*layers+l])
+		}
+	}
+	return out, spans, nil
 }
 
 // sliceSpans appends the spans of bytes [off, off+n) of pieces (a
 // block's, in order) to dst, merging one that continues the last entry
-// at or past floor.
+// at or past floor (a merged entry is for the iov only: hostBytes reads
+// one Go object per span).
 func sliceSpans(dst []Span, floor int, pieces []Span, off, n int) []Span {
 	for _, sp := range pieces {
 		if n == 0 {
@@ -99,6 +110,9 @@ func sliceSpans(dst []Span, floor int, pieces []Span, off, n int) []Span {
 		}
 		t := min(n, sp.Len-off)
 		s := Span{Addr: sp.Addr + uintptr(off), Len: t, Memory: sp.Memory}
+		if sp.pin != nil {
+			s.pin = unsafe.Add(sp.pin, off)
+		}
 		if last := len(dst) - 1; last >= floor && dst[last].Memory == s.Memory && dst[last].Addr+uintptr(dst[last].Len) == s.Addr {
 			dst[last].Len += t
 		} else {
@@ -115,8 +129,9 @@ type streamSend struct {
 	ready  handoff.Ready
 	layers int
 	parts  []part
-	lay    []int // message i's next layer to post
-	scan   int   // the first message not posted whole
+	lay    []int  // message i's next layer to post
+	scan   int    // the first message not posted whole
+	tags   []byte // keyed: each (block, layer)'s GMAC (unitTags), or nil
 	stop   chan struct{}
 	once   sync.Once
 }
@@ -166,7 +181,8 @@ func (p *pushSend) startStream(ready handoff.Ready) error {
 	}
 	p.iov.free()
 	p.iov = newIovs(spans)
-	p.stream = &streamSend{ready: ready, layers: ready.Layers(), parts: parts, lay: make([]int, len(p.msgs)), stop: make(chan struct{})}
+	p.stream = &streamSend{ready: ready, layers: ready.Layers(), parts: parts, lay: make([]int, len(p.msgs)), stop: make(chan struct{}),
+		tags: unitTags(p.summer.mode, p.g.blocks(), ready.Layers())}
 	return nil
 }
 
@@ -211,15 +227,25 @@ scan:
 				if hook := j.s.cfg.BeforeSend; hook != nil {
 					hook(j.id, b)
 				}
+				pieces := p.g.spans[b*np : (b+1)*np]
+				if st.tags != nil {
+					// Layer l of the block is written: its unit's GMAC.
+					k := (b*L + l) * macLen
+					p.summer.unit(st.tags[k:k], b, l, pieces, l*p.g.bb/L, p.g.bb/L)
+				}
 				if l == L-1 && sl > 0 {
 					// Every layer of the block is written: its sum.
-					p.summer.sum(p.sums.bytes()[b*sl:(b+1)*sl], b, p.g.spans[b*np:(b+1)*np])
+					if dst := p.sums.bytes()[b*sl : (b+1)*sl]; st.tags != nil {
+						p.summer.fold(dst, st.tags[b*L*macLen:(b+1)*L*macLen], b)
+					} else {
+						p.summer.sum(dst, b, pieces)
+					}
 				}
 			}
 			if j.halt.Load() {
 				break scan // revoked: nothing more is posted
 			}
-			pt := st.parts[i*L+l]
+			pt := st.parts[l*len(p.msgs)+i]
 			tag := tagOf(p.salt, pt.tag)
 			var done bool
 			var err error
@@ -297,4 +323,85 @@ func (j *recvJob[R]) stopGrace(epErr error) {
 		return
 	}
 	j.finish(fmt.Errorf("%w: %w", epErr, ErrRevoked), true)
+}
+
+// Keyed sums of a stream. A streaming handoff's block sum is the summer's
+// with units the block's layers (layerUnits: both sides cut the block
+// the same way, whatever their pieces): the GMAC of each layer's bytes
+// with the nonce (block, layer), then the GMAC of those with the nonce
+// (block, all units). Each side computes a layer's GMAC as soon as it may
+// read that layer — the source when it posts the layer's message, the
+// destination when that message's receive completed — and folds them at
+// the end: the whole handoff is not read again after the last layer.
+// Past maxUnitTags (block, layer) pairs the tags are not kept and the
+// sums are computed at the end over the whole blocks (the same values).
+const maxUnitTags = 1 << 20
+
+// layerUnits returns layers units of bb/layers bytes.
+func layerUnits(bb, layers int) []int {
+	u := make([]int, max(layers, 1))
+	for i := range u {
+		u[i] = bb / max(layers, 1)
+	}
+	return u
+}
+
+// unitTags returns the buffer of a keyed stream's per-(block, layer)
+// GMACs, or nil (not keyed, or too many).
+func unitTags(mode Integrity, blocks, layers int) []byte {
+	if mode != IntegrityMAC || blocks*layers > maxUnitTags {
+		return nil
+	}
+	return make([]byte, blocks*layers*macLen)
+}
+
+// unit appends the GMAC of unit u of block b, bytes [off, off+n) of its
+// contiguous form over pieces, to dst (keyed only).
+func (s *summer) unit(dst []byte, b, u int, pieces []Span, off, n int) []byte {
+	s.spans = sliceSpans(s.spans[:0], math.MaxInt, pieces, off, n) // unmerged
+	var data []byte
+	if len(s.spans) == 1 {
+		data = hostBytes(s.spans[0])
+	} else {
+		if cap(s.scratch) < n {
+			s.scratch = make([]byte, n)
+		}
+		data = s.scratch[:0]
+		for _, sp := range s.spans {
+			data = append(data, hostBytes(sp)...)
+		}
+	}
+	return s.gmac(dst, data, uint32(b), uint32(u))
+}
+
+// fold writes block b's sum, given its units' GMACs (tags), to dst: as
+// sum computes it.
+func (s *summer) fold(dst, tags []byte, b int) {
+	if len(s.units) == 1 {
+		copy(dst, tags)
+		return
+	}
+	s.folded = s.gmac(s.folded[:0], tags, uint32(b), tableIndex)
+	copy(dst, s.folded)
+}
+
+// sumArrived computes the unit GMACs of the parts whose receives
+// completed, in order, up to the first still outstanding (or failed: the
+// outcome then fails without them). Worker thread only.
+func (j *recvJob[R]) sumArrived() {
+	p := j.push
+	np, L := len(p.g.sizes), p.layers
+	pb := p.g.bb / L
+	for p.summed < j.next {
+		pt := p.parts[p.summed]
+		done, n, err := p.rv.result(p.summed)
+		if !done || err != nil || n != pt.n {
+			return
+		}
+		for b := pt.first; b < pt.first+pt.count; b++ {
+			k := (b*L + pt.layer) * macLen
+			p.summer.unit(p.utags[k:k], b, pt.layer, p.g.spans[b*np:(b+1)*np], pt.layer*pb, pb)
+		}
+		p.summed++
+	}
 }

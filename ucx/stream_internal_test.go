@@ -54,8 +54,8 @@ func TestPlanParts(t *testing.T) {
 	if pt := parts[0]; !pt.contig || pt.addr != 0x1000 || pt.n != 512 || spans[pt.iov].Len != 512 {
 		t.Fatalf("layer 0 of block 0: %+v", pt)
 	}
-	if pt := parts[2]; pt.contig || pt.niov != 2 || pt.tag != 2 {
-		t.Fatalf("layer 0 of block 1: %+v", pt)
+	if pt := parts[1]; pt.contig || pt.niov != 2 || pt.tag != 2 || pt.first != 1 || pt.layer != 0 {
+		t.Fatalf("layer 0 of block 1 (layer-major: second): %+v", pt)
 	}
 	if _, _, err := planParts(g, msgs, 3); !errors.Is(err, kvlease.ErrInvalidArgument) {
 		t.Fatalf("3 layers of 1024 bytes: %v", err)
@@ -63,5 +63,40 @@ func TestPlanParts(t *testing.T) {
 	many := make([]message, maxStreamParts/64+1)
 	if _, _, err := planParts(g, many, 64); !errors.Is(err, kvlease.ErrExceedsCapacity) {
 		t.Fatalf("too many parts: %v", err)
+	}
+}
+
+// TestStreamUnitTagsFold: a keyed stream's sum folded from its layers'
+// GMACs, computed one layer at a time over pieces that do not line up
+// with the layers, is the sum computed over the whole block at once, and
+// it binds the block index.
+func TestStreamUnitTagsFold(t *testing.T) {
+	key := make([]byte, 32)
+	key[0] = 7
+	const layers = 4
+	mem := make([]byte, 2048)
+	for i := range mem {
+		mem[i] = byte(i*13 + i/7)
+	}
+	// One block of pieces 300, 700, 1048 bytes: layers of 512 straddle them.
+	pieces := []Span{HostBytes(mem[:300]), HostBytes(mem[300:1000]), HostBytes(mem[1000:])}
+	s, err := newSummer(IntegrityMAC, key, layerUnits(2048, layers))
+	if err != nil {
+		t.Fatal(err)
+	}
+	whole := make([]byte, macLen)
+	s.sum(whole, 5, pieces)
+	tags := make([]byte, layers*macLen)
+	for l := range layers {
+		s.unit(tags[l*macLen:l*macLen], 5, l, pieces, l*512, 512)
+	}
+	folded := make([]byte, macLen)
+	s.fold(folded, tags, 5)
+	if string(folded) != string(whole) {
+		t.Fatalf("folded %x, whole %x", folded, whole)
+	}
+	s.fold(folded, tags, 6)
+	if string(folded) == string(whole) {
+		t.Fatal("the fold does not bind the block index")
 	}
 }
