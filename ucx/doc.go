@@ -213,10 +213,17 @@
 // (at most Config.Window outstanding) and never reads a part before; a
 // goroutine of the handoff waits on the progress (handoff.Ready.Wait)
 // and wakes the worker at each mark, until the progress is complete or
-// the handoff ends (a cancel, Finish, Close). A block's sum is computed
-// when its message's last layer is posted, over the whole block; the
-// destination checks every block, as without streaming, before its Write
-// resolves. The handoff holds its connection for its whole prefill, and
+// the handoff ends (a cancel, Finish, Close). The destination checks
+// every block's sum, as without streaming, before its Write resolves.
+// Keyed, a streamed block's sum is a GMAC of its layers' GMACs (the
+// summer's units are the layers, the same on both sides whatever their
+// pieces), and each side computes a layer's GMAC as soon as it may read
+// that layer: the source when it posts the layer's message, the
+// destination when that receive completed; the last layer then costs
+// its own share, not the whole handoff's. (crc32c sums, and a handoff of
+// more than 2²⁰ (block, layer) pairs, are computed over whole blocks:
+// the source's when a message's last layer is posted, the destination's
+// at the end.) The handoff holds its connection for its whole prefill, and
 // it goes back to the idle list as any other (TestStreamReusesConnection).
 //
 // The evidence rules are unchanged. A cancel stops a waiting sender as a
@@ -235,11 +242,11 @@
 // starts after the prefill, as the handoff package's fallback for a plane
 // that cannot stream. BenchmarkStream measures the time from the
 // prefill's last mark to Delivered, streaming against start-after-prefill
-// (4 MiB in 32 layers, PSK, one run, UCX_TLS=tcp on this noisy 2-core VM,
-// 20 iterations): stream 1.9 ms, after 4.3 ms, one layer's share alone
-// 1.3 ms. Streaming still pays the keyed sums of the whole handoff at the
-// end on both sides (about 4 MiB of GMAC each), so it lands above one
-// layer's share (stream/layer 1.4, goal ≤ 1).
+// and against one layer's share sent alone as a handoff, in the same run
+// (4 MiB in 32 layers of 1 ms, PSK, one run, UCX_TLS=tcp on loopback on
+// a noisy 2-core VM, 20 iterations, two runs): streaming 0.97–1.0 ms,
+// start-after-prefill 4.6–5.2 ms, one layer 1.3–1.6 ms (stream/layer
+// 0.64–0.75).
 //
 // # Evidence
 //
