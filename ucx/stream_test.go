@@ -432,3 +432,47 @@ func TestStreamPullStartsAfterPrefill(t *testing.T) {
 	}
 	in.Lease().Release()
 }
+
+// TestProcsStreamPeerKilled: the other process dies between layers of a
+// streaming handoff (SIGKILL, after 3 of 8 layers were marked and sent).
+// The destination's evidence is its withdrawn receives or its revocation
+// (never a completion), the source's its revocation; each ends Aborted
+// or Failed with every block of its pool back.
+func TestProcsStreamPeerKilled(t *testing.T) {
+	t.Run("peer-is-source", func(t *testing.T) {
+		p := startPeer(t, "source", "KVUCX_SEED=61", "KVUCX_STREAM=3")
+		d := newLocalDest(t, p.conn, ucx.Config{}, 20*time.Second)
+		p.expect("layers 3 sent")
+		p.kill()
+		d.stoppedShort(t)
+	})
+	t.Run("peer-is-destination", func(t *testing.T) {
+		p := startPeer(t, "dest", "KVUCX_SEED=62")
+		s := newLocalSource(t, p.conn, 20*time.Second, 62)
+		prog, err := handoff.NewProgress(suiteBlocks, sLayers)
+		if err != nil {
+			t.Fatal(err)
+		}
+		o, err := s.src.Propose(1, "r", s.lease, nil, handoff.Streaming(prog))
+		if err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, "source Transferring", func() bool { return o.State() == handoff.Transferring })
+		// The blocks hold their markers already: the prefill only marks.
+		for l := range 3 {
+			time.Sleep(time.Millisecond)
+			if err := prog.WroteLayers(l + 1); err != nil {
+				t.Fatal(err)
+			}
+		}
+		waitFor(t, "3 layers sent", func() bool { return s.sender.Stats().Messages >= 3 })
+		p.kill()
+		if st := o.Wait(30 * time.Second); st != handoff.Failed && st != handoff.Aborted {
+			t.Fatalf("source %v: %v", st, o.History())
+		}
+		if err := o.Transfer().Err(); !errors.Is(err, ucx.ErrRevoked) {
+			t.Fatalf("source transfer resolved with %v, want a revocation", err)
+		}
+		s.finish(t, 62)
+	})
+}
