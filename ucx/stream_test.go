@@ -476,3 +476,33 @@ func TestProcsStreamPeerKilled(t *testing.T) {
 		s.finish(t, 62)
 	})
 }
+
+// TestStreamDeadlineStopsAWaitingSender: a prefill that stops after 2 of
+// 8 layers leaves the source's sender waiting for progress; the halves'
+// deadline cancels both transfers, which stop (the waiting sender by its
+// revocation, the destination by withdrawing its receives): neither
+// side is Delivered, both transfers are resolved by their own evidence,
+// and marks after the end send nothing.
+func TestStreamDeadlineStopsAWaitingSender(t *testing.T) {
+	l := newLoop(t, loopConfig{keepLeases: true, deadline: 400 * time.Millisecond})
+	out, in, lease, prog, fill := startStream(t, l, 12, 23)
+	prefill(t, prog, time.Millisecond, 0, 2, fill)
+	waitFinal(t, out)
+	waitFinal(t, in)
+	if out.State() == handoff.Delivered || in.State() == handoff.Delivered {
+		t.Fatalf("source %v, destination %v past the deadline", out.State(), in.State())
+	}
+	if err := out.Transfer().Err(); !errors.Is(err, ucx.ErrRevoked) {
+		t.Fatalf("source transfer: %v, want a revocation", err)
+	}
+	if tr := in.Transfer(); tr.State() != kvlease.TransferResolved || tr.Err() == nil {
+		t.Fatalf("destination transfer %v: %v", tr.State(), tr.Err())
+	}
+	sent := l.sender.Stats().Messages
+	prefill(t, prog, 0, 2, sLayers, fill)
+	lease.Release()
+	waitSettled(t, lease)
+	if got := l.sender.Stats().Messages; got != sent {
+		t.Fatalf("%d messages sent after the end", got-sent)
+	}
+}
