@@ -38,6 +38,10 @@ func FuzzParsePushStart(f *testing.F) {
 	f.Add(appendPushStart(nil, &pushStart{sizes: []int{256, 256, 512}, blocks: 1, mode: IntegrityCRC, nonce: nonce, addr: make([]byte, 60), per: 256}))
 	f.Add(appendPushStart(nil, &pushStart{sizes: []int{4096}, blocks: 10, mode: IntegrityCRC, nonce: nonce, addr: []byte{1}, per: 3,
 		runs: []blockRun{{first: 1, count: 4}, {first: 5, count: 2}, {first: 8, count: 2}}}))
+	// Streaming (pushStreamVersion: the layer count after per).
+	f.Add(appendPushStart(nil, &pushStart{sizes: []int{4096}, blocks: 12, mode: IntegrityMAC, nonce: nonce, addr: []byte{1, 2}, per: 256, layers: 8,
+		runs: []blockRun{{first: 0, count: 12}}}))
+	f.Add(appendPushStart(nil, &pushStart{sizes: []int{256, 256, 512}, blocks: 3, mode: IntegrityCRC, nonce: nonce, addr: []byte{9}, per: 1, layers: 4}))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		st, err := parsePushStart(b)
 		if err != nil {
@@ -67,6 +71,43 @@ func FuzzParsePushStart(f *testing.F) {
 		}
 		if next != st.blocks {
 			t.Fatalf("messages cover %d of %d blocks", next, st.blocks)
+		}
+		if st.layers == 0 {
+			return
+		}
+		// Streaming: the parts the destination would post cut each
+		// message into its layers, each the layer's share of its blocks.
+		g = &geometry{sizes: st.sizes}
+		for _, n := range st.sizes {
+			g.bb += n
+		}
+		if st.blocks*st.layers > 1<<12 || g.bb > 1<<20 {
+			return
+		}
+		addr := uintptr(0x1000)
+		for range st.blocks {
+			for _, n := range st.sizes {
+				g.spans = append(g.spans, Span{Addr: addr, Len: n})
+				addr += uintptr(n) + 64 // never adjacent: every piece its own entry
+			}
+		}
+		msgs := messagesOf(g, st.runs, st.per)
+		parts, spans, err := planParts(g, msgs, st.layers)
+		if err != nil {
+			t.Fatalf("layers %d accepted by the parser, refused by the plan: %v", st.layers, err)
+		}
+		if len(parts) != len(msgs)*st.layers {
+			t.Fatalf("%d parts of %d messages × %d layers", len(parts), len(msgs), st.layers)
+		}
+		for i, pt := range parts {
+			m := msgs[i%len(msgs)] // layer-major
+			got := 0
+			for _, sp := range spans[pt.iov : pt.iov+pt.niov] {
+				got += sp.Len
+			}
+			if pt.first != m.first || pt.layer != i/len(msgs) || pt.n != m.count*g.bb/st.layers || got != pt.n {
+				t.Fatalf("part %d: %+v of message %+v, spans of %d bytes", i, pt, m, got)
+			}
 		}
 	})
 }

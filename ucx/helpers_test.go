@@ -67,7 +67,12 @@ func env(poolBlocks int) handoff.Envelope {
 
 func hostPool(t testing.TB, blocks int) *kvlease.Pool[[]byte] {
 	t.Helper()
-	mem, err := kvlease.NewHostMemory(blocks, blockBytes)
+	return hostPoolOf(t, blocks, blockBytes)
+}
+
+func hostPoolOf(t testing.TB, blocks, bb int) *kvlease.Pool[[]byte] {
+	t.Helper()
+	mem, err := kvlease.NewHostMemory(blocks, bb)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -160,6 +165,7 @@ type loop struct {
 	mu       sync.Mutex
 	finals   map[uint64]*handoff.Incoming[[]byte]
 	serveErr chan error
+	accepted chan *handoff.Incoming[[]byte] // each accepted handoff (while there is room)
 }
 
 type loopConfig struct {
@@ -168,6 +174,9 @@ type loopConfig struct {
 	keepLeases bool
 	insecure   bool // both halves Insecure (the pull model's are anyway)
 	tls        bool // mutual TLS instead of the test key
+	// blockBytes and poolBlocks, when set, size both pools (else 64
+	// blocks of blockBytes, env(64)).
+	blockBytes, poolBlocks int
 }
 
 // key is the loop's pre-shared key for a side configured with cfg.
@@ -180,7 +189,14 @@ func (lc loopConfig) key(cfg ucx.Config) []byte {
 
 func newLoop(t testing.TB, lc loopConfig) *loop {
 	t.Helper()
-	l := &loop{srcPool: hostPool(t, 64), dstPool: hostPool(t, 64), finals: map[uint64]*handoff.Incoming[[]byte]{}, serveErr: make(chan error, 1)}
+	e, srcPool, dstPool := env(64), hostPool(t, 64), hostPool(t, 64)
+	if lc.blockBytes != 0 {
+		e = handoff.Envelope{BlockTokens: 16, BlockBytes: lc.blockBytes, PoolBlocks: lc.poolBlocks,
+			MaxContextTokens: 16 * lc.poolBlocks, MaxPrefillTokens: 16 * lc.poolBlocks, MaxRunningRequests: 4}
+		srcPool, dstPool = hostPoolOf(t, lc.poolBlocks, lc.blockBytes), hostPoolOf(t, lc.poolBlocks, lc.blockBytes)
+	}
+	l := &loop{srcPool: srcPool, dstPool: dstPool, finals: map[uint64]*handoff.Incoming[[]byte]{}, serveErr: make(chan error, 1),
+		accepted: make(chan *handoff.Incoming[[]byte], 16)}
 	ctlLn, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -195,14 +211,20 @@ func newLoop(t testing.TB, lc loopConfig) *loop {
 	if dl == 0 {
 		dl = 10 * time.Second
 	}
-	dstHC := withAuth(handoff.HalfConfig{Envelope: env(64), Name: "decode", Peer: "prefill", Deadline: dl}, lc.key(lc.recv))
-	srcHC := withAuth(handoff.HalfConfig{Envelope: env(64), Name: "prefill", Peer: "decode", Deadline: dl}, lc.key(lc.send))
+	dstHC := withAuth(handoff.HalfConfig{Envelope: e, Name: "decode", Peer: "prefill", Deadline: dl}, lc.key(lc.recv))
+	srcHC := withAuth(handoff.HalfConfig{Envelope: e, Name: "prefill", Peer: "decode", Deadline: dl}, lc.key(lc.send))
 	if lc.tls {
 		s, d := testTLS(t)
 		srcHC.Auth, dstHC.Auth = &handoff.TLS{Config: s}, &handoff.TLS{Config: d}
 	}
 	l.dst, err = handoff.NewDestination(l.dstPool, l.recv, handoff.DestinationConfig[[]byte]{
 		HalfConfig: dstHC,
+		OnAccept: func(in *handoff.Incoming[[]byte]) {
+			select {
+			case l.accepted <- in:
+			default: // nobody is waiting for them
+			}
+		},
 		OnDelivered: func(in *handoff.Incoming[[]byte]) {
 			if !lc.keepLeases {
 				in.Lease().Release()

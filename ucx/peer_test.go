@@ -48,7 +48,8 @@ func say(format string, args ...any) { fmt.Printf("KV "+format+"\n", args...) }
 // KVUCX_STALL stops the destination's reader before the receive (or
 // get) of that block, or the source's sender before its message, until a
 // line arrives on stdin; KVUCX_ABORT (source) aborts when "abort"
-// arrives on stdin; KVUCX_PULL=1 selects the pull model.
+// arrives on stdin; KVUCX_PULL=1 selects the pull model; KVUCX_STREAM=k
+// (source) streams the handoff in 8 layers and marks k of them.
 func peerMain(role string) int {
 	seed := uint32(envInt("KVUCX_SEED", 1))
 	blocks := envInt("KVUCX_BLOCKS", 8)
@@ -94,10 +95,35 @@ func peerMain(role string) int {
 			r, _ := lease.Region(i)
 			regions = append(regions, r)
 		}
-		o, err := src.Propose(1, "r", lease, nil)
+		var opts []handoff.ProposeOption
+		var prog *handoff.Progress
+		if k := envInt("KVUCX_STREAM", -1); k >= 0 {
+			// A streaming handoff of 8 layers whose prefill marks k of
+			// them (the blocks hold their markers already), says so,
+			// and computes nothing more.
+			prog, _ = handoff.NewProgress(blocks, 8)
+			opts = append(opts, handoff.Streaming(prog))
+		}
+		o, err := src.Propose(1, "r", lease, nil, opts...)
 		if err != nil {
 			say("error %v", err)
 			return 1
+		}
+		if prog != nil {
+			k := envInt("KVUCX_STREAM", 0)
+			go func() {
+				for i := 0; i < 20000 && o.State() != handoff.Transferring && !o.State().Final(); i++ {
+					time.Sleep(time.Millisecond)
+				}
+				for l := range k {
+					time.Sleep(time.Millisecond)
+					_ = prog.WroteLayers(l + 1)
+				}
+				for i := 0; i < 20000 && sender.Stats().Messages < k*blocks && !o.State().Final(); i++ {
+					time.Sleep(time.Millisecond)
+				}
+				say("layers %d sent", k)
+			}()
 		}
 		aborted := make(chan struct{})
 		if os.Getenv("KVUCX_ABORT") != "" {

@@ -215,10 +215,11 @@ type Sender[R any] struct {
 	keys   sessionKeys
 	pool   *pool // idle connections (push)
 
-	mu     sync.Mutex
-	jobs   map[handoff.PlaneID]*sendJob[R]
-	closed bool
-	wg     sync.WaitGroup
+	mu      sync.Mutex
+	jobs    map[handoff.PlaneID]*sendJob[R]
+	closed  bool
+	closing chan struct{} // closed by Close: ends a pull SendStream's wait
+	wg      sync.WaitGroup
 }
 
 var _ handoff.SendPlane[[]byte] = (*Sender[[]byte])(nil)
@@ -247,7 +248,7 @@ func newSender[R any](cfg Config, pieces func(R, []Span) []Span) (*Sender[R], er
 	if ttl <= 0 {
 		ttl = defaultSenderIdle
 	}
-	s := &Sender[R]{cfg: cfg, ctx: ctx, pieces: pieces, jobs: make(map[handoff.PlaneID]*sendJob[R])}
+	s := &Sender[R]{cfg: cfg, ctx: ctx, pieces: pieces, jobs: make(map[handoff.PlaneID]*sendJob[R]), closing: make(chan struct{})}
 	s.pool = newPool(cfg.MaxIdle, ttl, &s.stats)
 	return s, nil
 }
@@ -302,7 +303,7 @@ func parseAccept(b []byte) (int, error) {
 // revocation (see the package doc).
 func (s *Sender[R]) Send(id handoff.PlaneID, regions []R, accept []byte, attach func(*kvlease.Transfer) error) ([]byte, error) {
 	if !s.cfg.Pull {
-		return s.sendPush(id, regions, accept, attach)
+		return s.sendPush(id, regions, accept, attach, nil)
 	}
 	return s.sendPull(id, regions, accept, attach)
 }
@@ -541,9 +542,15 @@ func (s *Sender[R]) Stats() Stats {
 }
 
 // Close revokes every handoff still registered (their transfers resolve
-// with ErrClosed and ErrRevoked) and releases UCX.
+// with ErrClosed and ErrRevoked) and releases UCX. Closing again does
+// nothing.
 func (s *Sender[R]) Close() error {
 	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil // closed already (UCX is released once)
+	}
+	close(s.closing)
 	s.closed = true
 	all := make([]*sendJob[R], 0, len(s.jobs))
 	for _, j := range s.jobs {
@@ -1161,9 +1168,13 @@ func (r *Receiver[R]) Stats() Stats {
 // Close revokes every handoff still reading (the operator's way out of a
 // silent source: each job's endpoint is closed, its worker destroyed and
 // its registrations unmapped, and that is its evidence), destroys the
-// idle workers and releases UCX.
+// idle workers and releases UCX. Closing again does nothing.
 func (r *Receiver[R]) Close() error {
 	r.mu.Lock()
+	if r.closed {
+		r.mu.Unlock()
+		return nil // closed already (UCX is released once)
+	}
 	r.closed = true
 	all := make([]*recvJob[R], 0, len(r.jobs))
 	for j := range r.jobs {

@@ -46,6 +46,9 @@ const (
 	// (4: the destination's message bound in Accept, the run list in
 	// Start).
 	pushVersion = 4
+	// pushStreamVersion is the version byte of a streaming handoff's
+	// Start bytes (pushVersion's, plus the layer count; see stream.go).
+	pushStreamVersion = 5
 	// pushAcceptMin is "KU", version, blocks, salt, the destination's
 	// message bound, address length.
 	pushAcceptMin = 2 + 1 + 4 + 4 + 4 + 2
@@ -134,6 +137,8 @@ type summer struct {
 	scratch []byte
 	tags    []byte
 	nonce   [12]byte
+	spans   []Span // unit's slices (stream.go)
+	folded  []byte // fold's GMAC
 }
 
 func newSummer(mode Integrity, key []byte, units []int) (*summer, error) {
@@ -320,6 +325,7 @@ type pushStart struct {
 	nonce  []byte // the source's, for the handoff's MAC key
 	addr   []byte
 	per    int        // the most blocks of one message
+	layers int        // streaming: the layers of each block (0: not streaming)
 	runs   []blockRun // runs of two blocks or more, in block order
 }
 
@@ -328,12 +334,19 @@ type pushStart struct {
 type blockRun struct{ first, count int }
 
 func appendPushStart(b []byte, st *pushStart) []byte {
-	b = appendStartHead(b, pushVersion, st.sizes, st.blocks)
+	ver := byte(pushVersion)
+	if st.layers > 0 {
+		ver = pushStreamVersion
+	}
+	b = appendStartHead(b, ver, st.sizes, st.blocks)
 	b = append(b, byte(st.mode))
 	b = append(b, st.nonce...)
 	b = binary.LittleEndian.AppendUint16(b, uint16(len(st.addr)))
 	b = append(b, st.addr...)
 	b = binary.LittleEndian.AppendUint32(b, uint32(st.per))
+	if st.layers > 0 {
+		b = binary.LittleEndian.AppendUint16(b, uint16(st.layers))
+	}
 	b = binary.LittleEndian.AppendUint32(b, uint32(len(st.runs)))
 	for _, r := range st.runs {
 		b = binary.LittleEndian.AppendUint32(b, uint32(r.first))
@@ -345,10 +358,16 @@ func appendPushStart(b []byte, st *pushStart) []byte {
 // parsePushStart parses the push model's Start bytes. The runs must be
 // in block order, disjoint, of two blocks or more, inside the handoff,
 // and their count must fit the bytes left (checked before anything is
-// allocated for them); anything else wraps ErrCorrupt.
+// allocated for them); a streaming handoff's (pushStreamVersion) layer
+// count must be 1 to handoff.MaxLayers and split the block; anything
+// else wraps ErrCorrupt.
 func parsePushStart(b []byte) (*pushStart, error) {
 	r := &reader{b: b}
-	sizes, blocks, err := r.startHead(pushVersion)
+	ver := byte(pushVersion)
+	if len(b) > 2 && b[2] == pushStreamVersion {
+		ver = pushStreamVersion
+	}
+	sizes, blocks, err := r.startHead(ver)
 	if err != nil {
 		return nil, err
 	}
@@ -357,9 +376,21 @@ func parsePushStart(b []byte) (*pushStart, error) {
 	s.nonce = r.take(nonceLen)
 	s.addr = r.take(r.u16())
 	s.per = r.u32()
+	if ver == pushStreamVersion {
+		s.layers = r.u16()
+	}
 	nr := r.u32()
 	if r.err != nil {
 		return nil, r.err
+	}
+	if ver == pushStreamVersion {
+		bb := 0
+		for _, n := range s.sizes {
+			bb += n
+		}
+		if s.layers < 1 || s.layers > handoff.MaxLayers || bb%s.layers != 0 {
+			return nil, fmt.Errorf("ucx: start bytes: a stream of %d layers over blocks of %d bytes: %w", s.layers, bb, ErrCorrupt)
+		}
 	}
 	s.mode = Integrity(mode[0])
 	if len(s.addr) == 0 || s.blocks <= 0 || s.blocks > handoff.MaxBlocks || s.mode > IntegrityMAC || s.per <= 0 || s.per > handoff.MaxBlocks {
@@ -475,10 +506,23 @@ type pushSend struct {
 	next   int // messages posted
 	inline int // sends that completed at once
 	tabled bool
-	err    error // a send that could not be posted
+	err    error       // a send that could not be posted
+	stream *streamSend // a streaming handoff's state (stream.go), or nil
+}
+
+// units is how many sends the job's blocks take: its messages, or
+// streaming its parts.
+func (p *pushSend) units() int {
+	if p.stream != nil {
+		return len(p.stream.parts)
+	}
+	return len(p.msgs)
 }
 
 func (p *pushSend) free() {
+	if p.stream != nil {
+		p.stream.end()
+	}
 	p.iov.free()
 	p.iov = iovs{}
 	if p.sums.p != nil {
@@ -502,7 +546,10 @@ func needIov(msgs []message) bool {
 // thread. The transfer resolves as in the pull model: on Finish or a
 // cancel, after the revocation (the handoff's endpoint closed, its
 // worker destroyed: nothing of UCX reads the regions any more).
-func (s *Sender[R]) sendPush(id handoff.PlaneID, regions []R, accept []byte, attach func(*kvlease.Transfer) error) ([]byte, error) {
+//
+// Streaming (SendStream: ready not nil), the Start bytes say so and the
+// worker sends each (message, layer) once ready marks it (stream.go).
+func (s *Sender[R]) sendPush(id handoff.PlaneID, regions []R, accept []byte, attach func(*kvlease.Transfer) error, ready *handoff.Ready) ([]byte, error) {
 	acc, err := parsePushAccept(accept)
 	if err != nil {
 		return nil, err
@@ -536,7 +583,11 @@ func (s *Sender[R]) sendPush(id handoff.PlaneID, regions []R, accept []byte, att
 		return fail(fmt.Errorf("ucx: send: block key: %w", err))
 	}
 	mode := integrityFor(key, p.g.spans)
-	if p.summer, err = newSummer(mode, key, p.g.sizes); err != nil {
+	units := p.g.sizes
+	if ready != nil {
+		units = layerUnits(p.g.bb, ready.Layers())
+	}
+	if p.summer, err = newSummer(mode, key, units); err != nil {
 		return fail(err)
 	}
 	if j.c, err = s.connection(id, acc.addr); err != nil {
@@ -545,6 +596,9 @@ func (s *Sender[R]) sendPush(id handoff.PlaneID, regions []R, accept []byte, att
 	j.w, p.ep = j.c.w, j.c.ep
 	st := &pushStart{sizes: p.g.sizes, blocks: blocks, mode: mode, nonce: nonce[:], addr: j.c.own,
 		per: max(1, min(s.cfg.MaxGet, acc.maxMsg)/p.g.bb)}
+	if ready != nil {
+		st.layers = ready.Layers()
+	}
 	start := appendPushStart(nil, st)
 	if len(start) > handoff.MaxPlane {
 		return fail(fmt.Errorf("ucx: start bytes %d exceed %d: %w", len(start), handoff.MaxPlane, kvlease.ErrExceedsCapacity))
@@ -555,7 +609,11 @@ func (s *Sender[R]) sendPush(id handoff.PlaneID, regions []R, accept []byte, att
 		start = appendPushStart(start[:0], st)
 	}
 	p.msgs = messagesOf(p.g, st.runs, st.per)
-	if needIov(p.msgs) {
+	if ready != nil {
+		if err := p.startStream(*ready); err != nil {
+			return fail(err)
+		}
+	} else if needIov(p.msgs) {
 		p.iov = newIovs(p.g.spans)
 	}
 	if n := mode.sumLen(); n > 0 {
@@ -567,6 +625,8 @@ func (s *Sender[R]) sendPush(id handoff.PlaneID, regions []R, accept []byte, att
 	}
 	if !j.w.do(func() { j.w.pollers = append(j.w.pollers, j.pushStep) }) {
 		go j.revoke(fmt.Errorf("ucx: send: %w: %w", errWorkerGone, ErrRevoked))
+	} else if p.stream != nil {
+		go j.waitProgress(p.stream, j.w)
 	}
 	return start, nil
 }
@@ -677,7 +737,7 @@ func (j *sendJob[R]) quiesced() bool {
 		switch {
 		case p.ep.failed() != nil || p.err != nil:
 			done <- false
-		case p.next == len(p.msgs) && (p.sums.p == nil || p.tabled) && p.inline+p.b.completed() == p.posted():
+		case p.next == p.units() && (p.sums.p == nil || p.tabled) && p.inline+p.b.completed() == p.posted():
 			done <- true
 		case time.Now().After(deadline):
 			done <- false
@@ -714,6 +774,41 @@ func (j *sendJob[R]) pushStep() bool {
 	if p.ep == nil || p.ep.failed() != nil {
 		return true
 	}
+	var posted int
+	if p.stream != nil {
+		posted = j.postParts()
+	} else {
+		posted = j.postMessages()
+	}
+	if posted > 0 {
+		j.s.stats.add(func(st *Stats) { st.Messages += posted })
+	}
+	if p.err != nil || j.halt.Load() {
+		return true
+	}
+	if p.next < p.units() {
+		return false
+	}
+	if p.sums.p != nil && !p.tabled {
+		p.tabled = true
+		if done, err := p.ep.send(p.sums.addr(), p.sums.n, false, tagOf(p.salt, tableIndex), p.b); err != nil {
+			p.err = err
+			return true
+		} else if done {
+			p.inline++
+		}
+	}
+	if p.inline+p.b.completed() < p.posted() {
+		return false // until every send completed: release then needs no wait
+	}
+	j.sent.Store(true)
+	return true
+}
+
+// postMessages posts the job's messages, at most Window outstanding, and
+// returns how many it posted. Worker thread only.
+func (j *sendJob[R]) postMessages() int {
+	p := j.push
 	np := len(p.g.sizes)
 	completed := p.inline + p.b.completed()
 	posted := 0
@@ -749,29 +844,7 @@ func (j *sendJob[R]) pushStep() bool {
 			completed++
 		}
 	}
-	if posted > 0 {
-		j.s.stats.add(func(st *Stats) { st.Messages += posted })
-	}
-	if p.err != nil || j.halt.Load() {
-		return true
-	}
-	if p.next < len(p.msgs) {
-		return false
-	}
-	if p.sums.p != nil && !p.tabled {
-		p.tabled = true
-		if done, err := p.ep.send(p.sums.addr(), p.sums.n, false, tagOf(p.salt, tableIndex), p.b); err != nil {
-			p.err = err
-			return true
-		} else if done {
-			p.inline++
-		}
-	}
-	if p.inline+p.b.completed() < p.posted() {
-		return false // until every send completed: release then needs no wait
-	}
-	j.sent.Store(true)
-	return true
+	return posted
 }
 
 // pushRecv is a destination job's push state.
@@ -784,9 +857,14 @@ type pushRecv struct {
 	sums   cbuf
 	mode   Integrity
 	summer *summer
-	tabled bool // the table's receive is posted
-	cancel bool // outstanding receives were asked to cancel
-	stray  bool // at the end, a message no receive asked for waited in the worker
+	tabled bool   // the table's receive is posted
+	layers int    // streaming: the layers of each block (0: not streaming)
+	parts  []part // streaming: message i's layer l is parts[i*layers+l]
+	cancel bool   // outstanding receives were asked to cancel
+	epErr  error  // streaming: the source's endpoint failed (stopGrace)
+	utags  []byte // streaming, keyed: each (block, layer)'s GMAC (unitTags), or nil
+	summed int    // streaming: parts [0, summed) have their unit tags
+	stray  bool   // at the end, a message no receive asked for waited in the worker
 }
 
 func (p *pushRecv) free() {
@@ -845,7 +923,11 @@ func (r *Receiver[R]) receivePush(id handoff.PlaneID, prep *prepared, regions []
 	case st.mode != IntegrityNone && !allHost(p.g.spans):
 		p.mode = IntegrityNone // device memory: the CPU cannot check it
 	}
-	if p.summer, err = newSummer(p.mode, key, st.sizes); err != nil {
+	units := st.sizes
+	if st.layers > 0 {
+		units = layerUnits(p.g.bb, st.layers)
+	}
+	if p.summer, err = newSummer(p.mode, key, units); err != nil {
 		return fail(err)
 	}
 	// The endpoint only carries the source's failure to us (peer error
@@ -883,19 +965,39 @@ func (r *Receiver[R]) receivePush(id handoff.PlaneID, prep *prepared, regions []
 		return fail(err)
 	}
 	p.msgs = messagesOf(p.g, st.runs, st.per)
-	if needIov(p.msgs) {
+	if st.layers > 0 {
+		// Streaming: a receive per (message, layer), all posted at once
+		// (the source sends the parts in the order the prefill marks
+		// them).
+		p.layers = st.layers
+		var spans []Span
+		if p.parts, spans, err = planParts(p.g, p.msgs, st.layers); err != nil {
+			return fail(fmt.Errorf("%w: %w", err, ErrCorrupt))
+		}
+		p.iov = newIovs(spans)
+		p.utags = unitTags(p.mode, st.blocks, st.layers)
+	} else if needIov(p.msgs) {
 		p.iov = newIovs(p.g.spans)
 	}
-	p.rv = newRecvs(len(p.msgs) + 1)
+	p.rv = newRecvs(p.units() + 1)
 	if n := st.mode.sumLen(); n > 0 {
 		p.sums = newCbuf(n * st.blocks)
 	}
 	return j.launch(attach, p.mode == IntegrityMAC, j.stepPush)
 }
 
+// units is how many receives the job's blocks take: its messages, or
+// streaming its parts.
+func (p *pushRecv) units() int {
+	if p.layers > 0 {
+		return len(p.parts)
+	}
+	return len(p.msgs)
+}
+
 // stepPush advances a push job on its worker's thread: it posts the
 // integrity table's receive, then the messages' receives (at most Window
-// outstanding), and once every posted receive has completed (its
+// outstanding; streaming, every part's at once), and once every posted receive has completed (its
 // message landed, or it was canceled before one matched) it checks the
 // blocks and resolves. True when it is done.
 func (j *recvJob[R]) stepPush() bool {
@@ -903,12 +1005,22 @@ func (j *recvJob[R]) stepPush() bool {
 		return true
 	}
 	p := j.push
-	if err := j.ep.failed(); err != nil {
+	if err := j.ep.failed(); err != nil && p.layers == 0 {
 		go j.finish(fmt.Errorf("%w: %w", err, ErrRevoked), true)
 		return true
+	} else if err != nil && p.epErr == nil {
+		// Streaming: the source's worker is gone (its abort revoked it,
+		// or it died). Stop as on a cancel; once every receive is done,
+		// give the abort, which travels on the control connection and
+		// may come second, a grace (streamStopGrace) to arrive.
+		p.epErr = err
 	}
-	msgs := len(p.msgs)
+	msgs := p.units()
 	np := len(p.g.sizes)
+	window := j.r.cfg.Window
+	if p.layers > 0 {
+		window = msgs
+	}
 	if !p.tabled && p.sums.p != nil {
 		p.tabled = true
 		if err := j.w.recv(p.rv, msgs, p.sums.addr(), p.sums.n, false, tagOf(p.prep.salt, tableIndex)); err != nil {
@@ -920,8 +1032,13 @@ func (j *recvJob[R]) stepPush() bool {
 		table = 1
 	}
 	completed := p.rv.b.completed()
-	stopping := j.canceled.Load() || j.postErr != nil || p.rv.b.failedN() > 0
-	for !stopping && j.next < msgs && j.next+table-completed < j.r.cfg.Window+table {
+	stopping := j.canceled.Load() || j.postErr != nil || p.rv.b.failedN() > 0 || p.epErr != nil
+	for !stopping && j.next < msgs && j.next+table-completed < window+table {
+		if p.layers > 0 {
+			stopping = j.postPart()
+			completed = p.rv.b.completed()
+			continue
+		}
 		m := p.msgs[j.next]
 		if hook := j.r.cfg.BeforeGet; hook != nil {
 			for b := m.first; b < m.first+m.count && !stopping; b++ {
@@ -955,6 +1072,9 @@ func (j *recvJob[R]) stepPush() bool {
 			j.w.cancel(p.rv, msgs)
 		}
 	}
+	if p.utags != nil && !stopping {
+		j.sumArrived()
+	}
 	if p.rv.b.completed() < j.next+table {
 		return false // wait for the posted receives
 	}
@@ -966,6 +1086,10 @@ func (j *recvJob[R]) stepPush() bool {
 	// intact. A worker holding a message nobody asked for (of an earlier
 	// handoff, or from anyone who reached it) is not kept.
 	p.stray = j.w.stray()
+	if p.epErr != nil && !j.canceled.Load() {
+		go j.stopGrace(p.epErr)
+		return true
+	}
 	go j.finish(j.pushOutcome(), false)
 	return true
 }
@@ -989,7 +1113,19 @@ func (j *recvJob[R]) pushOutcome() error {
 		}
 		return nil
 	}
-	for i, m := range p.msgs[:j.next] {
+	for i, pt := range p.parts[:min(j.next, len(p.parts))] {
+		what := fmt.Sprintf("layer %d of block %d of %d", pt.layer, pt.first, blocks)
+		if pt.count > 1 {
+			what = fmt.Sprintf("layer %d of blocks %d to %d of %d", pt.layer, pt.first, pt.first+pt.count-1, blocks)
+		}
+		if err := check(i, pt.n, what); err != nil {
+			return err
+		}
+	}
+	for i, m := range p.msgs[:min(j.next, len(p.msgs))] {
+		if p.layers > 0 {
+			break
+		}
 		what := fmt.Sprintf("block %d of %d", m.first, blocks)
 		if m.count > 1 {
 			what = fmt.Sprintf("blocks %d to %d of %d", m.first, m.first+m.count-1, blocks)
@@ -999,22 +1135,28 @@ func (j *recvJob[R]) pushOutcome() error {
 		}
 	}
 	if p.tabled {
-		if err := check(len(p.msgs), p.sums.n, "integrity table"); err != nil {
+		if err := check(p.units(), p.sums.n, "integrity table"); err != nil {
 			return err
 		}
 	}
 	if j.postErr != nil {
 		return j.postErr
 	}
-	if canceled || j.next < len(p.msgs) {
-		return fmt.Errorf("ucx: stopped after %d of %d messages: %w", j.next, len(p.msgs), ErrCanceled)
+	if canceled || j.next < p.units() {
+		return fmt.Errorf("ucx: stopped after %d of %d messages: %w", j.next, p.units(), ErrCanceled)
 	}
 	if n := p.mode.sumLen(); n > 0 {
 		got := make([]byte, n)
 		want := p.sums.bytes()
 		np := len(p.g.sizes)
+		folded := p.utags != nil && p.summed == len(p.parts)
 		for b := range blocks {
-			p.summer.sum(got, b, p.g.spans[b*np:(b+1)*np])
+			if folded {
+				L := p.layers
+				p.summer.fold(got, p.utags[b*L*macLen:(b+1)*L*macLen], b)
+			} else {
+				p.summer.sum(got, b, p.g.spans[b*np:(b+1)*np])
+			}
 			if !hmac.Equal(got, want[b*n:(b+1)*n]) {
 				return fmt.Errorf("ucx: block %d of %d fails its %v check: %w", b, blocks, p.mode, ErrCorrupt)
 			}
