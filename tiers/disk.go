@@ -64,7 +64,8 @@ type DiskConfig struct {
 	// Disk.Direct).
 	Direct bool
 	// BeforeIO, if set, runs in the worker before each slot is read or
-	// written. An error fails the job there: the transfer resolves with
+	// written (a worker takes its slots file by file, each file's in
+	// offset order). An error fails the job there: the transfer resolves with
 	// it (the worker provably stopped), and what was not written is never
 	// sealed, what was not read never onboarded. Tests and audits inject
 	// failures and stalls with it.
@@ -584,10 +585,35 @@ func (d *Disk) runSlots() int { return max(1, maxRunBytes/d.slotBytes) }
 // adjacent reports whether slot b follows slot a in the same file.
 func (d *Disk) adjacent(a, b DiskSlot) bool { return b == a+DiskSlot(len(d.files)) }
 
+// fileOrder puts a job's slots of a striped tier file by file, each in
+// offset order (a copy: the caller's slice is left alone), so that a run
+// of consecutive ids, which alternates files, becomes one run per file.
+func (d *Disk) fileOrder(j *diskJob) {
+	f := DiskSlot(len(d.files))
+	if f == 1 {
+		return
+	}
+	cmp := func(a, b DiskSlot) int {
+		if a%f != b%f {
+			return int(a%f - b%f)
+		}
+		return int(a/f - b/f)
+	}
+	if j.writes != nil {
+		j.writes = slices.Clone(j.writes)
+		slices.SortStableFunc(j.writes, func(a, b SlotWrite) int { return cmp(a.Dst, b.Dst) })
+	}
+	if j.reads != nil {
+		j.reads = slices.Clone(j.reads)
+		slices.SortStableFunc(j.reads, func(a, b SlotRead) int { return cmp(a.Src, b.Src) })
+	}
+}
+
 // IOs returns how many disk reads and writes (pread and pwrite calls)
 // the tier has issued for Read and Write: one per run of slots adjacent
-// in their file (consecutive slots with one file; slots Files apart when
-// striped), at most 1 MiB each, rather than one per slot.
+// in their file (consecutive slots with one file; striped over Files, a
+// worker takes its slots file by file, so consecutive ids make one run
+// per file), at most 1 MiB each, rather than one per slot.
 func (d *Disk) IOs() int64 { return d.ios.Load() }
 
 // work is one disk worker.
@@ -604,6 +630,7 @@ func (d *Disk) work() {
 // in their file move as one run: each slot's cancel check and BeforeIO
 // come first, in order, then one pwrite (or pread) covers the run.
 func (d *Disk) run(j *diskJob, buf []byte, mac hash.Hash) error {
+	d.fileOrder(j)
 	most, sb := d.runSlots(), d.slotBytes
 	for i := 0; i < len(j.writes); {
 		k := 0 // slots of the run encoded into buf

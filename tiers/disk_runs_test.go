@@ -87,9 +87,15 @@ func TestDiskRunsMerge(t *testing.T) {
 	w, r, werr, rerr := writeRead(t, two, seq(4, 8, 2), 7)
 	require.NoError(t, errors.Join(werr, rerr))
 	require.Equal(t, []int64{1, 1}, []int64{w, r})
-	w, _, werr, _ = writeRead(t, two, seq(4, 8, 1), 8)
+	w, r, werr, rerr = writeRead(t, two, seq(4, 8, 1), 8)
+	require.NoError(t, errors.Join(werr, rerr))
+	require.Equal(t, []int64{2, 2}, []int64{w, r}, "consecutive slots alternate files: one run per file")
+	w, _, werr, _ = writeRead(t, two, []DiskSlot{9, 2, 7, 4}, 10)
 	require.NoError(t, werr)
-	require.Equal(t, int64(8), w, "consecutive slots alternate files")
+	require.Equal(t, int64(2), w, "2 and 4 follow each other in file 0, 7 and 9 in file 1, in any order given")
+	w, _, werr, _ = writeRead(t, two, []DiskSlot{1, 6, 11, 0}, 11)
+	require.NoError(t, werr)
+	require.Equal(t, int64(4), w, "no two of them adjacent in their file")
 
 	// BeforeIO sees every slot of a run, and its error stops the job
 	// there: nothing of that run is written.
