@@ -471,11 +471,13 @@ func (p *PSK) handshake(h *handshake) error {
 		if !hmac.Equal(resp[nonceBytes+shareBytes:], pskMAC(key, "kvlease psk destination", t)) {
 			return refuseAuth(false, "psk handshake: the destination does not hold key %q", h.id)
 		}
-		if shared, err = h.shared(); err != nil {
-			return err
-		}
 		if _, err := conn.Write(pskMAC(key, "kvlease psk source", t)); err != nil {
 			return fmt.Errorf("kvlease: handoff: psk handshake: %w (%w)", ErrAuth, err)
+		}
+		// The X25519 secret is needed for the keys alone: computed while
+		// the destination checks our MAC.
+		if shared, err = h.shared(); err != nil {
+			return err
 		}
 	} else {
 		if key = p.key(h.id); key == nil {
@@ -487,14 +489,17 @@ func (p *PSK) handshake(h *handshake) error {
 		if h.eph, err = ecdh.X25519().GenerateKey(rand.Reader); err != nil {
 			return err
 		}
-		if shared, err = h.shared(); err != nil {
-			return err
-		}
 		t := h.transcript()
 		msg := make([]byte, 0, nonceBytes+shareBytes+sha256.Size)
 		msg = append(append(msg, h.sn[:]...), h.eph.PublicKey().Bytes()...)
 		if _, err := conn.Write(append(msg, pskMAC(key, "kvlease psk destination", t)...)); err != nil {
 			return fmt.Errorf("kvlease: handoff: psk handshake: %w (%w)", ErrAuth, err)
+		}
+		// The X25519 secret is needed for the keys alone: computed while
+		// the source checks our MAC (a share of low order is refused
+		// before anything is keyed).
+		if shared, err = h.shared(); err != nil {
+			return err
 		}
 		var mac [sha256.Size]byte
 		if _, err := io.ReadFull(conn, mac[:]); err != nil {
