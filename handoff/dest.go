@@ -189,7 +189,10 @@ func (d *Destination[R]) Stats() HalfStats { return d.stats.snapshot() }
 // Serve authenticates one control connection (cfg.Auth; the handshake is
 // bounded by HandshakeTimeout) and serves it until it ends, and returns
 // why: an error wrapping ErrAuth for a peer that could not be
-// authenticated (nothing of it was acted on), io.EOF for a clean close,
+// authenticated (nothing of it was acted on), one wrapping ErrLimit for
+// a session refused by MaxSessions or its identity's Limits.Sessions
+// (the source is told in its handshake), io.EOF for a clean close, the
+// idle timeout's error for a session closed idle (SessionIdleTimeout),
 // an error wrapping ErrProtocolFatal (and ErrProtocol) for a malformed frame (and ErrAuth too
 // for a record that does not verify). When it returns, every handoff of
 // the connection that had not started is aborted (ErrConnLost); a
