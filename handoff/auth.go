@@ -1,6 +1,7 @@
 package handoff
 
 import (
+	"crypto/ecdh"
 	"crypto/hkdf"
 	"crypto/hmac"
 	"crypto/rand"
@@ -31,24 +32,38 @@ import (
 // a peer offering none to a secure side is a downgrade (counted as such).
 // Then, by mode:
 //
-//   - psk: the source sends a 32-byte nonce and its key id; the
-//     destination answers with its nonce and
-//     HMAC-SHA256(key, "kvlease psk destination" | transcript); the source
-//     checks it and answers HMAC-SHA256(key, "kvlease psk source" |
-//     transcript). The transcript is both preambles, both nonces and the
-//     key id. The session keys come from HKDF-SHA256 over the key, salted
-//     with both nonces: one AES-256-GCM key per direction for the control
-//     frames, and a secret for the data plane. Every later frame is a
-//     record: length (4 bytes LE) | sequence (8 bytes LE) | AES-GCM of the
-//     frame, nonce = the sequence, the length and the sequence as
-//     additional data. Each direction counts from zero; a record whose
-//     sequence is not the next one (a replay, a reordering, a frame from
-//     another session) or whose tag does not verify ends the session.
-//   - tls: a TLS 1.3 handshake with certificates on both sides; the
-//     frames then travel inside TLS as they are, and the data-plane
-//     secret is exported from the TLS session (RFC 8446 exporter).
+//   - psk: right behind its preamble, the source sends a 32-byte nonce,
+//     an ephemeral X25519 public key and its key id; the destination
+//     answers with its own nonce and ephemeral public key and
+//     HMAC-SHA256(key, "kvlease psk destination" | transcript); the
+//     source checks it and answers HMAC-SHA256(key, "kvlease psk
+//     source" | transcript). The transcript is both preambles, both
+//     nonces, the key id and both public keys, so the MACs authenticate
+//     the ephemeral shares. The session keys come from HKDF-SHA256 over
+//     the key and the X25519 shared secret, salted with the transcript's
+//     SHA-256: one AES-256-GCM key per direction for the control frames,
+//     and a secret for the data plane. The ephemeral private keys are
+//     dropped when the handshake ends, so a key that leaks later does not
+//     open recorded sessions (forward secrecy): it proves who spoke, it
+//     no longer tells what was said. Every later frame is a record:
+//     length (4 bytes LE) | sequence (8 bytes LE) | AES-GCM of the frame,
+//     nonce = the sequence, the length and the sequence as additional
+//     data. Each direction counts from zero; a record whose sequence is
+//     not the next one (a replay, a reordering, a frame from another
+//     session) or whose tag does not verify ends the session.
+//   - tls: a TLS 1.3 handshake with certificates on both sides (TLS 1.3
+//     key exchanges are ephemeral: forward secret too); the frames then
+//     travel inside TLS as they are, and the data-plane secret is
+//     exported from the TLS session (RFC 8446 exporter).
 //   - none: nothing more. Only a side whose config says Insecure speaks
 //     it, and each such session logs that it is unauthenticated.
+//
+// The handshake ends with one byte from the destination, once it has
+// authenticated the source and admitted the session under its caps
+// (DestinationConfig.MaxSessions, Limits.Sessions): 'K', or 'L' for a
+// session refused by a cap (the source's NewSource then fails with
+// ErrLimit). In a tls session the byte travels inside TLS, which also
+// tells a source whose certificate the destination refused.
 
 // ErrAuth is wrapped by every refusal of the authentication: a wrong key,
 // an unknown or expired certificate, a downgrade, a handshake that timed
@@ -89,6 +104,8 @@ type Authenticator interface {
 	// Mode is the authenticator's mode.
 	Mode() AuthMode
 	validate(client bool) error
+	// first returns what a source sends right behind its preamble.
+	first(h *handshake) ([]byte, error)
 	handshake(h *handshake) error
 }
 
@@ -229,6 +246,13 @@ type handshake struct {
 	fingerprint uint64
 	timeout     time.Duration
 
+	// psk: both nonces, the key id, this side's ephemeral key and the
+	// peer's public key (what the source sends behind its preamble)
+	cn, sn  [nonceBytes]byte
+	id      string
+	eph     *ecdh.PrivateKey
+	peerPub []byte
+
 	// results
 	peer  *Peer
 	conn2 net.Conn // the connection the frames use (a *tls.Conn for tls)
@@ -238,6 +262,12 @@ type handshake struct {
 }
 
 const preambleLength = 2 + 1 + 1 + 8
+
+// The destination's last handshake byte.
+const (
+	confirmOK    = 'K' // authenticated and admitted
+	confirmLimit = 'L' // refused by a session cap
+)
 
 // authError is a refusal of the authentication; downgrade marks a peer
 // that offered a weaker mode.
@@ -254,9 +284,16 @@ func refuseAuth(downgrade bool, format string, args ...any) error {
 }
 
 // authenticate runs the handshake over conn for a half configured with
-// auth (nil: insecure). On success the peer, the connection to use and
-// the record layer (nil unless psk) are in h.
+// auth (nil: insecure), admitting every session. On success the peer,
+// the connection to use and the record layer (nil unless psk) are in h.
 func authenticate(conn net.Conn, client bool, auth Authenticator, fingerprint uint64, timeout time.Duration) (*handshake, error) {
+	return authenticateAdmit(conn, client, auth, fingerprint, timeout, nil)
+}
+
+// authenticateAdmit is authenticate; on the destination, admit (if set)
+// decides whether the authenticated peer may hold a session: its error
+// (wrapping ErrLimit) refuses it, and the source is told so.
+func authenticateAdmit(conn net.Conn, client bool, auth Authenticator, fingerprint uint64, timeout time.Duration, admit func(*Peer) error) (*handshake, error) {
 	h := &handshake{conn: conn, client: client, fingerprint: fingerprint, timeout: timeout}
 	if h.timeout <= 0 {
 		h.timeout = DefaultHandshakeTimeout
@@ -274,20 +311,37 @@ func authenticate(conn net.Conn, client bool, auth Authenticator, fingerprint ui
 	}
 	h.pre[me] = ours
 	if client {
-		if _, err := conn.Write(ours[:]); err != nil {
+		first := ours[:]
+		if auth != nil {
+			more, err := auth.first(h)
+			if err != nil {
+				return nil, err
+			}
+			first = append(first, more...)
+		}
+		if _, err := conn.Write(first); err != nil {
 			return nil, fmt.Errorf("kvlease: handoff: handshake: %w (%w)", ErrAuth, err)
 		}
 	}
 	if _, err := io.ReadFull(conn, h.pre[them][:]); err != nil {
 		return nil, refuseAuth(false, "handshake: no preamble from the peer (%v)", err)
 	}
+	p := h.pre[them]
+	current := p[0] == 'K' && p[1] == 'A' && p[2] == ProtocolVersion
 	if !client {
+		if current && AuthMode(p[3]) == AuthPSK {
+			// A psk source's first flight follows its preamble: take it
+			// before answering, whatever our mode, so that the source
+			// is not left writing while we answer.
+			if err := h.readPSKFirst(); err != nil {
+				return nil, err
+			}
+		}
 		// Answer even a refusal, so the source learns what we want.
 		if _, err := conn.Write(ours[:]); err != nil {
 			return nil, fmt.Errorf("kvlease: handoff: handshake: %w (%w)", ErrAuth, err)
 		}
 	}
-	p := h.pre[them]
 	if p[0] != 'K' || p[1] != 'A' {
 		return nil, refuseAuth(false, "handshake: preamble starts %q, want \"KA\"", p[:2])
 	}
@@ -301,13 +355,46 @@ func authenticate(conn net.Conn, client bool, auth Authenticator, fingerprint ui
 	}
 	h.peer = &Peer{Mode: mode, Addr: conn.RemoteAddr()}
 	h.conn2 = conn
-	if auth == nil {
-		return h, nil
+	if auth != nil {
+		if err := auth.handshake(h); err != nil {
+			return nil, err
+		}
 	}
-	if err := auth.handshake(h); err != nil {
+	if err := h.confirm(admit); err != nil {
 		return nil, err
 	}
 	return h, nil
+}
+
+// confirm is the handshake's last byte: the destination sends whether it
+// admitted the session, the source reads it.
+func (h *handshake) confirm(admit func(*Peer) error) error {
+	var b [1]byte
+	if !h.client {
+		b[0] = confirmOK
+		var refused error
+		if admit != nil {
+			if refused = admit(h.peer); refused != nil {
+				b[0] = confirmLimit
+			}
+		}
+		if _, err := h.conn2.Write(b[:]); err != nil && refused == nil {
+			return refuseAuth(false, "%v handshake: confirm: %v", h.peer.Mode, err)
+		}
+		return refused
+	}
+	_, err := io.ReadFull(h.conn2, b[:])
+	switch {
+	case err == nil && b[0] == confirmOK:
+		return nil
+	case err == nil && b[0] == confirmLimit:
+		return fmt.Errorf("kvlease: handoff: the destination authenticated this source (%v) and refused the session: too many sessions: %w", h.peer, ErrLimit)
+	case h.peer.Mode == AuthTLS:
+		return refuseAuth(false, "tls handshake: the destination refused this source's certificate (%v)", err)
+	case h.peer.Mode == AuthPSK:
+		return refuseAuth(false, "psk handshake: the destination refused this source's proof of key %q (%v)", h.id, err)
+	}
+	return refuseAuth(false, "handshake: the destination ended it (%v, %q)", err, b[:])
 }
 
 func preamble(mode AuthMode, fingerprint uint64) [preambleLength]byte {
@@ -317,69 +404,134 @@ func preamble(mode AuthMode, fingerprint uint64) [preambleLength]byte {
 	return b
 }
 
-const nonceBytes = 32
+const (
+	nonceBytes = 32
+	shareBytes = 32 // an X25519 public key
+)
+
+// first returns the psk source's first flight, sent right behind its
+// preamble: its nonce, its ephemeral public key, its key id.
+func (p *PSK) first(h *handshake) ([]byte, error) {
+	if _, err := rand.Read(h.cn[:]); err != nil {
+		return nil, err
+	}
+	eph, err := ecdh.X25519().GenerateKey(rand.Reader)
+	if err != nil {
+		return nil, err
+	}
+	h.eph, h.id = eph, p.ID
+	b := make([]byte, 0, nonceBytes+shareBytes+1+len(p.ID))
+	b = append(append(b, h.cn[:]...), eph.PublicKey().Bytes()...)
+	return append(append(b, byte(len(p.ID))), p.ID...), nil
+}
+
+// readPSKFirst reads a psk source's first flight (the destination).
+func (h *handshake) readPSKFirst() error {
+	var head [nonceBytes + shareBytes + 1]byte
+	if _, err := io.ReadFull(h.conn, head[:]); err != nil {
+		return refuseAuth(false, "psk handshake: half a challenge (%v)", err)
+	}
+	copy(h.cn[:], head[:nonceBytes])
+	h.peerPub = append([]byte(nil), head[nonceBytes:nonceBytes+shareBytes]...)
+	idb := make([]byte, head[nonceBytes+shareBytes])
+	if _, err := io.ReadFull(h.conn, idb); err != nil {
+		return refuseAuth(false, "psk handshake: half a key id (%v)", err)
+	}
+	h.id = string(idb)
+	return nil
+}
+
+// shared is the X25519 secret of this side's ephemeral key and the
+// peer's public key; a public key of low order (an all-zero secret) is
+// refused.
+func (h *handshake) shared() ([]byte, error) {
+	pub, err := ecdh.X25519().NewPublicKey(h.peerPub)
+	if err == nil {
+		var s []byte
+		if s, err = h.eph.ECDH(pub); err == nil {
+			return s, nil
+		}
+	}
+	return nil, refuseAuth(false, "psk handshake: the peer's ephemeral key: %v", err)
+}
 
 func (p *PSK) handshake(h *handshake) error {
-	var cn, sn [nonceBytes]byte
-	var id string
-	var key []byte
 	conn := h.conn
+	var key, shared []byte
+	var err error
 	if h.client {
-		id, key = p.ID, p.Key
-		if _, err := rand.Read(cn[:]); err != nil {
-			return err
-		}
-		msg := append(append(cn[:], byte(len(id))), id...)
-		if _, err := conn.Write(msg); err != nil {
-			return fmt.Errorf("kvlease: handoff: psk handshake: %w (%w)", ErrAuth, err)
-		}
-		var resp [nonceBytes + sha256.Size]byte
+		key = p.Key
+		var resp [nonceBytes + shareBytes + sha256.Size]byte
 		if _, err := io.ReadFull(conn, resp[:]); err != nil {
-			return refuseAuth(false, "psk handshake: the destination refused key %q or went away (%v)", id, err)
+			return refuseAuth(false, "psk handshake: the destination refused key %q or went away (%v)", h.id, err)
 		}
-		copy(sn[:], resp[:nonceBytes])
-		t := h.transcript(cn, sn, id)
-		if !hmac.Equal(resp[nonceBytes:], pskMAC(key, "kvlease psk destination", t)) {
-			return refuseAuth(false, "psk handshake: the destination does not hold key %q", id)
+		copy(h.sn[:], resp[:nonceBytes])
+		h.peerPub = resp[nonceBytes : nonceBytes+shareBytes]
+		t := h.transcript()
+		if !hmac.Equal(resp[nonceBytes+shareBytes:], pskMAC(key, "kvlease psk destination", t)) {
+			return refuseAuth(false, "psk handshake: the destination does not hold key %q", h.id)
 		}
 		if _, err := conn.Write(pskMAC(key, "kvlease psk source", t)); err != nil {
 			return fmt.Errorf("kvlease: handoff: psk handshake: %w (%w)", ErrAuth, err)
 		}
-	} else {
-		var head [nonceBytes + 1]byte
-		if _, err := io.ReadFull(conn, head[:]); err != nil {
-			return refuseAuth(false, "psk handshake: half a challenge (%v)", err)
-		}
-		copy(cn[:], head[:nonceBytes])
-		idb := make([]byte, head[nonceBytes])
-		if _, err := io.ReadFull(conn, idb); err != nil {
-			return refuseAuth(false, "psk handshake: half a key id (%v)", err)
-		}
-		id = string(idb)
-		if key = p.key(id); key == nil {
-			return refuseAuth(false, "psk handshake: unknown key id %q", id)
-		}
-		if _, err := rand.Read(sn[:]); err != nil {
+		// The X25519 secret is needed for the keys alone: computed while
+		// the destination checks our MAC.
+		if shared, err = h.shared(); err != nil {
 			return err
 		}
-		t := h.transcript(cn, sn, id)
-		if _, err := conn.Write(append(sn[:], pskMAC(key, "kvlease psk destination", t)...)); err != nil {
+	} else {
+		if key = p.key(h.id); key == nil {
+			return refuseAuth(false, "psk handshake: unknown key id %q", h.id)
+		}
+		if _, err := rand.Read(h.sn[:]); err != nil {
+			return err
+		}
+		if h.eph, err = ecdh.X25519().GenerateKey(rand.Reader); err != nil {
+			return err
+		}
+		t := h.transcript()
+		msg := make([]byte, 0, nonceBytes+shareBytes+sha256.Size)
+		msg = append(append(msg, h.sn[:]...), h.eph.PublicKey().Bytes()...)
+		if _, err := conn.Write(append(msg, pskMAC(key, "kvlease psk destination", t)...)); err != nil {
 			return fmt.Errorf("kvlease: handoff: psk handshake: %w (%w)", ErrAuth, err)
+		}
+		// The X25519 secret is needed for the keys alone: computed while
+		// the source checks our MAC (a share of low order is refused
+		// before anything is keyed).
+		if shared, err = h.shared(); err != nil {
+			return err
 		}
 		var mac [sha256.Size]byte
 		if _, err := io.ReadFull(conn, mac[:]); err != nil {
 			return refuseAuth(false, "psk handshake: no response to the challenge (%v)", err)
 		}
 		if !hmac.Equal(mac[:], pskMAC(key, "kvlease psk source", t)) {
-			return refuseAuth(false, "psk handshake: the source does not hold key %q", id)
+			return refuseAuth(false, "psk handshake: the source does not hold key %q", h.id)
 		}
 	}
-	salt := append(cn[:nonceBytes:nonceBytes], sn[:]...)
-	keys, err := hkdf.Key(sha256.New, key, salt, "kvlease handoff session v2 "+id, 3*32)
+	keys, err := pskSessionKeys(key, shared, h.transcript(), h.id)
+	h.eph = nil // forward secrecy: the ephemeral key is gone with the handshake
 	if err != nil {
 		return err
 	}
+	return h.keyed(keys)
+}
+
+// pskSessionKeys derives a psk session's keys (the source's sending key,
+// the destination's, the data-plane secret) from the key and the X25519
+// shared secret, salted with the transcript: without the shared secret,
+// the key alone derives nothing.
+func pskSessionKeys(key, shared, transcript []byte, id string) ([]byte, error) {
+	ikm := make([]byte, 0, len(key)+len(shared))
+	ikm = append(append(ikm, key...), shared...)
+	salt := sha256.Sum256(transcript)
+	return hkdf.Key(sha256.New, ikm, salt[:], "kvlease handoff session v3 "+id, 3*32)
+}
+
+// keyed installs a psk session's keys (pskSessionKeys' layout).
+func (h *handshake) keyed(keys []byte) error {
 	c2s, s2c := keys[:32], keys[32:64]
+	var err error
 	if h.client {
 		h.ch, err = newChannel(c2s, s2c)
 	} else {
@@ -388,17 +540,24 @@ func (p *PSK) handshake(h *handshake) error {
 	if err != nil {
 		return err
 	}
-	h.peer.Identity = "psk:" + id
+	h.peer.Identity = "psk:" + h.id
 	h.peer.secret = keys[64:]
 	return nil
 }
 
-// transcript is what both MACs of the psk handshake cover.
-func (h *handshake) transcript(cn, sn [nonceBytes]byte, id string) []byte {
-	t := make([]byte, 0, 2*preambleLength+2*nonceBytes+1+len(id))
+// transcript is what both MACs of the psk handshake cover: both
+// preambles, both nonces, the key id, the source's public key and the
+// destination's.
+func (h *handshake) transcript() []byte {
+	t := make([]byte, 0, 2*preambleLength+2*nonceBytes+1+len(h.id)+2*shareBytes)
 	t = append(append(t, h.pre[0][:]...), h.pre[1][:]...)
-	t = append(append(t, cn[:]...), sn[:]...)
-	return append(append(t, byte(len(id))), id...)
+	t = append(append(t, h.cn[:]...), h.sn[:]...)
+	t = append(append(t, byte(len(h.id))), h.id...)
+	mine := h.eph.PublicKey().Bytes()
+	if h.client {
+		return append(append(t, mine...), h.peerPub...)
+	}
+	return append(append(t, h.peerPub...), mine...)
 }
 
 func pskMAC(key []byte, label string, transcript []byte) []byte {
@@ -407,6 +566,9 @@ func pskMAC(key []byte, label string, transcript []byte) []byte {
 	m.Write(transcript)
 	return m.Sum(nil)
 }
+
+// first: a tls source sends nothing behind its preamble.
+func (t *TLS) first(*handshake) ([]byte, error) { return nil, nil }
 
 func (t *TLS) handshake(h *handshake) error {
 	cfg := t.Config.Clone()
@@ -422,17 +584,9 @@ func (t *TLS) handshake(h *handshake) error {
 		return refuseAuth(false, "tls handshake: %v", err)
 	}
 	// In TLS 1.3 the client's handshake is over before the server has
-	// checked its certificate: the server confirms with one byte inside
-	// the session, so that a refused source learns it here (the alert),
-	// not on its first frame.
-	var ok [1]byte
-	if h.client {
-		if _, err := io.ReadFull(c, ok[:]); err != nil || ok[0] != 'K' {
-			return refuseAuth(false, "tls handshake: the destination refused this source's certificate (%v)", err)
-		}
-	} else if _, err := c.Write([]byte{'K'}); err != nil {
-		return refuseAuth(false, "tls handshake: confirm: %v", err)
-	}
+	// checked its certificate: the confirm byte (inside the session)
+	// tells a refused source here, not on its first frame.
+	h.conn2 = c
 	cs := c.ConnectionState()
 	if len(cs.PeerCertificates) == 0 {
 		return refuseAuth(false, "tls handshake: the peer sent no certificate")
@@ -444,7 +598,6 @@ func (t *TLS) handshake(h *handshake) error {
 	}
 	h.peer.Identity = CertIdentity(cs.PeerCertificates[0])
 	h.peer.secret = secret
-	h.conn2 = c
 	return nil
 }
 

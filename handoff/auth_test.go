@@ -127,6 +127,7 @@ func TestHandshake(t *testing.T) {
 		{"insecure source, psk destination", nil, testPSK, false, "", "", "dst"},
 		{"psk source, insecure destination", testPSK, nil, false, "", "", "src"},
 		{"tls source, psk destination", srcTLS, testPSK, false, "", "", ""},
+		{"psk source, tls destination", testPSK, dstTLS, false, "", "", ""},
 		{"insecure", nil, nil, true, "", "", ""},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
@@ -571,13 +572,24 @@ func (l *fakeListener) Accept() (net.Conn, error) {
 func (l *fakeListener) Close() error   { l.once.Do(func() { close(l.done) }); return nil }
 func (l *fakeListener) Addr() net.Addr { return &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1)} }
 
+// hostConn is a pipe end that says it comes from host.
+type hostConn struct {
+	net.Conn
+	host net.IP
+}
+
+func (c hostConn) RemoteAddr() net.Addr { return &net.TCPAddr{IP: c.host, Port: 40000} }
+
 // TestListen: the accept loop survives transient errors (EMFILE) with a
-// backoff, counts them, refuses connections past MaxPendingHandshakes at
-// once, serves the rest, and stops only when the listener closes.
+// backoff, counts them, closes at once a connection past
+// MaxPendingHandshakesPerHost from one host, makes the busiest host's
+// oldest handshake give way to a newcomer from another host at
+// MaxPendingHandshakes, serves the newcomer, and stops only when the
+// listener closes.
 func TestListen(t *testing.T) {
 	pool := newHostPool(t, 32, hbBytes)
 	dst, err := NewDestination(pool, newManualPlane(), DestinationConfig[[]byte]{
-		HalfConfig: HalfConfig{Envelope: testEnvelope(), Auth: testPSK, HandshakeTimeout: 10 * time.Second}})
+		HalfConfig: HalfConfig{Envelope: testEnvelope(), Auth: testPSK, HandshakeTimeout: time.Minute}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -587,38 +599,55 @@ func TestListen(t *testing.T) {
 	}
 	listened := make(chan error, 1)
 	go func() { listened <- dst.Listen(ln) }()
-	// MaxPendingHandshakes connections that never say a word, then one more.
-	var silent []net.Conn
-	for range MaxPendingHandshakes + 1 {
+	closedAtOnce := func(c net.Conn) bool {
+		t.Helper()
+		_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+		_, err := c.Read(make([]byte, 1))
+		return err != nil && !errors.Is(err, os.ErrDeadlineExceeded)
+	}
+	host := func(k int) net.IP { return net.IPv4(10, 0, 0, byte(k)) }
+	dial := func(k int) net.Conn {
 		a, b := net.Pipe()
-		silent = append(silent, a)
-		ln.conns <- b
+		ln.conns <- hostConn{b, host(k)}
+		return a
 	}
-	extra := silent[MaxPendingHandshakes]
-	_ = extra.SetReadDeadline(time.Now().Add(10 * time.Second))
-	if _, err := extra.Read(make([]byte, 1)); err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
-		t.Fatalf("the connection past the cap was not closed at once: %v", err)
+	// MaxPendingHandshakes silent connections, MaxPendingHandshakesPerHost
+	// from each host; one more from the first host is closed at once.
+	hosts := MaxPendingHandshakes / MaxPendingHandshakesPerHost
+	var silent []net.Conn
+	for k := range hosts {
+		for range MaxPendingHandshakesPerHost {
+			silent = append(silent, dial(k+1))
+		}
+		if k == 0 {
+			if c := dial(1); !closedAtOnce(c) {
+				t.Fatal("a connection past the per-host cap was not closed at once")
+			}
+		}
 	}
-	// Free the handshakes: the next connection is served.
+	// Full: a source from another host gets in, and the busiest host's
+	// oldest handshake (the first host's first) gives way.
+	a, b := net.Pipe()
+	ln.conns <- hostConn{b, host(hosts + 1)}
+	src, err := NewSource(a, newManualPlane(), HalfConfig{Envelope: testEnvelope(), Auth: testPSK})
+	if err != nil {
+		t.Fatalf("a source from another host while %d handshakes are pending: %v", MaxPendingHandshakes, err)
+	}
+	if !closedAtOnce(silent[0]) {
+		t.Fatal("the oldest handshake of the busiest host did not give way")
+	}
 	for _, c := range silent {
 		_ = c.Close()
 	}
-	for end := time.Now().Add(10 * time.Second); dst.Stats().AuthRefused < MaxPendingHandshakes && time.Now().Before(end); time.Sleep(time.Millisecond) {
-	}
-	a, b := net.Pipe()
-	ln.conns <- b
-	src, err := NewSource(a, newManualPlane(), HalfConfig{Envelope: testEnvelope(), Auth: testPSK})
-	if err != nil {
-		t.Fatal(err)
-	}
-	for end := time.Now().Add(10 * time.Second); dst.Stats().Sessions < 1 && time.Now().Before(end); time.Sleep(time.Millisecond) {
+	// The others fail their handshakes now: their places come back.
+	for end := time.Now().Add(10 * time.Second); (dst.Stats().AuthRefused < int64(len(silent)-1) || dst.Stats().Sessions < 1) && time.Now().Before(end); time.Sleep(time.Millisecond) {
 	}
 	_ = src.Close()
 	_ = ln.Close()
 	if err := <-listened; err != nil {
 		t.Fatal(err)
 	}
-	if st := dst.Stats(); st.AcceptErrors != 3 || st.Busy != 1 || st.Sessions != 1 {
+	if st := dst.Stats(); st.AcceptErrors != 3 || st.Busy != 2 || st.Sessions != 1 || st.AuthRefused != int64(len(silent)-1) {
 		t.Fatalf("stats %+v", st)
 	}
 }
@@ -692,8 +721,9 @@ func FuzzRecord(f *testing.F) {
 func FuzzHandshake(f *testing.F) {
 	fp := testEnvelope().Fingerprint()
 	pre := preamble(AuthPSK, fp)
-	f.Add(append(pre[:], make([]byte, 33)...))
-	f.Add(append(pre[:], append(bytes.Repeat([]byte{7}, 32), 4, 't', 'e', 's', 't')...))
+	f.Add(append(pre[:], make([]byte, 65)...))
+	f.Add(append(pre[:], append(bytes.Repeat([]byte{7}, 64), 4, 't', 'e', 's', 't')...))
+	f.Add(append(pre[:], append(bytes.Repeat([]byte{9}, 64), append([]byte{4, 't', 'e', 's', 't'}, bytes.Repeat([]byte{1}, 32)...)...)...))
 	none := preamble(AuthNone, fp)
 	f.Add(none[:])
 	f.Add([]byte("GET / HTTP/1.1\r\n\r\n"))

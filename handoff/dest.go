@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/internal/pending"
 )
 
 // Destination is the destination half (the decode side) of
@@ -35,10 +36,11 @@ import (
 // is not evidence, so the plane's own decides (Failed when the data
 // stopped short).
 type Destination[R any] struct {
-	pool  *kvlease.Pool[R]
-	plane RecvPlane[R]
-	cfg   DestinationConfig[R]
-	stats halfCounters
+	pool     *kvlease.Pool[R]
+	plane    RecvPlane[R]
+	cfg      DestinationConfig[R]
+	stats    halfCounters
+	sessions sessionTable
 }
 
 // DestinationConfig configures a Destination.
@@ -74,14 +76,34 @@ type DestinationConfig[R any] struct {
 	StartTimeout time.Duration
 	// MaxHandoffs caps the handoffs of one session that are not final
 	// (DefaultMaxHandoffs when zero, no cap when negative); a proposal
-	// past it is rejected with ErrLimit.
+	// past it is rejected with ErrLimit. It is also the default of
+	// Limits.Handoffs, the same cap across all of an identity's sessions.
 	MaxHandoffs int
 	// MaxSessionBlocks caps the blocks one session's handoffs hold in
 	// the pool until they are final, prefix hits included (half the
-	// pool's capacity when zero, so that no one peer can take it all; no
-	// cap when negative, for a destination with one trusted source); a
-	// proposal past it is rejected with ErrLimit.
+	// pool's capacity when zero; no cap when negative, for a destination
+	// with one trusted source); a proposal past it is rejected with
+	// ErrLimit. It is also the default of Limits.Blocks, the same cap
+	// across all of an identity's sessions.
 	MaxSessionBlocks int
+	// IdentityLimits, if set, returns the caps of one identity across
+	// all its sessions: blocks held, handoffs in flight, sessions (see
+	// Limits; a zero field takes the default). The identity is
+	// Peer.Identity, or for an insecure session "addr:" and the peer's
+	// host. It is asked when a session of an identity that holds nothing
+	// opens, on that session's goroutine, and must not block.
+	IdentityLimits func(identity string) Limits
+	// MaxSessions caps the control sessions served at once, every
+	// identity together (DefaultMaxSessions when zero, no cap when
+	// negative); one more is refused at the end of its handshake
+	// (HalfStats.SessionsRefused; the source's NewSource fails with
+	// ErrLimit).
+	MaxSessions int
+	// SessionIdleTimeout closes a session that has had no handoff in
+	// flight for that long (DefaultSessionIdleTimeout when zero, never
+	// when negative; HalfStats.IdleClosed): its source finds the session
+	// lost (ErrConnLost) and dials again.
+	SessionIdleTimeout time.Duration
 }
 
 // noCap stands for "no cap" (a negative MaxHandoffs or MaxSessionBlocks):
@@ -120,6 +142,15 @@ func NewDestination[R any](pool *kvlease.Pool[R], plane RecvPlane[R], cfg Destin
 	case cfg.MaxSessionBlocks < 0:
 		cfg.MaxSessionBlocks = noCap
 	}
+	switch {
+	case cfg.MaxSessions == 0:
+		cfg.MaxSessions = DefaultMaxSessions
+	case cfg.MaxSessions < 0:
+		cfg.MaxSessions = noCap
+	}
+	if cfg.SessionIdleTimeout == 0 {
+		cfg.SessionIdleTimeout = DefaultSessionIdleTimeout
+	}
 	if pool.BlockBytes() != cfg.Envelope.BlockBytes {
 		return nil, fmt.Errorf("kvlease: handoff destination: pool blocks of %d bytes, envelope %d: %w", pool.BlockBytes(), cfg.Envelope.BlockBytes, kvlease.ErrInvalidArgument)
 	}
@@ -135,16 +166,20 @@ type session[R any] struct {
 	c    *ctrl
 	id   uint64
 	peer *Peer
+	who  *identity // the peer's share across its sessions
 
 	// The session's share: handoffs not final, and the blocks they hold
 	// or will. Counted down the moment a handoff becomes final (atomics:
 	// under the handoff's lock, which comes after mu).
 	inflight, held atomic.Int64
+	idleSince      atomic.Int64               // when inflight last fell to 0 (UnixNano)
+	closing        atomic.Pointer[closeCause] // set when the destination closes the session itself
 
 	mu     sync.Mutex
 	in     map[uint64]*Incoming[R] // the handoffs not final yet (and those about to leave)
 	recent recentIDs               // ids that left in
 	lost   error
+	idle   *time.Timer // SessionIdleTimeout's
 }
 
 // Stats returns what the destination refused and why, over all its
@@ -154,7 +189,10 @@ func (d *Destination[R]) Stats() HalfStats { return d.stats.snapshot() }
 // Serve authenticates one control connection (cfg.Auth; the handshake is
 // bounded by HandshakeTimeout) and serves it until it ends, and returns
 // why: an error wrapping ErrAuth for a peer that could not be
-// authenticated (nothing of it was acted on), io.EOF for a clean close,
+// authenticated (nothing of it was acted on), one wrapping ErrLimit for
+// a session refused by MaxSessions or its identity's Limits.Sessions
+// (the source is told in its handshake), io.EOF for a clean close, the
+// idle timeout's error for a session closed idle (SessionIdleTimeout),
 // an error wrapping ErrProtocolFatal (and ErrProtocol) for a malformed frame (and ErrAuth too
 // for a record that does not verify). When it returns, every handoff of
 // the connection that had not started is aborted (ErrConnLost); a
@@ -163,13 +201,28 @@ func (d *Destination[R]) Stats() HalfStats { return d.stats.snapshot() }
 func (d *Destination[R]) Serve(conn net.Conn) error { return d.serve(conn, nil) }
 
 // serve is Serve; authenticated, if set, is called once the handshake
-// has ended (either way).
-func (d *Destination[R]) serve(conn net.Conn, authenticated func()) error {
-	h, err := authenticate(conn, false, d.cfg.Auth, d.cfg.Envelope.Fingerprint(), d.cfg.HandshakeTimeout)
-	if authenticated != nil {
-		authenticated()
+// has ended (either way) and reports false when the connection was
+// closed meanwhile to make room for others (Listen's pending caps).
+func (d *Destination[R]) serve(conn net.Conn, authenticated func() bool) error {
+	var who *identity
+	admit := func(p *Peer) (err error) {
+		who, err = d.join(p)
+		return err
+	}
+	h, err := authenticateAdmit(conn, false, d.cfg.Auth, d.cfg.Envelope.Fingerprint(), d.cfg.HandshakeTimeout, admit)
+	if authenticated != nil && !authenticated() {
+		// Given way to newer connections: counted (Busy) when it was.
+		if err == nil {
+			d.leave(who)
+			err = fmt.Errorf("kvlease: handoff destination: handshake of %v closed to make room (MaxPendingHandshakesPerHost, MaxPendingHandshakes): %w", conn.RemoteAddr(), ErrAuth)
+		}
+		_ = conn.Close()
+		return err
 	}
 	if err != nil {
+		if who != nil { // admitted, then the confirm failed
+			d.leave(who)
+		}
 		d.stats.authFailed(err)
 		_ = conn.Close()
 		return err
@@ -178,14 +231,20 @@ func (d *Destination[R]) serve(conn net.Conn, authenticated func()) error {
 	if d.cfg.Auth == nil {
 		d.cfg.Logf("kvlease: handoff destination %s: session with %v is UNAUTHENTICATED (Insecure)", d.cfg.Name, conn.RemoteAddr())
 	}
-	s := &session[R]{d: d, c: newCtrl(h.conn2, d.cfg.FrameTimeout), id: sessions.Add(1), peer: h.peer, in: make(map[uint64]*Incoming[R])}
+	s := &session[R]{d: d, c: newCtrl(h.conn2, d.cfg.FrameTimeout), id: sessions.Add(1), peer: h.peer, who: who, in: make(map[uint64]*Incoming[R])}
 	s.c.ch = h.ch
+	s.watchIdle()
 	for {
 		m, err := s.c.read()
 		if err != nil {
-			d.stats.readFailed(err)
+			if cc := s.closing.Load(); cc != nil {
+				err = fmt.Errorf("%w (%w)", cc.err, err)
+			} else {
+				d.stats.readFailed(err)
+			}
 			_ = s.c.c.Close()
 			s.end(err)
+			d.leave(who)
 			return err
 		}
 		switch m := m.(type) {
@@ -209,18 +268,25 @@ func (d *Destination[R]) serve(conn net.Conn, authenticated func()) error {
 }
 
 // MaxPendingHandshakes is how many control connections Listen
-// authenticates at once; one past it is closed at once (HalfStats.Busy).
+// authenticates at once (HalfStats.Busy counts those it closes to keep
+// to it and to MaxPendingHandshakesPerHost).
 const MaxPendingHandshakes = 64
 
 // Listen accepts control connections on ln and serves each (Serve) on a
 // goroutine of its own, until ln is closed; it then returns nil (the
-// sessions it started go on until their connections end). At most MaxPendingHandshakes
-// connections may be in their handshake at once: one more is closed at
-// once. An Accept error other than a closed listener (EMFILE, a reset
-// before accept) is counted (HalfStats.AcceptErrors) and retried after a
-// backoff that doubles from 5 ms to 1 s.
+// sessions it started go on until their connections end). Connections
+// in their handshake are bounded per host and in all: one more from a
+// host with MaxPendingHandshakesPerHost in their handshake is closed at
+// once; when MaxPendingHandshakes are, the oldest handshake of the host
+// with the most gives way to the new connection (unless that host is
+// the new one's: then the new one is closed). A host with fewer
+// handshakes pending than the busiest always gets in, however many
+// connections another holds or redials. Each closed one counts in
+// HalfStats.Busy. An Accept error other than a closed listener (EMFILE,
+// a reset before accept) is counted (HalfStats.AcceptErrors) and
+// retried after a backoff that doubles from 5 ms to 1 s.
 func (d *Destination[R]) Listen(ln net.Listener) error {
-	var pending atomic.Int32
+	waiting := pending.New(MaxPendingHandshakes, MaxPendingHandshakesPerHost)
 	backoff := time.Duration(0)
 	for {
 		c, err := ln.Accept()
@@ -234,13 +300,16 @@ func (d *Destination[R]) Listen(ln net.Listener) error {
 			continue
 		}
 		backoff = 0
-		if pending.Add(1) > MaxPendingHandshakes {
-			pending.Add(-1)
+		t, gaveWay := waiting.Admit(c.RemoteAddr(), c)
+		if gaveWay {
+			d.stats.busy.Add(1)
+		}
+		if t == nil {
 			d.stats.busy.Add(1)
 			_ = c.Close()
 			continue
 		}
-		go func() { _ = d.serve(c, func() { pending.Add(-1) }) }()
+		go func() { _ = d.serve(c, t.Release) }()
 	}
 }
 
@@ -260,6 +329,9 @@ func (s *session[R]) get(m Message) *Incoming[R] {
 
 func (s *session[R]) end(cause error) {
 	s.mu.Lock()
+	if s.idle != nil {
+		s.idle.Stop()
+	}
 	s.lost = fmt.Errorf("%w: %w", ErrConnLost, cause)
 	all := make([]*Incoming[R], 0, len(s.in))
 	for _, in := range s.in {
@@ -373,12 +445,18 @@ func (s *session[R]) propose(m *ProposeMsg) {
 	case held+int64(m.Blocks) > int64(d.cfg.MaxSessionBlocks):
 		limit = fmt.Errorf("kvlease: handoff %d: %d more blocks would make this session hold %d, at most %d: %w", m.ID, m.Blocks, held+int64(m.Blocks), d.cfg.MaxSessionBlocks, ErrLimit)
 	}
+	counter := &d.stats.limitRefused
+	if limit == nil {
+		if limit = s.who.take(m.ID, int64(m.Blocks)); limit != nil {
+			counter = &d.stats.identityRefused
+		}
+	}
 	if limit != nil {
 		// Refused before any state: nothing enters the table, so a peer
 		// that keeps proposing costs no memory.
 		s.recent.add(m.ID, Rejected)
 		s.mu.Unlock()
-		d.stats.limitRefused.Add(1)
+		counter.Add(1)
 		_ = s.c.send(&RejectMsg{ID: m.ID, Code: RejectLimit, Reason: limit.Error()})
 		return
 	}
@@ -387,8 +465,11 @@ func (s *session[R]) propose(m *ProposeMsg) {
 	s.inflight.Add(1)
 	s.held.Add(int64(in.n))
 	in.onFinal = func() {
-		s.inflight.Add(-1)
+		if s.inflight.Add(-1) == 0 {
+			s.idleSince.Store(time.Now().UnixNano())
+		}
 		s.held.Add(-int64(in.n))
+		d.done(s.who, int64(in.n))
 		st := in.state
 		in.later(func() { s.forget(in, st) })
 	}

@@ -56,10 +56,12 @@
 // Nothing that crosses the process boundary is trusted until it is
 // authenticated. Both halves authenticate each other before any message
 // is acted on, with HalfConfig.Auth: &PSK{ID, Key} (a pre-shared key, a
-// challenge-response over both sides' nonces that derives the session's
-// keys; every control frame then travels sealed with AES-GCM under a
-// per-direction sequence number, so a replayed, reordered or foreign
-// frame ends the session) or &TLS{Config} (mutual TLS 1.3). Running
+// challenge-response over both sides' nonces and ephemeral X25519
+// shares; the session's keys come from the key and the X25519 secret,
+// so a key that leaks later does not open recorded sessions; every
+// control frame then travels sealed with AES-GCM under a per-direction
+// sequence number, so a replayed, reordered or foreign frame ends the
+// session) or &TLS{Config} (mutual TLS 1.3). Running
 // without it takes Insecure: true, and each such session says so in the
 // log; a secure half refuses an insecure peer (a downgrade). A refusal
 // wraps ErrAuth and is counted (Source.Stats, Destination.Stats).
@@ -72,14 +74,22 @@
 // proposer's identity (Peer.Identity: "psk:<id>", a certificate's URI SAN
 // or subject).
 //
-// Every per-session resource is bounded: handoffs in flight
+// Every resource a peer can hold is bounded. Before it is authenticated:
+// the handshake (HandshakeTimeout) and Listen's pending handshakes, per
+// host (MaxPendingHandshakesPerHost) and in all (MaxPendingHandshakes,
+// where the busiest host's oldest gives way, so one host that floods
+// cannot keep another out). Per session: handoffs in flight
 // (MaxHandoffs), blocks held (MaxSessionBlocks), the wait for Start
-// (StartTimeout), the handshake (HandshakeTimeout), the handshakes
-// pending in Listen (MaxPendingHandshakes); final handoffs leave the
-// tables, and a bounded set of recent ids (RecentIDs) keeps refusing
-// their reuse. The trust boundary: an authenticated peer can still send
-// wrong but well-formed KV; kvlease guarantees who sent it and that
-// nobody else could, not that the peer's model computed it right.
+// (StartTimeout), the time with nothing in flight (SessionIdleTimeout).
+// Per identity, across all its sessions (Limits, IdentityLimits): blocks
+// held, handoffs in flight, sessions; and sessions in all
+// (MaxSessions). A session refused by a cap is refused at the end of its
+// handshake (ErrLimit); every refusal is counted (HalfStats). Final
+// handoffs leave the tables, and a bounded set of recent ids (RecentIDs)
+// keeps refusing their reuse. The trust boundary: an authenticated peer
+// can still send wrong but well-formed KV; kvlease guarantees who sent it
+// and that nobody else could, not that the peer's model computed it
+// right.
 //
 // # Capacity
 //

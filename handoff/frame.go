@@ -41,8 +41,10 @@ import (
 
 // ProtocolVersion is the control protocol's version. A frame (and a
 // handshake) of another version is refused. Version 2 added the
-// authentication handshake (auth.go) and the psk record layer.
-const ProtocolVersion = 2
+// authentication handshake (auth.go) and the psk record layer; version
+// 3 the psk handshake's ephemeral X25519 shares (forward secrecy) and the
+// destination's confirm byte.
+const ProtocolVersion = 3
 
 // Limits of the control protocol.
 const (

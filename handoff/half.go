@@ -23,10 +23,13 @@ var (
 	ErrUnconfirmed = errors.New("kvlease: handoff destination never confirmed delivery")
 	// ErrLimit is the reason a destination refuses a proposal that would
 	// pass a per-session cap (DestinationConfig.MaxHandoffs,
-	// MaxSessionBlocks), and an Accepted handoff aborted because its Start
-	// did not come within StartTimeout. It wraps kvlease.ErrExhausted: the
-	// peer may retry once its own handoffs have ended.
-	ErrLimit = fmt.Errorf("kvlease: handoff per-session limit: %w", kvlease.ErrExhausted)
+	// MaxSessionBlocks) or a per-identity one (Limits.Blocks, Handoffs),
+	// a session past MaxSessions or its identity's Limits.Sessions (the
+	// source's NewSource fails with it), and an Accepted handoff aborted
+	// because its Start did not come within StartTimeout. It wraps
+	// kvlease.ErrExhausted: the peer may retry once its own handoffs (or
+	// sessions) have ended.
+	ErrLimit = fmt.Errorf("kvlease: handoff limit: %w", kvlease.ErrExhausted)
 )
 
 // peerErr turns a peer's text into an error wrapping ErrPeer (and
@@ -164,15 +167,27 @@ type HalfStats struct {
 	// AcceptErrors counts failed Accepts of Destination.Listen (retried
 	// after a backoff).
 	AcceptErrors int64
-	// Busy counts control connections Listen closed at once because
-	// MaxPendingHandshakes were in their handshake.
+	// Busy counts control connections Listen closed in their handshake
+	// to keep to its pending caps: one past MaxPendingHandshakesPerHost
+	// from one host, or one that gave way at MaxPendingHandshakes.
 	Busy int64
+	// IdentityRefused counts proposals refused by a per-identity cap
+	// (Limits.Blocks, Limits.Handoffs).
+	IdentityRefused int64
+	// SessionsRefused counts sessions refused at the end of their
+	// handshake by MaxSessions or their identity's Limits.Sessions (on a
+	// source: its session refused so).
+	SessionsRefused int64
+	// IdleClosed counts sessions the destination closed after
+	// SessionIdleTimeout with nothing in flight.
+	IdleClosed int64
 }
 
 // halfCounters are HalfStats, counted atomically.
 type halfCounters struct {
 	sessions, authRefused, downgrades, framesRefused, limitRefused,
 	startTimeouts, duplicates, quarantined, unauthorized, acceptErrors, busy atomic.Int64
+	identityRefused, sessionsRefused, idleClosed atomic.Int64
 }
 
 func (c *halfCounters) snapshot() HalfStats {
@@ -181,11 +196,17 @@ func (c *halfCounters) snapshot() HalfStats {
 		FramesRefused: c.framesRefused.Load(), LimitRefused: c.limitRefused.Load(), StartTimeouts: c.startTimeouts.Load(),
 		Duplicates: c.duplicates.Load(), Quarantined: c.quarantined.Load(), Unauthorized: c.unauthorized.Load(),
 		AcceptErrors: c.acceptErrors.Load(), Busy: c.busy.Load(),
+		IdentityRefused: c.identityRefused.Load(), SessionsRefused: c.sessionsRefused.Load(), IdleClosed: c.idleClosed.Load(),
 	}
 }
 
-// authFailed counts a refused handshake.
+// authFailed counts a refused handshake: a session refused by a cap
+// once authenticated, or a failed authentication.
 func (c *halfCounters) authFailed(err error) {
+	if errors.Is(err, ErrLimit) {
+		c.sessionsRefused.Add(1)
+		return
+	}
 	c.authRefused.Add(1)
 	var ae *authError
 	if errors.As(err, &ae) && ae.downgrade {

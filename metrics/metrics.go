@@ -154,6 +154,7 @@ type descs struct {
 	vUsage, vQueries, vHits, vConfig                            *prometheus.Desc
 	hSessions, hRefusals, hQuarantined, pRefusals, pAcceptErrs  *prometheus.Desc
 	pConns, pIdle, pTransfers, pBytes                           *prometheus.Desc
+	hIdleClosed                                                 *prometheus.Desc // collectSessionBounds
 }
 
 // New makes a Collector and registers it on reg.
@@ -208,7 +209,7 @@ func New(reg prometheus.Registerer, opts Options) (*Collector, error) {
 		evBadReplays:    d("kv_event_malformed_replays_total", "Replay requests of the wrong shape, ignored.", "publisher"),
 
 		hSessions:    d("handoff_sessions_total", "Control sessions a handoff half authenticated (or began, insecure).", "half"),
-		hRefusals:    d("handoff_refusals_total", "What a handoff half refused, by reason (auth, downgrade, frame, limit, start_timeout, duplicate, unauthorized, busy, accept_error).", "half", "reason"),
+		hRefusals:    d("handoff_refusals_total", "What a handoff half refused, by reason (auth, downgrade, frame, limit, start_timeout, duplicate, unauthorized, busy, accept_error, identity_limit, session_limit).", "half", "reason"),
 		hQuarantined: d("handoff_quarantined_total", "Handoffs of a half that became quarantined.", "half"),
 		pRefusals:    d("handoff_data_refusals_total", "Data connections a TCP plane refused, by reason (auth, busy, address, other).", "plane", "reason"),
 		pAcceptErrs:  d("handoff_data_accept_errors_total", "Failed accepts of a TCP plane's listener, retried after a backoff.", "plane"),
@@ -216,6 +217,7 @@ func New(reg prometheus.Registerer, opts Options) (*Collector, error) {
 		pIdle:        d("handoff_data_idle_connections", "A TCP plane's data connections idle now, waiting for their next handoff.", "plane"),
 		pTransfers:   d("handoff_data_transfers_total", "Transfers a TCP plane ran, by outcome (completed, failed, canceled).", "plane", "outcome"),
 		pBytes:       d("handoff_data_bytes_total", "Block bytes a TCP plane moved.", "plane"),
+		hIdleClosed:  d("handoff_sessions_idle_closed_total", "Control sessions a handoff destination closed after its SessionIdleTimeout with nothing in flight.", "half"),
 	}
 	if v := opts.VLLM; v != nil {
 		names := v.Names
@@ -342,6 +344,7 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 	} {
 		ch <- d
 	}
+	ch <- c.d.hIdleClosed
 	for _, d := range []*prometheus.Desc{c.d.vUsage, c.d.vQueries, c.d.vHits, c.d.vConfig} {
 		if d != nil { // only the chosen vLLM names
 			ch <- d
@@ -448,6 +451,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		} {
 			ci(c.d.hRefusals, r.v, n, r.reason)
 		}
+		c.collectSessionBounds(ch, st, n)
 	}
 	for _, p := range planes {
 		st, n := p.src.Stats(), p.name
@@ -471,4 +475,18 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	c.drain.Collect(ch)
 	c.quarantine.Collect(ch)
 	c.handoffs.Collect(ch)
+}
+
+// collectSessionBounds exports what a half's per-identity and session
+// bounds did: proposals refused by an identity's caps
+// (reason="identity_limit"), sessions refused by MaxSessions or an
+// identity's session cap (reason="session_limit"), and sessions closed
+// idle.
+func (c *Collector) collectSessionBounds(ch chan<- prometheus.Metric, st handoff.HalfStats, half string) {
+	counter := func(d *prometheus.Desc, v int64, l ...string) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, float64(max(v, 0)), l...)
+	}
+	counter(c.d.hRefusals, st.IdentityRefused, half, "identity_limit")
+	counter(c.d.hRefusals, st.SessionsRefused, half, "session_limit")
+	counter(c.d.hIdleClosed, st.IdleClosed, half)
 }

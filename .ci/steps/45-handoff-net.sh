@@ -3,7 +3,10 @@
 # itself as the peer) a few more times under -race, the attack suite (the
 # test binary re-executes itself as the attacker: unauthenticated and
 # wrong-key proposers, stolen and replayed tokens, a replayed record, a
-# spliced stream, a pool hog, a hello flood) under -race, the streaming
+# spliced stream, a pool hog, a hello flood, connections held before
+# their handshake or hello from one and eight addresses, one identity
+# hogging the pool from three sessions, 2,000 idle sessions) under -race,
+# the per-identity and session bounds and forward secrecy, the streaming
 # handoffs (faults included) a few more times, the control
 # protocol's, the record layer's, the handshake's, the data hello's and
 # the frame layout's and the stream frame header's fuzz targets briefly, the run-merging tests, and the two-process benchmarks once as a smoke run
@@ -16,7 +19,9 @@ cd "$(dirname "$0")/../.."
 go test -race -count=3 -run 'TestProc|TestLoopback|TestTLSAcrossProcesses' ./handoff/tcp
 go test -race -count=2 -run 'TestAttack|TestSeal|TestSenderRefuses|TestReceiverAccept|TestKeyedPipeline|TestFrames|TestRun|TestReadLayout' ./handoff/tcp
 go test -race -count=5 -run 'TestStream|ExampleSender_SendStream' ./handoff/tcp
-go test -race -count=2 -run 'TestAuth|TestHandshake|TestHalvesRefuse|TestRecord|TestReplayed|TestStartTimeout|TestSessionCaps|TestRejectedProposals|TestListen' ./handoff
+go test -race -count=2 -run 'TestAuth|TestHandshake|TestHalvesRefuse|TestRecord|TestReplayed|TestStartTimeout|TestSessionCaps|TestRejectedProposals|TestListen|TestIdentity|TestSessionLimits|TestSessionIdleTimeout|TestForwardSecrecy|TestLowOrderShare' ./handoff
+go test -race -count=5 ./internal/pending
+go test -run '^$' -fuzz '^FuzzSet$' -fuzztime 10000x -fuzzminimizetime 2s ./internal/pending
 go test -run '^$' -fuzz '^FuzzReadFrame$' -fuzztime 10000x -fuzzminimizetime 2s ./handoff
 go test -run '^$' -fuzz '^FuzzRecord$' -fuzztime 10000x -fuzzminimizetime 2s ./handoff
 go test -run '^$' -fuzz '^FuzzHandshake$' -fuzztime 10000x -fuzzminimizetime 2s ./handoff
@@ -26,3 +31,4 @@ go test -run '^$' -fuzz '^FuzzCheckFrameHeader$' -fuzztime 10000x -fuzzminimizet
 go test -run '^$' -fuzz '^FuzzParseLayout$' -fuzztime 10000x -fuzzminimizetime 2s ./handoff/tcp
 go test -run '^$' -fuzz '^FuzzStreamHeader$' -fuzztime 10000x -fuzzminimizetime 2s ./handoff/tcp
 go test -run '^$' -bench . -benchtime 5x ./handoff/tcp
+go test -run '^$' -bench '^BenchmarkHandshake$' -benchtime 5x ./handoff

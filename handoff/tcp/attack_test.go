@@ -44,13 +44,15 @@ const attackEnv = "KVLEASE_TCP_ATTACKER"
 
 // attackSpec tells the attacker process what to do.
 type attackSpec struct {
-	Mode     string // see runAttacker
-	Ctrl     string // the victim's control address
-	Data     string // the victim's data address
-	Stolen   []byte // a data token the attacker stole (the Accept's plane bytes)
-	Captured []byte // bytes the attacker captured earlier (a record, a stream)
-	Conns    int    // connections of a flood
-	Blocks   int    // blocks to propose
+	Mode     string   // see runAttacker
+	Ctrl     string   // the victim's control address
+	Data     string   // the victim's data address
+	Stolen   []byte   // a data token the attacker stole (the Accept's plane bytes)
+	Captured []byte   // bytes the attacker captured earlier (a record, a stream)
+	Conns    int      // connections of a flood
+	Blocks   int      // blocks to propose
+	Sessions int      // control sessions to open
+	Local    []string // the addresses to dial from
 }
 
 const (
@@ -214,8 +216,9 @@ func runAttacker(v string) int {
 			_, _ = io.Copy(src, dst)
 			_ = src.Close() // the victim hung up: so does the proxy
 		}()
-		// The source's handshake bytes: preamble, nonce, key id, MAC.
-		n := 12 + 32 + 1 + len(testAuth.ID) + 32
+		// The source's handshake bytes: preamble, nonce, ephemeral
+		// share, key id, MAC.
+		n := 12 + 32 + 32 + 1 + len(testAuth.ID) + 32
 		if _, err := io.CopyN(dst, src, int64(n)); err != nil {
 			say("result error %v", err)
 			break
@@ -267,6 +270,9 @@ func runAttacker(v string) int {
 			_ = src.Close()
 		}
 	default:
+		if boundsAttack(s, say) {
+			return 0
+		}
 		fmt.Fprintln(os.Stderr, "attack mode", s.Mode)
 		return 2
 	}
@@ -402,6 +408,7 @@ type victimOpts struct {
 	startTimeout time.Duration
 	advertise    string        // the data address the receiver names in its Accepts (a proxy's)
 	helloTimeout time.Duration // the receiver's; 2 s when zero
+	sessionIdle  time.Duration // the destination's SessionIdleTimeout
 }
 
 // advertised is a listener that names another address (a proxy's).
@@ -436,8 +443,9 @@ func newVictim(t *testing.T, o victimOpts) *victim {
 	}
 	var err error
 	v.dst, err = handoff.NewDestination(v.pool, v.recv, handoff.DestinationConfig[[]byte]{
-		HalfConfig:   handoff.HalfConfig{Envelope: envFor(atkBlockBytes, atkPool), Name: "decode", Peer: "prefill", Auth: o.auth, Deadline: bound, HandshakeTimeout: 2 * time.Second},
-		StartTimeout: o.startTimeout,
+		HalfConfig:         handoff.HalfConfig{Envelope: envFor(atkBlockBytes, atkPool), Name: "decode", Peer: "prefill", Auth: o.auth, Deadline: bound, HandshakeTimeout: 2 * time.Second},
+		StartTimeout:       o.startTimeout,
+		SessionIdleTimeout: o.sessionIdle,
 		OnAccept: func(*handoff.Incoming[[]byte]) {
 			v.mu.Lock()
 			v.accepts++
@@ -818,7 +826,7 @@ func TestAttackBlocksOfAnotherHandoff(t *testing.T) {
 func TestAttackHog(t *testing.T) {
 	v := newVictim(t, victimOpts{startTimeout: 200 * time.Millisecond})
 	a := startAttacker(t, attackSpec{Mode: "hog", Ctrl: v.ctl.Addr().String()})
-	if f := a.expect("result 1"); f[2] != "rejected" || !strings.Contains(strings.Join(f, " "), "per-session limit") {
+	if f := a.expect("result 1"); f[2] != "rejected" || !strings.Contains(strings.Join(f, " "), "would make this session hold") {
 		t.Fatalf("whole pool: %q", f)
 	}
 	if f := a.expect("result 2"); f[2] != "aborted" || !strings.Contains(strings.Join(f, " "), "no start within") {
@@ -832,8 +840,9 @@ func TestAttackHog(t *testing.T) {
 }
 
 // TestAttackHelloFlood: connections to the data port that never say
-// hello: past MaxPendingHellos each is closed at once (counted); the
-// rest time out; an honest handoff still gets through afterwards.
+// hello, from one host: past MaxPendingHellosPerHost each is closed at
+// once (counted); the rest time out; an honest handoff still gets
+// through afterwards (TestAttackHoldPending: while they last).
 // floodWindow is how long the flooding attacker watches its connections;
 // floodHello, the victim's hello timeout in that test, leaves a wide
 // margin after it.
@@ -842,13 +851,14 @@ const floodWindow, floodHello = 3 * time.Second, 10 * time.Second
 func TestAttackHelloFlood(t *testing.T) {
 	v := newVictim(t, victimOpts{helloTimeout: floodHello})
 	const conns = tcp.DefaultMaxPendingHellos + 36
+	const past = conns - tcp.DefaultMaxPendingHellosPerHost
 	a := startAttacker(t, attackSpec{Mode: "flood", Data: v.data, Conns: conns})
 	f := a.expect("result closed")
-	if f[2] != fmt.Sprint(conns-tcp.DefaultMaxPendingHellos) {
-		t.Errorf("%q: want the %d past the cap closed at once (receiver %+v)", f, conns-tcp.DefaultMaxPendingHellos, v.recv.Stats())
+	if f[2] != fmt.Sprint(past) {
+		t.Errorf("%q: want the %d past the cap closed at once (receiver %+v)", f, past, v.recv.Stats())
 	}
 	st := waitStats(t, "receiver", v.recv.Stats, func(s tcp.Stats) bool { return s.Refused == conns })
-	if st.RefusedBusy != conns-tcp.DefaultMaxPendingHellos {
+	if st.RefusedBusy != past {
 		t.Errorf("receiver stats %+v", st)
 	}
 	h := newHonest(t, v.ctl.Addr().String(), nil, tcp.Config{})

@@ -828,14 +828,15 @@ func TestProcDuplicateID(t *testing.T) {
 	c := acceptOne(t, ln)
 	defer c.Close()
 	env := envFor(procBlockBytes, procPool)
-	// The insecure handshake by hand: our preamble, the peer's.
+	// The insecure handshake by hand: our preamble, the peer's and its
+	// confirm byte.
 	pre := binary.LittleEndian.AppendUint64([]byte{'K', 'A', handoff.ProtocolVersion, byte(handoff.AuthNone)}, env.Fingerprint())
 	if _, err := c.Write(pre); err != nil {
 		t.Fatal(err)
 	}
 	_ = c.SetReadDeadline(time.Now().Add(bound))
-	if _, err := io.ReadFull(c, make([]byte, len(pre))); err != nil {
-		t.Fatal(err)
+	if got := make([]byte, len(pre)+1); func() error { _, err := io.ReadFull(c, got); return err }() != nil || got[len(pre)] != 'K' {
+		t.Fatalf("the peer's preamble and confirm: %q", got)
 	}
 	p.expect("ready")
 	var buf []byte

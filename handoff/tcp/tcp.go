@@ -60,12 +60,16 @@
 // A hello announcing blocks of another size than the receiving regions
 // fails the transfer (ErrCorrupt) before a byte is read into them.
 // Garbage, half a hello or an unknown token on the data port is refused
-// (Stats.Refused, Config.OnError) and changes nothing; at most
-// Config.MaxPendingHellos new connections wait for their first hello,
-// one more is closed at once (a connection that carried a handoff and
-// waits, idle, for its next hello counts under MaxIdleConns instead,
-// for at most twice IdleTimeout); the accept loop survives transient
-// errors (EMFILE) with a backoff.
+// (Stats.Refused, Config.OnError) and changes nothing. New connections
+// waiting for their first hello are bounded per host and in all: one
+// more from a host with Config.MaxPendingHellosPerHost waiting is closed
+// at once; when Config.MaxPendingHellos wait, the oldest of the host
+// with the most gives way to the new one (unless that host is the new
+// one's), so a host that floods the data port cannot keep another out
+// (a connection that carried a handoff and waits, idle, for its next
+// hello counts under MaxIdleConns instead, for at most twice
+// IdleTimeout); the accept loop survives transient errors (EMFILE) with
+// a backoff.
 //
 // Blocks move straight between the leases' regions and the socket: the
 // sender hands each run of regions to one gathered write (writev, the run
@@ -120,6 +124,7 @@ import (
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
+	"github.com/kvlease/kvlease/internal/pending"
 )
 
 var (
@@ -155,6 +160,10 @@ const (
 // DefaultMaxPendingHellos is Config.MaxPendingHellos when zero.
 const DefaultMaxPendingHellos = 64
 
+// DefaultMaxPendingHellosPerHost is Config.MaxPendingHellosPerHost when
+// zero.
+const DefaultMaxPendingHellosPerHost = 16
+
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
 // Config configures a Sender or a Receiver. The zero value is usable.
@@ -183,10 +192,18 @@ type Config struct {
 	AllowDataHosts []string
 	// MaxPendingHellos caps the receiver's data connections accepted but
 	// not through their first hello yet (DefaultMaxPendingHellos when
-	// zero); one more is closed at once (Stats.RefusedBusy). A
-	// connection that carried a handoff of an authenticated hello and
-	// waits, idle, for its next hello counts under MaxIdleConns instead.
+	// zero): at the cap, the oldest waiting connection of the host with
+	// the most gives way to a new one from a host with fewer (one from
+	// the busiest host is closed at once instead; Stats.RefusedBusy
+	// counts both). A connection that carried a handoff of an
+	// authenticated hello and waits, idle, for its next hello counts
+	// under MaxIdleConns instead.
 	MaxPendingHellos int
+	// MaxPendingHellosPerHost caps those waiting connections per remote
+	// host (an IPv4 address, an IPv6 /64; DefaultMaxPendingHellosPerHost
+	// when zero): one more from that host is closed at once
+	// (Stats.RefusedBusy).
+	MaxPendingHellosPerHost int
 	// MaxIdleConns caps idle data connections kept for later handoffs:
 	// on a sender, per destination data address (DefaultMaxIdleConns when
 	// zero); on a receiver, in all (DefaultReceiverIdleConns when zero):
@@ -203,6 +220,9 @@ type Config struct {
 func (c *Config) defaults() {
 	if c.MaxPendingHellos <= 0 {
 		c.MaxPendingHellos = DefaultMaxPendingHellos
+	}
+	if c.MaxPendingHellosPerHost <= 0 {
+		c.MaxPendingHellosPerHost = DefaultMaxPendingHellosPerHost
 	}
 	if c.DialTimeout <= 0 {
 		c.DialTimeout = 5 * time.Second
@@ -232,8 +252,9 @@ type Stats struct {
 	// RefusedAuth counts those refused because their hello did not prove
 	// the session (ErrUnauthenticated).
 	RefusedAuth int
-	// RefusedBusy counts those closed at once because MaxPendingHellos
-	// connections were waiting for their hello.
+	// RefusedBusy counts those closed before their hello to keep to
+	// MaxPendingHellosPerHost and MaxPendingHellos: refused at once, or
+	// given way to a newer one from another host.
 	RefusedBusy int
 	// RefusedAddr counts, on a sender, Accepts refused for a data address
 	// outside the authenticated peer's host (ErrAddress).
@@ -608,7 +629,7 @@ type Receiver struct {
 	addr  string
 	stats counters
 
-	pending atomic.Int32  // connections waiting for their first hello
+	waiting *pending.Set  // connections waiting for their first hello
 	idle    atomic.Int32  // connections waiting for their next hello
 	closing chan struct{} // closed by Close
 
@@ -668,7 +689,7 @@ func NewReceiver(ln net.Listener, cfg Config) *Receiver {
 	if cfg.MaxIdleConns == 0 {
 		cfg.MaxIdleConns = DefaultReceiverIdleConns
 	}
-	r := &Receiver{cfg: cfg, ln: ln, addr: ln.Addr().String(), byTok: make(map[[16]byte]*slot),
+	r := &Receiver{cfg: cfg, ln: ln, addr: ln.Addr().String(), waiting: pending.New(cfg.MaxPendingHellos, cfg.MaxPendingHellosPerHost), byTok: make(map[[16]byte]*slot),
 		byID: make(map[handoff.PlaneID]*slot), conns: make(map[net.Conn]struct{}), stopped: make(chan struct{}), closing: make(chan struct{})}
 	go r.acceptLoop()
 	return r
@@ -680,8 +701,8 @@ func (r *Receiver) Addr() string { return r.addr }
 // acceptLoop accepts data connections until Close. An accept error
 // other than the closed listener (EMFILE, a connection reset before it
 // was accepted) is counted and retried after a backoff that doubles from
-// 5 ms to 1 s. At most MaxPendingHellos connections wait for their hello
-// at once; one more is closed at once.
+// 5 ms to 1 s. Connections waiting for their first hello are bounded
+// per host (MaxPendingHellosPerHost) and in all (MaxPendingHellos).
 func (r *Receiver) acceptLoop() {
 	defer close(r.stopped)
 	var backoff time.Duration
@@ -709,17 +730,17 @@ func (r *Receiver) acceptLoop() {
 			continue
 		}
 		backoff = 0
-		if r.pending.Add(1) > int32(r.cfg.MaxPendingHellos) {
-			r.pending.Add(-1)
-			r.stats.mu.Lock()
-			r.stats.s.RefusedBusy++
-			r.stats.s.Refused++
-			r.stats.mu.Unlock()
+		t, gaveWay := r.waiting.Admit(c.RemoteAddr(), c)
+		if gaveWay {
+			r.busy()
+		}
+		if t == nil {
+			r.busy()
 			_ = c.Close()
 			continue
 		}
 		if !r.track(c) {
-			r.pending.Add(-1)
+			t.Release()
 			_ = c.Close()
 			return
 		}
@@ -729,9 +750,17 @@ func (r *Receiver) acceptLoop() {
 		r.wg.Add(1)
 		go func() {
 			defer r.wg.Done()
-			r.hello(r.cfg.wrap(c), c, false)
+			r.firstHello(r.cfg.wrap(c), c, t)
 		}()
 	}
+}
+
+// busy counts a connection closed to keep to the pending caps.
+func (r *Receiver) busy() {
+	r.stats.mu.Lock()
+	r.stats.s.RefusedBusy++
+	r.stats.s.Refused++
+	r.stats.mu.Unlock()
 }
 
 func (r *Receiver) track(c net.Conn) bool {
@@ -764,13 +793,31 @@ func (r *Receiver) refuse(raw net.Conn, why error) {
 	}
 }
 
-// hello reads and checks a data connection's hello, then hands it to its
-// slot. Anything else (garbage, half a hello, an unknown token, a second
-// connection for a slot) closes it. A reused connection (its previous
-// transfer ended cleanly) is idle until the hello's first byte: it waits
-// for it up to twice IdleTimeout and is closed quietly when the time is
-// up (Stats.IdleExpired) or the sender closes it; the rest of the hello
-// then comes within HelloTimeout, as on a fresh connection.
+// firstHello reads a new data connection's hello within HelloTimeout,
+// gives its place among the waiting connections (t) back, and takes the
+// hello (hello). A connection closed meanwhile to make room for others
+// was counted then (Stats.RefusedBusy).
+func (r *Receiver) firstHello(c, raw net.Conn, t *pending.Ticket) {
+	var h [helloLength]byte
+	_ = c.SetReadDeadline(time.Now().Add(r.cfg.HelloTimeout))
+	n, err := io.ReadFull(c, h[:])
+	if !t.Release() {
+		r.untrack(raw)
+		return
+	}
+	if err != nil {
+		r.refuse(raw, fmt.Errorf("half a hello (%d of %d bytes): %w (%w)", n, helloLength, ErrCorrupt, err))
+		return
+	}
+	r.takeHello(c, raw, &h, false)
+}
+
+// hello reads and checks the next hello on a reused connection (its
+// previous transfer ended cleanly; reused is always true), then hands it
+// to its slot. The connection is idle until the hello's first byte: it
+// waits for it up to twice IdleTimeout and is closed quietly when the
+// time is up (Stats.IdleExpired) or the sender closes it; the rest of
+// the hello then comes within HelloTimeout, as on a fresh connection.
 func (r *Receiver) hello(c, raw net.Conn, reused bool) {
 	var h [helloLength]byte
 	if reused {
@@ -797,14 +844,14 @@ func (r *Receiver) hello(c, raw net.Conn, reused bool) {
 				return
 			}
 		}
-	} else {
-		defer r.pending.Add(-1)
-		_ = c.SetReadDeadline(time.Now().Add(r.cfg.HelloTimeout))
-		if n, err := io.ReadFull(c, h[:]); err != nil {
-			r.refuse(raw, fmt.Errorf("half a hello (%d of %d bytes): %w (%w)", n, helloLength, ErrCorrupt, err))
-			return
-		}
 	}
+	r.takeHello(c, raw, &h, reused)
+}
+
+// takeHello checks a data connection's hello h and hands the connection
+// to its slot. Anything else (garbage, an unknown token, a second
+// connection for a slot) closes it.
+func (r *Receiver) takeHello(c, raw net.Conn, h *[helloLength]byte, reused bool) {
 	if h[0] != 'K' || h[1] != 'D' || h[2] != version {
 		r.refuse(raw, fmt.Errorf("hello starts %q, want \"KD\" version %d: %w", h[:3], version, ErrCorrupt))
 		return
