@@ -410,6 +410,7 @@ func (s *Sender) start(id handoff.PlaneID, accept []byte, attach func(*kvlease.T
 	// return is our evidence either way. Such a connection is never
 	// reused.
 	t := kvlease.NewTransfer(func() {
+		cancel.past.Store(true)
 		_ = cur.Load().c.SetWriteDeadline(time.Now())
 		cancel.set() // after the deadline: a stream writer then sets its own for its stop frame
 	})
@@ -512,7 +513,7 @@ func (s *Sender) write(conn net.Conn, tok [16]byte, sl *seal, regions [][]byte, 
 		iov = append(iov[:0], metaBuf[tl-prev:])
 		iov = append(iov, regions[i:i+run]...)
 		if _, err := g.write(iov); err != nil {
-			return n, fmt.Errorf("tcp: block %d of %d (frame %d of %d): %w", i, len(regions), f, len(fr), err)
+			return n, fmt.Errorf("tcp: block %d of %d (frame %d of %d): %w", i, len(regions), f, len(fr), cancel.or(err))
 		}
 		prev = sl.checkLen(run)
 		s.check(metaBuf[tl-prev:tl], sl, ahead, regions, i, run)
@@ -521,7 +522,7 @@ func (s *Sender) write(conn net.Conn, tok [16]byte, sl *seal, regions [][]byte, 
 	}
 	if len(regions) > 0 {
 		if _, err := conn.Write(metaBuf[tl-prev : tl]); err != nil {
-			return n, fmt.Errorf("tcp: check of block %d of %d: %w", len(regions)-1, len(regions), err)
+			return n, fmt.Errorf("tcp: check of block %d of %d: %w", len(regions)-1, len(regions), cancel.or(err))
 		}
 	}
 	return n, nil
@@ -1068,7 +1069,7 @@ func (r *Receiver) read(c net.Conn, sl *seal, regions [][]byte, cancel <-chan st
 	bb := len(regions[0])
 	fr, err := readLayout(c, len(regions), bb)
 	if err != nil {
-		return 0, err
+		return 0, byCancel(err, isClosed(cancel))
 	}
 	var behind *checkBehind
 	if sl.pipelined(regions) {
@@ -1167,7 +1168,7 @@ func (r *Receiver) read(c net.Conn, sl *seal, regions [][]byte, cancel <-chan st
 			if err == io.EOF {
 				err = io.ErrUnexpectedEOF
 			}
-			return n, fmt.Errorf("tcp: block %d of %d: %d of %d frame bytes: %w", first, len(regions), pos, frameHeader+fr[f]*bb+sl.checkLen(fr[f]), err)
+			return n, fmt.Errorf("tcp: block %d of %d: %d of %d frame bytes: %w", first, len(regions), pos, frameHeader+fr[f]*bb+sl.checkLen(fr[f]), byCancel(err, isClosed(cancel)))
 		}
 	}
 	return n, nil
@@ -1195,6 +1196,16 @@ func (r *Receiver) verify(sl *seal, behind *checkBehind, regions [][]byte, first
 		}
 	}
 	return nil
+}
+
+// isClosed reports whether ch is closed (a receive's cancel).
+func isClosed(ch <-chan struct{}) bool {
+	select {
+	case <-ch:
+		return true
+	default:
+		return false
+	}
 }
 
 // scatter reads into a sequence of buffers, filling them in order; it
