@@ -39,6 +39,7 @@ type Destination[R any] struct {
 	plane RecvPlane[R]
 	cfg   DestinationConfig[R]
 	stats halfCounters
+	hooks *hooks // the explorer's (hooks.go); nil in production
 }
 
 // DestinationConfig configures a Destination.
@@ -383,6 +384,7 @@ func (s *session[R]) propose(m *ProposeMsg) {
 		return
 	}
 	in := &Incoming[R]{machine: newMachine(), s: s, id: m.ID, request: m.Request, hashes: m.Hashes, seed: m.Seed, tokens: m.Tokens, n: int(m.Blocks)}
+	in.hooks = d.hooks
 	s.in[m.ID] = in
 	s.inflight.Add(1)
 	s.held.Add(int64(in.n))
@@ -536,6 +538,9 @@ func (in *Incoming[R]) attach(t *kvlease.Transfer) error {
 	in.t = t
 	in.tid = t.ID()
 	in.fire("transport", EventAttach, nil)
+	if in.s.d.hooks.is(mutantSealEarly) {
+		in.seal() // the mutant: sealed before the bytes arrive
+	}
 	if in.timer != nil { // the start timer: the start came
 		in.timer.Stop()
 		in.timer = nil
@@ -594,6 +599,9 @@ func (in *Incoming[R]) expire() {
 		}
 	}
 	in.unlock()
+	if kind == edgeMove && d.hooks.is(mutantFreeOnTimeout) {
+		in.t.Resolve(reason) // the mutant: time taken for evidence
+	}
 	if kind == edgeMove {
 		// Without the lock: the late evidence may make the handoff final
 		// meanwhile (Stats counted it already).
