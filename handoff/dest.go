@@ -594,7 +594,7 @@ func (in *Incoming[R]) expire() {
 		d.stats.quarantined.Add(1) // before the late evidence can make it final
 	}
 	if kind == edgeMove && from == Transferring {
-		if err, ok := in.effect(func() { in.lease.Abort(reason) }); ok {
+		if err, ok := in.effect(func() { in.stop(reason) }); ok {
 			in.resolvedLocked(err)
 		}
 	}
@@ -736,8 +736,8 @@ func (in *Incoming[R]) Reject(by string, reason error) error {
 }
 
 // Abort gives up on the handoff from the destination: the lease is
-// aborted (its blocks drain until the plane's evidence) and the source is
-// told. Idempotent; ErrState after Rejected, Delivered or Failed.
+// aborted and the transfer cancelled (its blocks drain until the plane's
+// evidence) and the source is told. Idempotent; ErrState after Rejected, Delivered or Failed.
 func (in *Incoming[R]) Abort(by string, cause error) error {
 	if cause == nil {
 		cause = kvlease.ErrAborted
@@ -759,9 +759,9 @@ func (in *Incoming[R]) abortLocked(by string, cause error, tell bool) error {
 		return fmt.Errorf("kvlease: handoff %d: abort while %v: %w", in.id, st, ErrState)
 	}
 	if kind == edgeMove && in.lease != nil {
-		// Aborting the lease cancels the transfer, whose hook may
-		// resolve it at once: effect takes that evidence.
-		if err, ok := in.effect(func() { in.lease.Abort(cause) }); ok {
+		// The transfer's cancel hook may resolve it at once: effect
+		// takes that evidence.
+		if err, ok := in.effect(func() { in.stop(cause) }); ok {
 			in.resolvedLocked(err)
 		}
 	}
@@ -778,6 +778,17 @@ func (in *Incoming[R]) abortLocked(by string, cause error, tell bool) error {
 		}
 	}
 	return nil
+}
+
+// stop is the effect of an abort or an expiry: the lease is aborted and
+// the transfer, if one is attached, cancelled itself: a lease its caller
+// released already is closed, and its Abort cancels nothing (see
+// Outgoing.stop). Called inside effect, with in.mu held.
+func (in *Incoming[R]) stop(cause error) {
+	in.lease.Abort(cause)
+	if in.t != nil {
+		in.t.Cancel()
+	}
 }
 
 // State returns the handoff's state. It only reads: the handlers of the

@@ -49,7 +49,11 @@
 // losing the control connection rejects what had not started while a
 // started transfer still ends by its plane's evidence (Failed when the
 // data stopped short). No evidence by the deadline quarantines the
-// blocks until late evidence comes; time alone never frees them.
+// blocks until late evidence comes; time alone never frees them. An
+// abort and the deadline cancel the transfer itself, not only the lease
+// (a lease released once the handoff was under way, as rule 2 allows,
+// is closed, and aborting it cancels nothing), so the plane's loop
+// returns and its evidence lifts the quarantine.
 //
 // # Authentication
 //

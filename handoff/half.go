@@ -49,7 +49,8 @@ type HalfConfig struct {
 	// Deadline bounds how long an attached transfer may stay unresolved
 	// (and, on the source, how long the destination may take to report)
 	// before the half gives up on evidence: DefaultDeadline when zero, no
-	// deadline when negative.
+	// deadline when negative (a TCP plane's own progress timeout,
+	// tcp.Config.StallTimeout, still ends a transfer whose peer stalls).
 	Deadline time.Duration
 	// FrameTimeout bounds a control frame that has begun and every control
 	// write (DefaultFrameTimeout when zero).

@@ -188,11 +188,12 @@ func (h *Handoff[S, D]) step(by string, e Event, err error) edgeKind {
 	}
 	switch {
 	case e == EventAbort || (e == EventExpire && from == Transferring):
-		// The request is gone on both sides. Aborting the leases cancels
-		// the transfer, if any; their blocks drain until it resolves (or
-		// stay quarantined, for Expire, until late evidence). A cancel
-		// hook may resolve the transfer at once: effect takes that
-		// evidence.
+		// The request is gone on both sides: both leases are aborted
+		// and the transfer, if any, cancelled itself (a lease closed
+		// already cancels nothing when aborted); their blocks drain
+		// until it resolves (or stay quarantined, for Expire, until
+		// late evidence). A cancel hook may resolve the transfer at
+		// once: effect takes that evidence.
 		cause := err
 		if cause == nil {
 			cause = kvlease.ErrAborted
@@ -202,6 +203,9 @@ func (h *Handoff[S, D]) step(by string, e Event, err error) edgeKind {
 				h.dst.Abort(cause)
 			}
 			h.src.Abort(cause)
+			if h.t != nil {
+				h.t.Cancel()
+			}
 		}); ok {
 			h.evidence(err)
 		}
@@ -453,7 +457,8 @@ func (h *Handoff[S, D]) evidence(err error) {
 // transfer is attached, the handoff becomes Aborted at once: the
 // destination lease, if any, and the source lease are aborted, and a
 // racing Start's attach is refused. While transferring, it becomes
-// Aborting: both leases are aborted (which cancels the transfer) and
+// Aborting: both leases are aborted and the transfer cancelled (itself,
+// so a lease its owner closed already does not stop the cancel), and
 // their blocks drain until the transport resolves it, which makes the
 // handoff Aborted. A nil cause is recorded as ErrAborted.
 //

@@ -606,7 +606,7 @@ func (o *Outgoing[R]) expire() {
 			quarantined = reason
 		}
 		if kind == edgeMove && from == Transferring {
-			if err, ok := o.effect(func() { o.src.Abort(reason) }); ok {
+			if err, ok := o.effect(func() { o.stop(reason) }); ok {
 				o.resolvedLocked(err)
 			}
 			send = true
@@ -623,10 +623,25 @@ func (o *Outgoing[R]) expire() {
 	}
 }
 
+// stop is the effect of an abort or an expiry: the source lease is
+// aborted and the transfer itself cancelled. Aborting the lease alone is
+// not enough: a lease the caller released once the handoff was under way
+// (rule 2 allows it) is closed, its Abort cancels nothing, and a plane
+// blocked on a frozen peer would never return its evidence. Cancel runs
+// the hook at most once, so the lease's own cancel and this one do not
+// add up. Called inside effect, with o.mu held.
+func (o *Outgoing[R]) stop(cause error) {
+	o.src.Abort(cause)
+	if o.t != nil {
+		o.t.Cancel()
+	}
+}
+
 // Abort gives up on the handoff from the source (by names the component).
 // Before the transfer is attached it is Aborted at once; while
-// transferring it becomes Aborting until the plane's evidence. Either way
-// the source lease is aborted and the destination is told. A nil cause is
+// transferring it becomes Aborting, the transfer is cancelled (even when
+// the source lease was released already) and the plane's evidence ends
+// it. Either way the source lease is aborted and the destination is told. A nil cause is
 // recorded as kvlease.ErrAborted. Idempotent; ErrState after Rejected,
 // Delivered or Failed.
 func (o *Outgoing[R]) Abort(by string, cause error) error {
@@ -647,9 +662,9 @@ func (o *Outgoing[R]) abort(by string, cause error, tell bool) error {
 		return fmt.Errorf("kvlease: handoff %d: abort while %v: %w", o.id, st, ErrState)
 	}
 	if kind == edgeMove {
-		// Aborting the lease cancels the transfer, whose hook may
-		// resolve it at once: effect takes that evidence.
-		if err, ok := o.effect(func() { o.src.Abort(cause) }); ok {
+		// The transfer's cancel hook may resolve it at once: effect
+		// takes that evidence.
+		if err, ok := o.effect(func() { o.stop(cause) }); ok {
 			o.resolvedLocked(err)
 		}
 		if !tell {

@@ -145,10 +145,20 @@ func (c *Cache[D]) Acquire(owner string, hashes []kvlease.BlockHash, n int) (*On
 	// One gate of our own over every onboarded block, a Write: nobody
 	// seals or hits them until the copies are attached and resolved. The
 	// gate touches no memory itself, so a cancel (the caller aborted) may
-	// resolve it at once; the copies' own attachments still hold.
+	// resolve it at once; the copies' own attachments still hold. The
+	// disk read gates only the cache's own leases (the disk lease,
+	// released at once, and the staging blocks), never the caller's, so
+	// the caller's abort reaches it through the gate's cancel alone.
 	var canceled atomic.Bool
+	var diskRead atomic.Pointer[kvlease.Transfer]
 	var gate *kvlease.Transfer
-	gate = kvlease.NewTransfer(func() { canceled.Store(true); gate.Resolve(ErrCanceled) })
+	gate = kvlease.NewTransfer(func() {
+		canceled.Store(true)
+		if t := diskRead.Load(); t != nil {
+			t.Cancel()
+		}
+		gate.Resolve(ErrCanceled)
+	})
 	if err := l.AttachRange(gate, d, d+h+m, kvlease.Write); err != nil {
 		gate.Resolve(err) // cannot happen: l is new and its blocks fresh
 	}
@@ -162,6 +172,12 @@ func (c *Cache[D]) Acquire(owner string, hashes []kvlease.BlockHash, n int) (*On
 	if m > 0 {
 		dt = c.readDisk(dl, stage, rest[h:h+m])
 		dl.Release()
+		if dt != nil {
+			diskRead.Store(dt)
+			if canceled.Load() { // the gate's cancel came before the store
+				dt.Cancel()
+			}
+		}
 	}
 	done := func(t *kvlease.Transfer) bool {
 		if t == nil {

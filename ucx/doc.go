@@ -57,10 +57,15 @@
 // session's key for this handoff alone — its id, the source's nonce and
 // the destination's salt are mixed in — with the block index in each
 // nonce), and crc32c otherwise (IntegrityCRC: the insecure mode's check,
-// against corruption, not forgery). A destination with a session key
-// refuses crc32c sums, and one without refuses keyed sums, before
-// anything is attached. Device memory (Memory CUDA) is not summed
-// (IntegrityNone): the CPU cannot read it.
+// against corruption, not forgery). The source picks the mode and holds
+// the key, so the destination does not take its word: with a session key
+// it refuses any mode but the keyed MAC (none, crc32c) for every region
+// kind (plain blocks, pieces, streamed), and without one it refuses
+// keyed sums, before anything is attached. Device memory (Memory CUDA)
+// cannot be summed (the CPU cannot read it): an insecure session moves
+// it unchecked (IntegrityNone), an authenticated one refuses it on
+// either side (kvlease.ErrInvalidArgument) rather than let blocks in
+// unchecked.
 //
 // # Connections
 //
@@ -460,5 +465,8 @@
 // This needs a UCX built with CUDA support (ucx_info -d lists cuda_copy
 // or cuda_ipc, and GPUDirect RDMA for device-to-device over a NIC).
 // Debian's libucx is built without it, and this machine has no GPU, so the
-// device path is untested here: the tests cover host memory only.
+// device path is untested here: the tests cover host memory only. Device
+// memory moves only in insecure sessions: an authenticated one needs a
+// keyed sum per block, which the CPU cannot compute or check over it
+// (see Integrity).
 package ucx

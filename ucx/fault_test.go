@@ -367,6 +367,51 @@ func TestProcsPeerStopped(t *testing.T) {
 		p.waitExit()
 		s.finish(t, 42)
 	})
+	t.Run("peer-is-destination/released", func(t *testing.T) {
+		// Issue 30, item 1: as peer-is-destination, but the source has
+		// released its lease once the handoff was under way (rule 2).
+		// The deadline cancels the transfer itself (aborting a closed
+		// lease cancels nothing): the revocation lifts the quarantine
+		// while the destination is still stopped, and an honest request
+		// for the whole pool is served.
+		p := startPeer(t, "dest", "KVUCX_SEED=44", "KVUCX_STALL=3", "KVUCX_DEADLINE_MS=60000")
+		s := newLocalSource(t, p.conn, 300*time.Millisecond, 44)
+		o, err := s.src.Propose(1, "r", s.lease, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		p.expect("reading 3")
+		p.stop()
+		frozen := time.Now()
+		s.lease.Release()
+		select {
+		case <-s.lease.Settled():
+		case <-time.After(30 * time.Second):
+			t.Fatalf("the released lease's blocks still held after 30s: %+v", s.pool.Stats())
+		}
+		if st := o.Wait(30 * time.Second); st != handoff.Aborted {
+			t.Fatalf("source %v: %v", st, o.History())
+		}
+		if !slices.Contains(states(o.History()), handoff.Quarantined) {
+			t.Fatalf("no quarantine in %v", o.History())
+		}
+		if err := o.Transfer().Err(); !errors.Is(err, ucx.ErrRevoked) {
+			t.Fatalf("source transfer resolved with %v, want a revocation", err)
+		}
+		honest, err := s.pool.Acquire("honest", 64)
+		if err != nil {
+			t.Fatalf("an honest request for the whole pool, the destination still stopped: %v", err)
+		}
+		t.Logf("honest request for the whole pool served %v after the freeze", time.Since(frozen).Round(time.Millisecond))
+		honest.Release()
+		p.tell("go-after-abort")
+		p.resume()
+		_ = s.src.Close()
+		p.expectFinal("dest", handoff.Aborted, handoff.Failed)
+		p.expect("pool free 64 quarantined 0")
+		p.waitExit()
+		s.finish(t, 44)
+	})
 }
 
 func TestProcsAbortMidRead(t *testing.T) {

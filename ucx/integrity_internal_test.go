@@ -6,7 +6,10 @@ import (
 	"crypto/sha256"
 	"encoding/binary"
 	"errors"
+	"strings"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
@@ -185,4 +188,212 @@ func TestPullRefusesAnAuthenticatedSession(t *testing.T) {
 	if st := s.Stats(); st.Registrations != 0 || st.Started != 0 {
 		t.Fatalf("sender %+v", st)
 	}
+}
+
+// startWithMode returns the push Start bytes b with their integrity mode
+// replaced by mode: what a key-holding source that chooses its own
+// integrity would send.
+func startWithMode(t *testing.T, b []byte, mode Integrity) []byte {
+	t.Helper()
+	st, err := parsePushStart(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st.mode = mode
+	return appendPushStart(nil, st)
+}
+
+// pieces2 is a block as two host pieces (its halves), for the planes of
+// pieces.
+func pieces2(b []byte, dst []Span) []Span {
+	h := len(b) / 2
+	return append(dst, HostBytes(b[:h:h]), HostBytes(b[h:]))
+}
+
+// deviceSpan claims a host block is device memory (CUDA): nothing is
+// mapped or read before the refusal under test.
+func deviceSpan(b []byte) Span {
+	sp := HostBytes(b)
+	sp.Memory = CUDA
+	return sp
+}
+
+// TestKeyedSessionRefusesUncheckedBlocks: issue 30, item 7. In an
+// authenticated session a source holds the key, so it could write any
+// integrity mode in its Start bytes: "none" used to have its blocks
+// delivered with no check at all. The destination refuses any mode but
+// the keyed MAC, for every region kind (plain blocks, blocks of pieces,
+// streamed), before anything is attached; and a keyed session refuses
+// device memory on either side (nobody could check its sums). The honest
+// handoff that follows on the same planes is delivered.
+func TestKeyedSessionRefusesUncheckedBlocks(t *testing.T) {
+	const n, size = 4, 4096
+	key := keyed(bytes.Repeat([]byte{7}, 32))
+	type planes struct {
+		send func(id handoff.PlaneID, src [][]byte, accept []byte, attach func(*kvlease.Transfer) error) ([]byte, error)
+		s    interface {
+			Finish(handoff.PlaneID, error)
+			Close() error
+		}
+		r interface {
+			Prepare(handoff.PlaneID, int) ([]byte, error)
+			Receive(handoff.PlaneID, [][]byte, []byte, func(*kvlease.Transfer) error) error
+			Stats() Stats
+			Close() error
+		}
+	}
+	newPlanes := func(t *testing.T, kind string) planes {
+		var s *Sender[[]byte]
+		var r *Receiver[[]byte]
+		var err error
+		if kind == "pieces" {
+			s, err = NewSenderOfPieces(Config{}, pieces2)
+			if err == nil {
+				r, err = NewReceiverOfPieces(Config{}, pieces2)
+			}
+		} else {
+			s, err = NewSender(Config{})
+			if err == nil {
+				r, err = NewReceiver(Config{})
+			}
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.keys, r.keys = key, key
+		send := s.Send
+		if kind == "stream" {
+			send = func(id handoff.PlaneID, src [][]byte, accept []byte, attach func(*kvlease.Transfer) error) ([]byte, error) {
+				p, err := handoff.NewProgress(len(src), 4)
+				if err != nil {
+					return nil, err
+				}
+				ready, err := p.Ready(0)
+				if err != nil {
+					return nil, err
+				}
+				start, err := s.SendStream(id, src, ready, accept, attach)
+				p.WroteAll() // after: SendStream streamed (a complete ready is Send)
+				return start, err
+			}
+		}
+		return planes{send: send, s: s, r: r}
+	}
+	blocks := func(seed byte) ([]byte, [][]byte) {
+		buf := make([]byte, n*size)
+		for i := range buf {
+			buf[i] = seed + byte(i*7+i/size)
+		}
+		return buf, blocksIn(buf, n, size)
+	}
+	for _, kind := range []string{"bytes", "pieces", "stream"} {
+		t.Run(kind, func(t *testing.T) {
+			p := newPlanes(t, kind)
+			defer p.s.Close()
+			defer p.r.Close()
+			id := uint64(0)
+			for _, mode := range []Integrity{IntegrityNone, IntegrityCRC} {
+				id++
+				pid := handoff.PlaneID{Session: 1, Handoff: id}
+				accept, err := p.r.Prepare(pid, n)
+				if err != nil {
+					t.Fatal(err)
+				}
+				_, src := blocks(1)
+				start, err := p.send(pid, src, accept, func(*kvlease.Transfer) error { return nil })
+				if err != nil {
+					t.Fatal(err)
+				}
+				if st, err := parsePushStart(start); err != nil || (st.layers > 0) != (kind == "stream") || st.mode != IntegrityMAC {
+					t.Fatalf("the honest Start: %+v, %v", st, err)
+				}
+				dbuf := make([]byte, n*size)
+				var attached atomic.Bool
+				err = p.r.Receive(pid, blocksIn(dbuf, n, size), startWithMode(t, start, mode), func(*kvlease.Transfer) error {
+					attached.Store(true)
+					return nil
+				})
+				p.s.Finish(pid, errors.New("refused"))
+				if !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), "not keyed") || attached.Load() {
+					t.Fatalf("%v sums in an authenticated session: %v (attached %v)", mode, err, attached.Load())
+				}
+				if bytes.ContainsFunc(dbuf, func(r rune) bool { return r != 0 }) {
+					t.Fatalf("%v: a byte reached the destination's blocks", mode)
+				}
+			}
+			if st := p.r.Stats(); st.Started != 0 {
+				t.Fatalf("receiver %+v: a refused handoff started", st)
+			}
+			// The honest handoff beside it: keyed, delivered.
+			id++
+			pid := handoff.PlaneID{Session: 1, Handoff: id}
+			began := time.Now()
+			accept, err := p.r.Prepare(pid, n)
+			if err != nil {
+				t.Fatal(err)
+			}
+			sbuf, src := blocks(2)
+			start, err := p.send(pid, src, accept, func(*kvlease.Transfer) error { return nil })
+			if err != nil {
+				t.Fatal(err)
+			}
+			dbuf := make([]byte, n*size)
+			var dt *kvlease.Transfer
+			if err := p.r.Receive(pid, blocksIn(dbuf, n, size), start, func(t *kvlease.Transfer) error { dt = t; return nil }); err != nil {
+				t.Fatal(err)
+			}
+			<-dt.Done()
+			p.s.Finish(pid, nil)
+			if dt.Err() != nil || !bytes.Equal(sbuf, dbuf) {
+				t.Fatalf("honest handoff: %v, blocks equal %v", dt.Err(), bytes.Equal(sbuf, dbuf))
+			}
+			if st := p.r.Stats(); st.Completed != 1 || st.Keyed != 1 {
+				t.Fatalf("receiver %+v", st)
+			}
+			t.Logf("honest keyed handoff of %d × %d bytes delivered in %v", n, size, time.Since(began).Round(time.Microsecond))
+		})
+	}
+	t.Run("device", func(t *testing.T) {
+		// Keyed, blocks in device memory: refused on either side before
+		// anything is attached.
+		s, err := NewSenderOf(Config{}, deviceSpan)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer s.Close()
+		r, err := NewReceiverOf(Config{}, deviceSpan)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer r.Close()
+		hs, err := NewSender(Config{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer hs.Close()
+		s.keys, r.keys, hs.keys = key, key, key
+		pid := handoff.PlaneID{Session: 1, Handoff: 1}
+		accept, err := r.Prepare(pid, n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, src := blocks(3)
+		var attached atomic.Bool
+		attach := func(*kvlease.Transfer) error { attached.Store(true); return nil }
+		if _, err := s.Send(pid, src, accept, attach); !errors.Is(err, kvlease.ErrInvalidArgument) || attached.Load() {
+			t.Fatalf("a keyed sender of device memory: %v (attached %v)", err, attached.Load())
+		}
+		start, err := hs.Send(pid, src, accept, func(*kvlease.Transfer) error { return nil })
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer hs.Finish(pid, errors.New("refused"))
+		dbuf := make([]byte, n*size)
+		if err := r.Receive(pid, blocksIn(dbuf, n, size), start, attach); !errors.Is(err, kvlease.ErrInvalidArgument) || attached.Load() {
+			t.Fatalf("a keyed receiver into device memory: %v (attached %v)", err, attached.Load())
+		}
+		if st := r.Stats(); st.Started != 0 {
+			t.Fatalf("receiver %+v", st)
+		}
+	})
 }

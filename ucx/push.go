@@ -68,7 +68,8 @@ const (
 type Integrity byte
 
 const (
-	// IntegrityNone: no check (device memory, which the CPU cannot read).
+	// IntegrityNone: no check (device memory, which the CPU cannot read;
+	// insecure sessions only).
 	IntegrityNone Integrity = iota
 	// IntegrityCRC: crc32c (Castagnoli) of each block. It catches
 	// corruption, not forgery: the insecure mode's check.
@@ -221,15 +222,40 @@ func allHost(spans []Span) bool {
 }
 
 // integrityFor picks the sums for a handoff: keyed when the session has
-// a key, crc32c without one, none for device memory.
+// a key, crc32c without one, none for device memory (insecure sessions
+// only: see checkIntegrity).
 func integrityFor(key []byte, spans []Span) Integrity {
 	switch {
-	case !allHost(spans):
-		return IntegrityNone
 	case key != nil:
 		return IntegrityMAC
+	case !allHost(spans):
+		return IntegrityNone
 	}
 	return IntegrityCRC
+}
+
+// errDeviceKeyed is the refusal of device memory in an authenticated
+// session: its blocks must carry keyed sums, which the CPU can neither
+// compute nor check over memory it cannot read.
+var errDeviceKeyed = fmt.Errorf("an authenticated session's blocks must carry keyed sums, and blocks in device memory cannot (the CPU cannot read them): move host memory, or run an insecure session on a trusted network: %w", kvlease.ErrInvalidArgument)
+
+// checkIntegrity is the rule of a session's block sums, on both sides:
+// with a session key (an authenticated session) every block carries its
+// keyed sum (IntegrityMAC), whatever the regions (plain, pieces,
+// streamed), and a Start that names anything else (none, crc32c) is
+// refused, as are regions in device memory, whose sums nobody could
+// check; without a key, keyed sums are refused (nothing to check them
+// against). mode is the Start's (or the sender's) integrity.
+func checkIntegrity(key []byte, mode Integrity, spans []Span) error {
+	switch {
+	case key != nil && mode != IntegrityMAC:
+		return fmt.Errorf("an authenticated session's blocks carry %v sums, not keyed ones: %w", mode, ErrCorrupt)
+	case key != nil && !allHost(spans):
+		return errDeviceKeyed
+	case key == nil && mode == IntegrityMAC:
+		return fmt.Errorf("keyed block sums without a session key: %w", ErrCorrupt)
+	}
+	return nil
 }
 
 // preparePush checks out an idle worker of id's session (or starts one)
@@ -583,6 +609,9 @@ func (s *Sender[R]) sendPush(id handoff.PlaneID, regions []R, accept []byte, att
 		return fail(fmt.Errorf("ucx: send: block key: %w", err))
 	}
 	mode := integrityFor(key, p.g.spans)
+	if err := checkIntegrity(key, mode, p.g.spans); err != nil {
+		return fail(fmt.Errorf("ucx: send: %w", err))
+	}
 	units := p.g.sizes
 	if ready != nil {
 		units = layerUnits(p.g.bb, ready.Layers())
@@ -914,14 +943,12 @@ func (r *Receiver[R]) receivePush(id handoff.PlaneID, prep *prepared, regions []
 	if err != nil {
 		return fail(fmt.Errorf("ucx: receive: block key: %w", err))
 	}
+	if err := checkIntegrity(key, st.mode, p.g.spans); err != nil {
+		return fail(fmt.Errorf("ucx: receive: %w", err))
+	}
 	p.mode = st.mode
-	switch {
-	case key != nil && st.mode == IntegrityCRC:
-		return fail(fmt.Errorf("ucx: receive: an authenticated session's blocks carry crc32c, not keyed sums: %w", ErrCorrupt))
-	case key == nil && st.mode == IntegrityMAC:
-		return fail(fmt.Errorf("ucx: receive: keyed block sums without a session key: %w", ErrCorrupt))
-	case st.mode != IntegrityNone && !allHost(p.g.spans):
-		p.mode = IntegrityNone // device memory: the CPU cannot check it
+	if st.mode != IntegrityNone && !allHost(p.g.spans) {
+		p.mode = IntegrityNone // device memory, insecure: the CPU cannot check it
 	}
 	units := st.sizes
 	if st.layers > 0 {

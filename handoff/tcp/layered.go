@@ -23,8 +23,8 @@ import (
 // plane; streaming too (LayeredSender.SendStream). Only the frames'
 // contents are gathered and scattered:
 //
-//   - the sender writes each block as one vectored write (writev on a TCP
-//     connection): the frame header and every piece of the block, in
+//   - the sender writes each block as one gathered write (writev on a TCP
+//     connection, adjacent pieces one iovec): the frame header and every piece of the block, in
 //     (layer, kv) order, straight from source memory; no copy and no
 //     allocation per piece or per block;
 //   - the receiver reads the frame into the block's pieces through one
@@ -137,7 +137,7 @@ func writeLayered[R LayeredRegion](conn net.Conn, tok [16]byte, sl *seal, region
 	fh := make([]byte, frameHeader+sl.trailer())
 	hdr8, trailer := fh[:frameHeader], fh[frameHeader:]
 	bufs := make([][]byte, 0, 2+lay.PiecesPerBlock())
-	vec := new(net.Buffers)
+	g := newGather(conn)
 	var n int64
 	for i, r := range regions {
 		if cancel.Load() {
@@ -168,9 +168,8 @@ func writeLayered[R LayeredRegion](conn net.Conn, tok [16]byte, sl *seal, region
 			binary.LittleEndian.PutUint32(trailer, sum)
 		}
 		bufs = append(bufs, trailer)
-		*vec = bufs
-		if _, err := vec.WriteTo(conn); err != nil {
-			return n, fmt.Errorf("tcp: block %d of %d: %w", i, len(regions), err)
+		if _, err := g.write(bufs); err != nil {
+			return n, fmt.Errorf("tcp: block %d of %d: %w", i, len(regions), cancel.or(err))
 		}
 		n += int64(bb)
 	}
@@ -235,7 +234,7 @@ func readLayered[R LayeredRegion](c net.Conn, sl *seal, regions []R, lay layout.
 	// checked over the run's blocks gathered).
 	fr, err := readLayout(c, len(regions), bb)
 	if err != nil {
-		return 0, err
+		return 0, byCancel(err, isClosed(cancel))
 	}
 	maxRun, rest := 0, int64(0)
 	for _, run := range fr {
@@ -265,7 +264,7 @@ func readLayered[R LayeredRegion](c net.Conn, sl *seal, regions []R, lay layout.
 		default:
 		}
 		if _, err := io.ReadFull(br, fh[:]); err != nil {
-			return n, fmt.Errorf("tcp: block %d of %d: header: %w", i, len(regions), err)
+			return n, fmt.Errorf("tcp: block %d of %d: header: %w", i, len(regions), byCancel(err, isClosed(cancel)))
 		}
 		if err := checkFrameHeader(fh[:], i, len(regions), run*bb); err != nil {
 			return n, err
@@ -281,7 +280,7 @@ func readLayered[R LayeredRegion](c net.Conn, sl *seal, regions []R, lay layout.
 						return n, err
 					}
 					if _, err := io.ReadFull(br, p); err != nil {
-						return n, fmt.Errorf("tcp: block %d of %d, piece (%d, %d): %w", b, len(regions), l, kv, err)
+						return n, fmt.Errorf("tcp: block %d of %d, piece (%d, %d): %w", b, len(regions), l, kv, byCancel(err, isClosed(cancel)))
 					}
 					if sl.keyed {
 						gather = append(gather, p...)
@@ -293,7 +292,7 @@ func readLayered[R LayeredRegion](c net.Conn, sl *seal, regions []R, lay layout.
 		}
 		t := tr[:sl.checkLen(run)]
 		if _, err := io.ReadFull(br, t); err != nil {
-			return n, fmt.Errorf("tcp: block %d of %d: checksum: %w", i+run-1, len(regions), err)
+			return n, fmt.Errorf("tcp: block %d of %d: checksum: %w", i+run-1, len(regions), byCancel(err, isClosed(cancel)))
 		}
 		if sl.keyed {
 			for j := range run {

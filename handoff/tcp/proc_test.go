@@ -108,6 +108,7 @@ type sideOpts struct {
 	auth         handoff.Authenticator // testAuth when nil (and not insecure)
 	insecure     bool
 	sendCfg      tcp.Config // the source side's plane (its WrapConn is newSrcSide's wrap)
+	recvCfg      tcp.Config // the destination side's plane (its OnError is newDestSide's)
 }
 
 func newDestSide(t testing.TB, o sideOpts, pc peerConfig) *destSide {
@@ -117,11 +118,13 @@ func newDestSide(t testing.TB, o sideOpts, pc peerConfig) *destSide {
 	d := &destSide{t: t, pool: hostPool(t, procPool), env: envFor(procBlockBytes, procPool), serve: make(chan error, 1),
 		ins: map[uint64]*handoff.Incoming[[]byte]{}, delivered: map[uint64]error{}, kept: map[uint64]*kvlease.Lease[[]byte]{}}
 	d.peer = startPeer(t, pc)
-	d.recv = tcp.NewReceiver(listen(t), tcp.Config{OnError: func(err error) {
+	rc := o.recvCfg
+	rc.OnError = func(err error) {
 		d.mu.Lock()
 		d.refusals = append(d.refusals, err)
 		d.mu.Unlock()
-	}})
+	}
+	d.recv = tcp.NewReceiver(listen(t), rc)
 	if o.deadline == 0 {
 		o.deadline = bound
 	}

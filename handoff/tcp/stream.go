@@ -7,6 +7,7 @@ import (
 	"hash/crc32"
 	"io"
 	"net"
+	"os"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -81,6 +82,10 @@ type cancelFlag struct {
 	atomic.Bool
 	stop chan struct{}
 	once sync.Once
+	// past is set by the cancel hook before it sets the write deadline
+	// in the past (and before the flag itself, which comes after the
+	// deadline): a write that fails by that deadline then knows why.
+	past atomic.Bool
 }
 
 func newCancelFlag() *cancelFlag { return &cancelFlag{stop: make(chan struct{})} }
@@ -88,6 +93,21 @@ func newCancelFlag() *cancelFlag { return &cancelFlag{stop: make(chan struct{})}
 func (c *cancelFlag) set() {
 	c.Store(true)
 	c.once.Do(func() { close(c.stop) })
+}
+
+// or wraps err, a write's failure, with ErrCanceled when the cancel's
+// deadline ended the write (see byCancel).
+func (c *cancelFlag) or(err error) error { return byCancel(err, c.past.Load()) }
+
+// byCancel wraps err with ErrCanceled when it is a deadline's expiry and
+// the transfer was cancelled (canceled): the cancel's deadline in the
+// past ended the read or write. Any other failure (the connection died,
+// even after a cancel) keeps its own cause.
+func byCancel(err error, canceled bool) error {
+	if canceled && errors.Is(err, os.ErrDeadlineExceeded) {
+		return fmt.Errorf("%w (%w)", ErrCanceled, err)
+	}
+	return err
 }
 
 // mode returns the seal of a data connection whose hello had flags: s

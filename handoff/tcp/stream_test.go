@@ -37,6 +37,7 @@ type streamOpts struct {
 	wrapSend, wrapRecv func(net.Conn) net.Conn
 	wrapCtl            func(net.Conn) net.Conn // the source's control connection
 	deadline           time.Duration
+	stall              time.Duration // both planes' StallTimeout
 }
 
 // streamHalves are halves that also pass on each accepted handoff.
@@ -67,8 +68,8 @@ func newStreamHalves[S, D any](t testing.TB, srcPool *kvlease.Pool[S], dstPool *
 		}
 		return h
 	}
-	h := &streamHalves[S, D]{halves: &halves[S, D]{sender: tcp.NewSender(tcp.Config{WrapConn: o.wrapSend}),
-		recv: tcp.NewReceiver(dataLn, tcp.Config{WrapConn: o.wrapRecv}), finals: make(chan *handoff.Incoming[D], 16)},
+	h := &streamHalves[S, D]{halves: &halves[S, D]{sender: tcp.NewSender(tcp.Config{WrapConn: o.wrapSend, StallTimeout: o.stall}),
+		recv: tcp.NewReceiver(dataLn, tcp.Config{WrapConn: o.wrapRecv, StallTimeout: o.stall}), finals: make(chan *handoff.Incoming[D], 16)},
 		accepted: make(chan *handoff.Incoming[D], 16)}
 	h.dst, err = handoff.NewDestination(dstPool, recv(h.recv), handoff.DestinationConfig[D]{
 		HalfConfig:       half("decode", "prefill"),

@@ -90,13 +90,27 @@
 //     stopped: the dead connection fails the blocked write or read, and
 //     the loop returns;
 //   - a cancel (an abort, or the handoff's deadline quarantining the
-//     transfer, which aborts its leases) stops the loop at the next block
+//     transfer: the halves cancel the transfer itself, so this holds
+//     with the lease already released) stops the loop at the next block
 //     and ends a read or write blocked on a stalled peer at once (a
-//     deadline in the past): the loop's return is the evidence, so a
-//     quarantine set by the deadline lifts as soon as the loop has
-//     returned, while the peer is still stalled. Only a loop stuck
-//     outside the socket (in the process itself) keeps its quarantine
-//     until it returns.
+//     deadline in the past, outcome ErrCanceled): the loop's return is
+//     the evidence, so a quarantine set by the deadline lifts as soon as
+//     the loop has returned, while the peer is still stalled. Only a
+//     loop stuck outside the socket (in the process itself) keeps its
+//     quarantine until it returns;
+//   - a peer that stops reading or writing, with no deadline or a long
+//     one, is ended by the plane's own progress timeout
+//     (Config.StallTimeout, DefaultStallTimeout): a read that receives
+//     no byte, or a write that sends none, for that long fails the
+//     transfer (ErrStalled). What counts as progress is a byte moved on
+//     the socket, seen by our loop: a read that returns any byte, a
+//     write the kernel takes any of; a slow peer that keeps reading is
+//     never cut off however long the transfer. The failed read or write
+//     has returned, and with it the loop: that return is the evidence,
+//     as for a dead connection, and the transfer fails rather than
+//     being quarantined. A streaming receiver also waits while the
+//     source's prefill computes, so the timeout must cover the longest
+//     pause between parts the prefill marks written.
 //
 // Reuse changes none of this: a connection goes back to the pool only
 // once its loop on each side has returned cleanly, and those returns,
@@ -198,6 +212,17 @@ type Config struct {
 	// on an idle connection twice as long, so that with the same setting
 	// on both sides the sender, which picks connections, closes first.
 	IdleTimeout time.Duration
+	// StallTimeout is the transfers' progress timeout, on both sides: a
+	// read that receives no byte, or a write that sends none, for that
+	// long ends its transfer (ErrStalled; Stats.Stalled), whatever the
+	// handoff's Deadline, none included. The loop's return is local
+	// evidence like any other, so a frozen peer holds our blocks for at
+	// most StallTimeout past its last byte. A streaming receiver waits
+	// while the source's prefill computes: StallTimeout must cover the
+	// longest pause between the parts the prefill marks written.
+	// DefaultStallTimeout when zero or negative: it cannot be turned
+	// off.
+	StallTimeout time.Duration
 }
 
 func (c *Config) defaults() {
@@ -213,6 +238,9 @@ func (c *Config) defaults() {
 	if c.IdleTimeout <= 0 {
 		c.IdleTimeout = DefaultIdleTimeout
 	}
+	if c.StallTimeout <= 0 {
+		c.StallTimeout = DefaultStallTimeout
+	}
 }
 
 func (c *Config) wrap(conn net.Conn) net.Conn {
@@ -225,7 +253,10 @@ func (c *Config) wrap(conn net.Conn) net.Conn {
 // Stats counts what a plane did.
 type Stats struct {
 	Started, Completed, Failed, Canceled int
-	Bytes                                int64
+	// Stalled counts, of the Failed, the transfers whose data connection
+	// made no progress for Config.StallTimeout (ErrStalled).
+	Stalled int
+	Bytes   int64
 	// Refused counts data connections refused for any reason (garbage,
 	// an unknown token, an unauthenticated hello, too many pending).
 	Refused int
@@ -275,6 +306,9 @@ func (c *counters) outcome(err error, bytes int64) {
 		c.s.Canceled++
 	default:
 		c.s.Failed++
+		if errors.Is(err, ErrStalled) {
+			c.s.Stalled++
+		}
 	}
 }
 
@@ -402,15 +436,17 @@ func (s *Sender) start(id handoff.PlaneID, accept []byte, attach func(*kvlease.T
 		return nil, err
 	}
 	cancel := newCancelFlag()
-	var cur atomic.Pointer[sconn] // the connection the writer uses
-	cur.Store(sc)
-	// A cancel stops the writer at the next block boundary (a streaming
-	// writer's wait for progress at once), and ends a write blocked on a
-	// stalled peer at once (a write deadline in the past): the writer's
-	// return is our evidence either way. Such a connection is never
-	// reused.
+	// The writer writes through st, the transfer's progress timeout
+	// (stall.go) on the connection it uses. A cancel stops the writer at
+	// the next block boundary (a streaming writer's wait for progress at
+	// once), and ends a write blocked on a stalled peer at once (a write
+	// deadline in the past, kept there): the writer's return is our
+	// evidence either way. Such a connection is never reused.
+	st := newStall(s.cfg.StallTimeout)
+	st.use(sc.c)
 	t := kvlease.NewTransfer(func() {
-		_ = cur.Load().c.SetWriteDeadline(time.Now())
+		cancel.past.Store(true)
+		st.stop()
 		cancel.set() // after the deadline: a stream writer then sets its own for its stop frame
 	})
 	if err := attach(t); err != nil {
@@ -436,7 +472,7 @@ func (s *Sender) start(id handoff.PlaneID, accept []byte, attach func(*kvlease.T
 		sl, err := newSeal(id, tok)
 		var n int64
 		if err == nil {
-			n, err = write(sc.c, tok, sl, cancel)
+			n, err = write(st, tok, sl, cancel)
 		}
 		if err != nil && reused && isHelloError(err) && !cancel.Load() {
 			// The pooled connection died before the peek could tell
@@ -449,14 +485,15 @@ func (s *Sender) start(id handoff.PlaneID, accept []byte, attach func(*kvlease.T
 			if fresh, derr := s.dial(addr); derr == nil {
 				s.replace(sc, fresh)
 				sc = fresh
-				cur.Store(sc)
+				st.use(sc.c)
 				if cancel.Load() {
 					n, err = 0, fmt.Errorf("tcp: stopped before the hello: %w", ErrCanceled)
 				} else {
-					n, err = write(sc.c, tok, sl, cancel)
+					n, err = write(st, tok, sl, cancel)
 				}
 			}
 		}
+		st.finish()
 		s.ended(sc, err == nil && !cancel.Load())
 		s.stats.outcome(err, n)
 		t.Resolve(err) // the loop has exited: no read of ours is in progress
@@ -512,7 +549,7 @@ func (s *Sender) write(conn net.Conn, tok [16]byte, sl *seal, regions [][]byte, 
 		iov = append(iov[:0], metaBuf[tl-prev:])
 		iov = append(iov, regions[i:i+run]...)
 		if _, err := g.write(iov); err != nil {
-			return n, fmt.Errorf("tcp: block %d of %d (frame %d of %d): %w", i, len(regions), f, len(fr), err)
+			return n, fmt.Errorf("tcp: block %d of %d (frame %d of %d): %w", i, len(regions), f, len(fr), cancel.or(err))
 		}
 		prev = sl.checkLen(run)
 		s.check(metaBuf[tl-prev:tl], sl, ahead, regions, i, run)
@@ -521,7 +558,7 @@ func (s *Sender) write(conn net.Conn, tok [16]byte, sl *seal, regions [][]byte, 
 	}
 	if len(regions) > 0 {
 		if _, err := conn.Write(metaBuf[tl-prev : tl]); err != nil {
-			return n, fmt.Errorf("tcp: check of block %d of %d: %w", len(regions)-1, len(regions), err)
+			return n, fmt.Errorf("tcp: check of block %d of %d: %w", len(regions)-1, len(regions), cancel.or(err))
 		}
 	}
 	return n, nil
@@ -552,13 +589,23 @@ type gather interface {
 	write(bufs [][]byte) (int64, error)
 }
 
-// plainGather writes through net.Buffers (writev where the connection
-// has it).
+// plainGather writes one buffer at a time (through a stall, each Write
+// gets the progress timeout anew).
 type plainGather struct{ c net.Conn }
 
 func (g plainGather) write(bufs [][]byte) (int64, error) {
-	b := net.Buffers(bufs)
-	return b.WriteTo(g.c)
+	var n int64
+	for _, b := range bufs {
+		if len(b) == 0 {
+			continue
+		}
+		m, err := g.c.Write(b)
+		n += int64(m)
+		if err != nil {
+			return n, err
+		}
+	}
+	return n, nil
 }
 
 // batchBlocks is the most blocks one scattered read fills.
@@ -960,17 +1007,17 @@ func (r *Receiver) receive(id handoff.PlaneID, blocks int, blockBytes func() (in
 		r.dropSlot(s)
 		return fmt.Errorf("tcp: receive: %w", err)
 	}
-	// A cancel ends a read blocked on a stalled peer at once (a read
-	// deadline in the past, set on the connection being read by a
-	// goroutine the hook starts: the hook may be called from inside the
-	// read, and the read stops at its next system call, not within the
-	// hook): the reader's return is then our evidence, so a quarantine
-	// lifts as soon as it is set. Once the read has returned the
-	// connection is left alone (it may be reused); a connection whose
-	// transfer saw a cancel is closed.
+	// The reader reads through st, the transfer's progress timeout
+	// (stall.go). A cancel ends a read blocked on a stalled peer at once
+	// (a read deadline in the past, set by a goroutine the hook starts:
+	// the hook may be called from inside the read, and the read stops at
+	// its next system call, not within the hook): the reader's return is
+	// then our evidence, so a quarantine lifts as soon as it is set. Once
+	// the read has returned the connection is left alone (it may be
+	// reused); a connection whose transfer saw a cancel is closed.
 	cancel := make(chan struct{})
+	st := newStall(r.cfg.StallTimeout)
 	var mu sync.Mutex
-	var reading net.Conn // the connection being read, while it is
 	canceled := false
 	t := kvlease.NewTransfer(func() {
 		mu.Lock()
@@ -980,15 +1027,7 @@ func (r *Receiver) receive(id handoff.PlaneID, blocks int, blockBytes func() (in
 		}
 		canceled = true
 		close(cancel)
-		if c := reading; c != nil {
-			go func() {
-				mu.Lock()
-				defer mu.Unlock()
-				if reading == c {
-					_ = c.SetReadDeadline(time.Now())
-				}
-			}()
-		}
+		go st.stop()
 	})
 	if err := attach(t); err != nil {
 		r.dropSlot(s)
@@ -1012,15 +1051,10 @@ func (r *Receiver) receive(id handoff.PlaneID, blocks int, blockBytes func() (in
 				r.untrack(p.raw)
 				break
 			}
+			st.use(p.c)
+			n, err = read(st, s.seal.mode(p.flags), cancel)
+			st.finish()
 			mu.Lock()
-			reading = p.c
-			if canceled {
-				_ = p.c.SetReadDeadline(time.Now())
-			}
-			mu.Unlock()
-			n, err = read(p.c, s.seal.mode(p.flags), cancel)
-			mu.Lock()
-			reading = nil
 			clean := err == nil && !canceled
 			mu.Unlock()
 			if r.keep(p, clean) {
@@ -1068,7 +1102,7 @@ func (r *Receiver) read(c net.Conn, sl *seal, regions [][]byte, cancel <-chan st
 	bb := len(regions[0])
 	fr, err := readLayout(c, len(regions), bb)
 	if err != nil {
-		return 0, err
+		return 0, byCancel(err, isClosed(cancel))
 	}
 	var behind *checkBehind
 	if sl.pipelined(regions) {
@@ -1167,7 +1201,7 @@ func (r *Receiver) read(c net.Conn, sl *seal, regions [][]byte, cancel <-chan st
 			if err == io.EOF {
 				err = io.ErrUnexpectedEOF
 			}
-			return n, fmt.Errorf("tcp: block %d of %d: %d of %d frame bytes: %w", first, len(regions), pos, frameHeader+fr[f]*bb+sl.checkLen(fr[f]), err)
+			return n, fmt.Errorf("tcp: block %d of %d: %d of %d frame bytes: %w", first, len(regions), pos, frameHeader+fr[f]*bb+sl.checkLen(fr[f]), byCancel(err, isClosed(cancel)))
 		}
 	}
 	return n, nil
@@ -1195,6 +1229,16 @@ func (r *Receiver) verify(sl *seal, behind *checkBehind, regions [][]byte, first
 		}
 	}
 	return nil
+}
+
+// isClosed reports whether ch is closed (a receive's cancel).
+func isClosed(ch <-chan struct{}) bool {
+	select {
+	case <-ch:
+		return true
+	default:
+		return false
+	}
 }
 
 // scatter reads into a sequence of buffers, filling them in order; it

@@ -30,7 +30,12 @@ func env(poolBlocks int) handoff.Envelope {
 
 func hostPool(t testing.TB, blocks int, opts ...kvlease.Option) *kvlease.Pool[[]byte] {
 	t.Helper()
-	mem, err := kvlease.NewHostMemory(blocks, blockBytes)
+	return hostPoolOf(t, blocks, blockBytes, opts...)
+}
+
+func hostPoolOf(t testing.TB, blocks, bb int, opts ...kvlease.Option) *kvlease.Pool[[]byte] {
+	t.Helper()
+	mem, err := kvlease.NewHostMemory(blocks, bb)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -99,11 +104,20 @@ type loopConfig struct {
 	// sendCfg and recvCfg configure the planes (wrapSend, wrapRecv and
 	// hello, where set, override theirs).
 	sendCfg, recvCfg tcp.Config
+	// blockBytes is both pools' block size (and the envelope's);
+	// blockBytes (the constant) when zero.
+	blockBytes int
 }
 
 func newLoop(t *testing.T, lc loopConfig) *loop {
 	t.Helper()
-	l := &loop{srcPool: hostPool(t, 64), dstPool: hostPool(t, 64, lc.dstOpts...), finals: map[uint64]*handoff.Incoming[[]byte]{}, accepted: map[uint64]*handoff.Incoming[[]byte]{}, serveErr: make(chan error, 1)}
+	bb := lc.blockBytes
+	if bb == 0 {
+		bb = blockBytes
+	}
+	e := env(64)
+	e.BlockBytes = bb
+	l := &loop{srcPool: hostPoolOf(t, 64, bb), dstPool: hostPoolOf(t, 64, bb, lc.dstOpts...), finals: map[uint64]*handoff.Incoming[[]byte]{}, accepted: map[uint64]*handoff.Incoming[[]byte]{}, serveErr: make(chan error, 1)}
 	ctlLn, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -129,7 +143,7 @@ func newLoop(t *testing.T, lc loopConfig) *loop {
 		dl = 10 * time.Second
 	}
 	l.dst, err = handoff.NewDestination(l.dstPool, l.recv, handoff.DestinationConfig[[]byte]{
-		HalfConfig: handoff.HalfConfig{Envelope: env(64), Name: "decode", Peer: "prefill", Deadline: dl, OnError: lc.onError, Auth: testAuth},
+		HalfConfig: handoff.HalfConfig{Envelope: e, Name: "decode", Peer: "prefill", Deadline: dl, OnError: lc.onError, Auth: testAuth},
 		Decide:     lc.decide,
 		OnAccept: func(in *handoff.Incoming[[]byte]) {
 			l.mu.Lock()
@@ -166,7 +180,7 @@ func newLoop(t *testing.T, lc loopConfig) *loop {
 	if err != nil {
 		t.Fatal(err)
 	}
-	l.src, err = handoff.NewSource(c, l.sender, handoff.HalfConfig{Envelope: env(64), Name: "prefill", Peer: "decode", Deadline: dl, Auth: testAuth})
+	l.src, err = handoff.NewSource(c, l.sender, handoff.HalfConfig{Envelope: e, Name: "prefill", Peer: "decode", Deadline: dl, Auth: testAuth})
 	if err != nil {
 		t.Fatal(err)
 	}
