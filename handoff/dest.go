@@ -538,9 +538,6 @@ func (in *Incoming[R]) attach(t *kvlease.Transfer) error {
 	in.t = t
 	in.tid = t.ID()
 	in.fire("transport", EventAttach, nil)
-	if in.s.d.hooks.is(mutantSealEarly) {
-		in.seal() // the mutant: sealed before the bytes arrive
-	}
 	if in.timer != nil { // the start timer: the start came
 		in.timer.Stop()
 		in.timer = nil
@@ -622,7 +619,7 @@ func (in *Incoming[R]) settle(err error) (*DoneMsg, bool) {
 		return nil, false
 	}
 	from := in.state
-	if err == nil && from == Transferring {
+	if (err == nil || in.s.d.hooks.is(mutantSealShort)) && from == Transferring {
 		in.seal()
 	}
 	if err == nil {

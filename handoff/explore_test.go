@@ -41,14 +41,14 @@ var xconfigs = []*xcfg{
 	// The source releases its lease right after Propose (rule 2), its
 	// plane may stall, return inside the cancel or freeze.
 	{name: "early", srcBlocks: 4, dstBlocks: 4, stall: true, stallSync: true, freeze: true, fail: true,
-		srcAbort: true, dstAbort: true, bug30: true,
+		srcAbort: true, dstAbort: true,
 		handoffs: []xho{{id: 1, blocks: 2, hashes: 2, early: true}}},
 	// Lost, duplicated and reordered messages.
 	{name: "messages", srcBlocks: 4, dstBlocks: 4, drop: 1, dup: 1, reorder: true, fail: true,
 		handoffs: []xho{{id: 1, blocks: 2, hashes: 2}}},
 	// Prefix hits: one block of two (released early, the delivered lease
 	// held), and every block (nothing moves).
-	{name: "hits", srcBlocks: 4, dstBlocks: 4, fail: true, stall: true, srcAbort: true, dstAbort: true, keepDelivered: true, bug30: true,
+	{name: "hits", srcBlocks: 4, dstBlocks: 4, fail: true, stall: true, srcAbort: true, dstAbort: true, keepDelivered: true,
 		handoffs: []xho{{id: 1, blocks: 2, hashes: 2, warm: 1, early: true}}},
 	{name: "allhits", srcBlocks: 4, dstBlocks: 4, fail: true, srcAbort: true, dstAbort: true, dstReject: true, crash: true,
 		handoffs: []xho{{id: 1, blocks: 2, hashes: 2, warm: 2}}},
@@ -62,14 +62,14 @@ var xconfigs = []*xcfg{
 	// fill: the second may hit the first's sealed blocks, or find them
 	// evicted; the second releases early.
 	{name: "two", srcBlocks: 4, dstBlocks: 4, keepDelivered: true,
-		depth: 12, long: 18, walks: 300,
+		depth: 12, long: 16, walks: 3000,
 		handoffs: []xho{{id: 1, blocks: 2, hashes: 2}, {id: 2, blocks: 2, hashes: 2, shared: true, early: true}}},
 	// Everything at once, two handoffs of which one releases early and
 	// one finds a block cached.
 	{name: "everything", srcBlocks: 4, dstBlocks: 4, drop: 1, dup: 1, reorder: true, crash: true, slowAttach: true,
 		fail: true, stall: true, stallSync: true, freeze: true,
-		srcAbort: true, leaseAbort: true, cancel: true, dstAbort: true, dstReject: true, keepDelivered: true, bug30: true,
-		depth: 7, long: 10, walks: 2000,
+		srcAbort: true, leaseAbort: true, cancel: true, dstAbort: true, dstReject: true, keepDelivered: true,
+		depth: 7, long: 9, walks: 20000,
 		handoffs: []xho{{id: 1, blocks: 2, hashes: 2, early: true}, {id: 2, blocks: 2, hashes: 2, shared: true, warm: 1}}},
 }
 
@@ -104,9 +104,6 @@ func failCounterexample(t *testing.T, cfg *xcfg, ce *explore.Counterexample) {
 		cfg.name, ce, cfg.name, explore.FormatPath(ce.Path))
 }
 
-// errBug30 is what the explorer reports for issue 30's item 1.
-const errBug30 = "stalled and nothing asked it to stop"
-
 // TestExplore explores every configuration exhaustively to its bound:
 // safety after every step, liveness wherever only the engines' calls and
 // faults are left, nothing leaked after the teardown.
@@ -118,14 +115,8 @@ func TestExplore(t *testing.T) {
 		t.Run(cfg.name, func(t *testing.T) {
 			r := explore.Exhaustive(cfg.runner(t), cfg.bounds())
 			t.Logf("%s (depth bound %d): %v", cfg.name, cfg.bounds().Depth, r)
-			switch {
-			case cfg.bug30 && r.Fail != nil && strings.Contains(r.Fail.Error(), errBug30):
-				// Issue 30's item 1, fixed on net-a: see
-				// TestExploreReleasedLeaseQuarantine.
-			case r.Fail != nil:
+			if r.Fail != nil {
 				failCounterexample(t, cfg, r.Fail)
-			case cfg.bug30 && !raceEnabled && cfg.bounds().Depth == 0:
-				t.Fatalf("%s: issue 30's item 1 (%q) was not found", cfg.name, errBug30)
 			}
 		})
 	}
@@ -148,9 +139,7 @@ func TestExploreWalks(t *testing.T) {
 			}
 			r := explore.Walk(cfg.runner(t), 33, walks, 80)
 			t.Logf("%s: %d walks: %v", cfg.name, walks, r)
-			switch {
-			case cfg.bug30 && r.Fail != nil && strings.Contains(r.Fail.Error(), errBug30):
-			case r.Fail != nil:
+			if r.Fail != nil {
 				failCounterexample(t, cfg, r.Fail)
 			}
 		})
@@ -158,19 +147,41 @@ func TestExploreWalks(t *testing.T) {
 }
 
 // bug30Path is the shortest run the explorer found on issue 30's item 1
-// (Deepen, depth 10): the destination aborts, the source releases its
-// lease after Propose and its plane stalls (a frozen peer): the peer's
-// Abort and then the deadline abort the already closed lease, nothing
-// cancels the transfer, and its two blocks stay quarantined for good.
+// before its fix (Deepen, depth 10): the destination aborts, the source
+// releases its lease after Propose and its plane stalls (a frozen peer):
+// the peer's Abort and then the deadline abort the already closed lease,
+// nothing cancels the transfer, and its two blocks stay quarantined for
+// good. With the fix (net-a: the abort and the deadline cancel the
+// transfer itself) the stall at step 9 is no longer possible: the
+// peer's Abort has already asked the plane to stop.
 const bug30Path = "propose 1; s>d propose 1; dst abort 1; d>s accept 1 from 0; src release 1; s>d start 1; d>s abort 1; s>d ack 1 of abort; stall src 1; deadline src 1"
 
-// TestExploreReleasedLeaseQuarantine replays the counterexample of issue
-// 30's item 1.
+// bug30Stalled is the same run with the plane stalled before the peer's
+// Abort arrives, and the rest of what must happen: the Abort now cancels
+// the transfer, the plane stops, and the handoff ends Aborted with its
+// blocks back.
+const bug30Stalled = "propose 1; s>d propose 1; dst abort 1; d>s accept 1 from 0; src release 1; s>d start 1; stall src 1; d>s abort 1; stop src 1; s>d ack 1 of abort"
+
+// TestExploreReleasedLeaseQuarantine is the regression test of issue
+// 30's item 1: the recorded counterexample no longer replays (its stall
+// comes after the cancel), and the stalled run settles with the source
+// Aborted and its pool free.
 func TestExploreReleasedLeaseQuarantine(t *testing.T) {
 	cfg := xconfig("early")
 	err := explore.Replay(cfg.runner(t), explore.ParsePath(bug30Path))
-	if err == nil || !strings.Contains(err.Error(), errBug30) {
-		t.Fatalf("the recorded counterexample of issue 30's item 1 did not reproduce: %v", err)
+	if err == nil || !strings.Contains(err.Error(), `step 9: "stall src 1" is not enabled`) {
+		t.Fatalf("issue 30's item 1: %v", err)
+	}
+	var end string
+	run := func(body func(explore.Instance)) {
+		cfg.runner(t)(func(in explore.Instance) { body(&describeAtFinish{Instance: in, end: &end}) })
+	}
+	if err := explore.Replay(run, explore.ParsePath(bug30Stalled)); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(end, "src aborted") || !strings.Contains(end, "op src 1 returned canceled") ||
+		!strings.Contains(end, "source pool: free 4 cached 0 leased 0 draining 0 quarantined 0") {
+		t.Fatalf("after the stalled run:\n%s", end)
 	}
 }
 
@@ -242,7 +253,7 @@ func TestExploreWriters(t *testing.T) {
 	}
 	r := explore.Walk(cfg.runner(t), 7, walks, 80)
 	t.Logf("%d walks: %v", walks, r)
-	if r.Fail != nil && !strings.Contains(r.Fail.Error(), errBug30) {
+	if r.Fail != nil {
 		failCounterexample(t, &cfg, r.Fail)
 	}
 }

@@ -56,9 +56,6 @@ type xcfg struct {
 	// How the tests explore it: exhaustively to depth (0: the whole
 	// space) in CI, to long with -explore.long; walks random walks.
 	depth, long, walks int
-	// bug30: the configuration meets issue 30's item 1 (a released
-	// lease's transfer never cancelled) until that fix is merged.
-	bug30 bool
 }
 
 // xho is one handoff of a configuration.

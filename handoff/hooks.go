@@ -34,9 +34,15 @@ const (
 	// the destination's Reject arrived (rule 1: a rejected handoff never
 	// starts a transfer).
 	mutantRejectStarts
-	// mutantSealEarly: the destination seals the delivered blocks when
-	// its transfer attaches, before their bytes arrived.
-	mutantSealEarly
+	// mutantSealShort: the destination seals what arrived even when its
+	// transfer ended short of the last byte. (Sealing when the transfer
+	// attaches, before any byte, is no mutant: the pool refuses to seal a
+	// block a pending write gates.)
+	mutantSealShort
+	// mutantLeaseOnly: the source's deadline and abort abort only its
+	// lease and do not cancel the transfer (issue 30's item 1: a lease
+	// released after Propose is closed, and aborting it cancels nothing).
+	mutantLeaseOnly
 )
 
 // is reports whether the half runs mutant m.

@@ -632,7 +632,7 @@ func (o *Outgoing[R]) expire() {
 // add up. Called inside effect, with o.mu held.
 func (o *Outgoing[R]) stop(cause error) {
 	o.src.Abort(cause)
-	if o.t != nil {
+	if o.t != nil && !o.hooks.is(mutantLeaseOnly) {
 		o.t.Cancel()
 	}
 }
