@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-	"sync"
 	"testing/synctest"
 
 	"github.com/kvlease/kvlease"
@@ -277,12 +276,6 @@ func (w *xworld) Quiescent() error {
 // Accept crossed the source's abort or the connection's loss, or no
 // Start came) or never heard of it.
 func agree(src, dst State, out *Outgoing[[]byte], in *Incoming[[]byte]) error {
-	if pairs != nil {
-		pairsMu.Lock()
-		k := src.String() + "/" + dst.String()
-		pairs[k]++
-		pairsMu.Unlock()
-	}
 	switch {
 	case src == Delivered && dst != Delivered:
 		return fmt.Errorf("the source is delivered, the destination %v", dst)
@@ -382,16 +375,4 @@ func (w *xworld) Finish() error {
 	w.violations = nil
 	w.mu.Unlock()
 	return errors.Join(errs...)
-}
-
-var (
-	pairsMu sync.Mutex
-	pairs   map[string]int
-)
-
-func firstWords(s string) string {
-	if len(s) > 60 {
-		s = s[:60]
-	}
-	return s
 }

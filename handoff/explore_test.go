@@ -52,6 +52,10 @@ var xconfigs = []*xcfg{
 		handoffs: []xho{{id: 1, blocks: 2, hashes: 2, warm: 1, early: true}}},
 	{name: "allhits", srcBlocks: 4, dstBlocks: 4, fail: true, srcAbort: true, dstAbort: true, dstReject: true, crash: true,
 		handoffs: []xho{{id: 1, blocks: 2, hashes: 2, warm: 2}}},
+	// Four blocks in pools of 8: two of them hits, the last one unsealed
+	// (a partial block: no hash), released early.
+	{name: "wide", srcBlocks: 8, dstBlocks: 8, fail: true, stall: true, freeze: true, dstAbort: true, srcAbort: true,
+		handoffs: []xho{{id: 1, blocks: 4, hashes: 3, warm: 2, early: true}}},
 	// Streaming: the prefill writes as the plane sends, and over a plane
 	// that cannot stream (the source starts once the prefill is done).
 	{name: "stream", srcBlocks: 4, dstBlocks: 4, fail: true, srcAbort: true, dstAbort: true, slowAttach: true,

@@ -107,7 +107,6 @@ type xtimer struct {
 }
 
 type xworld struct {
-	t                *testing.T
 	cfg              *xcfg
 	srcPool, dstPool *kvlease.Pool[[]byte]
 	src              *Source[[]byte]
@@ -203,7 +202,7 @@ func (cfg *xcfg) runner(t *testing.T) explore.Runner {
 }
 
 func newXWorld(t *testing.T, cfg *xcfg) *xworld {
-	w := &xworld{t: t, cfg: cfg, links: map[string][][]byte{}, origin: map[kvlease.BlockRef]xorigin{}, served: make(chan struct{})}
+	w := &xworld{cfg: cfg, links: map[string][][]byte{}, origin: map[kvlease.BlockRef]xorigin{}, served: make(chan struct{})}
 	var err error
 	pool := func(n int, opts ...kvlease.Option) *kvlease.Pool[[]byte] {
 		mem, err := kvlease.NewHostMemory(n, xBlockBytes)
@@ -592,9 +591,9 @@ func (w *xworld) propose(h *xh) {
 	if h.prog != nil {
 		opts = append(opts, Streaming(h.prog))
 	}
-	o, err := w.src.Propose(h.cfg.id, fmt.Sprintf("r%d", h.cfg.id), h.lease, h.hashes, opts...)
+	o, _ := w.src.Propose(h.cfg.id, fmt.Sprintf("r%d", h.cfg.id), h.lease, h.hashes, opts...)
 	w.mu.Lock()
-	h.proposed, h.out, h.proposeErr = true, o, err
+	h.proposed, h.out = true, o
 	w.mu.Unlock()
 }
 
@@ -718,6 +717,12 @@ func (w *xworld) Describe() string {
 	w.abstract(&e)
 	b := strings.Builder{}
 	b.Write(e.b)
+	w.mu.Lock()
+	fmt.Fprintf(&b, "step %d; steps whose frames racing writers wrote: %d; messages refused (OnError): %d\n", w.step, w.raced, w.protoErrs)
+	for _, h := range w.hs {
+		fmt.Fprintf(&b, "handoff %d: OnQuarantine told %d times\n", h.cfg.id, h.quarantines)
+	}
+	w.mu.Unlock()
 	for _, h := range w.hs {
 		out, in := w.handles(h)
 		if out != nil {

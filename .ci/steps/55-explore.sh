@@ -8,5 +8,6 @@
 # cores; -explore.long (by hand) goes deeper.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-go test -count=1 -run 'TestExplore' ./handoff/internal/explore ./handoff
+go test -count=1 ./handoff/internal/explore
+go test -count=1 -run 'TestExplore' ./handoff
 go test -count=1 -run 'TestLineariz' .
