@@ -95,6 +95,13 @@
 // and that nobody else could, not that the peer's model computed it
 // right.
 //
+// # Explored
+//
+// Every interleaving of the two halves over small configurations, with
+// lost, duplicated and reordered messages, stalled and frozen planes,
+// deadlines and the engines' calls as choices, is explored by the tests
+// (explore_test.go), with the properties and bounds stated in EXPLORER.md.
+//
 // # Capacity
 //
 // Envelope states the operating limits every component must agree on

@@ -250,6 +250,7 @@ type machine struct {
 	onFinal func()        // if set, called (under mu) on entering a final state
 	after   []func()      // effects queued under mu, run by unlock
 	timer   *time.Timer   // the deadline, if one is running; stopped when final
+	hooks   *hooks        // the explorer's (hooks.go); nil in production
 
 	// effecting is set while the holder of mu performs an effect that may
 	// resolve the transfer on its own goroutine (aborting a lease cancels
@@ -327,7 +328,7 @@ func (m *machine) unlock() {
 // held.
 func (m *machine) deadline(d time.Duration, f func()) {
 	if d >= 0 && m.timer == nil && !m.state.Final() {
-		m.timer = time.AfterFunc(d, f)
+		m.timer = m.hooks.afterFunc(d, f)
 	}
 }
 

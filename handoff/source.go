@@ -43,6 +43,7 @@ type Source[R any] struct {
 	recent recentIDs               // ids that left out
 	lost   error                   // set once the connection ended
 	closed chan struct{}
+	hooks  *hooks // the explorer's (hooks.go); nil in production
 }
 
 // NewSource starts the source half on conn (a connected control
@@ -214,6 +215,7 @@ func (s *Source[R]) propose(id uint64, request string, src *kvlease.Lease[R], ha
 		return nil, fmt.Errorf("kvlease: handoff propose %d: %w", id, err)
 	}
 	o := &Outgoing[R]{machine: newMachine(), s: s, id: id, src: src, n: n, prog: pr.progress}
+	o.hooks = s.hooks
 	o.onFinal = func() {
 		st := o.state
 		o.later(func() { s.forget(o, st) })
@@ -468,7 +470,7 @@ func (o *Outgoing[R]) attach(t *kvlease.Transfer) error {
 		return fmt.Errorf("kvlease: handoff attach: nil transfer: %w", kvlease.ErrInvalidArgument)
 	}
 	o.mu.Lock()
-	if next(o.state, EventAttach).kind != edgeMove {
+	if next(o.state, EventAttach).kind != edgeMove && !(o.state == Rejected && o.s.hooks.is(mutantRejectStarts)) {
 		err := fmt.Errorf("kvlease: handoff %d: attach while %v: %w", o.id, o.state, ErrState)
 		o.unlock()
 		return err
@@ -571,6 +573,9 @@ func (o *Outgoing[R]) doneMsg(m *DoneMsg) {
 	st := o.state
 	noted := o.peerWord(o.s.cfg.Peer, err, false)
 	o.unlock()
+	if noted && o.s.hooks.is(mutantResolveOnAck) {
+		o.Transfer().Resolve(err) // the mutant: the peer's word taken for evidence
+	}
 	if !noted {
 		o.s.cfg.report(fmt.Errorf("kvlease: handoff %d: done while %v: %w", o.id, st, ErrProtocolRefused))
 		return
@@ -627,7 +632,7 @@ func (o *Outgoing[R]) expire() {
 // add up. Called inside effect, with o.mu held.
 func (o *Outgoing[R]) stop(cause error) {
 	o.src.Abort(cause)
-	if o.t != nil {
+	if o.t != nil && !o.hooks.is(mutantLeaseOnly) {
 		o.t.Cancel()
 	}
 }

@@ -1,0 +1,6 @@
+//go:build !race
+
+package kvlease_test
+
+// raceEnabled: see linearize_race_test.go.
+const raceEnabled = false
