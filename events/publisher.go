@@ -181,7 +181,9 @@ type Stats struct {
 //	payload [ts float64, events, data_parallel_rank]
 //
 // Stored events of one chain that follow each other are merged into one
-// BlockStored; removals that follow each other into one BlockRemoved.
+// BlockStored (with their extra keys, one entry per block, as vLLM sends
+// the blocks a request filled); removals that follow each other into one
+// BlockRemoved.
 //
 // The publisher never blocks the allocator: pools buffer events in their
 // own bounded rings (a full ring drops and counts), a goroutine drains
@@ -726,9 +728,19 @@ func (d *drainer) convert(s *source, evs []kvlease.KVEvent, dst []wireEvent, liv
 				loraName, loraID = e.LoraName, e.LoraID
 			}
 			if last != nil && last.tag == tagBlockStored && e.HasParent && last.medium == s.Medium &&
-				last.loraName == loraName && last.loraID == loraID && last.extraKeys == nil && e.ExtraKeys == nil &&
+				last.loraName == loraName && last.loraID == loraID &&
 				d.hashArena[lastSpan.hashHi-1] == uint64(e.ParentBlockHash) && last.blockSize == bs &&
 				lastSpan.hashHi-lastSpan.hashLo < maxMergedBlocks {
+				// The next block of the chain: one more in the same event,
+				// with or without extra keys, as vLLM sends the blocks a
+				// request filled (extra_keys then holds one entry per
+				// block, nil for a block without).
+				if len(e.ExtraKeys) > 0 || last.extraKeys != nil {
+					if last.extraKeys == nil {
+						last.extraKeys = make([][]string, lastSpan.hashHi-lastSpan.hashLo, lastSpan.hashHi-lastSpan.hashLo+1)
+					}
+					last.extraKeys = append(last.extraKeys, nilIfEmpty(e.ExtraKeys))
+				}
 				d.hashArena = append(d.hashArena, uint64(e.BlockHash))
 				d.tokArena = append(d.tokArena, e.TokenIDs...)
 				lastSpan.hashHi, lastSpan.tokHi = len(d.hashArena), len(d.tokArena)
@@ -742,8 +754,8 @@ func (d *drainer) convert(s *source, evs []kvlease.KVEvent, dst []wireEvent, liv
 			we := wireEvent{tag: tagBlockStored,
 				parent: uint64(e.ParentBlockHash), hasParent: e.HasParent, blockSize: bs,
 				medium: s.Medium, loraName: loraName, loraID: loraID}
-			if e.ExtraKeys != nil {
-				we.extraKeys = [][]string{e.ExtraKeys} // never merged: one block
+			if len(e.ExtraKeys) > 0 {
+				we.extraKeys = [][]string{e.ExtraKeys} // later blocks of the chain append theirs
 			}
 			dst = append(dst, we)
 		case kvlease.KVBlockRemoved:
@@ -777,6 +789,15 @@ func (d *drainer) convert(s *source, evs []kvlease.KVEvent, dst []wireEvent, liv
 		}
 	}
 	return dst
+}
+
+// nilIfEmpty is keys, or nil when there are none: a block without extra
+// keys is nil in extra_keys.
+func nilIfEmpty(keys []string) []string {
+	if len(keys) == 0 {
+		return nil
+	}
+	return keys
 }
 
 // maxMergedBlocks bounds one merged event (and so one message).

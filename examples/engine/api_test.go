@@ -357,3 +357,35 @@ func TestMetricsLintWithoutVLLMNames(t *testing.T) {
 		}
 	}
 }
+
+// FuzzParseChat: any body is a chat request with a prompt from its
+// messages, or a 400 for the client whose message shows no Go internals.
+func FuzzParseChat(f *testing.F) {
+	f.Add([]byte(`{"messages":[{"role":"user","content":"hi"}]}`))
+	f.Add([]byte(`{"messages":[{"role":"system","content":[{"type":"text","text":"a b"}]},{"role":"user","content":null}],"max_completion_tokens":3}`))
+	f.Add([]byte(`{"messages":[{"role":"user","content":[{"type":"image_url"}]}],"n":2}`))
+	f.Add([]byte(`{"messages":"x","tools":[1]}`))
+	f.Fuzz(func(t *testing.T, body []byte) {
+		req, prompt, err := parseChat(body)
+		if err != nil {
+			ae, ok := err.(*apiError)
+			if !ok || ae.status != http.StatusBadRequest || ae.typ != invalidRequest || ae.msg == "" {
+				t.Fatalf("error %#v is not a 400 for the client", err)
+			}
+			for _, leak := range []string{"json:", "Go ", "commonRequest", "chatRequest", "chatMessage"} {
+				if strings.Contains(ae.msg, leak) || strings.Contains(ae.param, leak) {
+					t.Fatalf("error %q (param %q) shows %q", ae.msg, ae.param, leak)
+				}
+			}
+			return
+		}
+		if len(prompt) == 0 || *req.MaxTokens < 1 || len(req.Messages) == 0 {
+			t.Fatalf("accepted %q: prompt %v max_tokens %d", body, prompt, *req.MaxTokens)
+		}
+		for _, id := range prompt {
+			if id >= vocab {
+				t.Fatalf("accepted token %d", id)
+			}
+		}
+	})
+}
