@@ -8,7 +8,8 @@
 //	go run ./examples/engine -addr 127.0.0.1:0 -events tcp://127.0.0.1:5557 -replay tcp://127.0.0.1:5558 -metrics 127.0.0.1:9400
 //
 //	curl -s 127.0.0.1:8000/v1/models
-//	curl -s 127.0.0.1:8000/v1/completions -d '{"model":"sim-1","prompt":"the same system prompt then a question","max_tokens":8}'
+//	P="a system prompt long enough to fill one block of sixteen tokens and then some more words, then the question"
+//	curl -s 127.0.0.1:8000/v1/completions -d '{"model":"sim-1","prompt":"'"$P"'","max_tokens":8}'  # twice: the second has cached_tokens 16
 //	curl -s 127.0.0.1:8000/v1/chat/completions -d '{"messages":[{"role":"user","content":"hello there"}]}'
 //	curl -sN 127.0.0.1:8000/v1/completions -d '{"prompt":[1,2,3,4,5],"stream":true,"stream_options":{"include_usage":true}}'
 //
