@@ -47,8 +47,8 @@ type flood struct {
 }
 
 const (
-	floodDials = 500
-	floodPause = 100 * time.Millisecond
+	floodDials = 1000
+	floodPause = 20 * time.Millisecond
 )
 
 func startFlood(t *testing.T, from string, to net.Addr, n int, setup func(net.Conn) error) *flood {
@@ -206,13 +206,15 @@ func honestReplays(t *testing.T, h *harness, rounds int) []time.Duration {
 	return took
 }
 
-func logServed(t *testing.T, what string, took []time.Duration, f *flood) {
+// logServed logs the honest router's rounds and what the attacker did
+// meanwhile (dialsBefore: its dials when the rounds began).
+func logServed(t *testing.T, what string, took []time.Duration, f *flood, dialsBefore int64) {
 	t.Helper()
 	s := slices.Clone(took)
 	slices.Sort(s)
-	t.Logf("%s: honest router served %d of %d, median %v, slowest %v; attacker dialled %d times, %d closed by the publisher",
+	t.Logf("%s: honest router served %d of %d, median %v, slowest %v; attacker dialled %d times meanwhile (%d in all, %d closed by the publisher)",
 		what, len(took), len(took), s[len(s)/2].Round(time.Microsecond), s[len(s)-1].Round(time.Microsecond),
-		f.dials.Load(), f.closed.Load())
+		f.dials.Load()-dialsBefore, f.dials.Load(), f.closed.Load())
 }
 
 // 64 subscribers that finish the handshake and never subscribe are sent
@@ -227,9 +229,10 @@ func TestFloodSubscribersNeverSubscribe(t *testing.T) {
 	}
 	require.Eventually(t, func() bool { return attacker() >= DefaultMaxPerAddress && f.dials.Load() >= DefaultMaxSubscribers },
 		10*time.Second, time.Millisecond)
+	d0 := f.dials.Load()
 	took := honestRouter(t, h, 5)
 	require.Equal(t, DefaultMaxPerAddress, attacker(), "the flood still holds its share: it was there throughout")
-	logServed(t, "64 subscribers that never subscribe", took, f)
+	logServed(t, "64 subscribers that never subscribe", took, f, d0)
 }
 
 // 32 silent half-open handshakes held every handshake place (and were
@@ -242,9 +245,10 @@ func TestFloodHalfOpenHandshakes(t *testing.T) {
 	}
 	require.Eventually(t, func() bool { return attacker() >= DefaultMaxPerAddress && f.dials.Load() >= DefaultMaxHandshakes },
 		10*time.Second, time.Millisecond)
+	d0 := f.dials.Load()
 	took := honestRouter(t, h, 5)
 	require.Positive(t, attacker(), "the flood still holds handshakes: it was there throughout")
-	logServed(t, "32 silent half-open handshakes", took, f)
+	logServed(t, "32 silent half-open handshakes", took, f, d0)
 }
 
 // 64 silent replay clients held every replay place. Now one address
@@ -258,9 +262,10 @@ func TestFloodSilentReplayClients(t *testing.T) {
 	}
 	require.Eventually(t, func() bool { return attacker() >= DefaultMaxPerAddress && f.dials.Load() >= DefaultMaxSubscribers },
 		10*time.Second, time.Millisecond)
+	d0 := f.dials.Load()
 	took := honestReplays(t, h, 5)
 	require.Equal(t, DefaultMaxPerAddress, attacker(), "the flood still holds its share: it was there throughout")
-	logServed(t, "64 silent replay clients", took, f)
+	logServed(t, "64 silent replay clients", took, f, d0)
 }
 
 // When one address (allowed a high per-address cap) or several fill a
@@ -272,19 +277,21 @@ func TestFloodDisplacedByQuieterAddress(t *testing.T) {
 		f := startFlood(t, attackerAddr, h.pub.Addr(), 32, neverSubscribe)
 		total := func() int { return locked(&h.pub.pub.sockLife, h.pub.pub.conns.len) }
 		require.Eventually(t, func() bool { return total() == 16 && f.closed.Load() > 0 }, 10*time.Second, time.Millisecond)
+		d0 := f.dials.Load()
 		took := honestRouter(t, h, 5)
 		require.Eventually(t, func() bool { return total() == 16 }, 10*time.Second, time.Millisecond,
 			"the flood takes back the router's place: it was there throughout")
 		require.Positive(t, h.pub.Stats().Refused)
-		logServed(t, "subscriber table full from one address", took, f)
+		logServed(t, "subscriber table full from one address", took, f, d0)
 	})
 	t.Run("handshakes", func(t *testing.T) {
 		h := quietHarness(t, Config{MaxHandshakes: 8, MaxPerAddress: 64, HandshakeTimeout: time.Minute})
 		f := startFlood(t, attackerAddr, h.pub.Addr(), 16, halfOpen)
 		total := func() int { return locked(&h.pub.pub.sockLife, h.pub.pub.shaking.len) }
 		require.Eventually(t, func() bool { return total() == 8 && f.dials.Load() >= 16 }, 10*time.Second, time.Millisecond)
+		d0 := f.dials.Load()
 		took := honestRouter(t, h, 5)
-		logServed(t, "handshake table full from one address", took, f)
+		logServed(t, "handshake table full from one address", took, f, d0)
 	})
 	t.Run("handshakes from four addresses", func(t *testing.T) {
 		h := quietHarness(t, Config{MaxHandshakes: 8, MaxPerAddress: 2, HandshakeTimeout: time.Minute})
@@ -294,8 +301,9 @@ func TestFloodDisplacedByQuieterAddress(t *testing.T) {
 		}
 		total := func() int { return locked(&h.pub.pub.sockLife, h.pub.pub.shaking.len) }
 		require.Eventually(t, func() bool { return total() == 8 }, 10*time.Second, time.Millisecond)
+		d0 := floods[0].dials.Load()
 		took := honestRouter(t, h, 5)
-		logServed(t, "handshake table full from four addresses", took, floods[0])
+		logServed(t, "handshake table full from four addresses", took, floods[0], d0)
 	})
 	t.Run("replay clients", func(t *testing.T) {
 		h := quietHarness(t, Config{MaxSubscribers: 8, MaxPerAddress: 64, ReplayIdleTimeout: time.Minute})
@@ -303,8 +311,9 @@ func TestFloodDisplacedByQuieterAddress(t *testing.T) {
 		f := startFlood(t, attackerAddr, h.pub.ReplayAddr(), 16, silentReplay)
 		total := func() int { return locked(&h.pub.replay.sockLife, h.pub.replay.conns.len) }
 		require.Eventually(t, func() bool { return total() == 8 && f.closed.Load() > 0 }, 10*time.Second, time.Millisecond)
+		d0 := f.dials.Load()
 		took := honestReplays(t, h, 5)
-		logServed(t, "replay table full from one address", took, f)
+		logServed(t, "replay table full from one address", took, f, d0)
 	})
 }
 
