@@ -274,6 +274,16 @@ func TestEventsLoopbackAndReplay(t *testing.T) {
 	if _, err := parseFlags([]string{"-replay", "tcp://127.0.0.1:1"}, io.Discard); err == nil {
 		t.Error("-replay without -events was accepted")
 	}
+	// -events-connect dials a router's bound SUB instead (none here: it
+	// keeps redialling until the engine stops).
+	out.Reset()
+	ep := fmt.Sprintf("tcp://127.0.0.1:%d", freePort(t))
+	if err := run(context.Background(), []string{"-addr", "127.0.0.1:0", "-duration", "100ms", "-events", ep, "-events-connect"}, &out); err != nil {
+		t.Fatal(err)
+	}
+	if want := "events dials " + ep + " topic kv@engine-0@sim-1\n"; !strings.Contains(out.String(), want) || strings.Contains(out.String(), "%!") {
+		t.Errorf("output lacks %q:\n%s", want, out.String())
+	}
 
 	// The replay socket answers a DEALER with the batches of a request.
 	o := testOptions()
