@@ -67,9 +67,17 @@
 // writer; a full queue drops that subscriber's messages, and a
 // connection that accepts no byte for SendTimeout is closed); grow our
 // state (only subscriptions that match the topic are kept, as counts);
-// or make one replay request cost more than ReplayPerRequest batches
-// (each replay client is served on its own goroutine, one request at a
-// time, at the pace it reads).
+// make one replay request cost more than ReplayPerRequest batches (each
+// replay client is served on its own goroutine, one request at a time,
+// at the pace it reads); or hold a place while doing nothing: a
+// subscriber with no subscription is dropped after HandshakeTimeout (it
+// is sent nothing, so SendTimeout never ends it), a replay client after
+// ReplayIdleTimeout without a request. Nor can one address lock out the
+// others: handshakes, subscribers and replay clients are capped per
+// remote address (MaxPerAddress) as well as in total, and when a total
+// cap is reached a connection from an address that holds fewer takes
+// the place of the busiest address's oldest. A router on another
+// address always gets through while one address floods.
 //
 // # Interoperability
 //

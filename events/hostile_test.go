@@ -83,6 +83,13 @@ func (h *harness) subscribe() zmq4.Socket {
 // the subscriber received the batch that stores it.
 func (h *harness) roundTrip(n int) {
 	h.t.Helper()
+	h.awaitChain(h.msgs, h.sealChain(n))
+}
+
+// sealChain seals a new chain of n blocks, releases it, flushes the
+// publisher and returns the hash of the chain's first block.
+func (h *harness) sealChain(n int) uint64 {
+	h.t.Helper()
 	h.seed++
 	bt := h.bt
 	l, err := h.pool.Acquire("r", n)
@@ -103,20 +110,27 @@ func (h *harness) roundTrip(n int) {
 	}
 	l.Release()
 	flush(h.t, h.pub)
+	return uint64(first)
+}
+
+// awaitChain waits (up to 10 s) until msgs delivers the batch that
+// stores the chain starting with first.
+func (h *harness) awaitChain(msgs <-chan zmq4.Msg, first uint64) {
+	h.t.Helper()
 	timeout := time.After(10 * time.Second)
 	for {
 		select {
-		case m := <-h.msgs:
+		case m := <-msgs:
 			require.Len(h.t, m.Frames, 3)
 			b, err := DecodeBatch(m.Frames[2])
 			require.NoError(h.t, err)
 			for _, e := range b.Events {
-				if e.Type == "BlockStored" && len(e.BlockHashes) > 0 && e.BlockHashes[0] == uint64(first) {
+				if e.Type == "BlockStored" && len(e.BlockHashes) > 0 && e.BlockHashes[0] == first {
 					return
 				}
 			}
 		case <-timeout:
-			h.t.Fatalf("the subscriber never got chain %d; %+v", h.seed, h.pub.Stats())
+			h.t.Fatalf("the subscriber never got chain %x; %+v", first, h.pub.Stats())
 		}
 	}
 }

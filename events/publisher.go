@@ -59,7 +59,9 @@ const (
 	DefaultMaxPeerMessage   = 1 << 20
 	DefaultMaxSubscribers   = 64
 	DefaultMaxHandshakes    = 32
+	DefaultMaxPerAddress    = 8
 	DefaultSendTimeout      = 30 * time.Second
+	DefaultReplayIdle       = 30 * time.Second
 )
 
 // Config configures a Publisher. Every field has a default.
@@ -117,21 +119,37 @@ type Config struct {
 
 	// What any one peer (subscriber or replay client) may cost, on both
 	// sockets. HandshakeTimeout bounds a connection's ZMTP handshake
-	// (DefaultHandshakeTimeout); MaxPeerMessage the bytes of one message
+	// (DefaultHandshakeTimeout), and how long a subscriber may hold no
+	// subscription (from its handshake or its last CANCEL): one that
+	// subscribes to nothing is sent nothing, so only this ends it
+	// (Stats.IdleDrops). MaxPeerMessage bounds the bytes of one message
 	// or command a peer sends (DefaultMaxPeerMessage): a larger one ends
-	// the connection before anything is allocated for it. MaxSubscribers
-	// caps the established connections of each socket
+	// the connection before anything is allocated for it.
+	//
+	// MaxSubscribers caps the established connections of each socket
 	// (DefaultMaxSubscribers), MaxHandshakes those still in their
-	// handshake (DefaultMaxHandshakes); a connection over either cap is
-	// closed at once and counted (Stats.Refused). SendTimeout ends a
-	// connection that accepts no byte for that long (DefaultSendTimeout;
-	// negative: never); until then a subscriber that does not read only
-	// loses messages to its HWM.
-	HandshakeTimeout time.Duration
-	MaxPeerMessage   int
-	MaxSubscribers   int
-	MaxHandshakes    int
-	SendTimeout      time.Duration
+	// handshake (DefaultMaxHandshakes), and MaxPerAddress those of one
+	// remote address in each of the two (DefaultMaxPerAddress; an IPv6
+	// address counts by its /64, an ipc:// peer is one address). When a
+	// cap is full, a connection from an address that holds fewer than the
+	// busiest address takes the place of that address's oldest, which is
+	// closed: an address flooding the socket (or redialling as it is
+	// closed) never locks out a router from another. A connection refused
+	// or displaced is counted (Stats.Refused).
+	//
+	// SendTimeout ends a connection that accepts no byte for that long
+	// (DefaultSendTimeout; negative: never); until then a subscriber that
+	// does not read only loses messages to its HWM. ReplayIdleTimeout
+	// ends a replay client that sends no request for that long after its
+	// handshake or its last answer (DefaultReplayIdle; negative: never;
+	// Stats.IdleDrops): a DEALER reconnects by itself when it next asks.
+	HandshakeTimeout  time.Duration
+	MaxPeerMessage    int
+	MaxSubscribers    int
+	MaxHandshakes     int
+	MaxPerAddress     int
+	SendTimeout       time.Duration
+	ReplayIdleTimeout time.Duration
 
 	// Logger receives the bind-all warning and connection errors
 	// (slog.Default() when nil).
@@ -151,7 +169,8 @@ type Stats struct {
 	Resyncs        uint64 // AllBlocksCleared + snapshot re-announcements after a loss
 
 	SubscriberDrops  uint64 // messages dropped for one subscriber whose queue was at its HWM
-	Refused          uint64 // connections refused (over a cap) or closed in their handshake (timeout, protocol violation)
+	Refused          uint64 // connections refused or displaced (caps, see Config) or closed in their handshake (timeout, protocol violation)
+	IdleDrops        uint64 // subscribers dropped holding no subscription, replay clients dropped idle (see Config)
 	MalformedReplays uint64 // replay requests of the wrong shape, ignored
 }
 
@@ -162,7 +181,9 @@ type Stats struct {
 //	payload [ts float64, events, data_parallel_rank]
 //
 // Stored events of one chain that follow each other are merged into one
-// BlockStored; removals that follow each other into one BlockRemoved.
+// BlockStored (with their extra keys, one entry per block, as vLLM sends
+// the blocks a request filled); removals that follow each other into one
+// BlockRemoved.
 //
 // The publisher never blocks the allocator: pools buffer events in their
 // own bounded rings (a full ring drops and counts), a goroutine drains
@@ -243,7 +264,7 @@ func Start(ctx context.Context, cfg Config, sources ...Source) (*Publisher, erro
 		return nil, fmt.Errorf("events: no source: %w", ErrInvalidConfig)
 	}
 	if cfg.HWM < 0 || cfg.ReplayBatches < 0 || cfg.Queue < 0 || cfg.BatchEvents < 0 || cfg.ReplayPerRequest < 0 ||
-		cfg.HandshakeTimeout < 0 || cfg.MaxPeerMessage < 0 || cfg.MaxSubscribers < 0 || cfg.MaxHandshakes < 0 {
+		cfg.HandshakeTimeout < 0 || cfg.MaxPeerMessage < 0 || cfg.MaxSubscribers < 0 || cfg.MaxHandshakes < 0 || cfg.MaxPerAddress < 0 {
 		return nil, fmt.Errorf("events: negative size in %+v: %w", cfg, ErrInvalidConfig)
 	}
 	if cfg.Encoding > ArrayEncoding {
@@ -270,11 +291,15 @@ func Start(ctx context.Context, cfg Config, sources ...Source) (*Publisher, erro
 	cfg.MaxPeerMessage = cmpOr(cfg.MaxPeerMessage, DefaultMaxPeerMessage)
 	cfg.MaxSubscribers = cmpOr(cfg.MaxSubscribers, DefaultMaxSubscribers)
 	cfg.MaxHandshakes = cmpOr(cfg.MaxHandshakes, DefaultMaxHandshakes)
+	cfg.MaxPerAddress = cmpOr(cfg.MaxPerAddress, DefaultMaxPerAddress)
 	if cfg.HandshakeTimeout == 0 {
 		cfg.HandshakeTimeout = DefaultHandshakeTimeout
 	}
 	if cfg.SendTimeout == 0 {
 		cfg.SendTimeout = DefaultSendTimeout
+	}
+	if cfg.ReplayIdleTimeout == 0 {
+		cfg.ReplayIdleTimeout = DefaultReplayIdle
 	}
 	if cfg.Linger == 0 {
 		cfg.Linger = DefaultLinger
@@ -305,7 +330,8 @@ func Start(ctx context.Context, cfg Config, sources ...Source) (*Publisher, erro
 		p.srcs = append(p.srcs, &source{Source: s, rearm: make(chan struct{}, 1)})
 	}
 	lim := limits{handshake: cfg.HandshakeTimeout, maxMessage: cfg.MaxPeerMessage, maxConns: cfg.MaxSubscribers,
-		maxPending: cfg.MaxHandshakes, sendTimeout: cfg.SendTimeout, hwm: cfg.HWM}
+		maxPending: cfg.MaxHandshakes, perAddr: cfg.MaxPerAddress, sendTimeout: cfg.SendTimeout,
+		idle: cfg.ReplayIdleTimeout, hwm: cfg.HWM}
 	p.pub = newPubSocket(cfg.Topic, lim, cfg.Logger)
 	if cfg.Bind || ShouldBind(cfg.Endpoint) {
 		if err := p.pub.listen(ep); err != nil {
@@ -399,10 +425,11 @@ func (p *Publisher) Stats() Stats {
 		Batches: p.batches.Load(), Events: p.events.Load(), Blocks: p.blocks.Load(),
 		DroppedBatches: p.droppedBatches.Load(), DroppedEvents: p.droppedEvents.Load(),
 		Unpublishable: p.unpublishable.Load(), Resyncs: p.resyncs.Load(),
-		SubscriberDrops: p.pub.hwmDrops.Load(), Refused: p.pub.refused.Load(),
+		SubscriberDrops: p.pub.hwmDrops.Load(), Refused: p.pub.refused.Load(), IdleDrops: p.pub.idleDrops.Load(),
 	}
 	if p.replay != nil {
 		st.Refused += p.replay.refused.Load()
+		st.IdleDrops += p.replay.idleDrops.Load()
 		st.MalformedReplays = p.replay.malformed.Load()
 	}
 	return st
@@ -701,9 +728,19 @@ func (d *drainer) convert(s *source, evs []kvlease.KVEvent, dst []wireEvent, liv
 				loraName, loraID = e.LoraName, e.LoraID
 			}
 			if last != nil && last.tag == tagBlockStored && e.HasParent && last.medium == s.Medium &&
-				last.loraName == loraName && last.loraID == loraID && last.extraKeys == nil && e.ExtraKeys == nil &&
+				last.loraName == loraName && last.loraID == loraID &&
 				d.hashArena[lastSpan.hashHi-1] == uint64(e.ParentBlockHash) && last.blockSize == bs &&
 				lastSpan.hashHi-lastSpan.hashLo < maxMergedBlocks {
+				// The next block of the chain: one more in the same event,
+				// with or without extra keys, as vLLM sends the blocks a
+				// request filled (extra_keys then holds one entry per
+				// block, nil for a block without).
+				if len(e.ExtraKeys) > 0 || last.extraKeys != nil {
+					if last.extraKeys == nil {
+						last.extraKeys = make([][]string, lastSpan.hashHi-lastSpan.hashLo, lastSpan.hashHi-lastSpan.hashLo+1)
+					}
+					last.extraKeys = append(last.extraKeys, nilIfEmpty(e.ExtraKeys))
+				}
 				d.hashArena = append(d.hashArena, uint64(e.BlockHash))
 				d.tokArena = append(d.tokArena, e.TokenIDs...)
 				lastSpan.hashHi, lastSpan.tokHi = len(d.hashArena), len(d.tokArena)
@@ -717,8 +754,8 @@ func (d *drainer) convert(s *source, evs []kvlease.KVEvent, dst []wireEvent, liv
 			we := wireEvent{tag: tagBlockStored,
 				parent: uint64(e.ParentBlockHash), hasParent: e.HasParent, blockSize: bs,
 				medium: s.Medium, loraName: loraName, loraID: loraID}
-			if e.ExtraKeys != nil {
-				we.extraKeys = [][]string{e.ExtraKeys} // never merged: one block
+			if len(e.ExtraKeys) > 0 {
+				we.extraKeys = [][]string{e.ExtraKeys} // later blocks of the chain append theirs
 			}
 			dst = append(dst, we)
 		case kvlease.KVBlockRemoved:
@@ -752,6 +789,15 @@ func (d *drainer) convert(s *source, evs []kvlease.KVEvent, dst []wireEvent, liv
 		}
 	}
 	return dst
+}
+
+// nilIfEmpty is keys, or nil when there are none: a block without extra
+// keys is nil in extra_keys.
+func nilIfEmpty(keys []string) []string {
+	if len(keys) == 0 {
+		return nil
+	}
+	return keys
 }
 
 // maxMergedBlocks bounds one merged event (and so one message).

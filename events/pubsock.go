@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"encoding/binary"
+	"errors"
 	"log/slog"
 	"net"
 	"sync"
@@ -17,10 +18,13 @@ import (
 // SUB) and redials it when the connection ends. Each subscriber has its
 // own queue of at most hwm messages and its own writer goroutine, so a
 // subscriber that does not read loses messages (counted) and delays
-// nobody; its reader goroutine takes subscriptions. Handshakes run on
+// nobody; its reader goroutine takes subscriptions, and drops a
+// subscriber that holds none for a handshake timeout. Handshakes run on
 // their own goroutines with a deadline, at most maxPending at a time;
-// at most maxConns subscribers are served. Everything a peer sends is
-// size-checked before it is read (zmtp.go).
+// at most maxConns subscribers are served; both by remote address too
+// (peerTable: perAddr each, and a full table makes room for an address
+// that holds fewer). Everything a peer sends is size-checked before it
+// is read (zmtp.go).
 type pubSocket struct {
 	topic []byte
 	lim   limits
@@ -29,17 +33,18 @@ type pubSocket struct {
 	dial  endpoint     // connect mode
 
 	sockLife
-	conns   map[*subConn]struct{}
-	shaking map[net.Conn]struct{}      // connections in their handshake
+	conns   peerTable[*subConn]        // the established subscribers
+	shaking peerTable[net.Conn]        // connections in their handshake
 	list    atomic.Pointer[[]*subConn] // the established subscribers, for send (copy on write)
 
-	refused, hwmDrops atomic.Uint64
+	refused, hwmDrops, idleDrops atomic.Uint64
 }
 
 // subConn is one subscriber.
 type subConn struct {
 	s    *pubSocket
 	conn net.Conn
+	addr string // peerAddr(conn)
 
 	mu     sync.Mutex
 	counts []int64 // subscriptions to topic[:i], by i (others can never match)
@@ -62,7 +67,8 @@ type pubMsg struct {
 }
 
 func newPubSocket(topic string, lim limits, log *slog.Logger) *pubSocket {
-	s := &pubSocket{topic: []byte(topic), lim: lim, log: log, conns: map[*subConn]struct{}{}, shaking: map[net.Conn]struct{}{}, sockLife: newSockLife()}
+	s := &pubSocket{topic: []byte(topic), lim: lim, log: log, sockLife: newSockLife(),
+		conns: newPeerTable[*subConn](lim.perAddr, lim.maxConns), shaking: newPeerTable[net.Conn](lim.perAddr, lim.maxPending)}
 	s.list.Store(&[]*subConn{})
 	return s
 }
@@ -98,7 +104,7 @@ func (s *pubSocket) dialLoop() {
 				_ = conn.Close()
 				return
 			}
-			if c := s.serveHandshaken(conn, false); c != nil {
+			if c := s.serveHandshaken(conn, peerAddr(conn), false); c != nil {
 				backoff = 50 * time.Millisecond
 				select {
 				case <-c.gone:
@@ -156,21 +162,26 @@ func acceptLoop(ln net.Listener, done <-chan struct{}, log *slog.Logger, what st
 	}
 }
 
-// reserve takes a handshake slot for conn; false when closed or all are
-// taken.
+// reserve takes a handshake slot for conn (peerTable's rules); false
+// when closed or refused. A connection it displaces is closed: its
+// handshake fails and its goroutine counts the refusal.
 func (s *pubSocket) reserve(conn net.Conn) bool {
 	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.closed || len(s.shaking) >= s.lim.maxPending {
+	if s.closed {
+		s.mu.Unlock()
 		return false
 	}
-	s.shaking[conn] = struct{}{}
-	return true
+	victim, displaced, ok := s.shaking.admit(peerAddr(conn), conn)
+	s.mu.Unlock()
+	if displaced {
+		_ = victim.Close()
+	}
+	return ok
 }
 
 // accept runs a new connection's handshake on a goroutine of its own
-// (never on the accept loop), or refuses it at once when too many are
-// in their handshake.
+// (never on the accept loop), or refuses it at once when its address
+// (or every address) has too many in their handshake.
 func (s *pubSocket) accept(conn net.Conn) {
 	if !s.reserve(conn) {
 		s.refused.Inc()
@@ -180,31 +191,43 @@ func (s *pubSocket) accept(conn net.Conn) {
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
-		s.serveHandshaken(conn, true)
+		s.serveHandshaken(conn, peerAddr(conn), true)
 	}()
 }
 
-// serveHandshaken runs the handshake on conn (its slot reserved) and, if
-// it succeeds and there is room, starts serving the subscriber; nil when
-// the connection was refused or closed.
-func (s *pubSocket) serveHandshaken(conn net.Conn, asServer bool) *subConn {
+// serveHandshaken runs the handshake on conn (its slot reserved under
+// addr) and, if it succeeds and there is room, starts serving the
+// subscriber; nil when the connection was refused, displaced or closed.
+func (s *pubSocket) serveHandshaken(conn net.Conn, addr string, asServer bool) *subConn {
 	_, r, err := handshake(conn, "PUB", asServer, []string{"SUB", "XSUB"}, s.lim)
+	c := &subConn{s: s, conn: conn, addr: addr, counts: make([]int64, len(s.topic)+1),
+		notify: make(chan struct{}, 1), gone: make(chan struct{})}
 	s.mu.Lock()
-	delete(s.shaking, conn)
-	if err != nil || s.closed || len(s.conns) >= s.lim.maxConns {
+	held := s.shaking.remove(addr, conn) // false: displaced (and closed) meanwhile
+	var victim *subConn
+	displaced, ok := false, false
+	live := err == nil && held && !s.closed // handshaken and still wanted
+	if live {
+		victim, displaced, ok = s.conns.admit(addr, c)
+	}
+	if !ok {
 		s.mu.Unlock()
-		if err == nil && !s.closed {
-			s.log.Warn("events: subscriber refused: too many", "remote", conn.RemoteAddr(), "max", s.lim.maxConns)
+		if live {
+			s.log.Warn("events: subscriber refused: too many", "remote", conn.RemoteAddr(),
+				"max", s.lim.maxConns, "max_per_address", s.lim.perAddr)
 		}
 		s.refused.Inc()
 		_ = conn.Close()
 		return nil
 	}
-	c := &subConn{s: s, conn: conn, counts: make([]int64, len(s.topic)+1), notify: make(chan struct{}, 1), gone: make(chan struct{})}
-	s.conns[c] = struct{}{}
 	s.publishList()
 	s.wg.Add(2)
 	s.mu.Unlock()
+	if displaced {
+		s.log.Info("events: subscriber displaced by another address's", "remote", victim.conn.RemoteAddr(), "by", conn.RemoteAddr())
+		s.refused.Inc()
+		s.drop(victim)
+	}
 	go c.readLoop(r)
 	go c.writeLoop()
 	return c
@@ -223,18 +246,15 @@ func appendBatchHead(buf, topic []byte, seq uint64, n int) []byte {
 
 // publishList republishes the subscriber list; s.mu held.
 func (s *pubSocket) publishList() {
-	l := make([]*subConn, 0, len(s.conns))
-	for c := range s.conns {
-		l = append(l, c)
-	}
+	l := make([]*subConn, 0, s.conns.len())
+	s.conns.each(func(c *subConn) { l = append(l, c) })
 	s.list.Store(&l)
 }
 
 // drop forgets c and closes its connection (idempotent).
 func (s *pubSocket) drop(c *subConn) {
 	s.mu.Lock()
-	if _, ok := s.conns[c]; ok {
-		delete(s.conns, c)
+	if s.conns.remove(c.addr, c) {
 		s.publishList()
 	}
 	s.mu.Unlock()
@@ -313,15 +333,37 @@ func (c *subConn) writeLoop() {
 
 // readLoop takes the subscriber's subscriptions (ZMTP 3.0 messages and
 // 3.1 SUBSCRIBE/CANCEL commands) and answers PINGs, until the peer
-// breaks the protocol or leaves.
+// breaks the protocol or leaves, or holds no subscription for a
+// handshake timeout: a subscriber that subscribes to nothing is sent
+// nothing, so SendTimeout would never end it, and it would hold its
+// place forever.
 func (c *subConn) readLoop(r *bufio.Reader) {
 	defer c.s.wg.Done()
 	defer c.s.drop(c)
 	pr := peerReader{r: r, limit: c.s.lim.maxMessage}
+	armed := false // a read deadline is set: the subscriber holds nothing
 	for {
+		if subscribed := c.matches.Load(); subscribed == armed {
+			// Set when the last subscription goes (or at once), cleared
+			// by the first one; anything else the peer sends (a PING)
+			// does not move it.
+			var at time.Time
+			if !subscribed && c.s.lim.handshake > 0 {
+				at = time.Now().Add(c.s.lim.handshake)
+			}
+			if err := c.conn.SetReadDeadline(at); err != nil {
+				return
+			}
+			armed = !subscribed
+		}
 		cmd, data, frames, err := pr.next()
 		if err != nil {
-			if !isClosedErr(err) {
+			var ne net.Error
+			switch {
+			case armed && errors.As(err, &ne) && ne.Timeout():
+				c.s.idleDrops.Inc()
+				c.s.log.Info("events: subscriber dropped: no subscription", "remote", c.conn.RemoteAddr(), "after", c.s.lim.handshake)
+			case !isClosedErr(err):
 				c.s.log.Info("events: subscriber closed", "remote", c.conn.RemoteAddr(), "err", err)
 			}
 			return
@@ -397,12 +439,10 @@ func (s *pubSocket) addr() net.Addr {
 func (s *pubSocket) close() error {
 	var conns []*subConn
 	if !s.shut(func() {
-		for c := range s.conns {
-			conns = append(conns, c)
-		}
-		for conn := range s.shaking {
+		s.conns.each(func(c *subConn) { conns = append(conns, c) })
+		s.shaking.each(func(conn net.Conn) {
 			_ = conn.Close() // its handshake fails now, not at its deadline
-		}
+		})
 	}) {
 		return nil
 	}

@@ -3,10 +3,12 @@ package events
 import (
 	"bufio"
 	"encoding/binary"
+	"errors"
 	"log/slog"
 	"net"
 	"sort"
 	"sync"
+	"time"
 
 	"go.uber.org/atomic"
 )
@@ -60,10 +62,11 @@ var replayEnd = binary.BigEndian.AppendUint64(nil, replayEndSeq)
 // and REQ clients see it (ZMTP 3.x, NULL mechanism). Each client has its
 // own goroutine, which reads one request, writes its answer and only
 // then reads the next: a client that stops reading stalls only itself
-// (its writes time out after sendTimeout and it is dropped). An answer
-// holds at most perRequest batches, however far back the request
-// starts. The same limits as the PUB socket bound handshakes and
-// connections.
+// (its writes time out after sendTimeout and it is dropped), and one
+// that sends no request for lim.idle is dropped too. An answer holds at
+// most perRequest batches, however far back the request starts. The
+// same limits as the PUB socket bound handshakes and clients, in total
+// and by remote address (peerTable).
 type replaySocket struct {
 	topic      []byte
 	ring       *replayRing
@@ -73,15 +76,15 @@ type replaySocket struct {
 	ln         net.Listener
 
 	sockLife
-	conns   map[net.Conn]struct{} // established clients and handshakes
-	shaking int
+	conns   peerTable[net.Conn] // established clients
+	shaking peerTable[net.Conn] // connections in their handshake
 
-	refused, malformed atomic.Uint64
+	refused, malformed, idleDrops atomic.Uint64
 }
 
 func newReplaySocket(topic string, ring *replayRing, perRequest int, lim limits, log *slog.Logger) *replaySocket {
-	return &replaySocket{topic: []byte(topic), ring: ring, perRequest: perRequest, lim: lim, log: log,
-		conns: map[net.Conn]struct{}{}, sockLife: newSockLife()}
+	return &replaySocket{topic: []byte(topic), ring: ring, perRequest: perRequest, lim: lim, log: log, sockLife: newSockLife(),
+		conns: newPeerTable[net.Conn](lim.perAddr, lim.maxConns), shaking: newPeerTable[net.Conn](lim.perAddr, lim.maxPending)}
 }
 
 func (s *replaySocket) listen(ep endpoint) error {
@@ -90,34 +93,58 @@ func (s *replaySocket) listen(ep endpoint) error {
 	return err
 }
 
+// accept takes a handshake slot for conn and serves it on a goroutine
+// of its own: the handshake, then (with a client slot) its requests.
+// A connection refused by either table is closed at once; one displaced
+// from either (by an address that holds fewer) is closed, and its own
+// goroutine counts it.
 func (s *replaySocket) accept(conn net.Conn) {
+	addr := peerAddr(conn)
 	s.mu.Lock()
-	if s.closed || s.shaking >= s.lim.maxPending || len(s.conns)-s.shaking >= s.lim.maxConns {
+	if s.closed {
 		s.mu.Unlock()
 		s.refused.Inc()
 		_ = conn.Close()
 		return
 	}
-	s.conns[conn] = struct{}{}
-	s.shaking++
-	s.wg.Add(1)
+	victim, displaced, ok := s.shaking.admit(addr, conn)
+	if ok {
+		s.wg.Add(1)
+	}
 	s.mu.Unlock()
+	if displaced {
+		_ = victim.Close()
+	}
+	if !ok {
+		s.refused.Inc()
+		_ = conn.Close()
+		return
+	}
 	go func() {
 		defer s.wg.Done()
-		defer func() {
-			s.mu.Lock()
-			delete(s.conns, conn)
-			s.mu.Unlock()
-			_ = conn.Close()
-		}()
+		defer conn.Close()
 		_, r, err := handshake(conn, "ROUTER", true, []string{"DEALER", "REQ", "ROUTER"}, s.lim)
 		s.mu.Lock()
-		s.shaking--
+		held := s.shaking.remove(addr, conn)
+		victim, displaced, ok := conn, false, false
+		if err == nil && held && !s.closed {
+			victim, displaced, ok = s.conns.admit(addr, conn)
+		}
 		s.mu.Unlock()
-		if err != nil {
+		if displaced {
+			_ = victim.Close()
+		}
+		if !ok {
 			s.refused.Inc()
 			return
 		}
+		defer func() {
+			s.mu.Lock()
+			if !s.conns.remove(addr, conn) {
+				s.refused.Inc() // displaced while served
+			}
+			s.mu.Unlock()
+		}()
 		s.serve(conn, r)
 	}()
 }
@@ -126,16 +153,32 @@ func (s *replaySocket) accept(conn net.Conn) {
 // big-endian)] is answered [empty, topic, seq, payload] per kept batch
 // with seq ≥ start_seq (at most perRequest of them), then [empty, empty,
 // 0xFF×8, empty]. A request of any other shape is ignored and counted; a
-// protocol violation ends the connection.
+// protocol violation ends the connection, and so does lim.idle without
+// a request (a PING or an ignored request does not count as one), from
+// the handshake or the last answer.
 func (s *replaySocket) serve(conn net.Conn, r *bufio.Reader) {
 	pr := peerReader{r: r, limit: s.lim.maxMessage}
 	w := bufio.NewWriterSize(deadlineWriter{conn, s.lim.sendTimeout}, 64<<10)
 	var seqs []uint64
 	var msgs [][]byte
 	var hdr []byte
+	idle := func() bool { // arms the idle deadline; false if the connection is gone
+		if s.lim.idle <= 0 {
+			return true
+		}
+		return conn.SetReadDeadline(time.Now().Add(s.lim.idle)) == nil
+	}
+	if !idle() {
+		return
+	}
 	for {
 		cmd, data, frames, err := pr.next()
 		if err != nil {
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() {
+				s.idleDrops.Inc()
+				s.log.Info("events: replay client dropped: idle", "remote", conn.RemoteAddr(), "after", s.lim.idle)
+			}
 			return
 		}
 		switch {
@@ -172,7 +215,7 @@ func (s *replaySocket) serve(conn net.Conn, r *bufio.Reader) {
 		hdr = appendFrameHeader(hdr[:0], flagMore, 0)
 		hdr = appendBatchHead(hdr, nil, replayEndSeq, 0)
 		_, _ = w.Write(hdr)
-		if err := w.Flush(); err != nil {
+		if err := w.Flush(); err != nil || !idle() {
 			return
 		}
 	}
@@ -194,14 +237,13 @@ func (s *replaySocket) addr() net.Addr { return s.ln.Addr() }
 func (s *replaySocket) clients() int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return len(s.conns)
+	return s.conns.len() + s.shaking.len()
 }
 
 func (s *replaySocket) close() error {
 	if !s.shut(func() {
-		for c := range s.conns {
-			_ = c.Close()
-		}
+		s.conns.each(func(c net.Conn) { _ = c.Close() })
+		s.shaking.each(func(c net.Conn) { _ = c.Close() })
 	}) {
 		return nil
 	}

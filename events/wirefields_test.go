@@ -84,8 +84,11 @@ func rawTokens(t *testing.T, top []any, enc Encoding) []uint64 {
 }
 
 // A lease's adapter tags its blocks' BlockStored (overriding the
-// source's), extra keys go out per block, and neither is merged into a
-// neighbour of another tag or with keys.
+// source's) and is never merged into a neighbour of another tag; extra
+// keys go out per block, and blocks with them are merged into their
+// chain's event like any other (vLLM sends the blocks a request filled
+// in one BlockStored, extra_keys holding one entry per block, nil where
+// a block has none).
 func TestAdapterTagsAndExtraKeys(t *testing.T) {
 	toks := func(b int32) []int32 { return []int32{b, b + 1} }
 	evs := []kvlease.KVEvent{
@@ -95,6 +98,12 @@ func TestAdapterTagsAndExtraKeys(t *testing.T) {
 		{Seq: 4, Kind: kvlease.KVBlockStored, BlockHash: 4, ParentBlockHash: 3, HasParent: true, TokenIDs: toks(6), BlockSize: 2, LoraID: 1, LoraName: "sql", ExtraKeys: []string{"img:9", ""}},
 		{Seq: 5, Kind: kvlease.KVBlockStored, BlockHash: 5, ParentBlockHash: 4, HasParent: true, TokenIDs: toks(8), BlockSize: 2, LoraID: 1, LoraName: "sql"},
 		{Seq: 6, Kind: kvlease.KVBlockStored, BlockHash: 6, ParentBlockHash: 5, HasParent: true, TokenIDs: toks(10), BlockSize: 2, LoraID: 1, LoraName: "sql"},
+		// A new chain whose first two blocks hold an image, then text.
+		{Seq: 7, Kind: kvlease.KVBlockStored, BlockHash: 7, TokenIDs: toks(12), BlockSize: 2, ExtraKeys: []string{"img:1"}},
+		{Seq: 8, Kind: kvlease.KVBlockStored, BlockHash: 8, ParentBlockHash: 7, HasParent: true, TokenIDs: toks(14), BlockSize: 2, ExtraKeys: []string{"img:1", "salt"}},
+		{Seq: 9, Kind: kvlease.KVBlockStored, BlockHash: 9, ParentBlockHash: 8, HasParent: true, TokenIDs: toks(16), BlockSize: 2, ExtraKeys: []string{}},
+		// Not its parent's child: a new event.
+		{Seq: 10, Kind: kvlease.KVBlockStored, BlockHash: 10, ParentBlockHash: 1, HasParent: true, TokenIDs: toks(18), BlockSize: 2, ExtraKeys: []string{"img:2"}},
 	}
 	d := &drainer{p: &Publisher{}}
 	src := &source{Source: Source{LoraName: "base-tag", LoraID: 7}}
@@ -120,9 +129,9 @@ func TestAdapterTagsAndExtraKeys(t *testing.T) {
 		}
 		want := []got{
 			{hashes: []uint64{1}, lora: "base-tag", id: 7},
-			{hashes: []uint64{2, 3}, lora: "sql", id: 1},
-			{hashes: []uint64{4}, lora: "sql", id: 1, extra: [][]string{{"img:9", ""}}},
-			{hashes: []uint64{5, 6}, lora: "sql", id: 1},
+			{hashes: []uint64{2, 3, 4, 5, 6}, lora: "sql", id: 1, extra: [][]string{nil, nil, {"img:9", ""}, nil, nil}},
+			{hashes: []uint64{7, 8, 9}, lora: "base-tag", id: 7, extra: [][]string{{"img:1"}, {"img:1", "salt"}, nil}},
+			{hashes: []uint64{10}, lora: "base-tag", id: 7, extra: [][]string{{"img:2"}}},
 		}
 		if len(out) != len(want) {
 			t.Fatalf("%v: %d events %+v", enc, len(out), out)

@@ -61,6 +61,8 @@ type limits struct {
 	maxMessage  int           // bytes a peer may send in one message or command
 	maxConns    int           // established peers
 	maxPending  int           // peers still in their handshake
+	perAddr     int           // of each of the two, from one remote address (peerTable)
+	idle        time.Duration // replay: a client that sends no request this long is dropped (≤ 0: never)
 	sendTimeout time.Duration // a write that makes no progress this long ends the peer (≤ 0: never)
 	hwm         int           // messages queued for one peer; more are dropped
 }

@@ -29,7 +29,7 @@ func (c scriptConn) SetReadDeadline(time.Time) error  { return nil }
 func (c scriptConn) SetWriteDeadline(time.Time) error { return nil }
 
 func testLimits() limits {
-	return limits{handshake: time.Second, maxMessage: 4096, maxConns: 4, maxPending: 4, hwm: 4}
+	return limits{handshake: time.Second, maxMessage: 4096, maxConns: 4, maxPending: 4, perAddr: 4, hwm: 4}
 }
 
 func TestGreetingRoundTrip(t *testing.T) {
@@ -270,7 +270,7 @@ func TestSocketsCloseOnce(t *testing.T) {
 	require.Eventually(t, func() bool {
 		pub.mu.Lock()
 		defer pub.mu.Unlock()
-		return len(pub.shaking) == 1
+		return pub.shaking.len() == 1
 	}, 5*time.Second, time.Millisecond)
 	for range 2 {
 		require.NoError(t, pub.close())

@@ -1,37 +1,26 @@
 package main
 
 import (
-	"bytes"
+	"context"
 	"crypto/sha256"
+	"crypto/subtle"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"net/http"
+	"slices"
 	"strings"
 	"time"
 
 	"github.com/kvlease/kvlease"
 )
 
-// The OpenAI-style API: GET /v1/models and POST /v1/completions, streamed
-// (server-sent events) or not, with usage as vLLM reports it.
-
-// maxBody bounds a request body: a prompt of MaxContext token ids written
-// as 10-digit numbers fits many times over.
-const maxBody = 4 << 20
-
-type completionRequest struct {
-	Model         string          `json:"model"`
-	Prompt        json.RawMessage `json:"prompt"`
-	MaxTokens     *int            `json:"max_tokens"`
-	Stream        bool            `json:"stream"`
-	StreamOptions *struct {
-		IncludeUsage bool `json:"include_usage"`
-	} `json:"stream_options"`
-	IgnoreEOS bool   `json:"ignore_eos"` // vLLM's extension
-	CacheSalt string `json:"cache_salt"` // vLLM's: a namespace within the model (public, so not isolation)
-}
+// The OpenAI-style API: GET /v1/models, POST /v1/completions and POST
+// /v1/chat/completions, streamed (server-sent events) or not, with usage
+// as vLLM reports it; vLLM's adapter endpoints for an admin. Every
+// answer that is not a success is OpenAI's JSON error (apierror.go),
+// unknown paths and methods included.
 
 type usage struct {
 	PromptTokens        int                  `json:"prompt_tokens"`
@@ -60,116 +49,147 @@ type completion struct {
 	Usage   *usage   `json:"usage,omitempty"`
 }
 
-type apiError struct {
-	Error struct {
-		Message string `json:"message"`
-		Type    string `json:"type"`
-		Code    int    `json:"code"`
-	} `json:"error"`
+type chatMessageOut struct {
+	Role    string  `json:"role,omitempty"`
+	Content *string `json:"content,omitempty"`
 }
 
-// errBadRequest marks a request the client must fix (HTTP 400).
-var errBadRequest = errors.New("invalid request")
-
-// parseCompletion reads and checks a completion request: the body at most
-// maxBody bytes, one prompt (a string, or an array of token ids each
-// below the vocabulary), max_tokens (default 16) at least 1. Every
-// refusal wraps errBadRequest.
-func parseCompletion(body io.Reader) (completionRequest, []uint32, error) {
-	var req completionRequest
-	data, err := io.ReadAll(io.LimitReader(body, maxBody+1))
-	if err != nil {
-		return req, nil, fmt.Errorf("read body: %v: %w", err, errBadRequest)
-	}
-	if len(data) > maxBody {
-		return req, nil, fmt.Errorf("body over %d bytes: %w", maxBody, errBadRequest)
-	}
-	dec := json.NewDecoder(bytes.NewReader(data))
-	if err := dec.Decode(&req); err != nil {
-		return req, nil, fmt.Errorf("body is not a completion request: %v: %w", err, errBadRequest)
-	}
-	if req.MaxTokens == nil {
-		n := 16
-		req.MaxTokens = &n
-	}
-	if *req.MaxTokens < 1 {
-		return req, nil, fmt.Errorf("max_tokens %d must be at least 1: %w", *req.MaxTokens, errBadRequest)
-	}
-	prompt, err := parsePrompt(req.Prompt)
-	if err != nil {
-		return req, nil, err
-	}
-	return req, prompt, nil
+type chatChoice struct {
+	Index        int             `json:"index"`
+	Message      *chatMessageOut `json:"message,omitempty"`
+	Delta        *chatMessageOut `json:"delta,omitempty"`
+	Logprobs     any             `json:"logprobs"`
+	FinishReason *string         `json:"finish_reason"`
 }
 
-// parsePrompt accepts a string, a one-element array of strings, or an
-// array of token ids (OpenAI's forms for one prompt).
-func parsePrompt(raw json.RawMessage) ([]uint32, error) {
-	raw = bytes.TrimSpace(raw)
-	var prompt []uint32
-	switch {
-	case len(raw) == 0 || string(raw) == "null":
-		return nil, fmt.Errorf("no prompt: %w", errBadRequest)
-	case raw[0] == '"':
-		var s string
-		if err := json.Unmarshal(raw, &s); err != nil {
-			return nil, fmt.Errorf("prompt: %v: %w", err, errBadRequest)
-		}
-		prompt = tokenize(s)
-	case raw[0] == '[':
-		var ids []uint32
-		if err := json.Unmarshal(raw, &ids); err == nil {
-			prompt = ids
-			break
-		}
-		var texts []string
-		if err := json.Unmarshal(raw, &texts); err != nil || len(texts) != 1 {
-			return nil, fmt.Errorf("prompt must be a string, one string in an array, or token ids (batched prompts are not served): %w", errBadRequest)
-		}
-		prompt = tokenize(texts[0])
-	default:
-		return nil, fmt.Errorf("prompt must be a string or token ids: %w", errBadRequest)
-	}
-	if len(prompt) == 0 {
-		return nil, fmt.Errorf("empty prompt: %w", errBadRequest)
-	}
-	for i, id := range prompt {
-		if id >= vocab {
-			return nil, fmt.Errorf("token %d of the prompt is %d, the vocabulary has %d: %w", i, id, vocab, errBadRequest)
-		}
-	}
-	return prompt, nil
+type chatCompletion struct {
+	ID      string       `json:"id"`
+	Object  string       `json:"object"`
+	Created int64        `json:"created"`
+	Model   string       `json:"model"`
+	Choices []chatChoice `json:"choices"`
+	Usage   *usage       `json:"usage,omitempty"`
 }
 
 // server is the HTTP face of an Engine.
 type server struct {
 	e   *Engine
 	now func() time.Time
+	// adminKey is the SHA-256 of the key the adapter endpoints require;
+	// openAdmin serves them to anyone; with neither they are refused.
+	adminKey  *[sha256.Size]byte
+	openAdmin bool
 }
 
-func (s *server) routes(mux *http.ServeMux) {
-	mux.HandleFunc("GET /v1/models", s.models)
-	mux.HandleFunc("POST /v1/completions", s.completions)
-	mux.HandleFunc("POST /v1/load_lora_adapter", s.loadAdapter(true))
-	mux.HandleFunc("POST /v1/unload_lora_adapter", s.loadAdapter(false))
-	mux.HandleFunc("GET /health", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
+// routes registers the API on mux, with extra GET endpoints (/metrics).
+func (s *server) routes(mux *http.ServeMux, extra map[string]http.Handler) {
+	route(mux, "/v1/models", map[string]http.HandlerFunc{"GET": s.models})
+	route(mux, "/v1/completions", map[string]http.HandlerFunc{"POST": s.completions})
+	route(mux, "/v1/chat/completions", map[string]http.HandlerFunc{"POST": s.chat})
+	route(mux, "/v1/load_lora_adapter", map[string]http.HandlerFunc{"POST": s.loadAdapter(true)})
+	route(mux, "/v1/unload_lora_adapter", map[string]http.HandlerFunc{"POST": s.loadAdapter(false)})
+	route(mux, "/health", map[string]http.HandlerFunc{"GET": func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) }})
+	for path, h := range extra {
+		route(mux, path, map[string]http.HandlerFunc{"GET": h.ServeHTTP})
+	}
+	route(mux, "/", nil)
+}
+
+// route serves path's methods on mux, and answers any other method with
+// a JSON 405 (Allow listing the served ones). Path "/" with no methods
+// is the catch-all: a JSON 404 for every path nothing else serves.
+func route(mux *http.ServeMux, path string, methods map[string]http.HandlerFunc) {
+	if methods == nil {
+		mux.HandleFunc(path, func(w http.ResponseWriter, r *http.Request) {
+			writeError(w, &apiError{status: http.StatusNotFound, typ: invalidRequest, code: "unknown_url",
+				msg: fmt.Sprintf("no such endpoint: %s %s", r.Method, r.URL.Path)})
+		})
+		return
+	}
+	var allow []string
+	for m := range methods {
+		allow = append(allow, m)
+	}
+	slices.Sort(allow)
+	mux.HandleFunc(path, func(w http.ResponseWriter, r *http.Request) {
+		m := r.Method
+		if m == http.MethodHead {
+			m = http.MethodGet // net/http writes no body for a HEAD
+		}
+		if h, ok := methods[m]; ok {
+			h(w, r)
+			return
+		}
+		w.Header().Set("Allow", strings.Join(allow, ", "))
+		writeError(w, &apiError{status: http.StatusMethodNotAllowed, typ: invalidRequest, code: "method_not_allowed",
+			msg: fmt.Sprintf("%s %s is not served (%s is)", r.Method, path, strings.Join(allow, ", "))})
+	})
+}
+
+// bearer is the request's bearer token ("" when it has none).
+func bearer(r *http.Request) string {
+	b, _ := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
+	return b
+}
+
+// tenant authenticates the request's bearer key when tenants are on: it
+// runs before the body is read, so a client without a key costs its
+// headers and no more.
+func (s *server) tenant(r *http.Request) (string, error) {
+	if len(s.e.tenants) == 0 {
+		return "", nil
+	}
+	key := bearer(r)
+	t, ok := s.e.tenants[sha256.Sum256([]byte(key))]
+	if !ok || key == "" {
+		return "", errUnauthorized
+	}
+	return t, nil
+}
+
+// admin authorizes the adapter endpoints: the admin key, compared by
+// digest in constant time; refused outright when none is configured,
+// unless the engine was started with them open.
+func (s *server) admin(r *http.Request) error {
+	switch {
+	case s.openAdmin:
+		return nil
+	case s.adminKey == nil:
+		return errAdminDisabled
+	}
+	got := sha256.Sum256([]byte(bearer(r)))
+	if bearer(r) == "" || subtle.ConstantTimeCompare(got[:], s.adminKey[:]) != 1 {
+		return errAdminKey
+	}
+	return nil
 }
 
 // loadAdapter serves vLLM's adapter endpoints for the adapters this
 // engine serves: unloading lowers the adapter's cached blocks to the first
 // evicted, loading raises them back. (The simulated model has no weights
-// to load.)
+// to load.) Only an admin may: either call re-classes the blocks of every
+// tenant that used the adapter.
 func (s *server) loadAdapter(loaded bool) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
+		if err := s.admin(r); err != nil {
+			writeError(w, err)
+			return
+		}
 		var req struct {
 			LoraName string `json:"lora_name"`
 		}
-		if err := json.NewDecoder(io.LimitReader(r.Body, 64<<10)).Decode(&req); err != nil {
-			writeError(w, http.StatusBadRequest, fmt.Errorf("%v: %w", err, errBadRequest))
+		data, err := io.ReadAll(http.MaxBytesReader(w, r.Body, 64<<10))
+		if err != nil {
+			writeError(w, errTooLarge)
+			return
+		}
+		if err := decode(data, &req); err != nil {
+			writeError(w, err)
 			return
 		}
 		if err := s.e.SetAdapterLoaded(req.LoraName, loaded); err != nil {
-			writeError(w, http.StatusNotFound, err)
+			writeError(w, &apiError{status: http.StatusNotFound, typ: invalidRequest, code: "adapter_not_found", param: "lora_name",
+				msg: fmt.Sprintf("the adapter %q is not served", req.LoraName)})
 			return
 		}
 		w.WriteHeader(http.StatusOK)
@@ -201,103 +221,183 @@ func (s *server) models(w http.ResponseWriter, _ *http.Request) {
 	writeJSON(w, http.StatusOK, out)
 }
 
-func (s *server) completions(w http.ResponseWriter, r *http.Request) {
-	req, prompt, err := parseCompletion(http.MaxBytesReader(w, r.Body, maxBody+1))
+// accepted is a request the engine took: its parameters and its
+// scheduler request.
+type accepted struct {
+	model        string
+	stream       bool
+	includeUsage bool
+	rq           *request
+	created      int64
+}
+
+// submit authenticates, reads and parses a request (parse is the
+// endpoint's parser) and submits it to the engine; nil after it has
+// answered with an error.
+func (s *server) submit(w http.ResponseWriter, r *http.Request, parse func([]byte) (commonRequest, []uint32, error)) *accepted {
+	tenant, err := s.tenant(r) // before a byte of the body is read
 	if err != nil {
-		writeError(w, http.StatusBadRequest, err)
-		return
+		writeError(w, err)
+		return nil
+	}
+	data, err := readBody(w, r)
+	if err != nil {
+		writeError(w, err)
+		return nil
+	}
+	req, prompt, err := parse(data)
+	if err != nil {
+		writeError(w, err)
+		return nil
 	}
 	if req.Model == "" {
 		req.Model = s.e.cfg.Model
 	}
-	tenant := ""
-	if len(s.e.tenants) > 0 {
-		bearer, _ := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
-		var ok bool
-		if tenant, ok = s.e.tenants[sha256.Sum256([]byte(bearer))]; !ok || bearer == "" {
-			writeError(w, http.StatusUnauthorized, errors.New("a valid API key is required"))
-			return
-		}
+	if _, ok := s.e.seeds[req.Model]; !ok {
+		writeError(w, notFoundModel(req.Model))
+		return nil
 	}
-	ctx := r.Context() // ends when the client goes away: the scheduler then aborts the request
-	rq, err := s.e.Submit(ctx, tenant, req.Model, req.CacheSalt, prompt, *req.MaxTokens, req.IgnoreEOS)
+	if n, limit := len(prompt)+*req.MaxTokens, s.e.cfg.MaxContext; n > limit {
+		writeError(w, badParam("max_tokens", "context_length_exceeded",
+			"this model's maximum context length is %d tokens; the request asks for %d (%d in the prompt, %d to generate)",
+			limit, n, len(prompt), *req.MaxTokens))
+		return nil
+	}
+	rq, err := s.e.Submit(r.Context(), tenant, req.Model, req.CacheSalt, prompt, *req.MaxTokens, req.IgnoreEOS)
 	switch {
-	case errors.Is(err, errNoModel):
-		writeError(w, http.StatusNotFound, err)
-		return
+	case errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
+		return nil // the client is gone
 	case errors.Is(err, kvlease.ErrInvalidArgument), errors.Is(err, kvlease.ErrExceedsCapacity):
-		writeError(w, http.StatusBadRequest, err) // the envelope refused it: it can never run here
-		return
+		writeError(w, badParam("", "invalid_value", "the engine's limits refuse this request (prompt %d tokens, max_tokens %d)",
+			len(prompt), *req.MaxTokens))
+		return nil
 	case err != nil:
-		writeError(w, http.StatusServiceUnavailable, err)
+		writeError(w, err)
+		return nil
+	}
+	return &accepted{model: req.Model, stream: req.Stream, rq: rq, created: s.now().Unix(),
+		includeUsage: req.StreamOptions != nil && req.StreamOptions.IncludeUsage}
+}
+
+func (s *server) completions(w http.ResponseWriter, r *http.Request) {
+	a := s.submit(w, r, func(data []byte) (commonRequest, []uint32, error) {
+		req, prompt, err := parseCompletion(data)
+		return req.commonRequest, prompt, err
+	})
+	if a == nil {
 		return
 	}
-	base := completion{ID: rq.id, Object: "text_completion", Created: s.now().Unix(), Model: req.Model}
-	if !req.Stream {
+	base := completion{ID: "cmpl-" + a.rq.id, Object: "text_completion", Created: a.created, Model: a.model}
+	s.respond(w, r, a, func(text string, finish *string, u *usage) any {
+		c := base
+		c.Choices = []choice{{Text: text, FinishReason: finish}}
+		if u != nil && finish == nil { // the stream's usage chunk
+			c.Choices = []choice{}
+		}
+		c.Usage = u
+		return c
+	})
+}
+
+func (s *server) chat(w http.ResponseWriter, r *http.Request) {
+	a := s.submit(w, r, func(data []byte) (commonRequest, []uint32, error) {
+		req, prompt, err := parseChat(data)
+		return req.commonRequest, prompt, err
+	})
+	if a == nil {
+		return
+	}
+	base := chatCompletion{ID: "chatcmpl-" + a.rq.id, Object: "chat.completion", Created: a.created, Model: a.model}
+	if a.stream {
+		base.Object = "chat.completion.chunk"
+	}
+	first := true
+	s.respond(w, r, a, func(text string, finish *string, u *usage) any {
+		c := base
+		switch {
+		case !a.stream:
+			c.Choices = []chatChoice{{Message: &chatMessageOut{Role: "assistant", Content: &text}, FinishReason: finish}}
+			c.Usage = u
+		case u != nil && finish == nil: // the stream's usage chunk
+			c.Choices, c.Usage = []chatChoice{}, u
+		default:
+			d := &chatMessageOut{Content: &text}
+			if first {
+				d.Role, first = "assistant", false
+			}
+			c.Choices = []chatChoice{{Delta: d, FinishReason: finish}}
+		}
+		return c
+	})
+}
+
+// respond hands a request's output to its client: one JSON answer when
+// it finishes, or server-sent events as tokens come; shape builds each
+// object from the text, the finish reason (nil: more to come) and the
+// usage (with the finish; alone, it is the stream's usage chunk).
+func (s *server) respond(w http.ResponseWriter, r *http.Request, a *accepted, shape func(text string, finish *string, u *usage) any) {
+	ctx, rq := r.Context(), a.rq
+	defer s.e.Taken() // gone or done: the scheduler may have work to drop
+	if !a.stream {
 		var text strings.Builder
 		for {
 			select {
 			case o := <-rq.out:
-				if o.err != nil {
-					writeError(w, http.StatusServiceUnavailable, o.err)
-					return
-				}
+				s.e.Taken()
 				text.WriteString(detokenize(o.token))
 				if o.finish != "" {
-					base.Choices = []choice{{Text: text.String(), FinishReason: &o.finish}}
-					base.Usage = &o.usage
-					writeJSON(w, http.StatusOK, base)
+					writeJSON(w, http.StatusOK, shape(text.String(), &o.finish, &o.usage))
 					return
 				}
+			case <-rq.failed:
+				writeError(w, rq.err)
+				return
 			case <-ctx.Done():
 				return
 			}
 		}
 	}
-	includeUsage := req.StreamOptions != nil && req.StreamOptions.IncludeUsage
 	w.Header().Set("Content-Type", "text/event-stream")
 	w.Header().Set("Cache-Control", "no-cache")
 	w.WriteHeader(http.StatusOK)
-	flusher, _ := w.(http.Flusher)
-	send := func(c completion) bool {
-		b, _ := json.Marshal(c)
+	rc := http.NewResponseController(w)
+	send := func(v any) bool {
+		b, _ := json.Marshal(v)
+		// A client that takes no byte for a minute is gone: its request
+		// ends like any other whose client left.
+		_ = rc.SetWriteDeadline(time.Now().Add(time.Minute))
 		if _, err := fmt.Fprintf(w, "data: %s\n\n", b); err != nil {
 			return false
 		}
-		if flusher != nil {
-			flusher.Flush()
-		}
-		return true
+		return rc.Flush() == nil
 	}
 	for {
 		select {
 		case o := <-rq.out:
-			if o.err != nil {
-				var e apiError
-				e.Error.Message, e.Error.Type, e.Error.Code = o.err.Error(), "server_error", http.StatusServiceUnavailable
-				b, _ := json.Marshal(e)
-				fmt.Fprintf(w, "data: %s\n\n", b)
-				return
-			}
-			c := base
-			ch := choice{Text: detokenize(o.token)}
+			s.e.Taken()
+			var finish *string
 			if o.finish != "" {
-				ch.FinishReason = &o.finish
+				finish = &o.finish
 			}
-			c.Choices = []choice{ch}
-			if !send(c) {
+			if !send(shape(detokenize(o.token), finish, nil)) {
 				return // the client is gone; ctx ends and the scheduler aborts
 			}
-			if o.finish != "" {
-				if includeUsage {
-					c := base
-					c.Choices = []choice{}
-					c.Usage = &o.usage
-					send(c)
+			if finish != nil {
+				if a.includeUsage {
+					send(shape("", nil, &o.usage))
 				}
 				fmt.Fprint(w, "data: [DONE]\n\n")
 				return
 			}
+		case <-rq.failed:
+			// The tokens it made before it failed go first.
+			for len(rq.out) > 0 {
+				if !send(shape(detokenize((<-rq.out).token), nil, nil)) {
+					return
+				}
+			}
+			send(toAPIError(rq.err).body())
+			return
 		case <-ctx.Done():
 			return
 		}
@@ -308,15 +408,4 @@ func writeJSON(w http.ResponseWriter, code int, v any) {
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(code)
 	_ = json.NewEncoder(w).Encode(v)
-}
-
-func writeError(w http.ResponseWriter, code int, err error) {
-	var e apiError
-	e.Error.Message = err.Error()
-	e.Error.Type = map[int]string{400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}[code]
-	if e.Error.Type == "" {
-		e.Error.Type = "ServiceUnavailableError"
-	}
-	e.Error.Code = code
-	writeJSON(w, code, e)
 }

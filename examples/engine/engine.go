@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -34,6 +35,10 @@ type Config struct {
 	// it decodes a token for.
 	PrefillBlockTime time.Duration
 	DecodeTokenTime  time.Duration
+	// MaxWaiting bounds the requests queued for the running batch: one
+	// more is refused at once (errBusy: HTTP 503 with Retry-After) rather
+	// than held, so a burst costs a bounded amount of memory.
+	MaxWaiting int
 	// APIKeys maps a bearer token to its tenant. When set, every request
 	// must carry one, and each tenant's prompts live in a namespace
 	// derived from a secret the pool holds (Pool.TenantSeed): tenants
@@ -61,9 +66,11 @@ type Engine struct {
 	loras   map[string]kvlease.Adapter // adapter name → its tag (lora_id from 1)
 
 	submit chan *request
+	wake   chan struct{} // a client took output or went away: a stalled request may move
 	quit   chan struct{}
 	done   chan struct{}
 	ids    atomic.Uint64
+	queued atomic.Int64 // submitted and not yet running or dropped (≤ MaxWaiting)
 
 	// Read by tests and the log; written by the scheduler.
 	running, waiting atomic.Int64
@@ -82,24 +89,49 @@ type request struct {
 	prompt    []uint32
 	maxTokens int
 	ignoreEOS bool
-	out       chan output // buffered for every token: the scheduler never waits on a client
+	// out carries the tokens, at most outBuffer waiting, whatever
+	// max_tokens says: the scheduler never waits on a client, it only
+	// decodes for a request whose client has taken enough of its output
+	// (a client that stops reading stalls its own request, nobody else's).
+	out    chan output
+	failed chan struct{} // closed after err is set: the request ended without finishing
+	err    error
+	once   sync.Once
 
 	seq       *kvlease.Sequence[[]byte] // set at admission
 	generated int
 	last      uint32 // last sampled token
 }
 
-// output is what the scheduler hands a request's client: a token, or the
-// end (finish set, or err).
+// outBuffer is how many tokens wait for a request's client at most.
+const outBuffer = 16
+
+// output is what the scheduler hands a request's client: a token, and
+// with the last one the finish reason and the usage.
 type output struct {
 	token  uint32
 	finish string // "length", "stop" or "" (more to come)
 	usage  usage
-	err    error
 }
+
+// fail ends r without finishing it: its client reads err once failed is
+// closed (after the tokens already in out). Idempotent.
+func (r *request) fail(err error) {
+	r.once.Do(func() {
+		r.err = err
+		close(r.failed)
+	})
+}
+
+// room reports whether r's client has taken enough output for r to
+// decode a token.
+func (r *request) room() bool { return len(r.out) < cap(r.out) }
 
 // errShutdown ends requests still in flight when the engine closes.
 var errShutdown = errors.New("engine shutting down")
+
+// errBusy refuses a request when MaxWaiting requests already wait.
+var errBusy = errors.New("waiting queue full")
 
 // NewEngine builds the pool and the envelope and starts the scheduler.
 func NewEngine(cfg Config) (*Engine, error) {
@@ -113,6 +145,9 @@ func NewEngine(cfg Config) (*Engine, error) {
 	}
 	if err := env.Validate(); err != nil {
 		return nil, err
+	}
+	if cfg.MaxWaiting < 1 {
+		return nil, fmt.Errorf("MaxWaiting %d: want at least 1", cfg.MaxWaiting)
 	}
 	mem, err := kvlease.NewHostMemory(cfg.Blocks, env.BlockBytes)
 	if err != nil {
@@ -136,6 +171,7 @@ func NewEngine(cfg Config) (*Engine, error) {
 		tenants: make(map[[sha256.Size]byte]string, len(cfg.APIKeys)),
 		loras:   map[string]kvlease.Adapter{},
 		submit:  make(chan *request),
+		wake:    make(chan struct{}, 1),
 		quit:    make(chan struct{}),
 		done:    make(chan struct{}),
 	}
@@ -163,8 +199,10 @@ func (e *Engine) Models() []string { return append([]string{e.cfg.Model}, e.cfg.
 func (e *Engine) Pool() *kvlease.Pool[[]byte] { return e.pool }
 
 // Submit admits a request against the envelope and queues it for the
-// scheduler. The request's tokens arrive on r.out; when ctx ends, the
-// scheduler aborts it.
+// scheduler, or refuses it with errBusy when MaxWaiting requests already
+// wait. The request's tokens arrive on r.out (its client calls Taken
+// after each), its failure on r.failed; when ctx ends, the scheduler
+// aborts it.
 //
 // The request's namespace is its model's; a cache_salt (vLLM's field)
 // makes a sub-namespace of it; a tenant (authenticated by the caller,
@@ -189,18 +227,33 @@ func (e *Engine) Submit(ctx context.Context, tenant, model, cacheSalt string, pr
 			return nil, err
 		}
 	}
+	if e.queued.Add(1) > int64(e.cfg.MaxWaiting) {
+		e.queued.Add(-1)
+		return nil, errBusy
+	}
 	r := &request{
-		ctx: ctx, id: fmt.Sprintf("cmpl-%d", e.ids.Add(1)), model: model, seed: seed,
+		ctx: ctx, id: strconv.FormatUint(e.ids.Add(1), 10), model: model, seed: seed,
 		prompt: prompt, maxTokens: maxTokens, ignoreEOS: ignoreEOS,
-		out: make(chan output, maxTokens+1),
+		out: make(chan output, outBuffer), failed: make(chan struct{}),
 	}
 	select {
 	case e.submit <- r:
 		return r, nil
 	case <-e.quit:
+		e.queued.Add(-1)
 		return nil, errShutdown
 	case <-ctx.Done():
+		e.queued.Add(-1)
 		return nil, ctx.Err()
+	}
+}
+
+// Taken tells the scheduler that a client took output from its request,
+// or went away: a request stalled on its client's output may go on.
+func (e *Engine) Taken() {
+	select {
+	case e.wake <- struct{}{}:
+	default:
 	}
 }
 
@@ -238,8 +291,10 @@ func (e *Engine) run() {
 		for _, r := range append(waiting, running...) {
 			if r.seq != nil {
 				r.seq.Abort(errShutdown)
+			} else {
+				e.queued.Add(-1)
 			}
-			r.out <- output{err: errShutdown}
+			r.fail(errShutdown)
 		}
 		e.running.Store(0)
 		e.waiting.Store(0)
@@ -268,6 +323,7 @@ func (e *Engine) run() {
 		// Clients that went away while queued hold nothing: drop them.
 		waiting = deleteFunc(waiting, func(r *request) bool {
 			if r.ctx.Err() != nil {
+				e.queued.Add(-1)
 				e.aborted.Add(1)
 				return true
 			}
@@ -285,8 +341,21 @@ func (e *Engine) run() {
 			}
 			continue
 		}
-		running = e.step(running)
+		var stepped int
+		running, stepped = e.step(running)
 		e.running.Store(int64(len(running)))
+		if stepped == 0 {
+			// Every running request waits for its client to take its
+			// output: sleep until one does (or goes away), or work comes.
+			select {
+			case <-e.wake:
+			case r := <-e.submit:
+				waiting = append(waiting, r)
+			case <-e.quit:
+				return
+			case <-time.After(100 * time.Millisecond): // a missed wake-up costs this much, never a hang
+			}
+		}
 	}
 }
 
@@ -317,8 +386,9 @@ func (e *Engine) admit(waiting *[]*request, running []*request) []*request {
 			break
 		}
 		*waiting = (*waiting)[1:]
+		e.queued.Add(-1)
 		if err != nil {
-			r.out <- output{err: err}
+			r.fail(err)
 			continue
 		}
 		// A prefix hit serves another request's KV: check it is this
@@ -337,19 +407,25 @@ func (e *Engine) admit(waiting *[]*request, running []*request) []*request {
 }
 
 // step runs the model once over the batch: a chunk of prefill for the
-// requests still prefilling, one decoded token for the others. Then it
-// hands out the tokens, finishes requests and drops those whose clients
-// left.
-func (e *Engine) step(running []*request) []*request {
+// requests still prefilling, one decoded token for the others whose
+// clients have room for it. Then it hands out the tokens, finishes
+// requests and drops those whose clients left. It returns the batch left
+// and how many requests it stepped.
+func (e *Engine) step(running []*request) ([]*request, int) {
 	bt := e.cfg.BlockTokens
 	var cost time.Duration
+	stepped := 0
 	for _, r := range running {
-		if s := r.seq; s.Computed() < s.PromptLen() {
+		switch s := r.seq; {
+		case s.Computed() < s.PromptLen():
 			n := min(e.cfg.PrefillChunk, s.PromptLen()-s.Computed())
 			cost += time.Duration((n+bt-1)/bt) * e.cfg.PrefillBlockTime
-		} else {
+		case r.room():
 			cost += e.cfg.DecodeTokenTime
+		default:
+			continue // its client has not taken its last outBuffer tokens
 		}
+		stepped++
 	}
 	if cost > 0 {
 		time.Sleep(cost)
@@ -362,10 +438,13 @@ func (e *Engine) step(running []*request) []*request {
 			e.aborted.Add(1)
 			return true
 		}
+		if s := r.seq; s.Computed() >= s.PromptLen() && !r.room() {
+			return false // stalled on its client this step
+		}
 		end, err := e.advance(r)
 		if err != nil {
 			r.seq.Abort(err)
-			r.out <- output{err: err}
+			r.fail(err)
 			return true
 		}
 		if end != "" {
@@ -374,7 +453,7 @@ func (e *Engine) step(running []*request) []*request {
 			return true
 		}
 		return false
-	})
+	}), stepped
 }
 
 // advance applies one step to r: the KV of the tokens the step computed is

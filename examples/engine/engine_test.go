@@ -28,11 +28,12 @@ import (
 
 func testOptions() options {
 	return options{
-		addr: "127.0.0.1:0",
+		addr: "127.0.0.1:0", vllmMetrics: true, readTimeout: 30 * time.Second, connsPerAddr: 64,
 		cfg: Config{
 			Model: "sim-1", Adapters: []string{"sim-1-sql", "sim-1-chat"},
 			Blocks: 16384, BlockTokens: 16, MaxRunning: 32, MaxContext: 2048, PrefillChunk: 64,
 			PrefillBlockTime: 10 * time.Microsecond, DecodeTokenTime: 10 * time.Microsecond,
+			MaxWaiting: 4096,
 		},
 	}
 }
@@ -173,7 +174,7 @@ func (s *subscriber) consume(sock zmq4.Socket) {
 // built from the decoded events equals the pool's cache.
 func TestEngineLoad(t *testing.T) {
 	o := testOptions()
-	o.events, o.eventsBind = "tcp://127.0.0.1:0", true
+	o.events = "tcp://127.0.0.1:0" // bound: the engine binds -events, loopback included
 	a := startTest(t, o)
 	base := "http://" + a.addr.String()
 	bt := o.cfg.BlockTokens
@@ -395,6 +396,7 @@ func TestEngineLoad(t *testing.T) {
 func TestAPI(t *testing.T) {
 	o := testOptions()
 	o.cfg.MaxContext = 64
+	o.openAdmin = true // TestAdminKey covers the key
 	a := startTest(t, o)
 	base := "http://" + a.addr.String()
 	resp, err := http.Get(base + "/v1/models")
@@ -516,11 +518,17 @@ func FuzzParseCompletion(f *testing.F) {
 	f.Add([]byte(`{"prompt":[1,2,3],"stream":true,"stream_options":{"include_usage":true}}`))
 	f.Add([]byte(`{"prompt":["x"]}`))
 	f.Add([]byte(`{"prompt":[[1]]}`))
+	f.Add([]byte(`{"prompt":"a","n":2}`))
+	f.Add([]byte(`{"prompt":"a","max_tokens":"8"}`))
 	f.Fuzz(func(t *testing.T, body []byte) {
-		req, prompt, err := parseCompletion(bytes.NewReader(body))
+		req, prompt, err := parseCompletion(body)
 		if err != nil {
-			if !errors.Is(err, errBadRequest) {
-				t.Fatalf("error %v does not wrap errBadRequest", err)
+			var ae *apiError
+			if !errors.As(err, &ae) || ae.status != http.StatusBadRequest || ae.typ != invalidRequest || ae.msg == "" {
+				t.Fatalf("error %#v is not a 400 for the client", err)
+			}
+			if strings.Contains(ae.msg, "Go ") || strings.Contains(ae.msg, "Request") || strings.Contains(ae.msg, "json:") {
+				t.Fatalf("error %q shows Go internals", ae.msg)
 			}
 			return
 		}

@@ -1,12 +1,16 @@
 // Command engine is a reference serving engine on kvlease: an OpenAI-style
-// completions API over a simulated model, built the way a real Go engine
-// would use the library. It is the file to copy from.
+// API (completions and chat completions) over a simulated model, built
+// the way a real Go engine would use the library. It is the file to copy
+// from. Any OpenAI client can use it (the official Node SDK is tested
+// against it in .ci/steps/72-openai-node.sh).
 //
 //	go run ./examples/engine                       # serves http://127.0.0.1:8000
-//	go run ./examples/engine -addr 127.0.0.1:0 -events 'tcp://*:5557' -metrics 127.0.0.1:9400
+//	go run ./examples/engine -addr 127.0.0.1:0 -events tcp://127.0.0.1:5557 -replay tcp://127.0.0.1:5558 -metrics 127.0.0.1:9400
 //
 //	curl -s 127.0.0.1:8000/v1/models
-//	curl -s 127.0.0.1:8000/v1/completions -d '{"model":"sim-1","prompt":"the same system prompt then a question","max_tokens":8}'
+//	P="a system prompt long enough to fill one block of sixteen tokens and then some more words, then the question"
+//	curl -s 127.0.0.1:8000/v1/completions -d '{"model":"sim-1","prompt":"'"$P"'","max_tokens":8}'  # twice: the second has cached_tokens 16
+//	curl -s 127.0.0.1:8000/v1/chat/completions -d '{"messages":[{"role":"user","content":"hello there"}]}'
 //	curl -sN 127.0.0.1:8000/v1/completions -d '{"prompt":[1,2,3,4,5],"stream":true,"stream_options":{"include_usage":true}}'
 //
 // What each piece of kvlease does here:
@@ -29,14 +33,26 @@
 //     Pool.TenantSeed derives the tenant's namespace from a secret the
 //     pool holds: tenants never hit or time each other's prefixes, even
 //     with the same cache_salt.
-//   - events.Publisher (-events): KV events for a cache-aware router.
+//   - events.Publisher (-events, bound where it says, loopback included;
+//     -replay for its replay ROUTER): KV events for a cache-aware router.
 //   - metrics.Collector (/metrics, and -metrics for a second listener):
 //     per-state block gauges and vLLM's names for a scheduler that scores
-//     engines.
+//     engines (-vllm-metrics=false leaves those out: their colons are
+//     reserved for recording rules, and promtool reports them).
+//
+// What a client cannot do to it: send a body without a key (the key is
+// checked before the body is read), trickle a body (-read-timeout), hold
+// more than -max-conns-per-addr connections from one address, queue more
+// than -max-waiting requests (503 with Retry-After), make a request
+// reserve memory for its max_tokens (a request's output waits in a small
+// fixed buffer; a client that does not read stalls only its own
+// request), or touch the adapter endpoints without the admin key
+// (-admin-key-file; refused when there is none, unless -open-admin).
 package main
 
 import (
 	"context"
+	"crypto/sha256"
 	"errors"
 	"flag"
 	"fmt"
@@ -65,10 +81,15 @@ func main() {
 
 // options are the command's flags.
 type options struct {
-	addr, events, metrics string
-	eventsBind            bool // bind -events whatever vLLM's rule says (tests bind 127.0.0.1:0)
-	cfg                   Config
-	duration              time.Duration
+	addr, events, replay, metrics string
+	eventsConnect                 bool // dial -events (a router's bound SUB) instead of binding it
+	vllmMetrics                   bool
+	readTimeout                   time.Duration
+	connsPerAddr                  int
+	adminKey                      string // the adapter endpoints' key ("" with openAdmin or refused)
+	openAdmin                     bool
+	cfg                           Config
+	duration                      time.Duration
 }
 
 func parseFlags(args []string, out io.Writer) (options, error) {
@@ -76,8 +97,11 @@ func parseFlags(args []string, out io.Writer) (options, error) {
 	fs := flag.NewFlagSet("engine", flag.ContinueOnError)
 	fs.SetOutput(out)
 	fs.StringVar(&o.addr, "addr", "127.0.0.1:8000", "where the API listens (127.0.0.1:0: a free port)")
-	fs.StringVar(&o.events, "events", "", "KV events PUB endpoint for a router, e.g. tcp://*:5557 (empty: none)")
+	fs.StringVar(&o.events, "events", "", "KV events PUB endpoint to bind, e.g. tcp://127.0.0.1:5557, or tcp://*:5557 for every interface (empty: none)")
+	fs.BoolVar(&o.eventsConnect, "events-connect", false, "dial -events (a router's bound SUB socket) instead of binding it")
+	fs.StringVar(&o.replay, "replay", "", "KV events replay ROUTER endpoint to bind, e.g. tcp://127.0.0.1:5558 (needs -events)")
 	fs.StringVar(&o.metrics, "metrics", "", "a second listener for /metrics only (it is also on -addr)")
+	fs.BoolVar(&o.vllmMetrics, "vllm-metrics", true, "also export vLLM's metric names (vllm:...) for schedulers that score vLLM engines")
 	fs.StringVar(&o.cfg.Model, "model", "sim-1", "the base model's served name")
 	adapters := fs.String("lora", "sim-1-sql,sim-1-chat", "LoRA adapters served on the base model, comma-separated")
 	fs.IntVar(&o.cfg.Blocks, "blocks", 4096, "KV blocks in the pool")
@@ -88,6 +112,11 @@ func parseFlags(args []string, out io.Writer) (options, error) {
 	fs.DurationVar(&o.cfg.PrefillBlockTime, "prefill-block-time", 100*time.Microsecond, "simulated time to prefill one block")
 	fs.DurationVar(&o.cfg.DecodeTokenTime, "decode-token-time", 200*time.Microsecond, "simulated time to decode one token of one request")
 	keysFile := fs.String("api-keys", "", "a file of KEY=TENANT lines, private to its user: requests need a bearer key and each tenant's prefixes are isolated (empty: open, one namespace per model)")
+	adminFile := fs.String("admin-key-file", "", "a file holding the key the adapter endpoints require, private to its user")
+	fs.BoolVar(&o.openAdmin, "open-admin", false, "serve the adapter endpoints to anyone, without a key")
+	fs.DurationVar(&o.readTimeout, "read-timeout", 30*time.Second, "how long a client may take to send a request's headers and body")
+	fs.IntVar(&o.connsPerAddr, "max-conns-per-addr", 64, "connections one remote address may hold open")
+	fs.IntVar(&o.cfg.MaxWaiting, "max-waiting", 256, "requests waiting for the running batch; more are answered 503 with Retry-After")
 	fs.DurationVar(&o.duration, "duration", 0, "exit after this long (0: run until interrupted)")
 	if err := fs.Parse(args); err != nil {
 		return o, err
@@ -104,16 +133,31 @@ func parseFlags(args []string, out io.Writer) (options, error) {
 		}
 		o.cfg.APIKeys = keys
 	}
+	if *adminFile != "" {
+		key, err := readAdminKey(*adminFile)
+		if err != nil {
+			return o, err
+		}
+		o.adminKey = key
+	}
+	switch {
+	case o.replay != "" && o.events == "":
+		return o, errors.New("-replay needs -events")
+	case o.readTimeout <= 0:
+		return o, fmt.Errorf("-read-timeout %v: want a positive duration", o.readTimeout)
+	case o.connsPerAddr < 1:
+		return o, fmt.Errorf("-max-conns-per-addr %d: want at least 1", o.connsPerAddr)
+	}
 	return o, nil
 }
 
 // maxKeysFile bounds the API keys file.
 const maxKeysFile = 1 << 20
 
-// readAPIKeys reads KEY=TENANT lines (blank lines and # comments
-// skipped). Keys are secrets: they never go on a command line, and the
-// file must not be readable by anyone but its owner.
-func readAPIKeys(path string) (map[string]string, error) {
+// readSecretFile reads a file of secrets (for flag): it must not be
+// readable by anyone but its owner, and at most maxKeysFile bytes. Keys
+// never go on a command line.
+func readSecretFile(flag, path string) ([]byte, error) {
 	// One open: the mode checked is the mode of the file read.
 	f, err := os.Open(path)
 	if err != nil {
@@ -125,12 +169,31 @@ func readAPIKeys(path string) (map[string]string, error) {
 		return nil, err
 	}
 	if fi.Mode().Perm()&0o077 != 0 {
-		return nil, fmt.Errorf("-api-keys %s: mode %v lets others read the keys; chmod 600 it", path, fi.Mode().Perm())
+		return nil, fmt.Errorf("-%s %s: mode %v lets others read the keys; chmod 600 it", flag, path, fi.Mode().Perm())
 	}
 	if fi.Size() > maxKeysFile {
-		return nil, fmt.Errorf("-api-keys %s: %d bytes, more than %d", path, fi.Size(), maxKeysFile)
+		return nil, fmt.Errorf("-%s %s: %d bytes, more than %d", flag, path, fi.Size(), maxKeysFile)
 	}
-	data, err := io.ReadAll(io.LimitReader(f, maxKeysFile))
+	return io.ReadAll(io.LimitReader(f, maxKeysFile))
+}
+
+// readAdminKey reads the admin key: the file's one non-blank line.
+func readAdminKey(path string) (string, error) {
+	data, err := readSecretFile("admin-key-file", path)
+	if err != nil {
+		return "", err
+	}
+	key := strings.TrimSpace(string(data))
+	if key == "" || strings.ContainsAny(key, "\r\n") {
+		return "", fmt.Errorf("-admin-key-file %s: want one key on one line", path)
+	}
+	return key, nil
+}
+
+// readAPIKeys reads KEY=TENANT lines (blank lines and # comments
+// skipped), from a file only its owner can read.
+func readAPIKeys(path string) (map[string]string, error) {
+	data, err := readSecretFile("api-keys", path)
 	if err != nil {
 		return nil, err
 	}
@@ -158,6 +221,7 @@ type app struct {
 	pub     *events.Publisher
 	srv     *http.Server
 	addr    net.Addr
+	conns   *connLimiter
 	msrv    *http.Server
 	maddr   net.Addr
 	reg     *prometheus.Registry
@@ -168,10 +232,11 @@ type app struct {
 func start(o options) (*app, error) {
 	a := &app{reg: prometheus.NewRegistry()}
 	var err error
-	a.collect, err = metrics.New(a.reg, metrics.Options{
-		VLLM: &metrics.VLLMOptions{Model: o.cfg.Model, BlockTokens: o.cfg.BlockTokens},
-	})
-	if err != nil {
+	var mopts metrics.Options
+	if o.vllmMetrics {
+		mopts.VLLM = &metrics.VLLMOptions{Model: o.cfg.Model, BlockTokens: o.cfg.BlockTokens}
+	}
+	if a.collect, err = metrics.New(a.reg, mopts); err != nil {
 		return nil, err
 	}
 	cfg := o.cfg
@@ -193,8 +258,11 @@ func start(o options) (*app, error) {
 		return nil, err
 	}
 	if o.events != "" {
-		a.pub, err = events.NewPublisher(events.Config{Endpoint: o.events, Bind: o.eventsBind, Pod: "engine-0", Model: o.cfg.Model},
-			events.Source{Pool: a.engine.Pool()})
+		// The engine's PUB socket binds where -events says, loopback
+		// included (vLLM's rule would dial an endpoint without "*"):
+		// -events-connect dials it instead.
+		a.pub, err = events.NewPublisher(events.Config{Endpoint: o.events, Bind: !o.eventsConnect, ReplayEndpoint: o.replay,
+			Pod: "engine-0", Model: o.cfg.Model}, events.Source{Pool: a.engine.Pool()})
 		if err != nil {
 			return nil, fmt.Errorf("events %s: %w", o.events, err)
 		}
@@ -203,16 +271,21 @@ func start(o options) (*app, error) {
 		}
 	}
 	mh := promhttp.HandlerFor(a.reg, promhttp.HandlerOpts{})
+	s := &server{e: a.engine, now: time.Now, openAdmin: o.openAdmin}
+	if o.adminKey != "" {
+		d := sha256.Sum256([]byte(o.adminKey))
+		s.adminKey = &d
+	}
 	mux := http.NewServeMux()
-	(&server{e: a.engine, now: time.Now}).routes(mux)
-	mux.Handle("GET /metrics", mh)
-	if a.srv, a.addr, err = serve(o.addr, mux); err != nil {
+	s.routes(mux, map[string]http.Handler{"/metrics": mh})
+	if a.srv, a.addr, a.conns, err = serve(o.addr, mux, o); err != nil {
 		return nil, err
 	}
 	if o.metrics != "" {
 		mm := http.NewServeMux()
-		mm.Handle("GET /metrics", mh)
-		if a.msrv, a.maddr, err = serve(o.metrics, mm); err != nil {
+		route(mm, "/metrics", map[string]http.HandlerFunc{"GET": mh.ServeHTTP})
+		route(mm, "/", nil)
+		if a.msrv, a.maddr, _, err = serve(o.metrics, mm, o); err != nil {
 			return nil, err
 		}
 	}
@@ -220,14 +293,20 @@ func start(o options) (*app, error) {
 	return a, nil
 }
 
-func serve(addr string, h http.Handler) (*http.Server, net.Addr, error) {
+// serve listens on addr and serves h: a client has readTimeout to send a
+// request's headers and body (net/http lifts the deadline once the body
+// is read, so a long stream is not cut) and holds at most connsPerAddr
+// connections.
+func serve(addr string, h http.Handler, o options) (*http.Server, net.Addr, *connLimiter, error) {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
-	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second, IdleTimeout: time.Minute}
-	go func() { _ = srv.Serve(ln) }()
-	return srv, ln.Addr(), nil
+	lim := limitConns(ln, o.connsPerAddr)
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: min(10*time.Second, o.readTimeout), ReadTimeout: o.readTimeout,
+		IdleTimeout: time.Minute}
+	go func() { _ = srv.Serve(lim) }()
+	return srv, ln.Addr(), lim, nil
 }
 
 // Close stops the listeners, then the scheduler (requests in flight end
@@ -266,8 +345,14 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	if a.maddr != nil {
 		fmt.Fprintf(out, "metrics http://%s/metrics\n", a.maddr)
 	}
-	if a.pub != nil {
+	switch {
+	case a.pub != nil && o.eventsConnect:
+		fmt.Fprintf(out, "events dials %s topic %s\n", o.events, a.pub.Topic())
+	case a.pub != nil:
 		fmt.Fprintf(out, "events %s topic %s\n", a.pub.Addr(), a.pub.Topic())
+	}
+	if a.pub != nil && a.pub.ReplayAddr() != nil {
+		fmt.Fprintf(out, "replay %s\n", a.pub.ReplayAddr())
 	}
 	ctx, stop := signal.NotifyContext(ctx, os.Interrupt)
 	defer stop()

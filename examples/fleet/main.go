@@ -24,7 +24,13 @@
 // binds every interface: any host that reaches the port reads the token
 // ids of every cached prompt, so the publisher logs that choice. Metrics are served at
 // http://ADDR/metrics under kvlease's names and vLLM's
-// (vllm:kv_cache_usage_perc and friends, engine label = engine name).
+// (vllm:kv_cache_usage_perc and friends, engine label = engine name);
+// -vllm-metrics=false leaves vLLM's out (their colons are reserved for
+// recording rules: promtool check metrics reports them).
+//
+// -replay tcp://HOST:PORT binds each engine's replay ROUTER (engine i at
+// PORT+i, as its PUB socket): a router that missed batches asks for them
+// again from a sequence number (events.Config.ReplayEndpoint).
 package main
 
 import (
@@ -83,6 +89,8 @@ func run(args []string, out io.Writer) error {
 	nEngines := fs.Int("engines", 3, "number of engines")
 	model := fs.String("model", "llama", "model name (topic kv@<engine>@<model>)")
 	seed := fs.Uint64("seed", 1, "workload seed")
+	replayEP := fs.String("replay", "", "first engine's replay ROUTER endpoint to bind (engine i: PORT+i; empty: none)")
+	vllmNames := fs.Bool("vllm-metrics", true, "also export vLLM's metric names (vllm:...)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -94,7 +102,11 @@ func run(args []string, out io.Writer) error {
 	}
 
 	reg := prometheus.NewRegistry()
-	col, err := metrics.New(reg, metrics.Options{VLLM: &metrics.VLLMOptions{Model: *model, BlockTokens: blockTokens}})
+	var mopts metrics.Options
+	if *vllmNames {
+		mopts.VLLM = &metrics.VLLMOptions{Model: *model, BlockTokens: blockTokens}
+	}
+	col, err := metrics.New(reg, mopts)
 	if err != nil {
 		return err
 	}
@@ -137,10 +149,12 @@ func run(args []string, out io.Writer) error {
 		}
 		cfg := events.Config{Pod: e.name, Model: *model}
 		if bind {
-			e.pub, err = bindEngine(ctx, cfg, *eventsEP, i, e.pool)
+			e.pub, err = bindEngine(ctx, cfg, *eventsEP, *replayEP, i, e.pool)
 		} else {
 			cfg.Endpoint = *eventsEP
-			e.pub, err = events.Start(ctx, cfg, events.Source{Pool: e.pool})
+			if cfg.ReplayEndpoint, err = offsetEndpoint(*replayEP, i); err == nil {
+				e.pub, err = events.Start(ctx, cfg, events.Source{Pool: e.pool})
+			}
 		}
 		if err != nil {
 			return fmt.Errorf("%s: %w", e.name, err)
@@ -155,6 +169,9 @@ func run(args []string, out io.Writer) error {
 			}
 		}
 		fmt.Fprintf(out, "engine %s events %s topic %s\n", e.name, where, e.pub.Topic())
+		if a := e.pub.ReplayAddr(); a != nil {
+			fmt.Fprintf(out, "engine %s replay tcp://%s\n", e.name, a)
+		}
 		if err := col.AddPool(e.name, e.pool); err != nil {
 			return err
 		}
@@ -256,29 +273,49 @@ func run(args []string, out io.Writer) error {
 	return nil
 }
 
-// bindEngine binds engine i's publisher: the endpoint itself for engine
-// 0, PORT+i (or a free port) for the others.
-func bindEngine(ctx context.Context, cfg events.Config, ep string, i int, pool *kvlease.Pool[[]byte]) (*events.Publisher, error) {
-	cfg.Endpoint, cfg.Bind = ep, true
-	if i == 0 {
-		return events.Start(ctx, cfg, events.Source{Pool: pool})
-	}
-	if strings.HasPrefix(ep, "ipc://") {
-		cfg.Endpoint = ep + "-" + strconv.Itoa(i)
-		return events.Start(ctx, cfg, events.Source{Pool: pool})
-	}
-	host, port, err := splitTCP(ep)
-	if err != nil {
+// bindEngine binds engine i's publisher (and its replay socket, when rep
+// is set): the endpoints themselves for engine 0, PORT+i for the others,
+// or free ports on the same hosts when those are taken.
+func bindEngine(ctx context.Context, cfg events.Config, ep, rep string, i int, pool *kvlease.Pool[[]byte]) (*events.Publisher, error) {
+	cfg.Bind = true
+	var err error
+	if cfg.Endpoint, err = offsetEndpoint(ep, i); err != nil {
 		return nil, err
 	}
-	if port != 0 {
-		cfg.Endpoint = fmt.Sprintf("tcp://%s:%d", host, port+i)
-		if p, err := events.Start(ctx, cfg, events.Source{Pool: pool}); err == nil {
-			return p, nil
-		}
+	if cfg.ReplayEndpoint, err = offsetEndpoint(rep, i); err != nil {
+		return nil, err
 	}
-	cfg.Endpoint = fmt.Sprintf("tcp://%s:0", host)
+	p, err := events.Start(ctx, cfg, events.Source{Pool: pool})
+	if err == nil || i == 0 || strings.HasPrefix(ep, "ipc://") {
+		return p, err
+	}
+	cfg.Endpoint, cfg.ReplayEndpoint = freeEndpoint(ep), freeEndpoint(rep)
 	return events.Start(ctx, cfg, events.Source{Pool: pool})
+}
+
+// offsetEndpoint is engine i's endpoint from the first engine's: PORT+i
+// (a free port stays free), an ipc path with "-i"; "" stays "".
+func offsetEndpoint(ep string, i int) (string, error) {
+	switch {
+	case ep == "" || i == 0:
+		return ep, nil
+	case strings.HasPrefix(ep, "ipc://"):
+		return ep + "-" + strconv.Itoa(i), nil
+	}
+	host, port, err := splitTCP(ep)
+	if err != nil || port == 0 {
+		return ep, err
+	}
+	return fmt.Sprintf("tcp://%s:%d", host, port+i), nil
+}
+
+// freeEndpoint is ep's host with a free port ("" stays "").
+func freeEndpoint(ep string) string {
+	host, _, err := splitTCP(ep)
+	if err != nil {
+		return ep
+	}
+	return fmt.Sprintf("tcp://%s:0", host)
 }
 
 func splitTCP(ep string) (string, int, error) {

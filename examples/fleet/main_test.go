@@ -2,6 +2,8 @@ package main
 
 import (
 	"bufio"
+	"context"
+	"encoding/binary"
 	"fmt"
 	"io"
 	"net"
@@ -11,6 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/go-zeromq/zmq4"
+	"github.com/prometheus/client_golang/prometheus/testutil/promlint"
 	"github.com/stretchr/testify/require"
 )
 
@@ -146,4 +150,53 @@ func TestFleetBadFlags(t *testing.T) {
 	} {
 		require.Error(t, run(args, io.Discard), "%v", args)
 	}
+}
+
+// -replay binds each engine's replay ROUTER (engine i at PORT+i): a
+// DEALER asking from seq 0 while the workloads run gets batches back;
+// -vllm-metrics=false leaves vLLM's names out and the scrape lints clean
+// (promlint: what promtool check metrics runs).
+func TestFleetReplayAndPlainMetrics(t *testing.T) {
+	rport := freePort(t)
+	var body string
+	replayed := 0
+	lines := runFleet(t, []string{"-replay", fmt.Sprintf("tcp://127.0.0.1:%d", rport), "-vllm-metrics=false",
+		"-duration", "1s", "-engines", "2"}, func(url string) {
+		body = get(t, url)
+		for try := 0; try < 200 && replayed == 0; try++ {
+			replayed = replayBatches(t, fmt.Sprintf("tcp://127.0.0.1:%d", rport))
+			time.Sleep(5 * time.Millisecond)
+		}
+	})
+	out := strings.Join(lines, "\n")
+	require.Contains(t, out, fmt.Sprintf("engine engine-0 replay tcp://127.0.0.1:%d", rport))
+	require.Regexp(t, `(?m)^engine engine-1 replay tcp://127\.0\.0\.1:\d+$`, out)
+	require.Positive(t, replayed, "the replay socket answered with batches while the workloads ran")
+	require.NotContains(t, body, "vllm:")
+	problems, err := promlint.New(strings.NewReader(body)).Lint()
+	require.NoError(t, err)
+	require.Empty(t, problems)
+}
+
+// replayBatches asks ep for every batch from seq 0 and counts them.
+func replayBatches(t *testing.T, ep string) int {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	d := zmq4.NewDealer(ctx, zmq4.WithID(zmq4.SocketIdentity("test")))
+	defer d.Close()
+	require.NoError(t, d.Dial(ep))
+	require.NoError(t, d.Send(zmq4.NewMsgFrom(nil, binary.BigEndian.AppendUint64(nil, 0))))
+	n := 0
+	for range 100_000 {
+		m, err := d.Recv()
+		require.NoError(t, err)
+		require.Len(t, m.Frames, 4)
+		if binary.BigEndian.Uint64(m.Frames[2]) == ^uint64(0) {
+			return n
+		}
+		n++
+	}
+	t.Fatal("no end of replay")
+	return n
 }

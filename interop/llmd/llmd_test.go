@@ -241,3 +241,87 @@ func TestLLMDIndexerAfterLoss(t *testing.T) {
 	ix.waitHits(t, a, 4)
 	require.EqualValues(t, 2, pub.Stats().Resyncs)
 }
+
+// TestLLMDIndexerReadsMergedExtraKeys: a chain whose middle blocks hold
+// an image (extra keys) goes out as one BlockStored, extra_keys holding
+// one entry per block (nil for text), as vLLM sends it; llm-d's decoder
+// and index take it: a lookup with the same image finds every block, one
+// without the image only the text before it.
+func TestLLMDIndexerReadsMergedExtraKeys(t *testing.T) {
+	for _, enc := range []events.Encoding{events.MapEncoding, events.ArrayEncoding} {
+		t.Run(enc.String(), func(t *testing.T) {
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			ix := newIndexer(t, ctx)
+			mem, err := kvlease.NewHostMemory(8, 64)
+			require.NoError(t, err)
+			pool, err := kvlease.NewPool[[]byte](mem, kvlease.WithBlockTokens(blockTokens), kvlease.WithKVEvents(1024))
+			require.NoError(t, err)
+			defer pool.Close()
+			pub, err := events.NewPublisher(events.Config{Endpoint: "tcp://127.0.0.1:0", Bind: true, Pod: pod, Model: model, Encoding: enc},
+				events.Source{Pool: pool})
+			require.NoError(t, err)
+			defer pub.Close()
+			port := pub.Addr().(*net.TCPAddr).Port
+			require.NoError(t, ix.subs.EnsureSubscriber(ctx, pod, fmt.Sprintf("tcp://127.0.0.1:%d", port), "kv@", true))
+			require.Eventually(t, func() bool { return len(pub.Subscriptions()) > 0 }, 10*time.Second, time.Millisecond)
+
+			// Blocks 1 and 2 cover the image's placeholder tokens.
+			p := prompt(4, 4)
+			extra := [][]string{nil, {"img-a"}, {"img-a"}, nil}
+			l, err := pool.Acquire("req", 4)
+			require.NoError(t, err)
+			defer l.Release()
+			parent := kvlease.BlockHash(42)
+			for i := range 4 {
+				parent, err = l.SealExtra(i, parent, p[i*blockTokens:(i+1)*blockTokens], extra[i])
+				require.NoError(t, err)
+			}
+			before := pub.Stats()
+			flush(t, pub)
+			after := pub.Stats()
+			require.EqualValues(t, 1, after.Events-before.Events, "one BlockStored for the chain")
+			require.EqualValues(t, 4, after.Blocks-before.Blocks)
+
+			features := make([]*kvblock.BlockExtraFeatures, 4)
+			for i, keys := range extra {
+				if keys != nil {
+					features[i] = &kvblock.BlockExtraFeatures{MMHashes: []kvblock.MMHash{{Hash: keys[0]}}}
+				}
+			}
+			ix.waitHitsExtra(t, p, features, 4)
+			require.Equal(t, 1, ix.hits(t, p), "without the image only the text before it matches")
+		})
+	}
+}
+
+// hitsExtra is hits for a prompt with per-block extra features.
+func (ix *indexer) hitsExtra(t *testing.T, prompt []int32, features []*kvblock.BlockExtraFeatures) int {
+	t.Helper()
+	toks := make([]uint32, len(prompt))
+	for i, v := range prompt {
+		toks[i] = uint32(v)
+	}
+	keys, err := ix.tp.TokensToKVBlockKeys(kvblock.EmptyBlockHash, toks, model, features)
+	require.NoError(t, err)
+	found, err := ix.index.Lookup(context.Background(), keys, nil)
+	require.NoError(t, err)
+	n := 0
+	for _, k := range keys {
+		held := false
+		for _, e := range found[k] {
+			held = held || e.PodIdentifier == pod
+		}
+		if !held {
+			break
+		}
+		n++
+	}
+	return n
+}
+
+func (ix *indexer) waitHitsExtra(t *testing.T, prompt []int32, features []*kvblock.BlockExtraFeatures, want int) {
+	t.Helper()
+	require.Eventually(t, func() bool { return ix.hitsExtra(t, prompt, features) == want }, 10*time.Second, 2*time.Millisecond,
+		"want %d blocks of the prompt indexed with its extra keys", want)
+}
