@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"errors"
 	"sync"
-	"sync/atomic"
 	"testing"
 
 	"github.com/kvlease/kvlease"
@@ -21,12 +20,12 @@ type countingStream struct {
 	ops         int
 }
 
-func (s *countingStream) submit(ops []copyOp, kind copyKind, canceled *atomic.Bool) (fence, error, error) {
+func (s *countingStream) submit(sub *submission) (fence, error, error) {
 	s.mu.Lock()
 	s.submissions++
-	s.ops += len(ops)
+	s.ops += len(sub.ops)
 	s.mu.Unlock()
-	return s.stream.submit(ops, kind, canceled)
+	return s.stream.submit(sub)
 }
 
 func (s *countingStream) counts() (int, int) {
