@@ -78,6 +78,7 @@ type submission struct {
 	ops    []copyOp
 	kind   copyKind
 	t      *kvlease.Transfer // for CancelRequested
+	ctr    *counters         // where the path taken is counted: the device's, or a calibration engine's own
 	kernel bool
 	launch launch
 }

@@ -174,9 +174,10 @@ func (d *Device) calBytes() int {
 
 // measure is the default measureFunc: a scattered copy through a scratch
 // engine forced onto path, between scratch arenas, the fastest of three
-// runs after one to warm up (the kernel's JIT, first touches).
+// runs after one to warm up (the kernel's JIT, first touches). The
+// scratch engine's submissions are not counted in CopyStats.
 func (d *Device) measure(kind copyKind, pieceBytes, pieces int, path Path) (time.Duration, error) {
-	e, err := d.NewCopyEngine(WithPath(path))
+	e, err := d.NewCopyEngine(WithPath(path), uncounted())
 	if err != nil {
 		return 0, err
 	}

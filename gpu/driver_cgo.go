@@ -321,9 +321,12 @@ type cudaStream struct {
 	b *cudaBackend
 	h C.uintptr_t
 	// Reused submission arrays (Go memory, read by C during the call only):
-	// one copy per index.
+	// one copy per index; and the call's arguments and result (fields
+	// without Go pointers, so C may be handed their addresses).
 	dsts, srcs []C.CUdeviceptr
 	sizes      []C.size_t
+	args       C.kvl_submit_args
+	res        C.kvl_submit_result
 
 	mu     sync.Mutex
 	fences []*cudaFence
@@ -386,7 +389,8 @@ func (s *cudaStream) submit(sub *submission) (fence, error, error) {
 		s.srcs = append(s.srcs, C.CUdeviceptr(op.src.addr+uint64(op.srcOff)))
 		s.sizes = append(s.sizes, C.size_t(op.n))
 	}
-	args := C.kvl_submit_args{
+	args := &s.args
+	*args = C.kvl_submit_args{
 		ctx: s.b.ctx, stream: s.h, ev: f.ev,
 		n: C.size_t(len(ops)),
 	}
@@ -414,15 +418,15 @@ func (s *cudaStream) submit(sub *submission) (fence, error, error) {
 		}
 		// A kernel that failed meanwhile leaves the copy to the copy engine.
 	}
-	var res C.kvl_submit_result
-	C.kvl_submit(drv.api, &args, &s.dsts[0], &s.srcs[0], &s.sizes[0], &res)
+	res := &s.res
+	C.kvl_submit(drv.api, args, &s.dsts[0], &s.srcs[0], &s.sizes[0], res)
 	if res.pushFailed != 0 {
 		s.recycle(f)
 		return nil, drv.err("cuCtxPushCurrent", res.enqueue), nil
 	}
-	b.ctr.count(copyPath(res.path), len(ops))
+	sub.ctr.count(copyPath(res.path), len(ops))
 	if res.path == C.KVL_PATH_KERNEL {
-		b.ctr.kernelCTAs.Add(int64(sub.launch.grid))
+		sub.ctr.kernelCTAs.Add(int64(sub.launch.grid))
 	}
 	if res.kernelFailed != 0 {
 		b.kernelFailed(drv.err("cuLaunchKernel", res.kernelErr))

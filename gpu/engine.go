@@ -48,6 +48,7 @@ type CopyEngine struct {
 	dev     *Device
 	s       stream
 	cfg     engineConfig
+	ctr     *counters     // the device's, or a private one (uncounted)
 	wake    chan struct{} // capacity 1: the completion goroutine's doorbell
 	stopped chan struct{} // closed when the completion goroutine exits
 
@@ -60,8 +61,9 @@ type CopyEngine struct {
 	ringErr error    // why the ring could not be allocated, if it could not
 
 	mu          sync.Mutex
-	queue       []*copyJob // submitted and not yet waited for, in stream order
-	pending     int        // transfers started and not yet resolved (quarantined included)
+	queue       []*copyJob // submitted and not yet waited for, in stream order, from qhead on
+	qhead       int
+	pending     int // transfers started and not yet resolved (quarantined included)
 	quarantined int
 	failed      error // first unprovable completion; the engine refuses work after it
 	closed      bool
@@ -93,7 +95,10 @@ func (d *Device) NewCopyEngine(opts ...EngineOption) (*CopyEngine, error) {
 		d.mu.Unlock()
 		return nil, err
 	}
-	e := &CopyEngine{dev: d, s: s, cfg: cfg, wake: make(chan struct{}, 1), stopped: make(chan struct{})}
+	e := &CopyEngine{dev: d, s: s, cfg: cfg, ctr: d.b.counters(), wake: make(chan struct{}, 1), stopped: make(chan struct{})}
+	if cfg.uncounted {
+		e.ctr = new(counters)
+	}
 	go e.complete()
 	return e, nil
 }
@@ -189,14 +194,15 @@ func startCopy[S, D any](e *CopyEngine, kind copyKind, pairs []kvlease.CopyPair[
 		return nil, err
 	}
 	d := e.dev
-	srcs, dsts := srcList(d), dstList(d)
+	j.srcs, j.dsts = srcList(d), dstList(d)
+	srcs, dsts := &j.srcs, &j.dsts
 	for i := range pairs {
-		src, err := srcOf(&srcs, pairs[i].Src)
+		src, err := srcOf(srcs, pairs[i].Src)
 		if err != nil {
 			e.unreserve(j)
 			return nil, fmt.Errorf("gpu: %s, pair %d, src: %w", dir, i, err)
 		}
-		dst, err := dstOf(&dsts, pairs[i].Dst)
+		dst, err := dstOf(dsts, pairs[i].Dst)
 		if err != nil {
 			e.unreserve(j)
 			return nil, fmt.Errorf("gpu: %s, pair %d, dst: %w", dir, i, err)
@@ -221,7 +227,7 @@ func (e *CopyEngine) run(j *copyJob, attach func(*kvlease.Transfer) error) (*kvl
 	// returns: everything below returns t, never j.t.
 	t := kvlease.NewTransfer(nil) // cancellation is polled (CancelRequested): no hook to allocate
 	j.t = t
-	j.sub = submission{ops: j.ops, kind: j.kind, t: t}
+	j.sub = submission{ops: j.ops, kind: j.kind, t: t, ctr: e.ctr}
 	if err := e.runAttach(j, attach); err != nil {
 		return t, err
 	}
@@ -266,6 +272,7 @@ func (e *CopyEngine) unreserve(j *copyJob) {
 
 func (e *CopyEngine) recycleLocked(j *copyJob) {
 	j.t, j.f, j.outcome, j.sub = nil, nil, nil, submission{}
+	j.srcs, j.dsts = resolver{}, resolver{}
 	clear(j.arenaBuf[:])
 	j.arenas = nil
 	if len(e.free) < maxFreeJobs {
@@ -393,7 +400,7 @@ func (e *CopyEngine) writeTable(j *copyJob) {
 		slot, addr, end, ok = e.ring.reserve(ncta + nwarp)
 	}
 	if !ok {
-		e.dev.b.counters().ringFull.Add(1)
+		e.ctr.ringFull.Add(1)
 		return
 	}
 	fillKernelTable(slot, j.ops, ncta)
@@ -438,10 +445,13 @@ func (e *CopyEngine) complete() {
 func (e *CopyEngine) next() *copyJob {
 	for {
 		e.mu.Lock()
-		if len(e.queue) > 0 {
-			j := e.queue[0]
-			e.queue[0] = nil
-			e.queue = e.queue[1:]
+		if e.qhead < len(e.queue) {
+			j := e.queue[e.qhead]
+			e.queue[e.qhead] = nil
+			e.qhead++
+			if e.qhead == len(e.queue) { // empty: reuse the array from its start
+				e.queue, e.qhead = e.queue[:0], 0
+			}
 			e.mu.Unlock()
 			return j
 		}

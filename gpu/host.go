@@ -292,9 +292,9 @@ func (s *hostStream) submit(sub *submission) (fence, error, error) {
 	path := pathLoop
 	if sub.kernel {
 		path = pathKernel
-		s.b.ctr.kernelCTAs.Add(int64(sub.launch.grid))
+		sub.ctr.kernelCTAs.Add(int64(sub.launch.grid))
 	}
-	s.b.ctr.count(path, len(sub.ops))
+	sub.ctr.count(path, len(sub.ops))
 	s.jobs <- j
 	return j, nil, nil
 }

@@ -27,6 +27,7 @@ type copyJob struct {
 	sameSpace     bool
 	lastSrc       *arena
 	lastDst       *arena
+	srcs, dsts    resolver // the flat transports' lookups (here, not on the stack: they escape)
 
 	kernel  bool       // plan chose the kernel
 	sub     submission // what the stream receives

@@ -41,6 +41,9 @@ type engineConfig struct {
 	path      Path
 	ctas      int
 	ringDescs int
+	// uncounted: the engine's submissions are not counted in the device's
+	// CopyStats (Calibrate's scratch engines).
+	uncounted bool
 }
 
 func defaultEngineConfig() engineConfig {
@@ -56,6 +59,9 @@ func WithPath(p Path) EngineOption { return func(c *engineConfig) { c.path = p }
 // GPU that is and why it is the default). Values below 1 mean 1.
 // Device-to-device launches are sized by the device's SM count instead.
 func WithKernelCTAs(n int) EngineOption { return func(c *engineConfig) { c.ctas = max(n, 1) } }
+
+// uncounted keeps an engine's submissions out of CopyStats.
+func uncounted() EngineOption { return func(c *engineConfig) { c.uncounted = true } }
 
 // withRingDescs sets the descriptor ring's size (tests: a tiny ring).
 func withRingDescs(n int) EngineOption { return func(c *engineConfig) { c.ringDescs = max(n, 1) } }
