@@ -337,7 +337,6 @@ func (e *CopyEngine) submit(j *copyJob) error {
 	e.mu.Lock()
 	failed := e.failed
 	e.mu.Unlock()
-	prevHead := e.ring.head
 	switch {
 	case failed != nil:
 		outcome = fmt.Errorf("gpu: %s not enqueued: %w", dirNames[j.kind], failed)
@@ -358,9 +357,9 @@ func (e *CopyEngine) submit(j *copyJob) error {
 		e.doorbell()
 		return nil
 	}
-	if failure == nil {
+	if failure == nil && j.ringEnd != 0 {
 		// Nothing in flight: the table's slot is free at once.
-		e.ring.unreserve(prevHead)
+		e.ring.unreserve()
 		j.ringEnd = 0
 	}
 	e.subMu.Unlock()

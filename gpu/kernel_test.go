@@ -562,11 +562,21 @@ func TestRingReserve(t *testing.T) {
 	isFalse(t, !ok)
 	_, _, _, ok = r.reserve(1)
 	isFalse(t, ok, "4..8 is still in flight")
-	r.unreserve(prev)
+	r.unreserve() // the 0..4 submission enqueued nothing
 	eq(t, prev, r.head)
 	_, addr, end, ok = r.reserve(2) // 8..10 fits without a skip
 	eq(t, [2]uint64{1000 + 8*descBytes, 10}, [2]uint64{addr, end})
 	isFalse(t, !ok)
+
+	// Nothing in flight at position 3: a table of 8 (more than fits
+	// before the end, more than 3) still goes in, from the start.
+	var e descRing
+	e.init(make([]byte, 10*descBytes), 1000)
+	_, _, end, _ = e.reserve(3)
+	e.release(end)
+	_, addr, end, ok = e.reserve(8)
+	isFalse(t, !ok, "an empty ring refused a table that fits it")
+	eq(t, [2]uint64{1000, 18}, [2]uint64{addr, end})
 }
 
 // TestPathChoice: PathAuto follows the calibration (here fixed: the

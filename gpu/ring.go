@@ -32,8 +32,9 @@ type descRing struct {
 	dptr  uint64       // its device address
 	descs []kernelDesc // mem as descriptors
 	// head counts descriptors ever reserved (a slot skipped at the end of
-	// the ring counts as reserved); guarded by the engine's subMu.
-	head uint64
+	// the ring counts as reserved); guarded by the engine's subMu. undo is
+	// head before the newest reservation.
+	head, undo uint64
 	// tail counts descriptors released: everything before it is free.
 	// Stored by the completion goroutine, loaded under subMu.
 	tail atomic.Uint64
@@ -50,10 +51,21 @@ func (r *descRing) init(mem []byte, dptr uint64) {
 // device address and the reservation's end (what release takes once the
 // submission completed), or ok false when the ring lacks the room now.
 // Called under the engine's subMu.
+//
+// Everything in flight lies in [tail, head) (counted from the start, not
+// wrapped); a reservation [start, end) with head ≤ start and end ≤ tail +
+// size lies in the lap after tail, so it overlaps nothing in flight. When
+// nothing is in flight (tail == head), head and tail jump to the next lap's
+// start: every table that fits the ring fits then, whatever the position.
 func (r *descRing) reserve(n int) (slot []kernelDesc, addr, end uint64, ok bool) {
 	c := uint64(len(r.descs))
 	if n <= 0 || uint64(n) > c {
 		return nil, 0, 0, false
+	}
+	if tail := r.tail.Load(); tail == r.head && r.head%c != 0 {
+		// Nothing in flight, so no release can race this store.
+		r.head = (r.head + c - 1) / c * c
+		r.tail.Store(r.head)
 	}
 	start := r.head
 	pos := start % c
@@ -65,13 +77,13 @@ func (r *descRing) reserve(n int) (slot []kernelDesc, addr, end uint64, ok bool)
 	if end-r.tail.Load() > c {
 		return nil, 0, 0, false
 	}
-	r.head = end
+	r.undo, r.head = r.head, end
 	return r.descs[pos : pos+uint64(n)], r.dptr + pos*descBytes, end, true
 }
 
 // unreserve undoes the newest reservation, whose submission put nothing
-// in flight; prev is head as it was before it. Called under subMu.
-func (r *descRing) unreserve(prev uint64) { r.head = prev }
+// in flight. Called under subMu, right after that reserve.
+func (r *descRing) unreserve() { r.head = r.undo }
 
 // release frees every descriptor up to end, the end of the reservation
 // of a submission whose event has completed. Called in completion order.
