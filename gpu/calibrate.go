@@ -140,7 +140,9 @@ func (d *Device) calibrateLocked() (Calibration, error) {
 	}
 	measure := d.calMeasure
 	if measure == nil {
-		measure = d.measure
+		sc := &calScratch{d: d}
+		defer sc.close()
+		measure = sc.measure
 	}
 	var c Calibration
 	for _, size := range calSizes {
@@ -172,62 +174,102 @@ func (d *Device) calBytes() int {
 	return 4 << 20
 }
 
-// measure is the default measureFunc: a scattered copy through a scratch
-// engine forced onto path, between scratch arenas, the fastest of three
-// runs after one to warm up (the kernel's JIT, first touches). The
-// scratch engine's submissions are not counted in CopyStats.
-func (d *Device) measure(kind copyKind, pieceBytes, pieces int, path Path) (time.Duration, error) {
-	e, err := d.NewCopyEngine(WithPath(path), uncounted())
-	if err != nil {
-		return 0, err
-	}
-	var closers []func() error
-	defer func() {
-		for _, c := range closers {
-			_ = c()
+// calScratch is the default measureFunc's state: scratch arenas of one
+// piece size (reused by every direction and path of that size) and one
+// engine per path, forced onto it, with a ring sized for the largest
+// measurement; its copies are not counted in CopyStats.
+type calScratch struct {
+	d         *Device
+	bb, n     int
+	dev, dev2 *DeviceArena
+	pin       *PinnedArena
+	eng       [3]*CopyEngine // by Path
+}
+
+func (s *calScratch) close() {
+	for _, e := range s.eng {
+		if e != nil {
+			_ = e.Close()
 		}
-	}()
-	closers = append(closers, e.Close)
-	dev, err := d.AllocDevice(pieces, pieceBytes)
-	if err != nil {
+	}
+	s.eng = [3]*CopyEngine{}
+	s.free()
+}
+
+func (s *calScratch) free() {
+	if s.dev != nil {
+		_ = s.dev.Close()
+		_ = s.dev2.Close()
+		_ = s.pin.Close()
+	}
+	s.dev, s.dev2, s.pin, s.bb, s.n = nil, nil, nil, 0, 0
+}
+
+// scratch makes sure the arenas hold pieces blocks of pieceBytes.
+func (s *calScratch) scratch(pieceBytes, pieces int) error {
+	if s.dev != nil && s.bb == pieceBytes && s.n >= pieces {
+		return nil
+	}
+	s.free()
+	var err error
+	if s.dev, err = s.d.AllocDevice(pieces, pieceBytes); err != nil {
+		return err
+	}
+	if s.dev2, err = s.d.AllocDevice(pieces, pieceBytes); err != nil {
+		_ = s.dev.Close()
+		s.dev = nil
+		return err
+	}
+	if s.pin, err = s.d.AllocPinned(pieces, pieceBytes); err != nil {
+		_ = s.dev.Close()
+		_ = s.dev2.Close()
+		s.dev = nil
+		return err
+	}
+	s.bb, s.n = pieceBytes, pieces
+	return nil
+}
+
+// measure is the default measureFunc: a scattered copy (random
+// permutations on both sides) through the scratch engine of path, the
+// fastest of three runs after one to warm up (the kernel's JIT, first
+// touches).
+func (s *calScratch) measure(kind copyKind, pieceBytes, pieces int, path Path) (time.Duration, error) {
+	if err := s.scratch(pieceBytes, pieces); err != nil {
 		return 0, err
 	}
-	closers = append(closers, dev.Close)
-	var start func() (*kvlease.Transfer, error)
+	e := s.eng[path]
+	if e == nil {
+		var err error
+		e, err = s.d.NewCopyEngine(WithPath(path), uncounted(), withRingDescs(512*(256<<10)/kernelChunk))
+		if err != nil {
+			return 0, err
+		}
+		s.eng[path] = e
+	}
 	rng := rand.New(rand.NewPCG(uint64(pieceBytes), uint64(kind)))
 	src, dst := rng.Perm(pieces), rng.Perm(pieces)
 	id := func(i int) kvlease.BlockID { return kvlease.BlockID(i) }
+	var start func() (*kvlease.Transfer, error)
 	switch kind {
 	case deviceToDevice:
-		dev2, err := d.AllocDevice(pieces, pieceBytes)
-		if err != nil {
-			return 0, err
-		}
-		closers = append(closers, dev2.Close)
 		pairs := make([]kvlease.CopyPair[DevicePtr, DevicePtr], pieces)
 		for i := range pairs {
-			pairs[i] = kvlease.CopyPair[DevicePtr, DevicePtr]{Src: dev.Region(id(src[i])), Dst: dev2.Region(id(dst[i]))}
+			pairs[i] = kvlease.CopyPair[DevicePtr, DevicePtr]{Src: s.dev.Region(id(src[i])), Dst: s.dev2.Region(id(dst[i]))}
 		}
 		start = func() (*kvlease.Transfer, error) { return e.DeviceToDevice().Start(pairs, noAttachCal) }
+	case hostToDevice:
+		pairs := make([]kvlease.CopyPair[[]byte, DevicePtr], pieces)
+		for i := range pairs {
+			pairs[i] = kvlease.CopyPair[[]byte, DevicePtr]{Src: s.pin.Region(id(src[i])), Dst: s.dev.Region(id(dst[i]))}
+		}
+		start = func() (*kvlease.Transfer, error) { return e.HostToDevice().Start(pairs, noAttachCal) }
 	default:
-		pin, err := d.AllocPinned(pieces, pieceBytes)
-		if err != nil {
-			return 0, err
+		pairs := make([]kvlease.CopyPair[DevicePtr, []byte], pieces)
+		for i := range pairs {
+			pairs[i] = kvlease.CopyPair[DevicePtr, []byte]{Src: s.dev.Region(id(src[i])), Dst: s.pin.Region(id(dst[i]))}
 		}
-		closers = append(closers, pin.Close)
-		if kind == hostToDevice {
-			pairs := make([]kvlease.CopyPair[[]byte, DevicePtr], pieces)
-			for i := range pairs {
-				pairs[i] = kvlease.CopyPair[[]byte, DevicePtr]{Src: pin.Region(id(src[i])), Dst: dev.Region(id(dst[i]))}
-			}
-			start = func() (*kvlease.Transfer, error) { return e.HostToDevice().Start(pairs, noAttachCal) }
-		} else {
-			pairs := make([]kvlease.CopyPair[DevicePtr, []byte], pieces)
-			for i := range pairs {
-				pairs[i] = kvlease.CopyPair[DevicePtr, []byte]{Src: dev.Region(id(src[i])), Dst: pin.Region(id(dst[i]))}
-			}
-			start = func() (*kvlease.Transfer, error) { return e.DeviceToHost().Start(pairs, noAttachCal) }
-		}
+		start = func() (*kvlease.Transfer, error) { return e.DeviceToHost().Start(pairs, noAttachCal) }
 	}
 	best := time.Duration(-1)
 	for run := range 4 {
