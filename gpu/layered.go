@@ -207,13 +207,20 @@ func (b HostBlock) pieces() (*layout.Layout, *arena, kvlease.BlockID, bool) {
 	return &b.M.lay, b.M.arena.a, b.ID, true
 }
 
+// layeredDirNames names each direction of the layered transports in errors.
+var layeredDirNames = [...]string{
+	hostToDevice:   "layered host-to-device copy",
+	deviceToHost:   "layered device-to-host copy",
+	deviceToDevice: "layered device-to-device copy",
+}
+
 // startLayered turns block pairs into piece copies straight from the
 // layouts (each piece is a whole arena block at a known offset: no lookup)
 // after checking every pair's layouts agree with the first pair's, then
 // runs them as one Start.
 func startLayered[S, D any](e *CopyEngine, kind copyKind, pairs []kvlease.CopyPair[S, D], attach func(*kvlease.Transfer) error,
 	srcOf func(S) (*layout.Layout, *arena, kvlease.BlockID, bool), dstOf func(D) (*layout.Layout, *arena, kvlease.BlockID, bool)) (*kvlease.Transfer, error) {
-	dir := "layered " + dirNames[kind]
+	dir := layeredDirNames[kind]
 	switch {
 	case e == nil:
 		return nil, fmt.Errorf("gpu: %s: zero transport; make it with a CopyEngine: %w", dir, kvlease.ErrInvalidArgument)
