@@ -18,6 +18,7 @@ import (
 	"github.com/cespare/xxhash/v2"
 
 	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/gpu"
 	"github.com/kvlease/kvlease/tiers"
 )
 
@@ -52,8 +53,21 @@ type TiersConfig struct {
 	// Dir holds the disk tier's files; empty means a temporary directory
 	// removed at the end.
 	Dir string
+	// GPU, when set, runs the audit on that device (gpu.Open, or the CPU
+	// fallback gpu.OpenHost): the device tier in a DeviceArena, the host
+	// tier in a PinnedArena, every copy between them through the device's
+	// real copy engines, one forced onto the kernel and one onto the copy
+	// engine, used alternately; device blocks are written and checked
+	// through synchronous copies. The copies are real, so the faults that
+	// fake a copy (CopyFail, Stall, Quarantine) do not apply; Cancel,
+	// Abort, DiskFail and Corrupt do. BlockBytes must be a multiple of
+	// gpu.Alignment. RunTiers does not close the device.
+	GPU *gpu.Device
 
 	lieOnFail bool // tests: a failed copy reports success (the audit must catch it)
+	// tests: the share of device hits whose block is overwritten with junk
+	// behind the cache's back before the audit reads it (it must catch it)
+	corruptHits float64
 }
 
 // TiersFaults are the faults of a tiers audit, as probabilities.
@@ -77,6 +91,10 @@ type TiersFaults struct {
 	// Abort: per step on a live request, it is aborted, whether or not
 	// its onboarding copies have resolved.
 	Abort float64
+	// Cancel: a device↔host copy is canceled right after it started (a
+	// copy the device already holds finishes anyway; one it has not begun
+	// may be skipped, and must then never be served).
+	Cancel float64
 }
 
 // DefaultTiersConfig returns a small, fault-heavy configuration that runs
@@ -93,7 +111,7 @@ func DefaultTiersConfig() TiersConfig {
 		Policy:  tiers.WriteBack,
 		Faults: TiersFaults{
 			CopyFail: 0.04, Stall: 0.08, Quarantine: 0.03,
-			DiskFail: 0.04, Corrupt: 0.01, Abort: 0.05,
+			DiskFail: 0.04, Corrupt: 0.01, Abort: 0.05, Cancel: 0.03,
 		},
 		SweepEvery: 50,
 	}
@@ -101,7 +119,7 @@ func DefaultTiersConfig() TiersConfig {
 
 func (c *TiersConfig) validate() error {
 	f := c.Faults
-	probs := []float64{f.CopyFail, f.Stall, f.Quarantine, f.DiskFail, f.Corrupt, f.Abort}
+	probs := []float64{f.CopyFail, f.Stall, f.Quarantine, f.DiskFail, f.Corrupt, f.Abort, f.Cancel}
 	for _, p := range probs {
 		if p < 0 || p > 1 {
 			return fmt.Errorf("audit: tiers fault probability %v outside [0, 1]: %w", p, kvlease.ErrInvalidArgument)
@@ -136,7 +154,13 @@ type TiersReport struct {
 	Checked uint64
 
 	// Faults injected.
-	CopyFails, Stalls, Quarantines, DiskFails, Corruptions int
+	CopyFails, Stalls, Quarantines, DiskFails, Corruptions, Cancels int
+
+	// On a GPU (TiersConfig.GPU): the device's name and how many copies
+	// each path carried (submissions: kernel launches, and batched or
+	// looped copy-engine submissions).
+	Device                       string
+	KernelSubmits, EngineSubmits int64
 
 	// Stats is the cache's own counters at the end.
 	Stats tiers.Stats
@@ -171,8 +195,11 @@ func (r *TiersReport) Write(w io.Writer) error {
 		r.Seed, r.Requests, r.Refused, r.Aborted, r.Elapsed.Round(time.Millisecond))
 	fmt.Fprintf(&b, "blocks queried %d, hits device %d host %d disk %d, content checked %d\n",
 		r.Queried, r.Hits[0], r.Hits[1], r.Hits[2], r.Checked)
-	fmt.Fprintf(&b, "faults: copy failures %d, stalls %d, quarantines %d, disk failures %d, corruptions %d\n",
-		r.CopyFails, r.Stalls, r.Quarantines, r.DiskFails, r.Corruptions)
+	fmt.Fprintf(&b, "faults: copy failures %d, stalls %d, quarantines %d, disk failures %d, corruptions %d, cancels %d\n",
+		r.CopyFails, r.Stalls, r.Quarantines, r.DiskFails, r.Corruptions, r.Cancels)
+	if r.Device != "" {
+		fmt.Fprintf(&b, "device %s: copies by the kernel %d, by the copy engine %d (submissions)\n", r.Device, r.KernelSubmits, r.EngineSubmits)
+	}
 	for t := tiers.TierDevice; t <= tiers.TierDisk; t++ {
 		s := r.Stats.Tiers[t]
 		fmt.Fprintf(&b, "tier %s: hits %d offloaded %d onboarded %d copy failures %d dropped %d\n",
@@ -237,25 +264,33 @@ var (
 	errStallCancel  = errors.New("audit: stalled copy canceled")
 )
 
-// tiersRun is one run's state.
-type tiersRun struct {
+// tiersRun is one run's state. D is the device pool's region: []byte in
+// memory, gpu.DevicePtr on a device.
+type tiersRun[D any] struct {
 	cfg  TiersConfig
 	rep  *TiersReport
 	rmu  sync.Mutex // guards rep's counters and violations written off the driver's goroutine
 	rngM sync.Mutex
 	rng  *rand.Rand
 
-	dev, host *kvlease.Pool[[]byte]
-	disk      *tiers.Disk
-	cache     *tiers.Cache[[]byte]
-	dir       string
+	dev   *kvlease.Pool[D]
+	host  *kvlease.Pool[[]byte]
+	disk  *tiers.Disk
+	cache *tiers.Cache[D]
+	dir   string
+	// load returns a device block's content (the region itself in memory,
+	// a copy read back from the device on a GPU); store writes content
+	// into a device block. Both run on the driver's goroutine only.
+	load  func(D) ([]byte, error)
+	store func(D, []byte) error
 
 	hmu      sync.Mutex
 	held     []func() // stalled and quarantined copies, waiting for the driver
 	draining atomic.Bool
 
-	docs [][]kvlease.BlockHash
-	want []byte
+	docs  [][]kvlease.BlockHash
+	want  []byte // classify's scratch
+	stamp []byte // a block's content, written by complete
 
 	// What every block of the workload is, for checking KV events: its
 	// parent (the seed for a chain's first block) and tokens.
@@ -276,7 +311,7 @@ const tierBlockTokens = 4
 
 // addChain records a chain's blocks; hashes[k] is the block of tokens
 // toks[4k:4k+4] under hashes[k-1] (seed for k == 0).
-func (r *tiersRun) addChain(seed kvlease.BlockHash, toks []int32, hashes []kvlease.BlockHash) {
+func (r *tiersRun[D]) addChain(seed kvlease.BlockHash, toks []int32, hashes []kvlease.BlockHash) {
 	for k, h := range hashes {
 		info := blockInfo{parent: seed, first: k == 0, tokens: toks[tierBlockTokens*k : tierBlockTokens*(k+1)]}
 		if k > 0 {
@@ -290,7 +325,7 @@ func (r *tiersRun) addChain(seed kvlease.BlockHash, toks []int32, hashes []kvlea
 // a block of the workload, stored with its tokens and, when it names a
 // parent, the right one. A ring that overflowed resynchronises the view
 // from the pool's snapshot (counted, not a violation).
-func (r *tiersRun) drainEvents() {
+func (r *tiersRun[D]) drainEvents() {
 	for t, src := range r.cache.EventSources() {
 		evs, dropped := src.Pool.DrainKVEvents(nil)
 		view := r.views[t]
@@ -332,7 +367,7 @@ func (r *tiersRun) drainEvents() {
 
 // checkViews compares each tier's replayed events with what its pool can
 // actually serve (at rest: nothing changes meanwhile).
-func (r *tiersRun) checkViews() {
+func (r *tiersRun[D]) checkViews() {
 	for t, src := range r.cache.EventSources() {
 		_, hashes := src.Pool.(interface {
 			SnapshotKVCache() (uint64, []kvlease.BlockHash)
@@ -350,7 +385,7 @@ func (r *tiersRun) checkViews() {
 	}
 }
 
-func (r *tiersRun) chance(p float64) bool {
+func (r *tiersRun[D]) chance(p float64) bool {
 	if p <= 0 || r.draining.Load() {
 		return false
 	}
@@ -359,13 +394,13 @@ func (r *tiersRun) chance(p float64) bool {
 	return r.rng.Float64() < p
 }
 
-func (r *tiersRun) intN(n int) int {
+func (r *tiersRun[D]) intN(n int) int {
 	r.rngM.Lock()
 	defer r.rngM.Unlock()
 	return r.rng.IntN(n)
 }
 
-func (r *tiersRun) violate(kind *int, format string, args ...any) {
+func (r *tiersRun[D]) violate(kind *int, format string, args ...any) {
 	r.rmu.Lock()
 	defer r.rmu.Unlock()
 	*kind++
@@ -374,20 +409,20 @@ func (r *tiersRun) violate(kind *int, format string, args ...any) {
 	}
 }
 
-func (r *tiersRun) count(n *int) {
+func (r *tiersRun[D]) count(n *int) {
 	r.rmu.Lock()
 	*n++
 	r.rmu.Unlock()
 }
 
-func (r *tiersRun) hold(fn func()) {
+func (r *tiersRun[D]) hold(fn func()) {
 	r.hmu.Lock()
 	r.held = append(r.held, fn)
 	r.hmu.Unlock()
 }
 
 // letGo releases one held copy at random; false when none is held.
-func (r *tiersRun) letGo() bool {
+func (r *tiersRun[D]) letGo() bool {
 	r.hmu.Lock()
 	if len(r.held) == 0 {
 		r.hmu.Unlock()
@@ -407,7 +442,7 @@ func (r *tiersRun) letGo() bool {
 // its second copy only when the first is done). A wait that sees no copy
 // held for 20 seconds is stuck: a copy that neither resolves nor is held,
 // a violation.
-func (r *tiersRun) await(ch <-chan struct{}, what string) bool {
+func (r *tiersRun[D]) await(ch <-chan struct{}, what string) bool {
 	idleSince := time.Now()
 	for {
 		select {
@@ -433,7 +468,7 @@ func (r *tiersRun) await(ch <-chan struct{}, what string) bool {
 
 // copier is the audit's device↔host transport: a plain copy on a
 // goroutine of its own, or one of the injected faults.
-type copier struct{ r *tiersRun }
+type copier struct{ r *tiersRun[[]byte] }
 
 func (c copier) Start(pairs []kvlease.CopyPair[[]byte, []byte], attach func(*kvlease.Transfer) error) (*kvlease.Transfer, error) {
 	if len(pairs) == 0 || attach == nil {
@@ -510,7 +545,7 @@ func (c copier) Start(pairs []kvlease.CopyPair[[]byte, []byte], attach func(*kvl
 }
 
 // beforeIO is the disk tier's fault hook.
-func (r *tiersRun) beforeIO(write bool, slot tiers.DiskSlot) error {
+func (r *tiersRun[D]) beforeIO(write bool, slot tiers.DiskSlot) error {
 	f := r.cfg.Faults
 	switch {
 	case r.chance(f.DiskFail):
@@ -526,7 +561,7 @@ func (r *tiersRun) beforeIO(write bool, slot tiers.DiskSlot) error {
 }
 
 // corrupt overwrites a few bytes of a slot file at rest.
-func (r *tiersRun) corrupt() error {
+func (r *tiersRun[D]) corrupt() error {
 	entries, err := os.ReadDir(r.dir)
 	if err != nil {
 		return err
@@ -564,7 +599,7 @@ func (r *tiersRun) corrupt() error {
 }
 
 // check compares block b, served as holding h, and records a violation.
-func (r *tiersRun) check(b []byte, h kvlease.BlockHash, where string) {
+func (r *tiersRun[D]) check(b []byte, h kvlease.BlockHash, where string) {
 	r.rep.Checked++
 	switch classify(b, h, r.want) {
 	case 1:
@@ -574,15 +609,15 @@ func (r *tiersRun) check(b []byte, h kvlease.BlockHash, where string) {
 	}
 }
 
-type tiersReq struct {
+type tiersReq[D any] struct {
 	id     int
-	o      *tiers.Onboard[[]byte]
+	o      *tiers.Onboard[D]
 	hashes []kvlease.BlockHash
 }
 
 // arrive admits one request: a leading part of a document and up to two
 // blocks of its own.
-func (r *tiersRun) arrive(id int) *tiersReq {
+func (r *tiersRun[D]) arrive(id int) *tiersReq[D] {
 	doc := r.docs[r.intN(len(r.docs))]
 	p := r.cfg.DocBlocks
 	if r.chance(0.3) {
@@ -614,26 +649,41 @@ func (r *tiersRun) arrive(id int) *tiersReq {
 	}
 	// Device hits are usable at once.
 	for k := range o.Hits(tiers.TierDevice) {
-		b, err := r.dev.Region(o.Lease.Ref(k))
+		if r.chance(r.cfg.corruptHits) {
+			if p, err := r.dev.Region(o.Lease.Ref(k)); err == nil {
+				junk(r.stamp)
+				_ = r.store(p, r.stamp)
+			}
+		}
+		b, err := r.loadRef(o.Lease.Ref(k))
 		if err != nil {
 			r.violate(&r.rep.Other, "request %d: device hit %d: %v", id, k, err)
 			continue
 		}
 		r.check(b, hashes[k], fmt.Sprintf("request %d device hit %d", id, k))
 	}
-	return &tiersReq{id: id, o: o, hashes: hashes}
+	return &tiersReq[D]{id: id, o: o, hashes: hashes}
 }
 
 // complete finishes a request whose onboard is ready: check the valid
 // prefix, compute and seal the rest, check the whole lease, release.
-func (r *tiersRun) complete(q *tiersReq) {
+// loadRef returns the content of the device block ref names.
+func (r *tiersRun[D]) loadRef(ref kvlease.BlockRef) ([]byte, error) {
+	p, err := r.dev.Region(ref)
+	if err != nil {
+		return nil, err
+	}
+	return r.load(p)
+}
+
+func (r *tiersRun[D]) complete(q *tiersReq[D]) {
 	valid, err := q.o.Wait(context.Background())
 	l := q.o.Lease
 	if valid > q.o.Prefix() || (err == nil && valid != q.o.Prefix()) {
 		r.violate(&r.rep.Other, "request %d: valid %d of a prefix of %d (error %v)", q.id, valid, q.o.Prefix(), err)
 	}
 	for k := range valid {
-		b, err := r.dev.Region(l.Ref(k))
+		b, err := r.loadRef(l.Ref(k))
 		if err != nil {
 			r.violate(&r.rep.Other, "request %d: region %d: %v", q.id, k, err)
 			continue
@@ -641,12 +691,15 @@ func (r *tiersRun) complete(q *tiersReq) {
 		r.check(b, q.hashes[k], fmt.Sprintf("request %d onboarded block %d", q.id, k))
 	}
 	for k := valid; k < len(q.hashes); k++ {
-		b, err := l.Region(k)
+		p, err := l.Region(k)
+		if err == nil {
+			TierStamp(r.stamp, q.hashes[k])
+			err = r.store(p, r.stamp)
+		}
 		if err != nil {
 			r.violate(&r.rep.Other, "request %d: region %d: %v", q.id, k, err)
 			continue
 		}
-		TierStamp(b, q.hashes[k])
 		parent := kvlease.BlockHash(0)
 		if k > 0 {
 			parent = q.hashes[k-1]
@@ -663,7 +716,7 @@ func (r *tiersRun) complete(q *tiersReq) {
 	}
 	// Nothing wrote into the lease behind its back meanwhile.
 	for k := range q.hashes {
-		if b, err := r.dev.Region(l.Ref(k)); err == nil {
+		if b, err := r.loadRef(l.Ref(k)); err == nil {
 			r.check(b, q.hashes[k], fmt.Sprintf("request %d block %d at release", q.id, k))
 		}
 	}
@@ -672,23 +725,24 @@ func (r *tiersRun) complete(q *tiersReq) {
 
 // sweep reads back every tier's findable blocks of every document and
 // checks them, and checks every pool.
-func (r *tiersRun) sweep() {
+func (r *tiersRun[D]) sweep() {
 	for d, doc := range r.docs {
-		for _, tier := range []struct {
-			name string
-			p    *kvlease.Pool[[]byte]
-		}{{"device", r.dev}, {"host", r.host}} {
-			l, err := tier.p.AcquireHits("audit/sweep", doc)
-			if err != nil {
-				r.violate(&r.rep.Other, "sweep %s doc %d: %v", tier.name, d, err)
-				continue
-			}
-			if l == nil {
-				continue
-			}
+		if l, err := r.dev.AcquireHits("audit/sweep", doc); err != nil {
+			r.violate(&r.rep.Other, "sweep device doc %d: %v", d, err)
+		} else if l != nil {
 			for k := range l.Len() {
-				if b, err := tier.p.Region(l.Ref(k)); err == nil {
-					r.check(b, doc[k], fmt.Sprintf("%s tier doc %d block %d", tier.name, d, k))
+				if b, err := r.loadRef(l.Ref(k)); err == nil {
+					r.check(b, doc[k], fmt.Sprintf("device tier doc %d block %d", d, k))
+				}
+			}
+			l.Release()
+		}
+		if l, err := r.host.AcquireHits("audit/sweep", doc); err != nil {
+			r.violate(&r.rep.Other, "sweep host doc %d: %v", d, err)
+		} else if l != nil {
+			for k := range l.Len() {
+				if b, err := r.host.Region(l.Ref(k)); err == nil {
+					r.check(b, doc[k], fmt.Sprintf("host tier doc %d block %d", d, k))
 				}
 			}
 			l.Release()
@@ -723,7 +777,7 @@ func (r *tiersRun) sweep() {
 	r.drainEvents()
 }
 
-func (r *tiersRun) checkPools() {
+func (r *tiersRun[D]) checkPools() {
 	pools := []struct {
 		name string
 		err  error
@@ -748,24 +802,28 @@ func (r *tiersRun) checkPools() {
 }
 
 // RunTiers runs the tiers audit: requests onboard their prefixes across
-// the tiers while copies fail, stall and are quarantined, disk slots fail
-// and are corrupted at rest, and requests are aborted mid-copy. It checks
-// the content of every block served as valid (every device hit, every
-// onboarded block within Onboard.Valid, and in sweeps every findable
-// block of every tier), the content of every lease at release (no late
-// write landed in it), the pools' accounting, that the cache's hit
-// counters agree with what the Onboards said, and, after the drain (every
-// held copy let go, late evidence delivered), that every pool settles
-// with nothing leased, draining or quarantined. The error is for a
-// configuration it refuses or a disk tier it cannot open; violations are
-// in the report.
+// the tiers while copies fail, stall, are canceled and are quarantined,
+// disk slots fail and are corrupted at rest, and requests are aborted
+// mid-copy. It checks the content of every block served as valid (every
+// device hit, every onboarded block within Onboard.Valid, and in sweeps
+// every findable block of every tier), the content of every lease at
+// release (no late write landed in it), the pools' accounting, that the
+// cache's hit counters agree with what the Onboards said, and, after the
+// drain (every held copy let go, late evidence delivered), that every
+// pool settles with nothing leased, draining or quarantined. With
+// cfg.GPU set it runs on that device (see TiersConfig.GPU). The error is
+// for a configuration it refuses, or a disk tier or device memory it
+// cannot get; violations are in the report.
 func RunTiers(cfg TiersConfig) (*TiersReport, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	rep := &TiersReport{Seed: cfg.Seed}
-	r := &tiersRun{cfg: cfg, rep: rep, rng: rand.New(rand.NewPCG(cfg.Seed, 0x7469657273)), want: make([]byte, cfg.BlockBytes)}
-	start := time.Now()
+	if cfg.GPU != nil {
+		return runTiersGPU(cfg)
+	}
+	r := newTiersRun[[]byte](cfg)
+	r.load = func(b []byte) ([]byte, error) { return b, nil }
+	r.store = func(b, src []byte) error { copy(b, src); return nil }
 	dm, err := kvlease.NewHostMemory(cfg.DeviceBlocks, cfg.BlockBytes)
 	if err != nil {
 		return nil, err
@@ -774,17 +832,63 @@ func RunTiers(cfg TiersConfig) (*TiersReport, error) {
 	if err != nil {
 		return nil, err
 	}
-	// Every tier publishes KV events (the ring holds far more than a
-	// sweep's worth), so the run checks them too.
-	opts := func() []kvlease.Option {
-		return []kvlease.Option{kvlease.WithBlockTokens(tierBlockTokens), kvlease.WithKVEvents(1 << 16)}
-	}
-	if r.dev, err = kvlease.NewPool[[]byte](dm, opts()...); err != nil {
+	if r.dev, err = kvlease.NewPool[[]byte](dm, tierPoolOptions()...); err != nil {
 		return nil, err
 	}
-	if r.host, err = kvlease.NewPool[[]byte](hm, opts()...); err != nil {
+	if r.host, err = kvlease.NewPool[[]byte](hm, tierPoolOptions()...); err != nil {
 		return nil, err
 	}
+	return r.run(copier{r}, copier{r})
+}
+
+// tierPoolOptions: every tier publishes KV events (the ring holds far
+// more than a sweep's worth), so the run checks them too.
+func tierPoolOptions() []kvlease.Option {
+	return []kvlease.Option{kvlease.WithBlockTokens(tierBlockTokens), kvlease.WithKVEvents(1 << 16)}
+}
+
+func newTiersRun[D any](cfg TiersConfig) *tiersRun[D] {
+	return &tiersRun[D]{cfg: cfg, rep: &TiersReport{Seed: cfg.Seed}, rng: rand.New(rand.NewPCG(cfg.Seed, 0x7469657273)),
+		want: make([]byte, cfg.BlockBytes), stamp: make([]byte, cfg.BlockBytes)}
+}
+
+// faultyTransport is the cache's device↔host transport as the audit
+// hands it over: it alternates between two transports (when both are
+// set) and cancels a share of the copies right after they start.
+type faultyTransport[S, D any] struct {
+	next [2]kvlease.Transport[S, D]
+	n    *atomic.Uint64
+	// after runs on every transfer started.
+	after func(*kvlease.Transfer)
+}
+
+func (f faultyTransport[S, D]) Start(pairs []kvlease.CopyPair[S, D], attach func(*kvlease.Transfer) error) (*kvlease.Transfer, error) {
+	next := f.next[0]
+	if f.next[1] != nil && f.n.Add(1)%2 == 0 {
+		next = f.next[1]
+	}
+	t, err := next.Start(pairs, attach)
+	if err == nil && t != nil {
+		f.after(t)
+	}
+	return t, err
+}
+
+// cancelSome is the Cancel fault: a copy canceled as soon as it started.
+func (r *tiersRun[D]) cancelSome(t *kvlease.Transfer) {
+	if r.chance(r.cfg.Faults.Cancel) {
+		r.count(&r.rep.Cancels)
+		t.Cancel()
+	}
+}
+
+// run drives the requests over r's pools (set by the caller) with the
+// given device↔host transports, then drains and checks; it closes the
+// pools.
+func (r *tiersRun[D]) run(offload kvlease.Transport[D, []byte], onload kvlease.Transport[[]byte, D]) (*TiersReport, error) {
+	cfg, rep := r.cfg, r.rep
+	start := time.Now()
+	var err error
 	if cfg.DiskSlots > 0 {
 		r.dir = cfg.Dir
 		if r.dir == "" {
@@ -794,14 +898,16 @@ func RunTiers(cfg TiersConfig) (*TiersReport, error) {
 			defer os.RemoveAll(r.dir)
 		}
 		r.disk, err = tiers.OpenDisk(tiers.DiskConfig{Dir: r.dir, Files: 2, Slots: cfg.DiskSlots,
-			BlockBytes: cfg.BlockBytes, Workers: 2, BeforeIO: r.beforeIO, PoolOptions: opts()})
+			BlockBytes: cfg.BlockBytes, Workers: 2, BeforeIO: r.beforeIO, PoolOptions: tierPoolOptions()})
 		if err != nil {
 			return nil, err
 		}
 	}
-	r.cache, err = tiers.New(tiers.Config[[]byte]{Device: r.dev, Host: r.host, Disk: r.disk,
-		Offload: copier{r}, Onload: copier{r}, Policy: cfg.Policy})
-	if err != nil {
+	var n1, n2 atomic.Uint64
+	if r.cache, err = tiers.New(tiers.Config[D]{Device: r.dev, Host: r.host, Disk: r.disk,
+		Offload: faultyTransport[D, []byte]{next: [2]kvlease.Transport[D, []byte]{offload}, n: &n1, after: r.cancelSome},
+		Onload:  faultyTransport[[]byte, D]{next: [2]kvlease.Transport[[]byte, D]{onload}, n: &n2, after: r.cancelSome},
+		Policy:  cfg.Policy}); err != nil {
 		return nil, err
 	}
 	r.blocks = make(map[kvlease.BlockHash]blockInfo)
@@ -818,7 +924,7 @@ func RunTiers(cfg TiersConfig) (*TiersReport, error) {
 		r.addChain(kvlease.BlockHash(cfg.Seed), toks, r.docs[d])
 	}
 
-	var live []*tiersReq
+	var live []*tiersReq[D]
 	arrivals := 0
 	for arrivals < cfg.Requests || len(live) > 0 {
 		if arrivals < cfg.Requests && (len(live) == 0 || (len(live) < cfg.MaxLive && r.chance(0.5))) {
@@ -873,15 +979,11 @@ func RunTiers(cfg TiersConfig) (*TiersReport, error) {
 	if err := r.cache.Close(); err != nil {
 		r.violate(&r.rep.Other, "cache close: %v", err)
 	}
-	settled := func(p *kvlease.Pool[[]byte]) bool {
-		s := p.Stats()
+	settled := func(s kvlease.Stats) bool {
 		return s.Leased == 0 && s.Draining == 0 && s.Quarantined == 0
 	}
 	deadline := time.Now().Add(20 * time.Second)
-	for !(settled(r.dev) && settled(r.host) && (r.disk == nil || func() bool {
-		s := r.disk.Pool().Stats()
-		return s.Leased == 0 && s.Draining == 0 && s.Quarantined == 0
-	}())) {
+	for !(settled(r.dev.Stats()) && settled(r.host.Stats()) && (r.disk == nil || settled(r.disk.Pool().Stats()))) {
 		if r.letGo() {
 			continue
 		}
@@ -914,5 +1016,81 @@ func RunTiers(cfg TiersConfig) (*TiersReport, error) {
 	_ = r.dev.Close()
 	_ = r.host.Close()
 	rep.Elapsed = time.Since(start)
+	return rep, nil
+}
+
+// runTiersGPU is RunTiers on cfg.GPU: device and pinned arenas, two
+// engines (kernel, copy engine) used alternately, blocks read and written
+// through synchronous copies. Whatever it allocated is freed at the end;
+// an arena or engine that refuses to close (a copy still in flight) is a
+// violation.
+func runTiersGPU(cfg TiersConfig) (*TiersReport, error) {
+	d := cfg.GPU
+	var closers []func() error
+	closeAll := func() error {
+		var errs []error
+		for i := len(closers) - 1; i >= 0; i-- {
+			errs = append(errs, closers[i]())
+		}
+		closers = nil
+		return errors.Join(errs...)
+	}
+	devMem, err := d.AllocDevice(cfg.DeviceBlocks, cfg.BlockBytes)
+	if err != nil {
+		return nil, err
+	}
+	closers = append(closers, devMem.Close)
+	hostMem, err := d.AllocPinned(cfg.HostBlocks, cfg.BlockBytes)
+	if err != nil {
+		_ = closeAll()
+		return nil, err
+	}
+	closers = append(closers, hostMem.Close)
+	kern, err := d.NewCopyEngine(gpu.WithPath(gpu.PathKernel))
+	if err != nil {
+		_ = closeAll()
+		return nil, err
+	}
+	closers = append(closers, kern.Close)
+	ce, err := d.NewCopyEngine(gpu.WithPath(gpu.PathCopyEngine))
+	if err != nil {
+		_ = closeAll()
+		return nil, err
+	}
+	closers = append(closers, ce.Close)
+
+	r := newTiersRun[gpu.DevicePtr](cfg)
+	buf := make([]byte, cfg.BlockBytes)
+	r.load = func(p gpu.DevicePtr) ([]byte, error) { return buf, d.CopyToHost(buf, p) }
+	r.store = func(p gpu.DevicePtr, b []byte) error { return d.CopyFromHost(p, b) }
+	if r.dev, err = kvlease.NewPool[gpu.DevicePtr](devMem, tierPoolOptions()...); err != nil {
+		_ = closeAll()
+		return nil, err
+	}
+	if r.host, err = kvlease.NewPool[[]byte](hostMem, tierPoolOptions()...); err != nil {
+		_ = closeAll()
+		return nil, err
+	}
+	var n1, n2 atomic.Uint64
+	offload := faultyTransport[gpu.DevicePtr, []byte]{next: [2]kvlease.Transport[gpu.DevicePtr, []byte]{kern.DeviceToHost(), ce.DeviceToHost()},
+		n: &n1, after: func(*kvlease.Transfer) {}}
+	onload := faultyTransport[[]byte, gpu.DevicePtr]{next: [2]kvlease.Transport[[]byte, gpu.DevicePtr]{kern.HostToDevice(), ce.HostToDevice()},
+		n: &n2, after: func(*kvlease.Transfer) {}}
+	st0 := d.CopyStats()
+	rep, err := r.run(offload, onload)
+	if err != nil {
+		_ = closeAll()
+		return nil, err
+	}
+	st := d.CopyStats()
+	rep.Device = d.Name()
+	rep.KernelSubmits = st.KernelLaunches - st0.KernelLaunches
+	rep.EngineSubmits = st.BatchedSubmits + st.LoopedSubmits - st0.BatchedSubmits - st0.LoopedSubmits
+	if rep.Requests >= 100 && (rep.KernelSubmits == 0 || rep.EngineSubmits == 0) {
+		r.violate(&rep.Other, "a path never carried a copy: kernel %d, copy engine %d submissions (%v)", rep.KernelSubmits, rep.EngineSubmits, st)
+	}
+	if err := closeAll(); err != nil {
+		r.violate(&rep.Other, "freeing the device memory and engines after the drain: %v", err)
+	}
 	return rep, nil
 }

@@ -53,6 +53,7 @@ type arena struct {
 	dev        *Device
 	kind       memKind
 	addr       uint64 // device address, or the address of host[0]
+	dptr       uint64 // the address the copy kernel uses: addr for device memory, the mapped address of pinned memory (0: not mapped)
 	host       []byte // pinned memory; on the fallback also device memory
 	blocks     int
 	blockBytes int
@@ -290,14 +291,36 @@ func findArena(list []*arena, addr uint64, n int) *arena {
 	return nil
 }
 
-// deviceBlock resolves p as the start of a block of a live device arena
-// of d, in the published list (no lock; the caller re-checks a.closed
-// under d.mu before pinning). Its errors are phrased to follow
-// "pair i, src: ".
-func (d *Device) deviceBlock(p DevicePtr) (span, error) {
-	a := findArena(*d.devSnap.Load(), uint64(p), 1)
+// resolver finds the blocks of one Start's pairs in a device's published
+// arena list (no lock; the caller re-checks a.closed under d.mu before
+// pinning), remembering the last arena found: a Start's blocks mostly lie
+// in one or two arenas, so most lookups are one comparison.
+type resolver struct {
+	d    *Device
+	list []*arena
+	last *arena
+}
+
+func deviceResolver(d *Device) resolver { return resolver{d: d, list: *d.devSnap.Load()} }
+func pinnedResolver(d *Device) resolver { return resolver{d: d, list: *d.pinSnap.Load()} }
+
+func (r *resolver) find(addr uint64) *arena {
+	if a := r.last; a != nil && addr-a.addr < uint64(a.size()) {
+		return a
+	}
+	a := findArena(r.list, addr, 1)
+	if a != nil {
+		r.last = a
+	}
+	return a
+}
+
+// device resolves p as the start of a block of a live device arena. Its
+// errors are phrased to follow "pair i, src: ".
+func (r *resolver) device(p DevicePtr) (span, error) {
+	a := r.find(uint64(p))
 	if a == nil {
-		return span{}, fmt.Errorf("%v is not in a live device arena of %s: %w", p, d.name, kvlease.ErrInvalidArgument)
+		return span{}, fmt.Errorf("%v is not in a live device arena of %s: %w", p, r.d.name, kvlease.ErrInvalidArgument)
 	}
 	off := int(uint64(p) - a.addr)
 	if off%a.blockBytes != 0 {
@@ -306,18 +329,17 @@ func (d *Device) deviceBlock(p DevicePtr) (span, error) {
 	return span{a, off}, nil
 }
 
-// pinnedBlock resolves b as a whole block of a live pinned arena of d, as
-// deviceBlock does. Go memory (a kvlease.HostMemory region, a
-// make([]byte)) is refused: the device must never copy asynchronously from
-// the Go heap.
-func (d *Device) pinnedBlock(b []byte) (span, error) {
+// pinned resolves b as a whole block of a live pinned arena, as device
+// does. Go memory (a kvlease.HostMemory region, a make([]byte)) is
+// refused: the device must never copy asynchronously from the Go heap.
+func (r *resolver) pinned(b []byte) (span, error) {
 	if len(b) == 0 {
 		return span{}, fmt.Errorf("empty region: %w", kvlease.ErrInvalidArgument)
 	}
 	addr := uint64(addrOf(b))
-	a := findArena(*d.pinSnap.Load(), addr, 1)
+	a := r.find(addr)
 	if a == nil {
-		return span{}, fmt.Errorf("region of %d bytes at 0x%x is not in a live pinned arena of %s (Go or foreign memory cannot take part in an async copy): %w", len(b), addr, d.name, kvlease.ErrInvalidArgument)
+		return span{}, fmt.Errorf("region of %d bytes at 0x%x is not in a live pinned arena of %s (Go or foreign memory cannot take part in an async copy): %w", len(b), addr, r.d.name, kvlease.ErrInvalidArgument)
 	}
 	off := int(addr - a.addr)
 	if off%a.blockBytes != 0 || len(b) != a.blockBytes {

@@ -45,6 +45,7 @@ enum {
 	KVL_CU_EVENT_BLOCKING_SYNC = 0x1,
 	KVL_CU_EVENT_DISABLE_TIMING = 0x2,
 	KVL_CU_MEMHOSTALLOC_PORTABLE = 0x1,
+	KVL_CU_MEMHOSTALLOC_DEVICEMAP = 0x2,
 	KVL_CU_GET_PROC_ADDRESS_DEFAULT = 0,
 	KVL_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 0x1,
 	// CUjit_option values, for the JIT's error log.
@@ -52,6 +53,7 @@ enum {
 	KVL_CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES = 6,
 	// CUdevice_attribute values reported by the device check.
 	KVL_CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16,
+	KVL_CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY = 19,
 	KVL_CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75,
 	KVL_CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76,
 };
@@ -123,6 +125,9 @@ typedef struct {
 	                           unsigned int sharedMemBytes, CUstream stream, void **kernelParams, void **extra);
 	CUresult (*cuEventElapsedTime)(float *ms, CUevent start, CUevent end);
 	CUresult (*cuDeviceGetAttribute)(int *value, int attribute, CUdevice dev);
+	// Optional: without it pinned memory is not mapped and host↔device
+	// copies never take the kernel.
+	CUresult (*cuMemHostGetDevicePointer)(CUdeviceptr *dptr, void *p, unsigned int flags);
 } kvl_api;
 
 // Copy directions of a submission (every copy of one has the same).
@@ -149,13 +154,13 @@ typedef struct {
 	int kind;              // KVL_HTOD, KVL_DTOH or KVL_DTOD
 	size_t n;              // number of copies
 	int useBatch;          // try cuMemcpyBatchAsync first (n > 1)
-	// The gather kernel, when fn != 0: upload ndesc descriptors from
-	// descHost (pinned) to descDev, then launch fn with one thread block
-	// of threads threads per descriptor.
+	// The copy kernel, when fn != 0: launch fn(table, ncta, nwarp) with
+	// grid CTAs of threads threads; the table (ncta + nwarp descriptors)
+	// is already in mapped pinned memory at device address table. The
+	// copy arrays are the copy engine's fallback if the launch fails.
 	uintptr_t fn;
-	uintptr_t descHost;
-	CUdeviceptr descDev;
-	unsigned int ndesc, threads;
+	CUdeviceptr table;
+	unsigned int ncta, nwarp, grid, threads;
 } kvl_submit_args;
 
 // kvl_submit_result says how far a submission got.
@@ -168,7 +173,7 @@ typedef struct {
 	int path;            // KVL_PATH_*: what carried the copies
 	int batchFailed;     // 1 when cuMemcpyBatchAsync failed and the loop ran instead
 	CUresult batchErr;   // cuMemcpyBatchAsync's error in that case
-	int kernelFailed;    // 1 when the upload or launch failed and the copy engine ran instead
+	int kernelFailed;    // 1 when the launch failed and the copy engine ran instead
 	CUresult kernelErr;  // its error in that case
 	int timed;           // 1 when both timing events were recorded
 } kvl_submit_result;

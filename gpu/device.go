@@ -40,6 +40,12 @@ type Device struct {
 	devSnap, pinSnap atomic.Pointer[[]*arena]
 	engines          int // open copy engines
 	closed           bool
+
+	// Path choice: the calibration (nil until measured) and what measures
+	// it (tests inject one). See calibrate.go.
+	calMu      sync.Mutex
+	cal        atomic.Pointer[calTable]
+	calMeasure measureFunc
 }
 
 // Open opens CUDA device ordinal through the driver loaded at run time
@@ -137,7 +143,7 @@ func (d *Device) AllocDevice(blocks, blockBytes int) (*DeviceArena, error) {
 		_ = d.b.freeDevice(addr, n)
 		return nil, fmt.Errorf("gpu: device allocation at 0x%x is not %d-byte aligned", addr, Alignment)
 	}
-	a := &arena{dev: d, kind: deviceMem, addr: addr, host: host, blocks: blocks, blockBytes: blockBytes}
+	a := &arena{dev: d, kind: deviceMem, addr: addr, dptr: addr, host: host, blocks: blocks, blockBytes: blockBytes}
 	if err := d.addArena(a); err != nil {
 		_ = d.b.freeDevice(addr, n)
 		return nil, err
@@ -146,8 +152,9 @@ func (d *Device) AllocDevice(blocks, blockBytes int) (*DeviceArena, error) {
 }
 
 // AllocPinned allocates a pinned host arena of blocks blocks of blockBytes
-// bytes each (cuMemHostAlloc, portable to every context). blockBytes must
-// be a positive multiple of Alignment.
+// bytes each (cuMemHostAlloc, portable to every context and mapped into
+// the device's address space, so the copy kernel reaches it directly).
+// blockBytes must be a positive multiple of Alignment.
 func (d *Device) AllocPinned(blocks, blockBytes int) (*PinnedArena, error) {
 	if err := checkGeometry(blocks, blockBytes); err != nil {
 		return nil, err
@@ -155,11 +162,11 @@ func (d *Device) AllocPinned(blocks, blockBytes int) (*PinnedArena, error) {
 	if err := d.checkOpen(); err != nil {
 		return nil, err
 	}
-	host, err := d.b.allocPinned(blocks * blockBytes)
+	host, dptr, err := d.b.allocPinned(blocks * blockBytes)
 	if err != nil {
 		return nil, err
 	}
-	a := &arena{dev: d, kind: pinnedMem, addr: uint64(addrOf(host)), host: host, blocks: blocks, blockBytes: blockBytes}
+	a := &arena{dev: d, kind: pinnedMem, addr: uint64(addrOf(host)), dptr: dptr, host: host, blocks: blocks, blockBytes: blockBytes}
 	if err := d.addArena(a); err != nil {
 		_ = d.b.freePinned(host)
 		return nil, err

@@ -59,6 +59,7 @@ static const kvl_sym kvl_symbols[] = {
 	{"cuLaunchKernel", "cuLaunchKernel", KVL_CUDA_VERSION, 1},
 	{"cuEventElapsedTime", "cuEventElapsedTime", KVL_CUDA_VERSION, 1},
 	{"cuDeviceGetAttribute", "cuDeviceGetAttribute", KVL_CUDA_VERSION, 1},
+	{"cuMemHostGetDevicePointer", "cuMemHostGetDevicePointer_v2", KVL_CUDA_VERSION, 1},
 };
 
 _Static_assert(sizeof(kvl_api) == sizeof(kvl_symbols) / sizeof(kvl_symbols[0]) * sizeof(void *),
@@ -157,8 +158,20 @@ CUresult kvl_mem_alloc(kvl_api *api, uintptr_t ctx, CUdeviceptr *p, size_t n) {
 CUresult kvl_mem_free(kvl_api *api, uintptr_t ctx, CUdeviceptr p) {
 	KVL_WITH_CTX(api, ctx, api->cuMemFree(p));
 }
-CUresult kvl_host_alloc(kvl_api *api, uintptr_t ctx, void **p, size_t n) {
-	KVL_WITH_CTX(api, ctx, api->cuMemHostAlloc(p, n, KVL_CU_MEMHOSTALLOC_PORTABLE));
+// kvl_host_alloc allocates pinned memory, portable to every context. With
+// map set (and the driver able to), it is mapped into the device's address
+// space and *dptr is its device address; otherwise *dptr is 0.
+static CUresult kvl_host_alloc_in_ctx(kvl_api *api, void **p, size_t n, int map, CUdeviceptr *dptr) {
+	*dptr = 0;
+	unsigned int flags = KVL_CU_MEMHOSTALLOC_PORTABLE;
+	if (map) flags |= KVL_CU_MEMHOSTALLOC_DEVICEMAP;
+	CUresult r = api->cuMemHostAlloc(p, n, flags);
+	if (r != KVL_CUDA_SUCCESS || !map) return r;
+	if (api->cuMemHostGetDevicePointer(dptr, *p, 0) != KVL_CUDA_SUCCESS) *dptr = 0;
+	return KVL_CUDA_SUCCESS;
+}
+CUresult kvl_host_alloc(kvl_api *api, uintptr_t ctx, void **p, size_t n, int map, CUdeviceptr *dptr) {
+	KVL_WITH_CTX(api, ctx, kvl_host_alloc_in_ctx(api, p, n, map && api->cuMemHostGetDevicePointer != NULL, dptr));
 }
 CUresult kvl_host_free(kvl_api *api, uintptr_t ctx, void *p) {
 	KVL_WITH_CTX(api, ctx, api->cuMemFreeHost(p));
@@ -217,6 +230,7 @@ int kvl_has_kernel(kvl_api *api) {
 	return api->cuModuleLoadData && api->cuModuleGetFunction && api->cuLaunchKernel && api->cuModuleUnload;
 }
 int kvl_has_timing(kvl_api *api) { return api->cuEventElapsedTime != NULL; }
+int kvl_has_map(kvl_api *api) { return api->cuMemHostGetDevicePointer != NULL; }
 
 // kvl_module_load JIT-compiles the PTX image and finds entry. If the load
 // fails and the driver has cuModuleLoadDataEx, it loads again asking for
@@ -281,10 +295,10 @@ static CUresult kvl_copy_one(kvl_api *api, int kind, CUdeviceptr dst, CUdevicept
 
 // kvl_submit enqueues a submission on its stream and records its event
 // after it, in one call so that the context stays current throughout. The
-// gather kernel goes first when asked for; if its upload or launch fails,
-// the copy engine carries the copies instead. With useBatch and more than
-// one copy it tries one cuMemcpyBatchAsync; if that fails it enqueues the
-// copies one by one (copying a block twice from an unchanged source is
+// copy kernel goes first when asked for; if its launch fails, the copy
+// engine carries the copies instead. With useBatch and more than one copy
+// it tries one cuMemcpyBatchAsync; if that fails it enqueues the copies
+// one by one (copying a block twice from an unchanged source is
 // harmless). If the event cannot be recorded it synchronizes the stream,
 // so the caller learns whether anything can still be in flight. The copy
 // arrays (Go memory) are read during the call only; nothing is allocated.
@@ -304,13 +318,10 @@ void kvl_submit(kvl_api *api, const kvl_submit_args *a, CUdeviceptr *dsts, CUdev
 	}
 	int done = 0;
 	if (a->fn != 0) {
-		r = api->cuMemcpyHtoDAsync(a->descDev, (const void *)a->descHost, (size_t)a->ndesc * 32, s);
-		if (r == KVL_CUDA_SUCCESS) {
-			CUdeviceptr table = a->descDev;
-			unsigned int count = a->ndesc;
-			void *params[2] = {&table, &count};
-			r = api->cuLaunchKernel((CUfunction)a->fn, a->ndesc, 1, 1, a->threads, 1, 1, 0, s, params, NULL);
-		}
+		CUdeviceptr table = a->table;
+		unsigned int ncta = a->ncta, nwarp = a->nwarp;
+		void *params[3] = {&table, &ncta, &nwarp};
+		r = api->cuLaunchKernel((CUfunction)a->fn, a->grid, 1, 1, a->threads, 1, 1, 0, s, params, NULL);
 		if (r == KVL_CUDA_SUCCESS) {
 			res->path = KVL_PATH_KERNEL;
 			res->enqueued = n;

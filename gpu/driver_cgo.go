@@ -99,14 +99,17 @@ type cudaBackend struct {
 	total    int64
 	useBatch atomic.Bool // cuMemcpyBatchAsync is present and has not failed
 	ctr      counters
+	sms      int  // multiprocessors, 0 when the driver cannot say
+	canMap   bool // pinned memory can be mapped into the device's address space
 
-	// The gather kernel, loaded at the first scattered device-to-device
-	// copy; kernErr is set (and ctr.kernelOn cleared) once it failed to load
-	// or launch.
-	kernMu  sync.Mutex
-	kernMod C.uintptr_t
-	kernFn  C.uintptr_t
-	kernErr error
+	// The copy kernel, loaded at its first use; kernErr is set once it
+	// failed to load or launch (or cannot exist), and the kernel is off for
+	// good. kernFn is read without the lock once set (kernReady).
+	kernMu    sync.Mutex
+	kernMod   C.uintptr_t
+	kernFn    C.uintptr_t
+	kernErr   error
+	kernReady atomic.Bool
 }
 
 func openCUDA(path string, ordinal int) (backend, error) {
@@ -140,10 +143,16 @@ func openCUDA(path string, ordinal int) (backend, error) {
 		return nil, drv.err("cuDevicePrimaryCtxRetain", r)
 	}
 	b.useBatch.Store(C.kvl_has_batch(api) != 0)
-	if C.kvl_has_kernel(api) != 0 {
-		b.ctr.kernelOn.Store(true)
-	} else {
+	if C.kvl_has_kernel(api) == 0 {
 		b.kernErr = errors.New("gpu: the driver lacks cuModuleLoadData, cuModuleGetFunction, cuLaunchKernel or cuModuleUnload")
+	}
+	_, _, b.sms = b.deviceAttrs()
+	var v C.int
+	b.canMap = C.kvl_has_map(api) != 0 &&
+		C.kvl_device_attr(api, b.dev, C.KVL_CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY, &v) == 0 && v != 0
+	if !b.canMap && b.kernErr == nil {
+		// The kernel's tables live in mapped pinned memory.
+		b.kernErr = errors.New("gpu: the device cannot map pinned host memory (no cuMemHostGetDevicePointer, or CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY is 0): the copy kernel is off")
 	}
 	return b, nil
 }
@@ -172,12 +181,21 @@ func (b *cudaBackend) freeDevice(addr uint64, _ int) error {
 	return b.drv.err("cuMemFree", C.kvl_mem_free(b.drv.api, b.ctx, C.CUdeviceptr(addr)))
 }
 
-func (b *cudaBackend) allocPinned(n int) ([]byte, error) {
-	var p unsafe.Pointer
-	if r := C.kvl_host_alloc(b.drv.api, b.ctx, &p, C.size_t(n)); r != 0 {
-		return nil, b.drv.err("cuMemHostAlloc", r)
+func (b *cudaBackend) multiprocessors() int { return b.sms }
+
+func (b *cudaBackend) allocPinned(n int) ([]byte, uint64, error) {
+	var (
+		p    unsafe.Pointer
+		dptr C.CUdeviceptr
+	)
+	mapIt := C.int(0)
+	if b.canMap {
+		mapIt = 1
 	}
-	return unsafe.Slice((*byte)(p), n), nil
+	if r := C.kvl_host_alloc(b.drv.api, b.ctx, &p, C.size_t(n), mapIt, &dptr); r != 0 {
+		return nil, 0, b.drv.err("cuMemHostAlloc", r)
+	}
+	return unsafe.Slice((*byte)(p), n), uint64(dptr), nil
 }
 
 func (b *cudaBackend) freePinned(mem []byte) error {
@@ -198,6 +216,10 @@ func (b *cudaBackend) close() error {
 	b.kernMu.Lock()
 	mod := b.kernMod
 	b.kernMod, b.kernFn = 0, 0
+	b.kernReady.Store(false)
+	if b.kernErr == nil {
+		b.kernErr = ErrClosed
+	}
 	b.kernMu.Unlock()
 	var errs []error
 	if mod != 0 {
@@ -215,21 +237,21 @@ func (b *cudaBackend) pathState() (bool, error) {
 	return b.useBatch.Load(), b.kernErr
 }
 
-// kernel returns the gather kernel's function, loading the module at the
-// first call; 0 when the kernel is off or failed to load (kernErr says
-// why, and the copy engine carries the copies).
-func (b *cudaBackend) kernel() C.uintptr_t {
-	if !b.ctr.kernelOn.Load() {
-		return 0
+// loadKernel loads the copy kernel at the first call (the driver
+// JIT-compiles the PTX for the device) and returns why it cannot run, if
+// it cannot.
+func (b *cudaBackend) loadKernel() error {
+	if b.kernReady.Load() {
+		return nil
 	}
 	b.kernMu.Lock()
 	defer b.kernMu.Unlock()
 	if b.kernFn != 0 || b.kernErr != nil {
-		return b.kernFn
+		return b.kernErr
 	}
-	image := C.CString(gatherPTX)
+	image := C.CString(kernelPTX)
 	defer C.free(unsafe.Pointer(image))
-	entry := C.CString(gatherEntry)
+	entry := C.CString(kernelEntry)
 	defer C.free(unsafe.Pointer(entry))
 	var log [4096]C.char
 	var mod, fn C.uintptr_t
@@ -238,22 +260,32 @@ func (b *cudaBackend) kernel() C.uintptr_t {
 		if msg := C.GoString(&log[0]); msg != "" {
 			err = fmt.Errorf("%w; JIT log: %s", err, msg)
 		}
-		b.kernErr = fmt.Errorf("gpu: loading the gather kernel: %w", err)
-		b.ctr.kernelOn.Store(false)
-		return 0
+		b.kernErr = fmt.Errorf("gpu: loading the copy kernel: %w", err)
+		return b.kernErr
 	}
 	b.kernMod, b.kernFn = mod, fn
-	return fn
+	b.kernReady.Store(true)
+	return nil
 }
 
-// kernelFailed turns the kernel off after a failed upload or launch.
+// kernel returns the loaded kernel's function, 0 when it is off.
+func (b *cudaBackend) kernel() C.uintptr_t {
+	if !b.kernReady.Load() {
+		return 0
+	}
+	b.kernMu.Lock()
+	defer b.kernMu.Unlock()
+	return b.kernFn
+}
+
+// kernelFailed turns the kernel off after a failed launch.
 func (b *cudaBackend) kernelFailed(err error) {
 	b.kernMu.Lock()
 	if b.kernErr == nil {
-		b.kernErr = fmt.Errorf("gpu: launching the gather kernel: %w", err)
+		b.kernErr = fmt.Errorf("gpu: launching the copy kernel: %w", err)
 	}
+	b.kernReady.Store(false)
 	b.kernMu.Unlock()
-	b.ctr.kernelOn.Store(false)
 	b.ctr.kernelFailures.Add(1)
 }
 
@@ -289,24 +321,22 @@ type cudaStream struct {
 	b *cudaBackend
 	h C.uintptr_t
 	// Reused submission arrays (Go memory, read by C during the call only):
-	// one copy per index.
+	// one copy per index; and the call's arguments and result (fields
+	// without Go pointers, so C may be handed their addresses).
 	dsts, srcs []C.CUdeviceptr
 	sizes      []C.size_t
+	args       C.kvl_submit_args
+	res        C.kvl_submit_result
 
 	mu     sync.Mutex
 	fences []*cudaFence
 }
 
-// cudaFence is one submission's completion event, with what must outlive
-// the call: the timing events and the gather kernel's descriptor table
-// (pinned staging and device copy), which the stream may still read until
-// the event completes. Fences are recycled, never freed before destroy.
+// cudaFence is one submission's completion event, with the timing
+// events. Fences are recycled, never freed before destroy.
 type cudaFence struct {
 	ev, start, end C.uintptr_t
 	timed          bool
-	descHost       unsafe.Pointer // pinned, descCap descriptors
-	descDev        C.CUdeviceptr
-	descCap        int
 }
 
 func (s *cudaStream) fence() (*cudaFence, error) {
@@ -345,58 +375,26 @@ func (s *cudaStream) timingEvents(f *cudaFence) bool {
 	return true
 }
 
-// descTable makes sure f's descriptor table holds n descriptors and
-// returns its pinned half. Growing frees the old table; f is idle (its
-// event completed) whenever it is handed out, so nothing reads it.
-func (s *cudaStream) descTable(f *cudaFence, n int) ([]gatherDesc, error) {
-	if n > f.descCap {
-		if err := s.freeDescs(f); err != nil {
-			return nil, err
-		}
-		c := max(n, 1024)
-		bytes := C.size_t(c * gatherDescBytes)
-		var host unsafe.Pointer
-		if r := C.kvl_host_alloc(s.b.drv.api, s.b.ctx, &host, bytes); r != 0 {
-			return nil, s.b.drv.err("cuMemHostAlloc", r)
-		}
-		var dev C.CUdeviceptr
-		if r := C.kvl_mem_alloc(s.b.drv.api, s.b.ctx, &dev, bytes); r != 0 {
-			_ = C.kvl_host_free(s.b.drv.api, s.b.ctx, host)
-			return nil, s.b.drv.err("cuMemAlloc", r)
-		}
-		f.descHost, f.descDev, f.descCap = host, dev, c
-	}
-	return unsafe.Slice((*gatherDesc)(f.descHost), f.descCap)[:n], nil
-}
-
-func (s *cudaStream) freeDescs(f *cudaFence) error {
-	if f.descCap == 0 {
-		return nil
-	}
-	err := errors.Join(
-		s.b.drv.err("cuMemFreeHost", C.kvl_host_free(s.b.drv.api, s.b.ctx, f.descHost)),
-		s.b.drv.err("cuMemFree", C.kvl_mem_free(s.b.drv.api, s.b.ctx, f.descDev)))
-	f.descHost, f.descDev, f.descCap = nil, 0, 0
-	return err
-}
-
-func (s *cudaStream) submit(ops []copyOp, kind copyKind, _ *atomic.Bool) (fence, error, error) {
+func (s *cudaStream) submit(sub *submission) (fence, error, error) {
 	b, drv := s.b, s.b.drv
 	f, err := s.fence()
 	if err != nil {
 		return nil, err, nil // nothing enqueued
 	}
+	ops := sub.ops
 	s.dsts, s.srcs, s.sizes = s.dsts[:0], s.srcs[:0], s.sizes[:0]
-	for _, op := range ops {
+	for i := range ops {
+		op := &ops[i]
 		s.dsts = append(s.dsts, C.CUdeviceptr(op.dst.addr+uint64(op.dstOff)))
 		s.srcs = append(s.srcs, C.CUdeviceptr(op.src.addr+uint64(op.srcOff)))
 		s.sizes = append(s.sizes, C.size_t(op.n))
 	}
-	args := C.kvl_submit_args{
+	args := &s.args
+	*args = C.kvl_submit_args{
 		ctx: s.b.ctx, stream: s.h, ev: f.ev,
-		kind: C.int(kind), n: C.size_t(len(ops)),
+		n: C.size_t(len(ops)),
 	}
-	switch kind {
+	switch sub.kind {
 	case hostToDevice:
 		args.kind = C.KVL_HTOD
 	case deviceToHost:
@@ -410,28 +408,26 @@ func (s *cudaStream) submit(ops []copyOp, kind copyKind, _ *atomic.Bool) (fence,
 	if b.ctr.timing.Load() && s.timingEvents(f) {
 		args.start, args.end = f.start, f.end
 	}
-	if kind == deviceToDevice && len(ops) >= gatherMinOps {
+	if sub.kernel {
 		if fn := b.kernel(); fn != 0 {
-			nd := gatherDescCount(ops)
-			if table, err := s.descTable(f, nd); err == nil {
-				fillGatherDescs(table, ops)
-				args.fn = fn
-				args.descHost = C.uintptr_t(uintptr(f.descHost))
-				args.descDev = f.descDev
-				args.ndesc = C.uint(nd)
-				args.threads = gatherThreads
-			}
-			// A table that cannot be allocated leaves this copy to the
-			// copy engine; the next one tries again.
+			l := sub.launch
+			args.fn = fn
+			args.table = C.CUdeviceptr(l.table)
+			args.ncta, args.nwarp = C.uint(l.ncta), C.uint(l.nwarp)
+			args.grid, args.threads = C.uint(l.grid), kernelThreads
 		}
+		// A kernel that failed meanwhile leaves the copy to the copy engine.
 	}
-	var res C.kvl_submit_result
-	C.kvl_submit(drv.api, &args, &s.dsts[0], &s.srcs[0], &s.sizes[0], &res)
+	res := &s.res
+	C.kvl_submit(drv.api, args, &s.dsts[0], &s.srcs[0], &s.sizes[0], res)
 	if res.pushFailed != 0 {
 		s.recycle(f)
 		return nil, drv.err("cuCtxPushCurrent", res.enqueue), nil
 	}
-	b.ctr.count(copyPath(res.path), len(ops))
+	sub.ctr.count(copyPath(res.path), len(ops))
+	if res.path == C.KVL_PATH_KERNEL {
+		sub.ctr.kernelCTAs.Add(int64(sub.launch.grid))
+	}
 	if res.kernelFailed != 0 {
 		b.kernelFailed(drv.err("cuLaunchKernel", res.kernelErr))
 	}
@@ -453,8 +449,8 @@ func (s *cudaStream) submit(ops []copyOp, kind copyKind, _ *atomic.Bool) (fence,
 		s.recycle(f)
 		return nil, errors.Join(outcome, recErr), nil
 	}
-	// The fence's table may still be read by the stream: it is never
-	// recycled (the engine quarantines the transfer).
+	// The stream may still be copying (and the kernel reading its table):
+	// the fence is never recycled and the engine quarantines the transfer.
 	return nil, nil, errors.Join(outcome, recErr, drv.err("cuStreamSynchronize", res.sync))
 }
 
@@ -487,7 +483,7 @@ func (s *cudaStream) destroy() error {
 	s.mu.Unlock()
 	var errs []error
 	// The stream first: destroying it waits for nothing, but every fence
-	// here has completed, so its table is idle.
+	// here has completed.
 	errs = append(errs, drv.err("cuStreamDestroy", C.kvl_stream_destroy(drv.api, s.b.ctx, s.h)))
 	for _, f := range fences {
 		errs = append(errs, drv.err("cuEventDestroy", C.kvl_event_destroy(drv.api, s.b.ctx, f.ev)))
@@ -495,7 +491,6 @@ func (s *cudaStream) destroy() error {
 			errs = append(errs, drv.err("cuEventDestroy", C.kvl_event_destroy(drv.api, s.b.ctx, f.start)))
 			errs = append(errs, drv.err("cuEventDestroy", C.kvl_event_destroy(drv.api, s.b.ctx, f.end)))
 		}
-		errs = append(errs, s.freeDescs(f))
 	}
 	return errors.Join(errs...)
 }

@@ -22,7 +22,7 @@ CUresult kvl_ctx_release(kvl_api *api, CUdevice dev);
 CUresult kvl_mem_get_info(kvl_api *api, uintptr_t ctx, size_t *free_, size_t *total);
 CUresult kvl_mem_alloc(kvl_api *api, uintptr_t ctx, CUdeviceptr *p, size_t n);
 CUresult kvl_mem_free(kvl_api *api, uintptr_t ctx, CUdeviceptr p);
-CUresult kvl_host_alloc(kvl_api *api, uintptr_t ctx, void **p, size_t n);
+CUresult kvl_host_alloc(kvl_api *api, uintptr_t ctx, void **p, size_t n, int map, CUdeviceptr *dptr);
 CUresult kvl_host_free(kvl_api *api, uintptr_t ctx, void *p);
 CUresult kvl_stream_create(kvl_api *api, uintptr_t ctx, uintptr_t *s);
 CUresult kvl_stream_destroy(kvl_api *api, uintptr_t ctx, uintptr_t s);
@@ -33,6 +33,7 @@ CUresult kvl_dtoh(kvl_api *api, uintptr_t ctx, void *dst, CUdeviceptr src, size_
 CUresult kvl_htod(kvl_api *api, uintptr_t ctx, CUdeviceptr dst, const void *src, size_t n);
 int kvl_has_kernel(kvl_api *api);
 int kvl_has_timing(kvl_api *api);
+int kvl_has_map(kvl_api *api);
 CUresult kvl_module_load(kvl_api *api, uintptr_t ctx, const char *image, const char *entry, uintptr_t *mod, uintptr_t *fn, char *log, size_t loglen);
 CUresult kvl_module_unload(kvl_api *api, uintptr_t ctx, uintptr_t mod);
 CUresult kvl_event_create_timed(kvl_api *api, uintptr_t ctx, uintptr_t *e);

@@ -106,12 +106,13 @@ func TestDriverResolvesAfterEvent(t *testing.T) {
 	}
 }
 
-// TestDriverGatherKernelLoads: the driver JIT-compiles the embedded PTX for
-// this device and the kernel moves a scattered copy; on failure the
-// driver's JIT log is in the error.
-func TestDriverGatherKernelLoads(t *testing.T) {
+// TestDriverKernelLoads: the driver JIT-compiles the embedded PTX for
+// this device and the kernel moves scattered copies in every direction,
+// through mapped pinned memory; on failure the driver's JIT log is in the
+// error.
+func TestDriverKernelLoads(t *testing.T) {
 	d := openRealDevice(t)
-	r := newRig(t, d, 16, 64<<10)
+	r := newRig(t, d, 16, 64<<10, WithPath(PathKernel))
 	rng := rand.New(rand.NewPCG(25, 26))
 	src := make([]byte, 16*64<<10)
 	fillRandom(rng, src)
@@ -124,9 +125,27 @@ func TestDriverGatherKernelLoads(t *testing.T) {
 	waitDone(t, tr)
 	noErr(t, tr.Err())
 	st := d.CopyStats()
-	t.Logf("first scattered device-to-device copy (JIT included): %v; %v", time.Since(t0), st)
-	noErr(t, st.KernelErr, "the gather kernel")
+	t.Logf("first kernel copy (JIT included): %v; %v", time.Since(t0), st)
+	noErr(t, st.KernelErr, "the copy kernel")
 	eq(t, int64(1), st.KernelLaunches)
 	eq(t, src[9*64<<10:10*64<<10], readDev(t, d, r.dev2.Region(0), 64<<10))
 	eq(t, src[15*64<<10:16*64<<10], readDev(t, d, r.dev2.Region(3), 64<<10))
+	if r.pin.a.dptr == 0 {
+		t.Fatalf("pinned memory is not mapped on %s", d.Name())
+	}
+	for kind := range kindNames {
+		scatterCase(t, r, copyKind(kind), 12)
+	}
+	eq(t, int64(4), d.CopyStats().KernelLaunches, "%v", d.CopyStats())
+}
+
+// TestDriverCalibrate measures the device and logs the table PathAuto
+// chooses from.
+func TestDriverCalibrate(t *testing.T) {
+	d := openRealDevice(t)
+	t0 := time.Now()
+	c, err := d.Calibrate()
+	noErr(t, err)
+	t.Logf("calibration in %v:\n%s", time.Since(t0), c)
+	eq(t, 3*len(calSizes), len(c.Rows))
 }

@@ -3,9 +3,7 @@ package gpu
 import (
 	"errors"
 	"fmt"
-	"slices"
 	"sync"
-	"sync/atomic"
 
 	"github.com/kvlease/kvlease"
 )
@@ -17,23 +15,28 @@ import (
 // How a copy runs:
 //  1. Start validates every pair (both blocks in live arenas of this
 //     device, equal block sizes, no block written twice, no block both read
-//     and written) and counts the copy as pending on every arena it touches,
-//     so those arenas refuse to Close.
-//  2. It creates the transfer and calls attach with it. If attach fails,
+//     and written), merges pairs adjacent on both sides into one copy, and
+//     counts the copy as pending on every arena it touches, so those arenas
+//     refuse to Close.
+//  2. It picks the path (see Path): the copy kernel or the copy engine.
+//  3. It creates the transfer and calls attach with it. If attach fails,
 //     nothing is enqueued and the transfer is resolved with attach's error.
-//  3. It enqueues the copies on the stream: one cuMemcpyBatchAsync when the
-//     driver has it, otherwise one cuMemcpy*Async per run of adjacent blocks
-//     (adjacent pairs are merged on both paths), then records an event.
-//  4. A completion goroutine per engine waits for the events in stream order
+//  4. It enqueues the copies on the stream: for the kernel, it writes the
+//     launch's descriptor table into the engine's ring of mapped pinned
+//     memory and launches; for the copy engine, one cuMemcpyBatchAsync when
+//     the driver has it, otherwise one cuMemcpy*Async per copy. Then it
+//     records an event.
+//  5. A completion goroutine per engine waits for the events in stream order
 //     (cuEventSynchronize on a blocking-sync event: the thread sleeps, it
-//     does not spin) and resolves each transfer; the fallback's worker
-//     closes a channel instead.
+//     does not spin), releases the submission's ring slot and resolves its
+//     transfer; the fallback's worker signals instead.
 //
+// Both paths end in the same event; nothing else resolves a transfer.
 // If the driver reports a failure while waiting (a sticky error, a lost
 // context), nobody can prove the copy stopped: the transfer is quarantined,
-// not resolved, its arenas stay pinned, and the engine refuses further work
-// (errors wrap the failure; errors.Is(err, ErrDeviceFailed) for sticky
-// ones).
+// not resolved, its arenas stay pinned, its ring slot is never reused, and
+// the engine refuses further work (errors wrap the failure;
+// errors.Is(err, ErrDeviceFailed) for sticky ones).
 //
 // The typed transports DeviceToHost, HostToDevice and DeviceToDevice
 // implement kvlease.Transport; they share the engine's stream, so copies of
@@ -44,39 +47,40 @@ import (
 type CopyEngine struct {
 	dev     *Device
 	s       stream
+	cfg     engineConfig
+	ctr     *counters     // the device's, or a private one (uncounted)
 	wake    chan struct{} // capacity 1: the completion goroutine's doorbell
 	stopped chan struct{} // closed when the completion goroutine exits
 
-	// subMu serializes submissions, so that the queue's order is the
-	// stream's. It is held across the driver call; mu is not, so a long
-	// enqueue delays other submissions only, never resolution, Pending or
-	// Err. Lock order: subMu, then mu.
-	subMu sync.Mutex
+	// subMu serializes submissions, so that the queue's order (and the
+	// ring's) is the stream's. It is held across the driver call; mu is
+	// not, so a long enqueue delays other submissions only, never
+	// resolution, Pending or Err. Lock order: subMu, then mu.
+	subMu   sync.Mutex
+	ring    descRing // allocated at the first launch (ring.go)
+	ringErr error    // why the ring could not be allocated, if it could not
 
 	mu          sync.Mutex
-	queue       []*copyJob // submitted and not yet waited for, in stream order
-	pending     int        // transfers started and not yet resolved (quarantined included)
+	queue       []*copyJob // submitted and not yet waited for, in stream order, from qhead on
+	qhead       int
+	pending     int // transfers started and not yet resolved (quarantined included)
 	quarantined int
 	failed      error // first unprovable completion; the engine refuses work after it
 	closed      bool
+	free        []*copyJob // settled jobs, reused by later Starts
 }
 
-// copyJob is one Start's transfer and what it pins.
-type copyJob struct {
-	t        *kvlease.Transfer
-	dir      string
-	pairs    int
-	arenas   []*arena // distinct arenas touched, each counted pending once
-	arenaBuf [4]*arena
-	canceled atomic.Bool
-	f        fence
-	outcome  error // enqueue error to report once the fence completes
-}
+// maxFreeJobs bounds the jobs an engine keeps for reuse.
+const maxFreeJobs = 8
 
 // NewCopyEngine creates a copy engine with its own stream (a non-blocking
 // CUDA stream, or a worker goroutine on the fallback). Close it before the
 // device.
-func (d *Device) NewCopyEngine() (*CopyEngine, error) {
+func (d *Device) NewCopyEngine(opts ...EngineOption) (*CopyEngine, error) {
+	cfg := defaultEngineConfig()
+	for _, o := range opts {
+		o(&cfg)
+	}
 	d.mu.Lock()
 	if d.closed {
 		d.mu.Unlock()
@@ -91,10 +95,16 @@ func (d *Device) NewCopyEngine() (*CopyEngine, error) {
 		d.mu.Unlock()
 		return nil, err
 	}
-	e := &CopyEngine{dev: d, s: s, wake: make(chan struct{}, 1), stopped: make(chan struct{})}
+	e := &CopyEngine{dev: d, s: s, cfg: cfg, ctr: d.b.counters(), wake: make(chan struct{}, 1), stopped: make(chan struct{})}
+	if cfg.uncounted {
+		e.ctr = new(counters)
+	}
 	go e.complete()
 	return e, nil
 }
+
+// Path returns the path the engine was made with (PathAuto by default).
+func (e *CopyEngine) Path() Path { return e.cfg.path }
 
 // DeviceToHost copies device blocks to pinned host blocks (an offload).
 // Make it with CopyEngine.DeviceToHost.
@@ -137,21 +147,21 @@ func (e *CopyEngine) DeviceToDevice() DeviceToDevice { return DeviceToDevice{e} 
 // could be enqueued, Start returns it already resolved, with the outcome
 // as error. Otherwise it returns the pending transfer and nil.
 func (t DeviceToHost) Start(pairs []kvlease.CopyPair[DevicePtr, []byte], attach func(*kvlease.Transfer) error) (*kvlease.Transfer, error) {
-	return startCopy(t.e, deviceToHost, pairs, attach, (*Device).deviceBlock, (*Device).pinnedBlock)
+	return startCopy(t.e, deviceToHost, pairs, attach, deviceResolver, (*resolver).device, pinnedResolver, (*resolver).pinned)
 }
 
 // Start copies each pair's pinned host block to its device block, as
 // DeviceToHost.Start does in the other direction.
 func (t HostToDevice) Start(pairs []kvlease.CopyPair[[]byte, DevicePtr], attach func(*kvlease.Transfer) error) (*kvlease.Transfer, error) {
-	return startCopy(t.e, hostToDevice, pairs, attach, (*Device).pinnedBlock, (*Device).deviceBlock)
+	return startCopy(t.e, hostToDevice, pairs, attach, pinnedResolver, (*resolver).pinned, deviceResolver, (*resolver).device)
 }
 
 // Start copies each pair's device block to another device block, as
 // DeviceToHost.Start does. A block may be read by several pairs but not
-// both read and written by one Start: copies within a batch run in no
-// particular order.
+// both read and written by one Start: copies within a submission run in
+// no particular order.
 func (t DeviceToDevice) Start(pairs []kvlease.CopyPair[DevicePtr, DevicePtr], attach func(*kvlease.Transfer) error) (*kvlease.Transfer, error) {
-	return startCopy(t.e, deviceToDevice, pairs, attach, (*Device).deviceBlock, (*Device).deviceBlock)
+	return startCopy(t.e, deviceToDevice, pairs, attach, deviceResolver, (*resolver).device, deviceResolver, (*resolver).device)
 }
 
 // errAttachPanicked resolves the transfer of an attach that panicked:
@@ -165,8 +175,11 @@ var dirNames = [...]string{
 	deviceToDevice: "device-to-device copy",
 }
 
+// startCopy is every flat transport's Start: resolve the pairs into the
+// job's ops, then run it.
 func startCopy[S, D any](e *CopyEngine, kind copyKind, pairs []kvlease.CopyPair[S, D], attach func(*kvlease.Transfer) error,
-	srcOf func(*Device, S) (span, error), dstOf func(*Device, D) (span, error)) (*kvlease.Transfer, error) {
+	srcList func(*Device) resolver, srcOf func(*resolver, S) (span, error),
+	dstList func(*Device) resolver, dstOf func(*resolver, D) (span, error)) (*kvlease.Transfer, error) {
 	dir := dirNames[kind]
 	switch {
 	case e == nil:
@@ -176,138 +189,120 @@ func startCopy[S, D any](e *CopyEngine, kind copyKind, pairs []kvlease.CopyPair[
 	case len(pairs) == 0:
 		return nil, fmt.Errorf("gpu: %s: no pairs: %w", dir, kvlease.ErrInvalidArgument)
 	}
-	if err := e.reserve(dir); err != nil {
-		return nil, err
-	}
-	j := &copyJob{dir: dir, pairs: len(pairs)}
-	ops, err := resolvePairs(e.dev, j, pairs, srcOf, dstOf, kind == deviceToDevice)
+	j, err := e.reserve(kind, len(pairs))
 	if err != nil {
-		e.unreserve()
 		return nil, err
 	}
-	j.t = kvlease.NewTransfer(j.cancel)
-	if err := e.runAttach(j, attach); err != nil {
-		return j.t, err
+	d := e.dev
+	j.srcs, j.dsts = srcList(d), dstList(d)
+	srcs, dsts := &j.srcs, &j.dsts
+	for i := range pairs {
+		src, err := srcOf(srcs, pairs[i].Src)
+		if err != nil {
+			e.unreserve(j)
+			return nil, fmt.Errorf("gpu: %s, pair %d, src: %w", dir, i, err)
+		}
+		dst, err := dstOf(dsts, pairs[i].Dst)
+		if err != nil {
+			e.unreserve(j)
+			return nil, fmt.Errorf("gpu: %s, pair %d, dst: %w", dir, i, err)
+		}
+		if err := j.add(src, dst); err != nil {
+			e.unreserve(j)
+			return nil, fmt.Errorf("gpu: %s, pair %d: %w", dir, i, err)
+		}
 	}
-	return e.submit(j, ops, kind)
+	return e.run(j, attach)
 }
 
-// cancel is the transfer's cancel hook. It only raises a flag: copies not
-// yet enqueued are dropped, and the fallback skips copies not yet begun;
-// a CUDA stream cannot recall enqueued copies, so those finish and the
-// transfer resolves when they have.
-func (j *copyJob) cancel() { j.canceled.Store(true) }
+// run pins j's arenas, picks its path, creates and attaches its transfer
+// and submits it: the part of a Start after its ops are built.
+func (e *CopyEngine) run(j *copyJob, attach func(*kvlease.Transfer) error) (*kvlease.Transfer, error) {
+	if err := j.pin(e.dev); err != nil {
+		e.unreserve(j)
+		return nil, err
+	}
+	e.plan(j)
+	// The job is reused once it settles, which may happen before Start
+	// returns: everything below returns t, never j.t.
+	t := kvlease.NewTransfer(nil) // cancellation is polled (CancelRequested): no hook to allocate
+	j.t = t
+	j.sub = submission{ops: j.ops, kind: j.kind, t: t, ctr: e.ctr}
+	if err := e.runAttach(j, attach); err != nil {
+		return t, err
+	}
+	return t, e.submit(j)
+}
 
-// reserve counts a Start in progress, so Close refuses until it settles.
-func (e *CopyEngine) reserve(dir string) error {
+// reserve counts a Start in progress, so Close refuses until it settles,
+// and hands it a job (a reused one when there is one).
+func (e *CopyEngine) reserve(kind copyKind, pairs int) (*copyJob, error) {
 	e.mu.Lock()
-	defer e.mu.Unlock()
 	switch {
 	case e.closed:
-		return fmt.Errorf("gpu: %s: copy engine of %s: %w", dir, e.dev.name, ErrClosed)
+		e.mu.Unlock()
+		return nil, fmt.Errorf("gpu: %s: copy engine of %s: %w", dirNames[kind], e.dev.name, ErrClosed)
 	case e.failed != nil:
-		return fmt.Errorf("gpu: %s refused: %w", dir, e.failed)
+		err := fmt.Errorf("gpu: %s refused: %w", dirNames[kind], e.failed)
+		e.mu.Unlock()
+		return nil, err
 	}
 	e.pending++
-	return nil
+	var j *copyJob
+	if n := len(e.free); n > 0 {
+		j = e.free[n-1]
+		e.free[n-1] = nil
+		e.free = e.free[:n-1]
+	}
+	e.mu.Unlock()
+	if j == nil {
+		j = &copyJob{}
+	}
+	j.reset(kind, pairs)
+	return j, nil
 }
 
-func (e *CopyEngine) unreserve() {
+// unreserve undoes reserve for a Start refused before it pinned anything.
+func (e *CopyEngine) unreserve(j *copyJob) {
 	e.mu.Lock()
 	e.pending--
+	e.recycleLocked(j)
 	e.mu.Unlock()
 }
 
-// keyScratch recycles the key slices resolvePairs sorts.
-var keyScratch = sync.Pool{New: func() any { return new([]uint64) }}
+func (e *CopyEngine) recycleLocked(j *copyJob) {
+	j.t, j.f, j.outcome, j.sub = nil, nil, nil, submission{}
+	j.srcs, j.dsts = resolver{}, resolver{}
+	clear(j.arenaBuf[:])
+	j.arenas = nil
+	if len(e.free) < maxFreeJobs {
+		e.free = append(e.free, j)
+	}
+}
 
-// resolvePairs validates pairs and, if all are good, counts the copy as
-// pending on every arena it touches (j.arenas). The lookups (in the
-// device's published arena lists) and the checks run without the device
-// lock; it is taken once at the end, to pin the arenas, after checking
-// that none closed meanwhile.
-func resolvePairs[S, D any](d *Device, j *copyJob, pairs []kvlease.CopyPair[S, D],
-	srcOf func(*Device, S) (span, error), dstOf func(*Device, D) (span, error), sameSpace bool) ([]copyOp, error) {
-	dir := j.dir
-	ops := make([]copyOp, 0, len(pairs))
-	arenas := j.arenaBuf[:0]
-	dk := keyScratch.Get().(*[]uint64)
-	defer keyScratch.Put(dk)
-	dstKeys := (*dk)[:0]
-	var srcKeys []uint64
-	if sameSpace {
-		sk := keyScratch.Get().(*[]uint64)
-		defer keyScratch.Put(sk)
-		srcKeys = (*sk)[:0]
-		defer func() { *sk = srcKeys[:0] }()
-	}
-	defer func() { *dk = dstKeys[:0] }()
-
-	for i, p := range pairs {
-		src, err := srcOf(d, p.Src)
-		if err != nil {
-			return nil, fmt.Errorf("gpu: %s, pair %d, src: %w", dir, i, err)
-		}
-		dst, err := dstOf(d, p.Dst)
-		if err != nil {
-			return nil, fmt.Errorf("gpu: %s, pair %d, dst: %w", dir, i, err)
-		}
-		n := src.a.blockBytes
-		if dst.a.blockBytes != n {
-			return nil, fmt.Errorf("gpu: %s, pair %d: src block is %d bytes, dst block %d: %w", dir, i, n, dst.a.blockBytes, kvlease.ErrInvalidArgument)
-		}
-		dstKeys = append(dstKeys, dst.key())
-		if sameSpace {
-			srcKeys = append(srcKeys, src.key())
-		}
-		if k := len(ops) - 1; k >= 0 && ops[k].src == src.a && ops[k].dst == dst.a &&
-			ops[k].srcOff+ops[k].n == src.off && ops[k].dstOff+ops[k].n == dst.off {
-			ops[k].n += n // adjacent on both sides: one longer copy
-		} else {
-			ops = append(ops, copyOp{dst: dst.a, src: src.a, dstOff: dst.off, srcOff: src.off, n: n})
-		}
-		if !slices.Contains(arenas, src.a) {
-			arenas = append(arenas, src.a)
-		}
-		if !slices.Contains(arenas, dst.a) {
-			arenas = append(arenas, dst.a)
+// plan picks j's path: the kernel or the copy engine (see Path).
+func (e *CopyEngine) plan(j *copyJob) {
+	j.kernel = false
+	switch e.cfg.path {
+	case PathCopyEngine:
+		return
+	case PathAuto:
+		if len(j.ops) < 2 {
+			return // one contiguous copy: one DMA at the link's speed, no SM
 		}
 	}
-	slices.Sort(dstKeys)
-	for i := 1; i < len(dstKeys); i++ {
-		if dstKeys[i] == dstKeys[i-1] {
-			return nil, fmt.Errorf("gpu: %s: two pairs write block 0x%x: %w", dir, dstKeys[i], kvlease.ErrInvalidArgument)
+	for _, a := range j.arenas {
+		if a.dptr == 0 {
+			return // pinned memory the device cannot map: the copy engine only
 		}
 	}
-	if sameSpace {
-		slices.Sort(srcKeys)
-		for i, k := 0, 0; i < len(srcKeys) && k < len(dstKeys); {
-			switch {
-			case srcKeys[i] == dstKeys[k]:
-				return nil, fmt.Errorf("gpu: %s: block 0x%x is both read and written: %w", dir, dstKeys[k], kvlease.ErrInvalidArgument)
-			case srcKeys[i] < dstKeys[k]:
-				i++
-			default:
-				k++
-			}
-		}
+	if e.dev.b.loadKernel() != nil {
+		return
 	}
-
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	if d.closed {
-		return nil, fmt.Errorf("gpu: %s: %s: %w", dir, d.name, ErrClosed)
+	if e.cfg.path == PathAuto && !e.dev.useKernel(j.kind, j.bytes/len(j.ops)) {
+		return
 	}
-	for _, a := range arenas {
-		if a.closed {
-			return nil, fmt.Errorf("gpu: %s: the %s at 0x%x closed during Start: %w", dir, a.kind, a.addr, kvlease.ErrInvalidArgument)
-		}
-	}
-	for _, a := range arenas {
-		a.pending++
-	}
-	j.arenas = arenas
-	return ops, nil
+	j.kernel = true
 }
 
 // runAttach calls attach before anything is enqueued. On failure (or a
@@ -329,10 +324,11 @@ func (e *CopyEngine) runAttach(j *copyJob, attach func(*kvlease.Transfer) error)
 }
 
 // submit enqueues j's copies and hands the job to the completion
-// goroutine. Submission and queueing happen under e.subMu, so the queue's
-// order is the stream's; e.mu is taken only around the checks and the
-// append, never across the driver call.
-func (e *CopyEngine) submit(j *copyJob, ops []copyOp, kind copyKind) (*kvlease.Transfer, error) {
+// goroutine; the error is Start's. Submission and queueing happen under
+// e.subMu, so the queue's order (and the ring's) is the stream's; e.mu is
+// taken only around the checks and the append, never across the driver
+// call.
+func (e *CopyEngine) submit(j *copyJob) error {
 	var (
 		f                fence
 		outcome, failure error
@@ -343,11 +339,14 @@ func (e *CopyEngine) submit(j *copyJob, ops []copyOp, kind copyKind) (*kvlease.T
 	e.mu.Unlock()
 	switch {
 	case failed != nil:
-		outcome = fmt.Errorf("gpu: %s not enqueued: %w", j.dir, failed)
-	case j.canceled.Load():
-		outcome = fmt.Errorf("gpu: %s canceled before it was enqueued: %w", j.dir, ErrCanceled)
+		outcome = fmt.Errorf("gpu: %s not enqueued: %w", dirNames[j.kind], failed)
+	case j.t.CancelRequested():
+		outcome = fmt.Errorf("gpu: %s canceled before it was enqueued: %w", dirNames[j.kind], ErrCanceled)
 	default:
-		f, outcome, failure = e.s.submit(ops, kind, &j.canceled)
+		if j.kernel {
+			e.writeTable(j)
+		}
+		f, outcome, failure = e.s.submit(&j.sub)
 	}
 	if f != nil {
 		j.f, j.outcome = f, outcome
@@ -355,22 +354,62 @@ func (e *CopyEngine) submit(j *copyJob, ops []copyOp, kind copyKind) (*kvlease.T
 		e.queue = append(e.queue, j)
 		e.mu.Unlock()
 		e.subMu.Unlock()
-		e.ring()
-		return j.t, nil
+		e.doorbell()
+		return nil
+	}
+	if failure == nil && j.ringEnd != 0 {
+		// Nothing in flight: the table's slot is free at once.
+		e.ring.unreserve()
+		j.ringEnd = 0
 	}
 	e.subMu.Unlock()
 	if failure != nil {
-		err := e.quarantine(j, failure)
-		return j.t, err
+		return e.quarantine(j, failure)
 	}
 	if outcome == nil { // cannot happen: a stream with no fence has a reason
-		outcome = fmt.Errorf("gpu: %s: nothing enqueued", j.dir)
+		outcome = fmt.Errorf("gpu: %s: nothing enqueued", dirNames[j.kind])
 	}
 	e.settle(j, outcome)
-	return j.t, outcome
+	return outcome
 }
 
-func (e *CopyEngine) ring() {
+// writeTable reserves j's descriptor table in the ring and fills it; if
+// the ring cannot take it (full, or not allocatable), j goes to the copy
+// engine instead. Called under subMu.
+func (e *CopyEngine) writeTable(j *copyJob) {
+	if e.ring.mem == nil && e.ringErr == nil {
+		host, dptr, err := e.dev.b.allocPinned(e.cfg.ringDescs * descBytes)
+		switch {
+		case err != nil:
+			e.ringErr = err
+		case dptr == 0:
+			_ = e.dev.b.freePinned(host)
+			e.ringErr = errors.New("gpu: the device cannot map pinned memory")
+		default:
+			e.ring.init(host, dptr)
+		}
+	}
+	ncta, nwarp, warpBytes := kernelItems(j.ops)
+	var (
+		slot      []kernelDesc
+		addr, end uint64
+		ok        bool
+	)
+	if e.ringErr == nil {
+		slot, addr, end, ok = e.ring.reserve(ncta + nwarp)
+	}
+	if !ok {
+		e.ctr.ringFull.Add(1)
+		return
+	}
+	fillKernelTable(slot, j.ops, ncta)
+	j.ringEnd = end
+	j.sub.kernel = true
+	j.sub.launch = launch{table: addr, ncta: uint32(ncta), nwarp: uint32(nwarp),
+		grid: uint32(kernelGrid(j.kind, ncta, nwarp, warpBytes, e.cfg.ctas, e.dev.b.multiprocessors()))}
+}
+
+func (e *CopyEngine) doorbell() {
 	select {
 	case e.wake <- struct{}{}:
 	default:
@@ -378,7 +417,8 @@ func (e *CopyEngine) ring() {
 }
 
 // complete is the completion goroutine: it waits for each job's fence in
-// stream order and resolves (or quarantines) its transfer.
+// stream order, releases its ring slot and resolves (or quarantines) its
+// transfer.
 func (e *CopyEngine) complete() {
 	defer close(e.stopped)
 	for {
@@ -392,6 +432,9 @@ func (e *CopyEngine) complete() {
 			continue
 		}
 		e.s.recycle(j.f)
+		if j.ringEnd != 0 {
+			e.ring.release(j.ringEnd) // the event completed: the kernel read its table
+		}
 		e.settle(j, errors.Join(j.outcome, outcome))
 	}
 }
@@ -401,10 +444,13 @@ func (e *CopyEngine) complete() {
 func (e *CopyEngine) next() *copyJob {
 	for {
 		e.mu.Lock()
-		if len(e.queue) > 0 {
-			j := e.queue[0]
-			e.queue[0] = nil
-			e.queue = e.queue[1:]
+		if e.qhead < len(e.queue) {
+			j := e.queue[e.qhead]
+			e.queue[e.qhead] = nil
+			e.qhead++
+			if e.qhead == len(e.queue) { // empty: reuse the array from its start
+				e.queue, e.qhead = e.queue[:0], 0
+			}
 			e.mu.Unlock()
 			return j
 		}
@@ -419,7 +465,7 @@ func (e *CopyEngine) next() *copyJob {
 
 // settle releases j's pins and resolves its transfer with outcome. The
 // pins go first, so that anyone who saw the transfer resolve can Close the
-// arenas and the engine.
+// arenas and the engine; the job is reused by a later Start.
 func (e *CopyEngine) settle(j *copyJob, outcome error) {
 	d := e.dev
 	d.mu.Lock()
@@ -427,17 +473,20 @@ func (e *CopyEngine) settle(j *copyJob, outcome error) {
 		a.pending--
 	}
 	d.mu.Unlock()
+	t := j.t
 	e.mu.Lock()
 	e.pending--
+	e.recycleLocked(j)
 	e.mu.Unlock()
-	j.t.Resolve(outcome)
+	t.Resolve(outcome)
 }
 
 // quarantine records that j's completion can never be proven: its pins
-// stay for the life of the process, the engine refuses further work, and
-// the transfer is quarantined (its blocks are never reused).
+// (and its ring slot) stay for the life of the process, the engine
+// refuses further work, and the transfer is quarantined (its blocks are
+// never reused). The job is never reused.
 func (e *CopyEngine) quarantine(j *copyJob, failure error) error {
-	err := fmt.Errorf("gpu: %s of %d blocks on %s cannot be proven finished: %w", j.dir, j.pairs, e.dev.name, failure)
+	err := fmt.Errorf("gpu: %s of %d blocks on %s cannot be proven finished: %w", dirNames[j.kind], j.pairs, e.dev.name, failure)
 	e.mu.Lock()
 	if e.failed == nil {
 		e.failed = err
@@ -469,10 +518,11 @@ func (e *CopyEngine) Err() error {
 	return e.failed
 }
 
-// Close destroys the engine's stream. It refuses with an error wrapping
-// ErrBusy while transfers are pending; an engine with quarantined
-// transfers can never be closed (its stream may still be copying). A
-// second Close returns nil.
+// Close destroys the engine's stream and frees its descriptor ring. It
+// refuses with an error wrapping ErrBusy while transfers are pending; an
+// engine with quarantined transfers can never be closed (its stream may
+// still be copying, its kernel still reading the ring). A second Close
+// returns nil.
 func (e *CopyEngine) Close() error {
 	e.mu.Lock()
 	if e.closed {
@@ -488,10 +538,17 @@ func (e *CopyEngine) Close() error {
 		return fmt.Errorf("gpu: closing copy engine of %s: %s: %w", e.dev.name, msg, ErrBusy)
 	}
 	e.closed = true
+	e.free = nil
 	e.mu.Unlock()
-	e.ring()
+	e.doorbell()
 	<-e.stopped
 	err := e.s.destroy()
+	e.subMu.Lock()
+	if e.ring.mem != nil {
+		err = errors.Join(err, e.dev.b.freePinned(e.ring.mem))
+		e.ring.mem, e.ring.descs = nil, nil
+	}
+	e.subMu.Unlock()
 	e.dev.mu.Lock()
 	e.dev.engines--
 	e.dev.mu.Unlock()

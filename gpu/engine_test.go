@@ -554,3 +554,27 @@ func TestUploadThenScatteredDownload(t *testing.T) {
 		t.Logf("20 rounds of %d KiB uploaded and downloaded scattered: identical; paths: %v", blocks*bb>>10, d.CopyStats())
 	})
 }
+
+// TestTiming: with timing on, every submission's GPU time is measured
+// (CUDA events, or the fallback worker's clock), and none without.
+func TestTiming(t *testing.T) {
+	forEachDevice(t, func(t *testing.T, d *Device) {
+		r := newRig(t, d, 4, 4096)
+		_, n0 := gpuTime(d)
+		setTiming(d, true)
+		for range 3 {
+			tr, err := r.e.DeviceToHost().Start([]cp[DevicePtr, []byte]{pair(r.dev.Region(1), r.pin.Region(0)), pair(r.dev.Region(0), r.pin.Region(3))}, noAttach)
+			noErr(t, err)
+			waitDone(t, tr)
+		}
+		setTiming(d, false)
+		tr, err := r.e.DeviceToHost().Start([]cp[DevicePtr, []byte]{pair(r.dev.Region(1), r.pin.Region(0))}, noAttach)
+		noErr(t, err)
+		waitDone(t, tr)
+		el, n := gpuTime(d)
+		eq(t, n0+3, n, "timed submissions")
+		if el < 0 {
+			t.Fatalf("negative GPU time %v", el)
+		}
+	})
+}

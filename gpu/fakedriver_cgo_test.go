@@ -24,11 +24,40 @@ import (
 
 func init() {
 	deviceKinds = append(deviceKinds, deviceKind{"fakecuda", func(t testing.TB) *Device {
-		d, err := openPath(fakeLib(t, "default"), 0)
-		noErr(t, err)
-		t.Cleanup(func() { noErr(t, d.Close()) })
-		return d
+		return openFake(t, "default")
 	}})
+	fakeHold = func(t *testing.T, sticky bool) (*Device, func(bool)) {
+		variant := fmt.Sprintf("hold#%d", holdRuns.Add(1))
+		path := fakeLib(t, variant)
+		file := holdFile(variant)
+		hold := func(on bool) {
+			if on {
+				noErr(t, os.WriteFile(file, nil, 0o600))
+			} else if err := os.Remove(file); err != nil && !os.IsNotExist(err) {
+				t.Fatal(err)
+			}
+		}
+		hold(true)
+		t.Cleanup(func() { hold(false) })
+		d, err := openPath(path, 0)
+		noErr(t, err)
+		fixedCalibration(d)
+		if !sticky {
+			t.Cleanup(func() { noErr(t, d.Close()) })
+		}
+		return d, hold
+	}
+}
+
+// openFake opens the fake driver built as variant, with the fixed
+// calibration, closed at cleanup.
+func openFake(t testing.TB, variant string) *Device {
+	t.Helper()
+	d, err := openPath(fakeLib(t, variant), 0)
+	noErr(t, err)
+	fixedCalibration(d)
+	t.Cleanup(func() { noErr(t, d.Close()) })
+	return d
 }
 
 var fakeVariants = map[string][]string{
@@ -38,7 +67,9 @@ var fakeVariants = map[string][]string{
 	"nodevice": {"-DFAKE_NO_DEVICE"},
 	"noalloc":  {"-DFAKE_MISSING_ALLOC"},
 	"badptx":   {"-DFAKE_REJECT_PTX"},
+	"nomap":    {"-DFAKE_NO_MAP"},
 	"sticky":   nil, // a fresh copy per run (see stickyRuns): its sticky state is its own
+	"hold":     nil, // -DFAKE_HOLD_FILE=holdFile(variant), a fresh copy per run
 }
 
 // stickyRuns numbers the sticky driver's copies: a sticky error lasts as
@@ -77,7 +108,10 @@ func fakeLib(t testing.TB, variant string) string {
 	}
 	out := filepath.Join(fakeDir, fmt.Sprintf("libfakecuda-%s.so", strings.ReplaceAll(variant, "#", "-")))
 	base, _, _ := strings.Cut(variant, "#")
-	args := append([]string{"-shared", "-fPIC", "-O1", "-o", out, src}, fakeVariants[base]...)
+	args := append([]string{"-shared", "-fPIC", "-O1", "-pthread", "-o", out, src}, fakeVariants[base]...)
+	if base == "hold" {
+		args = append(args, fmt.Sprintf("-DFAKE_HOLD_FILE=%q", holdFile(variant)))
+	}
 	if msg, err := exec.Command(cc, args...).CombinedOutput(); err != nil {
 		t.Fatalf("building the fake driver: %v\n%s", err, msg)
 	}
@@ -87,6 +121,15 @@ func fakeLib(t testing.TB, variant string) string {
 	fakeBuilt.libs[variant] = out
 	return out
 }
+
+// holdFile is the file whose existence holds every stream of the fake
+// driver built as variant ("hold#N").
+func holdFile(variant string) string {
+	return filepath.Join(fakeDir, "hold-"+strings.ReplaceAll(variant, "#", "-"))
+}
+
+// holdRuns numbers the hold driver's copies, like stickyRuns.
+var holdRuns atomic.Int32
 
 func TestFakeDriverResolution(t *testing.T) {
 	for _, c := range []struct {
@@ -113,9 +156,9 @@ func TestFakeDriverResolution(t *testing.T) {
 			eq(t, true, ok)
 			eq(t, c.batch, batch, "batch available")
 
-			// One scattered copy (three separate runs) and one contiguous
-			// (merged into a single op: always the plain loop).
-			r := newRig(t, d, 8, 256)
+			// One scattered copy (three separate runs) on the copy engine,
+			// batched when the driver can.
+			r := newRig(t, d, 8, 256, WithPath(PathCopyEngine))
 			src := make([]byte, 256)
 			for i := range src {
 				src[i] = byte(i%251 + 1)
@@ -145,6 +188,7 @@ func TestFakeDriverResolution(t *testing.T) {
 			free, err := d.FreeMemory()
 			noErr(t, err)
 			eq(t, int64(4<<30)-2*8*256, free, "free memory with two device arenas")
+			eq(t, int64(0), d.CopyStats().KernelLaunches, "a copy-engine engine launched the kernel")
 		})
 	}
 }
@@ -268,7 +312,9 @@ func TestFakeDriverCopyFromHostSynchronizes(t *testing.T) {
 
 // TestFakeDriverKernelFallbacks: a kernel the JIT refuses, or a launch
 // that fails, leaves the copy to the copy engine (the bytes still land),
-// turns the kernel off for the device, and says why in CopyStats.
+// turns the kernel off for the device, and says why in CopyStats; a driver
+// that cannot map pinned memory keeps host↔device copies on the copy
+// engine while device-to-device copies still take the kernel.
 func TestFakeDriverKernelFallbacks(t *testing.T) {
 	scattered := func(t *testing.T, d *Device) {
 		t.Helper()
@@ -285,31 +331,35 @@ func TestFakeDriverKernelFallbacks(t *testing.T) {
 		waitDone(t, tr)
 		noErr(t, tr.Err())
 		eq(t, want, readDev(t, d, r.dev2.Region(1), 512))
+		tr, err = r.e.DeviceToHost().Start([]cp[DevicePtr, []byte]{
+			pair(r.dev2.Region(1), r.pin.Region(3)), pair(r.dev2.Region(5), r.pin.Region(0)),
+		}, noAttach)
+		noErr(t, err)
+		waitDone(t, tr)
+		noErr(t, tr.Err())
+		eq(t, want, r.pin.Region(3))
 	}
 	t.Run("rejected PTX", func(t *testing.T) {
-		d, err := openPath(fakeLib(t, "badptx"), 0)
-		noErr(t, err)
-		t.Cleanup(func() { noErr(t, d.Close()) })
+		d := openFake(t, "badptx")
 		scattered(t, d)
 		st := d.CopyStats()
 		eq(t, int64(0), st.KernelLaunches)
-		eq(t, int64(1), st.BatchedSubmits, "the batch carried it: %v", st)
+		eq(t, int64(2), st.BatchedSubmits, "the batch carried them: %v", st)
 		isFalse(t, st.KernelEnabled)
 		var de *DriverError
 		asErr(t, st.KernelErr, &de)
 		eq(t, Result(218), de.Code)
 		contains(t, st.KernelErr, "JIT log: fake ptxas: the PTX was rejected")
-		setKernel(d, true)
-		isFalse(t, d.CopyStats().KernelEnabled, "setKernel cannot revive a kernel that failed")
+		c, err := d.Calibrate()
+		isErr(t, err, de)
+		eq(t, 0, len(c.Rows), "no rows when the kernel cannot run")
 	})
 	t.Run("failed launch", func(t *testing.T) {
-		d, err := openPath(fakeLib(t, "default"), 0)
-		noErr(t, err)
-		t.Cleanup(func() { noErr(t, d.Close()) })
+		d := openFake(t, "default")
 		t.Setenv("FAKECUDA_LAUNCH_FAIL", "701") // CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES
 		scattered(t, d)
 		st := d.CopyStats()
-		eq(t, [3]int64{0, 1, 1}, [3]int64{st.KernelLaunches, st.KernelFailures, st.BatchedSubmits}, "%v", st)
+		eq(t, [3]int64{0, 1, 2}, [3]int64{st.KernelLaunches, st.KernelFailures, st.BatchedSubmits}, "%v", st)
 		isFalse(t, st.KernelEnabled)
 		contains(t, st.KernelErr, "cuLaunchKernel")
 		t.Setenv("FAKECUDA_LAUNCH_FAIL", "")
@@ -317,12 +367,19 @@ func TestFakeDriverKernelFallbacks(t *testing.T) {
 		eq(t, int64(0), d.CopyStats().KernelLaunches, "the kernel stays off")
 	})
 	t.Run("no batch either", func(t *testing.T) {
-		d, err := openPath(fakeLib(t, "nobatch"), 0)
-		noErr(t, err)
-		t.Cleanup(func() { noErr(t, d.Close()) })
+		d := openFake(t, "nobatch")
 		t.Setenv("FAKECUDA_LAUNCH_FAIL", "1")
 		scattered(t, d)
 		st := d.CopyStats()
-		eq(t, [3]int64{1, 1, 2}, [3]int64{st.KernelFailures, st.LoopedSubmits, st.LoopedCopies}, "%v", st)
+		eq(t, [3]int64{1, 2, 4}, [3]int64{st.KernelFailures, st.LoopedSubmits, st.LoopedCopies}, "%v", st)
+	})
+	t.Run("no mapped memory", func(t *testing.T) {
+		d := openFake(t, "nomap")
+		scattered(t, d)
+		st := d.CopyStats()
+		eq(t, [3]int64{0, 2, 0}, [3]int64{st.KernelLaunches, st.BatchedSubmits, st.RingFull}, "no ring, no kernel: %v", st)
+		contains(t, st.KernelErr, "cannot map pinned host memory")
+		r := newRig(t, d, 2, 256)
+		eq(t, uint64(0), r.pin.a.dptr, "pinned memory mapped without cuMemHostGetDevicePointer")
 	})
 }

@@ -2,20 +2,27 @@ package gpu
 
 import (
 	"fmt"
+	"sort"
 	"sync"
 	"sync/atomic"
 	"time"
+	"unsafe"
 )
 
 // The CPU fallback: device memory is host memory behind an address space
-// of its own, streams are worker goroutines, fences are channels. It keeps
-// the property that matters to callers: a copy is finished only when its
-// fence says so, later than Start returned.
+// of its own, streams are worker goroutines, fences are jobs the worker
+// signals. It keeps the property that matters to callers: a copy is
+// finished only when its fence says so, later than Start returned. Pinned
+// memory is mapped into that address space too, and the copy kernel's
+// launches run on the worker as the PTX would: the table is read by device
+// address when the worker gets to it (so a ring slot reused too early
+// shows), and every address in it must lie in a live allocation, or the
+// "device" faults with a sticky error.
 
 const (
 	// hostAddrBase is where the fallback's device address space starts;
-	// arenas are placed hostAddrStride-aligned with a gap between them, so
-	// an address one past an arena is in no arena.
+	// allocations are placed hostAddrStride-aligned with a gap between
+	// them, so an address one past an allocation is in none.
 	hostAddrBase   = 1 << 44
 	hostAddrStride = 2 << 20
 	// hostQueueDepth bounds a fallback stream's queue; Start blocks when it
@@ -38,16 +45,25 @@ type hostBackend struct {
 	mu   sync.Mutex
 	used int64
 	next uint64
+	// maps is the device address space: every live allocation (device
+	// memory and mapped pinned memory) by address, for the kernel.
+	maps []hostMapping
+}
+
+// hostMapping is one allocation of the fallback's device address space.
+type hostMapping struct {
+	addr uint64
+	mem  []byte
 }
 
 func newHostBackend(cfg hostConfig) *hostBackend {
-	b := &hostBackend{cfg: cfg, next: hostAddrBase}
-	b.ctr.kernelOn.Store(true)
-	return b
+	return &hostBackend{cfg: cfg, next: hostAddrBase}
 }
 
 func (b *hostBackend) counters() *counters      { return &b.ctr }
 func (b *hostBackend) pathState() (bool, error) { return false, nil }
+func (b *hostBackend) loadKernel() error        { return nil }
+func (b *hostBackend) multiprocessors() int     { return 0 }
 
 func (b *hostBackend) name() string       { return "CPU fallback" }
 func (b *hostBackend) driverVersion() int { return 0 }
@@ -67,6 +83,38 @@ func alignedBytes(n int) []byte {
 	return raw[off : off+n : off+n]
 }
 
+// mapLocked gives mem an address range of the device address space.
+func (b *hostBackend) mapLocked(mem []byte) uint64 {
+	addr := b.next
+	b.next += (uint64(len(mem))+hostAddrStride-1)/hostAddrStride*hostAddrStride + hostAddrStride
+	b.maps = append(b.maps, hostMapping{addr, mem}) // addresses only grow: the list stays sorted
+	return addr
+}
+
+func (b *hostBackend) unmapLocked(addr uint64) {
+	i := sort.Search(len(b.maps), func(i int) bool { return b.maps[i].addr >= addr })
+	if i < len(b.maps) && b.maps[i].addr == addr {
+		b.maps = append(b.maps[:i], b.maps[i+1:]...)
+	}
+}
+
+// lookup returns the n bytes at device address addr, or nil when they are
+// not inside one live allocation.
+func (b *hostBackend) lookup(addr, n uint64) []byte {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	i := sort.Search(len(b.maps), func(i int) bool { return b.maps[i].addr > addr })
+	if i == 0 {
+		return nil
+	}
+	m := b.maps[i-1]
+	off := addr - m.addr
+	if off > uint64(len(m.mem)) || n > uint64(len(m.mem))-off {
+		return nil
+	}
+	return m.mem[off : off+n]
+}
+
 func (b *hostBackend) allocDevice(n int) (uint64, []byte, error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
@@ -74,20 +122,36 @@ func (b *hostBackend) allocDevice(n int) (uint64, []byte, error) {
 		return 0, nil, newDriverError("cuMemAlloc", ErrorOutOfMemory)
 	}
 	b.used += int64(n)
-	addr := b.next
-	b.next += (uint64(n)+hostAddrStride-1)/hostAddrStride*hostAddrStride + hostAddrStride
-	return addr, alignedBytes(n), nil
+	mem := alignedBytes(n)
+	return b.mapLocked(mem), mem, nil
 }
 
-func (b *hostBackend) freeDevice(_ uint64, n int) error {
+func (b *hostBackend) freeDevice(addr uint64, n int) error {
 	b.mu.Lock()
 	b.used -= int64(n)
+	b.unmapLocked(addr)
 	b.mu.Unlock()
 	return nil
 }
 
-func (b *hostBackend) allocPinned(n int) ([]byte, error) { return alignedBytes(n), nil }
-func (b *hostBackend) freePinned([]byte) error           { return nil }
+func (b *hostBackend) allocPinned(n int) ([]byte, uint64, error) {
+	mem := alignedBytes(n)
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return mem, b.mapLocked(mem), nil
+}
+
+func (b *hostBackend) freePinned(mem []byte) error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for i, m := range b.maps {
+		if unsafe.SliceData(m.mem) == unsafe.SliceData(mem) {
+			b.maps = append(b.maps[:i], b.maps[i+1:]...)
+			break
+		}
+	}
+	return nil
+}
 
 func (b *hostBackend) readDevice(dst []byte, a *arena, off int) error {
 	copy(dst, a.host[off:off+len(dst)])
@@ -118,17 +182,19 @@ type hostStream struct {
 	b    *hostBackend
 	jobs chan *hostJob
 	done chan struct{}
+
+	mu   sync.Mutex
+	free []*hostJob // recycled fences
 }
 
-// hostJob is one submission and its fence.
+// hostJob is one submission and its fence. Recycled: the worker signals
+// done with a token, not by closing it.
 type hostJob struct {
-	ops      []copyOp
-	descs    []gatherDesc // the gather kernel's table, for scattered device-to-device copies
-	timed    bool
-	canceled *atomic.Bool
-	done     chan struct{} // closed when the worker is finished with ops
+	sub   submission
+	timed bool
+	done  chan struct{} // capacity 1: the worker's token once finished with sub
 
-	// Written by the worker before done is closed.
+	// Written by the worker before it signals done.
 	skipped int
 	failure error
 }
@@ -147,7 +213,7 @@ func (s *hostStream) run() {
 		if j.timed {
 			s.b.ctr.addGPUTime(time.Since(t0))
 		}
-		close(j.done)
+		j.done <- struct{}{}
 	}
 }
 
@@ -156,66 +222,79 @@ func (s *hostStream) exec(j *hostJob) {
 		j.failure = f
 		return
 	}
-	if j.descs != nil {
-		s.gather(j)
+	if j.sub.kernel {
+		s.kernel(j)
 		return
 	}
-	for i, op := range j.ops {
-		if j.canceled.Load() {
-			j.skipped = len(j.ops) - i
+	for i, op := range j.sub.ops {
+		if i%64 == 0 && j.sub.t.CancelRequested() {
+			j.skipped = len(j.sub.ops) - i
 			return
 		}
 		copy(op.dst.host[op.dstOff:op.dstOff+op.n], op.src.host[op.srcOff:op.srcOff+op.n])
 	}
 }
 
-// gather runs the kernel's table as the PTX does, one descriptor per
-// thread block, by device address: it checks the descriptors, not the ops
-// they came from. Like a launched kernel, it cannot be canceled part way.
-func (s *hostStream) gather(j *hostJob) {
-	if j.canceled.Load() {
-		j.skipped = len(j.ops)
+// kernel runs a launch as the PTX does: it reads the table by device
+// address now (not when it was written), then copies each item by device
+// address. Like a launched kernel it cannot be canceled part way, and an
+// address outside every live allocation, or a misaligned one, is a fault
+// that loses the context.
+func (s *hostStream) kernel(j *hostJob) {
+	if j.sub.t.CancelRequested() {
+		j.skipped = len(j.sub.ops)
 		return
 	}
-	for _, d := range j.descs {
-		src, dst := hostBytes(j.ops, d.src, d.n, true), hostBytes(j.ops, d.dst, d.n, false)
-		if src == nil || dst == nil || d.n%16 != 0 || d.src%16 != 0 || d.dst%16 != 0 {
-			// A real kernel would fault: the context is lost.
-			j.failure = newDriverError("cuEventSynchronize", ErrorIllegalAddress)
+	l := j.sub.launch
+	n := uint64(l.ncta) + uint64(l.nwarp)
+	raw := s.b.lookup(l.table, n*descBytes)
+	if raw == nil || l.table%16 != 0 || l.grid == 0 {
+		s.fault(j, ErrorIllegalAddress)
+		return
+	}
+	table := unsafe.Slice((*kernelDesc)(unsafe.Pointer(unsafe.SliceData(raw))), n)
+	for i, d := range table {
+		if d.n == 0 || d.n%16 != 0 || d.src%16 != 0 || d.dst%16 != 0 ||
+			(uint64(i) < uint64(l.ncta) && d.n > kernelChunk) || (uint64(i) >= uint64(l.ncta) && d.n > warpMaxBytes) {
+			s.fault(j, ErrorMisalignedAddress)
+			return
+		}
+		src, dst := s.b.lookup(d.src, d.n), s.b.lookup(d.dst, d.n)
+		if src == nil || dst == nil {
+			s.fault(j, ErrorIllegalAddress)
 			return
 		}
 		copy(dst, src)
 	}
 }
 
-// hostBytes maps [addr, addr+n) of the fallback's device space to the
-// memory of the arena among ops' sources (or destinations) that holds it.
-func hostBytes(ops []copyOp, addr, n uint64, src bool) []byte {
-	for _, op := range ops {
-		a := op.dst
-		if src {
-			a = op.src
-		}
-		if a.contains(addr, int(n)) {
-			off := addr - a.addr
-			return a.host[off : off+n]
-		}
-	}
-	return nil
+// fault loses the fallback's context, as a faulting kernel does.
+func (s *hostStream) fault(j *hostJob, code Result) {
+	s.b.injectFault(code)
+	j.failure = s.b.fault.Load()
 }
 
-func (s *hostStream) submit(ops []copyOp, kind copyKind, canceled *atomic.Bool) (fence, error, error) {
+func (s *hostStream) submit(sub *submission) (fence, error, error) {
 	if f := s.b.fault.Load(); f != nil {
 		return nil, nil, f
 	}
-	j := &hostJob{ops: ops, canceled: canceled, done: make(chan struct{}), timed: s.b.ctr.timing.Load()}
-	path := pathLoop
-	if kind == deviceToDevice && len(ops) >= gatherMinOps && s.b.ctr.kernelOn.Load() {
-		j.descs = make([]gatherDesc, gatherDescCount(ops))
-		fillGatherDescs(j.descs, ops)
-		path = pathKernel
+	s.mu.Lock()
+	var j *hostJob
+	if n := len(s.free); n > 0 {
+		j = s.free[n-1]
+		s.free = s.free[:n-1]
 	}
-	s.b.ctr.count(path, len(ops))
+	s.mu.Unlock()
+	if j == nil {
+		j = &hostJob{done: make(chan struct{}, 1)}
+	}
+	j.sub, j.timed, j.skipped, j.failure = *sub, s.b.ctr.timing.Load(), 0, nil
+	path := pathLoop
+	if sub.kernel {
+		path = pathKernel
+		sub.ctr.kernelCTAs.Add(int64(sub.launch.grid))
+	}
+	sub.ctr.count(path, len(sub.ops))
 	s.jobs <- j
 	return j, nil, nil
 }
@@ -227,12 +306,20 @@ func (s *hostStream) wait(f fence) (outcome, failure error) {
 	case j.failure != nil:
 		return nil, j.failure
 	case j.skipped > 0:
-		return fmt.Errorf("gpu: %d of %d copies skipped: %w", j.skipped, len(j.ops), ErrCanceled), nil
+		return fmt.Errorf("gpu: %d of %d copies skipped: %w", j.skipped, len(j.sub.ops), ErrCanceled), nil
 	}
 	return nil, nil
 }
 
-func (s *hostStream) recycle(fence) {}
+func (s *hostStream) recycle(f fence) {
+	j := f.(*hostJob)
+	j.sub = submission{}
+	s.mu.Lock()
+	if len(s.free) < maxFreeJobs {
+		s.free = append(s.free, j)
+	}
+	s.mu.Unlock()
+}
 
 func (s *hostStream) destroy() error {
 	close(s.jobs)

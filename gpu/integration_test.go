@@ -23,12 +23,12 @@ type tiers struct {
 	pin    *kvlease.Pool[[]byte]
 }
 
-func newTiers(t *testing.T, blocks, bb int) *tiers {
+func newTiers(t *testing.T, blocks, bb int, opts ...EngineOption) *tiers {
 	t.Helper()
 	d, gate := gatedHost(t)
 	s := &tiers{d: d, gate: gate}
 	var err error
-	s.e, err = d.NewCopyEngine()
+	s.e, err = d.NewCopyEngine(opts...)
 	noErr(t, err)
 	s.devMem, err = d.AllocDevice(blocks, bb)
 	noErr(t, err)
@@ -74,9 +74,16 @@ func attachBoth(src *kvlease.Lease[DevicePtr], dst *kvlease.Lease[[]byte]) func(
 }
 
 // TestOffloadGatesReclamation: a released source lease drains until the
-// copy's event, and only then are its blocks free.
+// copy's event, and only then are its blocks free, on both paths.
 func TestOffloadGatesReclamation(t *testing.T) {
-	s := newTiers(t, 8, 1024)
+	for _, p := range []Path{PathCopyEngine, PathKernel} {
+		t.Run(pathRow(p), func(t *testing.T) { offloadGatesReclamation(t, p) })
+	}
+}
+
+func offloadGatesReclamation(t *testing.T, p Path) {
+	s := newTiers(t, 8, 1024, WithPath(p))
+	st0 := s.d.CopyStats()
 	src, err := s.dev.Acquire("req-1", 4)
 	noErr(t, err)
 	dst, err := s.pin.Acquire("req-1", 4)
@@ -106,6 +113,7 @@ func TestOffloadGatesReclamation(t *testing.T) {
 	noErr(t, tr.Err())
 	<-src.Settled()
 	eq(t, 8, s.dev.Stats().Free)
+	eq(t, int64(map[Path]int{PathKernel: 1}[p]), s.d.CopyStats().KernelLaunches-st0.KernelLaunches, "launches")
 	for i := range want {
 		r, err := dst.Region(i)
 		noErr(t, err)
@@ -140,9 +148,15 @@ func TestAttachToClosedLease(t *testing.T) {
 
 // TestAbortCancelsCopy: aborting a lease cancels the transfer; the copy is
 // skipped on the fallback, and the blocks still wait for the worker's
-// proof before they are free.
+// proof before they are free, on both paths.
 func TestAbortCancelsCopy(t *testing.T) {
-	s := newTiers(t, 4, 256)
+	for _, p := range []Path{PathCopyEngine, PathKernel} {
+		t.Run(pathRow(p), func(t *testing.T) { abortCancelsCopy(t, p) })
+	}
+}
+
+func abortCancelsCopy(t *testing.T, p Path) {
+	s := newTiers(t, 4, 256, WithPath(p))
 	src, err := s.dev.Acquire("req-3", 2)
 	noErr(t, err)
 	dst, err := s.pin.Acquire("req-3", 2)

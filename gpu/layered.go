@@ -13,11 +13,12 @@ import (
 // layout.Layout over one arena whose arena blocks are the pieces, and are
 // kvlease.Memory whose block b is all its pieces (l, kv, b), so a pool
 // hands out whole model blocks. The layered transports move a block as all
-// its pieces: every piece of every pair of one Start goes to the copy
-// engine as one batch (one submission: one cuMemcpyBatchAsync, or one run
-// of the fallback's worker), ordered layer by layer so that pieces of
+// its pieces: every piece of every pair of one Start is one submission
+// (one launch of the copy kernel, one cuMemcpyBatchAsync, or one job of
+// the fallback's worker), ordered layer by layer so that pieces of
 // adjacent blocks merge into one span, and the Start returns one Transfer
-// for the whole lease range, as a plain copy does.
+// for the whole lease range, as a plain copy does. The pieces are found
+// from the layouts directly: no lookup, no allocation.
 
 // LayeredDevice is device memory in a layout: one DeviceArena whose
 // blocks are the layout's pieces. It is a kvlease.Memory[DeviceBlock].
@@ -173,65 +174,65 @@ func (e *CopyEngine) LayeredDeviceToHost() LayeredDeviceToHost { return LayeredD
 func (e *CopyEngine) LayeredHostToDevice() LayeredHostToDevice { return LayeredHostToDevice{e} }
 
 // Start copies every piece of each pair's device block to the same piece
-// of its host block: all pieces of all pairs in one DeviceToHost.Start
-// (one submission, one Transfer), ordered layer by layer, then kind, then
-// pair. Errors as DeviceToHost.Start; pairs whose layouts are not
-// compatible (layout.Layout.Compatible), or a zero block, are refused with
-// kvlease.ErrInvalidArgument before anything is attached.
+// of its host block: all pieces of all pairs in one submission (one
+// launch of the copy kernel, or one batch of the copy engine), one
+// Transfer, ordered layer by layer, then kind, then pair, so that pieces
+// of adjacent blocks merge. Errors as DeviceToHost.Start; pairs whose
+// layouts are not compatible (layout.Layout.Compatible), a zero block or a
+// block outside its memory are refused with kvlease.ErrInvalidArgument
+// before anything is attached.
 func (t LayeredDeviceToHost) Start(pairs []kvlease.CopyPair[DeviceBlock, HostBlock], attach func(*kvlease.Transfer) error) (*kvlease.Transfer, error) {
-	pieces, err := expand(pairs, "layered device-to-host copy",
-		func(b DeviceBlock) (*layout.Layout, bool) { return layoutOf(b.M) },
-		func(b HostBlock) (*layout.Layout, bool) { return layoutOf(b.M) },
-		func(p kvlease.CopyPair[DeviceBlock, HostBlock], l, kv int) kvlease.CopyPair[DevicePtr, []byte] {
-			return kvlease.CopyPair[DevicePtr, []byte]{Src: p.Src.M.Piece(p.Src.ID, l, kv), Dst: p.Dst.M.Piece(p.Dst.ID, l, kv)}
-		})
-	if err != nil {
-		return nil, err
-	}
-	return t.e.DeviceToHost().Start(pieces, attach)
+	return startLayered(t.e, deviceToHost, pairs, attach, DeviceBlock.pieces, HostBlock.pieces)
 }
 
 // Start copies every piece of each pair's host block to its device block,
 // as LayeredDeviceToHost.Start does in the other direction.
 func (t LayeredHostToDevice) Start(pairs []kvlease.CopyPair[HostBlock, DeviceBlock], attach func(*kvlease.Transfer) error) (*kvlease.Transfer, error) {
-	pieces, err := expand(pairs, "layered host-to-device copy",
-		func(b HostBlock) (*layout.Layout, bool) { return layoutOf(b.M) },
-		func(b DeviceBlock) (*layout.Layout, bool) { return layoutOf(b.M) },
-		func(p kvlease.CopyPair[HostBlock, DeviceBlock], l, kv int) kvlease.CopyPair[[]byte, DevicePtr] {
-			return kvlease.CopyPair[[]byte, DevicePtr]{Src: p.Src.M.Piece(p.Src.ID, l, kv), Dst: p.Dst.M.Piece(p.Dst.ID, l, kv)}
-		})
-	if err != nil {
-		return nil, err
+	return startLayered(t.e, hostToDevice, pairs, attach, HostBlock.pieces, DeviceBlock.pieces)
+}
+
+// pieces returns the block's layout, the arena of its pieces, its id and
+// whether it is a block of a layered memory at all.
+func (b DeviceBlock) pieces() (*layout.Layout, *arena, kvlease.BlockID, bool) {
+	if b.M == nil {
+		return nil, nil, 0, false
 	}
-	return t.e.HostToDevice().Start(pieces, attach)
+	return &b.M.lay, b.M.arena.a, b.ID, true
 }
 
-// layouted is a layered memory of either kind.
-type layouted interface {
-	*LayeredDevice | *LayeredPinned
-	Layout() layout.Layout
-}
-
-func layoutOf[M layouted](m M) (*layout.Layout, bool) {
-	if m == nil {
-		return nil, false
+func (b HostBlock) pieces() (*layout.Layout, *arena, kvlease.BlockID, bool) {
+	if b.M == nil {
+		return nil, nil, 0, false
 	}
-	l := m.Layout()
-	return &l, true
+	return &b.M.lay, b.M.arena.a, b.ID, true
 }
 
-// expand turns block pairs into piece pairs, layer-major, after checking
-// every pair's layouts agree with the first pair's.
-func expand[S, D, PS, PD any](pairs []kvlease.CopyPair[S, D], dir string,
-	srcLay func(S) (*layout.Layout, bool), dstLay func(D) (*layout.Layout, bool),
-	piece func(kvlease.CopyPair[S, D], int, int) kvlease.CopyPair[PS, PD]) ([]kvlease.CopyPair[PS, PD], error) {
-	if len(pairs) == 0 {
+// layeredDirNames names each direction of the layered transports in errors.
+var layeredDirNames = [...]string{
+	hostToDevice:   "layered host-to-device copy",
+	deviceToHost:   "layered device-to-host copy",
+	deviceToDevice: "layered device-to-device copy",
+}
+
+// startLayered turns block pairs into piece copies straight from the
+// layouts (each piece is a whole arena block at a known offset: no lookup)
+// after checking every pair's layouts agree with the first pair's, then
+// runs them as one Start.
+func startLayered[S, D any](e *CopyEngine, kind copyKind, pairs []kvlease.CopyPair[S, D], attach func(*kvlease.Transfer) error,
+	srcOf func(S) (*layout.Layout, *arena, kvlease.BlockID, bool), dstOf func(D) (*layout.Layout, *arena, kvlease.BlockID, bool)) (*kvlease.Transfer, error) {
+	dir := layeredDirNames[kind]
+	switch {
+	case e == nil:
+		return nil, fmt.Errorf("gpu: %s: zero transport; make it with a CopyEngine: %w", dir, kvlease.ErrInvalidArgument)
+	case attach == nil:
+		return nil, fmt.Errorf("gpu: %s: nil attach: a copy no lease knows about could land in reused memory: %w", dir, kvlease.ErrInvalidArgument)
+	case len(pairs) == 0:
 		return nil, fmt.Errorf("gpu: %s: no pairs: %w", dir, kvlease.ErrInvalidArgument)
 	}
 	var ref *layout.Layout
 	for i, p := range pairs {
-		s, ok1 := srcLay(p.Src)
-		d, ok2 := dstLay(p.Dst)
+		s, _, sid, ok1 := srcOf(p.Src)
+		d, _, did, ok2 := dstOf(p.Dst)
 		if !ok1 || !ok2 {
 			return nil, fmt.Errorf("gpu: %s, pair %d: a zero block (no layered memory): %w", dir, i, kvlease.ErrInvalidArgument)
 		}
@@ -244,16 +245,33 @@ func expand[S, D, PS, PD any](pairs []kvlease.CopyPair[S, D], dir string,
 		if err := ref.Compatible(*d); err != nil {
 			return nil, fmt.Errorf("gpu: %s, pair %d, dst: %w", dir, i, err)
 		}
+		if sid < 0 || int(sid) >= s.Blocks {
+			return nil, fmt.Errorf("gpu: %s, pair %d, src: block %d outside a layout of %d blocks: %w", dir, i, sid, s.Blocks, kvlease.ErrInvalidArgument)
+		}
+		if did < 0 || int(did) >= d.Blocks {
+			return nil, fmt.Errorf("gpu: %s, pair %d, dst: block %d outside a layout of %d blocks: %w", dir, i, did, d.Blocks, kvlease.ErrInvalidArgument)
+		}
 	}
-	out := make([]kvlease.CopyPair[PS, PD], 0, len(pairs)*ref.PiecesPerBlock())
+	j, err := e.reserve(kind, len(pairs)*ref.PiecesPerBlock())
+	if err != nil {
+		return nil, err
+	}
 	for l := range ref.Layers {
 		for kv := range ref.KVs {
-			for _, p := range pairs {
-				out = append(out, piece(p, l, kv))
+			for i := range pairs {
+				p := &pairs[i]
+				sl, sa, sid, _ := srcOf(p.Src)
+				dl, da, did, _ := dstOf(p.Dst)
+				src := span{sa, sl.Offset(l, kv, int(sid))}
+				dst := span{da, dl.Offset(l, kv, int(did))}
+				if err := j.add(src, dst); err != nil {
+					e.unreserve(j)
+					return nil, fmt.Errorf("gpu: %s, pair %d, layer %d, kv %d: %w", dir, i, l, kv, err)
+				}
 			}
 		}
 	}
-	return out, nil
+	return e.run(j, attach)
 }
 
 // Layout returns the layout of the block's memory (the zero Layout for

@@ -3,8 +3,8 @@ package gpu
 import (
 	"bytes"
 	"errors"
+	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 
 	"github.com/kvlease/kvlease"
@@ -21,12 +21,12 @@ type countingStream struct {
 	ops         int
 }
 
-func (s *countingStream) submit(ops []copyOp, kind copyKind, canceled *atomic.Bool) (fence, error, error) {
+func (s *countingStream) submit(sub *submission) (fence, error, error) {
 	s.mu.Lock()
 	s.submissions++
-	s.ops += len(ops)
+	s.ops += len(sub.ops)
 	s.mu.Unlock()
-	return s.stream.submit(ops, kind, canceled)
+	return s.stream.submit(sub)
 }
 
 func (s *countingStream) counts() (int, int) {
@@ -237,9 +237,36 @@ func TestLayeredRefusesMismatch(t *testing.T) {
 	if !errors.Is(err, kvlease.ErrInvalidArgument) {
 		t.Fatalf("no pairs: %v", err)
 	}
-	if subs, _ := cs.counts(); subs != 0 {
-		t.Fatalf("%d submissions for refused copies", subs)
+	// With compatible layouts: a block outside its memory, a block written
+	// twice, a closed memory.
+	ok, err := d.AllocLayeredPinned(layout.LayerSeparated(4, 2, 4, Alignment, "bf16"))
+	noErr(t, err)
+	gone, err := d.AllocLayeredPinned(layout.LayerSeparated(4, 2, 4, Alignment, "bf16"))
+	noErr(t, err)
+	noErr(t, gone.Close())
+	t.Cleanup(func() { noErr(t, ok.Close()) })
+	for name, pairs := range map[string][]kvlease.CopyPair[DeviceBlock, HostBlock]{
+		"block outside":  {{Src: DeviceBlock{a, 4}, Dst: ok.Region(0)}},
+		"negative block": {{Src: a.Region(0), Dst: HostBlock{ok, -1}}},
+		"written twice":  {{Src: a.Region(0), Dst: ok.Region(1)}, {Src: a.Region(2), Dst: ok.Region(1)}},
+		"closed memory":  {{Src: a.Region(0), Dst: HostBlock{gone, 0}}},
+	} {
+		_, err = e.LayeredDeviceToHost().Start(pairs, func(*kvlease.Transfer) error { attached = true; return nil })
+		if !errors.Is(err, kvlease.ErrInvalidArgument) || attached {
+			t.Fatalf("%s: err %v attached %v", name, err, attached)
+		}
+		if strings.Contains(err.Error(), "layout: ") {
+			t.Fatalf("%s: refused for its layout, not for what it tests: %v", name, err)
+		}
 	}
+	tr, err := e.LayeredDeviceToHost().Start([]kvlease.CopyPair[DeviceBlock, HostBlock]{{Src: a.Region(1), Dst: ok.Region(2)}}, func(*kvlease.Transfer) error { return nil })
+	noErr(t, err, "the compatible pair itself")
+	<-tr.Done()
+	if subs, _ := cs.counts(); subs != 1 {
+		t.Fatalf("%d submissions for refused copies and one good one", subs-1)
+	}
+	zero(t, e.Pending())
+	zero(t, a.Arena().Pending())
 	// Geometry the arenas cannot take.
 	for _, lay := range []layout.Layout{
 		layout.LayerSeparated(2, 2, 4, 100, ""), // not a multiple of Alignment

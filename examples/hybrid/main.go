@@ -24,11 +24,16 @@
 //     hash, group, layer and K/V, checked wherever they show up.
 //
 // The last line is `marker mismatches N` (scripts read it; N is 0).
+// With -gpu it runs on CUDA device 0 (gpu.Open) instead of the fallback,
+// with the same output:
+//
+//	go run ./examples/hybrid -gpu
 package main
 
 import (
 	"encoding/binary"
 	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"os"
@@ -64,7 +69,9 @@ var specs = [2]struct {
 }
 
 func main() {
-	n, err := run(os.Stdout, config{})
+	onGPU := flag.Bool("gpu", false, "run on CUDA device 0 (gpu.Open) instead of the CPU fallback")
+	flag.Parse()
+	n, err := run(os.Stdout, config{gpu: *onGPU})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "hybrid:", err)
 		os.Exit(1)
@@ -79,6 +86,8 @@ type config struct {
 	// corrupt flips one byte of a shared block's piece after the first
 	// request, so the test sees the marker check fail.
 	corrupt bool
+	// gpu runs on CUDA device 0 instead of the CPU fallback.
+	gpu bool
 }
 
 // engine is the toy serving engine: one device, a layered memory and a
@@ -115,7 +124,14 @@ func mark(b []byte, g int, h kvlease.BlockHash, layer, kv int) {
 }
 
 func run(w io.Writer, cfg config) (int, error) {
-	e := &engine{w: w, dev: gpu.OpenHost(), buf: make([]byte, pieceBytes), want: make([]byte, pieceBytes)}
+	dev := gpu.OpenHost()
+	if cfg.gpu {
+		var err error
+		if dev, err = gpu.Open(0); err != nil {
+			return 0, err
+		}
+	}
+	e := &engine{w: w, dev: dev, buf: make([]byte, pieceBytes), want: make([]byte, pieceBytes)}
 	defer e.dev.Close()
 	var gs []groups.Group[gpu.DeviceBlock]
 	for g, s := range specs {
@@ -506,8 +522,8 @@ func (e *engine) roundTrip(r *request) error {
 	}
 	defer engine.Close()
 
-	submits := func() int64 { st := e.dev.CopyStats(); return st.BatchedSubmits + st.LoopedSubmits }
-	copies := func() int64 { st := e.dev.CopyStats(); return st.BatchedCopies + st.LoopedCopies }
+	submits := func() int64 { st := e.dev.CopyStats(); return st.BatchedSubmits + st.LoopedSubmits + st.KernelLaunches }
+	copies := func() int64 { st := e.dev.CopyStats(); return st.BatchedCopies + st.LoopedCopies + st.KernelCopies }
 	s0, c0 := submits(), copies()
 	off := make([]kvlease.CopyPair[gpu.DeviceBlock, gpu.HostBlock], n)
 	for i := range off {

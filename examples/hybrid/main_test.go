@@ -2,17 +2,46 @@ package main
 
 import (
 	"bytes"
+	"errors"
 	"regexp"
 	"strings"
 	"testing"
+
+	"github.com/kvlease/kvlease/gpu"
 )
 
 // TestRun runs the README's command and checks what it teaches: the hit
 // lengths per group, the trim under a pending offload, the layout round
 // trip in one submission per direction, and a clean marker check.
 func TestRun(t *testing.T) {
+	checkRun(t, config{})
+}
+
+// TestGPUFlag: -gpu opens CUDA device 0 through gpu.Open, never the
+// fallback: with a driver (a GPU, or $KVLEASE_LIBCUDA naming the gpu
+// package's fake driver, as CI does) the run teaches the same; without
+// one it fails with gpu.ErrNoDriver or gpu.ErrNoDevice before printing.
+func TestGPUFlag(t *testing.T) {
+	if d, err := gpu.Open(0); err != nil {
+		if !errors.Is(err, gpu.ErrNoDriver) && !errors.Is(err, gpu.ErrNoDevice) {
+			t.Fatalf("gpu.Open(0): %v", err)
+		}
+		var out bytes.Buffer
+		_, err := run(&out, config{gpu: true})
+		if !errors.Is(err, gpu.ErrNoDriver) && !errors.Is(err, gpu.ErrNoDevice) || out.Len() != 0 {
+			t.Fatalf("-gpu without a driver: %v, output %q", err, out.String())
+		}
+		return
+	} else {
+		_ = d.Close()
+	}
+	checkRun(t, config{gpu: true})
+}
+
+func checkRun(t *testing.T, cfg config) {
+	t.Helper()
 	var out bytes.Buffer
-	n, err := run(&out, config{})
+	n, err := run(&out, cfg)
 	if err != nil {
 		t.Fatalf("%v\n%s", err, out.String())
 	}

@@ -5,6 +5,7 @@
 // marker check of every onboarded block:
 //
 //	go run ./examples/tiers
+//	go run ./examples/tiers -gpu    # on CUDA device 0 (gpu.Open), same output
 //
 // Output (scripts read the first and last lines' forms):
 //
@@ -44,9 +45,20 @@ func main() {
 		docs     = flag.Int("docs", 32, "documents (each a shared prefix)")
 		docLen   = flag.Int("doc-blocks", 8, "blocks per document")
 		policy   = flag.String("policy", "write-back", "write-back or write-through")
+		onGPU    = flag.Bool("gpu", false, "run on CUDA device 0 (gpu.Open) instead of the CPU fallback")
 	)
 	flag.Parse()
-	if err := run(os.Stdout, *requests, *seed, *devN, *hostN, *diskN, *docs, *docLen, *policy); err != nil {
+	open := func() (*gpu.Device, error) { return gpu.OpenHost(), nil }
+	if *onGPU {
+		open = func() (*gpu.Device, error) {
+			d, err := gpu.Open(0)
+			if err == nil {
+				fmt.Fprintf(os.Stderr, "tiers: on %s (CUDA device 0)\n", d.Name())
+			}
+			return d, err
+		}
+	}
+	if err := run(os.Stdout, open, *requests, *seed, *devN, *hostN, *diskN, *docs, *docLen, *policy); err != nil {
 		fmt.Fprintln(os.Stderr, "tiers:", err)
 		os.Exit(1)
 	}
@@ -63,7 +75,7 @@ func stamp(b []byte, h kvlease.BlockHash) {
 	}
 }
 
-func run(w io.Writer, requests int, seed uint64, devN, hostN, diskN, docs, docLen int, policyName string) error {
+func run(w io.Writer, open func() (*gpu.Device, error), requests int, seed uint64, devN, hostN, diskN, docs, docLen int, policyName string) error {
 	var pol tiers.Policy
 	switch policyName {
 	case "write-back":
@@ -73,7 +85,10 @@ func run(w io.Writer, requests int, seed uint64, devN, hostN, diskN, docs, docLe
 	default:
 		return fmt.Errorf("unknown policy %q (write-back or write-through)", policyName)
 	}
-	dev := gpu.OpenHost()
+	dev, err := open()
+	if err != nil {
+		return err
+	}
 	devMem, err := dev.AllocDevice(devN, blockBytes)
 	if err != nil {
 		return err

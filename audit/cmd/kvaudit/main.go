@@ -15,6 +15,13 @@
 // corrupted; every onboarded block's marker is checked.
 //
 //	go run ./audit/cmd/kvaudit -tiers -ops 3000 -seed 7
+//
+// With -tiers -gpu it runs the tiers audit's device mode on CUDA device 0
+// (gpu.Open): device and pinned memory, real copies through the copy
+// kernel and the copy engine alternately, with cancels and aborts
+// mid-copy; the last line is the verdict, OK or FAIL.
+//
+//	go run ./audit/cmd/kvaudit -tiers -gpu -ops 3000
 package main
 
 import (
@@ -27,6 +34,7 @@ import (
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/audit"
+	"github.com/kvlease/kvlease/gpu"
 	"github.com/kvlease/kvlease/tiers"
 )
 
@@ -77,6 +85,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 	quiet := fs.Bool("quiet", false, "no progress lines")
 	tiersMode := fs.Bool("tiers", false, "run the tiers audit (device, host and disk tiers; -ops requests, -seed)")
 	writeThrough := fs.Bool("write-through", false, "with -tiers: the write-through policy (default write-back)")
+	onGPU := fs.Bool("gpu", false, "with -tiers: the device mode, on CUDA device 0 (gpu.Open)")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -84,8 +93,12 @@ func run(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "kvaudit: unexpected arguments %q\n", fs.Args())
 		return 2
 	}
+	if *onGPU && !*tiersMode {
+		fmt.Fprintln(stderr, "kvaudit: -gpu needs -tiers")
+		return 2
+	}
 	if *tiersMode {
-		return runTiers(fs, cfg.Seed, cfg.Ops, *writeThrough, stdout, stderr)
+		return runTiers(fs, cfg.Seed, cfg.Ops, *writeThrough, *onGPU, stdout, stderr)
 	}
 	if *pools != "" {
 		cfg.PoolBlocks = nil
@@ -147,8 +160,8 @@ func run(args []string, stdout, stderr io.Writer) int {
 }
 
 // runTiers runs the tiers audit with the default tiers configuration,
-// the seed and -ops requests.
-func runTiers(fs *flag.FlagSet, seed uint64, ops int, writeThrough bool, stdout, stderr io.Writer) int {
+// the seed and -ops requests, on CUDA device 0 with onGPU.
+func runTiers(fs *flag.FlagSet, seed uint64, ops int, writeThrough, onGPU bool, stdout, stderr io.Writer) int {
 	tc := audit.DefaultTiersConfig()
 	tc.Seed = seed
 	if isSet(fs, "ops") {
@@ -156,6 +169,17 @@ func runTiers(fs *flag.FlagSet, seed uint64, ops int, writeThrough bool, stdout,
 	}
 	if writeThrough {
 		tc.Policy = tiers.WriteThrough
+	}
+	if onGPU {
+		d, err := gpu.Open(0)
+		if err != nil {
+			fmt.Fprintf(stderr, "kvaudit: -gpu: %v\n", err)
+			return 2
+		}
+		// A device left failed (a sticky error) cannot close; the process
+		// ends anyway.
+		defer d.Close()
+		tc.GPU = d
 	}
 	rep, err := audit.RunTiers(tc)
 	if err != nil {

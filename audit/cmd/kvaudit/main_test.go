@@ -5,6 +5,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/kvlease/kvlease/gpu"
 )
 
 func TestRunClean(t *testing.T) {
@@ -77,5 +79,29 @@ func TestTiersMode(t *testing.T) {
 	var out, errs strings.Builder
 	if code := run([]string{"-tiers", "-ops", "-1"}, &out, &errs); code != 2 {
 		t.Errorf("-tiers -ops -1: exit %d, want 2", code)
+	}
+}
+
+// TestTiersGPU: -tiers -gpu runs the device mode on CUDA device 0: with a
+// driver (a GPU, or $KVLEASE_LIBCUDA naming the gpu package's fake
+// driver, as CI does) it ends OK with the device line; without one it
+// exits 2 saying why. -gpu without -tiers is refused.
+func TestTiersGPU(t *testing.T) {
+	var out, errs strings.Builder
+	code := run([]string{"-tiers", "-gpu", "-ops", "300", "-seed", "5"}, &out, &errs)
+	if d, err := gpu.Open(0); err != nil {
+		if code != 2 || !strings.Contains(errs.String(), "kvaudit: -gpu: ") {
+			t.Fatalf("without a driver: exit %d, stderr %q", code, errs.String())
+		}
+	} else {
+		_ = d.Close()
+		lines := strings.Split(strings.TrimSpace(out.String()), "\n")
+		if code != 0 || lines[len(lines)-1] != "OK" || !strings.Contains(out.String(), "copies by the kernel") {
+			t.Fatalf("exit %d\n%s\n%s", code, out.String(), errs.String())
+		}
+	}
+	errs.Reset()
+	if code := run([]string{"-gpu"}, &out, &errs); code != 2 {
+		t.Errorf("-gpu without -tiers: exit %d", code)
 	}
 }
