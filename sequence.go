@@ -77,8 +77,9 @@ type Sequence[R any] struct {
 
 	// The decode fast path's bounds, kept by setBounds: an Append of one
 	// token to a sequence of n < room tokens needs no growth and no new
-	// array; a commit up to calm-1 tokens seals and trims nothing.
-	room, calm int
+	// array; a commit up to calm-1 tokens seals and trims nothing; fast
+	// is min(room, calm-1), AppendComputed's one bound.
+	room, calm, fast int
 }
 
 // SequenceSpec is a request as Pool.Admit takes it. Every size in it is
@@ -240,9 +241,9 @@ func (p *Pool[R]) admit(spec SequenceSpec, acquire func([]BlockHash, int) (*Leas
 	}
 	total := min(max(spec.MaxTokens, len(prompt)+bt), p.Capacity()*bt)
 	total = max(total, len(prompt))
+	full := len(prompt) / bt
 	s.tokens = make([]int32, len(prompt), total)
 	copy(s.tokens, prompt)
-	full := len(prompt) / bt
 	s.hashes = make([]BlockHash, full, max(n, total/bt)+1)
 	var extra [][]string
 	if len(s.spans) > 0 {
@@ -330,6 +331,7 @@ func (s *Sequence[R]) setBounds() {
 		calm = min(calm, s.window+(s.base+s.trimmed+1)*s.bt)
 	}
 	s.calm = calm
+	s.fast = min(s.room, calm-1)
 }
 
 // windowStart is the first block the token at position pos attends to.
@@ -431,7 +433,7 @@ func (s *Sequence[R]) Reserve(total int) error {
 // ErrLeaseClosed once the lease is closed.
 func (s *Sequence[R]) Append(tokens ...int32) error {
 	// A decode step's token, in room and with nothing pending: no growth,
-	// no copy loop.
+	// no copy loop. (Small enough to inline: the slow path is one call.)
 	if n := len(s.tokens); len(tokens) == 1 && n == s.computed && n < s.room {
 		s.tokens = s.tokens[:n+1]
 		s.tokens[n] = tokens[0]
@@ -481,7 +483,8 @@ func (s *Sequence[R]) grow(end int) error {
 // otherwise ErrInvalidArgument; a seal's error (ErrLeaseClosed, the
 // Hasher's) leaves Computed at the last block sealed.
 func (s *Sequence[R]) Commit(n int) error {
-	// A decode step's commit: no block fills, nothing to trim.
+	// A decode step's commit: no block fills, nothing to trim. (Small
+	// enough to inline: the slow path is one call.)
 	if to := s.computed + n; uint(n) <= uint(len(s.tokens)-s.computed) && to < s.calm {
 		s.computed = to
 		return nil
@@ -527,9 +530,13 @@ func (s *Sequence[R]) sealNext() error {
 		extra = s.extraOf(nil, k) // kept by the seal: its own slice
 	}
 	var h BlockHash
-	if k < len(s.hashes) {
+	switch {
+	case k < len(s.hashes):
 		h = s.hashes[k] // a prompt block: hashed at admission
-	} else {
+	case extra == nil && s.l.ls.c.cfg.hasher == nil:
+		h = hashInto(parent, toks) // a decoded block, the usual hash
+		s.hashes = append(s.hashes, h)
+	default:
 		var err error
 		if h, err = s.hashNext(parent, toks, extra); err != nil {
 			return err
@@ -572,11 +579,65 @@ func (s *Sequence[R]) hashNext(parent BlockHash, toks []int32, extra []string) (
 // that hands the sequence a token after its KV is written.
 func (s *Sequence[R]) AppendComputed(tokens ...int32) error {
 	// A decode step's token: room, nothing pending, no block fills.
-	if n := len(s.tokens); len(tokens) == 1 && n == s.computed && n < s.room && n+1 < s.calm {
-		s.tokens = s.tokens[:n+1]
-		s.tokens[n] = tokens[0]
-		s.computed = n + 1
-		return nil
+	n := len(s.tokens)
+	if len(tokens) != 1 || n != s.computed || n >= s.fast {
+		return s.appendComputedSlow(tokens)
+	}
+	s.tokens = s.tokens[:n+1]
+	s.tokens[n] = tokens[0]
+	s.computed = n + 1
+	return nil
+}
+
+func (s *Sequence[R]) appendComputedSlow(tokens []int32) error {
+	// A decode step's token at a block boundary, in the token array's
+	// room and with nothing pending: the two cases every block meets
+	// once, without appendSlow's general checks.
+	if n := len(s.tokens); len(tokens) == 1 && n == s.computed && n < cap(s.tokens) {
+		switch {
+		case n < s.room: // it fills its block (or moves the window): a seal
+			s.tokens = s.tokens[:n+1]
+			s.tokens[n] = tokens[0]
+			k, bt := s.sealed, s.bt
+			if s.window > 0 || n+1 != (k+1)*bt {
+				return s.commitSlow(1)
+			}
+			// Commit(1), straight: one block sealed, no trim; the bounds
+			// move by a block (setBounds' result, incrementally). A
+			// decoded block with the usual hash is sealNext by hand (its
+			// call would be one more per block: BenchmarkSequenceDecode).
+			if k == 0 || k != len(s.hashes) || len(s.spans) > 0 || s.l.ls.c.cfg.hasher != nil {
+				if err := s.sealNext(); err != nil {
+					return err
+				}
+			} else {
+				toks := s.tokens[k*bt : n+1]
+				parent := s.hashes[k-1]
+				h := hashInto(parent, toks)
+				if err := s.l.ls.seal(k-s.base, h, &sealTokens{parent: parent, tokens: toks}); err != nil {
+					return err
+				}
+				s.hashes = append(s.hashes, h)
+				s.sealed++
+			}
+			s.computed = n + 1
+			s.calm += s.bt
+			s.fast = min(s.room, s.calm-1)
+			return nil
+		case n == (s.base+s.nblocks)*s.bt && s.window == 0 && s.bt > 1:
+			// It starts a block: one more, and (a block holding more
+			// than this token) nothing to seal.
+			if err := s.l.Extend(1); err != nil {
+				return err
+			}
+			s.nblocks++
+			s.tokens = s.tokens[:n+1]
+			s.tokens[n] = tokens[0]
+			s.computed = n + 1
+			s.room = min(s.room+s.bt, cap(s.tokens))
+			s.fast = min(s.room, s.calm-1)
+			return nil
+		}
 	}
 	if err := s.appendSlow(tokens); err != nil {
 		return err

@@ -389,9 +389,21 @@ func FuzzSequence(f *testing.F) {
 			switch op & 3 {
 			case 0, 1:
 				n %= 9
+				computedToo := op&3 == 1 && n%2 == 0 // AppendComputed, one token mostly
+				if computedToo {
+					n = min(n, 2) / 2
+				}
 				toks := seqTokens(n, int32(op))
-				err := s.Append(toks...)
+				var err error
+				if computedToo {
+					err = s.AppendComputed(toks...)
+				} else {
+					err = s.Append(toks...)
+				}
 				switch {
+				case computedToo && err == nil:
+					model = append(model, toks...)
+					computed += n
 				case n > 0 && len(model) > computed:
 					// Tokens pending: refused until committed or rolled back.
 					if !errors.Is(err, ErrInvalidArgument) {
