@@ -160,8 +160,8 @@
 // across processes over a connection. A rejected handoff can never start a
 // transfer; an aborted one drains until the transport proves quiescence;
 // one whose evidence never comes is quarantined. Its Envelope states the
-// operating limits every component must agree on, and Admit answers
-// before any block is touched.
+// operating limits every component must agree on, and CheckRequest
+// answers before any block is touched.
 //
 // # Checked builds
 //

@@ -337,7 +337,7 @@ func generate(cfg Config) []*request {
 // admit takes one request from the front door to an accepted handoff, or
 // to its rejection.
 func (w *world) admit(r *request, running *int) {
-	if err := envelope.Admit(r.prompt, r.maxNew); err != nil {
+	if err := envelope.CheckRequest(r.prompt, r.maxNew); err != nil {
 		r.refused = "envelope: " + err.Error()
 		return
 	}

@@ -396,7 +396,7 @@ func (r *netReq) stalls() bool { return r.stallAt >= 0 && r.started }
 // admit takes one request to its decode side's answer (or refuses it
 // here), and aborts it before its start if its client goes away then.
 func (w *prefillWorld) admit(r *netReq, answer time.Duration) error {
-	if err := envelope.Admit(r.prompt, r.maxNew); err != nil {
+	if err := envelope.CheckRequest(r.prompt, r.maxNew); err != nil {
 		r.refused = "envelope: " + err.Error()
 		return nil
 	}

@@ -208,7 +208,7 @@ func runStream(cfg Config, out, childErr io.Writer, seen func(r *request, st, af
 	reqs := generate(cfg)
 	runs := map[uint64]*streamRun{}
 	for _, r := range reqs {
-		if err := streamEnvelope.Admit(r.prompt, r.maxNew); err != nil {
+		if err := streamEnvelope.CheckRequest(r.prompt, r.maxNew); err != nil {
 			r.refused = "envelope: " + err.Error()
 			continue
 		}

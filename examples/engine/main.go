@@ -15,7 +15,7 @@
 //     admits a request with its prefix hits (usage.prompt_tokens_details.
 //     cached_tokens is Sequence.CachedTokens), and the Sequence grows the
 //     lease and seals each block as the scheduler commits tokens.
-//   - handoff.Envelope: the limits; Admit refuses a request that could
+//   - handoff.Envelope: the limits; CheckRequest refuses a request that could
 //     never fit before anything is queued or acquired.
 //   - a continuous-batching scheduler (engine.go) with a running limit,
 //     chunked prefill and a reservation of each running request's growth.

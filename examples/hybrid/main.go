@@ -255,7 +255,7 @@ func (e *engine) admit(name string, prompt []int32) (*request, error) {
 	for g := range specs {
 		cached[g] = e.pool[g].CachedPrefix(hs[g])
 	}
-	r, hit, err := e.c.Admit(name, hs, len(prompt))
+	r, hit, err := e.c.Acquire(name, hs, len(prompt))
 	if err != nil {
 		return nil, err
 	}

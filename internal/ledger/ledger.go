@@ -16,7 +16,7 @@ import (
 type Ledger struct {
 	Requests  int
 	Delivered int
-	// Rejections, by who refused: the envelope (Admit), the prefill pool
+	// Rejections, by who refused: the envelope (CheckRequest), the prefill pool
 	// (exhausted), the decode side's policy (too many running) and the
 	// decode pool (exhausted).
 	RejectedEnvelope, RejectedPrefill, RejectedPolicy, RejectedDecode int
