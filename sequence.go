@@ -645,6 +645,26 @@ func (s *Sequence[R]) appendComputedSlow(tokens []int32) error {
 	return s.Commit(len(tokens))
 }
 
+// Onboarded records that the KV of the next blocks blocks after the hits
+// arrived from elsewhere (a lower tier's copy: tiers' Onboard.Wait calls
+// it): they count as hits (Hits, CachedTokens) and as computed, and are
+// sealed with their chain hashes (a no-op for a block the copy has sealed
+// already). It must come before anything past the hits is committed and
+// cover only blocks a prefix may hit (those before the block holding the
+// prompt's last token), in a sequence without a window; otherwise
+// ErrInvalidArgument. Other errors are Commit's.
+func (s *Sequence[R]) Onboarded(blocks int) error {
+	if hb := hitBlocks(s.promptLen, s.bt); blocks < 0 || blocks > hb-s.hits || s.computed != s.hits*s.bt || s.window > 0 {
+		return fmt.Errorf("kvlease: %q onboarded %d blocks after %d hits, %d tokens computed: %w",
+			s.l.Owner(), blocks, s.hits, s.computed, ErrInvalidArgument)
+	}
+	if err := s.Commit(blocks * s.bt); err != nil {
+		return err
+	}
+	s.hits += blocks
+	return nil
+}
+
 // Rollback takes back the last n appended tokens whose KV is not
 // committed (draft tokens the target model rejected). Their slots stay
 // in the lease, unsealed and private, for the tokens appended next. n
