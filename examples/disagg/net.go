@@ -337,6 +337,7 @@ func runNet(cfg Config, out, childErr io.Writer) (l Ledger, err error) {
 		}
 	}
 	l.Prefill = w.prefill.Stats()
+	l.Quiescent("prefill", w.prefill.CheckQuiescent())
 
 	// The end of the control connection ends the decode process: it
 	// checks and releases what it holds, reports, and exits.

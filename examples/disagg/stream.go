@@ -221,6 +221,7 @@ func runStream(cfg Config, out, childErr io.Writer, seen func(r *request, st, af
 		}
 	}
 	l.Prefill = pool.Stats()
+	l.Quiescent("prefill", pool.CheckQuiescent())
 	_ = src.Close()
 	rep, err := child.finish(30*time.Second + 4*cfg.Deadline)
 	l.Child = child.exit

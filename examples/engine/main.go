@@ -277,8 +277,9 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 		defer cancel()
 	}
 	<-ctx.Done()
+	a.engine.Close() // requests in flight end: the pool must be at rest (CheckQuiescent)
 	st := a.engine.Pool().Stats()
 	fmt.Fprintf(out, "engine: finished %d aborted %d kv mismatches %d; blocks leased %d draining %d; check %v\n",
-		a.engine.finished.Load(), a.engine.aborted.Load(), a.engine.kvMismatches.Load(), st.Leased, st.Draining, a.engine.Pool().Check())
+		a.engine.finished.Load(), a.engine.aborted.Load(), a.engine.kvMismatches.Load(), st.Leased, st.Draining, a.engine.Pool().CheckQuiescent())
 	return nil
 }
