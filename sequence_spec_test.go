@@ -369,3 +369,39 @@ func TestSequenceSpecRandom(t *testing.T) {
 		t.Run("", func(t *testing.T) { fuzzSpecOnce(t, b) })
 	}
 }
+
+// TestSequenceOnboarded: blocks onboarded after the hits become hits and
+// computed, sealed with their chain hashes; a count past the blocks a
+// prefix may hit, or after anything was committed, is refused.
+func TestSequenceOnboarded(t *testing.T) {
+	p := seqPool(t, 16, WithBlockTokens(4))
+	prompt := seqTokens(14, 1) // 3 blocks may hit
+	s, err := p.NewSequence("a", 1, prompt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range []int{-1, 4} {
+		if err := s.Onboarded(n); !errors.Is(err, ErrInvalidArgument) {
+			t.Fatalf("onboarded %d: %v", n, err)
+		}
+	}
+	if err := s.Onboarded(2); err != nil || s.Hits() != 2 || s.CachedTokens() != 8 || s.Computed() != 8 || s.Sealed() != 2 {
+		t.Fatalf("onboarded 2: %v, hits %d computed %d sealed %d", err, s.Hits(), s.Computed(), s.Sealed())
+	}
+	if err := s.Commit(1); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Onboarded(1); !errors.Is(err, ErrInvalidArgument) {
+		t.Fatalf("onboarded after a commit: %v", err)
+	}
+	if err := s.Commit(s.Len() - s.Computed()); err != nil {
+		t.Fatal(err)
+	}
+	if want := ChainHashes(1, prompt, 4); !slices.Equal(s.BlockHashes(), want) {
+		t.Fatalf("hashes %x, want %x", s.BlockHashes(), want)
+	}
+	s.Release()
+	if err := p.CheckQuiescent(); err != nil {
+		t.Fatal(err)
+	}
+}

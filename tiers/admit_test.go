@@ -3,6 +3,8 @@ package tiers
 import (
 	"context"
 	"errors"
+	"math"
+	"os"
 	"testing"
 	"time"
 
@@ -149,4 +151,22 @@ func TestCacheAdmitRefuses(t *testing.T) {
 	wt := newRig(t, 8, 32, 0, WriteThrough, kvlease.WithBlockTokens(4))
 	_, err := wt.c.Admit(kvlease.SequenceSpec{Owner: "a", Prompt: seqPrompt(1, 8)})
 	require.ErrorIs(t, err, kvlease.ErrInvalidArgument)
+}
+
+// TestOpenDiskSizes: every size of a DiskConfig is bounded before it
+// sizes anything (a worker per imagined disk, an overflowing slot, a
+// slot count past a BlockID); nothing is created for a refused one.
+func TestOpenDiskSizes(t *testing.T) {
+	dir := t.TempDir()
+	for _, cfg := range []DiskConfig{
+		{Dir: dir, Slots: 4, BlockBytes: 256, Workers: 1 << 40},
+		{Dir: dir, Slots: 4, BlockBytes: math.MaxInt},
+		{Dir: dir, Slots: 1 << 40, BlockBytes: 256},
+	} {
+		_, err := OpenDisk(cfg)
+		require.ErrorIs(t, err, kvlease.ErrInvalidArgument, "%+v", cfg)
+	}
+	ents, err := os.ReadDir(dir)
+	require.NoError(t, err)
+	require.Empty(t, ents, "a refused config created files")
 }
