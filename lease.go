@@ -363,7 +363,9 @@ func (l *lease) close(abort bool, cause error) {
 		c.transition(l, &ev)
 		if l.state != LeaseSettled {
 			c.startDeadline(l)
-			c.hold(l, true) // CheckQuiescent names it until it settles
+			if x != nil && x.hold != 0 {
+				c.holds.recs[x.hold-1].closed = l // CheckQuiescent reads its state until it settles
+			}
 		}
 	}
 	c.serve(&ev)

@@ -253,7 +253,7 @@ func (c *core) opened(l *lease, hits int, ev *outbox) {
 // watchOpened is what opened does for a leak check, an observer or a
 // checked build.
 func (c *core) watchOpened(l *lease, hits int, ev *outbox) {
-	c.hold(l, false)
+	c.hold(l)
 	if c.cfg.leakCheck {
 		l.watchLeak()
 	}

@@ -17,17 +17,17 @@ import (
 // quarantined (only free and cached ones). It is what an engine asks at
 // shutdown and a test at its end, and its error names who holds what.
 //
-// To name owners the pool keeps a table of holders, written under its
-// lock: a closed lease that does not settle at once (its transfers are
-// pending or quarantined) is recorded when it closes, and, in a pool
-// that watches its leases (WithObserver, WithLeakCheck, or a checked
-// build: -race or -tags invariants), every lease from the moment it
-// opens. An unwatched pool counts its open leases but does not name
-// them: recording them would cost every lease cycle a few instructions,
-// and Acquire(1)+Release is held to 3× a bare free list. The table holds
-// a closed lease's pointer (its transfers reach it anyway) but only the
-// id and owner of an open one, so a lease the owner drops is still found
-// unreachable by the leak check, and marked leaked here.
+// To name owners, a pool that watches its leases (WithObserver,
+// WithLeakCheck(true), or a checked build: -race or -tags invariants)
+// keeps a table of holders, written under its lock: every lease from the
+// moment it opens until it settles. An unwatched pool counts what is held
+// (open leases, leased, draining and quarantined blocks) but names
+// nobody: recording every lease would cost each lease cycle an
+// allocation (Acquire(1)+Release is held to 3× a bare free list, and a
+// lease released with a transfer pending, to 3× the slot table's). The
+// table holds a closed lease's pointer (its transfers reach it anyway)
+// but only the id and owner of an open one, so a lease the owner drops
+// is still found unreachable by the leak check, and marked leaked here.
 
 // ErrNotQuiescent is what CheckQuiescent's *QuiescenceError wraps: the
 // pool still holds something.
@@ -70,9 +70,9 @@ type QuiescenceError struct {
 	// OpenLeases counts the leases not yet released or aborted, named in
 	// Holdings or not (an unwatched pool does not name open leases).
 	OpenLeases int
-	// Holdings names each lease the pool can name: in every pool the
-	// closed leases that have not settled, in a watched one the open
-	// leases too. Ordered by lease id.
+	// Holdings names each lease that has not settled, open or closed, in
+	// a pool that watches its leases; an unwatched pool names none.
+	// Ordered by lease id.
 	Holdings []Holding
 	// Blocks in each state that is not at rest, and waiters queued.
 	Leased, Draining, Quarantined, Waiters int
@@ -102,8 +102,8 @@ func (e *QuiescenceError) Unwrap() error { return ErrNotQuiescent }
 // it returns Check's error alone (a consistent-looking count over broken
 // bookkeeping proves nothing) or a *QuiescenceError wrapping
 // ErrNotQuiescent that counts what is held and names the leases holding
-// it with their owners (see Holding; open leases are named when the pool
-// watches its leases: WithObserver, WithLeakCheck or a checked build).
+// it with their owners (see Holding; leases are named when the pool
+// watches them: WithObserver, WithLeakCheck(true) or a checked build).
 // Call it at shutdown, after every request ended and the transports
 // resolved their transfers, and at the end of tests. It takes the pool's
 // lock for O(capacity) time.
@@ -161,24 +161,20 @@ type holder struct {
 	leaked bool
 }
 
-// hold records l in the table. Called with c.mu held.
-func (c *core) hold(l *lease, closed bool) {
+// hold records l, opening in a watched pool, in the table. Called with
+// c.mu held.
+func (c *core) hold(l *lease) {
 	x := l.ext()
-	if x.hold == 0 {
-		t := &c.holds
-		var i int32
-		if n := len(t.free); n > 0 {
-			i, t.free = t.free[n-1], t.free[:n-1]
-		} else {
-			i = int32(len(t.recs))
-			t.recs = append(t.recs, holder{})
-		}
-		t.recs[i] = holder{id: l.id, owner: l.owner}
-		x.hold = i + 1
+	t := &c.holds
+	var i int32
+	if n := len(t.free); n > 0 {
+		i, t.free = t.free[n-1], t.free[:n-1]
+	} else {
+		i = int32(len(t.recs))
+		t.recs = append(t.recs, holder{})
 	}
-	if closed {
-		c.holds.recs[x.hold-1].closed = l
-	}
+	t.recs[i] = holder{id: l.id, owner: l.owner}
+	x.hold = i + 1
 }
 
 // unhold removes l from the table, if there. Called with c.mu held.
