@@ -19,7 +19,7 @@ func main() {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
-	pool, err := kvlease.NewPool[[]byte](mem)
+	pool, err := kvlease.NewPool[[]byte](mem, kvlease.WithLeakCheck(true)) // watched: CheckQuiescent names holders
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
