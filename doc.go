@@ -20,7 +20,8 @@
 //     WithDrainDeadline, WithQuarantineAlert, WithKVEvents, WithBlockTokens,
 //     WithVerifiedPrefix, WithSealRecords): Acquire, AcquireWait, AcquirePrefix,
 //     AcquirePrefixTokens, AcquireHits, CachedPrefix, CachedPrefixTokens,
-//     Region, Stats, Available, Usable, Capacity, BlockBytes, Memory, Check,
+//     Region, Stats, Available, Usable, Capacity, BlockBytes, Memory, Check
+//     (consistency), CheckQuiescent (at rest: QuiescenceError, Holding),
 //     Close, ResetCache (ResetMode), SetEvictHook and OfferCached
 //     (EvictOwner), DrainKVEvents, KVEventsReady, SnapshotKVCache,
 //     SnapshotKVBlocks (KVEvent, KVEventKind), SealInfo and
@@ -35,12 +36,16 @@
 //     transfers of one logical copy; Transport and CopyPair, what a data
 //     plane implements.
 //   - Prefix hashes: BlockHash, HashBlock, ChainHashes; HashBlockExtra
-//     and ExtraKey (extra keys), Hasher (WithHasher, Pool.HashBlock);
+//     and ExtraKey (extra keys), Hasher (WithHasher, Pool.HashBlocks: a
+//     batch of blocks per call, an error path, the caller's seed as root);
 //     Token, TokensInt32, TokensUint32, HashTokens, ChainTokens (uint32
 //     token ids without a copy).
-//   - Sequence (Pool.NewSequence, Pool.Admit with a SequenceSpec): a
-//     request's tokens over a lease: Append, Commit, AppendComputed,
-//     Rollback, Reserve, growth and a seal per full block.
+//   - Sequence (Pool.NewSequence, Pool.Admit with a SequenceSpec, every
+//     size in it checked first; Pool.AdmitWith for a caller's lookup such
+//     as tiers.Cache.Admit): a request's tokens over a lease: Append,
+//     Commit (never implied, never silently missing), AppendComputed,
+//     Rollback, Reserve, Onboarded, growth and a seal per full block;
+//     sliding windows (SequenceSpec.Window, Base) trim as they commit.
 //   - Engine policy: Adapter (Lease.SetAdapter: lora tags in KV events),
 //     Retention (Lease.SetRetention, Pool.SetAdapterRetention,
 //     Pool.CachedByRetention: eviction classes), tenants (WithTenantKey,
@@ -48,7 +53,8 @@
 //   - Observation: Observer, ObserverFunc, Event, EventKind.
 //   - Errors: ErrInvalidArgument, ErrExceedsCapacity, ErrExhausted,
 //     ErrQuarantineBound, ErrPoolClosed, ErrLeaseClosed, ErrStaleRef,
-//     ErrReadOnly, ErrAborted, ErrQuarantined, ErrDrainDeadline.
+//     ErrReadOnly, ErrAborted, ErrQuarantined, ErrDrainDeadline,
+//     ErrNotQuiescent.
 //
 // What users must not touch lives under internal/: the slot table
 // (internal/slots), the checked-build switches (internal/invariants).
@@ -75,7 +81,9 @@
 //     it before any handoff.
 //  7. Every block is in exactly one state: free, cached, leased, draining or
 //     quarantined. Stats shows the five counts; they always sum to the
-//     capacity.
+//     capacity. Check proves the bookkeeping consistent, not that nothing
+//     is held; CheckQuiescent proves the pool at rest (no lease open,
+//     draining or quarantined, no waiter) and names who holds what.
 //
 // # Lifecycle
 //
@@ -160,8 +168,8 @@
 // across processes over a connection. A rejected handoff can never start a
 // transfer; an aborted one drains until the transport proves quiescence;
 // one whose evidence never comes is quarantined. Its Envelope states the
-// operating limits every component must agree on, and Admit answers
-// before any block is touched.
+// operating limits every component must agree on, and CheckRequest
+// answers before any block is touched.
 //
 // # Checked builds
 //

@@ -45,15 +45,38 @@ func mixExtra(h BlockHash, extra []string) BlockHash {
 	return BlockHash(d.Sum64())
 }
 
-// A Hasher computes a block's chain hash from its parent's hash, its
-// tokens and its extra keys (nil when it has none). A pool uses
-// HashBlockExtra unless given another with WithHasher: an engine that
-// must reproduce another system's block hashes (vLLM's sha256 over CBOR,
-// its --hash-seed) plugs that in, and every hash the pool computes (seal,
-// lookup by tokens, a Sequence's chain) is then that function's. It must
-// be deterministic and safe for concurrent use; it runs under no lock of
-// the pool.
-type Hasher func(parent BlockHash, tokens []int32, extra []string) BlockHash
+// A Hasher computes the chain hashes of consecutive full blocks in one
+// call: out[k] is the hash of block k, its tokens tokens[k·B:(k+1)·B]
+// (B = len(tokens)/len(out), the pool's block tokens) and its extra keys
+// extra[k], chained: block 0's parent is parent, block k's is out[k-1].
+// extra is nil when none of the blocks has extra keys; otherwise it has
+// len(out) entries, nil for a block without. The pool hands it every
+// block it has at hand at once (a prompt's full blocks at admission are
+// one call; a decoding sequence calls it once per block as each fills),
+// so a hasher with a fixed cost per call (an encoder to set up, a cgo
+// call) pays it once per prompt, not once per block.
+//
+// The chain root is the caller's: the parent of a chain's first block is
+// exactly the seed passed to Pool.Admit (SequenceSpec.Seed),
+// NewSequence, AcquirePrefixTokens or CachedPrefixTokens (or the parent
+// given to SealTokens), handed to the hasher unchanged; the pool mixes in
+// nothing of its own. An engine that reproduces another system's hashes
+// passes that system's root as the seed: llm-d's is the hash of its
+// HashSeed's FNV-64a with the model name as extra data (see
+// ExampleWithHasher), vLLM's the NONE_HASH of its PYTHONHASHSEED. A
+// tenant seed (Pool.TenantSeed) is a root of kvlease's own: hashes under
+// it match no other system's.
+//
+// A non-nil error means the blocks could not be hashed: the pool does
+// nothing it needed the hashes for (an admission holds nothing, a
+// Commit seals nothing and keeps Computed, a seal is refused) and
+// returns the error wrapped, so errors.Is finds the hasher's own
+// sentinels; a lookup that cannot report errors (CachedPrefixTokens)
+// counts it as a miss. A Hasher must be deterministic and safe for
+// concurrent use, must not keep tokens, extra or out after it returns,
+// and runs under no lock of the pool. Without WithHasher the pool hashes
+// each block with HashBlockExtra.
+type Hasher func(parent BlockHash, tokens []int32, extra [][]string, out []BlockHash) error
 
 // An ExtraKey covers the tokens [Start, End) of a sequence (an image's
 // placeholder tokens, say): every block holding one of them carries Key
@@ -77,11 +100,10 @@ func blockExtras(dst []string, spans []ExtraKey, k, bt int) []string {
 }
 
 // WithHasher makes h the pool's block hash function: SealTokens,
-// SealChained, AcquirePrefixTokens, CachedPrefixTokens and sequences hash
-// with it, and Pool.HashBlock returns its hashes for callers that compute
-// chains themselves (AcquirePrefix). Without it the pool uses
-// HashBlockExtra. A nil h is refused (ErrInvalidArgument), as are two
-// hashers.
+// SealExtra, SealChained, AcquirePrefixTokens, CachedPrefixTokens,
+// sequences and Pool.HashBlocks hash with it (see Hasher for the chain
+// root, errors and batching). Without it the pool uses HashBlockExtra. A
+// nil h is refused (ErrInvalidArgument), as are two hashers.
 func WithHasher(h Hasher) Option {
 	return newOption("WithHasher", func(c *config) error {
 		if h == nil {
@@ -95,20 +117,101 @@ func WithHasher(h Hasher) Option {
 	})
 }
 
-// HashBlock returns the pool's hash of a block: its Hasher's (WithHasher)
-// or HashBlockExtra's.
-func (p *Pool[R]) HashBlock(parent BlockHash, tokens []int32, extra []string) BlockHash {
-	return p.hashBlock(parent, tokens, extra)
+// HashBlocks writes to out the pool's chain hashes of len(out)
+// consecutive full blocks of tokens under parent, as its Hasher
+// (WithHasher) or HashBlockExtra computes them: for callers that look
+// hashes up themselves (AcquirePrefix, a router's index). tokens must be
+// len(out) blocks of the pool's block tokens (any equal split without
+// WithBlockTokens) and extra nil or one entry per block; otherwise the
+// error wraps ErrInvalidArgument. A hasher's error is returned wrapped.
+func (p *Pool[R]) HashBlocks(parent BlockHash, tokens []int32, extra [][]string, out []BlockHash) error {
+	n := len(out)
+	bt := p.cfg.blockTokens
+	switch {
+	case n == 0:
+		if len(tokens) != 0 || len(extra) != 0 {
+			return fmt.Errorf("kvlease: hash %d tokens into no block: %w", len(tokens), ErrInvalidArgument)
+		}
+		return nil
+	case bt == 0 && (len(tokens) == 0 || len(tokens)%n != 0):
+		return fmt.Errorf("kvlease: hash %d tokens as %d equal blocks: %w", len(tokens), n, ErrInvalidArgument)
+	case bt > 0 && len(tokens) != n*bt:
+		return fmt.Errorf("kvlease: hash %d tokens as %d blocks of %d: %w", len(tokens), n, bt, ErrInvalidArgument)
+	case extra != nil && len(extra) != n:
+		return fmt.Errorf("kvlease: hash %d blocks with extra keys for %d: %w", n, len(extra), ErrInvalidArgument)
+	}
+	return p.hashChain(parent, tokens, extra, out)
 }
 
-// hashBlock is every hash the pool computes.
-func (c *core) hashBlock(parent BlockHash, tokens []int32, extra []string) BlockHash {
+// hashChain is every chain the pool hashes: out[k] for the len(out)
+// blocks of tokens, chained from parent. out escapes to the Hasher:
+// callers hashing into a stack buffer use hashChainStack.
+func (c *core) hashChain(parent BlockHash, tokens []int32, extra [][]string, out []BlockHash) error {
+	if h := c.cfg.hasher; h != nil {
+		if err := h(parent, tokens, extra, out); err != nil {
+			return fmt.Errorf("kvlease: hash %d blocks: %w", len(out), err)
+		}
+		return nil
+	}
+	defaultChain(parent, tokens, extra, out)
+	return nil
+}
+
+// hashChainStack is hashChain into out without letting out escape: a
+// Hasher gets a copy on the heap (an allocation only with WithHasher).
+func (c *core) hashChainStack(parent BlockHash, tokens []int32, extra [][]string, out []BlockHash) error {
 	if c.cfg.hasher != nil {
-		return c.cfg.hasher(parent, tokens, extra)
+		tmp := make([]BlockHash, len(out))
+		err := c.hashChain(parent, tokens, extra, tmp)
+		copy(out, tmp)
+		return err
 	}
-	h := hashInto(parent, tokens)
+	defaultChain(parent, tokens, extra, out)
+	return nil
+}
+
+// defaultChain is HashBlockExtra chained over len(out) blocks.
+func defaultChain(parent BlockHash, tokens []int32, extra [][]string, out []BlockHash) {
+	if len(out) == 0 {
+		return
+	}
+	bt := len(tokens) / len(out)
+	for k := range out {
+		h := hashInto(parent, tokens[k*bt:(k+1)*bt])
+		if extra != nil && len(extra[k]) > 0 {
+			h = mixExtra(h, extra[k])
+		}
+		out[k] = h
+		parent = h
+	}
+}
+
+// hashBlock is one block's hash: parent, tokens and its extra keys (nil:
+// none). Without a Hasher it allocates nothing.
+func (c *core) hashBlock(parent BlockHash, tokens []int32, extra []string) (BlockHash, error) {
+	if c.cfg.hasher == nil {
+		h := hashInto(parent, tokens)
+		if len(extra) > 0 {
+			h = mixExtra(h, extra)
+		}
+		return h, nil
+	}
+	return c.hashOneSlow(parent, tokens, extra)
+}
+
+// hashOneSlow is hashBlock through the pool's Hasher: its out (and extra)
+// are on the heap, as the Hasher may keep what it is given no further
+// than its return but the compiler cannot know.
+func (c *core) hashOneSlow(parent BlockHash, tokens []int32, extra []string) (BlockHash, error) {
+	if bt := c.cfg.blockTokens; len(tokens) != bt {
+		// (A Hasher is only ever given whole blocks.)
+		return 0, fmt.Errorf("kvlease: hash %d tokens, a block holds %d: only a full block is hashed: %w", len(tokens), bt, ErrInvalidArgument)
+	}
+	out := make([]BlockHash, 1)
+	var ex [][]string
 	if len(extra) > 0 {
-		h = mixExtra(h, extra)
+		ex = [][]string{extra}
 	}
-	return h
+	err := c.hashChain(parent, tokens, ex, out)
+	return out[0], err
 }

@@ -49,23 +49,59 @@ func TestBlockExtras(t *testing.T) {
 	}
 }
 
-// countingHasher is HashBlockExtra that counts its calls.
-type countingHasher struct{ n atomic.Int64 }
-
-func (h *countingHasher) hash(parent BlockHash, tokens []int32, extra []string) BlockHash {
-	h.n.Add(1)
-	return HashBlockExtra(parent, tokens, extra)
+// poolHash is the pool's hash of one block (Pool.HashBlocks of one).
+func poolHash(t testing.TB, p *Pool[[]byte], parent BlockHash, tokens []int32, extra []string) BlockHash {
+	t.Helper()
+	var out [1]BlockHash
+	var ex [][]string
+	if extra != nil {
+		ex = [][]string{extra}
+	}
+	if err := p.HashBlocks(parent, tokens, ex, out[:]); err != nil {
+		t.Fatal(err)
+	}
+	return out[0]
 }
 
+// perBlock makes a Hasher of a one-block function.
+func perBlock(f func(parent BlockHash, tokens []int32, extra []string) BlockHash) Hasher {
+	return func(parent BlockHash, tokens []int32, extra [][]string, out []BlockHash) error {
+		bt := len(tokens) / len(out)
+		for k := range out {
+			var ex []string
+			if extra != nil {
+				ex = extra[k]
+			}
+			parent = f(parent, tokens[k*bt:(k+1)*bt], ex)
+			out[k] = parent
+		}
+		return nil
+	}
+}
+
+// countingHasher is HashBlockExtra that counts its calls and the blocks
+// it hashes.
+type countingHasher struct{ calls, blocks atomic.Int64 }
+
+func (h *countingHasher) hash(parent BlockHash, tokens []int32, extra [][]string, out []BlockHash) error {
+	h.calls.Add(1)
+	h.blocks.Add(int64(len(out)))
+	defaultChain(parent, tokens, extra, out)
+	return nil
+}
+
+func (h *countingHasher) reset() { h.calls.Store(0); h.blocks.Store(0) }
+
 // TestSequenceHashesOnce: a 4,096-token prompt admitted with a prefix hit
-// is hashed exactly once, block by block (256 full blocks), by the
-// admission; prefilling it hashes nothing more (the prompt's blocks are
-// sealed with the admission's hashes); each decoded block costs one hash.
+// is hashed exactly once, in one Hasher call for its 256 full blocks, by
+// the admission; prefilling it hashes nothing more (the prompt's blocks
+// are sealed with the admission's hashes); each decoded block costs one
+// hash.
 func TestSequenceHashesOnce(t *testing.T) {
 	const bt = 16
 	var h countingHasher
 	for _, verified := range []bool{false, true} {
-		h.n.Store(0)
+		h.reset()
 		opt := WithBlockTokens(bt)
 		if verified {
 			opt = WithVerifiedPrefix(bt)
@@ -80,10 +116,10 @@ func TestSequenceHashesOnce(t *testing.T) {
 			t.Fatal(err)
 		}
 		warm.Release()
-		if n := h.n.Load(); n != 256 {
-			t.Fatalf("verified %v: the first admission and prefill hashed %d blocks, want 256", verified, n)
+		if n, c := h.blocks.Load(), h.calls.Load(); n != 256 || c != 1 {
+			t.Fatalf("verified %v: the first admission and prefill hashed %d blocks in %d calls, want 256 in 1", verified, n, c)
 		}
-		h.n.Store(0)
+		h.reset()
 		s, err := p.NewSequence("req", 3, prompt)
 		if err != nil {
 			t.Fatal(err)
@@ -91,8 +127,8 @@ func TestSequenceHashesOnce(t *testing.T) {
 		if s.Hits() != 255 {
 			t.Fatalf("verified %v: hits %d", verified, s.Hits())
 		}
-		if n := h.n.Load(); n != 256 {
-			t.Fatalf("verified %v: admission with a prefix hit hashed %d blocks, want 256 (once each)", verified, n)
+		if n, c := h.blocks.Load(), h.calls.Load(); n != 256 || c != 1 {
+			t.Fatalf("verified %v: admission with a prefix hit hashed %d blocks in %d calls, want 256 in 1", verified, n, c)
 		}
 		if err := s.Commit(s.Len() - s.Computed()); err != nil {
 			t.Fatal(err)
@@ -100,7 +136,7 @@ func TestSequenceHashesOnce(t *testing.T) {
 		if err := s.AppendComputed(seqTokens(bt, 9000)...); err != nil {
 			t.Fatal(err)
 		}
-		if n := h.n.Load(); n != 257 {
+		if n := h.blocks.Load(); n != 257 {
 			t.Fatalf("verified %v: after prefill and one decoded block: %d hashes, want 257", verified, n)
 		}
 		if want := ChainHashes(3, s.Tokens(), bt); !slices.Equal(s.BlockHashes(), want) {
@@ -111,18 +147,21 @@ func TestSequenceHashesOnce(t *testing.T) {
 	}
 }
 
-// A pool's own hasher is used by every path: seals, lookups by tokens
-// (verified), sequences, Pool.HashBlock, and the KV events carry its hashes.
-func TestWithHasher(t *testing.T) {
-	mine := func(parent BlockHash, tokens []int32, extra []string) BlockHash {
-		d := sha256.New()
-		binary.Write(d, binary.BigEndian, uint64(parent))
-		binary.Write(d, binary.BigEndian, tokens)
-		for _, k := range extra {
-			d.Write([]byte(k))
-		}
-		return BlockHash(binary.BigEndian.Uint64(d.Sum(nil)))
+func sha(parent BlockHash, tokens []int32, extra []string) BlockHash {
+	d := sha256.New()
+	binary.Write(d, binary.BigEndian, uint64(parent))
+	binary.Write(d, binary.BigEndian, tokens)
+	for _, k := range extra {
+		d.Write([]byte(k))
 	}
+	return BlockHash(binary.BigEndian.Uint64(d.Sum(nil)))
+}
+
+// A pool's own hasher is used by every path: seals, lookups by tokens
+// (verified), sequences, Pool.HashBlocks, and the KV events carry its
+// hashes.
+func TestWithHasher(t *testing.T) {
+	mine := perBlock(sha)
 	p := seqPool(t, 32, WithVerifiedPrefix(4), WithHasher(mine), WithKVEvents(64))
 	toks := seqTokens(9, 1)
 	l, _, err := p.AcquirePrefixTokens("a", 5, toks, 3)
@@ -137,8 +176,12 @@ func TestWithHasher(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if h0 != mine(5, toks[:4], nil) || h1 != mine(h0, toks[4:8], nil) || p.HashBlock(5, toks[:4], nil) != h0 {
+	if h0 != sha(5, toks[:4], nil) || h1 != sha(h0, toks[4:8], nil) || poolHash(t, p, 5, toks[:4], nil) != h0 {
 		t.Fatal("seals did not use the pool's hasher")
+	}
+	var two [2]BlockHash
+	if err := p.HashBlocks(5, toks[:8], nil, two[:]); err != nil || two != [2]BlockHash{h0, h1} {
+		t.Fatalf("HashBlocks of two blocks: %x %v, want %x %x", two, err, h0, h1)
 	}
 	l.Release()
 	if n := p.CachedPrefixTokens(5, toks); n != 2 {
@@ -159,5 +202,107 @@ func TestWithHasher(t *testing.T) {
 	}
 	if _, err := NewPool[[]byte](mem, WithHasher(mine), WithHasher(mine)); !errors.Is(err, ErrInvalidArgument) {
 		t.Fatalf("two hashers: %v", err)
+	}
+}
+
+// TestHashBlocksArgs: Pool.HashBlocks refuses tokens that are not whole
+// blocks and extra keys for another number of blocks.
+func TestHashBlocksArgs(t *testing.T) {
+	p := seqPool(t, 8, WithBlockTokens(4))
+	var out [2]BlockHash
+	for _, c := range []struct {
+		tokens int
+		extra  [][]string
+		out    int
+	}{{7, nil, 2}, {12, nil, 2}, {8, [][]string{nil}, 2}, {4, nil, 0}} {
+		if err := p.HashBlocks(0, seqTokens(c.tokens, 0), c.extra, out[:c.out]); !errors.Is(err, ErrInvalidArgument) {
+			t.Errorf("%d tokens, %d extra, %d blocks: %v", c.tokens, len(c.extra), c.out, err)
+		}
+	}
+	if err := p.HashBlocks(0, nil, nil, nil); err != nil {
+		t.Errorf("nothing to hash: %v", err)
+	}
+	ex := [][]string{nil, {"img"}}
+	if err := p.HashBlocks(9, seqTokens(8, 0), ex, out[:]); err != nil {
+		t.Fatal(err)
+	}
+	h0 := HashBlock(9, seqTokens(4, 0))
+	if out[0] != h0 || out[1] != HashBlockExtra(h0, seqTokens(8, 0)[4:], []string{"img"}) {
+		t.Errorf("HashBlocks %x", out)
+	}
+}
+
+// errHasher fails once armed, counting the blocks it was asked for.
+type errHasher struct {
+	armed atomic.Bool
+}
+
+var errHash = errors.New("hasher: encoder failed")
+
+func (h *errHasher) hash(parent BlockHash, tokens []int32, extra [][]string, out []BlockHash) error {
+	if h.armed.Load() {
+		return errHash
+	}
+	defaultChain(parent, tokens, extra, out)
+	return nil
+}
+
+// TestHasherErrors: a Hasher's error reaches the caller wrapped, and
+// nothing is held or sealed because of it: an admission holds nothing, a
+// commit seals nothing and keeps Computed, a seal and a lookup by tokens
+// are refused, a cached-prefix count is a miss.
+func TestHasherErrors(t *testing.T) {
+	var h errHasher
+	p := seqPool(t, 16, WithBlockTokens(4), WithHasher(h.hash), WithKVEvents(16))
+	prompt := seqTokens(9, 1)
+	h.armed.Store(true)
+	if _, err := p.NewSequence("a", 1, prompt); !errors.Is(err, errHash) {
+		t.Fatalf("admission: %v", err)
+	}
+	if _, _, err := p.AcquirePrefixTokens("a", 1, prompt, 3); !errors.Is(err, errHash) {
+		t.Fatalf("AcquirePrefixTokens: %v", err)
+	}
+	if n := p.CachedPrefixTokens(1, prompt); n != 0 {
+		t.Fatalf("CachedPrefixTokens %d", n)
+	}
+	var out [1]BlockHash
+	if err := p.HashBlocks(1, prompt[:4], nil, out[:]); !errors.Is(err, errHash) {
+		t.Fatalf("HashBlocks: %v", err)
+	}
+	if err := p.CheckQuiescent(); err != nil {
+		t.Fatal(err)
+	}
+	h.armed.Store(false)
+	s, err := p.NewSequence("a", 1, prompt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Commit(s.Len()); err != nil {
+		t.Fatal(err)
+	}
+	// A generated block needs a hash: refused, nothing sealed, Computed kept.
+	if err := s.Append(seqTokens(3, 50)...); err != nil {
+		t.Fatal(err)
+	}
+	h.armed.Store(true)
+	if err := s.Commit(3); !errors.Is(err, errHash) {
+		t.Fatalf("commit: %v", err)
+	}
+	if s.Computed() != 9 || s.Sealed() != 2 {
+		t.Fatalf("after a failed commit: computed %d sealed %d", s.Computed(), s.Sealed())
+	}
+	if _, err := s.Lease().SealTokens(2, s.Parent(), s.Tokens()[8:12]); !errors.Is(err, errHash) {
+		t.Fatalf("SealTokens: %v", err)
+	}
+	h.armed.Store(false)
+	if err := s.Commit(3); err != nil || s.Sealed() != 3 {
+		t.Fatalf("commit once the hasher works: %v, sealed %d", err, s.Sealed())
+	}
+	if want := ChainHashes(1, s.Tokens(), 4); !slices.Equal(s.BlockHashes(), want) {
+		t.Fatalf("hashes %x, want %x", s.BlockHashes(), want)
+	}
+	s.Release()
+	if err := p.CheckQuiescent(); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -73,6 +73,7 @@ type leaseExtra struct {
 	leak    runtime.Cleanup
 	watched bool      // leak is registered
 	trimmed int       // blocks before this index were given back by TrimTo (trim.go)
+	hold    int32     // index+1 in the pool's table of holders (quiescent.go); 0: not in it
 	tag     Adapter   // SetAdapter (adapter.go)
 	ret     Retention // SetRetention (retention.go); 0 with hasRet false: the default
 	hasRet  bool
@@ -98,6 +99,7 @@ type leakInfo struct {
 	obs   Observer
 	owner string
 	id    uint64
+	hold  int32
 }
 
 // watchLeak registers the cleanup that reports this lease if it becomes
@@ -109,9 +111,10 @@ func (l *lease) watchLeak() {
 	x := l.ext()
 	x.leak = runtime.AddCleanup(l, func(i leakInfo) {
 		i.c.leaked.Inc()
+		i.c.markLeaked(i.hold, i.id)
 		i.obs.Observe(Event{Kind: EventLeaked, Owner: i.owner, Lease: i.id,
 			Err: fmt.Errorf("kvlease: lease %d (%s) became unreachable while open; its blocks stay leased", i.id, i.owner)})
-	}, leakInfo{l.c, l.c.obs, l.owner, l.id})
+	}, leakInfo{l.c, l.c.obs, l.owner, l.id, x.hold})
 	x.watched = true
 }
 
@@ -353,13 +356,16 @@ func (l *lease) close(abort bool, cause error) {
 			}
 		}
 	}
-	if l.pending|l.quarantined == 0 && l.state == LeaseActive && (x == nil || x.settled == nil) && c.obs == nil {
+	if l.pending|l.quarantined == 0 && l.state == LeaseActive && (x == nil || x.settled == nil && x.hold == 0) && c.obs == nil {
 		// Nothing gates it and nobody watches: Active → Settled directly.
 		l.state = LeaseSettled
 	} else {
 		c.transition(l, &ev)
 		if l.state != LeaseSettled {
 			c.startDeadline(l)
+			if x != nil && x.hold != 0 {
+				c.holds.recs[x.hold-1].closed = l // CheckQuiescent reads its state until it settles
+			}
 		}
 	}
 	c.serve(&ev)

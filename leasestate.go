@@ -92,6 +92,7 @@ func (c *core) transition(l *lease, ev *outbox) {
 		}
 	}
 	if next == LeaseSettled {
+		c.unhold(l)
 		if ch := l.settledChan(); ch != nil {
 			close(ch)
 		}

@@ -170,7 +170,7 @@ func (c *config) alertLimit(capacity int) int {
 
 // WithBlockTokens tells the pool how many tokens fill a block. It enables
 // AcquirePrefixTokens and CachedPrefixTokens, and fills BlockSize in KV
-// events. blockTokens must be positive.
+// events. blockTokens must be in [1, 2²⁰] (ErrInvalidArgument otherwise).
 func WithBlockTokens(blockTokens int) Option {
 	return newOption(fmt.Sprintf("WithBlockTokens(%d)", blockTokens), func(c *config) error {
 		return c.setBlockTokens(blockTokens)
@@ -194,9 +194,13 @@ func WithVerifiedPrefix(blockTokens int) Option {
 	})
 }
 
+// maxBlockTokens bounds WithBlockTokens, so that a pool's token count
+// (capacity × block tokens, capacity < 2³¹) always fits an int.
+const maxBlockTokens = 1 << 20
+
 func (c *config) setBlockTokens(blockTokens int) error {
-	if blockTokens <= 0 {
-		return fmt.Errorf("kvlease: %s: block tokens must be positive: %w", c.applyingName, ErrInvalidArgument)
+	if blockTokens <= 0 || blockTokens > maxBlockTokens {
+		return fmt.Errorf("kvlease: %s: block tokens must be in [1, %d]: %w", c.applyingName, maxBlockTokens, ErrInvalidArgument)
 	}
 	if err := c.claim("block tokens", c.blockTokens == blockTokens); err != nil {
 		return err

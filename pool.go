@@ -71,6 +71,8 @@ type core struct {
 	sealTok   []int32 // per slot: its sealed tokens, blockTokens each; made by the first SealTokens
 	stamp     uint32  // bumped per prefix probe
 	hook      offerer // eviction hook (evict.go); nil without one
+
+	holds holdings // who holds what, for CheckQuiescent (quiescent.go)
 }
 
 // NewPool makes a pool over mem: every block starts free. mem must be
@@ -251,6 +253,7 @@ func (c *core) opened(l *lease, hits int, ev *outbox) {
 // watchOpened is what opened does for a leak check, an observer or a
 // checked build.
 func (c *core) watchOpened(l *lease, hits int, ev *outbox) {
+	c.hold(l)
 	if c.cfg.leakCheck {
 		l.watchLeak()
 	}

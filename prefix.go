@@ -274,7 +274,8 @@ func (c *core) hitID(ids []int32, hashes []BlockHash, k int) BlockID {
 // recomputes that token into a fresh, private block it may write. With
 // len(tokens) ≤ block tokens nothing can hit. The pool needs
 // WithBlockTokens or WithVerifiedPrefix; otherwise the error wraps
-// ErrInvalidArgument. Other errors as AcquirePrefix.
+// ErrInvalidArgument. A Hasher's error (WithHasher) is returned wrapped; other
+// errors as AcquirePrefix.
 func (p *Pool[R]) AcquirePrefixTokens(owner string, seed BlockHash, tokens []int32, n int) (*Lease[R], int, error) {
 	bt := p.cfg.blockTokens
 	if bt == 0 {
@@ -282,7 +283,10 @@ func (p *Pool[R]) AcquirePrefixTokens(owner string, seed BlockHash, tokens []int
 		return nil, 0, p.reject(owner, n, err)
 	}
 	var buf [64]BlockHash
-	v := p.newVerifier(seed, tokens, bt, max(n, 0), buf[:])
+	v, err := p.newVerifier(seed, tokens, bt, max(n, 0), buf[:])
+	if err != nil {
+		return nil, 0, p.reject(owner, n, err)
+	}
 	if len(v.hashes) == 0 {
 		l, err := p.Acquire(owner, n)
 		return l, 0, err
@@ -297,14 +301,17 @@ func (p *Pool[R]) AcquirePrefixTokens(owner string, seed BlockHash, tokens []int
 // CachedPrefixTokens is CachedPrefix for a prompt given as tokens, verified
 // in verified mode, under AcquirePrefixTokens' rule: the block holding the
 // prompt's last token never counts. It returns 0 when the pool has no
-// block size.
+// block size or its Hasher fails.
 func (p *Pool[R]) CachedPrefixTokens(seed BlockHash, tokens []int32) int {
 	bt := p.cfg.blockTokens
 	if bt == 0 {
 		return 0
 	}
 	var buf [64]BlockHash
-	v := p.newVerifier(seed, tokens, bt, len(tokens), buf[:])
+	v, err := p.newVerifier(seed, tokens, bt, len(tokens), buf[:])
+	if err != nil {
+		return 0 // a hash that cannot be computed finds nothing
+	}
 	vp := &v
 	if !p.verified {
 		vp = nil

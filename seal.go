@@ -106,15 +106,20 @@ func (l *lease) sealLocked(i int, h BlockHash, st *sealTokens, ev *outbox) error
 
 // SealTokens seals block i with the hash of its tokens under parent (the
 // previous block's hash, or the namespace seed for the first block) and
-// returns that hash: HashBlock's, or the pool's Hasher (WithHasher). It is Seal with the hash computed for you, and the
-// only way to seal in verified mode (WithVerifiedPrefix), where the pool
-// keeps parent and tokens to check every later hit against. In every mode
+// returns that hash: HashBlock's, or the pool's Hasher (WithHasher; its
+// error is returned wrapped and nothing is sealed). It is Seal with the
+// hash computed for you, and the only way to seal in verified mode
+// (WithVerifiedPrefix), where the pool keeps parent and tokens to check
+// every later hit against. In every mode
 // tokens must be exactly one full block (the configured block tokens): a
 // partial block is never sealed (its KV will still grow), and a pool
 // without WithBlockTokens or WithVerifiedPrefix refuses SealTokens. Both
 // wrap ErrInvalidArgument; other errors as Seal.
 func (l *Lease[R]) SealTokens(i int, parent BlockHash, tokens []int32) (BlockHash, error) {
-	h := l.ls.c.hashBlock(parent, tokens, nil)
+	h, err := l.ls.c.hashBlock(parent, tokens, nil)
+	if err != nil {
+		return 0, err
+	}
 	return h, l.ls.seal(i, h, &sealTokens{parent: parent, tokens: tokens})
 }
 
@@ -124,7 +129,10 @@ func (l *Lease[R]) SealTokens(i int, parent BlockHash, tokens []int32) (BlockHas
 // (verified lookups compare them) and published with its BlockStored
 // event. The pool keeps its own copy of extra. Errors as SealTokens.
 func (l *Lease[R]) SealExtra(i int, parent BlockHash, tokens []int32, extra []string) (BlockHash, error) {
-	h := l.ls.c.hashBlock(parent, tokens, extra)
+	h, err := l.ls.c.hashBlock(parent, tokens, extra)
+	if err != nil {
+		return 0, err
+	}
 	if len(extra) > 0 {
 		extra = slices.Clone(extra)
 	}
@@ -139,7 +147,10 @@ func (l *Lease[R]) SealExtra(i int, parent BlockHash, tokens []int32, extra []st
 // starts its chain: the event names no parent, even for a later block of
 // the lease). The hash, the checks and the errors are SealTokens'.
 func (l *Lease[R]) SealChained(i int, parent BlockHash, hasParent bool, tokens []int32) (BlockHash, error) {
-	h := l.ls.c.hashBlock(parent, tokens, nil)
+	h, err := l.ls.c.hashBlock(parent, tokens, nil)
+	if err != nil {
+		return 0, err
+	}
 	place := chainStartAny
 	if hasParent {
 		place = chainChild
@@ -175,7 +186,11 @@ func (l *Lease[R]) SealAs(i int, s SealInfo) error {
 		st.chain = chainChild
 	}
 	if s.Tokens != nil && len(s.Tokens) == l.ls.c.cfg.blockTokens {
-		if h := l.ls.c.hashBlock(s.Parent, s.Tokens, nil); h != s.Hash {
+		h, err := l.ls.c.hashBlock(s.Parent, s.Tokens, nil)
+		if err != nil {
+			return err
+		}
+		if h != s.Hash {
 			return fmt.Errorf("kvlease: seal block %d as %016x: its parent and tokens hash to %016x: %w",
 				i, uint64(s.Hash), uint64(h), ErrInvalidArgument)
 		}

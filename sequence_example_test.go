@@ -1,8 +1,6 @@
 package kvlease_test
 
 import (
-	"crypto/sha256"
-	"encoding/binary"
 	"fmt"
 
 	"github.com/kvlease/kvlease"
@@ -142,26 +140,4 @@ func ExamplePool_SetAdapterRetention() {
 	// Output:
 	// cached by class [2 0 0 0 2 0 0 0]
 	// base still cached: 2 adapter: 0
-}
-
-// A pool that must reproduce another system's block hashes plugs its
-// function in; everything the pool hashes uses it.
-func ExampleWithHasher() {
-	vllmLike := func(parent kvlease.BlockHash, tokens []int32, extra []string) kvlease.BlockHash {
-		d := sha256.New()
-		_ = binary.Write(d, binary.BigEndian, uint64(parent))
-		_ = binary.Write(d, binary.BigEndian, tokens)
-		for _, k := range extra {
-			d.Write([]byte(k))
-		}
-		return kvlease.BlockHash(binary.BigEndian.Uint64(d.Sum(nil)))
-	}
-	mem, _ := kvlease.NewHostMemory(8, 64)
-	pool, _ := kvlease.NewPool[[]byte](mem, kvlease.WithBlockTokens(2), kvlease.WithHasher(vllmLike))
-	s, _ := pool.NewSequence("req-1", 7, []int32{1, 2, 3, 4, 5})
-	_ = s.Commit(s.Len())
-	fmt.Println(s.BlockHashes()[0] == vllmLike(7, []int32{1, 2}, nil), s.BlockHashes()[0] == pool.HashBlock(7, []int32{1, 2}, nil))
-	s.Release()
-	// Output:
-	// true true
 }

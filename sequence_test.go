@@ -200,18 +200,32 @@ func TestSequenceErrors(t *testing.T) {
 		t.Fatalf("refused append changed length to %d", s.Len())
 	}
 	other.Release()
-	if err := s.Append(1); err != nil {
+	if err := s.Append(1, 2); err != nil {
 		t.Fatal(err)
+	}
+	// Commit is never silently missing: appending more while tokens are
+	// pending is refused, and changes nothing.
+	if err := s.Append(3); !errors.Is(err, ErrInvalidArgument) || s.Len() != 14 {
+		t.Fatalf("append with 2 tokens pending: %v, len %d", err, s.Len())
+	}
+	if err := s.AppendComputed(3); !errors.Is(err, ErrInvalidArgument) || s.Len() != 14 || s.Computed() != 12 {
+		t.Fatalf("append computed with 2 tokens pending: %v, len %d computed %d", err, s.Len(), s.Computed())
+	}
+	if err := s.Rollback(1); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Append(3); !errors.Is(err, ErrInvalidArgument) {
+		t.Fatalf("append with 1 token pending: %v", err)
 	}
 	// An abort from another goroutine: the scheduler's next call fails.
 	done := make(chan struct{})
 	go func() { s.Lease().Abort(errors.New("client gone")); close(done) }()
 	<-done
-	if err := s.Append(seqTokens(8, 0)...); !errors.Is(err, ErrLeaseClosed) {
-		t.Fatalf("append after abort: %v", err)
-	}
 	if err := s.Commit(1); err != nil {
 		t.Fatalf("commit inside a block after abort: %v", err) // nothing to seal
+	}
+	if err := s.Append(seqTokens(8, 0)...); !errors.Is(err, ErrLeaseClosed) {
+		t.Fatalf("append after abort: %v", err)
 	}
 	if err := s.Rollback(0); err != nil {
 		t.Fatal(err)
@@ -318,6 +332,9 @@ func TestSequenceConcurrentAbort(t *testing.T) {
 			}
 			aborted := make(chan struct{})
 			go func() { s.Lease().Abort(nil); close(aborted) }()
+			if err := s.Commit(s.Len() - s.Computed()); err != nil && !errors.Is(err, ErrLeaseClosed) {
+				t.Error(err)
+			}
 			for i := range 40 {
 				if err := s.AppendComputed(int32(i)); err != nil {
 					if !errors.Is(err, ErrLeaseClosed) {
@@ -372,10 +389,29 @@ func FuzzSequence(f *testing.F) {
 			switch op & 3 {
 			case 0, 1:
 				n %= 9
+				computedToo := op&3 == 1 && n%2 == 0 // AppendComputed, one token mostly
+				if computedToo {
+					n = min(n, 2) / 2
+				}
 				toks := seqTokens(n, int32(op))
-				if err := s.Append(toks...); err == nil {
+				var err error
+				if computedToo {
+					err = s.AppendComputed(toks...)
+				} else {
+					err = s.Append(toks...)
+				}
+				switch {
+				case computedToo && err == nil:
 					model = append(model, toks...)
-				} else if !errors.Is(err, ErrExhausted) && !errors.Is(err, ErrExceedsCapacity) {
+					computed += n
+				case n > 0 && len(model) > computed:
+					// Tokens pending: refused until committed or rolled back.
+					if !errors.Is(err, ErrInvalidArgument) {
+						t.Fatalf("append %d with %d pending: %v", n, len(model)-computed, err)
+					}
+				case err == nil:
+					model = append(model, toks...)
+				case !errors.Is(err, ErrExhausted) && !errors.Is(err, ErrExceedsCapacity):
 					t.Fatal(err)
 				}
 			case 2:

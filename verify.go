@@ -37,6 +37,7 @@ type verifier struct {
 	tokens      []int32
 	blockTokens int
 	spans       []ExtraKey // the lookup's extra keys (a Sequence's); nil: none
+	base        int        // block k here is block base+k of the sequence (a window's lookup)
 }
 
 // extra is the digest of block k's extra keys under the lookup's spans.
@@ -45,7 +46,7 @@ func (v *verifier) extra(k int) BlockHash {
 		return 0
 	}
 	var buf [4]string
-	return extraDigest(blockExtras(buf[:0], v.spans, k, v.blockTokens))
+	return extraDigest(blockExtras(buf[:0], v.spans, v.base+k, v.blockTokens))
 }
 
 func (v *verifier) parent(k int) BlockHash {
@@ -106,14 +107,16 @@ func hitBlocks(ntokens, bt int) int {
 }
 
 // newVerifier chains the hashes of the full blocks of tokens (at most
-// limit blocks) into buf's storage when it fits.
-func (c *core) newVerifier(seed BlockHash, tokens []int32, bt, limit int, buf []BlockHash) verifier {
+// limit blocks, before the block of the last token) into buf's storage
+// when it fits, in one Hasher call.
+func (c *core) newVerifier(seed BlockHash, tokens []int32, bt, limit int, buf []BlockHash) (verifier, error) {
 	n := min(hitBlocks(len(tokens), bt), limit)
-	hashes := buf[:0]
-	parent := seed
-	for k := range n {
-		parent = c.hashBlock(parent, tokens[k*bt:(k+1)*bt], nil)
-		hashes = append(hashes, parent)
+	var hashes []BlockHash
+	if n <= len(buf) {
+		hashes = buf[:n]
+	} else {
+		hashes = make([]BlockHash, n)
 	}
-	return verifier{seed: seed, hashes: hashes, tokens: tokens, blockTokens: bt}
+	err := c.hashChainStack(seed, tokens[:n*bt], nil, hashes)
+	return verifier{seed: seed, hashes: hashes, tokens: tokens, blockTokens: bt}, err
 }

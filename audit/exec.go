@@ -119,7 +119,7 @@ func (w *world) arrive(o Op) *request {
 	r := &request{id: o.Req, owner: fmt.Sprintf("r%d", o.Req), prompt: int(o.Tokens), maxNew: int(o.MaxNew), live: -1, abortAt: -1, deadlineAt: -1}
 	w.reqs[r.id] = r
 	w.rep.Arrivals++
-	if err := w.env.Admit(r.prompt, r.maxNew); err != nil {
+	if err := w.env.CheckRequest(r.prompt, r.maxNew); err != nil {
 		if !errors.Is(err, kvlease.ErrExceedsCapacity) {
 			w.violate(Unexpected, "admit request %d (%d+%d tokens): %v", r.id, r.prompt, r.maxNew, err)
 		}

@@ -7,13 +7,13 @@ import (
 	"github.com/kvlease/kvlease/groups"
 )
 
-// BenchmarkAdmit2Groups measures admitting and releasing a request of a
+// BenchmarkAcquire2Groups measures admitting and releasing a request of a
 // 2-group model (full attention, 16-token blocks; sliding window of 128
 // tokens, 16-token blocks) whose 512-token prompt is cached in both, next
 // to its baseline measured in the same run: two separate AcquirePrefix
 // calls (and releases) on the same pools with the same hashes. The ratio
 // is reported as x-2acquire (target ≤ 1.3).
-func BenchmarkAdmit2Groups(b *testing.B) {
+func BenchmarkAcquire2Groups(b *testing.B) {
 	for _, cached := range []bool{true, false} {
 		name := "cached"
 		if !cached {
@@ -39,7 +39,7 @@ func BenchmarkAdmit2Groups(b *testing.B) {
 			}
 			const tokens = 520
 			// The window group's share of the baseline: the blocks of the
-			// window before the hit, as Admit takes them.
+			// window before the hit, as Acquire takes them.
 			ws := (512 - 128) / 16
 			if !cached {
 				ws = 0
@@ -58,7 +58,7 @@ func BenchmarkAdmit2Groups(b *testing.B) {
 				l2.Release()
 			}
 			op := func() {
-				r, _, err := c.Admit("req", hs, tokens)
+				r, _, err := c.Acquire("req", hs, tokens)
 				if err != nil {
 					b.Fatal(err)
 				}

@@ -25,7 +25,7 @@ func Example() {
 	}
 	hs := c.Hashes(1, tokens)
 
-	r, hit, _ := c.Admit("req-1", hs, 65)
+	r, hit, _ := c.Acquire("req-1", hs, 65)
 	fmt.Println("req-1 hit", hit)
 	for g := range c.Groups() { // prefill done: seal the full blocks
 		for k, h := range hs[g] {
@@ -40,7 +40,7 @@ func Example() {
 	fmt.Println("req-1 window blocks held from", r.Lease(1).Trimmed(), "of", r.Lease(1).Len())
 	r.Release()
 
-	r2, hit, _ := c.Admit("req-2", hs, 65)
+	r2, hit, _ := c.Acquire("req-2", hs, 65)
 	fmt.Println("req-2 hit", hit, "window lease starts at block", r2.Base(1))
 	r2.Release()
 	// Output:

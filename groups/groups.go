@@ -6,8 +6,9 @@
 // A hybrid model (Gemma 3, Llama 4, gpt-oss) keeps several kinds of layer
 // side by side. Full-attention layers need the KV of every token before
 // the one they compute; sliding-window layers need only the last Window
-// tokens. Each kind is a group with its own pool. The Coordinator admits a
-// request in every group or in none, and computes one prefix hit length
+// tokens. Each kind is a group with its own pool. The Coordinator acquires
+// a request's leases in every group or in none (Acquire), and computes one
+// prefix hit length
 // valid for every group: a full-attention group needs the whole prefix
 // cached; a sliding-window group needs only the blocks covering the
 // Window tokens before the hit point. As a request decodes, sliding-window
@@ -59,7 +60,7 @@ const maxGroups = 8
 // concurrent use; admissions and growth are serialized by one mutex so
 // that the hit length planned from the pools' prefix indexes still holds
 // when the leases are taken (when the pools are used only through the
-// coordinator; otherwise Admit retries, see Admit).
+// coordinator; otherwise Acquire retries, see Acquire).
 type Coordinator[R any] struct {
 	groups []Group[R]
 	align  int // least common multiple of the groups' block tokens
@@ -139,12 +140,13 @@ func (c *Coordinator[R]) Groups() int { return len(c.groups) }
 func (c *Coordinator[R]) Group(g int) Group[R] { return c.groups[g] }
 
 // Align returns the granularity of hit lengths: the least common multiple
-// of the groups' block tokens. Every hit Admit reports is a multiple of it.
+// of the groups' block tokens. Every hit Acquire reports is a multiple of it.
 func (c *Coordinator[R]) Align() int { return c.align }
 
 // Hashes returns each group's chain hashes of tokens (full blocks only,
-// kvlease.ChainHashes with the group's block size), the hashes Admit
-// takes.
+// kvlease.ChainHashes with the group's block size), the hashes Acquire
+// takes. (A pool with its own Hasher hashes with kvlease.Pool.HashBlocks
+// instead.)
 func (c *Coordinator[R]) Hashes(seed kvlease.BlockHash, tokens []int32) [][]kvlease.BlockHash {
 	out := make([][]kvlease.BlockHash, len(c.groups))
 	for g, gr := range c.groups {
@@ -153,8 +155,15 @@ func (c *Coordinator[R]) Hashes(seed kvlease.BlockHash, tokens []int32) [][]kvle
 	return out
 }
 
-// blocksFor returns how many blocks of bt tokens cover tokens tokens.
-func blocksFor(tokens, bt int) int { return (tokens + bt - 1) / bt }
+// blocksFor returns how many blocks of bt tokens cover tokens ≥ 0 tokens,
+// without overflow for any int.
+func blocksFor(tokens, bt int) int {
+	n := tokens / bt
+	if tokens%bt != 0 {
+		n++
+	}
+	return n
+}
 
 // windowStart returns the first block a sliding-window group needs to
 // compute position pos: the block holding token pos-Window (0 for full
@@ -242,16 +251,17 @@ func releaseAll[R any](ls []*kvlease.Lease[R]) {
 	}
 }
 
-// Admit admits a request for tokens tokens in every group, all or nothing,
-// and returns it with hit: how many leading tokens have their KV cached in
-// every group (a multiple of Align; the engine computes from hit on).
+// Acquire takes a request's leases for tokens tokens in every group, all
+// or nothing: the multi-group kvlease.Pool.AcquirePrefix. It returns the
+// request with hit: how many leading tokens have their KV cached in every
+// group (a multiple of Align; the engine computes from hit on).
 // hashes[g] are group g's chain hashes of the prompt (Hashes; nil or
 // shorter for fewer candidates): full-attention group g holds blocks
 // 0..⌈tokens/B⌉-1, the first hit/B of them shared cached blocks; a
 // sliding-window group holds only the blocks from the window before hit,
 // those up to hit shared.
 //
-// Admit first takes each group's lease with its longest prefix
+// Acquire first takes each group's lease with its longest prefix
 // (AcquirePrefix: the common case where every group has the same prefix
 // cached costs one lookup per group); if the groups disagree it gives the
 // leases back, finds the longest hit valid in every group with
@@ -262,16 +272,24 @@ func releaseAll[R any](ls []*kvlease.Lease[R]) {
 // On failure nothing is held: leases taken in earlier groups are released
 // (the pools count their acquires and the failing pool its rejection).
 // Errors wrap kvlease's sentinels: ErrInvalidArgument (empty owner, tokens
-// ≤ 0, hashes for the wrong number of groups), ErrExceedsCapacity,
-// ErrExhausted, ErrPoolClosed; they name the group.
-func (c *Coordinator[R]) Admit(owner string, hashes [][]kvlease.BlockHash, tokens int) (*Request[R], int, error) {
+// ≤ 0, hashes for the wrong number of groups), ErrExceedsCapacity (more
+// tokens than a full-attention group's pool could ever hold: checked
+// before anything is taken), ErrExhausted, ErrPoolClosed; they name the
+// group.
+func (c *Coordinator[R]) Acquire(owner string, hashes [][]kvlease.BlockHash, tokens int) (*Request[R], int, error) {
 	switch {
 	case owner == "":
-		return nil, 0, fmt.Errorf("groups: admit: empty owner: %w", ErrInvalidArgument)
+		return nil, 0, fmt.Errorf("groups: acquire: empty owner: %w", ErrInvalidArgument)
 	case tokens <= 0:
-		return nil, 0, fmt.Errorf("groups: admit %q: %d tokens: %w", owner, tokens, ErrInvalidArgument)
+		return nil, 0, fmt.Errorf("groups: acquire %q: %d tokens: %w", owner, tokens, ErrInvalidArgument)
 	case hashes != nil && len(hashes) != len(c.groups):
-		return nil, 0, fmt.Errorf("groups: admit %q: hashes for %d groups, have %d: %w", owner, len(hashes), len(c.groups), ErrInvalidArgument)
+		return nil, 0, fmt.Errorf("groups: acquire %q: hashes for %d groups, have %d: %w", owner, len(hashes), len(c.groups), ErrInvalidArgument)
+	}
+	for g, gr := range c.groups {
+		if n := blocksFor(tokens, gr.BlockTokens); !gr.Sliding() && n > gr.Pool.Capacity() {
+			return nil, 0, fmt.Errorf("groups: acquire %q: %d tokens need %d blocks of group %d (%s), its pool has %d: %w",
+				owner, tokens, n, g, gr.Name, gr.Pool.Capacity(), kvlease.ErrExceedsCapacity)
+		}
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -337,7 +355,7 @@ func (c *Coordinator[R]) take(r *Request[R], hashes [][]kvlease.BlockHash, p int
 			if err != nil {
 				releaseAll(r.leases[:r.n])
 				r.leases = [maxGroups]*kvlease.Lease[R]{}
-				return 0, false, fmt.Errorf("groups: admit %q: group %d (%s): %w", r.owner, g, gr.Name, err)
+				return 0, false, fmt.Errorf("groups: acquire %q: group %d (%s): %w", r.owner, g, gr.Name, err)
 			}
 			r.leases[g], r.base[g] = l, ws
 			if greedy && !gr.Sliding() {
@@ -397,8 +415,8 @@ func (c *Coordinator[R]) plan(hashes [][]kvlease.BlockHash, limit int) int {
 // prefill chunk with the new total.
 //
 // Growth is all or nothing when the pools are used only through the
-// coordinator: it checks every pool's Available first. Errors wrap
-// ErrInvalidArgument (tokens below Tokens()), ErrLeaseClosed,
+// coordinator: it checks every pool's capacity and Available first.
+// Errors wrap ErrInvalidArgument (tokens below Tokens()), ErrLeaseClosed,
 // ErrPoolClosed, ErrExceedsCapacity or ErrExhausted and name the group; if
 // a pool shared with others ran out between the check and the Extend, the
 // groups extended before it keep their new blocks (the next Grow uses
@@ -416,6 +434,10 @@ func (r *Request[R]) Grow(tokens int) error {
 		need[g] = blocksFor(tokens, gr.BlockTokens) - r.base[g] - l.Len()
 		if need[g] > 0 {
 			if avail := gr.Pool.Available(); avail < need[g] {
+				if held := l.Len() - l.Trimmed(); need[g] > gr.Pool.Capacity()-held {
+					return fmt.Errorf("groups: grow %q to %d tokens: group %d (%s) would hold %d more blocks than its %d-block pool: %w",
+						r.owner, tokens, g, gr.Name, need[g]+held-gr.Pool.Capacity(), gr.Pool.Capacity(), kvlease.ErrExceedsCapacity)
+				}
 				return fmt.Errorf("groups: grow %q to %d tokens: group %d (%s) needs %d blocks, %d free or evictable: %w",
 					r.owner, tokens, g, gr.Name, need[g], avail, kvlease.ErrExhausted)
 			}

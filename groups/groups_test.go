@@ -2,6 +2,7 @@ package groups_test
 
 import (
 	"errors"
+	"math"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -69,7 +70,7 @@ func stats(p *kvlease.Pool[[]byte]) (leased, free, cached int) {
 	return st.Leased, st.Free, st.Cached
 }
 
-func TestAdmitHitsAndWindow(t *testing.T) {
+func TestAcquireHitsAndWindow(t *testing.T) {
 	c, full, sw := hybrid(t, 16, 32)
 	require.Equal(t, 16, c.Align())
 	toks := prompt(64)
@@ -78,7 +79,7 @@ func TestAdmitHitsAndWindow(t *testing.T) {
 	require.Len(t, hs[1], 8)
 
 	// A cold request: no hit; 65 tokens need 5 full and 9 window blocks.
-	r, hit, err := c.Admit("a", hs, 65)
+	r, hit, err := c.Acquire("a", hs, 65)
 	require.NoError(t, err)
 	require.Equal(t, 0, hit)
 	require.Equal(t, 5, r.Lease(0).Len())
@@ -105,7 +106,7 @@ func TestAdmitHitsAndWindow(t *testing.T) {
 
 	// The same prompt again: the full group hits 4 blocks, the window
 	// group only needs blocks 4..7 (tokens 32..63) and shares them.
-	r2, hit, err := c.Admit("b", hs, 65)
+	r2, hit, err := c.Acquire("b", hs, 65)
 	require.NoError(t, err)
 	require.Equal(t, 64, hit)
 	require.Equal(t, 0, r2.Base(0))
@@ -117,12 +118,12 @@ func TestAdmitHitsAndWindow(t *testing.T) {
 
 // When the window group lost the blocks just before the full group's hit,
 // the hit falls back to the longest point valid in both.
-func TestAdmitWindowLimitsHit(t *testing.T) {
+func TestAcquireWindowLimitsHit(t *testing.T) {
 	c, full, sw := hybrid(t, 16, 32)
 	hs := c.Hashes(7, prompt(64))
 	cache(t, full, hs[0], 0, 1, 2, 3) // full: all 64 tokens
 	cache(t, sw, hs[1], 0, 1, 2, 3)   // window: tokens 0..31 only
-	r, hit, err := c.Admit("a", hs, 70)
+	r, hit, err := c.Acquire("a", hs, 70)
 	require.NoError(t, err)
 	// 64 needs window blocks 4..7 (missing); 48 needs 2..5 (missing);
 	// 32 needs blocks 0..3: cached.
@@ -142,12 +143,12 @@ func TestAdmitWindowLimitsHit(t *testing.T) {
 
 // A hit point whose window blocks are cached counts even when earlier
 // window blocks are gone (they are not needed).
-func TestAdmitWindowNeedsOnlyItsBlocks(t *testing.T) {
+func TestAcquireWindowNeedsOnlyItsBlocks(t *testing.T) {
 	c, full, sw := hybrid(t, 16, 32)
 	hs := c.Hashes(7, prompt(64))
 	cache(t, full, hs[0], 0, 1, 2, 3)
 	cache(t, sw, hs[1], 4, 5, 6, 7) // tokens 32..63 only
-	r, hit, err := c.Admit("a", hs, 64)
+	r, hit, err := c.Acquire("a", hs, 64)
 	require.NoError(t, err)
 	require.Equal(t, 64, hit)
 	require.Equal(t, 4, r.Base(1))
@@ -157,44 +158,46 @@ func TestAdmitWindowNeedsOnlyItsBlocks(t *testing.T) {
 	// The full group limits: only 1 block cached there.
 	require.Equal(t, 4, full.ResetCache())
 	cache(t, full, hs[0], 0)
-	r, hit, err = c.Admit("b", hs, 64)
+	r, hit, err = c.Acquire("b", hs, 64)
 	require.NoError(t, err)
 	require.Equal(t, 0, hit, "16 needs window blocks 0..1, which are gone")
 	r.Release()
 	require.NoError(t, sw.Check())
 }
 
-func TestAdmitAllOrNothing(t *testing.T) {
+func TestAcquireAllOrNothing(t *testing.T) {
 	c, full, sw := hybrid(t, 16, 4)
-	_, _, err := c.Admit("big", nil, 64) // 4 full blocks, 8 window blocks
+	_, _, err := c.Acquire("big", nil, 64) // 4 full blocks, 8 window blocks
 	require.ErrorIs(t, err, kvlease.ErrExceedsCapacity)
 	require.Contains(t, err.Error(), "swa")
 	st := full.Stats()
 	require.Equal(t, 16, st.Free, "the full group's lease was given back")
 	require.Equal(t, 0, st.OpenLeases)
 
-	r, _, err := c.Admit("a", nil, 32) // 2 + 4
+	r, _, err := c.Acquire("a", nil, 32) // 2 + 4
 	require.NoError(t, err)
-	_, _, err = c.Admit("b", nil, 8)
+	_, _, err = c.Acquire("b", nil, 8)
 	require.ErrorIs(t, err, kvlease.ErrExhausted)
 	require.Equal(t, 2, full.Stats().Leased)
 
-	// Growth: the window group is full, so nothing grows anywhere.
+	// Growth: the window group would need 5 blocks at once (token 39
+	// attends to tokens 7..38) in a 4-block pool: it never can, so
+	// nothing grows anywhere.
 	err = r.Grow(40)
-	require.ErrorIs(t, err, kvlease.ErrExhausted)
+	require.ErrorIs(t, err, kvlease.ErrExceedsCapacity)
 	require.Equal(t, 2, r.Lease(0).Len())
 	require.Equal(t, 32, r.Tokens())
 	r.Release()
 	require.Equal(t, 4, sw.Stats().Free)
 }
 
-func TestAdmitInvalid(t *testing.T) {
+func TestAcquireInvalid(t *testing.T) {
 	c, _, _ := hybrid(t, 4, 4)
-	_, _, err := c.Admit("", nil, 4)
+	_, _, err := c.Acquire("", nil, 4)
 	require.ErrorIs(t, err, kvlease.ErrInvalidArgument)
-	_, _, err = c.Admit("a", nil, 0)
+	_, _, err = c.Acquire("a", nil, 0)
 	require.ErrorIs(t, err, kvlease.ErrInvalidArgument)
-	_, _, err = c.Admit("a", make([][]kvlease.BlockHash, 3), 4)
+	_, _, err = c.Acquire("a", make([][]kvlease.BlockHash, 3), 4)
 	require.ErrorIs(t, err, kvlease.ErrInvalidArgument)
 
 	p := newPool(t, 4)
@@ -209,10 +212,20 @@ func TestAdmitInvalid(t *testing.T) {
 		require.ErrorIs(t, err, kvlease.ErrInvalidArgument)
 	}
 
-	r, _, err := c.Admit("a", nil, 8)
+	r, _, err := c.Acquire("a", nil, 8)
 	require.NoError(t, err)
 	require.ErrorIs(t, r.Grow(4), kvlease.ErrInvalidArgument)
 	require.ErrorIs(t, r.Trim(9), kvlease.ErrInvalidArgument)
+	// Sizes past any pool are refused before anything is taken or grown
+	// (math.MaxInt tokens once overflowed the block count and "grew" a
+	// request to cover them with no block).
+	for _, n := range []int{65, math.MaxInt, math.MaxInt - 3} {
+		_, _, err = c.Acquire("huge", nil, n)
+		require.ErrorIs(t, err, kvlease.ErrExceedsCapacity, "acquire %d tokens", n)
+		require.ErrorIs(t, r.Grow(n), kvlease.ErrExceedsCapacity, "grow to %d tokens", n)
+		require.Equal(t, 8, r.Tokens())
+	}
+	require.NoError(t, r.Grow(32))
 	r.Abort(errors.New("client went away"))
 	require.True(t, r.Closed())
 	require.ErrorIs(t, r.Grow(40), kvlease.ErrLeaseClosed)
@@ -222,7 +235,7 @@ func TestAdmitInvalid(t *testing.T) {
 // keeps the trimmed ones draining until it resolves.
 func TestTrimUnderTransfer(t *testing.T) {
 	c, _, sw := hybrid(t, 16, 32)
-	r, _, err := c.Admit("a", nil, 64) // window blocks 0..7
+	r, _, err := c.Acquire("a", nil, 64) // window blocks 0..7
 	require.NoError(t, err)
 	offload := kvlease.NewTransfer(nil)
 	require.NoError(t, r.Lease(1).AttachRange(offload, 0, 8, kvlease.Read))
@@ -245,17 +258,17 @@ func TestTrimUnderTransfer(t *testing.T) {
 // Requests come from slabs, and a failed admission hands its Request to
 // the next one: every admitted Request is its own, with nothing left from
 // a failure or from its slab neighbours.
-func TestAdmitRequestsAreDistinct(t *testing.T) {
+func TestAcquireRequestsAreDistinct(t *testing.T) {
 	c, full, sw := hybrid(t, 256, 512)
 	seen := map[*groups.Request[[]byte]]bool{}
 	var held []*groups.Request[[]byte]
 	for i := range 100 {
 		if i%3 == 0 {
-			_, _, err := c.Admit("too-big", nil, 1<<20)
+			_, _, err := c.Acquire("too-big", nil, 1<<20)
 			require.ErrorIs(t, err, kvlease.ErrExceedsCapacity)
 		}
 		owner := string(rune('a' + i%26))
-		r, hit, err := c.Admit(owner, nil, 16)
+		r, hit, err := c.Acquire(owner, nil, 16)
 		require.NoError(t, err)
 		require.Zero(t, hit)
 		require.False(t, seen[r], "request %d reuses an admitted Request", i)

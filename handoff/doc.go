@@ -105,5 +105,5 @@
 // # Capacity
 //
 // Envelope states the operating limits every component must agree on
-// (AgreeEnvelopes), and Admit answers before any block is touched.
+// (AgreeEnvelopes), and CheckRequest answers before any block is touched.
 package handoff

@@ -15,7 +15,7 @@ import (
 // block is, how many a pool has, and how large and how many requests the
 // engine takes. Every component (front end, scheduler, each worker pool)
 // carries one; they must agree (see AgreeEnvelopes), each must be valid
-// (see Validate), and admission (see Admit) answers from it before any
+// (see Validate), and admission (see CheckRequest) answers from it before any
 // block is acquired or any transfer starts.
 //
 // The incident this type exists for: a front end admitted a context length
@@ -217,27 +217,28 @@ func (e Envelope) PrefillSteps(prompt int) int {
 	return blocksFor(prompt, e.MaxPrefillTokens)
 }
 
-// Admit answers whether a request with a prompt of prompt tokens that may
-// generate up to maxNew tokens fits the envelope. It touches no block and
-// no transfer: call it before acquiring anything. The answer is nil, or an
-// error wrapping
+// CheckRequest answers whether a request with a prompt of prompt tokens
+// that may generate up to maxNew tokens fits the envelope. It touches no
+// block and no transfer: call it before acquiring anything (then
+// kvlease.Pool.Admit admits the request's sequence). The answer is nil,
+// or an error wrapping
 //
 //   - ErrInvalidArgument: prompt < 1, maxNew < 0, or the envelope itself
 //     is invalid (the *EnvelopeError is wrapped too);
 //   - ErrExceedsCapacity: prompt + maxNew exceeds MaxContextTokens. Such a
 //     request can never run under this envelope; retrying will not help.
-func (e Envelope) Admit(prompt, maxNew int) error {
+func (e Envelope) CheckRequest(prompt, maxNew int) error {
 	if err := e.Validate(); err != nil {
-		return fmt.Errorf("kvlease: admit: %w", err)
+		return fmt.Errorf("kvlease: check request: %w", err)
 	}
 	if prompt < 1 {
-		return fmt.Errorf("kvlease: admit: prompt of %d tokens: %w", prompt, kvlease.ErrInvalidArgument)
+		return fmt.Errorf("kvlease: check request: prompt of %d tokens: %w", prompt, kvlease.ErrInvalidArgument)
 	}
 	if maxNew < 0 {
-		return fmt.Errorf("kvlease: admit: %d new tokens: %w", maxNew, kvlease.ErrInvalidArgument)
+		return fmt.Errorf("kvlease: check request: %d new tokens: %w", maxNew, kvlease.ErrInvalidArgument)
 	}
 	if prompt > e.MaxContextTokens || maxNew > e.MaxContextTokens-prompt {
-		return fmt.Errorf("kvlease: admit: prompt %d + %d new tokens exceeds the context limit of %d tokens: %w",
+		return fmt.Errorf("kvlease: check request: prompt %d + %d new tokens exceeds the context limit of %d tokens: %w",
 			prompt, maxNew, e.MaxContextTokens, kvlease.ErrExceedsCapacity)
 	}
 	return nil

@@ -96,7 +96,7 @@ func TestEnvelopeValidate(t *testing.T) {
 	}
 }
 
-func TestEnvelopeAdmit(t *testing.T) {
+func TestEnvelopeCheckRequest(t *testing.T) {
 	e := goodEnvelope()
 	tests := []struct {
 		prompt, maxNew int
@@ -114,27 +114,27 @@ func TestEnvelopeAdmit(t *testing.T) {
 		{10, -1, kvlease.ErrInvalidArgument},
 	}
 	for _, tt := range tests {
-		err := e.Admit(tt.prompt, tt.maxNew)
+		err := e.CheckRequest(tt.prompt, tt.maxNew)
 		if (tt.want == nil) != (err == nil) || (tt.want != nil && !errors.Is(err, tt.want)) {
-			t.Errorf("Admit(%d, %d) = %v, want %v", tt.prompt, tt.maxNew, err, tt.want)
+			t.Errorf("CheckRequest(%d, %d) = %v, want %v", tt.prompt, tt.maxNew, err, tt.want)
 		}
 	}
 	bad := e
 	bad.PoolBlocks = 0
-	err := bad.Admit(10, 10)
+	err := bad.CheckRequest(10, 10)
 	if !errors.Is(err, kvlease.ErrInvalidArgument) {
-		t.Fatalf("Admit on an invalid envelope = %v, want ErrInvalidArgument", err)
+		t.Fatalf("CheckRequest on an invalid envelope = %v, want ErrInvalidArgument", err)
 	}
 	var ee *handoff.EnvelopeError
 	if !errors.As(err, &ee) || ee.Problems[0].Field != "PoolBlocks" {
-		t.Fatalf("Admit on an invalid envelope does not carry the envelope's problems: %v", err)
+		t.Fatalf("CheckRequest on an invalid envelope does not carry the envelope's problems: %v", err)
 	}
 }
 
-func TestEnvelopeAdmitAllocatesNothing(t *testing.T) {
+func TestEnvelopeCheckRequestAllocatesNothing(t *testing.T) {
 	e := goodEnvelope()
-	if n := testing.AllocsPerRun(100, func() { _ = e.Admit(300, 200) }); n != 0 {
-		t.Fatalf("Admit allocates %v times per call", n)
+	if n := testing.AllocsPerRun(100, func() { _ = e.CheckRequest(300, 200) }); n != 0 {
+		t.Fatalf("CheckRequest allocates %v times per call", n)
 	}
 }
 

@@ -33,14 +33,14 @@ func ExampleEnvelope() {
 		}
 	}
 
-	err = env.Admit(4000, 200) // prompt + max new tokens
+	err = env.CheckRequest(4000, 200) // prompt + max new tokens
 	fmt.Println(errors.Is(err, kvlease.ErrExceedsCapacity), err)
 	// Output:
 	// valid: true
 	// blocks for a 1000-token prompt: 63
 	// MaxContextTokens: components disagree: frontend=4096 decode=8192
 	// MaxContextTokens: decode: a 8192-token request needs 512 blocks of 16 tokens, the pool has 256 (PoolBlocks)
-	// true kvlease: admit: prompt 4000 + 200 new tokens exceeds the context limit of 4096 tokens: kvlease: exceeds capacity
+	// true kvlease: check request: prompt 4000 + 200 new tokens exceeds the context limit of 4096 tokens: kvlease: exceeds capacity
 }
 
 // handoffPools makes a prefill and a decode pool of 16 blocks of 64 bytes

@@ -87,16 +87,17 @@ func (f *faultCopy) Start(pairs []kvlease.CopyPair[[]byte, []byte], attach func(
 	return t, nil
 }
 
-func newRig(t *testing.T, devBlocks, hostBlocks, diskSlots int, policy Policy) *rig {
+func newRig(t *testing.T, devBlocks, hostBlocks, diskSlots int, policy Policy, opts ...kvlease.Option) *rig {
 	t.Helper()
 	r := &rig{offload: &faultCopy{}, onload: &faultCopy{}}
 	dm, err := kvlease.NewHostMemory(devBlocks, testBlockBytes)
 	require.NoError(t, err)
 	hm, err := kvlease.NewHostMemory(hostBlocks, testBlockBytes)
 	require.NoError(t, err)
-	r.dev, err = kvlease.NewPool[[]byte](dm, kvlease.WithSealRecords())
+	opts = append(opts, kvlease.WithSealRecords())
+	r.dev, err = kvlease.NewPool[[]byte](dm, opts...)
 	require.NoError(t, err)
-	r.host, err = kvlease.NewPool[[]byte](hm, kvlease.WithSealRecords())
+	r.host, err = kvlease.NewPool[[]byte](hm, opts...)
 	require.NoError(t, err)
 	if diskSlots > 0 {
 		r.disk, err = OpenDisk(DiskConfig{Dir: t.TempDir(), Slots: diskSlots, BlockBytes: testBlockBytes, Workers: 2, Direct: true})

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"hash"
+	"math"
 	"os"
 	"slices"
 	"sync"
@@ -53,10 +54,10 @@ type DiskConfig struct {
 	// Files is how many files the slots are striped over (default 1):
 	// slot s lives in file s mod Files.
 	Files int
-	// Slots is the number of blocks; BlockBytes the size of one (the
-	// host tier's block size).
+	// Slots is the number of blocks (at most 2³¹-1); BlockBytes the size
+	// of one (the host tier's block size, at most 1 GiB).
 	Slots, BlockBytes int
-	// Workers bounds the concurrent disk I/O (default 4): every Read and
+	// Workers bounds the concurrent disk I/O (default 4, at most 1024): every Read and
 	// Write is one job for one worker, queued when all are busy.
 	Workers int
 	// Direct opens the files with O_DIRECT where the system and the file
@@ -126,8 +127,12 @@ var ErrCorruptSlot = errors.New("tiers: corrupt, torn or foreign disk slot")
 const (
 	slotMagic  = 0x3352454954564b4c // "LKVTIER3", little endian
 	headerSize = 128
-	diskAlign  = 4096
-	minKeyLen  = 16
+	// maxDiskBlockBytes and maxDiskWorkers bound DiskConfig.BlockBytes
+	// and Workers.
+	maxDiskBlockBytes = 1 << 30
+	maxDiskWorkers    = 1024
+	diskAlign         = 4096
+	minKeyLen         = 16
 )
 
 // Checksum kinds recorded in a slot's header.
@@ -148,7 +153,11 @@ func OpenDisk(cfg DiskConfig) (*Disk, error) {
 	if cfg.Workers == 0 {
 		cfg.Workers = 4
 	}
-	if cfg.Dir == "" || cfg.Slots <= 0 || cfg.BlockBytes <= 0 || cfg.Files < 0 || cfg.Workers < 0 || cfg.Files > cfg.Slots {
+	// (Every size bounded before it sizes anything: a slot count a BlockID
+	// holds, a block the slot arithmetic cannot overflow, a worker pool
+	// that does not start a goroutine per imagined disk.)
+	if cfg.Dir == "" || cfg.Slots <= 0 || cfg.Slots > math.MaxInt32 || cfg.BlockBytes <= 0 || cfg.BlockBytes > maxDiskBlockBytes ||
+		cfg.Files < 0 || cfg.Workers < 0 || cfg.Workers > maxDiskWorkers || cfg.Files > cfg.Slots {
 		return nil, fmt.Errorf("tiers: disk tier in %q with %d slots of %d bytes over %d files, %d workers: %w",
 			cfg.Dir, cfg.Slots, cfg.BlockBytes, cfg.Files, cfg.Workers, kvlease.ErrInvalidArgument)
 	}

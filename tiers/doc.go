@@ -54,6 +54,11 @@
 // the fresh rest of the lease meanwhile. Disk hits travel through a host
 // staging block, which joins the host tier. kvlease.Pool.AcquireHits is
 // the primitive underneath: exactly the cached prefix, no fresh blocks.
+// Pass Acquire only the hashes of blocks the request will not write
+// (vLLM's last-token rule: never the block holding the prompt's last
+// token). Cache.Admit is the same lookup for a request as a
+// kvlease.Sequence, the rule applied: its Onboard carries the Sequence,
+// and Wait records the onboarded blocks in it as hits.
 //
 // # Disk
 //

@@ -23,13 +23,17 @@ import (
 // Ready is closed once every copy has resolved; Valid then says how many
 // leading blocks hold the prefix's content (all the hits, unless a copy
 // failed: the blocks after a failure hold nothing and must be computed).
+// Onboard.Sequence is the request as a kvlease.Sequence when Cache.Admit
+// made it (nil after Cache.Acquire): Wait records the onboarded blocks in
+// it.
 // The cache seals the onboarded valid blocks on the device when they
 // arrive, so later lookups hit them there. A copy that is quarantined
 // never resolves: Ready stays open, and the caller gives up through
 // Wait's context (then Abort the lease: its blocks stay quarantined until
 // late evidence).
 type Onboard[D any] struct {
-	Lease *kvlease.Lease[D]
+	Lease    *kvlease.Lease[D]
+	Sequence *kvlease.Sequence[D] // Cache.Admit's; nil after Cache.Acquire
 
 	hits  [numTiers]int
 	valid atomic.Int64
@@ -56,13 +60,25 @@ func (o *Onboard[D]) Valid() int { return int(o.valid.Load()) }
 
 // Wait waits until Ready or ctx ends and returns Valid. The error is
 // ctx's, or the first copy failure (Valid then is shorter than Prefix).
+//
+// With a Sequence (Cache.Admit), Wait also records the blocks that
+// arrived (Sequence.Onboarded: they count as hits and as computed, so
+// the engine computes from Sequence.Computed on): call it from the
+// goroutine that drives the sequence, before computing anything. Ready
+// alone records nothing.
 func (o *Onboard[D]) Wait(ctx context.Context) (int, error) {
 	select {
 	case <-o.ready:
-		return o.Valid(), o.err
 	case <-ctx.Done():
 		return o.Valid(), ctx.Err()
 	}
+	valid := o.Valid()
+	if s := o.Sequence; s != nil && valid > s.Hits() {
+		if err := s.Onboarded(valid - s.Hits()); err != nil && o.err == nil {
+			return valid, fmt.Errorf("tiers: onboard for %q: %w", s.Lease().Owner(), err)
+		}
+	}
+	return valid, o.err
 }
 
 // Acquire looks hashes up across the tiers and returns a device lease of
@@ -72,6 +88,13 @@ func (o *Onboard[D]) Wait(ctx context.Context) (int, error) {
 // are onboarded asynchronously (see Onboard). Only the first n hashes are
 // looked up. Errors are the device pool's AcquirePrefix errors, or
 // ErrClosed.
+//
+// Every hit is sealed and shared, so pass only the hashes of blocks the
+// request will not write (vLLM's last-token rule, as AcquirePrefix says):
+// never the hash of the block holding the prompt's last token, whose KV
+// the engine computes to sample the first output token. For a prompt of
+// t tokens in blocks of b, that is the first (t-1)/b hashes. Admit applies
+// the rule for you.
 func (c *Cache[D]) Acquire(owner string, hashes []kvlease.BlockHash, n int) (*Onboard[D], error) {
 	if c.isClosed.Load() {
 		return nil, fmt.Errorf("tiers: acquire for %q: %w", owner, ErrClosed)
@@ -272,6 +295,43 @@ func (c *Cache[D]) Acquire(owner string, hashes []kvlease.BlockHash, n int) (*On
 		o.err = firstErr
 		close(o.ready)
 	}()
+	return o, nil
+}
+
+// Admit is Acquire for a request as a kvlease.Sequence, the way an engine
+// admits requests (kvlease.Pool.Admit) when its prefix may be found below
+// the device: the device pool checks spec and hashes the prompt once (its
+// Hasher, extra keys, adapter), the lookup runs across the tiers with the
+// hashes vLLM's last-token rule allows (never the block holding the
+// prompt's last token; see Acquire), and the Onboard it returns carries
+// the request's Sequence over the device lease. The device hits count as
+// computed at once (Sequence.Hits, CachedTokens); the host and disk hits
+// once Wait has seen their copies land. The engine then computes from
+// Sequence.Computed and commits as for any sequence; the sequence seals
+// its blocks on the device itself, and write-back offloads them when the
+// device evicts them.
+//
+// A WriteThrough cache, which copies blocks as Cache.Seal seals them, and
+// a sliding-window spec are refused (kvlease.ErrInvalidArgument). Other
+// errors are kvlease.Pool.Admit's and Acquire's; nothing is held after
+// one.
+func (c *Cache[D]) Admit(spec kvlease.SequenceSpec) (*Onboard[D], error) {
+	if c.policy == WriteThrough {
+		return nil, fmt.Errorf("tiers: admit %q: a sequence seals its own blocks, which write-through would not copy: %w",
+			spec.Owner, kvlease.ErrInvalidArgument)
+	}
+	var o *Onboard[D]
+	seq, err := c.dev.AdmitWith(spec, func(hashes []kvlease.BlockHash, n int) (*kvlease.Lease[D], int, error) {
+		var err error
+		if o, err = c.Acquire(spec.Owner, hashes, n); err != nil {
+			return nil, 0, err
+		}
+		return o.Lease, o.Hits(TierDevice), nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	o.Sequence = seq
 	return o, nil
 }
 

@@ -5,7 +5,7 @@ cd "$(dirname "$0")/../.."
 # Fuzz budgets are counts (-fuzztime Nx), not durations: with a duration,
 # Go 1.26's fuzz coordinator can fail a clean run with 'context deadline
 # exceeded' when a loaded machine starves its workers (golang/go#75804).
-for target in FuzzLifecycle FuzzPrefixCache; do
+for target in FuzzLifecycle FuzzPrefixCache FuzzSequenceSpec; do # (FuzzSequence: 70-engine.sh)
   go test -run '^$' -fuzz "^${target}\$" -fuzztime 10000x -fuzzminimizetime 2s .
 done
 go test -run '^$' -fuzz '^FuzzDriver$' -fuzztime 1500x -fuzzminimizetime 2s ./audit

@@ -273,6 +273,8 @@ func Run(cfg Config, out io.Writer) (Ledger, error) {
 		}
 	}
 	l.Prefill, l.Decode = w.prefill.Stats(), w.decode.Stats()
+	l.Quiescent("prefill", w.prefill.CheckQuiescent())
+	l.Quiescent("decode", w.decode.CheckQuiescent())
 	w.mu.Lock()
 	l.LateWrites = len(w.lateWrites)
 	w.mu.Unlock()
@@ -337,7 +339,7 @@ func generate(cfg Config) []*request {
 // admit takes one request from the front door to an accepted handoff, or
 // to its rejection.
 func (w *world) admit(r *request, running *int) {
-	if err := envelope.Admit(r.prompt, r.maxNew); err != nil {
+	if err := envelope.CheckRequest(r.prompt, r.maxNew); err != nil {
 		r.refused = "envelope: " + err.Error()
 		return
 	}
@@ -467,6 +469,9 @@ func printLedger(out io.Writer, cfg Config, l Ledger, quarantined string) {
 		fmt.Fprintf(out, "  sides disagree     %4d  (requests whose prefill and decode histories end differently)\n", l.Disagreements)
 		fmt.Fprintf(out, "  protocol errors    %4d  (control messages either side refused)\n", l.ProtocolErrors)
 		fmt.Fprintf(out, "  decode process     exit %d (a child of this process, reaped)\n", l.Child.Code)
+	}
+	if l.Unsettled != "" { // Pool.CheckQuiescent found leases still open or draining
+		fmt.Fprintf(out, "  not at rest        %s\n", l.Unsettled)
 	}
 	fmt.Fprintf(out, "  marker mismatches  %4d\n", l.MarkerMismatches)
 	fmt.Fprintf(out, "  late writes        %4d  (transfers that touched reclaimed memory)\n", l.LateWrites)

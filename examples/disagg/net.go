@@ -337,6 +337,7 @@ func runNet(cfg Config, out, childErr io.Writer) (l Ledger, err error) {
 		}
 	}
 	l.Prefill = w.prefill.Stats()
+	l.Quiescent("prefill", w.prefill.CheckQuiescent())
 
 	// The end of the control connection ends the decode process: it
 	// checks and releases what it holds, reports, and exits.
@@ -396,7 +397,7 @@ func (r *netReq) stalls() bool { return r.stallAt >= 0 && r.started }
 // admit takes one request to its decode side's answer (or refuses it
 // here), and aborts it before its start if its client goes away then.
 func (w *prefillWorld) admit(r *netReq, answer time.Duration) error {
-	if err := envelope.Admit(r.prompt, r.maxNew); err != nil {
+	if err := envelope.CheckRequest(r.prompt, r.maxNew); err != nil {
 		r.refused = "envelope: " + err.Error()
 		return nil
 	}

@@ -208,7 +208,7 @@ func runStream(cfg Config, out, childErr io.Writer, seen func(r *request, st, af
 	reqs := generate(cfg)
 	runs := map[uint64]*streamRun{}
 	for _, r := range reqs {
-		if err := streamEnvelope.Admit(r.prompt, r.maxNew); err != nil {
+		if err := streamEnvelope.CheckRequest(r.prompt, r.maxNew); err != nil {
 			r.refused = "envelope: " + err.Error()
 			continue
 		}
@@ -221,6 +221,7 @@ func runStream(cfg Config, out, childErr io.Writer, seen func(r *request, st, af
 		}
 	}
 	l.Prefill = pool.Stats()
+	l.Quiescent("prefill", pool.CheckQuiescent())
 	_ = src.Close()
 	rep, err := child.finish(30*time.Second + 4*cfg.Deadline)
 	l.Child = child.exit

@@ -212,7 +212,7 @@ func (e *Engine) Submit(ctx context.Context, tenant, model, cacheSalt string, pr
 	if !ok {
 		return nil, fmt.Errorf("model %q: %w", model, errNoModel)
 	}
-	if err := e.env.Admit(len(prompt), maxTokens); err != nil {
+	if err := e.env.CheckRequest(len(prompt), maxTokens); err != nil {
 		return nil, err
 	}
 	if cacheSalt != "" {

@@ -19,7 +19,7 @@
 //     admits a request with its prefix hits (usage.prompt_tokens_details.
 //     cached_tokens is Sequence.CachedTokens), and the Sequence grows the
 //     lease and seals each block as the scheduler commits tokens.
-//   - handoff.Envelope: the limits; Admit refuses a request that could
+//   - handoff.Envelope: the limits; CheckRequest refuses a request that could
 //     never fit before anything is queued or acquired.
 //   - a continuous-batching scheduler (engine.go) with a running limit,
 //     chunked prefill and a reservation of each running request's growth.
@@ -362,8 +362,9 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 		defer cancel()
 	}
 	<-ctx.Done()
+	a.engine.Close() // requests in flight end: the pool must be at rest (CheckQuiescent)
 	st := a.engine.Pool().Stats()
 	fmt.Fprintf(out, "engine: finished %d aborted %d kv mismatches %d; blocks leased %d draining %d; check %v\n",
-		a.engine.finished.Load(), a.engine.aborted.Load(), a.engine.kvMismatches.Load(), st.Leased, st.Draining, a.engine.Pool().Check())
+		a.engine.finished.Load(), a.engine.aborted.Load(), a.engine.kvMismatches.Load(), st.Leased, st.Draining, a.engine.Pool().CheckQuiescent())
 	return nil
 }

@@ -241,6 +241,9 @@ func run(args []string, out io.Writer) error {
 	}) == nil
 
 	for _, e := range engines {
+		if err := e.pool.CheckQuiescent(); err != nil { // the workload ended: nothing held
+			return fmt.Errorf("%s: %w", e.name, err)
+		}
 		st := e.pub.Stats()
 		ps := e.pool.Stats()
 		fmt.Fprintf(out, "events %s published %d in %d batches, dropped %d, received %d batches, blocks %d cached %d evicted %d\n",

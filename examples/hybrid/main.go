@@ -239,11 +239,8 @@ func run(w io.Writer, cfg config) (int, error) {
 	}
 	fmt.Fprintf(w, "release B, C: %s\n", e.stats())
 	for g := range e.pool {
-		if err := e.pool[g].Check(); err != nil {
-			return 0, err
-		}
-		if st := e.pool[g].Stats(); st.Leased+st.Draining+st.Quarantined != 0 {
-			return 0, fmt.Errorf("group %s: blocks still held: %+v", specs[g].spec.Name, st)
+		if err := e.pool[g].CheckQuiescent(); err != nil { // consistent, nothing held
+			return 0, fmt.Errorf("group %s: %w", specs[g].spec.Name, err)
 		}
 	}
 	fmt.Fprintf(w, "marker mismatches %d\n", e.mismatches)
@@ -271,7 +268,7 @@ func (e *engine) admit(name string, prompt []int32) (*request, error) {
 	for g := range specs {
 		cached[g] = e.pool[g].CachedPrefix(hs[g])
 	}
-	r, hit, err := e.c.Admit(name, hs, len(prompt))
+	r, hit, err := e.c.Acquire(name, hs, len(prompt))
 	if err != nil {
 		return nil, err
 	}

@@ -19,7 +19,7 @@ func main() {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
-	pool, err := kvlease.NewPool[[]byte](mem)
+	pool, err := kvlease.NewPool[[]byte](mem, kvlease.WithLeakCheck(true)) // watched: CheckQuiescent names holders
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
@@ -64,6 +64,7 @@ func main() {
 	fmt.Println("3. release at once: the lease closes, its blocks drain")
 	lease.Release()
 	show("after release:")
+	fmt.Println("   quiescent?", pool.CheckQuiescent())
 	if _, err := lease.ReadRegion(0); err != nil {
 		fmt.Println("   region after release:", err)
 	}
@@ -81,4 +82,5 @@ func main() {
 	}
 	next.Release()
 	show("at the end:")
+	fmt.Println("   quiescent (nothing open, leased, draining or quarantined):", pool.CheckQuiescent())
 }

@@ -19,6 +19,7 @@ package main
 import (
 	"context"
 	"encoding/binary"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -230,8 +231,17 @@ func run(w io.Writer, open func() (*gpu.Device, error), requests int, seed uint6
 		st.Tiers[1].Offloaded, st.Tiers[2].Offloaded, st.Tiers[1].Onboarded, st.Tiers[2].Onboarded,
 		st.Tiers[0].CopyFailures+st.Tiers[1].CopyFailures+st.Tiers[2].CopyFailures)
 
-	// Tear down in order.
+	// Tear down in order: every pool at rest first (nothing open, leased,
+	// draining or quarantined), or the run failed.
 	_ = cache.Close()
+	if err := errors.Join(devPool.CheckQuiescent(), hostPool.CheckQuiescent()); err != nil {
+		return err
+	}
+	if disk != nil {
+		if err := disk.Pool().CheckQuiescent(); err != nil {
+			return err
+		}
+	}
 	_ = devPool.Close()
 	_ = hostPool.Close()
 	if disk != nil {

@@ -5,6 +5,7 @@
 package ledger
 
 import (
+	"errors"
 	"fmt"
 	"slices"
 	"strings"
@@ -16,7 +17,7 @@ import (
 type Ledger struct {
 	Requests  int
 	Delivered int
-	// Rejections, by who refused: the envelope (Admit), the prefill pool
+	// Rejections, by who refused: the envelope (CheckRequest), the prefill pool
 	// (exhausted), the decode side's policy (too many running) and the
 	// decode pool (exhausted).
 	RejectedEnvelope, RejectedPrefill, RejectedPolicy, RejectedDecode int
@@ -28,6 +29,12 @@ type Ledger struct {
 	Quarantined int
 
 	Prefill, Decode kvlease.Stats // the pools at the end
+	// Unsettled says, for each pool checked with Pool.CheckQuiescent
+	// (Quiescent), what still holds blocks besides the quarantine a run
+	// expects (closed leases whose evidence never came): an open lease,
+	// a draining one, a waiter, an inconsistency. It must be empty. (A
+	// string, not a slice: ledgers are compared with ==.)
+	Unsettled string
 	// MarkerMismatches counts delivered blocks whose content was not their
 	// request's marker; LateWrites counts transfers that touched a block
 	// after their evidence (after it was reclaimed, or a get posted into
@@ -43,6 +50,28 @@ type Ledger struct {
 	// Authenticated is how the two processes' control session was
 	// authenticated: "psk", "tls" or "none" ("" for one process).
 	Authenticated string
+}
+
+// Quiescent records pool's Pool.CheckQuiescent result in Unsettled:
+// nothing when the pool is at rest or holds only closed quarantined
+// leases.
+func (l *Ledger) Quiescent(pool string, err error) {
+	var qe *kvlease.QuiescenceError
+	if errors.As(err, &qe) && qe.OpenLeases+qe.Leased+qe.Draining+qe.Waiters == 0 {
+		quarantinedOnly := true
+		for _, h := range qe.Holdings {
+			quarantinedOnly = quarantinedOnly && h.State == kvlease.LeaseQuarantined
+		}
+		if quarantinedOnly {
+			return
+		}
+	}
+	if err != nil {
+		if l.Unsettled != "" {
+			l.Unsettled += "; "
+		}
+		l.Unsettled += pool + ": " + err.Error()
+	}
 }
 
 // ChildExit is how the decode process of a two-process run ended.
@@ -77,6 +106,9 @@ func (l Ledger) Problems() []string {
 		if p.s.Free+p.s.Quarantined != p.s.Capacity {
 			out = append(out, fmt.Sprintf("%s pool: %d blocks neither free nor quarantined", p.name, p.s.Capacity-p.s.Free-p.s.Quarantined))
 		}
+	}
+	if l.Unsettled != "" {
+		out = append(out, "pools not at rest: "+l.Unsettled)
 	}
 	if n := l.Delivered + l.Rejected() + l.Failed + l.Aborted + l.Quarantined; n != l.Requests {
 		out = append(out, fmt.Sprintf("%d of %d requests accounted for", n, l.Requests))

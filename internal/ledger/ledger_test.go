@@ -1,6 +1,8 @@
 package ledger
 
 import (
+	"errors"
+	"strings"
 	"testing"
 
 	"github.com/kvlease/kvlease"
@@ -36,4 +38,33 @@ func TestProblems(t *testing.T) {
 	if p := bad.Problems(); len(p) != 7 {
 		t.Fatalf("want 7 problems, got %d: %v", len(p), p)
 	}
+}
+
+// TestQuiescent: a pool holding only closed quarantined leases is what a
+// run expects; an open lease or a draining one is unsettled, and a
+// problem.
+func TestQuiescent(t *testing.T) {
+	mem, _ := kvlease.NewHostMemory(8, 64)
+	p, _ := kvlease.NewPool[[]byte](mem)
+	var l Ledger
+	l.Quiescent("prefill", p.CheckQuiescent())
+	if l.Unsettled != "" {
+		t.Fatalf("a fresh pool: %q", l.Unsettled)
+	}
+	q, _ := p.Acquire("lost", 2)
+	stuck := kvlease.NewTransfer(nil)
+	_ = q.Attach(stuck)
+	q.Release()
+	stuck.Quarantine(errors.New("no ack"))
+	l.Quiescent("prefill", p.CheckQuiescent())
+	if l.Unsettled != "" || len(l.Problems()) != 0 {
+		t.Fatalf("quarantine only: %q %v", l.Unsettled, l.Problems())
+	}
+	open, _ := p.Acquire("forgotten", 1)
+	l.Quiescent("decode", p.CheckQuiescent())
+	if !strings.HasPrefix(l.Unsettled, "decode: ") || !strings.Contains(strings.Join(l.Problems(), "|"), "pools not at rest") {
+		t.Fatalf("an open lease: %q %v", l.Unsettled, l.Problems())
+	}
+	open.Release()
+	stuck.Resolve(nil)
 }

@@ -430,7 +430,7 @@ func Run(cfg Config, out io.Writer) (Ledger, error) {
 	// The burst, in request order: admission, prefill (the marker), the
 	// proposal. The decode process answers them in the same order.
 	for _, r := range reqs {
-		if err := envelope.Admit(r.prompt, r.maxNew); err != nil {
+		if err := envelope.CheckRequest(r.prompt, r.maxNew); err != nil {
 			r.refused = "envelope: " + err.Error()
 			continue
 		}
