@@ -276,6 +276,7 @@ func (l *Lease[R]) Share(owner string, n int) (*Lease[R], error) {
 		return nil, err
 	}
 	nl := l.p.newLease(owner, n)
+	nl.ls.tenant = ls.tenant // its Extends are charged as this lease's
 	for _, r := range ls.blocks[:n] {
 		c.tab.Ref(int32(r.ID))
 	}

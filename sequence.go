@@ -72,6 +72,10 @@ type SequenceSpec struct {
 	Extra []ExtraKey
 	// Adapter tags the blocks the sequence seals (Lease.SetAdapter).
 	Adapter Adapter
+	// Tenant, when it names a tenant registered with Pool.Tenant, charges
+	// the sequence's fresh blocks to it, under its quota (its Seed should
+	// come from Pool.TenantSeed). Another name charges no one.
+	Tenant string
 	// MaxTokens, when larger than the prompt, is the most tokens the
 	// sequence will hold (prompt plus max_tokens): its token and hash
 	// tables are made that large at once (Reserve), so decoding
@@ -141,9 +145,9 @@ func (p *Pool[R]) Admit(spec SequenceSpec) (*Sequence[R], error) {
 		if p.verified {
 			vp = &verifier{seed: seed, hashes: s.hashes[:hb], tokens: s.tokens, blockTokens: bt, spans: s.spans}
 		}
-		l, hits, err = p.acquire(owner, s.hashes[:hb], vp, n)
+		l, hits, err = p.acquire(owner, p.tenantIndex(spec.Tenant), s.hashes[:hb], vp, n)
 	} else {
-		l, err = p.Acquire(owner, n)
+		l, _, err = p.acquire(owner, p.tenantIndex(spec.Tenant), nil, nil, n)
 	}
 	if err != nil {
 		return nil, err

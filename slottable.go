@@ -47,11 +47,12 @@ func (c *core) available() int { return c.tab.Available() }
 // (Acquire spells it out: see there.)
 func (c *core) fill(dst []BlockRef, ev *outbox) {
 	if !c.tab.Fill(refs(dst)) {
-		c.fillEvict(dst, ev)
+		c.fillEvict(dst, 0, ev)
 	}
 }
 
-// fillEvict is fill when the free stack is short: block by block, evicting.
+// fillEvict is fill when the free stack is short, for tenant tn (0:
+// none; see quota.go): block by block, evicting.
 // Kept out of line: inlined into acquire, it cost every cycle spills.
 //
 // The free blocks come first, in dst's first places; the victims fill
@@ -62,14 +63,14 @@ func (c *core) fill(dst []BlockRef, ev *outbox) {
 // interchangeable.
 //
 //go:noinline
-func (c *core) fillEvict(dst []BlockRef, ev *outbox) {
+func (c *core) fillEvict(dst []BlockRef, tn uint16, ev *outbox) {
 	n := len(dst)
 	k := min(c.tab.FreeLen(), n)
 	for i := range k {
-		dst[i] = c.takeFresh(ev, n-i)
+		dst[i] = c.takeFresh(ev, n-i, tn)
 	}
 	for i := n - 1; i >= k; i-- {
-		dst[i] = c.takeFresh(ev, i-k+1)
+		dst[i] = c.takeFresh(ev, i-k+1, tn)
 	}
 }
 
@@ -98,13 +99,13 @@ func ascend(dst []BlockRef, also []BlockHash) {
 // least recently used cached block (evicted: its content is forfeit and it
 // leaves the prefix index, or is first offered to the eviction hook when
 // the cache can spare it: see SetEvictHook). need counts this block and
-// the ones the caller still has to take. The caller checked available() ≥
-// need.
-func (c *core) takeFresh(ev *outbox, need int) BlockRef {
+// the ones the caller still has to take; the block is charged to tenant
+// tn (0: none). The caller checked availableFor(tn) ≥ need, and tn's cap.
+func (c *core) takeFresh(ev *outbox, need int, tn uint16) BlockRef {
 	if c.hook != nil && c.tab.FreeLen() == 0 {
 		c.offerVictim(need, ev)
 	}
-	r, evicted := c.tab.Take()
+	r, evicted := c.tab.TakeFor(tn)
 	if evicted {
 		c.evicted(BlockID(r.ID))
 	}
