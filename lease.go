@@ -44,9 +44,9 @@ type lease struct {
 	state       LeaseState
 	closed      bool
 	tenant      uint16 // charged for its fresh blocks (quota.go); 0: none
-	pending     int32 // attachments whose transfer is pending
-	quarantined int32 // attachments whose transfer is quarantined
-	natts       int32 // live attachments (pending or quarantined): att0, then extra.more
+	pending     int32  // attachments whose transfer is pending
+	quarantined int32  // attachments whose transfer is quarantined
+	natts       int32  // live attachments (pending or quarantined): att0, then extra.more
 
 	att0  attachment  // the first attachment inline: none allocated for one transfer
 	extra *leaseExtra // only when something rarer is needed (see leaseExtra)

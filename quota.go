@@ -90,9 +90,9 @@ type Tenant[R any] struct {
 // A tenant's other per-tenant state (a public namespace identifier, say)
 // belongs here too.
 type tenantRecord struct {
-	name             string
-	queries, hits    uint64 // admitted prefix lookups, as Stats counts them
-	rejected         uint64 // refused by its cap
+	name          string
+	queries, hits uint64 // admitted prefix lookups, as Stats counts them
+	rejected      uint64 // refused by its cap
 }
 
 // tenantState is the pool's registry of tenants.
