@@ -74,7 +74,7 @@ type leaseExtra struct {
 	leak    runtime.Cleanup
 	watched bool      // leak is registered
 	trimmed int       // blocks before this index were given back by TrimTo (trim.go)
-	tag     Adapter   // SetAdapter (adapter.go)
+	tagIx   int32     // SetAdapter's adapter, interned (adapter.go); 0: the base model
 	ret     Retention // SetRetention (retention.go); 0 with hasRet false: the default
 	hasRet  bool
 }

@@ -362,8 +362,8 @@ func (c *core) recordSeal(l *lease, i int, id BlockID, st *sealTokens) {
 			r.parent, r.known, r.chained = c.pre[pid].hash, true, true
 		}
 	}
-	if l.extra != nil && l.extra.tag != (Adapter{}) {
-		r.adapter = c.internAdapter(l.extra.tag)
+	if l.extra != nil {
+		r.adapter = l.extra.tagIx
 	}
 	c.seals[id] = r
 }
