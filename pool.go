@@ -192,18 +192,21 @@ func (p *Pool[R]) acquire(owner string, tn uint16, hashes []BlockHash, v *verifi
 			ev.flush()
 			return nil, 0, c.reject(owner, n, err)
 		}
+	} else if tn != 0 {
+		var err error
+		if l, err = p.freshTenant(owner, tn, n, &ev); err != nil {
+			c.unlock()
+			return nil, 0, c.reject(owner, n, err)
+		}
 	} else {
-		if c.available() < n || tn != 0 {
-			if err := c.freshErr("acquire", owner, tn, n); err != nil {
-				c.unlock()
-				return nil, 0, c.reject(owner, n, err)
-			}
+		if avail := c.available(); avail < n {
+			err := c.freshErr("acquire", owner, 0, n)
+			c.unlock()
+			return nil, 0, c.reject(owner, n, err)
 		}
 		l = p.newLease(owner, n)
-		if tn != 0 {
-			l.ls.tenant = tn
-			c.fillFor(l.ls.blocks, tn, &ev)
-		} else if !c.tab.Fill(refs(l.ls.blocks)) { // c.fill, by hand: its call would be one more per cycle
+		// c.fill, by hand: its call would be one more per cycle.
+		if !c.tab.Fill(refs(l.ls.blocks)) {
 			c.fillEvict(l.ls.blocks, 0, &ev)
 		}
 	}

@@ -270,6 +270,21 @@ func (c *core) tenantStats(ix uint16) TenantStats {
 		Evicted: ev, EvictedOwn: own}
 }
 
+// freshTenant is acquire's lease of n fresh blocks for tenant tn (not
+// 0), out of the plain acquire's way. Called with c.mu held.
+func (p *Pool[R]) freshTenant(owner string, tn uint16, n int, ev *outbox) (*Lease[R], error) {
+	c := &p.core
+	if !c.tab.Fits(tn, n) && !c.tab.Admits(tn, n) { // (Fits, the common case, implies Admits)
+		return nil, c.freshErr("acquire", owner, tn, n)
+	}
+	l := p.newLease(owner, n)
+	l.ls.tenant = tn
+	if !c.tab.FillTenant(refs(l.ls.blocks), tn) {
+		c.fillEvict(l.ls.blocks, tn, ev)
+	}
+	return l, nil
+}
+
 // availableFor is how many fresh blocks a fill for tenant tn (0: none)
 // could get now, its cap aside. Called with c.mu held.
 func (c *core) availableFor(tn uint16) int {
@@ -280,21 +295,19 @@ func (c *core) availableFor(tn uint16) int {
 }
 
 // freshErr is the error of a fill of n fresh blocks for tenant tn (0:
-// none) that its cap or the pool cannot serve now, nil when both can.
-// Called with c.mu held, out of the plain acquire's way.
+// none) that its cap or the pool cannot serve now (slots.Table.Admits
+// said no). Called with c.mu held, out of the acquire's way.
 func (c *core) freshErr(op, owner string, tn uint16, n int) error {
 	if tn != 0 {
 		if err := c.quotaErr(op, owner, tn, n, 0); err != nil {
 			return err
 		}
 	}
-	if avail := c.availableFor(tn); avail < n {
-		if err := c.boundErr(owner, n, 0); err != nil {
-			return err
-		}
-		return &exhaustedError{op: op, owner: owner, n: n, avail: avail}
+	avail := c.availableFor(tn)
+	if err := c.boundErr(owner, n, 0); err != nil {
+		return err
 	}
-	return nil
+	return &exhaustedError{op: op, owner: owner, n: n, avail: avail}
 }
 
 // quotaErr returns the error of a fill of fresh blocks for tenant tn (not
@@ -330,11 +343,7 @@ func (e *quotaError) Unwrap() error { return ErrQuota }
 // fillFor fills dst with fresh blocks for tenant tn (0: none). The caller
 // checked availableFor(tn) and the cap.
 func (c *core) fillFor(dst []BlockRef, tn uint16, ev *outbox) {
-	if tn == 0 {
-		c.fill(dst, ev)
-		return
-	}
-	if !c.tab.FillTenant(refs(dst), tn) {
+	if !c.tab.FillFor(refs(dst), tn) {
 		c.fillEvict(dst, tn, ev)
 	}
 }

@@ -33,9 +33,6 @@ func (t *Table) takeFast() (r Ref, evicted bool) {
 		id = t.free[n-1]
 		t.free = t.free[:n-1]
 	} else {
-		if t.tenantsOn {
-			return t.takeFor(0) // reservations (see victim)
-		}
 		// The lowest retention class with a cached slot, its LRU's head
 		// (the default class's while no other was ever used).
 		r := DefaultRetention
@@ -127,7 +124,8 @@ func (t *Table) Drop(blocks []Ref) (rest int) {
 			return 0
 		}
 	}
-	return t.dropFast(blocks, headLeased, headDraining)
+	rest, _ = t.dropFast(blocks, headLeased, headDraining)
+	return rest
 }
 
 // DropPinned is Drop for blocks that one pending read transfer gates
@@ -188,7 +186,8 @@ func (t *Table) dropGeneral(blocks []Ref) {
 }
 
 // dropFast is Drop's loop over its commonest cases, tail first, and
-// returns how many blocks it left (from the first it could not take).
+// returns how many blocks it left (from the first it could not take) and
+// how many it freed.
 // leased and draining are the heads it takes (headLeased and
 // headDraining; DropTenant's tracked ones): a freed slot's head is
 // headFree either way, charged to no one.
@@ -197,7 +196,7 @@ func (t *Table) dropGeneral(blocks []Ref) {
 // Leased → Free when no transfer pins it (onto the free stack), Leased →
 // Draining when only pending pins do. A leaf: with dropSlow's call in the
 // same function the loop reloaded its slices from the stack every block.
-func (t *Table) dropFast(blocks []Ref, leased, draining uint64) int {
+func (t *Table) dropFast(blocks []Ref, leased, draining uint64) (int, int) {
 	slots := t.s
 	// The free stack never holds more than capacity ids, so its spare
 	// capacity has room for every block: no append.
@@ -228,14 +227,18 @@ func (t *Table) dropFast(blocks []Ref, leased, draining uint64) int {
 	t.counts[Leased] -= freed + drained
 	t.counts[Free] += freed
 	t.counts[Draining] += drained
-	return i
+	return i, freed
 }
 
 // dropSlow is Drop for blocks that may be shared, sealed or pinned: the
-// cached case in a loop of its own (cacheFast), then, block by block, the
-// same case inline and change for anything else.
+// cached case in a loop of its own (cacheFast, then cacheTracked for
+// slots charged to a tenant), then, block by block, the same cases inline
+// and change for anything else.
 func (t *Table) dropSlow(blocks []Ref) {
 	blocks = blocks[:t.cacheFast(blocks)]
+	if t.tenantsOn {
+		blocks = blocks[:t.cacheTracked(blocks)]
+	}
 	slots := t.s
 	cached := 0
 	indexedLeased, indexedCached := headIndexedLeased, headIndexedCached
@@ -251,9 +254,16 @@ func (t *Table) dropSlow(blocks []Ref) {
 		}
 		if s.head() == headIndexedLeasedT && s.gates() == 0 {
 			// The same for a slot charged to a tenant: onto its tenant's
-			// list and reservation too.
+			// list too (tenantPush, written out for a tenant without a
+			// reservation), and its reservation.
 			s.setHead(headIndexedCachedT)
-			t.tenantPush(id)
+			if te := &t.tenants[t.ten[id]]; te.reserve == 0 {
+				t.lruPush(id)
+				te.list.head, te.list.tail = link(t.tlinks, te.list.head, te.list.tail, id)
+				te.cached++
+			} else {
+				t.tenantPush(id)
+			}
 			cached++
 			continue
 		}

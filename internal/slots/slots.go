@@ -499,9 +499,13 @@ func (s *slot) bumpGen() uint32 {
 // stack, else the least recently used cached slot, which is evicted (its
 // content forfeit: unsealed and unindexed; the caller takes its hash out
 // of the prefix index and reports evicted). The slot moves to its next
-// generation. The caller checked Available() > 0.
+// generation. The caller checked Available() > 0. A table with tenants
+// takes with TakeFor (or TakeTenant): Take knows no reservation.
 func (t *Table) Take() (r Ref, evicted bool) {
 	if invariants.Enabled { // (a constant: production builds pay nothing, not even in inlining budget)
+		if t.tenantsOn {
+			panic("kvlease: Take on a slot table with tenants: TakeFor")
+		}
 		if invariants.Sometimes(generalPercent) {
 			return t.takeGeneral()
 		}
