@@ -41,13 +41,15 @@
 //   - Sequence (Pool.NewSequence, Pool.Admit with a SequenceSpec): a
 //     request's tokens over a lease: Append, Commit, AppendComputed,
 //     Rollback, Reserve, growth and a seal per full block.
-//   - Engine policy: Adapter (Lease.SetAdapter: lora tags in KV events),
-//     Retention (Lease.SetRetention, Pool.SetAdapterRetention,
-//     Pool.CachedByRetention: eviction classes), tenants (WithTenantKey,
-//     Pool.TenantSeed), Stats.InUse.
+//   - Engine policy: Adapter (Lease.SetAdapter: lora tags in KV events
+//     and the adapter's retention, by name), Retention (Lease.SetRetention,
+//     Pool.SetAdapterRetention, Pool.CachedByRetention: eviction classes),
+//     tenants (WithTenantKey, Pool.TenantSeed: namespaces; Pool.Tenant,
+//     Tenant.SetQuota with a Quota, Pool.TenantStats: a cap and a
+//     reservation per tenant), Stats.InUse.
 //   - Observation: Observer, ObserverFunc, Event, EventKind.
 //   - Errors: ErrInvalidArgument, ErrExceedsCapacity, ErrExhausted,
-//     ErrQuarantineBound, ErrPoolClosed, ErrLeaseClosed, ErrStaleRef,
+//     ErrQuarantineBound, ErrQuota, ErrPoolClosed, ErrLeaseClosed, ErrStaleRef,
 //     ErrReadOnly, ErrAborted, ErrQuarantined, ErrDrainDeadline.
 //
 // What users must not touch lives under internal/: the slot table

@@ -130,3 +130,56 @@ func BenchmarkQuotaChurn(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkQuotaManyTenants is BenchmarkQuotaChurn/at-cap's cycle in a
+// pool with 4,096 tenants registered, each with a cap and a reservation:
+// the per-block cost does not grow with the tenants (everything is O(1)
+// per block), so its instructions equal at-cap's.
+func BenchmarkQuotaManyTenants(b *testing.B) {
+	const n, blocks, tenants = 8, 256, 4096
+	p := benchPool(b, blocks)
+	var a *Tenant[[]byte]
+	for i := range tenants {
+		t, err := p.Tenant(fmt.Sprintf("t%d", i))
+		if err != nil {
+			b.Fatal(err)
+		}
+		q := Quota{Cap: 16}
+		if i == 0 {
+			q, a = Quota{Cap: blocks / 2}, t
+		}
+		_ = t.SetQuota(q)
+	}
+	fill := func(tn *Tenant[[]byte], k, base int) {
+		for i := range k / n {
+			l, _ := tn.Acquire("warm", n)
+			for j := range n {
+				_ = l.Seal(j, BlockHash(base+i*n+j))
+			}
+			l.Release()
+		}
+	}
+	fill(a, blocks/2, 1<<42)
+	for i := 1; i <= blocks/2/n; i++ {
+		tn, _ := p.Tenant(fmt.Sprintf("t%d", i))
+		fill(tn, n, 1<<40+i*n)
+	}
+	i := 0
+	b.ResetTimer()
+	for range b.N {
+		l, err := a.Acquire("churn", n)
+		if err != nil {
+			b.Fatal(err)
+		}
+		for j := range n {
+			_ = l.Seal(j, BlockHash(i*n+j+1))
+		}
+		l.Release()
+		i++
+	}
+	b.StopTimer()
+	if p.Stats().Free != 0 || a.Stats().EvictedOwn == 0 {
+		b.Fatalf("free %d, a %+v", p.Stats().Free, a.Stats())
+	}
+	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*n), "ns/block")
+}
