@@ -46,15 +46,17 @@
 //     Commit (never implied, never silently missing), AppendComputed,
 //     Rollback, Reserve, Onboarded, growth and a seal per full block;
 //     sliding windows (SequenceSpec.Window, Base) trim as they commit.
-//   - Engine policy: Adapter (Lease.SetAdapter: lora tags in KV events),
-//     Retention (Lease.SetRetention, Pool.SetAdapterRetention,
-//     Pool.CachedByRetention: eviction classes), tenants (WithTenantKey,
-//     Pool.TenantSeed), Stats.InUse.
+//   - Engine policy: Adapter (Lease.SetAdapter: lora tags in KV events
+//     and the adapter's retention, by name), Retention (Lease.SetRetention,
+//     Pool.SetAdapterRetention, Pool.CachedByRetention: eviction classes),
+//     tenants (WithTenantKey, Pool.TenantSeed: namespaces; Pool.Tenant,
+//     Tenant.SetQuota with a Quota, Pool.TenantStats: a cap and a
+//     reservation per tenant), Stats.InUse.
 //   - Observation: Observer, ObserverFunc, Event, EventKind.
 //   - Errors: ErrInvalidArgument, ErrExceedsCapacity, ErrExhausted,
-//     ErrQuarantineBound, ErrPoolClosed, ErrLeaseClosed, ErrStaleRef,
-//     ErrReadOnly, ErrAborted, ErrQuarantined, ErrDrainDeadline,
-//     ErrNotQuiescent.
+//     ErrQuarantineBound, ErrQuota, ErrPoolClosed, ErrLeaseClosed,
+//     ErrStaleRef, ErrReadOnly, ErrAborted, ErrQuarantined,
+//     ErrDrainDeadline, ErrNotQuiescent.
 //
 // What users must not touch lives under internal/: the slot table
 // (internal/slots), the checked-build switches (internal/invariants).

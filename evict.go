@@ -100,7 +100,7 @@ func (h *evictHook[R]) offerVictims(need int, list []observed) []observed {
 	if b != nil {
 		offered, taken = len(b.refs), b.taken
 	}
-	for c.tab.LRULen() > need && offered < taken+need {
+	for c.tab.Evictable() > need && offered < taken+need {
 		b = h.offerHead(b, ev)
 		offered++
 	}
@@ -147,7 +147,7 @@ func (p *Pool[R]) OfferCached(k int) int {
 	n := 0
 	if h != nil {
 		var b *evictBatch[R]
-		for ; n < k && c.tab.LRULen() > 0; n++ {
+		for ; n < k && c.tab.Evictable() > 0; n++ {
 			b = h.offerHead(b, &ev)
 		}
 	}

@@ -43,9 +43,10 @@ type lease struct {
 
 	state       LeaseState
 	closed      bool
-	pending     int32 // attachments whose transfer is pending
-	quarantined int32 // attachments whose transfer is quarantined
-	natts       int32 // live attachments (pending or quarantined): att0, then extra.more
+	tenant      uint16 // charged for its fresh blocks (quota.go); 0: none
+	pending     int32  // attachments whose transfer is pending
+	quarantined int32  // attachments whose transfer is quarantined
+	natts       int32  // live attachments (pending or quarantined): att0, then extra.more
 
 	att0  attachment  // the first attachment inline: none allocated for one transfer
 	extra *leaseExtra // only when something rarer is needed (see leaseExtra)
@@ -74,7 +75,7 @@ type leaseExtra struct {
 	watched bool      // leak is registered
 	trimmed int       // blocks before this index were given back by TrimTo (trim.go)
 	hold    int32     // index+1 in the pool's table of holders (quiescent.go); 0: not in it
-	tag     Adapter   // SetAdapter (adapter.go)
+	tagIx   int32     // SetAdapter's adapter, interned (adapter.go); 0: the base model
 	ret     Retention // SetRetention (retention.go); 0 with hasRet false: the default
 	hasRet  bool
 }
@@ -341,7 +342,13 @@ func (l *lease) close(abort bool, cause error) {
 	}
 	if l.natts == 0 {
 		// c.drop, by hand: its call would be one more per cycle.
-		if i := c.tab.Drop(refs(l.blocks[from:])); i > 0 {
+		var i int
+		if l.tenant == 0 {
+			i = c.tab.Drop(refs(l.blocks[from:]))
+		} else {
+			i = c.tab.DropTenant(refs(l.blocks[from:]), l.tenant)
+		}
+		if i > 0 {
 			c.tab.DropRest(refs(l.blocks[from : from+i]))
 		}
 	} else {
@@ -383,7 +390,8 @@ func (l *lease) close(abort bool, cause error) {
 // blocks when nothing is free. Transfers attached with Attach gate the new
 // blocks too (as writes: they are unsealed); AttachRange ranges are fixed.
 // Errors wrap ErrInvalidArgument (n ≤ 0), ErrLeaseClosed, ErrPoolClosed,
-// ErrExceedsCapacity (the lease would outgrow the pool) or ErrExhausted.
+// ErrExceedsCapacity (the lease would outgrow the pool) or ErrExhausted
+// (ErrQuota for a tenant's lease its cap leaves no room: see Quota).
 func (l *Lease[R]) Extend(n int) error {
 	ls := &l.ls
 	c := ls.c
@@ -401,7 +409,9 @@ func (l *Lease[R]) Extend(n int) error {
 	case n > c.tab.Len()-have: // not have+n: that overflows for a huge n
 		err = fmt.Errorf("kvlease: extend lease %d (%s) from %d by %d blocks: pool capacity is %d: %w",
 			ls.id, ls.owner, have, n, c.tab.Len(), ErrExceedsCapacity)
-	case c.available() < n:
+	case ls.tenant != 0 && c.tab.Room(ls.tenant) < n:
+		err = c.quotaErr("extend", ls.owner, ls.tenant, n, 0)
+	case c.availableFor(ls.tenant) < n:
 		held := 0 // usable blocks this lease holds already (trimmed ones it gave back)
 		for _, r := range ls.blocks[ls.first():] {
 			if !c.tab.Quarantined(int32(r.ID)) {
@@ -409,7 +419,7 @@ func (l *Lease[R]) Extend(n int) error {
 			}
 		}
 		if err = c.boundErr(ls.owner, n, held); err == nil {
-			err = &exhaustedError{op: "extend", owner: ls.owner, lease: ls.id, n: n, avail: c.available()}
+			err = &exhaustedError{op: "extend", owner: ls.owner, lease: ls.id, n: n, avail: c.availableFor(ls.tenant)}
 		}
 	}
 	if err != nil {
@@ -424,7 +434,7 @@ func (l *Lease[R]) Extend(n int) error {
 		ls.blocks = nb
 	}
 	ls.blocks = ls.blocks[:from+n]
-	c.fill(ls.blocks[from:], &ev)
+	c.fillFor(ls.blocks[from:], ls.tenant, &ev)
 	for i := range ls.natts {
 		a := ls.att(i)
 		if a.whole && a.applied != TransferResolved {

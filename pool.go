@@ -20,7 +20,8 @@ import (
 type Pool[R any] struct {
 	core
 	mem   Memory[R]
-	slabs leaseSlabs[R] // guarded by mu
+	slabs leaseSlabs[R]  // guarded by mu
+	tn    tenantState[R] // registered tenants (quota.go)
 }
 
 // core is the non-generic part of a pool: everything but the memory.
@@ -56,6 +57,10 @@ type core struct {
 	// ret: retention by adapter (retention.go), made at the first
 	// SetAdapterRetention or seal by a tagged lease.
 	ret *retentionState
+	// tenants: registered tenants' names and counters (quota.go), by
+	// their index in the slot table; [0] is no tenant. nil until the
+	// first Pool.Tenant.
+	tenants []tenantRecord
 	// watchOpens: a leak check, an observer or a checked build wants to
 	// hear of every lease opened (fixed when the pool is made; one field
 	// test instead of three keeps opened inlinable).
@@ -146,12 +151,12 @@ func (p *Pool[R]) BlockBytes() int { return p.mem.BlockBytes() }
 // ErrExhausted (not enough free or evictable blocks now, or AcquireWait
 // callers are queued: a plain acquire never overtakes them).
 func (p *Pool[R]) Acquire(owner string, n int) (*Lease[R], error) {
-	l, _, err := p.acquire(owner, nil, nil, n)
+	l, _, err := p.acquire(owner, 0, nil, nil, n)
 	return l, err
 }
 
-// acquire is Acquire and AcquirePrefix.
-func (p *Pool[R]) acquire(owner string, hashes []BlockHash, v *verifier, n int) (*Lease[R], int, error) {
+// acquire is Acquire and AcquirePrefix, for tenant tn (0: none).
+func (p *Pool[R]) acquire(owner string, tn uint16, hashes []BlockHash, v *verifier, n int) (*Lease[R], int, error) {
 	c := &p.core
 	// precheck's argument tests, inline (its call would be one more per
 	// cycle: BenchmarkLeaseCycle); a closed pool is refused under the lock
@@ -183,24 +188,28 @@ func (p *Pool[R]) acquire(owner string, hashes []BlockHash, v *verifier, n int) 
 	if len(hashes) > 0 {
 		var err error
 		l = p.newLease(owner, n)
+		l.ls.tenant = tn
 		if hits, err = c.fillPrefix(&l.ls, hashes, n, v, &ev); err != nil {
 			c.unlock()
 			ev.flush()
 			return nil, 0, c.reject(owner, n, err)
 		}
+	} else if tn != 0 {
+		var err error
+		if l, err = p.freshTenant(owner, tn, n, &ev); err != nil {
+			c.unlock()
+			return nil, 0, c.reject(owner, n, err)
+		}
 	} else {
 		if avail := c.available(); avail < n {
-			err := c.boundErr(owner, n, 0)
-			if err == nil {
-				err = &exhaustedError{op: "acquire", owner: owner, n: n, avail: avail}
-			}
+			err := c.freshErr("acquire", owner, 0, n)
 			c.unlock()
 			return nil, 0, c.reject(owner, n, err)
 		}
 		l = p.newLease(owner, n)
 		// c.fill, by hand: its call would be one more per cycle.
 		if !c.tab.Fill(refs(l.ls.blocks)) {
-			c.fillEvict(l.ls.blocks, &ev)
+			c.fillEvict(l.ls.blocks, 0, &ev)
 		}
 	}
 	c.opened(&l.ls, hits, &ev)

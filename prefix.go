@@ -85,7 +85,7 @@ func (p *Pool[R]) AcquirePrefix(owner string, hashes []BlockHash, n int) (*Lease
 		l, err := p.Acquire(owner, n)
 		return l, 0, err
 	}
-	return p.acquire(owner, hashes, nil, n)
+	return p.acquire(owner, 0, hashes, nil, n)
 }
 
 // CachedPrefix returns how many leading hashes would hit now, changing
@@ -193,7 +193,17 @@ func (c *core) fillPrefix(l *lease, hashes []BlockHash, n int, v *verifier, ev *
 	var buf [64]int32
 	// lruHits: hit blocks that stop being evictable.
 	hits, ids, lruHits := c.probeIDs(hashes, v, buf[:0])
-	if fresh, avail := n-hits, c.available()-lruHits; fresh > avail {
+	tn := l.tenant
+	if c.tenants != nil { // (quota.go)
+		var own int
+		if lruHits, own = c.hitsCost(tn, ids, hashes, hits); tn != 0 {
+			if err := c.quotaErr("acquire", l.owner, tn, n-hits, own); err != nil {
+				c.stats.prefixRefused += uint64(len(hashes))
+				return 0, err
+			}
+		}
+	}
+	if fresh, avail := n-hits, c.availableFor(tn)-lruHits; fresh > avail {
 		// Refused lookups are counted apart: a request refused three times
 		// then admitted is one lookup, not four (as vLLM counts).
 		c.stats.prefixRefused += uint64(len(hashes))
@@ -211,6 +221,10 @@ func (c *core) fillPrefix(l *lease, hashes []BlockHash, n int, v *verifier, ev *
 	// Queries and hits are counted together, for admitted lookups only.
 	c.stats.prefixQueries += uint64(len(hashes))
 	c.stats.prefixHits += uint64(hits)
+	if tn != 0 {
+		c.tenants[tn].queries += uint64(len(hashes))
+		c.tenants[tn].hits += uint64(hits)
+	}
 	// The hits the probe recorded, then the rest (a long prefix) looked
 	// up again a buffer at a time.
 	rec := ids[:min(hits, len(ids))]
@@ -225,8 +239,10 @@ func (c *core) fillPrefix(l *lease, hashes []BlockHash, n int, v *verifier, ev *
 		}
 		c.leaseHits(l.blocks[k-len(more):k], more)
 	}
-	if !c.tab.Fill(refs(l.blocks[hits:n])) { // c.fill, by hand (one call less)
-		c.fillEvict(l.blocks[hits:n], ev)
+	if tn != 0 {
+		c.fillFor(l.blocks[hits:n], tn, ev)
+	} else if !c.tab.Fill(refs(l.blocks[hits:n])) { // c.fill, by hand (one call less)
+		c.fillEvict(l.blocks[hits:n], 0, ev)
 	}
 	return hits, nil
 }
@@ -295,7 +311,7 @@ func (p *Pool[R]) AcquirePrefixTokens(owner string, seed BlockHash, tokens []int
 	if !p.verified {
 		vp = nil // plain mode: the hashes are the claim
 	}
-	return p.acquire(owner, v.hashes, vp, n)
+	return p.acquire(owner, 0, v.hashes, vp, n)
 }
 
 // CachedPrefixTokens is CachedPrefix for a prompt given as tokens, verified

@@ -17,6 +17,11 @@ import (
 // (Lease.SetRetention) and its adapter's (Pool.SetAdapterRetention, for
 // a lease tagged with Lease.SetAdapter), RetentionDefault when neither is
 // set. Prefix hits do not change a block's class.
+//
+// Classes order eviction within what a fill may evict; a tenant's quota
+// (quota.go) decides that first: a tenant at its cap evicts its own
+// blocks, least recently cached first, whatever their class, and no
+// other tenant's fill evicts its reserved blocks.
 type Retention uint8
 
 // The classes: RetentionMin is evicted first, RetentionMax last.
@@ -26,10 +31,32 @@ const (
 	RetentionMax     Retention = slots.NumRetention - 1
 )
 
-// retentionState is what the pool keeps for retention by adapter.
+// retentionState is what the pool keeps for retention by adapter. An
+// adapter is its name (see Adapter); the slot table records each sealed
+// block's interned adapter (core.adapters), and byIx caches each interned
+// adapter's class so that a seal reads a slice, not a map.
 type retentionState struct {
-	byAdapter   map[int]Retention // SetAdapterRetention
-	slotAdapter []int32           // per slot: the adapter id of the lease that sealed it
+	byName      map[string]Retention // SetAdapterRetention, by adapter name ("": the base model)
+	byIx        []int8               // per interned adapter: its name's class, -1 for none
+	slotAdapter []int32              // per slot: the interned adapter of the lease that sealed it
+}
+
+// interned records the class of a newly interned adapter ix called name.
+func (rs *retentionState) interned(ix int32, name string) {
+	for len(rs.byIx) <= int(ix) {
+		rs.byIx = append(rs.byIx, -1)
+	}
+	if r, ok := rs.byName[name]; ok {
+		rs.byIx[ix] = int8(r)
+	}
+}
+
+// of is interned adapter ix's class, or -1 when its name has none.
+func (rs *retentionState) of(ix int32) int8 {
+	if int(ix) < len(rs.byIx) {
+		return rs.byIx[ix]
+	}
+	return -1
 }
 
 // SetRetention gives the blocks this lease seals from now on retention r
@@ -51,27 +78,38 @@ func (l *Lease[R]) SetRetention(r Retention) error {
 	return nil
 }
 
-// SetAdapterRetention sets the retention class of adapter id's blocks
-// (id as in Adapter.ID; 0 is the base model): every block sealed by a
-// lease tagged with that adapter, cached or in use, now has class r, and
-// blocks sealed from now on get at most r. Lower an unloaded adapter's
-// class to have its blocks evicted first; raise it again when it is
-// loaded. Cached blocks that change class join their new class as its
-// most recently used, in the order they had (a chain still leaves from
-// its end). It walks the slot table once (O(capacity), under
-// the pool's lock): an operation for adapter loads, not for requests. An
-// r above RetentionMax wraps ErrInvalidArgument.
-func (p *Pool[R]) SetAdapterRetention(id int, r Retention) error {
+// SetAdapterRetention sets the retention class of the adapter called
+// name (Adapter.Name; "" is the base model, the blocks of untagged
+// leases): every block sealed by a lease tagged with that adapter,
+// whatever id it declared, cached or in use, now has class r, and blocks
+// sealed from now on get at most r. Lower an unloaded adapter's class to
+// have its blocks evicted first; raise it again when it is loaded. An
+// engine that reuses ids (unload A from slot 1, load B into it) keeps
+// them apart: each follows its own name. Cached blocks that change class
+// join their new class as its most recently used, in the order they had
+// (a chain still leaves from its end). It walks the slot table once
+// (O(capacity), under the pool's lock): an operation for adapter loads,
+// not for requests. An r above RetentionMax wraps ErrInvalidArgument.
+func (p *Pool[R]) SetAdapterRetention(name string, r Retention) error {
 	if r > RetentionMax {
-		return fmt.Errorf("kvlease: adapter %d: retention %d above %d: %w", id, r, RetentionMax, ErrInvalidArgument)
+		return fmt.Errorf("kvlease: adapter %q: retention %d above %d: %w", name, r, RetentionMax, ErrInvalidArgument)
 	}
 	c := &p.core
 	c.mu.Lock()
-	defer c.mu.Unlock()
+	defer c.unlock()
 	rs := c.retState()
-	rs.byAdapter[id] = r
+	rs.byName[name] = r
+	match := make([]bool, max(len(c.adapters), 1)) // by interned adapter
+	match[0] = name == ""
+	rs.interned(0, "")
+	for ix, a := range c.adapters {
+		if a.Name == name {
+			match[ix] = true
+		}
+		rs.interned(int32(ix), a.Name)
+	}
 	c.tab.SetRetentionWhere(uint8(r), func(s int32) bool {
-		return rs.slotAdapter[s] == int32(id) && c.tab.Sealed(s)
+		return match[rs.slotAdapter[s]] && c.tab.Sealed(s)
 	})
 	return nil
 }
@@ -91,7 +129,10 @@ func (p *Pool[R]) CachedByRetention() [RetentionMax + 1]int {
 
 func (c *core) retState() *retentionState {
 	if c.ret == nil {
-		c.ret = &retentionState{byAdapter: map[int]Retention{}, slotAdapter: make([]int32, c.tab.Len())}
+		c.ret = &retentionState{byName: map[string]Retention{}, slotAdapter: make([]int32, c.tab.Len())}
+		for ix, a := range c.adapters {
+			c.ret.interned(int32(ix), a.Name)
+		}
 	}
 	return c.ret
 }
@@ -108,17 +149,20 @@ func (c *core) retentionOf(l *lease, id BlockID) Retention {
 
 func (c *core) retentionSlow(l *lease, id BlockID) Retention {
 	r := RetentionDefault
-	if e := l.extra; e != nil && e.hasRet {
-		r = e.ret
+	var ix int32 // the lease's interned adapter (0: the base model)
+	if e := l.extra; e != nil {
+		if e.hasRet {
+			r = e.ret
+		}
+		ix = e.tagIx
 	}
-	a := l.adapter()
-	if a.ID == 0 && c.ret == nil {
+	if ix == 0 && c.ret == nil {
 		return r
 	}
 	rs := c.retState()
-	rs.slotAdapter[id] = int32(a.ID)
-	if ar, ok := rs.byAdapter[a.ID]; ok && ar < r {
-		r = ar
+	rs.slotAdapter[id] = ix
+	if ar := rs.of(ix); ar >= 0 && Retention(ar) < r {
+		r = Retention(ar)
 	}
 	return r
 }

@@ -75,7 +75,7 @@ func TestRetention(t *testing.T) {
 		t.Fatalf("evicted %v, want the low class %v", got, rev(low))
 	}
 	// The adapter is unloaded: its blocks go before the default class.
-	if err := p.SetAdapterRetention(7, RetentionMin); err != nil {
+	if err := p.SetAdapterRetention("sql", RetentionMin); err != nil {
 		t.Fatal(err)
 	}
 	checkPool(t, p)
@@ -100,7 +100,7 @@ func TestRetention(t *testing.T) {
 	// Loaded again: its cached blocks join the top class as its most recent.
 	release() // 6 free
 	sealAll(t, p, "sql3", 2, 600, func(l *Lease[[]byte]) { _ = l.SetAdapter(Adapter{ID: 7, Name: "sql"}) })
-	if err := p.SetAdapterRetention(7, RetentionMax); err != nil {
+	if err := p.SetAdapterRetention("sql", RetentionMax); err != nil {
 		t.Fatal(err)
 	}
 	if got := evictedOrder(t, p, 4, &held); len(got) != 0 {
@@ -134,7 +134,70 @@ func TestRetentionErrors(t *testing.T) {
 	if err := l.SetRetention(RetentionMin); !errors.Is(err, ErrLeaseClosed) {
 		t.Fatalf("closed lease: %v", err)
 	}
-	if err := p.SetAdapterRetention(1, RetentionMax+1); !errors.Is(err, ErrInvalidArgument) {
+	if err := p.SetAdapterRetention("x", RetentionMax+1); !errors.Is(err, ErrInvalidArgument) {
 		t.Fatalf("adapter retention above max: %v", err)
 	}
+}
+
+// Retention follows the adapter's name: an engine that reuses an id
+// (unload A from slot 1, load B into it) moves A's blocks only; blocks an
+// adapter seals while unloaded get its class whatever id it declares; a
+// name-only adapter is an adapter of its own (not the base model), and
+// its events carry its name with lora_id 0.
+func TestAdapterRetentionByName(t *testing.T) {
+	p := seqPool(t, 12, WithKVEvents(64))
+	A, B := Adapter{ID: 1, Name: "A"}, Adapter{ID: 1, Name: "B"}
+	tag := func(a Adapter) func(*Lease[[]byte]) {
+		return func(l *Lease[[]byte]) {
+			if err := l.SetAdapter(a); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	base := sealAll(t, p, "base", 2, 100, nil)
+	a := sealAll(t, p, "a", 2, 200, tag(A))
+	// A is unloaded from slot 1, B loaded into it.
+	if err := p.SetAdapterRetention("A", RetentionMin); err != nil {
+		t.Fatal(err)
+	}
+	b := sealAll(t, p, "b", 2, 300, tag(B))
+	x := sealAll(t, p, "x", 2, 400, tag(Adapter{Name: "x"}))
+	a2 := sealAll(t, p, "a2", 2, 500, tag(Adapter{ID: 9, Name: "A"})) // A again, under another id
+	checkPool(t, p)
+	if got := p.CachedByRetention(); got[RetentionMin] != 4 || got[RetentionDefault] != 6 {
+		t.Fatalf("cached by retention %v: want A's 4 blocks first, B, x and the base model's 6 default", got)
+	}
+	evs, _ := p.DrainKVEvents(nil)
+	for _, ev := range evs {
+		if ev.BlockHash == x[0] && (ev.LoraName != "x" || ev.LoraID != 0) {
+			t.Fatalf("x's event: lora %d %q", ev.LoraID, ev.LoraName)
+		}
+		if ev.BlockHash == b[0] && (ev.LoraName != "B" || ev.LoraID != 1) {
+			t.Fatalf("B's event: lora %d %q", ev.LoraID, ev.LoraName)
+		}
+	}
+	// x is unloaded: its blocks only, not the base model's.
+	if err := p.SetAdapterRetention("x", RetentionMin+1); err != nil {
+		t.Fatal(err)
+	}
+	var held []*Lease[[]byte]
+	rev := func(h []BlockHash) []BlockHash { h = slices.Clone(h); slices.Reverse(h); return h }
+	want := append(append(rev(a), rev(a2)...), rev(x)...)
+	if got := evictedOrder(t, p, 8, &held); !slices.Equal(got, want) { // 2 free, then 6 evicted
+		t.Fatalf("evicted %v, want A's (both ids) then x's %v", got, want)
+	}
+	if p.CachedPrefix(base) != 2 || p.CachedPrefix(b) != 2 {
+		t.Fatal("the base model's or B's blocks were evicted")
+	}
+	for _, l := range held {
+		l.Release()
+	}
+	// The base model ("") has a class of its own too.
+	if err := p.SetAdapterRetention("", RetentionMin); err != nil {
+		t.Fatal(err)
+	}
+	if got := p.CachedByRetention(); got[RetentionMin] != 2 {
+		t.Fatalf("after the base model's: %v", got)
+	}
+	checkPool(t, p)
 }

@@ -291,6 +291,7 @@ func (l *Lease[R]) Share(owner string, n int) (*Lease[R], error) {
 		return nil, err
 	}
 	nl := l.p.newLease(owner, n)
+	nl.ls.tenant = ls.tenant // its Extends are charged as this lease's
 	for _, r := range ls.blocks[:n] {
 		c.tab.Ref(int32(r.ID))
 	}
@@ -376,8 +377,8 @@ func (c *core) recordSeal(l *lease, i int, id BlockID, st *sealTokens) {
 			r.parent, r.known, r.chained = c.pre[pid].hash, true, true
 		}
 	}
-	if l.extra != nil && l.extra.tag != (Adapter{}) {
-		r.adapter = c.internAdapter(l.extra.tag)
+	if l.extra != nil {
+		r.adapter = l.extra.tagIx
 	}
 	c.seals[id] = r
 }

@@ -104,6 +104,10 @@ type SequenceSpec struct {
 	Extra []ExtraKey
 	// Adapter tags the blocks the sequence seals (Lease.SetAdapter).
 	Adapter Adapter
+	// Tenant, when it names a tenant registered with Pool.Tenant, charges
+	// the sequence's fresh blocks to it, under its quota (its Seed should
+	// come from Pool.TenantSeed). Another name charges no one.
+	Tenant string
 	// MaxTokens, when larger than the prompt, is the most tokens the
 	// sequence will hold (prompt plus max_tokens): its token and hash
 	// tables are made that large at once (Reserve), so decoding
@@ -264,15 +268,16 @@ func (p *Pool[R]) admit(spec SequenceSpec, acquire func([]BlockHash, int) (*Leas
 	if p.verified && hb > 0 {
 		vp = &verifier{seed: spec.Seed, hashes: s.hashes[:hb], tokens: s.tokens, blockTokens: bt, spans: s.spans}
 	}
+	tn := p.tenantIndex(spec.Tenant)
 	switch {
 	case acquire != nil:
 		l, hits, err = p.acquireBy(acquire, owner, s.hashes[:hb], n)
 	case s.window > 0:
-		l, s.base, hits, err = p.acquireWindow(owner, s.hashes[:hb], vp, n, bt, s.window)
+		l, s.base, hits, err = p.acquireWindow(owner, tn, s.hashes[:hb], vp, n, bt, s.window)
 	case hb > 0:
-		l, hits, err = p.acquire(owner, s.hashes[:hb], vp, n)
+		l, hits, err = p.acquire(owner, tn, s.hashes[:hb], vp, n)
 	default:
-		l, err = p.Acquire(owner, n)
+		l, _, err = p.acquire(owner, tn, nil, nil, n)
 	}
 	if err != nil {
 		return nil, err

@@ -131,7 +131,7 @@ func ExamplePool_SetAdapterRetention() {
 	}
 	seal("base", 10, kvlease.Adapter{})
 	seal("sql", 20, kvlease.Adapter{ID: 1, Name: "sql-lora"})
-	_ = pool.SetAdapterRetention(1, kvlease.RetentionMin) // the adapter is unloaded
+	_ = pool.SetAdapterRetention("sql-lora", kvlease.RetentionMin) // the adapter is unloaded
 	fmt.Println("cached by class", pool.CachedByRetention())
 
 	l, _ := pool.Acquire("next", 2) // evicts two cached blocks: the adapter's

@@ -16,11 +16,11 @@ import "fmt"
 // would include m) and tries m next. Each probe moves the candidate
 // left, so the search costs O(candidates + probes × window blocks).
 
-// acquireWindow is acquire for a sliding-window sequence: hashes are the
+// acquireWindow is acquire for a sliding-window sequence of tenant tn: hashes are the
 // candidate hit blocks (vLLM's last-token rule applied), n the prompt's
 // blocks. It returns a lease of n-base blocks, its index 0 the sequence's
 // block base, whose first hit-base blocks are hits. Errors as acquire's.
-func (p *Pool[R]) acquireWindow(owner string, hashes []BlockHash, v *verifier, n, bt, window int) (*Lease[R], int, int, error) {
+func (p *Pool[R]) acquireWindow(owner string, tn uint16, hashes []BlockHash, v *verifier, n, bt, window int) (*Lease[R], int, int, error) {
 	c := &p.core
 	if owner == "" || n <= 0 || n > c.tab.Len() {
 		return nil, 0, 0, c.reject(owner, n, c.precheckErr(owner, n))
@@ -38,6 +38,7 @@ func (p *Pool[R]) acquireWindow(owner string, hashes []BlockHash, v *verifier, n
 	hit, base := c.windowHit(hashes, v, bt, window)
 	var ev outbox
 	l := p.newLease(owner, n-base)
+	l.ls.tenant = tn
 	hits, err := c.fillPrefix(&l.ls, hashes[base:hit], n-base, v.from(base), &ev)
 	if err == nil && hits != hit-base {
 		// Cannot happen: the plan's probe ran under this lock.

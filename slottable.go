@@ -47,11 +47,12 @@ func (c *core) available() int { return c.tab.Available() }
 // (Acquire spells it out: see there.)
 func (c *core) fill(dst []BlockRef, ev *outbox) {
 	if !c.tab.Fill(refs(dst)) {
-		c.fillEvict(dst, ev)
+		c.fillEvict(dst, 0, ev)
 	}
 }
 
-// fillEvict is fill when the free stack is short: block by block, evicting.
+// fillEvict is fill when the free stack is short, for tenant tn (0:
+// none; see quota.go): block by block, evicting.
 // Kept out of line: inlined into acquire, it cost every cycle spills.
 //
 // The free blocks come first, in dst's first places; the victims fill
@@ -62,7 +63,11 @@ func (c *core) fill(dst []BlockRef, ev *outbox) {
 // interchangeable.
 //
 //go:noinline
-func (c *core) fillEvict(dst []BlockRef, ev *outbox) {
+func (c *core) fillEvict(dst []BlockRef, tn uint16, ev *outbox) {
+	if c.tenants != nil {
+		c.fillEvictTenant(dst, tn, ev)
+		return
+	}
 	n := len(dst)
 	k := min(c.tab.FreeLen(), n)
 	for i := range k {
@@ -70,6 +75,30 @@ func (c *core) fillEvict(dst []BlockRef, ev *outbox) {
 	}
 	for i := n - 1; i >= k; i-- {
 		dst[i] = c.takeFresh(ev, i-k+1)
+	}
+}
+
+// fillEvictTenant is fillEvict in a pool with tenants, for tenant tn (0:
+// none; see quota.go): the evictions in one loop (slots.Table.EvictRun)
+// when nothing is free or tn is at its cap, then block by block as
+// fillEvict does (an eviction hook is offered victims block by block).
+//
+//go:noinline
+func (c *core) fillEvictTenant(dst []BlockRef, tn uint16, ev *outbox) {
+	if c.hook == nil {
+		m := c.tab.EvictRun(refs(dst), tn)
+		for _, r := range dst[len(dst)-m:] {
+			c.evicted(r.ID)
+		}
+		dst = dst[:len(dst)-m]
+	}
+	n := len(dst)
+	k := min(c.tab.FreeLen(), n)
+	for i := range k {
+		dst[i] = c.takeTenant(ev, n-i, tn)
+	}
+	for i := n - 1; i >= k; i-- {
+		dst[i] = c.takeTenant(ev, i-k+1, tn)
 	}
 }
 
@@ -98,13 +127,27 @@ func ascend(dst []BlockRef, also []BlockHash) {
 // least recently used cached block (evicted: its content is forfeit and it
 // leaves the prefix index, or is first offered to the eviction hook when
 // the cache can spare it: see SetEvictHook). need counts this block and
-// the ones the caller still has to take. The caller checked available() ≥
-// need.
+// the ones the caller still has to take. The caller checked available()
+// ≥ need. A pool with tenants takes with takeTenant.
 func (c *core) takeFresh(ev *outbox, need int) BlockRef {
 	if c.hook != nil && c.tab.FreeLen() == 0 {
 		c.offerVictim(need, ev)
 	}
 	r, evicted := c.tab.Take()
+	if evicted {
+		c.evicted(BlockID(r.ID))
+	}
+	return ref(r)
+}
+
+// takeTenant is takeFresh in a pool with tenants, for tenant tn (0:
+// none; see quota.go): the block is charged to tn. The caller checked
+// availableFor(tn) ≥ need, and tn's cap.
+func (c *core) takeTenant(ev *outbox, need int, tn uint16) BlockRef {
+	if c.hook != nil && c.tab.FreeLen() == 0 {
+		c.offerVictim(need, ev)
+	}
+	r, evicted := c.tab.TakeTenant(tn)
 	if evicted {
 		c.evicted(BlockID(r.ID))
 	}

@@ -47,8 +47,9 @@ type Stats struct {
 	VerifyMismatches uint64 // verified-mode lookups whose hash matched but content did not
 
 	// Rejections by reason; they sum to Rejections.
-	RejectedExhausted       uint64 // ErrExhausted (not ErrQuarantineBound): no room now
+	RejectedExhausted       uint64 // ErrExhausted (not ErrQuarantineBound nor ErrQuota): no room now
 	RejectedQuarantineBound uint64 // ErrQuarantineBound: more than quarantine leaves usable
+	RejectedQuota           uint64 // ErrQuota: more than a tenant's cap leaves (quota.go)
 	RejectedCanceled        uint64 // the caller's context ended while queued (AcquireWait)
 	RejectedClosed          uint64 // ErrPoolClosed
 	RejectedInvalid         uint64 // any other error: ErrInvalidArgument, ErrExceedsCapacity
@@ -82,6 +83,7 @@ const (
 	rejectCanceled
 	rejectClosed
 	rejectInvalid
+	rejectQuota
 	numRejectReasons
 )
 
@@ -89,6 +91,8 @@ func rejectReason(err error) int {
 	switch {
 	case errors.Is(err, ErrQuarantineBound):
 		return rejectQuarantineBound
+	case errors.Is(err, ErrQuota):
+		return rejectQuota
 	case errors.Is(err, ErrExhausted):
 		return rejectExhausted
 	case errors.Is(err, ErrPoolClosed):
@@ -136,6 +140,7 @@ func (p *Pool[R]) Stats() Stats {
 
 		RejectedExhausted:       c.rejectedBy[rejectExhausted].Load(),
 		RejectedQuarantineBound: c.rejectedBy[rejectQuarantineBound].Load(),
+		RejectedQuota:           c.rejectedBy[rejectQuota].Load(),
 		RejectedCanceled:        c.rejectedBy[rejectCanceled].Load(),
 		RejectedClosed:          c.rejectedBy[rejectClosed].Load(),
 		RejectedInvalid:         c.rejectedBy[rejectInvalid].Load(),

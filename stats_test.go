@@ -86,7 +86,7 @@ func TestStatsOutcomeCounters(t *testing.T) {
 	require.Equal(t, uint64(1), st.RejectedCanceled)
 	require.Equal(t, uint64(1), st.RejectedQuarantineBound)
 	require.Equal(t, st.Rejections, st.RejectedExhausted+st.RejectedQuarantineBound+st.RejectedCanceled+
-		st.RejectedClosed+st.RejectedInvalid)
+		st.RejectedClosed+st.RejectedInvalid+st.RejectedQuota)
 	require.Equal(t, uint64(1), st.TransfersResolved)
 	require.Equal(t, uint64(1), st.TransfersFailed)
 	require.Equal(t, uint64(1), st.TransfersQuarantined, "late evidence does not count a second outcome")

@@ -21,6 +21,11 @@ import (
 // the usable blocks below its request, so that it never blocks the
 // waiters behind it forever.
 func (p *Pool[R]) AcquireWait(ctx context.Context, owner string, n int) (*Lease[R], error) {
+	return p.acquireWait(ctx, owner, 0, n)
+}
+
+// acquireWait is AcquireWait for tenant tn (0: none; see quota.go).
+func (p *Pool[R]) acquireWait(ctx context.Context, owner string, tn uint16, n int) (*Lease[R], error) {
 	c := &p.core
 	if err := c.precheck(owner, n); err != nil {
 		return nil, c.reject(owner, n, err)
@@ -34,9 +39,18 @@ func (p *Pool[R]) AcquireWait(ctx context.Context, owner string, n int) (*Lease[
 		c.unlock()
 		return nil, c.reject(owner, n, closedErr(owner, n))
 	}
+	if tn != 0 {
+		// Only the tenant's own releases could make room under its cap:
+		// refused now rather than queued ahead of everyone else.
+		if err := c.quotaErr("acquire", owner, tn, n, 0); err != nil {
+			c.unlock()
+			return nil, c.reject(owner, n, err)
+		}
+	}
 	l := p.newLease(owner, n)
-	if c.queued() == 0 && c.available() >= n {
-		c.fill(l.ls.blocks, &ev)
+	l.ls.tenant = tn
+	if c.queued() == 0 && c.availableFor(tn) >= n {
+		c.fillFor(l.ls.blocks, tn, &ev)
 		c.opened(&l.ls, 0, &ev)
 		c.unlock()
 		ev.flush()
@@ -194,10 +208,21 @@ func (c *core) serveSlow(ev *outbox) {
 	c.scannedUsable = c.usable()
 	for c.whead < len(c.waiters) {
 		w := c.waiters[c.whead]
-		if c.available() < w.n {
+		tn := w.l.tenant
+		if tn != 0 {
+			// Its tenant's cap shrank below it while it waited: failed
+			// at the head, so that it holds up nobody (quota.go).
+			if err := c.quotaErr("acquire", w.l.owner, tn, w.n, 0); err != nil {
+				failBound(w, err)
+				c.waiters[c.whead] = nil
+				c.whead++
+				continue
+			}
+		}
+		if c.availableFor(tn) < w.n {
 			break
 		}
-		c.fill(w.l.blocks, ev)
+		c.fillFor(w.l.blocks, tn, ev)
 		c.opened(w.l, 0, ev)
 		w.served = true
 		close(w.ready)

@@ -389,6 +389,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		counter(c.d.rejections, st.RejectedCanceled, n, "canceled")
 		counter(c.d.rejections, st.RejectedClosed, n, "closed")
 		counter(c.d.rejections, st.RejectedInvalid, n, "invalid")
+		counter(c.d.rejections, st.RejectedQuota, n, "quota")
 		counter(c.d.prefixQueries, st.PrefixQueries, n)
 		counter(c.d.prefixHits, st.PrefixHits, n)
 		counter(c.d.prefixRefused, st.PrefixRefused, n)

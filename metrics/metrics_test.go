@@ -119,6 +119,7 @@ kvlease_rejections_total{pool="gpu",reason="closed"} 0
 kvlease_rejections_total{pool="gpu",reason="exhausted"} 0
 kvlease_rejections_total{pool="gpu",reason="invalid"} 1
 kvlease_rejections_total{pool="gpu",reason="quarantine_bound"} 0
+kvlease_rejections_total{pool="gpu",reason="quota"} 0
 # HELP kvlease_transfers_total Transfers ended, once per lease they gated, by outcome (resolved, failed, quarantined).
 # TYPE kvlease_transfers_total counter
 kvlease_transfers_total{outcome="failed",pool="gpu"} 1

@@ -1,6 +1,6 @@
 #!/bin/sh
 # rows.sh: the instruction count of every row of bench/README.md's table
-# (issue 16's rows), inclusive per op, with its floor, from callgrind.
+# (issue 16's rows, then issue 32's), inclusive per op, with its floor, from callgrind.
 #
 #   sh bench/instr/rows.sh [TESTBIN]
 #
@@ -43,3 +43,11 @@ row "ChainHashes (1024 tokens; func2 chained xxhash64)" "$bin" 'ChainHashes$' 20
 	$k.BenchmarkChainHashes.func3 $k.BenchmarkChainHashes.func2
 row "ProductionReplay/alone (a request of 2338 block ops)" "$bin" 'ProductionReplay/alone$' 20 60 \
 	$k.BenchmarkProductionReplay.func1
+# Issue 32: a tenant's cycles under quotas (func1, func1.2) next to the
+# same cycles in a pool without tenants (func2, func1.3), same run.
+row "QuotaCycle: Acquire(16)+Release as a capped tenant (func2: no tenants)" "$bin" 'QuotaCycle$' 10000 50000 \
+	$k.BenchmarkQuotaCycle.func1 $k.BenchmarkQuotaCycle.func2
+row "QuotaChurn/at-cap: EvictionChurn's cycle at the tenant's cap (func1.3: no tenants)" "$bin" 'QuotaChurn/at-cap$' 5000 25000 \
+	$k.BenchmarkQuotaChurn.func1.2 $k.BenchmarkQuotaChurn.func1.3
+row "QuotaChurn/reserve: the same, evicting past another's reservation (func1.3: no tenants)" "$bin" 'QuotaChurn/reserve$' 5000 25000 \
+	$k.BenchmarkQuotaChurn.func1.2 $k.BenchmarkQuotaChurn.func1.3

@@ -272,7 +272,7 @@ func (e *Engine) SetAdapterLoaded(name string, loaded bool) error {
 	if loaded {
 		r = kvlease.RetentionDefault
 	}
-	return e.pool.SetAdapterRetention(a.ID, r)
+	return e.pool.SetAdapterRetention(a.Name, r)
 }
 
 // Close stops the scheduler: requests in flight end with errShutdown and

@@ -5,7 +5,9 @@ import "fmt"
 // Check walks the whole table and calls bad for every inconsistency it
 // finds: each slot's class matches its holds, the counts match the slots
 // and sum to the length, the free stack and the LRU hold exactly the
-// unheld slots, and the quarantined-and-leased count is right. O(len).
+// unheld slots (a parked slot on its tenant's list only), the
+// quarantined-and-leased count is right, and every tenant's charges,
+// list and reservation agree with the slots (checkTenants). O(len).
 func (t *Table) Check(bad func(format string, args ...any)) {
 	var counts [NumClasses]int
 	onFree, onLRU, ql := 0, 0, 0
@@ -68,6 +70,7 @@ func (t *Table) Check(bad func(format string, args ...any)) {
 		}
 		seen[id] = true
 	}
+	parked := t.checkTenants(bad)
 	n := 0
 	for r := range t.lru {
 		prev := Nil
@@ -78,6 +81,9 @@ func (t *Table) Check(bad func(format string, args ...any)) {
 			}
 			if t.ret[id] != uint8(r) {
 				bad("LRU %d: slot %d has retention %d", r, id, t.ret[id])
+			}
+			if t.s[id].flags&flagParked != 0 {
+				bad("LRU %d: slot %d is parked", r, id)
 			}
 			if t.links[id].prev != prev {
 				bad("LRU %d: slot %d links back to %d, not %d", r, id, t.links[id].prev, prev)
@@ -93,8 +99,8 @@ func (t *Table) Check(bad func(format string, args ...any)) {
 			bad("LRU %d: %d linked, mask %08b", r, m, t.lruMask)
 		}
 	}
-	if n != t.lruLen || onLRU != t.lruLen {
-		bad("LRU: %d linked, %d counted, %d slots cached", n, t.lruLen, onLRU)
+	if n+parked != t.lruLen || onLRU != t.lruLen {
+		bad("LRU: %d linked and %d parked, %d counted, %d slots cached", n, parked, t.lruLen, onLRU)
 	}
 }
 

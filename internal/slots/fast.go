@@ -124,7 +124,8 @@ func (t *Table) Drop(blocks []Ref) (rest int) {
 			return 0
 		}
 	}
-	return t.dropFast(blocks)
+	rest, _ = t.dropFast(blocks, headLeased, headDraining)
+	return rest
 }
 
 // DropPinned is Drop for blocks that one pending read transfer gates
@@ -185,20 +186,24 @@ func (t *Table) dropGeneral(blocks []Ref) {
 }
 
 // dropFast is Drop's loop over its commonest cases, tail first, and
-// returns how many blocks it left (from the first it could not take).
+// returns how many blocks it left (from the first it could not take) and
+// how many it freed.
+// leased and draining are the heads it takes (headLeased and
+// headDraining; DropTenant's tracked ones): a freed slot's head is
+// headFree either way, charged to no one.
 //
 // Mirrors change(-1 ref) on a slot this lease alone holds, unsealed:
 // Leased → Free when no transfer pins it (onto the free stack), Leased →
 // Draining when only pending pins do. A leaf: with dropSlow's call in the
 // same function the loop reloaded its slices from the stack every block.
-func (t *Table) dropFast(blocks []Ref) int {
+func (t *Table) dropFast(blocks []Ref, leased, draining uint64) (int, int) {
 	slots := t.s
 	// The free stack never holds more than capacity ids, so its spare
 	// capacity has room for every block: no append.
 	room := t.free[:cap(t.free)]
 	k0 := len(t.free)
 	k, drained := k0, 0
-	leased, free, draining := headLeased, headFree, headDraining
+	free := headFree
 	i := len(blocks)
 	for ; i > 0 && k < len(room); i-- {
 		id := blocks[i-1].ID
@@ -222,14 +227,18 @@ func (t *Table) dropFast(blocks []Ref) int {
 	t.counts[Leased] -= freed + drained
 	t.counts[Free] += freed
 	t.counts[Draining] += drained
-	return i
+	return i, freed
 }
 
 // dropSlow is Drop for blocks that may be shared, sealed or pinned: the
-// cached case in a loop of its own (cacheFast), then, block by block, the
-// same case inline and change for anything else.
+// cached case in a loop of its own (cacheFast, then cacheTracked for
+// slots charged to a tenant), then, block by block, the same cases inline
+// and change for anything else.
 func (t *Table) dropSlow(blocks []Ref) {
 	blocks = blocks[:t.cacheFast(blocks)]
+	if t.tenantsOn {
+		blocks = blocks[:t.cacheTracked(blocks)]
+	}
 	slots := t.s
 	cached := 0
 	indexedLeased, indexedCached := headIndexedLeased, headIndexedCached
@@ -240,6 +249,21 @@ func (t *Table) dropSlow(blocks []Ref) {
 			// cacheFast's case.
 			s.setHead(indexedCached)
 			t.lruPush(id)
+			cached++
+			continue
+		}
+		if s.head() == headIndexedLeasedT && s.gates() == 0 {
+			// The same for a slot charged to a tenant: onto its tenant's
+			// list too (tenantPush, written out for a tenant without a
+			// reservation), and its reservation.
+			s.setHead(headIndexedCachedT)
+			if te := &t.tenants[t.ten[id]]; te.reserve == 0 {
+				t.lruPush(id)
+				te.list.head, te.list.tail = link(t.tlinks, te.list.head, te.list.tail, id)
+				te.cached++
+			} else {
+				t.tenantPush(id)
+			}
 			cached++
 			continue
 		}
@@ -422,8 +446,9 @@ func unpinFast(slots []slot, blocks []Ref, room []int32, k int, w int32, whole b
 
 // Revive adds an open lease's hold on the leading ids that are cached
 // (prefix hits), writing each into dst[k] with its generation, and returns
-// how many it did: it stops at the first id in any other class (the
-// caller continues with RefHeld, or with Ref).
+// how many it did: it stops at the first id in any other class, or
+// cached and charged to a tenant (the caller continues with RefHeld, or
+// with Ref).
 //
 // Mirrors change(+1 ref) on a cached slot: Cached → Leased, off the LRU.
 // One loop with the LRU's ends in registers.
@@ -455,10 +480,11 @@ func (t *Table) reviveFast(dst []Ref, ids []int32) int {
 	k := 0
 	slots, links := t.s, t.links
 	head, tail := t.lru[DefaultRetention].head, t.lru[DefaultRetention].tail
+	cachedHead := headIndexedCached
 	for ; k < len(ids) && k < len(dst); k++ {
 		id := ids[k]
 		s := &slots[id]
-		if s.class != Cached {
+		if s.head() != cachedHead { // (a tenant's cached slot too: tenantRemove)
 			break
 		}
 		s.refs++
@@ -481,10 +507,11 @@ func (t *Table) reviveClasses(dst []Ref, ids []int32) int {
 	slots, links, rets := t.s, t.links, t.ret
 	r := rets[ids[0]] & (NumRetention - 1)
 	head, tail := t.lru[r].head, t.lru[r].tail
+	cachedHead := headIndexedCached
 	for ; k < len(ids) && k < len(dst); k++ {
 		id := ids[k]
 		s := &slots[id]
-		if s.class != Cached || rets[id] != r {
+		if s.head() != cachedHead || rets[id] != r {
 			break
 		}
 		s.refs++

@@ -119,7 +119,7 @@ func fastEqualsGeneral(t *testing.T, seed uint64) {
 			if l == nil {
 				continue
 			}
-			if i := fast.dropFast(l.blocks); i > 0 {
+			if i, _ := fast.dropFast(l.blocks, headLeased, headDraining); i > 0 {
 				fast.dropSlow(l.blocks[:i])
 			}
 			gen.dropGeneral(l.blocks)
@@ -214,7 +214,7 @@ func fastEqualsGeneral(t *testing.T, seed uint64) {
 			}
 			rest := fast.dropPinnedFast(l.blocks)
 			pinPending(fast.s, l.blocks[:rest], 0)
-			if i := fast.dropFast(l.blocks[:rest]); i > 0 {
+			if i, _ := fast.dropFast(l.blocks[:rest], headLeased, headDraining); i > 0 {
 				fast.dropSlow(l.blocks[:i])
 			}
 			gen.pinGeneral(l.blocks, false)

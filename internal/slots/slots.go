@@ -78,16 +78,19 @@ const (
 
 // slot is the per-block state.
 //
-// The first eight bytes (refs, class, sealed, index and a zero pad) are
-// the slot's head. The fast loops read and write the head as one word
-// (see head): a fresh private block is exactly headLeased, a returned one
-// exactly headFree. Keep those fields first and together.
+// The first eight bytes (refs, class, sealed, index and the tenant
+// flags) are the slot's head. The fast loops read and write the head as
+// one word (see head): a fresh private block of no tenant is exactly
+// headLeased, a returned one exactly headFree. Keep those fields first
+// and together. A slot charged to a tenant has flagTracked set, so no
+// head the untracked loops compare against matches it: they leave it to
+// the general path or to the tenant-aware loops (tenants.go).
 type slot struct {
 	refs   int32 // open leases holding the block (a lease counts once per position)
 	class  Class // also says which list an unheld slot is on: free stack or LRU
 	sealed bool  // content immutable from now on
 	index  bool  // the prefix index maps a hash to this slot
-	_      uint8 // always zero: part of the head word
+	flags  uint8 // tenant flags (tenants.go); zero for a slot charged to no tenant
 
 	pins  int32  // pending transfer pins
 	quar  int32  // quarantined transfer pins
@@ -169,12 +172,14 @@ type Table struct {
 
 	lru     [NumRetention]lruEnds // per retention class: least recently unreferenced first
 	lruMask uint8                 // bit r set: lru[r] is not empty
-	lruLen  int                   // cached slots on all of them
+	lruLen  int                   // cached slots: on the lists, or parked (tenants.go)
 	ret     []uint8               // per slot: its retention class (parallel to s)
 	// retUsed: a slot was given a class other than the default. Until
 	// then every cached slot is on the default class's LRU, and the fast
 	// loops run as with one LRU, reading no class.
 	retUsed bool
+
+	tenantTable // per-tenant charges and quotas (tenants.go)
 
 	counts     [NumClasses]int
 	quarLeased int // quarantined slots an open lease still holds
@@ -201,20 +206,28 @@ func (t *Table) Init(n int) {
 // Len is the number of slots.
 func (t *Table) Len() int { return len(t.s) }
 
-// Available is how many slots a fill could take: free plus cached.
-func (t *Table) Available() int { return len(t.free) + t.lruLen }
+// Available is how many slots a fill of no tenant could take: free plus
+// cached, less the cached slots tenants' reservations keep (AvailableFor).
+func (t *Table) Available() int { return len(t.free) + t.lruLen - t.reservedAll }
 
 // FreeLen is the number of free slots.
 func (t *Table) FreeLen() int { return len(t.free) }
 
-// LRULen is the number of cached slots.
+// LRULen is the number of cached slots (Evictable: those no
+// reservation keeps).
 func (t *Table) LRULen() int { return t.lruLen }
 
-// LRUHead is the next cached slot an eviction takes: the least recently
-// unreferenced of the lowest retention class that has one, or Nil.
+// Evictable is the number of cached slots an eviction for no tenant may
+// take: those no tenant's reservation keeps.
+func (t *Table) Evictable() int { return t.lruLen - t.reservedAll }
+
+// LRUHead is the least recently unreferenced cached slot of the lowest
+// retention class that has one on its list, or, when none has, a slot a
+// reservation keeps off the lists (parked), or Nil when nothing is
+// cached. Without tenants it is the next slot an eviction takes.
 func (t *Table) LRUHead() int32 {
 	if t.lruMask == 0 {
-		return Nil
+		return t.parkedHead()
 	}
 	return t.lru[bits.TrailingZeros8(t.lruMask)].head
 }
@@ -260,8 +273,8 @@ func (t *Table) SetRetentionWhere(r uint8, match func(id int32) bool) {
 		t.setRetention(id, r)
 	}
 	for id := range t.ret {
-		if t.ret[id] != r && t.s[id].class != Cached && match(int32(id)) {
-			t.setRetention(int32(id), r)
+		if t.ret[id] != r && (t.s[id].class != Cached || t.s[id].flags&flagParked != 0) && match(int32(id)) {
+			t.setRetention(int32(id), r) // (a parked slot is on no class's list)
 		}
 	}
 }
@@ -272,7 +285,7 @@ func (t *Table) RetentionUsed() bool { return t.retUsed }
 
 func (t *Table) setRetention(id int32, r uint8) {
 	t.retUsed = true
-	if t.s[id].class == Cached {
+	if s := &t.s[id]; s.class == Cached && s.flags&flagParked == 0 {
 		t.lruRemove(id)
 		t.ret[id] = r
 		t.lruPush(id)
@@ -281,13 +294,14 @@ func (t *Table) setRetention(id int32, r uint8) {
 	t.ret[id] = r
 }
 
-// CachedIn is the number of cached slots of retention class r.
+// CachedIn is the number of cached slots of retention class r, parked
+// ones included. O(cached).
 func (t *Table) CachedIn(r uint8) int {
 	n := 0
 	for id := t.lru[r].head; id != Nil; id = t.links[id].next {
 		n++
 	}
-	return n
+	return n + t.parkedIn(r)
 }
 
 // Count is the number of slots in class c.
@@ -376,15 +390,26 @@ func (t *Table) settle(id int32) {
 	}
 	switch old {
 	case Cached:
-		t.lruRemove(id)
+		if s.flags != 0 {
+			t.tenantRemove(id) // off its tenant's list too
+		} else {
+			t.lruRemove(id)
+		}
 	case Free:
 		t.freeRemove(id)
 	}
 	switch next {
 	case Cached:
-		t.lruPush(id)
+		if s.flags != 0 {
+			t.tenantPush(id)
+		} else {
+			t.lruPush(id)
+		}
 	case Free:
 		s.sealed = false // nothing worth keeping: its content is forfeit
+		if s.flags != 0 {
+			t.uncharge(id) // a free slot is charged to no one
+		}
 		t.free = append(t.free, id)
 	}
 	s.class = next
@@ -474,9 +499,13 @@ func (s *slot) bumpGen() uint32 {
 // stack, else the least recently used cached slot, which is evicted (its
 // content forfeit: unsealed and unindexed; the caller takes its hash out
 // of the prefix index and reports evicted). The slot moves to its next
-// generation. The caller checked Available() > 0.
+// generation. The caller checked Available() > 0. A table with tenants
+// takes with TakeFor (or TakeTenant): Take knows no reservation.
 func (t *Table) Take() (r Ref, evicted bool) {
 	if invariants.Enabled { // (a constant: production builds pay nothing, not even in inlining budget)
+		if t.tenantsOn {
+			panic("kvlease: Take on a slot table with tenants: TakeFor")
+		}
 		if invariants.Sometimes(generalPercent) {
 			return t.takeGeneral()
 		}
@@ -484,31 +513,52 @@ func (t *Table) Take() (r Ref, evicted bool) {
 	return t.takeFast()
 }
 
-// takeGeneral is Take by change.
-func (t *Table) takeGeneral() (r Ref, evicted bool) {
+// takeGeneral is Take by change (TakeFor's general path for no tenant).
+func (t *Table) takeGeneral() (r Ref, evicted bool) { return t.takeFor(0) }
+
+// takeFor hands out one slot fresh to a lease of tenant tn (0: none) by
+// change: the top of the free stack, else an eviction's victim (see
+// victim), or, for a tenant at its cap, its own least recently cached
+// slot whatever is free; the slot is charged to tn from now on.
+func (t *Table) takeFor(tn uint16) (r Ref, evicted bool) {
 	var id int32
-	if n := len(t.free); n > 0 {
-		id = t.free[n-1]
-	} else {
-		id = t.LRUHead()
-		s := &t.s[id]
+	switch {
+	case tn != 0 && t.atCap(tn):
+		id = t.tenants[tn].list.head
+	case len(t.free) > 0:
+		id = t.free[len(t.free)-1]
+	default:
+		id = t.victim(tn)
+	}
+	s := &t.s[id]
+	if s.class == Cached {
 		s.index, s.sealed = false, false
 		evicted = true
+		if s.flags != 0 {
+			if u := &t.tenants[t.ten[id]]; t.ten[id] == tn {
+				u.ownEvict++
+			} else {
+				u.evicted++
+			}
+		}
 	}
-	gen := t.s[id].bumpGen()
+	gen := s.bumpGen()
 	t.change(id, 1, 0, 0, 0)
+	t.charge(id, tn)
 	return Ref{ID: id, Gen: gen}, evicted
 }
 
-// Offer hands the least recently used cached slot to an open lease
-// without evicting its content: it leaves the index (unindexed) but stays
-// sealed at its generation. The caller takes its hash out of the prefix
-// index. The LRU is not empty.
+// Offer hands the cached slot an eviction for no tenant would take (see
+// victim) to an open lease without evicting its content: it leaves the
+// index (unindexed) but stays sealed at its generation, and is charged
+// to no tenant from now on (it leaves the cache for a lower tier). The
+// caller takes its hash out of the prefix index. Evictable() > 0.
 func (t *Table) Offer() Ref {
-	id := t.LRUHead()
+	id := t.victim(0)
 	s := &t.s[id]
 	s.index = false
 	t.change(id, 1, 0, 0, 0)
+	t.charge(id, 0)
 	return Ref{ID: id, Gen: s.gen}
 }
 
