@@ -271,3 +271,19 @@ func TestQuotaErrors(t *testing.T) {
 	require.NoError(t, b.SetQuota(Quota{Reserve: 2}))
 	require.True(t, errors.Is(ErrQuota, ErrExhausted))
 }
+
+// A sliding-window sequence of a tenant is charged to it and refused at
+// its cap, as a plain one is (the window path acquires on its own).
+func TestQuotaWindowSequence(t *testing.T) {
+	p := newTestPool(t, 32, WithBlockTokens(4))
+	a := tenant(t, p, "a", Quota{Cap: 4})
+	s, err := p.Admit(SequenceSpec{Owner: "w", Seed: 1, Prompt: seqTokens(12, 1), Window: 8, Tenant: "a"})
+	require.NoError(t, err)
+	require.Equal(t, 3, a.Stats().Held)
+	_, err = p.Admit(SequenceSpec{Owner: "w2", Seed: 2, Prompt: seqTokens(12, 1), Window: 8, Tenant: "a"})
+	require.ErrorIs(t, err, ErrQuota)
+	require.ErrorIs(t, err, ErrExhausted)
+	require.Equal(t, 3, a.Stats().Held, "a refused admission holds nothing")
+	s.Release()
+	checkPool(t, p)
+}
