@@ -43,6 +43,14 @@ var (
 	// ErrStaleRef is returned for a BlockRef whose slot is free or has moved
 	// on to another generation: the content it named is gone.
 	ErrStaleRef = errors.New("kvlease: stale block reference")
+	// ErrCanceled is the outcome of a copy or transfer that honoured a
+	// cancel (Transfer.Cancel, a lease's Abort, a handoff's deadline): it
+	// stopped before doing all its work, so its destination holds
+	// unspecified content, but it is resolved: nothing of it is in flight
+	// any more. Every data plane, copy engine and tier wraps this one
+	// sentinel with its own context instead of defining its own, so
+	// errors.Is(err, ErrCanceled) holds across packages.
+	ErrCanceled = errors.New("kvlease: canceled")
 )
 
 // Reasons the library itself records; they appear as Transfer.Err or in

@@ -24,7 +24,7 @@ func (c cancelFrees) Start(pairs []kvlease.CopyPair[[]byte, []byte], attach func
 	_, err := c.base.Start(pairs, func(inner *kvlease.Transfer) error {
 		outer = kvlease.NewTransfer(func() {
 			inner.Cancel()
-			outer.Resolve(inproc.ErrCanceled) // BROKEN: frees the blocks at cancel
+			outer.Resolve(kvlease.ErrCanceled) // BROKEN: frees the blocks at cancel
 		})
 		if err := attach(outer); err != nil {
 			return err

@@ -59,7 +59,7 @@ type stream interface {
 	// Only one goroutine submits to a stream at a time.
 	submit(s *submission) (f fence, outcome, failure error)
 	// wait blocks until f completes (never by spinning). failure != nil
-	// means completion cannot be proven; outcome is ErrCanceled (wrapped)
+	// means completion cannot be proven; outcome is kvlease.ErrCanceled (wrapped)
 	// when copies were skipped.
 	wait(f fence) (outcome, failure error)
 	// recycle returns a completed fence for reuse.

@@ -117,7 +117,7 @@
 // transfer: not Start returning, not the launch being accepted, not a
 // cancel, not anything the kernel writes. A cancel keeps copies from being
 // enqueued if it comes first (the transfer then resolves with
-// ErrCanceled); what a stream holds, DMA or launch, cannot be recalled and
+// kvlease.ErrCanceled); what a stream holds, DMA or launch, cannot be recalled and
 // resolves when its event completes. If the driver reports a sticky error
 // or a lost context, nobody can prove the copy stopped: the transfer is
 // quarantined, never resolved, its arenas stay allocated, its ring slot is

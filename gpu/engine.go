@@ -341,7 +341,7 @@ func (e *CopyEngine) submit(j *copyJob) error {
 	case failed != nil:
 		outcome = fmt.Errorf("gpu: %s not enqueued: %w", dirNames[j.kind], failed)
 	case j.t.CancelRequested():
-		outcome = fmt.Errorf("gpu: %s canceled before it was enqueued: %w", dirNames[j.kind], ErrCanceled)
+		outcome = fmt.Errorf("gpu: %s canceled before it was enqueued: %w", dirNames[j.kind], kvlease.ErrCanceled)
 	default:
 		if j.kernel {
 			e.writeTable(j)

@@ -248,7 +248,7 @@ func TestCloseRefusedWhilePending(t *testing.T) {
 }
 
 // TestCancel: a cancel before the worker reaches the job skips the copy;
-// the transfer still resolves (with ErrCanceled) only when the worker is
+// the transfer still resolves (with kvlease.ErrCanceled) only when the worker is
 // done with it.
 func TestCancel(t *testing.T) {
 	d, gate := gatedHost(t)
@@ -265,7 +265,7 @@ func TestCancel(t *testing.T) {
 	eq(t, kvlease.TransferPending, tr.State(), "a cancel is a request, not evidence")
 	gate <- struct{}{}
 	waitDone(t, tr)
-	isErr(t, tr.Err(), ErrCanceled)
+	isErr(t, tr.Err(), kvlease.ErrCanceled)
 	eq(t, old, r.pin.Region(0))
 	zero(t, r.e.Pending())
 }
@@ -279,9 +279,9 @@ func TestCancelDuringAttach(t *testing.T) {
 			t.Cancel()
 			return nil
 		})
-		isErr(t, err, ErrCanceled)
+		isErr(t, err, kvlease.ErrCanceled)
 		eq(t, kvlease.TransferResolved, tr.State())
-		isErr(t, tr.Err(), ErrCanceled)
+		isErr(t, tr.Err(), kvlease.ErrCanceled)
 		zero(t, r.e.Pending())
 	})
 }
@@ -501,7 +501,7 @@ func concurrentWorker(d *Device, e *CopyEngine, seed uint64, rounds, blocks, bb 
 			return t1.Err()
 		}
 		if cancel {
-			if t2.Err() != nil && !errors.Is(t2.Err(), ErrCanceled) {
+			if t2.Err() != nil && !errors.Is(t2.Err(), kvlease.ErrCanceled) {
 				return t2.Err()
 			}
 			continue

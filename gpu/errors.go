@@ -30,14 +30,6 @@ var (
 	// in no live arena.
 	ErrClosed = errors.New("gpu: closed")
 
-	// ErrCanceled is the outcome of a transfer whose cancellation kept
-	// some of its copies from running (canceled before they were enqueued,
-	// or, on the CPU fallback, before the worker reached them): the
-	// transfer is resolved, since nothing is in flight any more, but the
-	// destination blocks hold unspecified content. Copies a CUDA stream
-	// already holds cannot be recalled; they finish and resolve normally.
-	ErrCanceled = errors.New("gpu: copy canceled")
-
 	// ErrDeviceFailed is matched by driver errors that leave the context
 	// unusable (sticky errors such as CUDA_ERROR_ILLEGAL_ADDRESS, or a
 	// destroyed context). After one, no copy on the device can be proven

@@ -7,6 +7,8 @@ import (
 	"sync/atomic"
 	"time"
 	"unsafe"
+
+	"github.com/kvlease/kvlease"
 )
 
 // The CPU fallback: device memory is host memory behind an address space
@@ -306,7 +308,7 @@ func (s *hostStream) wait(f fence) (outcome, failure error) {
 	case j.failure != nil:
 		return nil, j.failure
 	case j.skipped > 0:
-		return fmt.Errorf("gpu: %d of %d copies skipped: %w", j.skipped, len(j.sub.ops), ErrCanceled), nil
+		return fmt.Errorf("gpu: %d of %d copies skipped: %w", j.skipped, len(j.sub.ops), kvlease.ErrCanceled), nil
 	}
 	return nil, nil
 }

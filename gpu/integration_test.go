@@ -169,7 +169,7 @@ func abortCancelsCopy(t *testing.T, p Path) {
 	eq(t, 2, s.pin.Stats().Draining)
 	s.gate <- struct{}{}
 	waitDone(t, tr)
-	isErr(t, tr.Err(), ErrCanceled)
+	isErr(t, tr.Err(), kvlease.ErrCanceled)
 	<-dst.Settled()
 	<-src.Settled()
 	eq(t, 4, s.pin.Stats().Free)

@@ -629,7 +629,7 @@ func TestKernelCancel(t *testing.T) {
 		head := r.e.ring.head
 		tr, err := r.e.HostToDevice().Start([]cp[[]byte, DevicePtr]{pair(r.pin.Region(0), r.dev.Region(1)), pair(r.pin.Region(2), r.dev.Region(4))},
 			func(t *kvlease.Transfer) error { t.Cancel(); return nil })
-		isErr(t, err, ErrCanceled)
+		isErr(t, err, kvlease.ErrCanceled)
 		eq(t, kvlease.TransferResolved, tr.State())
 		eq(t, head, r.e.ring.head, "the ring slot of a copy never enqueued")
 		zero(t, r.e.Pending())
@@ -644,7 +644,7 @@ func TestKernelCancel(t *testing.T) {
 	eq(t, kvlease.TransferPending, tr.State(), "a cancel is a request, not evidence")
 	gate <- struct{}{}
 	waitDone(t, tr)
-	isErr(t, tr.Err(), ErrCanceled)
+	isErr(t, tr.Err(), kvlease.ErrCanceled)
 	eq(t, old, readDev(t, d, r.dev.Region(1), 1024), "a skipped launch copied")
 	eq(t, r.e.ring.head, r.e.ring.tail.Load(), "its slot is released once the worker is done")
 }

@@ -55,7 +55,7 @@ func (m MemCopy) Start(pairs []kvlease.CopyPair[[]byte, []byte], attach func(*kv
 		var err error
 		m.each(pairs, func(src, dst []byte, blocks int) bool {
 			if canceled.Load() {
-				err = fmt.Errorf("tiers: copy canceled after %d of %d blocks: %w", done, len(pairs), ErrCanceled)
+				err = fmt.Errorf("tiers: copy canceled after %d of %d blocks: %w", done, len(pairs), kvlease.ErrCanceled)
 				return false
 			}
 			copy(dst, src)

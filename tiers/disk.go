@@ -646,7 +646,7 @@ func (d *Disk) run(j *diskJob, buf []byte, mac hash.Hash) error {
 		for ; i+k < len(j.writes) && k < most && (k == 0 || d.adjacent(j.writes[i+k-1].Dst, j.writes[i+k].Dst)); k++ {
 			w := &j.writes[i+k]
 			if j.canceled.Load() {
-				return fmt.Errorf("tiers: disk write canceled before slot %d: %w", w.Dst, ErrCanceled)
+				return fmt.Errorf("tiers: disk write canceled before slot %d: %w", w.Dst, kvlease.ErrCanceled)
 			}
 			if d.cfg.BeforeIO != nil {
 				if err := d.cfg.BeforeIO(true, w.Dst); err != nil {
@@ -672,7 +672,7 @@ func (d *Disk) run(j *diskJob, buf []byte, mac hash.Hash) error {
 		for ; i+k < len(j.reads) && k < most && (k == 0 || d.adjacent(j.reads[i+k-1].Src, j.reads[i+k].Src)); k++ {
 			r := &j.reads[i+k]
 			if j.canceled.Load() {
-				return fmt.Errorf("tiers: disk read canceled before slot %d: %w", r.Src, ErrCanceled)
+				return fmt.Errorf("tiers: disk read canceled before slot %d: %w", r.Src, kvlease.ErrCanceled)
 			}
 			if d.cfg.BeforeIO != nil {
 				if err := d.cfg.BeforeIO(false, r.Src); err != nil {
@@ -756,10 +756,6 @@ func (d *Disk) closeFiles() error {
 	d.files = nil
 	return errors.Join(errs...)
 }
-
-// ErrCanceled is the outcome of a disk job whose transfer was canceled
-// before it finished: the slots after the cancel were not touched.
-var ErrCanceled = errors.New("tiers: canceled")
 
 // alignedBuf returns n bytes aligned for O_DIRECT.
 func alignedBuf(n int) []byte {

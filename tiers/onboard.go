@@ -180,7 +180,7 @@ func (c *Cache[D]) Acquire(owner string, hashes []kvlease.BlockHash, n int) (*On
 		if t := diskRead.Load(); t != nil {
 			t.Cancel()
 		}
-		gate.Resolve(ErrCanceled)
+		gate.Resolve(kvlease.ErrCanceled)
 	})
 	if err := l.AttachRange(gate, d, d+h+m, kvlease.Write); err != nil {
 		gate.Resolve(err) // cannot happen: l is new and its blocks fresh

@@ -79,7 +79,7 @@ func TestOnboardAbortCancelsDiskRead(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	valid, err := o.Wait(ctx)
-	require.ErrorIs(t, err, ErrCanceled, "the onboard's outcome")
+	require.ErrorIs(t, err, kvlease.ErrCanceled, "the onboard's outcome")
 	require.Zero(t, valid)
 	require.EqualValues(t, 1, reads.Load(), "slots read after the abort: the disk read was not cancelled")
 	for name, p := range map[string]*kvlease.Pool[[]byte]{"device": dev, "host": host} {

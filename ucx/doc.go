@@ -263,7 +263,7 @@
 //     cancel withdrew it before a message matched (ucp_request_cancel:
 //     the receive completes with UCS_ERR_CANCELED and UCX never writes
 //     its buffer). The outcome is nil when every block arrived and passed
-//     its check, ErrCanceled when a cancel stopped it, an error wrapping
+//     its check, kvlease.ErrCanceled when a cancel stopped it, an error wrapping
 //     ErrCorrupt for a message of the wrong length or a block of the
 //     wrong sum. A receive that
 //     a message already matched is not withdrawn: a source stopped in
@@ -272,7 +272,7 @@
 //   - Destination, pull: resolves when every get it posted has
 //     completed (ucp_get_nbx's callback) and a flush of the endpoint
 //     posted after them has completed (ucp_ep_flush_nbx's callback, with
-//     UCS_OK). The outcome is nil when every block arrived, ErrCanceled
+//     UCS_OK). The outcome is nil when every block arrived, kvlease.ErrCanceled
 //     when a cancel stopped it before its last get (the flush still
 //     covers the posted ones), the first failed get otherwise.
 //   - Source, pull: resolves on the destination's done without error —

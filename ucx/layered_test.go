@@ -478,7 +478,7 @@ func TestLayeredHandoff(t *testing.T) {
 func TestLayeredCancelBetweenPieces(t *testing.T) {
 	// A cancel stops a layered read between gets as it stops a plain one:
 	// the blocks read before it are whole, nothing after it is written,
-	// and a flush after the posted gets is the evidence (ErrCanceled).
+	// and a flush after the posted gets is the evidence (kvlease.ErrCanceled).
 	stuck, release := make(chan struct{}), make(chan struct{})
 	sender, recv := layeredPlanes(t, ucx.Config{Pull: true, MaxGet: lPiece, Window: 1, BeforeGet: func(_ handoff.PlaneID, block int) {
 		if block == 2 {
@@ -517,7 +517,7 @@ func TestLayeredCancelBetweenPieces(t *testing.T) {
 	}
 	close(release)
 	<-dt.Done()
-	if err := dt.Err(); !errors.Is(err, ucx.ErrCanceled) {
+	if err := dt.Err(); !errors.Is(err, kvlease.ErrCanceled) {
 		t.Fatalf("after the cancel: %v", err)
 	}
 	// One piece per get, block by block: blocks 0 and 1 arrived whole.

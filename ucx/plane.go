@@ -18,10 +18,6 @@ var (
 	// ErrCorrupt wraps plane bytes (Accept or Start) that are malformed or
 	// do not match the regions they describe.
 	ErrCorrupt = errors.New("ucx: malformed plane bytes")
-	// ErrCanceled is the outcome of a transfer that honoured a cancel:
-	// its remaining gets were never posted and a flush completed after
-	// the posted ones.
-	ErrCanceled = errors.New("ucx: transfer canceled")
 	// ErrRevoked wraps the outcome of a transfer whose evidence is a
 	// revocation: the handoff's registration was unmapped and its worker
 	// destroyed, so nothing of UCX in this process touches the regions
@@ -1066,7 +1062,7 @@ func (j *recvJob[R]) step() bool {
 	case j.postErr != nil:
 		out = j.postErr
 	case j.next < len(j.plan):
-		out = fmt.Errorf("ucx: stopped after %d of %d gets: %w", j.next, len(j.plan), ErrCanceled)
+		out = fmt.Errorf("ucx: stopped after %d of %d gets: %w", j.next, len(j.plan), kvlease.ErrCanceled)
 	default:
 		for _, g := range j.plan {
 			j.bytes += int64(g.n)
@@ -1149,7 +1145,7 @@ func (j *recvJob[R]) finish(out error, revoked bool) {
 			case out == nil:
 				s.Completed++
 				s.Bytes += j.bytes
-			case errors.Is(out, ErrCanceled):
+			case errors.Is(out, kvlease.ErrCanceled):
 				s.Canceled++
 			}
 		})

@@ -213,7 +213,7 @@ func TestCancelIsARequest(t *testing.T) {
 	// A reader stuck mid-transfer is cancelled: nothing resolves (the
 	// cancel is a request). Once it can go on, it posts no more gets and
 	// a flush after the posted ones completes: that is the evidence, and
-	// the outcome is ErrCanceled.
+	// the outcome is kvlease.ErrCanceled.
 	stuck, release := make(chan struct{}), make(chan struct{})
 	recv, err := ucx.NewReceiver(ucx.Config{MaxGet: 64, Window: 1, BeforeGet: func(_ handoff.PlaneID, block int) {
 		if block == 2 {
@@ -253,7 +253,7 @@ func TestCancelIsARequest(t *testing.T) {
 	}
 	close(release)
 	<-dt.Done()
-	if err := dt.Err(); !errors.Is(err, ucx.ErrCanceled) {
+	if err := dt.Err(); !errors.Is(err, kvlease.ErrCanceled) {
 		t.Fatalf("after the cancel: %v", err)
 	}
 	if err := markedRegions(dr[:2], 5); err != nil {

@@ -1130,7 +1130,7 @@ func (j *recvJob[R]) pushOutcome() error {
 	check := func(i, want int, what string) error {
 		_, n, err := p.rv.result(i)
 		switch {
-		case errors.Is(err, ErrCanceled):
+		case errors.Is(err, kvlease.ErrCanceled):
 			canceled = true
 			return nil
 		case err != nil:
@@ -1170,7 +1170,7 @@ func (j *recvJob[R]) pushOutcome() error {
 		return j.postErr
 	}
 	if canceled || j.next < p.units() {
-		return fmt.Errorf("ucx: stopped after %d of %d messages: %w", j.next, p.units(), ErrCanceled)
+		return fmt.Errorf("ucx: stopped after %d of %d messages: %w", j.next, p.units(), kvlease.ErrCanceled)
 	}
 	if n := p.mode.sumLen(); n > 0 {
 		got := make([]byte, n)

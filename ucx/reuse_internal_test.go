@@ -500,9 +500,9 @@ func TestReuseLateMessageOfAnAbortedHandoff(t *testing.T) {
 		close(release)
 		t.Fatal("the canceled destination did not resolve")
 	}
-	if err := dt.Err(); !errors.Is(err, ErrCanceled) {
+	if err := dt.Err(); !errors.Is(err, kvlease.ErrCanceled) {
 		close(release)
-		t.Fatalf("the canceled handoff: %v, want ErrCanceled", err)
+		t.Fatalf("the canceled handoff: %v, want kvlease.ErrCanceled", err)
 	}
 	rs := r.Stats()
 	if rs.Idle != 0 {

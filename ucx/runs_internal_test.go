@@ -375,7 +375,7 @@ func TestPushRunsBeyondTheStartBytes(t *testing.T) {
 
 func TestPushRunCanceledBeforeItsMessage(t *testing.T) {
 	// A cancel withdraws a run's receive that no message matched yet:
-	// the destination resolves with ErrCanceled and none of the run's
+	// the destination resolves with kvlease.ErrCanceled and none of the run's
 	// blocks is written, then or once the source sends it. The handoff is
 	// a run of n blocks and one block apart; the destination's hook for
 	// that block runs once the run's receive is posted.
@@ -434,9 +434,9 @@ func TestPushRunCanceledBeforeItsMessage(t *testing.T) {
 		close(release)
 		t.Fatal("the canceled destination did not resolve")
 	}
-	if err := dt.Err(); !errors.Is(err, ErrCanceled) {
+	if err := dt.Err(); !errors.Is(err, kvlease.ErrCanceled) {
 		close(release)
-		t.Fatalf("destination outcome %v, want ErrCanceled", err)
+		t.Fatalf("destination outcome %v, want kvlease.ErrCanceled", err)
 	}
 	close(release) // the source now sends the run
 	s.Finish(id, dt.Err())

@@ -319,7 +319,7 @@ func (j *recvJob[R]) stopGrace(epErr error) {
 		time.Sleep(time.Millisecond)
 	}
 	if j.canceled.Load() {
-		j.finish(fmt.Errorf("ucx: stream stopped (the source's endpoint: %v): %w", epErr, ErrCanceled), false)
+		j.finish(fmt.Errorf("ucx: stream stopped (the source's endpoint: %v): %w", epErr, kvlease.ErrCanceled), false)
 		return
 	}
 	j.finish(fmt.Errorf("%w: %w", epErr, ErrRevoked), true)

@@ -318,6 +318,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"unsafe"
+
+	"github.com/kvlease/kvlease"
 )
 
 // setLogLevel sets UCX's log level. UCX reads UCX_LOG_LEVEL when the
@@ -339,9 +341,9 @@ func (s Status) Error() string {
 }
 
 // Is lets errors.Is match the package's sentinels: a cancelled request
-// matches ErrCanceled.
+// matches kvlease.ErrCanceled.
 func (s Status) Is(target error) bool {
-	return target == ErrCanceled && C.ucs_status_t(s) == C.UCS_ERR_CANCELED
+	return target == kvlease.ErrCanceled && C.ucs_status_t(s) == C.UCS_ERR_CANCELED
 }
 
 func status(st C.ucs_status_t) error {

@@ -30,9 +30,6 @@ var (
 	// ErrInjected is the outcome of a copy that failed by injection
 	// (Config.FailRate or a Plan with FateFail).
 	ErrInjected = errors.New("inproc: injected copy failure")
-	// ErrCanceled is the outcome of a copy that honoured a cancel: it
-	// stopped before its next write.
-	ErrCanceled = errors.New("inproc: copy canceled")
 )
 
 // Fate is how a transfer ends.
@@ -40,7 +37,7 @@ type Fate uint8
 
 const (
 	// FateComplete: every block is copied and the transfer resolved with
-	// nil (or ErrCanceled, when a cancel was honoured first).
+	// nil (or kvlease.ErrCanceled, when a cancel was honoured first).
 	FateComplete Fate = iota
 	// FateFail: the copy stops before block Plan.FailAt and the transfer
 	// resolves with ErrInjected.
@@ -130,8 +127,8 @@ type Stats struct {
 	Started        int // transfers attached and started
 	Refused        int // attach refused: nothing started
 	Completed      int // resolved with nil
-	Failed         int // resolved with an error other than ErrCanceled (injected, hook)
-	Canceled       int // resolved with ErrCanceled
+	Failed         int // resolved with an error other than kvlease.ErrCanceled (injected, hook)
+	Canceled       int // resolved with kvlease.ErrCanceled
 	Lost           int // stopped without acknowledgement (FateLoseAck)
 	Acknowledged   int // lost acknowledgements delivered late by Acknowledge
 	CancelsIgnored int // cancels requested of a copy that does not honour them
@@ -257,7 +254,7 @@ func (j *copyJob) run() {
 		switch {
 		case outcome == nil:
 			s.Completed++
-		case errors.Is(outcome, ErrCanceled):
+		case errors.Is(outcome, kvlease.ErrCanceled):
 			s.Canceled++
 		default:
 			s.Failed++
@@ -279,7 +276,7 @@ func (j *copyJob) copy() error {
 		}
 		select {
 		case <-j.cancel:
-			return fmt.Errorf("inproc: transfer %d stopped before block %d of %d: %w", j.tr.ID(), i, len(j.pairs), ErrCanceled)
+			return fmt.Errorf("inproc: transfer %d stopped before block %d of %d: %w", j.tr.ID(), i, len(j.pairs), kvlease.ErrCanceled)
 		default:
 		}
 		if j.plan.Fate == FateFail && i == failAt {

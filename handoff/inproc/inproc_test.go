@@ -179,7 +179,7 @@ func TestCancel(t *testing.T) {
 				r.to.Abort(nil)                     // cancels the transfer
 				synctest.Wait()
 				if honour {
-					if !errors.Is(tr.Err(), inproc.ErrCanceled) || !reflect.DeepEqual(r.copied(), []bool{true, false, false, false}) {
+					if !errors.Is(tr.Err(), kvlease.ErrCanceled) || !reflect.DeepEqual(r.copied(), []bool{true, false, false, false}) {
 						t.Fatalf("outcome %v, copied %v", tr.Err(), r.copied())
 					}
 					if got := tp.Stats(); got != (inproc.Stats{Started: 1, Canceled: 1}) {

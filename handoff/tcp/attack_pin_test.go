@@ -134,7 +134,7 @@ func TestAttackFrozenDestination(t *testing.T) {
 			}
 			// The cancel ended the blocked write: not the peer, not a
 			// stall timeout.
-			if err := o.Transfer().Err(); !errors.Is(err, tcp.ErrCanceled) {
+			if err := o.Transfer().Err(); !errors.Is(err, kvlease.ErrCanceled) {
 				t.Fatalf("source transfer resolved with %v, want the cancel's outcome", err)
 			}
 			if tc.abort {
@@ -197,7 +197,7 @@ func TestAttackFrozenSource(t *testing.T) {
 			if st := waitDone(t, "destination", in.Done(), in.State); st != handoff.Aborted {
 				t.Fatalf("destination %v: %v", st, in.History())
 			}
-			if err := in.Transfer().Err(); !errors.Is(err, tcp.ErrCanceled) {
+			if err := in.Transfer().Err(); !errors.Is(err, kvlease.ErrCanceled) {
 				t.Fatalf("destination transfer resolved with %v, want the cancel's outcome", err)
 			}
 			if !tc.abort {

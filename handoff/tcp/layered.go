@@ -141,7 +141,7 @@ func writeLayered[R LayeredRegion](conn net.Conn, tok [16]byte, sl *seal, region
 	var n int64
 	for i, r := range regions {
 		if cancel.Load() {
-			return n, fmt.Errorf("tcp: stopped before block %d of %d: %w", i, len(regions), ErrCanceled)
+			return n, fmt.Errorf("tcp: stopped before block %d of %d: %w", i, len(regions), kvlease.ErrCanceled)
 		}
 		bufs = append(bufs[:0], hdr8)
 		gather = gather[:0]
@@ -260,7 +260,7 @@ func readLayered[R LayeredRegion](c net.Conn, sl *seal, regions []R, lay layout.
 	for _, run := range fr {
 		select {
 		case <-cancel:
-			return n, fmt.Errorf("tcp: stopped before block %d of %d: %w", i, len(regions), ErrCanceled)
+			return n, fmt.Errorf("tcp: stopped before block %d of %d: %w", i, len(regions), kvlease.ErrCanceled)
 		default:
 		}
 		if _, err := io.ReadFull(br, fh[:]); err != nil {

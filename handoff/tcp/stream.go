@@ -63,7 +63,7 @@ const (
 )
 
 // errStreamStopped is what a stop frame reads as.
-var errStreamStopped = fmt.Errorf("tcp: the sender stopped the stream: %w", ErrCanceled)
+var errStreamStopped = fmt.Errorf("tcp: the sender stopped the stream: %w", kvlease.ErrCanceled)
 
 // flagStream is the hello's stream-mode flag.
 const flagStream = 2
@@ -95,17 +95,17 @@ func (c *cancelFlag) set() {
 	c.once.Do(func() { close(c.stop) })
 }
 
-// or wraps err, a write's failure, with ErrCanceled when the cancel's
+// or wraps err, a write's failure, with kvlease.ErrCanceled when the cancel's
 // deadline ended the write (see byCancel).
 func (c *cancelFlag) or(err error) error { return byCancel(err, c.past.Load()) }
 
-// byCancel wraps err with ErrCanceled when it is a deadline's expiry and
+// byCancel wraps err with kvlease.ErrCanceled when it is a deadline's expiry and
 // the transfer was cancelled (canceled): the cancel's deadline in the
 // past ended the read or write. Any other failure (the connection died,
 // even after a cancel) keeps its own cause.
 func byCancel(err error, canceled bool) error {
 	if canceled && errors.Is(err, os.ErrDeadlineExceeded) {
-		return fmt.Errorf("%w (%w)", ErrCanceled, err)
+		return fmt.Errorf("%w (%w)", kvlease.ErrCanceled, err)
 	}
 	return err
 }
@@ -297,7 +297,7 @@ func writeStream(conn net.Conn, tok [16]byte, sl *seal, ps parts, ready handoff.
 		l, b, ok := ready.Wait(doneL, doneB, cancel.stop)
 		if !ok || cancel.Load() {
 			w.stop(w.conn)
-			return w.sent, fmt.Errorf("tcp: stopped with %d of %d layers and %d of %d blocks sent: %w", doneL, L, doneB, n, ErrCanceled)
+			return w.sent, fmt.Errorf("tcp: stopped with %d of %d layers and %d of %d blocks sent: %w", doneL, L, doneB, n, kvlease.ErrCanceled)
 		}
 		l, b = min(l, L), min(b, n)
 		if l == L || ready.Complete() {
@@ -340,7 +340,7 @@ func (w *streamWriter) send(b0, b1, l0, l1 int, cancel *cancelFlag) error {
 	for b := b0; b < b1; {
 		if cancel.Load() {
 			w.stop(w.conn)
-			return fmt.Errorf("tcp: stopped before block %d, layers %d to %d: %w", b, l0, l1-1, ErrCanceled)
+			return fmt.Errorf("tcp: stopped before block %d, layers %d to %d: %w", b, l0, l1-1, kvlease.ErrCanceled)
 		}
 		w.iov = append(w.iov[:0], w.meta[:streamHeader])
 		var sum uint32
@@ -387,7 +387,7 @@ func (w *streamWriter) send(b0, b1, l0, l1 int, cancel *cancelFlag) error {
 					// its first byte: still at a frame boundary.
 					w.stop(w.conn)
 				}
-				err = fmt.Errorf("%w (%w)", ErrCanceled, err)
+				err = fmt.Errorf("%w (%w)", kvlease.ErrCanceled, err)
 			}
 			return fmt.Errorf("tcp: blocks %d to %d, layers %d to %d: %w", b, e-1, l0, l1-1, err)
 		}
@@ -495,7 +495,7 @@ func readStream(c net.Conn, sl *seal, ps parts, cancel <-chan struct{}) (int64, 
 	for left := n * L; left > 0; {
 		select {
 		case <-cancel:
-			return got, fmt.Errorf("tcp: stopped with %d of %d parts to come: %w", left, n*L, ErrCanceled)
+			return got, fmt.Errorf("tcp: stopped with %d of %d parts to come: %w", left, n*L, kvlease.ErrCanceled)
 		default:
 		}
 		if err := readFullv(sc, &work, append(bufs[:0], meta[:streamHeader])); err != nil {
@@ -595,12 +595,12 @@ func readFullv(sc scatter, work *[][]byte, bufs [][]byte) error {
 	}
 }
 
-// canceledOr wraps err with ErrCanceled when cancel is closed: the read
+// canceledOr wraps err with kvlease.ErrCanceled when cancel is closed: the read
 // ended because the cancel set its deadline.
 func canceledOr(err error, cancel <-chan struct{}) error {
 	select {
 	case <-cancel:
-		return fmt.Errorf("%w (%w)", ErrCanceled, err)
+		return fmt.Errorf("%w (%w)", kvlease.ErrCanceled, err)
 	default:
 		return err
 	}

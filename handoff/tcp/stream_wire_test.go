@@ -262,7 +262,7 @@ func TestStreamBadLayerCount(t *testing.T) {
 
 // TestStreamStopFrame: after a stop frame the receiver's transfer waits
 // for its own cancel (the handoff's abort, on its way over the control
-// connection) instead of failing at once, then ends with ErrCanceled.
+// connection) instead of failing at once, then ends with kvlease.ErrCanceled.
 func TestStreamStopFrame(t *testing.T) {
 	s := newRawStream(t, false, 2, 1024, 2)
 	s.good(0, 2, 0, 1)
@@ -275,8 +275,8 @@ func TestStreamStopFrame(t *testing.T) {
 	case <-time.After(50 * time.Millisecond):
 	}
 	s.rt.Cancel()
-	if err := s.outcome(); !errors.Is(err, ErrCanceled) {
-		t.Fatalf("outcome %v, want ErrCanceled", err)
+	if err := s.outcome(); !errors.Is(err, kvlease.ErrCanceled) {
+		t.Fatalf("outcome %v, want kvlease.ErrCanceled", err)
 	}
 	s.untouched()
 }
@@ -301,7 +301,7 @@ func TestStreamHeaderParsesWithoutAllocating(t *testing.T) {
 // FuzzStreamHeader: a stream frame header either parses into a frame of
 // 1 to maxRunBlocks blocks and at least one layer inside the stream,
 // whose length is exactly its parts', or is refused with ErrCorrupt (a
-// stop frame with ErrCanceled); never a panic. The layer count that
+// stop frame with kvlease.ErrCanceled); never a panic. The layer count that
 // follows a stream hello is fuzzed alongside.
 func FuzzStreamHeader(f *testing.F) {
 	good := func(b0, nb, l0, nl, ln uint32) []byte {

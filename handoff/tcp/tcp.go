@@ -97,7 +97,7 @@
 //     transfer: the halves cancel the transfer itself, so this holds
 //     with the lease already released) stops the loop at the next block
 //     and ends a read or write blocked on a stalled peer at once (a
-//     deadline in the past, outcome ErrCanceled): the loop's return is
+//     deadline in the past, outcome kvlease.ErrCanceled): the loop's return is
 //     the evidence, so a quarantine set by the deadline lifts as soon as
 //     the loop has returned, while the peer is still stalled. Only a
 //     loop stuck outside the socket (in the process itself) keeps its
@@ -142,9 +142,6 @@ import (
 )
 
 var (
-	// ErrCanceled is the outcome of a transfer that honoured a cancel: it
-	// stopped at a block boundary.
-	ErrCanceled = errors.New("tcp: transfer canceled")
 	// ErrCorrupt wraps a frame whose index, length or checksum is not what
 	// the receiver expects, and a malformed hello.
 	ErrCorrupt = errors.New("tcp: corrupt data frame")
@@ -323,7 +320,7 @@ func (c *counters) outcome(err error, bytes int64) {
 	switch {
 	case err == nil:
 		c.s.Completed++
-	case errors.Is(err, ErrCanceled):
+	case errors.Is(err, kvlease.ErrCanceled):
 		c.s.Canceled++
 	default:
 		c.s.Failed++
@@ -508,7 +505,7 @@ func (s *Sender) start(id handoff.PlaneID, accept []byte, attach func(*kvlease.T
 				sc = fresh
 				st.use(sc.c)
 				if cancel.Load() {
-					n, err = 0, fmt.Errorf("tcp: stopped before the hello: %w", ErrCanceled)
+					n, err = 0, fmt.Errorf("tcp: stopped before the hello: %w", kvlease.ErrCanceled)
 				} else {
 					n, err = write(st, tok, sl, cancel)
 				}
@@ -563,7 +560,7 @@ func (s *Sender) write(conn net.Conn, tok [16]byte, sl *seal, regions [][]byte, 
 	i := 0
 	for f, run := range fr {
 		if cancel.Load() {
-			return n, fmt.Errorf("tcp: stopped before block %d of %d: %w", i, len(regions), ErrCanceled)
+			return n, fmt.Errorf("tcp: stopped before block %d of %d: %w", i, len(regions), kvlease.ErrCanceled)
 		}
 		binary.LittleEndian.PutUint32(metaBuf[tl:], uint32(i))
 		binary.LittleEndian.PutUint32(metaBuf[tl+4:], uint32(run*bb))
@@ -1108,7 +1105,7 @@ func (r *Receiver) receive(id handoff.PlaneID, blocks int, blockBytes func() (in
 				kept = &p
 			}
 		case <-cancel:
-			err = fmt.Errorf("tcp: canceled before the data connection came: %w", ErrCanceled)
+			err = fmt.Errorf("tcp: canceled before the data connection came: %w", kvlease.ErrCanceled)
 			r.dropSlot(s)
 		case <-r.stopped:
 			err = fmt.Errorf("tcp: receive: %w", ErrClosed)
@@ -1178,7 +1175,7 @@ func (r *Receiver) read(c net.Conn, sl *seal, regions [][]byte, cancel <-chan st
 	for f < len(fr) {
 		select {
 		case <-cancel:
-			return n, fmt.Errorf("tcp: stopped before block %d of %d: %w", first, len(regions), ErrCanceled)
+			return n, fmt.Errorf("tcp: stopped before block %d of %d: %w", first, len(regions), kvlease.ErrCanceled)
 		default:
 		}
 		if behind != nil && behind.failed() != nil {
