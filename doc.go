@@ -9,57 +9,9 @@
 // a device pointer for GPU memory) and returns a lease's blocks to the pool
 // only after every transfer attached to it has resolved.
 //
-// # Overview
-//
-// What the package exports, by concept (one file each):
-//
-//   - Memory: BlockID, BlockRef, Memory, HostMemory (NewHostMemory, Span).
-//   - Runs: Run, AppendRuns (and Lease.AppendRuns): contiguous runs of
-//     block ids, one copy each.
-//   - Pool (NewPool, options With...: WithObserver, WithLeakCheck,
-//     WithDrainDeadline, WithQuarantineAlert, WithKVEvents, WithBlockTokens,
-//     WithVerifiedPrefix, WithSealRecords): Acquire, AcquireWait, AcquirePrefix,
-//     AcquirePrefixTokens, AcquireHits, CachedPrefix, CachedPrefixTokens,
-//     Region, Stats, Available, Usable, Capacity, BlockBytes, Memory, Check
-//     (consistency), CheckQuiescent (at rest: QuiescenceError, Holding),
-//     Close, ResetCache (ResetMode), SetEvictHook and OfferCached
-//     (EvictOwner), DrainKVEvents, KVEventsReady, SnapshotKVCache,
-//     SnapshotKVBlocks (KVEvent, KVEventKind), SealInfo and
-//     KeepsSealRecords (how a block was sealed: SealInfo).
-//   - Lease: Len, Owner, ID, Pool, Ref, AppendBlockIDs, AppendRuns, Region, ReadRegion,
-//     AppendRegions, AppendReadRegions, Extend, TrimTo, Trimmed, Attach,
-//     AttachRange (Access: Read, Write), Seal, SealTokens, SealChained,
-//     SealAs, Share, Release, Abort, Settled, State (LeaseState), Closed.
-//   - Transfer (NewTransfer): Resolve, Quarantine, Cancel, Done, Err, State
-//     (TransferState), ID, CancelRequested; TransferGroup
-//     (NewTransferGroup, AttachGroup, AttachGroupRange) for per-rank
-//     transfers of one logical copy; Transport and CopyPair, what a data
-//     plane implements.
-//   - Prefix hashes: BlockHash, HashBlock, ChainHashes; HashBlockExtra
-//     and ExtraKey (extra keys), Hasher (WithHasher, Pool.HashBlocks: a
-//     batch of blocks per call, an error path, the caller's seed as root);
-//     Token, TokensInt32, TokensUint32, HashTokens, ChainTokens (uint32
-//     token ids without a copy).
-//   - Sequence (Pool.NewSequence, Pool.Admit with a SequenceSpec, every
-//     size in it checked first; Pool.AdmitWith for a caller's lookup such
-//     as tiers.Cache.Admit): a request's tokens over a lease: Append,
-//     Commit (never implied, never silently missing), AppendComputed,
-//     Rollback, Reserve, Onboarded, growth and a seal per full block;
-//     sliding windows (SequenceSpec.Window, Base) trim as they commit.
-//   - Engine policy: Adapter (Lease.SetAdapter: lora tags in KV events
-//     and the adapter's retention, by name), Retention (Lease.SetRetention,
-//     Pool.SetAdapterRetention, Pool.CachedByRetention: eviction classes),
-//     tenants (WithTenantKey, Pool.TenantSeed: namespaces; Pool.Tenant,
-//     Tenant.SetQuota with a Quota, Pool.TenantStats: a cap and a
-//     reservation per tenant), Stats.InUse.
-//   - Observation: Observer, ObserverFunc, Event, EventKind.
-//   - Errors: ErrInvalidArgument, ErrExceedsCapacity, ErrExhausted,
-//     ErrQuarantineBound, ErrQuota, ErrPoolClosed, ErrLeaseClosed,
-//     ErrStaleRef, ErrReadOnly, ErrAborted, ErrQuarantined,
-//     ErrDrainDeadline, ErrNotQuiescent.
-//
-// What users must not touch lives under internal/: the slot table
-// (internal/slots), the checked-build switches (internal/invariants).
+// This comment explains the concepts and what the caller must do; each
+// type's own comment is its contract. The examples (go doc -all, and
+// examples/quickstart in the repository) show the calls.
 //
 // # Rules
 //
@@ -87,6 +39,53 @@
 //     is held; CheckQuiescent proves the pool at rest (no lease open,
 //     draining or quarantined, no waiter) and names who holds what.
 //
+// # Blocks and memory
+//
+// A pool manages the blocks of one Memory: a fixed number of equal
+// regions (NewHostMemory for host memory; package gpu for device and
+// pinned memory). A block is named by its BlockID and, across reuse, by
+// a BlockRef: its id and the generation of its slot. The generation
+// changes whenever the slot is handed out fresh, so a ref kept past its
+// block's life (by a transport, a router, a log) is detected as stale
+// rather than silently served someone else's data. The pool hands a
+// lease's fresh blocks out as few contiguous runs of ids as it can
+// (AppendRuns), since moving KV costs per descriptor more than per byte.
+//
+// # Leases
+//
+// A lease is one owner's hold on some blocks. Acquire is all or nothing;
+// AcquireWait queues, first in first out, and a plain Acquire never
+// overtakes a queued waiter. Extend grows an open lease (decode), TrimTo
+// gives back its leading blocks (sliding windows), Share hands sealed
+// blocks to a second lease (parallel sampling). Region returns a block
+// for writing and refuses sealed or shared blocks (ErrReadOnly);
+// ReadRegion returns any held block for reading.
+//
+// Release and Abort close a lease at once and are idempotent; Abort also
+// asks every unresolved transfer to cancel. A closed lease drains: its
+// blocks come back as the transfers gating them resolve, and Settled is
+// closed when it holds nothing. State says where it is
+// (LeaseQuarantined: a gating transfer ended without proof).
+//
+// # Transfers and evidence
+//
+// A Transfer is a transport's statement about memory in flight. The
+// caller attaches it to the leases whose blocks it touches (Attach,
+// AttachRange) with an Access: Read (a send, an offload) or Write (a
+// receive, an onload). A pending transfer keeps its blocks out of reuse;
+// a pending Write also keeps them from being sealed or hit. The transport
+// ends it in one of two ways: Resolve, once it can prove the memory
+// quiescent (the only evidence), or Quarantine, when it cannot. Cancel
+// only asks the transport (through the hook given to NewTransfer) to stop
+// early; the transfer still ends by Resolve or Quarantine. OnResolve runs
+// a callback inside the winning Resolve, after the blocks are back, so a
+// component that acts on evidence needs no goroutine per transfer.
+//
+// A Transport (a copy engine, a data plane) creates its transfer and
+// attaches it before a single byte moves: if attaching fails because a
+// lease closed meanwhile, nothing starts and the transfer resolves with
+// that error. This ordering is what makes an abort safe.
+//
 // # Lifecycle
 //
 //	              Acquire fails ──▶ (nothing held, an error)
@@ -109,13 +108,19 @@
 // Resolve still lifts it). Cancel is a request to the transport, not a
 // state.
 //
-// # Concurrency
+// # Quarantine and capacity
 //
-// Every method of Pool, Lease and Transfer is safe for concurrent use: an
-// Abort from a request's HTTP goroutine may race the scheduler's Extend
-// (the loser gets ErrLeaseClosed). Cancel hooks and observers run with no
-// internal lock held, so they may call back into the library; a cancel
-// hook may Resolve its transfer synchronously.
+// Quarantined blocks are never reused until late evidence arrives, so
+// they shrink what the pool can ever serve: Stats.Usable (Pool.Usable) is
+// capacity minus quarantined blocks, and admission should be asked
+// against it. A request for more than could ever be free while the
+// quarantine lasts fails with ErrQuarantineBound, which wraps ErrExhausted
+// (old callers still retry; new ones can tell retrying will not help); a
+// queued AcquireWait waiter in that position is failed with it rather than
+// blocking the queue. WithQuarantineAlert tells the observer when
+// quarantined blocks exceed a share of the pool, and WithDrainDeadline
+// quarantines the transfers of a lease that stays unsettled too long
+// (still freeing nothing: time is not evidence).
 //
 // # Prefix cache
 //
@@ -145,33 +150,91 @@
 // unreferenced cached blocks; ResetCache(ResetAll) also makes blocks in
 // use unfindable (after a weight update).
 //
-// KV events (WithKVEvents) tell a cache-aware router which blocks became
-// findable or stopped being so, with sequence numbers and a bounded ring
-// that never blocks the allocator.
+// Eviction takes the least recently used block of the lowest retention
+// class that has one (Lease.SetRetention, Pool.SetAdapterRetention), a
+// chain from its end. WithHasher replaces the block hash (to reproduce
+// another system's keys); extra keys (HashBlockExtra: an image's content
+// hash over its placeholder tokens) enter the hash of exactly the blocks
+// they cover. KV events (WithKVEvents) tell a cache-aware router which
+// blocks became findable or stopped being so, with sequence numbers and a
+// bounded ring that never blocks the allocator.
 //
-// # Quarantine and capacity
+// # Sequences
 //
-// Quarantined blocks are never reused until late evidence arrives, so
-// they shrink what the pool can ever serve: Stats.Usable (Pool.Usable) is
-// capacity minus quarantined blocks, and admission should be asked
-// against it. A request for more than could ever be free while the
-// quarantine lasts fails with ErrQuarantineBound, which wraps ErrExhausted
-// (old callers still retry; new ones can tell retrying will not help); a
-// queued AcquireWait waiter in that position is failed with it rather than
-// blocking the queue. WithQuarantineAlert tells the observer when
-// quarantined blocks exceed a share of the pool. Stats.QuarantinedLeased
-// counts the quarantined blocks running requests still hold.
+// A Sequence is one request's tokens over one lease: what an engine
+// otherwise writes by hand around the pool. Pool.Admit (or NewSequence)
+// hashes the prompt once, takes its prefix hits and checks every size of
+// the SequenceSpec before anything is held. Append gives new tokens slots,
+// growing the lease at block boundaries; Commit says their KV is written
+// and seals every block that filled; Rollback takes back rejected
+// speculative tokens. Commit is never implied: Append refuses while
+// earlier tokens are neither committed nor rolled back, so a forgotten
+// Commit is an error at the next step, not a cache that stays empty. A
+// sliding-window sequence (SequenceSpec.Window) starts its lease at Base
+// and trims what falls out of the window.
+//
+// # Tenants
+//
+// Tenants are separated in two ways. Namespaces: with WithTenantKey, the
+// pool derives each tenant's chain root from a secret it holds
+// (TenantSeed, an HMAC), so a request of one tenant can neither hit nor
+// time another's blocks, whatever public salt it copies; blocks within a
+// tenant are shared as before. Pass the seed wherever a seed goes
+// (NewSequence, SequenceSpec.Seed, AcquirePrefixTokens). Quotas:
+// Pool.Tenant registers a tenant whose acquires are charged for the fresh
+// blocks they take until those are free; Tenant.SetQuota caps what it
+// holds (at the cap it evicts its own cached blocks; beyond it ErrQuota,
+// which wraps ErrExhausted) and reserves its newest cached blocks against
+// other tenants' demand. Both cost O(1) per block.
+//
+// # Concurrency
+//
+// Every method of Pool, Lease, Transfer and Tenant is safe for concurrent
+// use: an Abort from a request's HTTP goroutine may race the scheduler's
+// Extend (the loser gets ErrLeaseClosed). Cancel hooks, OnResolve
+// callbacks and observers run with no internal lock held, so they may call
+// back into the library; a cancel hook may Resolve its transfer
+// synchronously. Observers may be called concurrently and should be quick.
+// A Sequence is not safe for concurrent use: one scheduler goroutine
+// drives it, though its lease may be aborted from anywhere. A Hasher must
+// be deterministic and safe for concurrent use.
+//
+// # What the caller must do
+//
+//   - End every lease with Release or Abort. A lease that becomes
+//     unreachable while open is a leak: its blocks are never reclaimed
+//     behind the owner's back, only reported (WithLeakCheck, on in checked
+//     builds, reports EventLeaked to the observer).
+//   - End every transfer with Resolve (on proof) or Quarantine (without).
+//     A transfer that is never ended holds its blocks forever, by design.
+//   - Not keep a region past the lease that returned it, and never write
+//     through ReadRegion: the library cannot see either, and the block may
+//     already be someone else's.
+//   - Pass prefix lookups only the hashes of blocks the request will not
+//     write (the token-based calls do this for you).
+//   - Close a pool before the memory under it (a gpu arena refuses to
+//     close while copies touch it), and call CheckQuiescent at shutdown or
+//     at the end of a test to prove nothing is still held.
+//
+// Errors wrap the package's sentinels (ErrInvalidArgument,
+// ErrExceedsCapacity, ErrExhausted, ErrLeaseClosed, ErrStaleRef, ...)
+// with context: test them with errors.Is. Invalid arguments are returned
+// as errors, never panics; the exceptions are indexes outside a block
+// table or a memory (Lease.Ref, AppendBlockIDs, HostMemory.Region), which
+// panic like a slice index.
 //
 // # Disaggregated handoff
 //
 // Package handoff (github.com/kvlease/kvlease/handoff) moves a request's
 // KV from a prefill worker's lease to a decode worker's pool in two phases
 // (propose, accept or reject, start), in one process over a Transport or
-// across processes over a connection. A rejected handoff can never start a
-// transfer; an aborted one drains until the transport proves quiescence;
-// one whose evidence never comes is quarantined. Its Envelope states the
-// operating limits every component must agree on, and CheckRequest
-// answers before any block is touched.
+// across processes over an authenticated connection. A rejected handoff
+// can never start a transfer; an aborted one drains until the transport
+// proves quiescence; one whose evidence never comes is quarantined. Its
+// Envelope states the operating limits every component must agree on,
+// and CheckRequest answers before any block is touched. Packages tiers
+// (host and disk offload), groups (sliding-window models), gpu, events
+// and metrics build on the same rules.
 //
 // # Checked builds
 //

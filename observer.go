@@ -82,7 +82,7 @@ func (k EventKind) String() string {
 type Event struct {
 	Kind     EventKind
 	Owner    string // the lease's owner (or the rejected caller)
-	Lease    uint64 // the lease's id (LeaseID), 0 for a rejection
+	Lease    uint64 // the lease's id (Lease.ID), 0 for a rejection
 	Transfer uint64 // the transfer's id, for transfer events
 	Blocks   int    // blocks concerned
 	Hits     int    // prefix hits, for EventAcquired

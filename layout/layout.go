@@ -9,7 +9,7 @@
 // layer's K and V is Contiguous, the special case where a block's pieces
 // are adjacent (a copy of it merges into one span).
 //
-// A transport moves a block as all its pieces (Pieces), so the two sides
+// A transport moves a block as all its pieces (AppendPieces), so the two sides
 // of a copy may arrange memory differently as long as their pieces agree:
 // the same number of layers and kinds, the same piece size, the same
 // element geometry (Tag). Fingerprint covers exactly that; a handoff

@@ -1,12 +1,21 @@
 // Package metrics exports kvlease pools, KV-event publishers and handoffs
 // to Prometheus.
 //
-// A Collector reads a snapshot of every source it was given once per
-// scrape (Pool.Stats, Publisher.Stats): nothing is counted on the
-// allocator's hot path for it. The three duration histograms (transfer,
-// drain, quarantine) need to see transitions as they happen and are fed by
-// the Observer a Collector hands out for each pool (kvlease.WithObserver).
-// Handoff outcomes are counted by RecordHandoff or WatchHandoff.
+// A Collector reads, once per scrape, a snapshot of every source it was
+// given: pools (their blocks by state, prefix queries and hits), KV-event
+// publishers, the halves of cross-process handoffs (sessions, refusals
+// by cause) and their data planes (data connections, transfers by
+// outcome, bytes). Nothing is counted on the allocator's hot path for it.
+// The three duration histograms (transfer, drain, quarantine) need to see
+// transitions as they happen and are fed by the Observer a Collector
+// hands out for each pool (kvlease.WithObserver). Handoff outcomes are
+// counted by RecordHandoff or WatchHandoff.
+//
+// A TenantCollector exports each pool's per-tenant lines
+// (kvlease.Pool.TenantStats) the same way. Tenant names become label
+// values, so their number is bounded (TenantOptions.MaxTenants): tenants
+// registered after the bound add up under tenant="other", in
+// registration order, never by load, so no series moves.
 //
 // New registers the Collector on the Registerer it is given; the package
 // keeps no global state and registers nothing by itself.

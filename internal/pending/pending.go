@@ -3,8 +3,8 @@
 // has not said its hello yet), per remote address and in total, so that
 // one address that floods cannot keep another out.
 //
-// The rule: a new connection from an address that already holds PerAddr
-// pending connections is refused; when Total are pending, the oldest
+// The rule: a new connection from an address that already holds perAddr
+// pending connections is refused; when total are pending, the oldest
 // pending connection of the busiest address gives way to the new one,
 // unless the new one's own address is (one of) the busiest, in which
 // case the new one is refused. An address with fewer pending connections
