@@ -159,11 +159,11 @@ func BenchmarkPush256x64K(b *testing.B) {
 	}
 	for _, m := range modes {
 		var err error
-		if m.s, err = NewSender(m.cfg); err != nil {
+		if m.s, err = NewSender(m.cfg, HostBytes); err != nil {
 			b.Fatal(err)
 		}
 		defer m.s.Close()
-		if m.r, err = NewReceiver(m.cfg); err != nil {
+		if m.r, err = NewReceiver(m.cfg, HostBytes); err != nil {
 			b.Fatal(err)
 		}
 		defer m.r.Close()
@@ -256,12 +256,12 @@ func BenchmarkRuns256x4K(b *testing.B) {
 			}
 			ps := make([]planes, len(layouts))
 			for i := range ps {
-				s, err := NewSender(model.cfg)
+				s, err := NewSender(model.cfg, HostBytes)
 				if err != nil {
 					b.Fatal(err)
 				}
 				defer s.Close()
-				r, err := NewReceiver(model.cfg)
+				r, err := NewReceiver(model.cfg, HostBytes)
 				if err != nil {
 					b.Fatal(err)
 				}

@@ -123,12 +123,12 @@ func BenchmarkPull256x64K(b *testing.B) {
 	}{{"get=64KiB", benchBlockBytes}, {"get=1MiB", 1 << 20}} {
 		b.Run(c.name, func(b *testing.B) {
 			const window, rounds = 16, 3
-			s, err := ucx.NewSender(ucx.Config{Pull: true})
+			s, err := ucx.NewSender(ucx.Config{Pull: true}, ucx.HostBytes)
 			if err != nil {
 				b.Fatal(err)
 			}
 			defer s.Close()
-			r, err := ucx.NewReceiver(ucx.Config{Pull: true, Window: window, MaxGet: c.maxGet})
+			r, err := ucx.NewReceiver(ucx.Config{Pull: true, Window: window, MaxGet: c.maxGet}, ucx.HostBytes)
 			if err != nil {
 				b.Fatal(err)
 			}

@@ -1,9 +1,12 @@
 package ucx
 
 import (
-	"github.com/kvlease/kvlease/handoff"
+	"fmt"
 	"sync"
 	"time"
+
+	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/handoff"
 )
 
 // Config configures a Sender or a Receiver. The zero value is usable.
@@ -41,7 +44,7 @@ type Config struct {
 	// trusts the destination with the source process's memory: UCX 1.13
 	// serves, in software, a get (or a put) whose remote key names no
 	// hardware registration, at any address the destination names, on
-	// every transport (see Trust in the package doc). Set it only when the
+	// every transport (see Trust in DESIGN.md). Set it only when the
 	// destination is as trusted as the source process itself.
 	Pull bool
 	// MaxIdle bounds the idle connections (push model) a side keeps per
@@ -95,7 +98,7 @@ type Stats struct {
 	// block. The sums table's message is not counted.
 	Messages int
 	// Keyed counts the started handoffs whose blocks carry sums keyed by
-	// their authenticated session (IntegrityMAC); the others carry
+	// their authenticated session (a GMAC per block); the others carry
 	// crc32c (an insecure session), or nothing (device memory, pull).
 	Keyed int
 	// Workers counts the UCX workers created for the push model's
@@ -127,4 +130,50 @@ func (c *counters) get() Stats {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return c.s
+}
+
+// side is what a Sender and a Receiver share: their configuration, UCX
+// context, the regions' pieces function, counters, the sessions' keys
+// and the idle connections.
+type side[R any] struct {
+	cfg    Config
+	ctx    *context
+	pieces func(R, []Span) []Span
+	stats  counters
+	keys   sessionKeys
+	pool   *pool
+}
+
+// init configures s in place (its pool counts into s.stats): cfg's
+// defaults, an idle timeout of idle when cfg has none, and a UCX context
+// for cfg's model. A nil pieces function wraps kvlease.ErrInvalidArgument.
+func (s *side[R]) init(cfg Config, pieces func(R, []Span) []Span, idle time.Duration) error {
+	if pieces == nil {
+		return fmt.Errorf("ucx: nil pieces function: %w", kvlease.ErrInvalidArgument)
+	}
+	cfg.defaults()
+	ctx, err := newContext(cfg.Pull)
+	if err != nil {
+		return err
+	}
+	if cfg.IdleTimeout > 0 {
+		idle = cfg.IdleTimeout
+	}
+	s.cfg, s.ctx, s.pieces = cfg, ctx, pieces
+	s.pool = newPool(cfg.MaxIdle, idle, &s.stats)
+	return nil
+}
+
+// snapshot returns the side's counters with the connections idle now.
+func (s *side[R]) snapshot() Stats {
+	st := s.stats.get()
+	st.Idle = s.pool.idleN()
+	return st
+}
+
+// release destroys the idle connections and releases UCX: the last step
+// of Close.
+func (s *side[R]) release() {
+	s.pool.close()
+	s.ctx.close()
 }

@@ -201,10 +201,10 @@ func newLoop(t testing.TB, lc loopConfig) *loop {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if l.recv, err = ucx.NewReceiver(lc.recv); err != nil {
+	if l.recv, err = ucx.NewReceiver(lc.recv, ucx.HostBytes); err != nil {
 		t.Fatal(err)
 	}
-	if l.sender, err = ucx.NewSender(lc.send); err != nil {
+	if l.sender, err = ucx.NewSender(lc.send, ucx.HostBytes); err != nil {
 		t.Fatal(err)
 	}
 	dl := lc.deadline

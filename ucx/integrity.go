@@ -5,47 +5,48 @@ import (
 	"crypto/cipher"
 	"encoding/binary"
 	"fmt"
-	"github.com/kvlease/kvlease/handoff"
 	"hash/crc32"
+
+	"github.com/kvlease/kvlease/handoff"
 )
 
-// Integrity is how the destination checks each block it received in the
+// integrityMode is how the destination checks each block it received in the
 // push model.
-type Integrity byte
+type integrityMode byte
 
 const (
-	// IntegrityNone: no check (device memory, which the CPU cannot read;
+	// integrityNone: no check (device memory, which the CPU cannot read;
 	// insecure sessions only).
-	IntegrityNone Integrity = iota
-	// IntegrityCRC: crc32c (Castagnoli) of each block. It catches
+	integrityNone integrityMode = iota
+	// integrityCRC: crc32c (Castagnoli) of each block. It catches
 	// corruption, not forgery: the insecure mode's check.
-	IntegrityCRC
-	// IntegrityMAC: a GMAC (AES-256-GCM) of each block under a key
+	integrityCRC
+	// integrityMAC: a GMAC (AES-256-GCM) of each block under a key
 	// derived from the control session's key for this handoff alone, with
 	// the block index in its nonce: a block of another handoff, another
 	// session, another place in this handoff, or from anyone who does not
 	// hold the session key, is refused.
-	IntegrityMAC
+	integrityMAC
 )
 
 // String returns the mode's name: none, crc32c or gmac.
-func (m Integrity) String() string {
+func (m integrityMode) String() string {
 	switch m {
-	case IntegrityNone:
+	case integrityNone:
 		return "none"
-	case IntegrityCRC:
+	case integrityCRC:
 		return "crc32c"
-	case IntegrityMAC:
+	case integrityMAC:
 		return "gmac"
 	}
 	return fmt.Sprintf("Integrity(%d)", byte(m))
 }
 
-func (m Integrity) sumLen() int {
+func (m integrityMode) sumLen() int {
 	switch m {
-	case IntegrityCRC:
+	case integrityCRC:
 		return 4
-	case IntegrityMAC:
+	case integrityMAC:
 		return macLen
 	}
 	return 0
@@ -78,7 +79,7 @@ func keyContext(handoffID uint64, nonce []byte, salt uint32) []byte {
 // nonce, the handoff (and the session) in the key. A unit that straddles
 // two of a side's pieces is copied into a scratch buffer first.
 type summer struct {
-	mode    Integrity
+	mode    integrityMode
 	units   []int // the source's piece sizes
 	gcm     cipher.AEAD
 	scratch []byte
@@ -88,9 +89,9 @@ type summer struct {
 	folded  []byte // fold's GMAC
 }
 
-func newSummer(mode Integrity, key []byte, units []int) (*summer, error) {
+func newSummer(mode integrityMode, key []byte, units []int) (*summer, error) {
 	s := &summer{mode: mode, units: units}
-	if mode != IntegrityMAC {
+	if mode != integrityMAC {
 		return s, nil
 	}
 	c, err := aes.NewCipher(key)
@@ -114,13 +115,13 @@ func (s *summer) gmac(dst, data []byte, block, unit uint32) []byte {
 // order) to dst.
 func (s *summer) sum(dst []byte, b int, pieces []Span) {
 	switch s.mode {
-	case IntegrityCRC:
+	case integrityCRC:
 		var c uint32
 		for _, sp := range pieces {
 			c = crc32.Update(c, castagnoli, hostBytes(sp))
 		}
 		binary.LittleEndian.PutUint32(dst, c)
-	case IntegrityMAC:
+	case integrityMAC:
 		s.tags = s.tags[:0]
 		pi, off := 0, 0 // the piece and offset the next unit starts at
 		for u, n := range s.units {
@@ -168,30 +169,30 @@ func allHost(spans []Span) bool {
 // integrityFor picks the sums for a handoff: keyed when the session has
 // a key, crc32c without one, none for device memory (insecure sessions
 // only: see checkIntegrity).
-func integrityFor(key []byte, spans []Span) Integrity {
+func integrityFor(key []byte, spans []Span) integrityMode {
 	switch {
 	case key != nil:
-		return IntegrityMAC
+		return integrityMAC
 	case !allHost(spans):
-		return IntegrityNone
+		return integrityNone
 	}
-	return IntegrityCRC
+	return integrityCRC
 }
 
 // checkIntegrity is the rule of a session's block sums, on both sides:
 // with a session key (an authenticated session) every block carries its
-// keyed sum (IntegrityMAC), whatever the regions (plain, pieces,
+// keyed sum (integrityMAC), whatever the regions (plain, pieces,
 // streamed), and a Start that names anything else (none, crc32c) is
 // refused, as are regions in device memory, whose sums nobody could
 // check; without a key, keyed sums are refused (nothing to check them
 // against). mode is the Start's (or the sender's) integrity.
-func checkIntegrity(key []byte, mode Integrity, spans []Span) error {
+func checkIntegrity(key []byte, mode integrityMode, spans []Span) error {
 	switch {
-	case key != nil && mode != IntegrityMAC:
+	case key != nil && mode != integrityMAC:
 		return fmt.Errorf("an authenticated session's blocks carry %v sums, not keyed ones: %w", mode, ErrCorrupt)
 	case key != nil && !allHost(spans):
 		return errDeviceKeyed
-	case key == nil && mode == IntegrityMAC:
+	case key == nil && mode == integrityMAC:
 		return fmt.Errorf("keyed block sums without a session key: %w", ErrCorrupt)
 	}
 	return nil

@@ -59,22 +59,22 @@ func BenchmarkLayeredPull64x32(b *testing.B) {
 		{"to=separated", layout.LayerSeparated, 16},
 	} {
 		b.Run(c.name, func(b *testing.B) {
-			ls, err := ucx.NewLayeredSender[layout.Block](ucx.Config{})
+			ls, err := ucx.NewSender(ucx.Config{}, ucx.LayeredPieces[layout.Block])
 			if err != nil {
 				b.Fatal(err)
 			}
 			defer ls.Close()
-			lr, err := ucx.NewLayeredReceiver[layout.Block](ucx.Config{Window: c.window})
+			lr, err := ucx.NewReceiver(ucx.Config{Window: c.window}, ucx.LayeredPieces[layout.Block])
 			if err != nil {
 				b.Fatal(err)
 			}
 			defer lr.Close()
-			s, err := ucx.NewSender(ucx.Config{})
+			s, err := ucx.NewSender(ucx.Config{}, ucx.HostBytes)
 			if err != nil {
 				b.Fatal(err)
 			}
 			defer s.Close()
-			r, err := ucx.NewReceiver(ucx.Config{})
+			r, err := ucx.NewReceiver(ucx.Config{}, ucx.HostBytes)
 			if err != nil {
 				b.Fatal(err)
 			}

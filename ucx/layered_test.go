@@ -136,12 +136,12 @@ func roundTrip[S, D any](t *testing.T, sender *ucx.Sender[S], recv *ucx.Receiver
 
 func layeredPlanes(t *testing.T, cfg ucx.Config) (*ucx.Sender[layout.Block], *ucx.Receiver[layout.Block]) {
 	t.Helper()
-	sender, err := ucx.NewLayeredSender[layout.Block](ucx.Config{Pull: cfg.Pull})
+	sender, err := ucx.NewSender(ucx.Config{Pull: cfg.Pull}, ucx.LayeredPieces[layout.Block])
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = sender.Close() })
-	recv, err := ucx.NewLayeredReceiver[layout.Block](cfg)
+	recv, err := ucx.NewReceiver(cfg, ucx.LayeredPieces[layout.Block])
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -260,7 +260,7 @@ func TestLayeredFromPlainBlocks(t *testing.T) {
 	// A plain []byte block is the one-piece case: it holds a layered
 	// block's pieces one after the other (the contiguous layout), so a
 	// plain source feeds a layer-separated destination piece by piece.
-	sender, err := ucx.NewSender(ucx.Config{})
+	sender, err := ucx.NewSender(ucx.Config{}, ucx.HostBytes)
 	if err != nil {
 		t.Fatal(err)
 	}

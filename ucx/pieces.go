@@ -2,11 +2,12 @@ package ucx
 
 import (
 	"fmt"
-	"github.com/kvlease/kvlease"
-	"github.com/kvlease/kvlease/layout"
 	"runtime"
 	"slices"
 	"unsafe"
+
+	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/layout"
 )
 
 // MemoryType says where a region's memory lives, as UCX registers it
@@ -31,9 +32,14 @@ type Span struct {
 	pin    unsafe.Pointer // Go memory to pin while registered
 }
 
-// HostBytes locates a []byte region (Go or pinned host memory). Go
+// HostBytes is the pieces function of []byte regions (Go or pinned host
+// memory): it appends b to dst as one piece. A pieces function of the
+// caller's appends each of a region's pieces in host memory with it. Go
 // memory stays pinned (runtime.Pinner) while a handoff has it registered.
-func HostBytes(b []byte) Span {
+func HostBytes(b []byte, dst []Span) []Span { return append(dst, hostSpan(b)) }
+
+// hostSpan is b as one Span (Go memory pinned while registered).
+func hostSpan(b []byte) Span {
 	p := unsafe.Pointer(unsafe.SliceData(b))
 	return Span{Addr: uintptr(p), Len: len(b), Memory: Host, pin: p}
 }
@@ -160,9 +166,9 @@ type LayeredRegion interface {
 	Piece(layer, kv int) []byte
 }
 
-// LayeredPieces locates a LayeredRegion's pieces in host memory, in
-// (layer, kv) order: the pieces function of NewLayeredSender and
-// NewLayeredReceiver. A zero region has none.
+// LayeredPieces is the pieces function of LayeredRegion blocks: it
+// appends a block's pieces in host memory to dst, in (layer, kv) order.
+// A zero region has none.
 func LayeredPieces[R LayeredRegion](r R, dst []Span) []Span {
 	lay := r.Layout()
 	if lay == (layout.Layout{}) {
@@ -170,31 +176,10 @@ func LayeredPieces[R LayeredRegion](r R, dst []Span) []Span {
 	}
 	for l := range lay.Layers {
 		for kv := range lay.KVs {
-			dst = append(dst, HostBytes(r.Piece(l, kv)))
+			dst = HostBytes(r.Piece(l, kv), dst)
 		}
 	}
 	return dst
-}
-
-// NewLayeredSender returns a sender plane for blocks of per-layer KV in
-// host memory (layout.Block, gpu.HostBlock): each block moves as all its
-// pieces, with one registration per contiguous run of the handoff's
-// pieces and one Transfer per handoff.
-func NewLayeredSender[R LayeredRegion](cfg Config) (*Sender[R], error) {
-	return NewSenderOfPieces(cfg, LayeredPieces[R])
-}
-
-// NewLayeredReceiver returns a receiver plane for blocks of per-layer KV
-// in host memory: each of a block's pieces is read from the matching
-// piece of the source's block (see the package doc for which sides
-// match).
-func NewLayeredReceiver[R LayeredRegion](cfg Config) (*Receiver[R], error) {
-	return NewReceiverOfPieces(cfg, LayeredPieces[R])
-}
-
-// onePiece turns a locator into a pieces function.
-func onePiece[R any](loc func(R) Span) func(R, []Span) []Span {
-	return func(r R, dst []Span) []Span { return append(dst, loc(r)) }
 }
 
 // geometry is a handoff's regions as pieces: spans holds every block's

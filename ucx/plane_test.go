@@ -69,12 +69,12 @@ func TestManyRunsReadTheTable(t *testing.T) {
 	// 200 blocks, no two adjacent: 200 registrations, whose keys do not
 	// fit the Start bytes. Pulled, the destination reads the run table
 	// from the source first, then the blocks.
-	sender, err := ucx.NewSender(ucx.Config{Pull: true})
+	sender, err := ucx.NewSender(ucx.Config{Pull: true}, ucx.HostBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer sender.Close()
-	recv, err := ucx.NewReceiver(ucx.Config{Pull: true})
+	recv, err := ucx.NewReceiver(ucx.Config{Pull: true}, ucx.HostBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -143,12 +143,12 @@ func TestManyRunsReadTheTable(t *testing.T) {
 }
 
 func TestBadPlaneBytes(t *testing.T) {
-	sender, err := ucx.NewSender(ucx.Config{})
+	sender, err := ucx.NewSender(ucx.Config{}, ucx.HostBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer sender.Close()
-	recv, err := ucx.NewReceiver(ucx.Config{})
+	recv, err := ucx.NewReceiver(ucx.Config{}, ucx.HostBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -220,12 +220,12 @@ func TestCancelIsARequest(t *testing.T) {
 			close(stuck)
 			<-release
 		}
-	}})
+	}}, ucx.HostBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer recv.Close()
-	sender, err := ucx.NewSender(ucx.Config{})
+	sender, err := ucx.NewSender(ucx.Config{}, ucx.HostBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -275,12 +275,12 @@ func TestModelsMustAgree(t *testing.T) {
 	regions := [][]byte{make([]byte, 64)}
 	attach := func(*kvlease.Transfer) error { t.Fatal("attached across models"); return nil }
 	for _, pull := range []bool{false, true} {
-		s, err := ucx.NewSender(ucx.Config{Pull: pull})
+		s, err := ucx.NewSender(ucx.Config{Pull: pull}, ucx.HostBytes)
 		if err != nil {
 			t.Fatal(err)
 		}
 		defer s.Close()
-		r, err := ucx.NewReceiver(ucx.Config{Pull: !pull})
+		r, err := ucx.NewReceiver(ucx.Config{Pull: !pull}, ucx.HostBytes)
 		if err != nil {
 			t.Fatal(err)
 		}

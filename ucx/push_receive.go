@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
 )
@@ -59,7 +60,7 @@ type pushRecv struct {
 	iov    iovs
 	rv     recvs // one per message, then the integrity table's
 	sums   cbuf
-	mode   Integrity
+	mode   integrityMode
 	summer *summer
 	tabled bool   // the table's receive is posted
 	layers int    // streaming: the layers of each block (0: not streaming)
@@ -122,8 +123,8 @@ func (r *Receiver[R]) receivePush(id handoff.PlaneID, prep *prepared, regions []
 		return fail(fmt.Errorf("ucx: receive: %w", err))
 	}
 	p.mode = st.mode
-	if st.mode != IntegrityNone && !allHost(p.g.spans) {
-		p.mode = IntegrityNone // device memory, insecure: the CPU cannot check it
+	if st.mode != integrityNone && !allHost(p.g.spans) {
+		p.mode = integrityNone // device memory, insecure: the CPU cannot check it
 	}
 	units := st.sizes
 	if st.layers > 0 {
@@ -136,7 +137,7 @@ func (r *Receiver[R]) receivePush(id handoff.PlaneID, prep *prepared, regions []
 	// handling): nothing waits for its handshake, so a source that
 	// stalls does not stall the destination's Receive. (If the
 	// handshake never completes, teardown's bounded flush abandons the
-	// worker rather than destroy it; see Limits in the package doc.)
+	// worker rather than destroy it; see Limits in DESIGN.md.)
 	c := prep.c
 	var connected, broken bool
 	if c.ep != nil && c.peer == string(st.addr) && c.healthy() {
@@ -185,7 +186,7 @@ func (r *Receiver[R]) receivePush(id handoff.PlaneID, prep *prepared, regions []
 	if n := st.mode.sumLen(); n > 0 {
 		p.sums = newCbuf(n * st.blocks)
 	}
-	return j.launch(attach, p.mode == IntegrityMAC, j.stepPush)
+	return j.launch(attach, p.mode == integrityMAC, j.stepPush)
 }
 
 // units is how many receives the job's blocks take: its messages, or

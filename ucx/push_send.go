@@ -3,10 +3,36 @@ package ucx
 import (
 	"crypto/rand"
 	"fmt"
+	"time"
+
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
-	"time"
 )
+
+// The push model (the default). The destination exposes nothing and
+// names no address of the source: its Prepare takes a worker for the
+// handoff alone (an idle one of the session, or a new one; see pool.go)
+// and puts that worker's address and a tag salt new on it in the Accept
+// bytes; the source connects to it and sends each block as
+// one tagged message (ucp_tag_send_nbx; a block of several pieces is
+// gathered from its pieces with an iov datatype), then a table of the
+// blocks' integrity sums. The destination receives each block into its
+// own pieces (ucp_tag_recv_nbx with the block's exact tag, scattered
+// with an iov datatype), so a message lands only where the destination
+// put it, and only into a block of this handoff. Both contexts are
+// created without UCP_FEATURE_RMA: no worker of this model serves a
+// software-emulated get or put (UCX registers those handlers only for
+// that feature).
+//
+// Runs: consecutive blocks that lie one after the other in the source's
+// memory (all their pieces, block by block) form a run, and a run moves
+// as one message (tagged with its first block), cut at the smaller of
+// the two sides' Config.MaxGet (the destination's travels in the Accept
+// bytes); the Start bytes list the runs of two blocks or more, and every
+// other block is a message of its own, as before. The destination
+// receives a run's message into its own blocks: one buffer where they
+// are adjacent in its memory too, scattered with an iov datatype where
+// they are not. The sums stay per block.
 
 // pushSend is a source job's push state. Everything is owned by the
 // job's worker thread once it is polled.
@@ -134,7 +160,7 @@ func (s *Sender[R]) sendPush(id handoff.PlaneID, regions []R, accept []byte, att
 		p.sums = newCbuf(n * blocks)
 	}
 	p.b = newBatch()
-	if err := s.attachJob(j, id, attach, mode == IntegrityMAC); err != nil {
+	if err := s.attachJob(j, id, attach, mode == integrityMAC); err != nil {
 		return nil, err
 	}
 	if !j.w.do(func() { j.w.pollers = append(j.w.pollers, j.pushStep) }) {

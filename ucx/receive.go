@@ -1,20 +1,20 @@
 package ucx
 
 import (
-	"encoding/binary"
 	"errors"
 	"fmt"
-	"github.com/kvlease/kvlease"
-	"github.com/kvlease/kvlease/handoff"
 	"runtime"
 	"slices"
 	"sync"
 	"sync/atomic"
+
+	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/handoff"
 )
 
 // Receiver is the destination side's plane: each handoff has a UCX
 // worker to itself (pushed: an idle one of its session, or a new one;
-// see Connections in the package doc; pulled: a new one). Pushed (the
+// see Connections in DESIGN.md; pulled: a new one). Pushed (the
 // default), it posts a tagged receive per message (a run of blocks, or a
 // block) into the blocks' own pieces and checks every block against its
 // sum; pulled (Config.Pull), it connects to the source's handoff
@@ -22,12 +22,7 @@ import (
 // into its own registered regions, then flushes the endpoint. It is safe
 // for concurrent use.
 type Receiver[R any] struct {
-	cfg    Config
-	ctx    *context
-	pieces func(R, []Span) []Span
-	stats  counters
-	keys   sessionKeys
-	pool   *pool // idle workers (push)
+	side[R] // its pool holds idle workers (push)
 
 	mu       sync.Mutex
 	prepared map[handoff.PlaneID]*prepared
@@ -38,31 +33,13 @@ type Receiver[R any] struct {
 
 var _ handoff.RecvPlane[[]byte] = (*Receiver[[]byte])(nil)
 
-// NewReceiver initialises UCX and returns a receiver plane for host
-// memory regions.
-func NewReceiver(cfg Config) (*Receiver[[]byte], error) { return NewReceiverOf(cfg, HostBytes) }
-
-// NewReceiverOf returns a receiver plane for regions of any type, located
-// by loc (see the package doc for device memory).
-func NewReceiverOf[R any](cfg Config, loc func(R) Span) (*Receiver[R], error) {
-	if loc == nil {
-		return nil, fmt.Errorf("ucx: nil locator: %w", kvlease.ErrInvalidArgument)
-	}
-	return newReceiver(cfg, onePiece(loc))
-}
-
-func newReceiver[R any](cfg Config, pieces func(R, []Span) []Span) (*Receiver[R], error) {
-	cfg.defaults()
-	ctx, err := newContext(cfg.Pull)
-	if err != nil {
+// NewReceiver initialises UCX and returns a receiver plane for regions
+// of type R, whose memory pieces lists as NewSender's does.
+func NewReceiver[R any](cfg Config, pieces func(r R, dst []Span) []Span) (*Receiver[R], error) {
+	r := &Receiver[R]{prepared: make(map[handoff.PlaneID]*prepared), jobs: make(map[*recvJob[R]]struct{})}
+	if err := r.init(cfg, pieces, defaultReceiverIdle); err != nil {
 		return nil, err
 	}
-	ttl := cfg.IdleTimeout
-	if ttl <= 0 {
-		ttl = defaultReceiverIdle
-	}
-	r := &Receiver[R]{cfg: cfg, ctx: ctx, pieces: pieces, prepared: make(map[handoff.PlaneID]*prepared), jobs: make(map[*recvJob[R]]struct{})}
-	r.pool = newPool(cfg.MaxIdle, ttl, &r.stats)
 	return r, nil
 }
 
@@ -84,7 +61,7 @@ func (r *Receiver[R]) Prepare(id handoff.PlaneID, blocks int) ([]byte, error) {
 		return nil, errPullSecure
 	}
 	if r.cfg.Pull {
-		accept = binary.LittleEndian.AppendUint32([]byte{'K', 'U', version}, uint32(blocks))
+		accept = appendAccept(nil, blocks)
 	} else {
 		var err error
 		if accept, err = r.preparePush(id, p); err != nil {
@@ -495,11 +472,7 @@ func (j *recvJob[R]) finish(out error, revoked bool) {
 }
 
 // Stats returns what the receiver did.
-func (r *Receiver[R]) Stats() Stats {
-	st := r.stats.get()
-	st.Idle = r.pool.idleN()
-	return st
-}
+func (r *Receiver[R]) Stats() Stats { return r.snapshot() }
 
 // Close revokes every handoff still reading (the operator's way out of a
 // silent source: each job's endpoint is closed, its worker destroyed and
@@ -529,18 +502,8 @@ func (r *Receiver[R]) Close() error {
 		j.finish(fmt.Errorf("%w: %w", ErrClosed, ErrRevoked), true)
 	}
 	r.wg.Wait()
-	r.pool.close()
-	r.ctx.close()
+	r.release()
 	return nil
-}
-
-// NewReceiverOfPieces returns a receiver plane for regions of any type
-// whose blocks are several pieces (see NewSenderOfPieces).
-func NewReceiverOfPieces[R any](cfg Config, pieces func(r R, dst []Span) []Span) (*Receiver[R], error) {
-	if pieces == nil {
-		return nil, fmt.Errorf("ucx: nil pieces function: %w", kvlease.ErrInvalidArgument)
-	}
-	return newReceiver(cfg, pieces)
 }
 
 // regIndex returns the run of regs (sorted) holding [addr, addr+n).

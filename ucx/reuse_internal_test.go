@@ -17,11 +17,11 @@ import (
 // (an authenticated session's), closed with the test.
 func reusePlanes(t *testing.T, scfg, rcfg Config) (*Sender[[]byte], *Receiver[[]byte]) {
 	t.Helper()
-	s, err := NewSender(scfg)
+	s, err := NewSender(scfg, HostBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
-	r, err := NewReceiver(rcfg)
+	r, err := NewReceiver(rcfg, HostBytes)
 	if err != nil {
 		_ = s.Close()
 		t.Fatal(err)
@@ -329,14 +329,14 @@ func TestReuseKilledPeer(t *testing.T) {
 	// source finds it broken and drops it, and its next handoff, to a new
 	// destination, connects afresh and delivers.
 	const n = 4
-	s, err := NewSender(Config{IdleTimeout: 2 * time.Second})
+	s, err := NewSender(Config{IdleTimeout: 2 * time.Second}, HostBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer s.Close()
 	secret := []byte("reuse test session secret 32 by")
 	s.keys = keyed(secret)
-	r, err := NewReceiver(Config{})
+	r, err := NewReceiver(Config{}, HostBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -347,7 +347,7 @@ func TestReuseKilledPeer(t *testing.T) {
 	}
 	_ = r.Close()
 	waitStats(t, "the source never found its connection broken", s.Stats, func(st Stats) bool { return st.Broken == 1 && st.Idle == 0 })
-	r2, err := NewReceiver(Config{})
+	r2, err := NewReceiver(Config{}, HostBytes)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -162,12 +162,12 @@ func BenchmarkPlane16Latency(b *testing.B) {
 	}
 	sides := []*side{{}, {}}
 	for i, cfg := range []Config{{}, {MaxIdle: -1}} {
-		s, err := NewSender(cfg)
+		s, err := NewSender(cfg, HostBytes)
 		if err != nil {
 			b.Fatal(err)
 		}
 		defer s.Close()
-		r, err := NewReceiver(cfg)
+		r, err := NewReceiver(cfg, HostBytes)
 		if err != nil {
 			b.Fatal(err)
 		}

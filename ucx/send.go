@@ -1,18 +1,18 @@
 package ucx
 
 import (
-	"encoding/binary"
 	"fmt"
-	"github.com/kvlease/kvlease"
-	"github.com/kvlease/kvlease/handoff"
 	"runtime"
 	"sync"
 	"sync/atomic"
+
+	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/handoff"
 )
 
 // Sender is the source side's plane. Pushing (the default), each handoff
 // takes the sender's idle endpoint to the destination's worker (or
-// connects to it; see Connections in the package doc) and sends each run
+// connects to it; see Connections in DESIGN.md) and sends each run
 // of blocks adjacent in memory, and each other block, as a tagged
 // message, then the blocks' sums; pulling (Config.Pull), it starts a UCX
 // worker of the handoff's own, registers the regions' pieces (one
@@ -21,12 +21,7 @@ import (
 // the destination's error, revokes; Close revokes everything and
 // destroys the idle connections. It is safe for concurrent use.
 type Sender[R any] struct {
-	cfg    Config
-	ctx    *context
-	pieces func(R, []Span) []Span
-	stats  counters
-	keys   sessionKeys
-	pool   *pool // idle connections (push)
+	side[R] // its pool holds idle connections (push)
 
 	mu      sync.Mutex
 	jobs    map[handoff.PlaneID]*sendJob[R]
@@ -38,31 +33,18 @@ type Sender[R any] struct {
 var _ handoff.SendPlane[[]byte] = (*Sender[[]byte])(nil)
 
 // NewSender initialises UCX (ucp_init; UCX_TLS and the other UCX_*
-// environment variables apply) and returns a sender plane for host
-// memory regions.
-func NewSender(cfg Config) (*Sender[[]byte], error) { return NewSenderOf(cfg, HostBytes) }
-
-// NewSenderOf returns a sender plane for regions of any type, located by
-// loc (see the package doc for device memory).
-func NewSenderOf[R any](cfg Config, loc func(R) Span) (*Sender[R], error) {
-	if loc == nil {
-		return nil, fmt.Errorf("ucx: nil locator: %w", kvlease.ErrInvalidArgument)
-	}
-	return newSender(cfg, onePiece(loc))
-}
-
-func newSender[R any](cfg Config, pieces func(R, []Span) []Span) (*Sender[R], error) {
-	cfg.defaults()
-	ctx, err := newContext(cfg.Pull)
-	if err != nil {
+// environment variables apply) and returns a sender plane for regions of
+// type R. pieces appends a region's memory to dst as the Spans of its
+// pieces, in the order both sides agree on, and returns it: HostBytes
+// for []byte regions, LayeredPieces for blocks of per-layer KV, a
+// function of the caller's for anything else (device memory: Spans
+// with Memory CUDA; see Device memory in DESIGN.md). Every region of a
+// handoff must have the same number of pieces of the same sizes.
+func NewSender[R any](cfg Config, pieces func(r R, dst []Span) []Span) (*Sender[R], error) {
+	s := &Sender[R]{jobs: make(map[handoff.PlaneID]*sendJob[R]), closing: make(chan struct{})}
+	if err := s.init(cfg, pieces, defaultSenderIdle); err != nil {
 		return nil, err
 	}
-	ttl := cfg.IdleTimeout
-	if ttl <= 0 {
-		ttl = defaultSenderIdle
-	}
-	s := &Sender[R]{cfg: cfg, ctx: ctx, pieces: pieces, jobs: make(map[handoff.PlaneID]*sendJob[R]), closing: make(chan struct{})}
-	s.pool = newPool(cfg.MaxIdle, ttl, &s.stats)
 	return s, nil
 }
 
@@ -143,7 +125,6 @@ func (s *Sender[R]) sendPull(id handoff.PlaneID, regions []R, accept []byte, att
 	if j.w, err = s.ctx.newWorker(); err != nil {
 		return fail(err)
 	}
-	start := appendStartHead(nil, version, g.sizes, len(regions))
 	var addr []byte
 	if cerr := j.w.call(func() { addr, err = j.w.address() }); cerr != nil {
 		err = cerr
@@ -151,8 +132,7 @@ func (s *Sender[R]) sendPull(id handoff.PlaneID, regions []R, accept []byte, att
 	if err != nil {
 		return fail(err)
 	}
-	start = binary.LittleEndian.AppendUint16(start, uint16(len(addr)))
-	start = append(start, addr...)
+	start := appendPullStart(nil, g.sizes, len(regions), addr)
 	keys := make([][]byte, len(regs))
 	for i, r := range regs {
 		m, err := s.ctx.memMap(r.addr, r.n, r.mem == CUDA)
@@ -168,7 +148,7 @@ func (s *Sender[R]) sendPull(id handoff.PlaneID, regions []R, accept []byte, att
 	segs, pieceMajor := segmentsOf(g)
 	table := appendTable(nil, regs, keys, segs, pieceMajor)
 	if len(start)+1+len(table) <= handoff.MaxPlane {
-		start = append(append(start, tableInline), table...)
+		start = appendInlineTable(start, table)
 	} else {
 		// Too many runs for the Start bytes: the destination reads the
 		// table itself, from C memory registered with the handoff.
@@ -183,11 +163,7 @@ func (s *Sender[R]) sendPull(id handoff.PlaneID, regions []R, accept []byte, att
 		if err != nil {
 			return fail(err)
 		}
-		start = append(start, tableRemote)
-		start = binary.LittleEndian.AppendUint64(start, uint64(j.table.addr()))
-		start = binary.LittleEndian.AppendUint32(start, uint32(j.table.n))
-		start = binary.LittleEndian.AppendUint16(start, uint16(len(key)))
-		start = append(start, key...)
+		start = appendRemoteTable(start, j.table.addr(), j.table.n, key)
 		if len(start) > handoff.MaxPlane {
 			return fail(fmt.Errorf("ucx: start bytes %d exceed %d: %w", len(start), handoff.MaxPlane, kvlease.ErrExceedsCapacity))
 		}
@@ -338,11 +314,7 @@ func (s *Sender[R]) Finish(id handoff.PlaneID, peer error) {
 }
 
 // Stats returns what the sender did.
-func (s *Sender[R]) Stats() Stats {
-	st := s.stats.get()
-	st.Idle = s.pool.idleN()
-	return st
-}
+func (s *Sender[R]) Stats() Stats { return s.snapshot() }
 
 // Close revokes every handoff still registered (their transfers resolve
 // with ErrClosed and ErrRevoked) and releases UCX. Closing again does
@@ -366,19 +338,6 @@ func (s *Sender[R]) Close() error {
 		j.revoke(fmt.Errorf("%w: %w", ErrClosed, ErrRevoked))
 	}
 	s.wg.Wait()
-	s.pool.close()
-	s.ctx.close()
+	s.release()
 	return nil
-}
-
-// NewSenderOfPieces returns a sender plane for regions of any type whose
-// blocks are several pieces: pieces appends a region's pieces, in the
-// order both sides agree on ((layer, kv) for per-layer KV), to dst and
-// returns it. Every region of a handoff must have the same number of
-// pieces of the same sizes.
-func NewSenderOfPieces[R any](cfg Config, pieces func(r R, dst []Span) []Span) (*Sender[R], error) {
-	if pieces == nil {
-		return nil, fmt.Errorf("ucx: nil pieces function: %w", kvlease.ErrInvalidArgument)
-	}
-	return newSender(cfg, pieces)
 }

@@ -16,8 +16,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"unsafe"
-
-	"github.com/kvlease/kvlease"
 )
 
 // setLogLevel sets UCX's log level. UCX reads UCX_LOG_LEVEL when the
@@ -28,27 +26,6 @@ func setLogLevel(level string) error {
 	defer C.free(unsafe.Pointer(cn))
 	defer C.free(unsafe.Pointer(cv))
 	return status(C.ucs_global_opts_set_value(cn, cv))
-}
-
-// Status is a UCX status code (ucs_status_t) as an error.
-type Status int
-
-// Error returns UCX's text for the status.
-func (s Status) Error() string {
-	return fmt.Sprintf("ucx: %s (%d)", C.GoString(C.ucs_status_string(C.ucs_status_t(s))), int(s))
-}
-
-// Is lets errors.Is match the package's sentinels: a cancelled request
-// matches kvlease.ErrCanceled.
-func (s Status) Is(target error) bool {
-	return target == kvlease.ErrCanceled && C.ucs_status_t(s) == C.UCS_ERR_CANCELED
-}
-
-func status(st C.ucs_status_t) error {
-	if st == C.UCS_OK {
-		return nil
-	}
-	return Status(st)
 }
 
 // context is one ucp_context (shared by the workers of a Sender or a
@@ -149,8 +126,6 @@ type worker struct {
 	abandon bool // stop without ucp_worker_destroy (see settle)
 	ctx     *context
 }
-
-var errWorkerGone = errors.New("ucx: worker destroyed")
 
 // newWorker creates a worker and starts its thread.
 func (c *context) newWorker() (*worker, error) {
@@ -335,7 +310,7 @@ func (e *endpoint) failed() error {
 	if C.kvu_ep_failed(e.err) == 0 {
 		return nil
 	}
-	return fmt.Errorf("ucx: endpoint failed: %w", Status(e.err.status))
+	return fmt.Errorf("ucx: endpoint failed: %w", ucsError(e.err.status))
 }
 
 // close closes the endpoint (ucp_ep_close_nbx, forced or flushing) and
@@ -393,7 +368,7 @@ func (e *endpoint) get(local uintptr, n int, m *memh, raddr uint64, k *rkey, b b
 	case 0:
 		return false, nil
 	}
-	return false, fmt.Errorf("ucx: ucp_get_nbx: %w", Status(st))
+	return false, fmt.Errorf("ucx: ucp_get_nbx: %w", ucsError(st))
 }
 
 // op is one request we wait for (C memory).
@@ -416,7 +391,7 @@ func (e *endpoint) flush(o op) (bool, error) {
 		return false, nil
 	}
 	o.o.done, o.o.status = 1, st
-	return true, fmt.Errorf("ucx: ucp_ep_flush_nbx: %w", Status(st))
+	return true, fmt.Errorf("ucx: ucp_ep_flush_nbx: %w", ucsError(st))
 }
 
 // flushWait flushes e and progresses the worker until the flush completes
@@ -535,7 +510,7 @@ func (e *endpoint) send(buf uintptr, n int, iov bool, tag uint64, b batch) (bool
 	case 0:
 		return false, nil
 	}
-	return false, fmt.Errorf("ucx: ucp_tag_send_nbx: %w", Status(st))
+	return false, fmt.Errorf("ucx: ucp_tag_send_nbx: %w", ucsError(st))
 }
 
 // recvs is an array of kvu_recv in C memory, one per posted receive,
@@ -577,7 +552,7 @@ func (w *worker) recv(r recvs, i int, buf uintptr, n int, iov bool, tag uint64) 
 		v = 1
 	}
 	if C.kvu_tag_recv(w.h, C.uintptr_t(buf), C.size_t(n), v, C.uint64_t(tag), r.at(i)) != 0 {
-		return fmt.Errorf("ucx: ucp_tag_recv_nbx: %w", Status(r.at(i).status))
+		return fmt.Errorf("ucx: ucp_tag_recv_nbx: %w", ucsError(r.at(i).status))
 	}
 	return nil
 }

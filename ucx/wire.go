@@ -1,13 +1,22 @@
 package ucx
 
+// Plane bytes: every parse and append of what the planes put in a
+// handoff's Accept and Start messages (handoff's plane bytes), the pull
+// model's run table, and the push model's message tags. Both models'
+// bytes begin "KU" and a version byte: version (pull), pushVersion,
+// pushStreamVersion. Parsers check every count against the bytes left
+// before they allocate, and wrap ErrCorrupt.
+
 import (
 	"encoding/binary"
 	"fmt"
-	"github.com/kvlease/kvlease/handoff"
 	"slices"
+
+	"github.com/kvlease/kvlease/handoff"
 )
 
 const (
+	// version is the version byte of the pull model's plane bytes.
 	version = 2
 	// How the Start bytes carry the run table: inline, or as the
 	// address, length and key of a registered copy the destination reads.
@@ -16,6 +25,14 @@ const (
 	acceptLength = 2 + 1 + 4
 )
 
+// appendAccept appends the pull model's Accept bytes (read by
+// parseAccept): "KU", version, the block count.
+func appendAccept(b []byte, blocks int) []byte {
+	return binary.LittleEndian.AppendUint32(append(b, 'K', 'U', version), uint32(blocks))
+}
+
+// parseAccept parses the pull model's Accept bytes and returns the
+// block count; the push model's are refused (ErrCorrupt).
 func parseAccept(b []byte) (int, error) {
 	if len(b) > 2 && b[0] == 'K' && b[1] == 'U' && b[2] == pushVersion {
 		return 0, fmt.Errorf("ucx: the destination expects the push model, this sender pulls (Config.Pull): %w", ErrCorrupt)
@@ -66,6 +83,13 @@ func (r *reader) u32() int {
 	return 0
 }
 
+func (r *reader) u64() uint64 {
+	if b := r.take(8); b != nil {
+		return binary.LittleEndian.Uint64(b)
+	}
+	return 0
+}
+
 // appendStartHead appends what both models' Start bytes begin with
 // (read by startHead), then the block count.
 func appendStartHead(b []byte, ver byte, sizes []int, blocks int) []byte {
@@ -97,6 +121,30 @@ func (r *reader) startHead(ver byte) (sizes []int, blocks int, err error) {
 	return sizes, r.u32(), nil
 }
 
+// appendPullStart appends the pull model's Start bytes up to their run
+// table (read by parseStart): the head and the source worker's address.
+// appendInlineTable or appendRemoteTable completes them.
+func appendPullStart(b []byte, sizes []int, blocks int, addr []byte) []byte {
+	b = appendStartHead(b, version, sizes, blocks)
+	b = binary.LittleEndian.AppendUint16(b, uint16(len(addr)))
+	return append(b, addr...)
+}
+
+// appendInlineTable appends the run table itself (tableInline).
+func appendInlineTable(b, table []byte) []byte { return append(append(b, tableInline), table...) }
+
+// appendRemoteTable appends where the destination reads the run table
+// (tableRemote): the address, length and key of its registered copy.
+func appendRemoteTable(b []byte, addr uintptr, n int, key []byte) []byte {
+	b = append(b, tableRemote)
+	b = binary.LittleEndian.AppendUint64(b, uint64(addr))
+	b = binary.LittleEndian.AppendUint32(b, uint32(n))
+	b = binary.LittleEndian.AppendUint16(b, uint16(len(key)))
+	return append(b, key...)
+}
+
+// parseStart parses the pull model's Start bytes (appendPullStart and a
+// table's append); anything malformed wraps ErrCorrupt.
 func parseStart(b []byte) (*start, error) {
 	r := &reader{b: b}
 	sizes, blocks, err := r.startHead(version)
@@ -133,31 +181,6 @@ func parseStart(b []byte) (*start, error) {
 	}
 	return nil, fmt.Errorf("ucx: start bytes: table mode %d: %w", mode[0], ErrCorrupt)
 }
-
-// The push model (the default). The destination exposes nothing and
-// names no address of the source: its Prepare takes a worker for the
-// handoff alone (an idle one of the session, or a new one; see pool.go)
-// and puts that worker's address and a tag salt new on it in the Accept
-// bytes; the source connects to it and sends each block as
-// one tagged message (ucp_tag_send_nbx; a block of several pieces is
-// gathered from its pieces with an iov datatype), then a table of the
-// blocks' integrity sums. The destination receives each block into its
-// own pieces (ucp_tag_recv_nbx with the block's exact tag, scattered
-// with an iov datatype), so a message lands only where the destination
-// put it, and only into a block of this handoff. Both contexts are
-// created without UCP_FEATURE_RMA: no worker of this model serves a
-// software-emulated get or put (UCX registers those handlers only for
-// that feature).
-//
-// Runs: consecutive blocks that lie one after the other in the source's
-// memory (all their pieces, block by block) form a run, and a run moves
-// as one message (tagged with its first block), cut at the smaller of
-// the two sides' Config.MaxGet (the destination's travels in the Accept
-// bytes); the Start bytes list the runs of two blocks or more, and every
-// other block is a message of its own, as before. The destination
-// receives a run's message into its own blocks: one buffer where they
-// are adjacent in its memory too, scattered with an iov datatype where
-// they are not. The sums stay per block.
 
 const (
 	// pushVersion is the version byte of the push model's plane bytes
@@ -231,7 +254,7 @@ func parsePushAccept(b []byte) (*pushAccept, error) {
 type pushStart struct {
 	sizes  []int
 	blocks int
-	mode   Integrity
+	mode   integrityMode
 	nonce  []byte // the source's, for the handoff's MAC key
 	addr   []byte
 	per    int        // the most blocks of one message
@@ -302,8 +325,8 @@ func parsePushStart(b []byte) (*pushStart, error) {
 			return nil, fmt.Errorf("ucx: start bytes: a stream of %d layers over blocks of %d bytes: %w", s.layers, bb, ErrCorrupt)
 		}
 	}
-	s.mode = Integrity(mode[0])
-	if len(s.addr) == 0 || s.blocks <= 0 || s.blocks > handoff.MaxBlocks || s.mode > IntegrityMAC || s.per <= 0 || s.per > handoff.MaxBlocks {
+	s.mode = integrityMode(mode[0])
+	if len(s.addr) == 0 || s.blocks <= 0 || s.blocks > handoff.MaxBlocks || s.mode > integrityMAC || s.per <= 0 || s.per > handoff.MaxBlocks {
 		return nil, fmt.Errorf("ucx: start bytes: %d blocks, integrity %d, address of %d bytes, messages of %d blocks: %w", s.blocks, mode[0], len(s.addr), s.per, ErrCorrupt)
 	}
 	if nr > len(r.b)/runBytes || len(r.b) != nr*runBytes {
@@ -483,11 +506,4 @@ func parseTable(b []byte, blocks int, sizes []int) ([]remoteRun, []remotePiece, 
 		return nil, nil, fmt.Errorf("ucx: run table: segments hold more than %d pieces: %w", pieces, ErrCorrupt)
 	}
 	return regs, out, nil
-}
-
-func (r *reader) u64() uint64 {
-	if b := r.take(8); b != nil {
-		return binary.LittleEndian.Uint64(b)
-	}
-	return 0
 }
