@@ -10,6 +10,34 @@ import (
 	"github.com/kvlease/kvlease/layout"
 )
 
+// Blocks as pieces. Every region (a block) is a list of pieces, each a
+// Span, in a fixed order: a plain block is the one-piece case, a block of
+// per-layer KV (layout.Block, gpu.HostBlock) is its Layers·KVs pieces in
+// (layer, kv) order. Pushed, a block is one message, gathered from the
+// source's pieces and scattered into the destination's by UCX's iov
+// datatype, its sum taken over the source's pieces (integrity.go); a
+// run of blocks each one stretch of the source's memory, one after the
+// other, is one message. Pulled, the plane works on pieces throughout:
+//
+//   - the source registers, for the handoff alone, one ucp_mem_map per
+//     contiguous run of the handoff's pieces (sorted by address; in a
+//     layer-separated layout the pieces of consecutive blocks in one
+//     layer and kind are adjacent and merge), and describes its pieces
+//     as segments: maximal stretches, in block-major or piece-major
+//     order (whichever gives fewer), that are contiguous in its memory;
+//   - the destination maps each of its pieces, by its offset in the
+//     block's bytes in piece order (the block in the contiguous layout),
+//     to the source bytes at the same offset, and reads them with gets
+//     that merge what is contiguous on both sides.
+//
+// The two sides' pieces must agree: the same number of pieces of the
+// same sizes, or one side a single piece of the whole block (a plain
+// contiguous block, which holds the other side's pieces one after the
+// other). Anything else is refused with ErrCorrupt before the destination
+// connects or attaches. Which geometry the pieces have (layers, kinds,
+// element type) is the handoff's business: the envelope's Layout,
+// compared at propose time.
+
 // MemoryType says where a region's memory lives, as UCX registers it
 // (ucp_mem_map's memory_type).
 type MemoryType int
@@ -126,35 +154,6 @@ func messagesOf(g *geometry, runs []blockRun, per int) []message {
 func needIov(msgs []message) bool {
 	return slices.ContainsFunc(msgs, func(m message) bool { return !m.contig })
 }
-
-// Blocks as pieces. Every region (a block) is a list of pieces, each a
-// Span, in a fixed order: a plain block is the one-piece case, a block of
-// per-layer KV (layout.Block, gpu.HostBlock) is its Layers·KVs pieces in
-// (layer, kv) order. Pushed, a block is one message, gathered from the
-// source's pieces and scattered into the destination's by UCX's iov
-// datatype, its sum taken over the source's pieces (push.go); a run of
-// blocks each one stretch of the source's memory, one after the other,
-// is one message. Pulled, the
-// plane works on pieces throughout:
-//
-//   - the source registers, for the handoff alone, one ucp_mem_map per
-//     contiguous run of the handoff's pieces (sorted by address; in a
-//     layer-separated layout the pieces of consecutive blocks in one
-//     layer and kind are adjacent and merge), and describes its pieces
-//     as segments: maximal stretches, in block-major or piece-major
-//     order (whichever gives fewer), that are contiguous in its memory;
-//   - the destination maps each of its pieces, by its offset in the
-//     block's bytes in piece order (the block in the contiguous layout),
-//     to the source bytes at the same offset, and reads them with gets
-//     that merge what is contiguous on both sides.
-//
-// The two sides' pieces must agree: the same number of pieces of the
-// same sizes, or one side a single piece of the whole block (a plain
-// contiguous block, which holds the other side's pieces one after the
-// other). Anything else is refused with ErrCorrupt before the destination
-// connects or attaches. Which geometry the pieces have (layers, kinds,
-// element type) is the handoff's business: the envelope's Layout,
-// compared at propose time.
 
 // LayeredRegion is a block in a layout, seen piece by piece: the region
 // type of a layered pool (layout.Block; gpu.HostBlock).

@@ -99,9 +99,8 @@ func (r *Receiver[R]) receivePush(id handoff.PlaneID, prep *prepared, regions []
 	if err != nil {
 		return fail(err)
 	}
-	if len(regions) != prep.blocks || st.blocks != prep.blocks {
-		return fail(fmt.Errorf("ucx: receive: start describes %d blocks; %d prepared, %d regions: %w",
-			st.blocks, prep.blocks, len(regions), ErrCorrupt))
+	if err := blockCounts(st.blocks, prep.blocks, len(regions)); err != nil {
+		return fail(err)
 	}
 	if p.g, err = locate(r.pieces, regions, &j.pin); err != nil {
 		return fail(err)

@@ -99,39 +99,34 @@ func (s *Sender[R]) sendPush(id handoff.PlaneID, regions []R, accept []byte, att
 	if err != nil {
 		return nil, err
 	}
-	fail := func(err error) ([]byte, error) {
-		j.teardown()
-		s.unenroll(id)
-		return nil, err
-	}
 	p := j.push
 	if p.g, err = locate(s.pieces, regions, &j.pin); err != nil {
-		return fail(err)
+		return j.fail(err)
 	}
 	if _, err := registrations(p.g.spans); err != nil {
-		return fail(err) // overlapping pieces
+		return j.fail(err) // overlapping pieces
 	}
 	var nonce [nonceLen]byte
 	if _, err := rand.Read(nonce[:]); err != nil {
-		return fail(fmt.Errorf("ucx: send: %w", err))
+		return j.fail(fmt.Errorf("ucx: send: %w", err))
 	}
 	key, err := s.keys.derive(id, keyContext(id.Handoff, nonce[:], acc.salt))
 	if err != nil {
-		return fail(fmt.Errorf("ucx: send: block key: %w", err))
+		return j.fail(fmt.Errorf("ucx: send: block key: %w", err))
 	}
 	mode := integrityFor(key, p.g.spans)
 	if err := checkIntegrity(key, mode, p.g.spans); err != nil {
-		return fail(fmt.Errorf("ucx: send: %w", err))
+		return j.fail(fmt.Errorf("ucx: send: %w", err))
 	}
 	units := p.g.sizes
 	if ready != nil {
 		units = layerUnits(p.g.bb, ready.Layers())
 	}
 	if p.summer, err = newSummer(mode, key, units); err != nil {
-		return fail(err)
+		return j.fail(err)
 	}
 	if j.c, err = s.connection(id, acc.addr); err != nil {
-		return fail(err)
+		return j.fail(err)
 	}
 	j.w, p.ep = j.c.w, j.c.ep
 	st := &pushStart{sizes: p.g.sizes, blocks: blocks, mode: mode, nonce: nonce[:], addr: j.c.own,
@@ -141,7 +136,7 @@ func (s *Sender[R]) sendPush(id handoff.PlaneID, regions []R, accept []byte, att
 	}
 	start := appendPushStart(nil, st)
 	if len(start) > handoff.MaxPlane {
-		return fail(fmt.Errorf("ucx: start bytes %d exceed %d: %w", len(start), handoff.MaxPlane, kvlease.ErrExceedsCapacity))
+		return j.fail(fmt.Errorf("ucx: start bytes %d exceed %d: %w", len(start), handoff.MaxPlane, kvlease.ErrExceedsCapacity))
 	}
 	if st.per > 1 {
 		// The runs the Start bytes hold (the longest, if not all fit).
@@ -151,7 +146,7 @@ func (s *Sender[R]) sendPush(id handoff.PlaneID, regions []R, accept []byte, att
 	p.msgs = messagesOf(p.g, st.runs, st.per)
 	if ready != nil {
 		if err := p.startStream(*ready); err != nil {
-			return fail(err)
+			return j.fail(err)
 		}
 	} else if needIov(p.msgs) {
 		p.iov = newIovs(p.g.spans)

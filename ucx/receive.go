@@ -186,10 +186,9 @@ func (r *Receiver[R]) Receive(id handoff.PlaneID, regions []R, startBytes []byte
 		j.pin.Unpin()
 		return err
 	}
-	if len(regions) != blocks || st.blocks != blocks {
+	if err := blockCounts(st.blocks, blocks, len(regions)); err != nil {
 		j.pin.Unpin()
-		return fmt.Errorf("ucx: receive: start describes %d blocks; %d prepared, %d regions: %w",
-			st.blocks, blocks, len(regions), ErrCorrupt)
+		return err
 	}
 	if err := matchPieces(st.sizes, g.sizes); err != nil {
 		j.pin.Unpin()
@@ -503,6 +502,16 @@ func (r *Receiver[R]) Close() error {
 	}
 	r.wg.Wait()
 	r.release()
+	return nil
+}
+
+// blockCounts checks that the Start bytes describe as many blocks as
+// were prepared and as the destination's regions (ErrCorrupt).
+func blockCounts(start, prepared, regions int) error {
+	if regions != prepared || start != prepared {
+		return fmt.Errorf("ucx: receive: start describes %d blocks; %d prepared, %d regions: %w",
+			start, prepared, regions, ErrCorrupt)
+	}
 	return nil
 }
 

@@ -109,40 +109,35 @@ func (s *Sender[R]) sendPull(id handoff.PlaneID, regions []R, accept []byte, att
 	if err != nil {
 		return nil, err
 	}
-	fail := func(err error) ([]byte, error) {
-		j.teardown()
-		s.unenroll(id)
-		return nil, err
-	}
 	g, err := locate(s.pieces, regions, &j.pin)
 	if err != nil {
-		return fail(err)
+		return j.fail(err)
 	}
 	regs, err := registrations(g.spans)
 	if err != nil {
-		return fail(err)
+		return j.fail(err)
 	}
 	if j.w, err = s.ctx.newWorker(); err != nil {
-		return fail(err)
+		return j.fail(err)
 	}
 	var addr []byte
 	if cerr := j.w.call(func() { addr, err = j.w.address() }); cerr != nil {
 		err = cerr
 	}
 	if err != nil {
-		return fail(err)
+		return j.fail(err)
 	}
 	start := appendPullStart(nil, g.sizes, len(regions), addr)
 	keys := make([][]byte, len(regs))
 	for i, r := range regs {
 		m, err := s.ctx.memMap(r.addr, r.n, r.mem == CUDA)
 		if err != nil {
-			return fail(err)
+			return j.fail(err)
 		}
 		s.stats.add(func(st *Stats) { st.Registrations++; st.RegisteredBytes += int64(r.n) })
 		j.memhs = append(j.memhs, m)
 		if keys[i], err = s.ctx.rkeyPack(m); err != nil {
-			return fail(err)
+			return j.fail(err)
 		}
 	}
 	segs, pieceMajor := segmentsOf(g)
@@ -156,16 +151,16 @@ func (s *Sender[R]) sendPull(id handoff.PlaneID, regions []R, accept []byte, att
 		copy(j.table.bytes(), table)
 		m, err := s.ctx.memMap(j.table.addr(), j.table.n, false)
 		if err != nil {
-			return fail(err)
+			return j.fail(err)
 		}
 		j.memhs = append(j.memhs, m)
 		key, err := s.ctx.rkeyPack(m)
 		if err != nil {
-			return fail(err)
+			return j.fail(err)
 		}
 		start = appendRemoteTable(start, j.table.addr(), j.table.n, key)
 		if len(start) > handoff.MaxPlane {
-			return fail(fmt.Errorf("ucx: start bytes %d exceed %d: %w", len(start), handoff.MaxPlane, kvlease.ErrExceedsCapacity))
+			return j.fail(fmt.Errorf("ucx: start bytes %d exceed %d: %w", len(start), handoff.MaxPlane, kvlease.ErrExceedsCapacity))
 		}
 	}
 	if err := s.attachJob(j, id, attach, false); err != nil {
@@ -190,6 +185,14 @@ func (s *Sender[R]) enroll(id handoff.PlaneID, push *pushSend) (*sendJob[R], err
 	s.jobs[id] = j
 	s.wg.Add(1)
 	return j, nil
+}
+
+// fail undoes Send for job j, which was never attached: it tears the
+// job down, unenrolls it and returns err.
+func (j *sendJob[R]) fail(err error) ([]byte, error) {
+	j.teardown()
+	j.s.unenroll(j.id)
+	return nil, err
 }
 
 // unenroll undoes enroll for a job that was never attached.
