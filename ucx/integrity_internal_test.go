@@ -28,6 +28,13 @@ func keyed(secret []byte) sessionKeys {
 // outcome, or Receive's error.
 func pushOnce(t testing.TB, s *Sender[[]byte], r *Receiver[[]byte], sid, did handoff.PlaneID, src, dst [][]byte) error {
 	t.Helper()
+	return pushVia(t, s, r, sid, did, src, dst, nil)
+}
+
+// pushVia is pushOnce passing the Start bytes through tamper (nil: as
+// they are).
+func pushVia(t testing.TB, s *Sender[[]byte], r *Receiver[[]byte], sid, did handoff.PlaneID, src, dst [][]byte, tamper func(*pushStart)) error {
+	t.Helper()
 	accept, err := r.Prepare(did, len(dst))
 	if err != nil {
 		t.Fatal(err)
@@ -37,6 +44,14 @@ func pushOnce(t testing.TB, s *Sender[[]byte], r *Receiver[[]byte], sid, did han
 		t.Fatal(err)
 	}
 	defer s.Finish(sid, errors.New("test over"))
+	if tamper != nil {
+		st, err := parsePushStart(start)
+		if err != nil {
+			t.Fatal(err)
+		}
+		tamper(st)
+		start = appendPushStart(nil, st)
+	}
 	var dt *kvlease.Transfer
 	if err := r.Receive(did, dst, start, func(t *kvlease.Transfer) error { dt = t; return nil }); err != nil {
 		return err

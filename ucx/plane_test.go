@@ -237,25 +237,8 @@ func TestCancelIsARequest(t *testing.T) {
 		mark(sr[i], 5, i)
 	}
 	id := handoff.PlaneID{Session: 3, Handoff: 3}
-	accept, _ := recv.Prepare(id, 8)
-	start, err := sender.Send(id, sr, accept, func(*kvlease.Transfer) error { return nil })
-	if err != nil {
-		t.Fatal(err)
-	}
-	var dt *kvlease.Transfer
-	if err := recv.Receive(id, dr, start, func(t *kvlease.Transfer) error { dt = t; return nil }); err != nil {
-		t.Fatal(err)
-	}
-	<-stuck
-	dt.Cancel()
-	if dt.State() != kvlease.TransferPending {
-		t.Fatalf("a cancel resolved the transfer: %v", dt.State())
-	}
-	close(release)
-	<-dt.Done()
-	if err := dt.Err(); !errors.Is(err, kvlease.ErrCanceled) {
-		t.Fatalf("after the cancel: %v", err)
-	}
+	_, dt := startOnce(t, sender, recv, id, sr, dr)
+	cancelStuck(t, dt, stuck, release)
 	if err := markedRegions(dr[:2], 5); err != nil {
 		t.Fatalf("the blocks read before the cancel: %v", err)
 	}

@@ -74,29 +74,7 @@ func sameRegions(got, want [][]byte) error {
 // the destination's outcome.
 func pushTampered(t *testing.T, s *Sender[[]byte], r *Receiver[[]byte], id handoff.PlaneID, src, dst [][]byte, tamper func(*pushStart)) error {
 	t.Helper()
-	accept, err := r.Prepare(id, len(dst))
-	if err != nil {
-		t.Fatal(err)
-	}
-	start, err := s.Send(id, src, accept, func(*kvlease.Transfer) error { return nil })
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Finish(id, errors.New("test over"))
-	if tamper != nil {
-		st, err := parsePushStart(start)
-		if err != nil {
-			t.Fatal(err)
-		}
-		tamper(st)
-		start = appendPushStart(nil, st)
-	}
-	var dt *kvlease.Transfer
-	if err := r.Receive(id, dst, start, func(t *kvlease.Transfer) error { dt = t; return nil }); err != nil {
-		return err
-	}
-	<-dt.Done()
-	return dt.Err()
+	return pushVia(t, s, r, id, id, src, dst, tamper)
 }
 
 func TestPushRuns(t *testing.T) {
@@ -407,17 +385,8 @@ func TestPushRunCanceledBeforeItsMessage(t *testing.T) {
 	src, dst := sa.regions(append(seq(0, n, 1), n+1)), da.regions(seq(0, n+1, 1))
 	fillRuns(src, 9)
 	id := handoff.PlaneID{Session: 1, Handoff: 1}
-	accept, err := r.Prepare(id, n+1)
+	_, st, dt, err := startOnce(s, r, id, src, dst)
 	if err != nil {
-		t.Fatal(err)
-	}
-	var st, dt *kvlease.Transfer
-	start, err := s.Send(id, src, accept, func(t *kvlease.Transfer) error { st = t; return nil })
-	if err != nil {
-		close(release)
-		t.Fatal(err)
-	}
-	if err := r.Receive(id, dst, start, func(t *kvlease.Transfer) error { dt = t; return nil }); err != nil {
 		close(release)
 		t.Fatal(err)
 	}
