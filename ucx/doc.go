@@ -52,9 +52,11 @@
 //     block arrived and passed its check, kvlease.ErrCanceled when a
 //     cancel stopped it, and wraps ErrCorrupt for a block of the wrong
 //     length or sum;
-//   - source: the destination's done after every send completed, or
-//     else a revocation — the handoff's worker destroyed (and, pulled,
-//     its registrations unmapped) — whose outcome wraps ErrRevoked;
+//   - source: the destination's done (sent after its own evidence),
+//     once every send completed (push) or after the revocation (pull);
+//     otherwise the revocation itself — the handoff's worker destroyed
+//     and, pulled, its registrations unmapped — with an outcome that
+//     wraps ErrRevoked;
 //   - a request that completed with an error, a failed endpoint or a
 //     cancel is not evidence: the side then revokes its own worker (and
 //     registrations), and that revocation is its evidence.
