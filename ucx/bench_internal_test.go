@@ -159,11 +159,11 @@ func BenchmarkPush256x64K(b *testing.B) {
 	}
 	for _, m := range modes {
 		var err error
-		if m.s, err = NewSender(m.cfg); err != nil {
+		if m.s, err = NewSender(m.cfg, HostBytes); err != nil {
 			b.Fatal(err)
 		}
 		defer m.s.Close()
-		if m.r, err = NewReceiver(m.cfg); err != nil {
+		if m.r, err = NewReceiver(m.cfg, HostBytes); err != nil {
 			b.Fatal(err)
 		}
 		defer m.r.Close()
@@ -256,12 +256,12 @@ func BenchmarkRuns256x4K(b *testing.B) {
 			}
 			ps := make([]planes, len(layouts))
 			for i := range ps {
-				s, err := NewSender(model.cfg)
+				s, err := NewSender(model.cfg, HostBytes)
 				if err != nil {
 					b.Fatal(err)
 				}
 				defer s.Close()
-				r, err := NewReceiver(model.cfg)
+				r, err := NewReceiver(model.cfg, HostBytes)
 				if err != nil {
 					b.Fatal(err)
 				}
@@ -325,30 +325,51 @@ func everyOther(rs [][]byte, from int) [][]byte {
 	return out
 }
 
-// moveOnce is one handoff through the planes alone: Prepare, Send,
-// Receive, the destination's evidence, Finish, the source's.
-func moveOnce(s *Sender[[]byte], r *Receiver[[]byte], id handoff.PlaneID, src, dst [][]byte) error {
-	accept, err := r.Prepare(id, len(dst))
-	if err != nil {
-		return err
+// startOnce starts handoff id through the planes alone: Prepare, Send
+// and Receive, and returns the Accept bytes and both transfers,
+// attached. On an error it undoes what it started (Forget, or Finish
+// with the error and the source's outcome awaited).
+func startOnce(s *Sender[[]byte], r *Receiver[[]byte], id handoff.PlaneID, src, dst [][]byte) (accept []byte, st, dt *kvlease.Transfer, err error) {
+	if accept, err = r.Prepare(id, len(dst)); err != nil {
+		return nil, nil, nil, err
 	}
-	var st, dt *kvlease.Transfer
 	start, err := s.Send(id, src, accept, func(t *kvlease.Transfer) error { st = t; return nil })
 	if err != nil {
-		return err
+		r.Forget(id)
+		return accept, nil, nil, err
 	}
 	if err := r.Receive(id, dst, start, func(t *kvlease.Transfer) error { dt = t; return nil }); err != nil {
 		s.Finish(id, err)
-		return err
+		<-st.Done()
+		return accept, nil, nil, err
 	}
+	return accept, st, dt, nil
+}
+
+// endOnce waits for a started handoff's destination, finishes the
+// source with its outcome and waits for the source: it returns the
+// destination's outcome, then the source's.
+func endOnce(s *Sender[[]byte], id handoff.PlaneID, st, dt *kvlease.Transfer) (dst, src error) {
 	<-dt.Done()
 	s.Finish(id, dt.Err())
 	<-st.Done()
-	if err := dt.Err(); err != nil {
+	return dt.Err(), st.Err()
+}
+
+// moveOnce is one handoff through the planes alone: startOnce, the
+// destination's evidence, Finish, the source's (a source revoked after
+// the destination's done is no error).
+func moveOnce(s *Sender[[]byte], r *Receiver[[]byte], id handoff.PlaneID, src, dst [][]byte) error {
+	_, st, dt, err := startOnce(s, r, id, src, dst)
+	if err != nil {
 		return err
 	}
-	if err := st.Err(); err != nil && !errors.Is(err, ErrRevoked) {
-		return err
+	derr, serr := endOnce(s, id, st, dt)
+	if derr != nil {
+		return derr
+	}
+	if serr != nil && !errors.Is(serr, ErrRevoked) {
+		return serr
 	}
 	return nil
 }

@@ -2,7 +2,6 @@ package ucx_test
 
 import (
 	"bufio"
-	"errors"
 	"net"
 	"os"
 	"os/exec"
@@ -12,7 +11,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
 	"github.com/kvlease/kvlease/ucx"
 )
@@ -71,36 +69,6 @@ func perftestGetMBs(b *testing.B, size, window, iters int) float64 {
 	return 0
 }
 
-// pullOnce moves regions from src to dst through the planes alone (no
-// control connection): Prepare, Send, Receive, the destination's
-// evidence, Finish, the source's.
-func pullOnce(b *testing.B, s *ucx.Sender[[]byte], r *ucx.Receiver[[]byte], id handoff.PlaneID, src, dst [][]byte) {
-	accept, err := r.Prepare(id, len(dst))
-	if err != nil {
-		b.Fatal(err)
-	}
-	st := kvlease.NewTransfer(nil)
-	var sendT *kvlease.Transfer
-	start, err := s.Send(id, src, accept, func(t *kvlease.Transfer) error { sendT = t; return nil })
-	if err != nil {
-		b.Fatal(err)
-	}
-	_ = st
-	var recvT *kvlease.Transfer
-	if err := r.Receive(id, dst, start, func(t *kvlease.Transfer) error { recvT = t; return nil }); err != nil {
-		b.Fatal(err)
-	}
-	<-recvT.Done()
-	if err := recvT.Err(); err != nil {
-		b.Fatal(err)
-	}
-	s.Finish(id, nil)
-	<-sendT.Done()
-	if err := sendT.Err(); err != nil && !errors.Is(err, ucx.ErrRevoked) {
-		b.Fatal(err)
-	}
-}
-
 func benchRegions(n, size int) [][]byte {
 	buf := make([]byte, n*size)
 	out := make([][]byte, n)
@@ -123,12 +91,12 @@ func BenchmarkPull256x64K(b *testing.B) {
 	}{{"get=64KiB", benchBlockBytes}, {"get=1MiB", 1 << 20}} {
 		b.Run(c.name, func(b *testing.B) {
 			const window, rounds = 16, 3
-			s, err := ucx.NewSender(ucx.Config{Pull: true})
+			s, err := ucx.NewSender(ucx.Config{Pull: true}, ucx.HostBytes)
 			if err != nil {
 				b.Fatal(err)
 			}
 			defer s.Close()
-			r, err := ucx.NewReceiver(ucx.Config{Pull: true, Window: window, MaxGet: c.maxGet})
+			r, err := ucx.NewReceiver(ucx.Config{Pull: true, Window: window, MaxGet: c.maxGet}, ucx.HostBytes)
 			if err != nil {
 				b.Fatal(err)
 			}
@@ -148,7 +116,7 @@ func BenchmarkPull256x64K(b *testing.B) {
 				}
 				start := time.Now()
 				for i := range n {
-					pullOnce(b, s, r, handoff.PlaneID{Session: 1, Handoff: uint64(done + i)}, src, dst)
+					moveOnce(b, s, r, handoff.PlaneID{Session: 1, Handoff: uint64(done + i)}, src, dst)
 				}
 				ours = append(ours, float64(n)*benchBlocks*benchBlockBytes/time.Since(start).Seconds()/1e6)
 				done += n

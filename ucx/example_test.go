@@ -28,13 +28,13 @@ func Example() {
 	key, _ := handoff.GenerateKey()
 	auth := &handoff.PSK{ID: "prefill-fleet", Key: key}
 
-	receiver, err := ucx.NewReceiver(ucx.Config{})
+	receiver, err := ucx.NewReceiver(ucx.Config{}, ucx.HostBytes)
 	if err != nil {
 		fmt.Println(err)
 		return
 	}
 	defer receiver.Close()
-	sender, err := ucx.NewSender(ucx.Config{})
+	sender, err := ucx.NewSender(ucx.Config{}, ucx.HostBytes)
 	if err != nil {
 		fmt.Println(err)
 		return

@@ -150,7 +150,7 @@ func TestPushExposesNothing(t *testing.T) {
 	// remote memory access, so its worker serves no get, emulated or
 	// not, and not one byte of the other block leaves the source.
 	regions, secret := exposureSetup(t)
-	s, err := NewSender(Config{})
+	s, err := NewSender(Config{}, HostBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -171,12 +171,12 @@ func TestPushExposesNothing(t *testing.T) {
 	// The Start bytes name no address of the source's memory at all;
 	// the attacker guesses well (it knows the pool's layout).
 	h.connect(t, st.addr)
-	shifted := uint64(max(HostBytes(regions[0]).Addr, HostBytes(regions[1]).Addr)) + expBlock
-	other := uint64(HostBytes(secret).Addr)
+	shifted := uint64(max(hostSpan(regions[0]).Addr, hostSpan(regions[1]).Addr)) + expBlock
+	other := uint64(hostSpan(secret).Addr)
 	if shifted != other {
 		t.Fatalf("test setup: the other block is not right after the handoff's (%#x, %#x)", shifted, other)
 	}
-	for _, raddr := range []uint64{other, uint64(HostBytes(regions[0]).Addr)} {
+	for _, raddr := range []uint64{other, uint64(hostSpan(regions[0]).Addr)} {
 		got, ok := h.read(t, raddr, h.ownKey(t), expBlock)
 		if ok {
 			t.Fatalf("a get of %#x from the pushing source completed", raddr)
@@ -196,7 +196,7 @@ func TestPullTrustsTheDestination(t *testing.T) {
 	// software-emulated get over tcp serves any address). If this test
 	// fails, UCX started checking: revisit Config.Pull's doc.
 	regions, secret := exposureSetup(t)
-	s, err := NewSender(Config{Pull: true})
+	s, err := NewSender(Config{Pull: true}, HostBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -220,7 +220,7 @@ func TestPullTrustsTheDestination(t *testing.T) {
 	}
 	h.connect(t, st.addr)
 	shifted := regs[0].addr + regs[0].n // one past the registration
-	if shifted != uint64(HostBytes(secret).Addr) {
+	if shifted != uint64(hostSpan(secret).Addr) {
 		t.Fatalf("test setup: the other block is not right after the registration")
 	}
 	got, ok := h.read(t, shifted, regs[0].key, expBlock)

@@ -37,7 +37,7 @@ func newLocalDest(t *testing.T, conn net.Conn, cfg ucx.Config, deadline time.Dur
 	t.Helper()
 	d := &localDest{pool: hostPool(t, 64), finals: make(chan *handoff.Incoming[[]byte], 1), served: make(chan error, 1)}
 	var err error
-	if d.recv, err = ucx.NewReceiver(cfg); err != nil {
+	if d.recv, err = ucx.NewReceiver(cfg, ucx.HostBytes); err != nil {
 		t.Fatal(err)
 	}
 	dst, err := handoff.NewDestination(d.pool, d.recv, handoff.DestinationConfig[[]byte]{
@@ -111,7 +111,7 @@ func newLocalSourceOf(t *testing.T, conn net.Conn, cfg ucx.Config, deadline time
 	t.Helper()
 	s := &localSource{pool: hostPool(t, 64)}
 	var err error
-	if s.sender, err = ucx.NewSender(cfg); err != nil {
+	if s.sender, err = ucx.NewSender(cfg, ucx.HostBytes); err != nil {
 		t.Fatal(err)
 	}
 	if s.src, err = handoff.NewSource(conn, s.sender, withAuth(handoff.HalfConfig{Envelope: env(64), Name: "prefill", Peer: "decode", Deadline: deadline}, keyFor(cfg))); err != nil {

@@ -34,14 +34,14 @@ func FuzzParsePushAccept(f *testing.F) {
 
 func FuzzParsePushStart(f *testing.F) {
 	nonce := make([]byte, nonceLen)
-	f.Add(appendPushStart(nil, &pushStart{sizes: []int{4096}, blocks: 3, mode: IntegrityMAC, nonce: nonce, addr: []byte{1, 2, 3}, per: 1}))
-	f.Add(appendPushStart(nil, &pushStart{sizes: []int{256, 256, 512}, blocks: 1, mode: IntegrityCRC, nonce: nonce, addr: make([]byte, 60), per: 256}))
-	f.Add(appendPushStart(nil, &pushStart{sizes: []int{4096}, blocks: 10, mode: IntegrityCRC, nonce: nonce, addr: []byte{1}, per: 3,
+	f.Add(appendPushStart(nil, &pushStart{sizes: []int{4096}, blocks: 3, mode: integrityMAC, nonce: nonce, addr: []byte{1, 2, 3}, per: 1}))
+	f.Add(appendPushStart(nil, &pushStart{sizes: []int{256, 256, 512}, blocks: 1, mode: integrityCRC, nonce: nonce, addr: make([]byte, 60), per: 256}))
+	f.Add(appendPushStart(nil, &pushStart{sizes: []int{4096}, blocks: 10, mode: integrityCRC, nonce: nonce, addr: []byte{1}, per: 3,
 		runs: []blockRun{{first: 1, count: 4}, {first: 5, count: 2}, {first: 8, count: 2}}}))
 	// Streaming (pushStreamVersion: the layer count after per).
-	f.Add(appendPushStart(nil, &pushStart{sizes: []int{4096}, blocks: 12, mode: IntegrityMAC, nonce: nonce, addr: []byte{1, 2}, per: 256, layers: 8,
+	f.Add(appendPushStart(nil, &pushStart{sizes: []int{4096}, blocks: 12, mode: integrityMAC, nonce: nonce, addr: []byte{1, 2}, per: 256, layers: 8,
 		runs: []blockRun{{first: 0, count: 12}}}))
-	f.Add(appendPushStart(nil, &pushStart{sizes: []int{256, 256, 512}, blocks: 3, mode: IntegrityCRC, nonce: nonce, addr: []byte{9}, per: 1, layers: 4}))
+	f.Add(appendPushStart(nil, &pushStart{sizes: []int{256, 256, 512}, blocks: 3, mode: integrityCRC, nonce: nonce, addr: []byte{9}, per: 1, layers: 4}))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		st, err := parsePushStart(b)
 		if err != nil {

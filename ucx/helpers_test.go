@@ -2,6 +2,7 @@ package ucx_test
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -201,10 +202,10 @@ func newLoop(t testing.TB, lc loopConfig) *loop {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if l.recv, err = ucx.NewReceiver(lc.recv); err != nil {
+	if l.recv, err = ucx.NewReceiver(lc.recv, ucx.HostBytes); err != nil {
 		t.Fatal(err)
 	}
-	if l.sender, err = ucx.NewSender(lc.send); err != nil {
+	if l.sender, err = ucx.NewSender(lc.send, ucx.HostBytes); err != nil {
 		t.Fatal(err)
 	}
 	dl := lc.deadline
@@ -295,4 +296,61 @@ func waitIncoming(t *testing.T, l *loop, id uint64) *handoff.Incoming[[]byte] {
 	}
 	t.Fatalf("destination never finished handoff %d", id)
 	return nil
+}
+
+// startOnce starts handoff id through the planes alone (no control
+// connection): Prepare, Send, Receive. It returns the source's and the
+// destination's transfers, attached; an error fails the test.
+func startOnce[S, D any](t testing.TB, s *ucx.Sender[S], r *ucx.Receiver[D], id handoff.PlaneID, src []S, dst []D) (st, dt *kvlease.Transfer) {
+	t.Helper()
+	accept, err := r.Prepare(id, len(dst))
+	if err != nil {
+		t.Fatal(err)
+	}
+	start, err := s.Send(id, src, accept, func(t *kvlease.Transfer) error { st = t; return nil })
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(start) > handoff.MaxPlane {
+		t.Fatalf("%d start bytes", len(start))
+	}
+	if err := r.Receive(id, dst, start, func(t *kvlease.Transfer) error { dt = t; return nil }); err != nil {
+		t.Fatal(err)
+	}
+	return st, dt
+}
+
+// moveOnce moves src into dst over one plane-level handoff: startOnce,
+// the destination's evidence, Finish with its done, the source's. Either
+// side's outcome other than nil fails the test.
+func moveOnce[S, D any](t testing.TB, s *ucx.Sender[S], r *ucx.Receiver[D], id handoff.PlaneID, src []S, dst []D) {
+	t.Helper()
+	st, dt := startOnce(t, s, r, id, src, dst)
+	<-dt.Done()
+	if err := dt.Err(); err != nil {
+		t.Fatal(err)
+	}
+	s.Finish(id, nil)
+	<-st.Done()
+	if err := st.Err(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// cancelStuck cancels dt while its reader is stopped (stuck is closed,
+// the reader waits for release) and checks that the cancel is a request:
+// dt stays pending until release lets the reader go on, then resolves
+// with kvlease.ErrCanceled.
+func cancelStuck(t *testing.T, dt *kvlease.Transfer, stuck <-chan struct{}, release chan struct{}) {
+	t.Helper()
+	<-stuck
+	dt.Cancel()
+	if dt.State() != kvlease.TransferPending {
+		t.Fatalf("a cancel resolved the transfer: %v", dt.State())
+	}
+	close(release)
+	<-dt.Done()
+	if err := dt.Err(); !errors.Is(err, kvlease.ErrCanceled) {
+		t.Fatalf("after the cancel: %v", err)
+	}
 }

@@ -28,6 +28,13 @@ func keyed(secret []byte) sessionKeys {
 // outcome, or Receive's error.
 func pushOnce(t testing.TB, s *Sender[[]byte], r *Receiver[[]byte], sid, did handoff.PlaneID, src, dst [][]byte) error {
 	t.Helper()
+	return pushVia(t, s, r, sid, did, src, dst, nil)
+}
+
+// pushVia is pushOnce passing the Start bytes through tamper (nil: as
+// they are).
+func pushVia(t testing.TB, s *Sender[[]byte], r *Receiver[[]byte], sid, did handoff.PlaneID, src, dst [][]byte, tamper func(*pushStart)) error {
+	t.Helper()
 	accept, err := r.Prepare(did, len(dst))
 	if err != nil {
 		t.Fatal(err)
@@ -37,6 +44,14 @@ func pushOnce(t testing.TB, s *Sender[[]byte], r *Receiver[[]byte], sid, did han
 		t.Fatal(err)
 	}
 	defer s.Finish(sid, errors.New("test over"))
+	if tamper != nil {
+		st, err := parsePushStart(start)
+		if err != nil {
+			t.Fatal(err)
+		}
+		tamper(st)
+		start = appendPushStart(nil, st)
+	}
 	var dt *kvlease.Transfer
 	if err := r.Receive(did, dst, start, func(t *kvlease.Transfer) error { dt = t; return nil }); err != nil {
 		return err
@@ -72,12 +87,12 @@ func TestBlockIntegrity(t *testing.T) {
 		{"keyed sums without a key", keyed(k1), nil, one, one, ErrCorrupt, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			s, err := NewSender(Config{})
+			s, err := NewSender(Config{}, HostBytes)
 			if err != nil {
 				t.Fatal(err)
 			}
 			defer s.Close()
-			r, err := NewReceiver(Config{})
+			r, err := NewReceiver(Config{}, HostBytes)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -115,7 +130,7 @@ func TestBlockSumsBindIndexAndHandoff(t *testing.T) {
 		data[i] = byte(i * 13)
 	}
 	units := []int{256, 256, 256}
-	sum := func(mode Integrity, id uint64, salt uint32, b int, pieces []Span) []byte {
+	sum := func(mode integrityMode, id uint64, salt uint32, b int, pieces []Span) []byte {
 		key, err := keyed(session)(handoff.PlaneID{Handoff: id}, keyContext(id, nonce, salt))
 		if err != nil {
 			t.Fatal(err)
@@ -128,12 +143,12 @@ func TestBlockSumsBindIndexAndHandoff(t *testing.T) {
 		s.sum(out, b, pieces)
 		return out
 	}
-	whole := []Span{HostBytes(data)}
-	base := sum(IntegrityMAC, 1, 7, 0, whole)
+	whole := []Span{hostSpan(data)}
+	base := sum(integrityMAC, 1, 7, 0, whole)
 	for name, other := range map[string][]byte{
-		"another index":   sum(IntegrityMAC, 1, 7, 1, whole),
-		"another handoff": sum(IntegrityMAC, 2, 7, 0, whole),
-		"another salt":    sum(IntegrityMAC, 1, 8, 0, whole),
+		"another index":   sum(integrityMAC, 1, 7, 1, whole),
+		"another handoff": sum(integrityMAC, 2, 7, 0, whole),
+		"another salt":    sum(integrityMAC, 1, 8, 0, whole),
 	} {
 		if bytes.Equal(base, other) {
 			t.Fatalf("a block's MAC does not depend on %s", name)
@@ -145,18 +160,18 @@ func TestBlockSumsBindIndexAndHandoff(t *testing.T) {
 		var pieces []Span
 		prev := 0
 		for _, c := range cut {
-			pieces = append(pieces, HostBytes(data[prev:c]))
+			pieces = append(pieces, hostSpan(data[prev:c]))
 			prev = c
 		}
-		if got := sum(IntegrityMAC, 1, 7, 0, pieces); !bytes.Equal(got, base) {
+		if got := sum(integrityMAC, 1, 7, 0, pieces); !bytes.Equal(got, base) {
 			t.Fatalf("cut at %v: the MAC depends on how the block is cut", cut)
 		}
 	}
 	data[300] ^= 1
-	if bytes.Equal(base, sum(IntegrityMAC, 1, 7, 0, whole)) {
+	if bytes.Equal(base, sum(integrityMAC, 1, 7, 0, whole)) {
 		t.Fatal("a flipped bit keeps the MAC")
 	}
-	if c := sum(IntegrityCRC, 1, 7, 0, whole); len(c) != 4 || !bytes.Equal(c, sum(IntegrityCRC, 2, 8, 1, whole)) {
+	if c := sum(integrityCRC, 1, 7, 0, whole); len(c) != 4 || !bytes.Equal(c, sum(integrityCRC, 2, 8, 1, whole)) {
 		t.Fatal("crc32c sums are 4 bytes of the data alone")
 	}
 }
@@ -165,12 +180,12 @@ func TestPullRefusesAnAuthenticatedSession(t *testing.T) {
 	// Pull binds nothing to the session, and its source serves the
 	// destination any address: an authenticated session refuses it on
 	// both sides, before anything is registered.
-	s, err := NewSender(Config{Pull: true})
+	s, err := NewSender(Config{Pull: true}, HostBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer s.Close()
-	r, err := NewReceiver(Config{Pull: true})
+	r, err := NewReceiver(Config{Pull: true}, HostBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -193,7 +208,7 @@ func TestPullRefusesAnAuthenticatedSession(t *testing.T) {
 // startWithMode returns the push Start bytes b with their integrity mode
 // replaced by mode: what a key-holding source that chooses its own
 // integrity would send.
-func startWithMode(t *testing.T, b []byte, mode Integrity) []byte {
+func startWithMode(t *testing.T, b []byte, mode integrityMode) []byte {
 	t.Helper()
 	st, err := parsePushStart(b)
 	if err != nil {
@@ -207,15 +222,15 @@ func startWithMode(t *testing.T, b []byte, mode Integrity) []byte {
 // pieces.
 func pieces2(b []byte, dst []Span) []Span {
 	h := len(b) / 2
-	return append(dst, HostBytes(b[:h:h]), HostBytes(b[h:]))
+	return append(dst, hostSpan(b[:h:h]), hostSpan(b[h:]))
 }
 
 // deviceSpan claims a host block is device memory (CUDA): nothing is
 // mapped or read before the refusal under test.
-func deviceSpan(b []byte) Span {
-	sp := HostBytes(b)
+func deviceSpan(b []byte, dst []Span) []Span {
+	sp := hostSpan(b)
 	sp.Memory = CUDA
-	return sp
+	return append(dst, sp)
 }
 
 // TestKeyedSessionRefusesUncheckedBlocks: issue 30, item 7. In an
@@ -247,14 +262,14 @@ func TestKeyedSessionRefusesUncheckedBlocks(t *testing.T) {
 		var r *Receiver[[]byte]
 		var err error
 		if kind == "pieces" {
-			s, err = NewSenderOfPieces(Config{}, pieces2)
+			s, err = NewSender(Config{}, pieces2)
 			if err == nil {
-				r, err = NewReceiverOfPieces(Config{}, pieces2)
+				r, err = NewReceiver(Config{}, pieces2)
 			}
 		} else {
-			s, err = NewSender(Config{})
+			s, err = NewSender(Config{}, HostBytes)
 			if err == nil {
-				r, err = NewReceiver(Config{})
+				r, err = NewReceiver(Config{}, HostBytes)
 			}
 		}
 		if err != nil {
@@ -292,7 +307,7 @@ func TestKeyedSessionRefusesUncheckedBlocks(t *testing.T) {
 			defer p.s.Close()
 			defer p.r.Close()
 			id := uint64(0)
-			for _, mode := range []Integrity{IntegrityNone, IntegrityCRC} {
+			for _, mode := range []integrityMode{integrityNone, integrityCRC} {
 				id++
 				pid := handoff.PlaneID{Session: 1, Handoff: id}
 				accept, err := p.r.Prepare(pid, n)
@@ -304,7 +319,7 @@ func TestKeyedSessionRefusesUncheckedBlocks(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				if st, err := parsePushStart(start); err != nil || (st.layers > 0) != (kind == "stream") || st.mode != IntegrityMAC {
+				if st, err := parsePushStart(start); err != nil || (st.layers > 0) != (kind == "stream") || st.mode != integrityMAC {
 					t.Fatalf("the honest Start: %+v, %v", st, err)
 				}
 				dbuf := make([]byte, n*size)
@@ -356,17 +371,17 @@ func TestKeyedSessionRefusesUncheckedBlocks(t *testing.T) {
 	t.Run("device", func(t *testing.T) {
 		// Keyed, blocks in device memory: refused on either side before
 		// anything is attached.
-		s, err := NewSenderOf(Config{}, deviceSpan)
+		s, err := NewSender(Config{}, deviceSpan)
 		if err != nil {
 			t.Fatal(err)
 		}
 		defer s.Close()
-		r, err := NewReceiverOf(Config{}, deviceSpan)
+		r, err := NewReceiver(Config{}, deviceSpan)
 		if err != nil {
 			t.Fatal(err)
 		}
 		defer r.Close()
-		hs, err := NewSender(Config{})
+		hs, err := NewSender(Config{}, HostBytes)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -1,7 +1,6 @@
 package ucx_test
 
 import (
-	"errors"
 	"testing"
 	"time"
 
@@ -10,31 +9,6 @@ import (
 	"github.com/kvlease/kvlease/layout"
 	"github.com/kvlease/kvlease/ucx"
 )
-
-// pullLayered is pullOnce for any region types.
-func pullLayered[S, D any](b *testing.B, s *ucx.Sender[S], r *ucx.Receiver[D], id handoff.PlaneID, src []S, dst []D) {
-	accept, err := r.Prepare(id, len(dst))
-	if err != nil {
-		b.Fatal(err)
-	}
-	var sendT, recvT *kvlease.Transfer
-	start, err := s.Send(id, src, accept, func(t *kvlease.Transfer) error { sendT = t; return nil })
-	if err != nil {
-		b.Fatal(err)
-	}
-	if err := r.Receive(id, dst, start, func(t *kvlease.Transfer) error { recvT = t; return nil }); err != nil {
-		b.Fatal(err)
-	}
-	<-recvT.Done()
-	if err := recvT.Err(); err != nil {
-		b.Fatal(err)
-	}
-	s.Finish(id, nil)
-	<-sendT.Done()
-	if err := sendT.Err(); err != nil && !errors.Is(err, ucx.ErrRevoked) {
-		b.Fatal(err)
-	}
-}
 
 // BenchmarkLayeredPull64x32 is one handoff of 64 consecutive blocks
 // (the middle half of 128-block pools) of a 32-layer model (K and V
@@ -59,22 +33,22 @@ func BenchmarkLayeredPull64x32(b *testing.B) {
 		{"to=separated", layout.LayerSeparated, 16},
 	} {
 		b.Run(c.name, func(b *testing.B) {
-			ls, err := ucx.NewLayeredSender[layout.Block](ucx.Config{})
+			ls, err := ucx.NewSender(ucx.Config{}, ucx.LayeredPieces[layout.Block])
 			if err != nil {
 				b.Fatal(err)
 			}
 			defer ls.Close()
-			lr, err := ucx.NewLayeredReceiver[layout.Block](ucx.Config{Window: c.window})
+			lr, err := ucx.NewReceiver(ucx.Config{Window: c.window}, ucx.LayeredPieces[layout.Block])
 			if err != nil {
 				b.Fatal(err)
 			}
 			defer lr.Close()
-			s, err := ucx.NewSender(ucx.Config{})
+			s, err := ucx.NewSender(ucx.Config{}, ucx.HostBytes)
 			if err != nil {
 				b.Fatal(err)
 			}
 			defer s.Close()
-			r, err := ucx.NewReceiver(ucx.Config{})
+			r, err := ucx.NewReceiver(ucx.Config{}, ucx.HostBytes)
 			if err != nil {
 				b.Fatal(err)
 			}
@@ -99,10 +73,10 @@ func BenchmarkLayeredPull64x32(b *testing.B) {
 			for i := range b.N {
 				id := handoff.PlaneID{Session: 1, Handoff: uint64(i)}
 				t0 := time.Now()
-				pullLayered(b, ls, lr, id, src, dst)
+				moveOnce(b, ls, lr, id, src, dst)
 				t1 := time.Now()
 				b.StopTimer()
-				pullLayered(b, s, r, id, psrc, pdst)
+				moveOnce(b, s, r, id, psrc, pdst)
 				base += time.Since(t1)
 				b.StartTimer()
 				ours += t1.Sub(t0)

@@ -15,16 +15,16 @@ import (
 // gathered from the source's pieces and scattered into the destination's.
 // The plane-level calls are what handoff.Source and handoff.Destination
 // make.
-func ExampleNewLayeredSender() {
+func ExampleLayeredPieces() {
 	src, _ := layout.NewHost(layout.LayerSeparated(4, 2, 16, 256, "bf16"))
 	dst, _ := layout.NewHost(layout.Contiguous(4, 2, 16, 256, "bf16"))
-	sender, err := ucx.NewLayeredSender[layout.Block](ucx.Config{})
+	sender, err := ucx.NewSender(ucx.Config{}, ucx.LayeredPieces[layout.Block])
 	if err != nil {
 		fmt.Println(err)
 		return
 	}
 	defer sender.Close()
-	receiver, err := ucx.NewLayeredReceiver[layout.Block](ucx.Config{})
+	receiver, err := ucx.NewReceiver(ucx.Config{}, ucx.LayeredPieces[layout.Block])
 	if err != nil {
 		fmt.Println(err)
 		return

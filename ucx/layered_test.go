@@ -104,44 +104,14 @@ func runsOf(ids []int) int {
 	return n
 }
 
-// roundTrip moves src into dst over one plane-level handoff and returns
-// the destination's outcome; the source is finished with its done.
-func roundTrip[S, D any](t *testing.T, sender *ucx.Sender[S], recv *ucx.Receiver[D], id handoff.PlaneID, src []S, dst []D) {
-	t.Helper()
-	accept, err := recv.Prepare(id, len(dst))
-	if err != nil {
-		t.Fatal(err)
-	}
-	var st, dt *kvlease.Transfer
-	start, err := sender.Send(id, src, accept, func(t *kvlease.Transfer) error { st = t; return nil })
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(start) > handoff.MaxPlane {
-		t.Fatalf("%d start bytes", len(start))
-	}
-	if err := recv.Receive(id, dst, start, func(t *kvlease.Transfer) error { dt = t; return nil }); err != nil {
-		t.Fatal(err)
-	}
-	<-dt.Done()
-	if err := dt.Err(); err != nil {
-		t.Fatal(err)
-	}
-	sender.Finish(id, nil)
-	<-st.Done()
-	if err := st.Err(); err != nil {
-		t.Fatal(err)
-	}
-}
-
 func layeredPlanes(t *testing.T, cfg ucx.Config) (*ucx.Sender[layout.Block], *ucx.Receiver[layout.Block]) {
 	t.Helper()
-	sender, err := ucx.NewLayeredSender[layout.Block](ucx.Config{Pull: cfg.Pull})
+	sender, err := ucx.NewSender(ucx.Config{Pull: cfg.Pull}, ucx.LayeredPieces[layout.Block])
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = sender.Close() })
-	recv, err := ucx.NewLayeredReceiver[layout.Block](cfg)
+	recv, err := ucx.NewReceiver(cfg, ucx.LayeredPieces[layout.Block])
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -179,7 +149,7 @@ func TestLayeredSeparatedToContiguous(t *testing.T) {
 				for i, b := range sb {
 					stampBlock(b, 9, i)
 				}
-				roundTrip(t, sender, recv, handoff.PlaneID{Session: 1, Handoff: 1}, sb, db)
+				moveOnce(t, sender, recv, handoff.PlaneID{Session: 1, Handoff: 1}, sb, db)
 				for i, b := range db {
 					if err := checkBlock(b, 9, i); err != nil {
 						t.Fatal(err)
@@ -233,7 +203,7 @@ func TestLayeredBatchesGets(t *testing.T) {
 			for i, b := range sb {
 				stampBlock(b, 3, i)
 			}
-			roundTrip(t, sender, recv, handoff.PlaneID{Session: 2, Handoff: 1}, sb, db)
+			moveOnce(t, sender, recv, handoff.PlaneID{Session: 2, Handoff: 1}, sb, db)
 			for i, b := range db {
 				if err := checkBlock(b, 3, i); err != nil {
 					t.Fatal(err)
@@ -260,7 +230,7 @@ func TestLayeredFromPlainBlocks(t *testing.T) {
 	// A plain []byte block is the one-piece case: it holds a layered
 	// block's pieces one after the other (the contiguous layout), so a
 	// plain source feeds a layer-separated destination piece by piece.
-	sender, err := ucx.NewSender(ucx.Config{})
+	sender, err := ucx.NewSender(ucx.Config{}, ucx.HostBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -276,7 +246,7 @@ func TestLayeredFromPlainBlocks(t *testing.T) {
 		src = append(src, ref.Base()[off:off+lBlock:off+lBlock])
 	}
 	db := blocksOf(dst, []int{8, 9, 10})
-	roundTrip(t, sender, recv, handoff.PlaneID{Session: 3, Handoff: 1}, src, db)
+	moveOnce(t, sender, recv, handoff.PlaneID{Session: 3, Handoff: 1}, src, db)
 	for i, b := range db {
 		if err := checkBlock(b, 21, i); err != nil {
 			t.Fatal(err)
@@ -498,28 +468,8 @@ func TestLayeredCancelBetweenPieces(t *testing.T) {
 		stampBlock(b, 40, i)
 	}
 	id := handoff.PlaneID{Session: 8, Handoff: 1}
-	accept, err := recv.Prepare(id, len(db))
-	if err != nil {
-		t.Fatal(err)
-	}
-	start, err := sender.Send(id, sb, accept, func(*kvlease.Transfer) error { return nil })
-	if err != nil {
-		t.Fatal(err)
-	}
-	var dt *kvlease.Transfer
-	if err := recv.Receive(id, db, start, func(t *kvlease.Transfer) error { dt = t; return nil }); err != nil {
-		t.Fatal(err)
-	}
-	<-stuck
-	dt.Cancel()
-	if dt.State() != kvlease.TransferPending {
-		t.Fatalf("a cancel resolved the transfer: %v", dt.State())
-	}
-	close(release)
-	<-dt.Done()
-	if err := dt.Err(); !errors.Is(err, kvlease.ErrCanceled) {
-		t.Fatalf("after the cancel: %v", err)
-	}
+	_, dt := startOnce(t, sender, recv, id, sb, db)
+	cancelStuck(t, dt, stuck, release)
 	// One piece per get, block by block: blocks 0 and 1 arrived whole.
 	for i, b := range db[:2] {
 		if err := checkBlock(b, 40, i); err != nil {
@@ -558,7 +508,7 @@ func TestLayeredPushRuns(t *testing.T) {
 			for i, b := range sb {
 				stampBlock(b, 4, i)
 			}
-			roundTrip(t, sender, recv, handoff.PlaneID{Session: 3, Handoff: 1}, sb, db)
+			moveOnce(t, sender, recv, handoff.PlaneID{Session: 3, Handoff: 1}, sb, db)
 			for i, b := range db {
 				if err := checkBlock(b, 4, i); err != nil {
 					t.Fatal(err)

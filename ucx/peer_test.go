@@ -78,7 +78,7 @@ func peerMain(role string) int {
 				_, _ = stdin.ReadString('\n')
 			}
 		}
-		sender, err := ucx.NewSender(cfg)
+		sender, err := ucx.NewSender(cfg, ucx.HostBytes)
 		if err != nil {
 			say("error %v", err)
 			return 1
@@ -150,7 +150,7 @@ func peerMain(role string) int {
 		// An authenticated destination that, given the Start bytes,
 		// asks the source's worker for the address the test names on
 		// stdin ("target ADDR"), then receives as usual.
-		recv, err := ucx.NewReceiver(cfg)
+		recv, err := ucx.NewReceiver(cfg, ucx.HostBytes)
 		if err != nil {
 			say("error %v", err)
 			return 1
@@ -190,7 +190,7 @@ func peerMain(role string) int {
 				}
 			}
 		}
-		recv, err := ucx.NewReceiver(cfg)
+		recv, err := ucx.NewReceiver(cfg, ucx.HostBytes)
 		if err != nil {
 			say("error %v", err)
 			return 1

@@ -69,12 +69,12 @@ func TestManyRunsReadTheTable(t *testing.T) {
 	// 200 blocks, no two adjacent: 200 registrations, whose keys do not
 	// fit the Start bytes. Pulled, the destination reads the run table
 	// from the source first, then the blocks.
-	sender, err := ucx.NewSender(ucx.Config{Pull: true})
+	sender, err := ucx.NewSender(ucx.Config{Pull: true}, ucx.HostBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer sender.Close()
-	recv, err := ucx.NewReceiver(ucx.Config{Pull: true})
+	recv, err := ucx.NewReceiver(ucx.Config{Pull: true}, ucx.HostBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -143,12 +143,12 @@ func TestManyRunsReadTheTable(t *testing.T) {
 }
 
 func TestBadPlaneBytes(t *testing.T) {
-	sender, err := ucx.NewSender(ucx.Config{})
+	sender, err := ucx.NewSender(ucx.Config{}, ucx.HostBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer sender.Close()
-	recv, err := ucx.NewReceiver(ucx.Config{})
+	recv, err := ucx.NewReceiver(ucx.Config{}, ucx.HostBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -220,12 +220,12 @@ func TestCancelIsARequest(t *testing.T) {
 			close(stuck)
 			<-release
 		}
-	}})
+	}}, ucx.HostBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer recv.Close()
-	sender, err := ucx.NewSender(ucx.Config{})
+	sender, err := ucx.NewSender(ucx.Config{}, ucx.HostBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -237,25 +237,8 @@ func TestCancelIsARequest(t *testing.T) {
 		mark(sr[i], 5, i)
 	}
 	id := handoff.PlaneID{Session: 3, Handoff: 3}
-	accept, _ := recv.Prepare(id, 8)
-	start, err := sender.Send(id, sr, accept, func(*kvlease.Transfer) error { return nil })
-	if err != nil {
-		t.Fatal(err)
-	}
-	var dt *kvlease.Transfer
-	if err := recv.Receive(id, dr, start, func(t *kvlease.Transfer) error { dt = t; return nil }); err != nil {
-		t.Fatal(err)
-	}
-	<-stuck
-	dt.Cancel()
-	if dt.State() != kvlease.TransferPending {
-		t.Fatalf("a cancel resolved the transfer: %v", dt.State())
-	}
-	close(release)
-	<-dt.Done()
-	if err := dt.Err(); !errors.Is(err, kvlease.ErrCanceled) {
-		t.Fatalf("after the cancel: %v", err)
-	}
+	_, dt := startOnce(t, sender, recv, id, sr, dr)
+	cancelStuck(t, dt, stuck, release)
 	if err := markedRegions(dr[:2], 5); err != nil {
 		t.Fatalf("the blocks read before the cancel: %v", err)
 	}
@@ -275,12 +258,12 @@ func TestModelsMustAgree(t *testing.T) {
 	regions := [][]byte{make([]byte, 64)}
 	attach := func(*kvlease.Transfer) error { t.Fatal("attached across models"); return nil }
 	for _, pull := range []bool{false, true} {
-		s, err := ucx.NewSender(ucx.Config{Pull: pull})
+		s, err := ucx.NewSender(ucx.Config{Pull: pull}, ucx.HostBytes)
 		if err != nil {
 			t.Fatal(err)
 		}
 		defer s.Close()
-		r, err := ucx.NewReceiver(ucx.Config{Pull: !pull})
+		r, err := ucx.NewReceiver(ucx.Config{Pull: !pull}, ucx.HostBytes)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -26,13 +26,13 @@ func Example_reusedConnections() {
 	key, _ := handoff.GenerateKey()
 	auth := &handoff.PSK{ID: "prefill-fleet", Key: key}
 
-	receiver, err := ucx.NewReceiver(ucx.Config{MaxIdle: 2, IdleTimeout: 2 * time.Minute})
+	receiver, err := ucx.NewReceiver(ucx.Config{MaxIdle: 2, IdleTimeout: 2 * time.Minute}, ucx.HostBytes)
 	if err != nil {
 		fmt.Println(err)
 		return
 	}
 	defer receiver.Close()
-	sender, err := ucx.NewSender(ucx.Config{MaxIdle: 2, IdleTimeout: time.Minute})
+	sender, err := ucx.NewSender(ucx.Config{MaxIdle: 2, IdleTimeout: time.Minute}, ucx.HostBytes)
 	if err != nil {
 		fmt.Println(err)
 		return

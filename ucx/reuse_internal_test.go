@@ -17,11 +17,11 @@ import (
 // (an authenticated session's), closed with the test.
 func reusePlanes(t *testing.T, scfg, rcfg Config) (*Sender[[]byte], *Receiver[[]byte]) {
 	t.Helper()
-	s, err := NewSender(scfg)
+	s, err := NewSender(scfg, HostBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
-	r, err := NewReceiver(rcfg)
+	r, err := NewReceiver(rcfg, HostBytes)
 	if err != nil {
 		_ = s.Close()
 		t.Fatal(err)
@@ -44,30 +44,33 @@ func scatteredBlocks(n int, seed byte) [][]byte {
 
 func emptyBlocks(n int) [][]byte { return everyOther(newRunArena(2*n).regions(seq(0, 2*n, 1)), 1) }
 
-// handoffOnce is moveOnce that also returns the Accept bytes.
+// handoffOnce is moveOnce that also returns the Accept bytes, and the
+// source's outcome whatever it is.
 func handoffOnce(s *Sender[[]byte], r *Receiver[[]byte], id handoff.PlaneID, src, dst [][]byte) ([]byte, error) {
-	accept, err := r.Prepare(id, len(dst))
+	accept, st, dt, err := startOnce(s, r, id, src, dst)
 	if err != nil {
-		return nil, err
-	}
-	var st, dt *kvlease.Transfer
-	start, err := s.Send(id, src, accept, func(t *kvlease.Transfer) error { st = t; return nil })
-	if err != nil {
-		r.Forget(id)
 		return accept, err
 	}
-	if err := r.Receive(id, dst, start, func(t *kvlease.Transfer) error { dt = t; return nil }); err != nil {
-		s.Finish(id, err)
-		<-st.Done()
-		return accept, err
+	derr, serr := endOnce(s, id, st, dt)
+	if derr != nil {
+		return accept, derr
 	}
-	<-dt.Done()
-	s.Finish(id, dt.Err())
-	<-st.Done()
-	if err := dt.Err(); err != nil {
-		return accept, err
+	return accept, serr
+}
+
+// stopAt returns a BeforeSend hook that stops the source of handoff
+// which (as it is when the hook runs) before block: it closes reached
+// and waits for release (at most 20 s).
+func stopAt(which *atomic.Uint64, block int, reached, release chan struct{}) func(handoff.PlaneID, int) {
+	return func(id handoff.PlaneID, b int) {
+		if id.Handoff == which.Load() && b == block {
+			close(reached)
+			select {
+			case <-release:
+			case <-time.After(20 * time.Second):
+			}
+		}
 	}
-	return accept, st.Err()
 }
 
 // waitStats polls f's stats until ok holds (bounded: 10 s).
@@ -231,15 +234,7 @@ func TestReuseKilledEndpoint(t *testing.T) {
 	const n = 8
 	var blockA atomic.Uint64
 	reached, release := make(chan struct{}), make(chan struct{})
-	s, r := reusePlanes(t, Config{Window: 2, BeforeSend: func(id handoff.PlaneID, block int) {
-		if id.Handoff == blockA.Load() && block == 1 {
-			close(reached)
-			select {
-			case <-release:
-			case <-time.After(20 * time.Second):
-			}
-		}
-	}}, Config{})
+	s, r := reusePlanes(t, Config{Window: 2, BeforeSend: stopAt(&blockA, 1, reached, release)}, Config{})
 	// Handoff 1: clean, leaves a connection idle on each side.
 	src, dst := scatteredBlocks(n, 1), emptyBlocks(n)
 	if _, err := handoffOnce(s, r, handoff.PlaneID{Session: 1, Handoff: 1}, src, dst); err != nil {
@@ -249,16 +244,8 @@ func TestReuseKilledEndpoint(t *testing.T) {
 	blockA.Store(2)
 	idA := handoff.PlaneID{Session: 1, Handoff: 2}
 	srcA, dstA := scatteredBlocks(n, 2), emptyBlocks(n)
-	accept, err := r.Prepare(idA, n)
+	_, st, dt, err := startOnce(s, r, idA, srcA, dstA)
 	if err != nil {
-		t.Fatal(err)
-	}
-	var st, dt *kvlease.Transfer
-	start, err := s.Send(idA, srcA, accept, func(t *kvlease.Transfer) error { st = t; return nil })
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := r.Receive(idA, dstA, start, func(t *kvlease.Transfer) error { dt = t; return nil }); err != nil {
 		t.Fatal(err)
 	}
 	select {
@@ -329,14 +316,14 @@ func TestReuseKilledPeer(t *testing.T) {
 	// source finds it broken and drops it, and its next handoff, to a new
 	// destination, connects afresh and delivers.
 	const n = 4
-	s, err := NewSender(Config{IdleTimeout: 2 * time.Second})
+	s, err := NewSender(Config{IdleTimeout: 2 * time.Second}, HostBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer s.Close()
 	secret := []byte("reuse test session secret 32 by")
 	s.keys = keyed(secret)
-	r, err := NewReceiver(Config{})
+	r, err := NewReceiver(Config{}, HostBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -347,7 +334,7 @@ func TestReuseKilledPeer(t *testing.T) {
 	}
 	_ = r.Close()
 	waitStats(t, "the source never found its connection broken", s.Stats, func(st Stats) bool { return st.Broken == 1 && st.Idle == 0 })
-	r2, err := NewReceiver(Config{})
+	r2, err := NewReceiver(Config{}, HostBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -460,15 +447,7 @@ func TestReuseLateMessageOfAnAbortedHandoff(t *testing.T) {
 	const n = 8
 	reached, release := make(chan struct{}), make(chan struct{})
 	var stopID atomic.Uint64
-	s, r := reusePlanes(t, Config{Window: 2, BeforeSend: func(id handoff.PlaneID, block int) {
-		if id.Handoff == stopID.Load() && block == 2 {
-			close(reached)
-			select {
-			case <-release:
-			case <-time.After(20 * time.Second):
-			}
-		}
-	}}, Config{})
+	s, r := reusePlanes(t, Config{Window: 2, BeforeSend: stopAt(&stopID, 2, reached, release)}, Config{})
 	src, dst := scatteredBlocks(n, 1), emptyBlocks(n)
 	if _, err := handoffOnce(s, r, handoff.PlaneID{Session: 1, Handoff: 100}, src, dst); err != nil {
 		t.Fatal(err)
@@ -476,16 +455,8 @@ func TestReuseLateMessageOfAnAbortedHandoff(t *testing.T) {
 	stopID.Store(1)
 	id1 := handoff.PlaneID{Session: 1, Handoff: 1}
 	src1, dst1 := scatteredBlocks(n, 0xAA), emptyBlocks(n)
-	accept, err := r.Prepare(id1, n)
+	_, st, dt, err := startOnce(s, r, id1, src1, dst1)
 	if err != nil {
-		t.Fatal(err)
-	}
-	var st, dt *kvlease.Transfer
-	start, err := s.Send(id1, src1, accept, func(t *kvlease.Transfer) error { st = t; return nil })
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := r.Receive(id1, dst1, start, func(t *kvlease.Transfer) error { dt = t; return nil }); err != nil {
 		t.Fatal(err)
 	}
 	select {

@@ -6,7 +6,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
 )
 
@@ -162,12 +161,12 @@ func BenchmarkPlane16Latency(b *testing.B) {
 	}
 	sides := []*side{{}, {}}
 	for i, cfg := range []Config{{}, {MaxIdle: -1}} {
-		s, err := NewSender(cfg)
+		s, err := NewSender(cfg, HostBytes)
 		if err != nil {
 			b.Fatal(err)
 		}
 		defer s.Close()
-		r, err := NewReceiver(cfg)
+		r, err := NewReceiver(cfg, HostBytes)
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -187,16 +186,8 @@ func BenchmarkPlane16Latency(b *testing.B) {
 		next++
 		id := handoff.PlaneID{Session: 1, Handoff: next}
 		t0 := time.Now()
-		accept, err := sd.r.Prepare(id, n)
+		_, st, dt, err := startOnce(sd.s, sd.r, id, src, dst)
 		if err != nil {
-			b.Fatal(err)
-		}
-		var st, dt *kvlease.Transfer
-		start, err := sd.s.Send(id, src, accept, func(t *kvlease.Transfer) error { st = t; return nil })
-		if err != nil {
-			b.Fatal(err)
-		}
-		if err := sd.r.Receive(id, dst, start, func(t *kvlease.Transfer) error { dt = t; return nil }); err != nil {
 			b.Fatal(err)
 		}
 		<-dt.Done()

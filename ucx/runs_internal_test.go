@@ -74,29 +74,7 @@ func sameRegions(got, want [][]byte) error {
 // the destination's outcome.
 func pushTampered(t *testing.T, s *Sender[[]byte], r *Receiver[[]byte], id handoff.PlaneID, src, dst [][]byte, tamper func(*pushStart)) error {
 	t.Helper()
-	accept, err := r.Prepare(id, len(dst))
-	if err != nil {
-		t.Fatal(err)
-	}
-	start, err := s.Send(id, src, accept, func(*kvlease.Transfer) error { return nil })
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Finish(id, errors.New("test over"))
-	if tamper != nil {
-		st, err := parsePushStart(start)
-		if err != nil {
-			t.Fatal(err)
-		}
-		tamper(st)
-		start = appendPushStart(nil, st)
-	}
-	var dt *kvlease.Transfer
-	if err := r.Receive(id, dst, start, func(t *kvlease.Transfer) error { dt = t; return nil }); err != nil {
-		return err
-	}
-	<-dt.Done()
-	return dt.Err()
+	return pushVia(t, s, r, id, id, src, dst, tamper)
 }
 
 func TestPushRuns(t *testing.T) {
@@ -128,12 +106,12 @@ func TestPushRuns(t *testing.T) {
 		{"mixed", mixed, seq(40, len(mixed), 1), 4 * runBlock, 0, 6, true, 32, 64},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			s, err := NewSender(Config{MaxGet: tc.srcMax})
+			s, err := NewSender(Config{MaxGet: tc.srcMax}, HostBytes)
 			if err != nil {
 				t.Fatal(err)
 			}
 			defer s.Close()
-			r, err := NewReceiver(Config{MaxGet: tc.dstMax})
+			r, err := NewReceiver(Config{MaxGet: tc.dstMax}, HostBytes)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -208,12 +186,12 @@ func TestPushRunsOfALease(t *testing.T) {
 		src = append(src, rg)
 	}
 	fillRuns(src, 5)
-	s, err := NewSender(Config{})
+	s, err := NewSender(Config{}, HostBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer s.Close()
-	r, err := NewReceiver(Config{})
+	r, err := NewReceiver(Config{}, HostBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -253,12 +231,12 @@ func TestPushRunsRefused(t *testing.T) {
 		{"messages longer than the destination takes", seq(0, n, 1), func(st *pushStart) { st.per = 1 << 20 / runBlock * 2 }, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			s, err := NewSender(Config{})
+			s, err := NewSender(Config{}, HostBytes)
 			if err != nil {
 				t.Fatal(err)
 			}
 			defer s.Close()
-			r, err := NewReceiver(Config{Window: 2})
+			r, err := NewReceiver(Config{Window: 2}, HostBytes)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -297,12 +275,12 @@ func TestPullRuns(t *testing.T) {
 		{"contiguous, gets of 64KiB", seq(0, n, 1), seq(0, n, 1), 64 << 10, 1, 1, n / 16},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			s, err := NewSender(Config{Pull: true})
+			s, err := NewSender(Config{Pull: true}, HostBytes)
 			if err != nil {
 				t.Fatal(err)
 			}
 			defer s.Close()
-			r, err := NewReceiver(Config{Pull: true, MaxGet: tc.maxGet})
+			r, err := NewReceiver(Config{Pull: true, MaxGet: tc.maxGet}, HostBytes)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -339,12 +317,12 @@ func TestPushRunsBeyondTheStartBytes(t *testing.T) {
 		ids = append(ids, 3*i, 3*i+1)
 	}
 	ids = append(ids, seq(3*runs, 5, 1)...) // and one run of 5 (kept: the longest)
-	s, err := NewSender(Config{})
+	s, err := NewSender(Config{}, HostBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer s.Close()
-	r, err := NewReceiver(Config{})
+	r, err := NewReceiver(Config{}, HostBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -388,7 +366,7 @@ func TestPushRunCanceledBeforeItsMessage(t *testing.T) {
 			case <-time.After(20 * time.Second):
 			}
 		}
-	}})
+	}}, HostBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -398,7 +376,7 @@ func TestPushRunCanceledBeforeItsMessage(t *testing.T) {
 		if block == n {
 			close(posted)
 		}
-	}})
+	}}, HostBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -407,17 +385,8 @@ func TestPushRunCanceledBeforeItsMessage(t *testing.T) {
 	src, dst := sa.regions(append(seq(0, n, 1), n+1)), da.regions(seq(0, n+1, 1))
 	fillRuns(src, 9)
 	id := handoff.PlaneID{Session: 1, Handoff: 1}
-	accept, err := r.Prepare(id, n+1)
+	_, st, dt, err := startOnce(s, r, id, src, dst)
 	if err != nil {
-		t.Fatal(err)
-	}
-	var st, dt *kvlease.Transfer
-	start, err := s.Send(id, src, accept, func(t *kvlease.Transfer) error { st = t; return nil })
-	if err != nil {
-		close(release)
-		t.Fatal(err)
-	}
-	if err := r.Receive(id, dst, start, func(t *kvlease.Transfer) error { dt = t; return nil }); err != nil {
 		close(release)
 		t.Fatal(err)
 	}

@@ -348,8 +348,8 @@ func layerUnits(bb, layers int) []int {
 
 // unitTags returns the buffer of a keyed stream's per-(block, layer)
 // GMACs, or nil (not keyed, or too many).
-func unitTags(mode Integrity, blocks, layers int) []byte {
-	if mode != IntegrityMAC || blocks*layers > maxUnitTags {
+func unitTags(mode integrityMode, blocks, layers int) []byte {
+	if mode != integrityMAC || blocks*layers > maxUnitTags {
 		return nil
 	}
 	return make([]byte, blocks*layers*macLen)

@@ -26,13 +26,13 @@ func ExampleSender_SendStream() {
 		p, _ := kvlease.NewPool[[]byte](mem)
 		return p
 	}
-	receiver, err := ucx.NewReceiver(ucx.Config{})
+	receiver, err := ucx.NewReceiver(ucx.Config{}, ucx.HostBytes)
 	if err != nil {
 		fmt.Println(err)
 		return
 	}
 	defer receiver.Close()
-	sender, err := ucx.NewSender(ucx.Config{})
+	sender, err := ucx.NewSender(ucx.Config{}, ucx.HostBytes)
 	if err != nil {
 		fmt.Println(err)
 		return

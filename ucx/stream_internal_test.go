@@ -79,8 +79,8 @@ func TestStreamUnitTagsFold(t *testing.T) {
 		mem[i] = byte(i*13 + i/7)
 	}
 	// One block of pieces 300, 700, 1048 bytes: layers of 512 straddle them.
-	pieces := []Span{HostBytes(mem[:300]), HostBytes(mem[300:1000]), HostBytes(mem[1000:])}
-	s, err := newSummer(IntegrityMAC, key, layerUnits(2048, layers))
+	pieces := []Span{hostSpan(mem[:300]), hostSpan(mem[300:1000]), hostSpan(mem[1000:])}
+	s, err := newSummer(integrityMAC, key, layerUnits(2048, layers))
 	if err != nil {
 		t.Fatal(err)
 	}

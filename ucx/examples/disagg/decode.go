@@ -142,7 +142,7 @@ func RunDecode(Config) int {
 	}
 	// One block per message (and, pulled, per get), so that a fault
 	// lands between two blocks.
-	if d.recv, err = ucx.NewReceiver(ucx.Config{MaxGet: envelope.BlockBytes, Window: 4, BeforeGet: d.beforeGet}); err != nil {
+	if d.recv, err = ucx.NewReceiver(ucx.Config{MaxGet: envelope.BlockBytes, Window: 4, BeforeGet: d.beforeGet}, ucx.HostBytes); err != nil {
 		fmt.Fprintln(os.Stderr, "disagg decode:", err)
 		return 1
 	}

@@ -342,7 +342,7 @@ func Run(cfg Config, out io.Writer) (Ledger, error) {
 	if err != nil {
 		return Ledger{}, err
 	}
-	sender, err := ucx.NewSender(ucx.Config{})
+	sender, err := ucx.NewSender(ucx.Config{}, ucx.HostBytes)
 	if err != nil {
 		return Ledger{}, err
 	}
