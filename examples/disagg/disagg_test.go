@@ -2,10 +2,7 @@ package main
 
 import (
 	"bytes"
-	"encoding/json"
 	"fmt"
-	"io"
-	"net"
 	"os"
 	"regexp"
 	"strings"
@@ -14,13 +11,14 @@ import (
 
 	"github.com/kvlease/kvlease/handoff"
 	"github.com/kvlease/kvlease/handoff/inproc"
+	"github.com/kvlease/kvlease/internal/rig"
 )
 
 // TestMain makes the test binary the -net run's decode process when the
-// prefill side (a test) starts it again with decodeEnv set.
+// prefill side (a test) starts it again (rig.StartChild).
 func TestMain(m *testing.M) {
-	if spec, ok := os.LookupEnv(decodeEnv); ok {
-		os.Exit(decodeMain(spec, os.Stdin, os.Stdout, os.Stderr))
+	if rig.IsChild() {
+		os.Exit(rig.ChildMain(os.Stdin, os.Stdout, os.Stderr, serveDecode))
 	}
 	os.Exit(m.Run())
 }
@@ -64,7 +62,7 @@ func TestDefaultRun(t *testing.T) {
 	text := out.String()
 	for _, s := range []string{"rejected by envelope", "rejected by prefill pool", "running-request limit", "destination acquire",
 		"aborting      by frontend", "quarantined   by supervisor", "late acknowledgement", "no acknowledgement ever came",
-		"failed        by transport", "delivered     by transport", "aborted       by frontend", "copy canceled", "marker mismatches     0", "late writes           0"} {
+		"failed        by transport", "delivered     by transport", "aborted       by frontend", "kvlease: canceled", "marker mismatches     0", "late writes           0"} {
 		if !strings.Contains(text, s) {
 			t.Errorf("output lacks %q", s)
 		}
@@ -113,13 +111,13 @@ func TestAuditCatchesALyingTransport(t *testing.T) {
 	cfg := DefaultConfig()
 	cfg.Quiet = true
 	cfg.AbortRate, cfg.IgnoreCancelRate, cfg.FailRate, cfg.LostAckRate = 1, 1, 0, 0
-	cfg.sabotage = func(w inproc.Write, s handoff.State) {
+	sabotage := func(w inproc.Write, s handoff.State) {
 		if s == handoff.Aborting {
 			w.Transfer.Resolve(nil) // "quiescent", says the transport, mid-copy
 		}
 	}
 	var out bytes.Buffer
-	l, err := Run(cfg, &out)
+	l, err := run(cfg, &out, sabotage)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -157,7 +155,7 @@ func TestNetDefaultRun(t *testing.T) {
 	if l.MarkerMismatches != 0 || l.LateWrites != 0 || l.Disagreements != 0 || l.ProtocolErrors != 0 {
 		t.Fatalf("mismatches %d, late writes %d, disagreements %d, protocol errors %d\n%s", l.MarkerMismatches, l.LateWrites, l.Disagreements, l.ProtocolErrors, out.String())
 	}
-	if l.Child != (ChildExit{Ran: true, Exited: true, Code: 0}) {
+	if l.Child != (rig.ChildExit{Ran: true, Exited: true, Code: 0}) {
 		t.Fatalf("decode process: %+v", l.Child)
 	}
 	// What never resumed stays quarantined on the prefill side, whose
@@ -223,7 +221,7 @@ func TestNetManySeeds(t *testing.T) {
 // that the ledger reports the writes into reclaimed memory.
 func TestNetAuditCatchesALyingTransport(t *testing.T) {
 	cfg := DefaultConfig()
-	cfg.Quiet, cfg.lie = true, true
+	cfg.Quiet, cfg.Lie = true, true
 	cfg.AbortRate, cfg.EarlyAbortRate, cfg.FailRate, cfg.LostAckRate = 1, 0, 0, 0
 	var out bytes.Buffer
 	l, err := RunNet(cfg, &out)
@@ -241,88 +239,6 @@ func TestNetBadConfig(t *testing.T) {
 			t.Errorf("RunNet(%+v) succeeded", cfg)
 		}
 	}
-}
-
-// startChild starts the decode process the way RunNet does and takes its
-// control connection.
-func startChild(t *testing.T) (*decodeProc, net.Conn) {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	spec := decodeSpec{Ctl: ln.Addr().String(), Token: []byte("0123456789abcdef"), Cfg: DefaultConfig()}
-	key, err := handoff.GenerateKey()
-	if err != nil {
-		t.Fatal(err)
-	}
-	child, err := startDecode(spec, key, os.Stderr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(child.kill)
-	conn, err := acceptChild(ln.(*net.TCPListener), spec.Token)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = conn.Close() })
-	return child, conn
-}
-
-// reap waits (bounded) for the child to exit by itself and returns its
-// stdout.
-func reap(t *testing.T, child *decodeProc) []byte {
-	t.Helper()
-	done := make(chan []byte, 1)
-	go func() {
-		b, _ := io.ReadAll(child.stdout)
-		done <- b
-	}()
-	select {
-	case b := <-done:
-		_ = child.reap()
-		return b
-	case <-time.After(60 * time.Second):
-		t.Fatal("the decode process did not exit")
-		return nil
-	}
-}
-
-// TestNetChildDiesWithItsParent: the decode process exits when its stdin
-// (a pipe from the prefill process, closed when that one dies) closes,
-// and when its control connection ends; and the prefill side can kill it.
-func TestNetChildDiesWithItsParent(t *testing.T) {
-	t.Run("stdin", func(t *testing.T) {
-		child, _ := startChild(t)
-		_ = child.stdin.Close()
-		reap(t, child)
-		if child.exit != (ChildExit{Ran: true, Exited: true, Code: 3}) {
-			t.Fatalf("decode process: %+v", child.exit)
-		}
-	})
-	t.Run("control", func(t *testing.T) {
-		child, conn := startChild(t)
-		_ = conn.Close()
-		b := reap(t, child)
-		if child.exit != (ChildExit{Ran: true, Exited: true, Code: 0}) {
-			t.Fatalf("decode process: %+v", child.exit)
-		}
-		var rep decodeReport
-		if err := json.Unmarshal(b, &rep); err != nil {
-			t.Fatalf("report %q: %v", b, err)
-		}
-		if len(rep.Handoffs) != 0 || rep.Decode.Free != decodeBlocks || len(rep.Errors) != 0 {
-			t.Fatalf("report of an idle decode process: %+v", rep)
-		}
-	})
-	t.Run("kill", func(t *testing.T) {
-		child, _ := startChild(t)
-		child.kill()
-		if !child.done || child.exit.Exited || child.cmd.ProcessState == nil {
-			t.Fatalf("decode process after kill: %+v, %v", child.exit, child.cmd.ProcessState)
-		}
-	})
 }
 
 // TestNetInsecure: -insecure runs the halves unauthenticated, and the
@@ -351,22 +267,22 @@ func TestStreamRun(t *testing.T) {
 	cfg.Requests, cfg.LayerDelay = 5, 10*time.Millisecond
 	var out bytes.Buffer
 	admitted := 0
-	l, err := runStream(cfg, &out, os.Stderr, func(r *request, st, aft *streamRun) {
+	l, err := runStream(cfg, &out, os.Stderr, func(r rig.Request, st, aft *streamRun) {
 		admitted++
 		for _, run := range []*streamRun{st, aft} {
 			if run.out.State() != handoff.Delivered || run.view == nil || len(run.view.Arrived) != streamLayers {
-				t.Errorf("%s handoff %d: %v, decode view %+v", r.name, run.id, run.out.State(), run.view)
+				t.Errorf("%s handoff %d: %v, decode view %+v", r.Name, run.id, run.out.State(), run.view)
 				continue
 			}
 			for layer, at := range run.view.Arrived {
 				if arr := time.Unix(0, at); arr.Before(run.written[layer]) {
-					t.Errorf("%s handoff %d: layer %d arrived at %v, before it was written at %v", r.name, run.id, layer, arr, run.written[layer])
+					t.Errorf("%s handoff %d: layer %d arrived at %v, before it was written at %v", r.Name, run.id, layer, arr, run.written[layer])
 				}
 			}
 		}
 		if st.view != nil && len(st.view.Arrived) == streamLayers {
 			if first := time.Unix(0, st.view.Arrived[0]); !first.Before(st.written[streamLayers-1]) {
-				t.Errorf("%s: streaming, layer 0 arrived at %v, not before the last layer was written at %v", r.name, first, st.written[streamLayers-1])
+				t.Errorf("%s: streaming, layer 0 arrived at %v, not before the last layer was written at %v", r.Name, first, st.written[streamLayers-1])
 			}
 		}
 	})

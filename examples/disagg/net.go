@@ -30,16 +30,11 @@ package main
 // cancel at the next block boundary).
 
 import (
-	"bytes"
-	crand "crypto/rand"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
-	"math/rand/v2"
 	"net"
 	"os"
-	"os/exec"
 	"slices"
 	"sync"
 	"time"
@@ -47,40 +42,8 @@ import (
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
 	"github.com/kvlease/kvlease/handoff/tcp"
+	"github.com/kvlease/kvlease/internal/rig"
 )
-
-// decodeEnv names the environment variable that makes this program (or
-// the test binary) the decode process: it holds the decodeSpec as JSON.
-const decodeEnv = "KVLEASE_DISAGG_DECODE"
-
-// decodeSpec is what the prefill process tells the decode process it
-// starts: where to dial, the token to prove it is the child, and the run.
-//
-// The spec travels in the environment: it holds no secret. The
-// pre-shared key of the control session (unless Cfg.Insecure) travels
-// through a pipe the child inherits as file descriptor keyFD, read once:
-// never a command line, never the environment.
-type decodeSpec struct {
-	Ctl   string
-	Token []byte
-	Cfg   Config
-	Lie   bool
-}
-
-// keyFD is the child's descriptor of the key pipe (the first of
-// exec.Cmd.ExtraFiles), and pskID the key's id.
-const (
-	keyFD = 3
-	pskID = "disagg"
-)
-
-// auth is the half config's authentication for key (nil: insecure).
-func auth(key []byte) (handoff.Authenticator, bool) {
-	if key == nil {
-		return nil, true
-	}
-	return &handoff.PSK{ID: pskID, Key: key}, false
-}
 
 // A data connection of package handoff/tcp starts with a hello ("KD",
 // version, the 16-byte token of the Accept's plane bytes, block count,
@@ -99,36 +62,19 @@ var (
 	errStopped    = errors.New("run over: the stalled sender gives up")
 )
 
-// netFaults draws the data-connection faults of the -net run, from a
-// stream of their own so the burst itself (generate) is the in-process
-// one. A request gets at most one: an early abort, else a stall, else a
-// cut, else its mid-transfer abort (if generate drew one).
-func netFaults(cfg Config, reqs []*request) {
-	rng := rand.New(rand.NewPCG(cfg.Seed, 0x6e6574666c74))
-	for _, r := range reqs {
-		fail, lost, at := rng.Float64(), rng.Float64(), rng.Float64()
-		k := int(at * float64(envelope.BlocksFor(r.prompt)))
-		switch {
-		case r.earlyAbort:
-			r.abortAt = -1 // the transfer never starts
-		case lost < cfg.LostAckRate:
-			r.stallAt, r.abortAt = k, -1
-		case fail < cfg.FailRate:
-			r.cutAt, r.abortAt = k, -1
-		}
-	}
-}
-
 // netReq is one request as the prefill process runs it.
 type netReq struct {
-	*request
+	rig.Request
+	refused string                // why the request never reached a handoff
+	src     *kvlease.Lease[[]byte] // its prefill lease
+	srcIDs  []kvlease.BlockID
 	refs    []kvlease.BlockRef // the source lease's blocks, at Propose
 	out     *handoff.Outgoing[[]byte]
 	arrived chan struct{} // closed when the accept reached our plane
 	start   chan bool     // true: stream; false: the handoff ended first
 	resume  chan struct{} // closed when a stalled sender may go on
 	started bool          // its transfer was let start
-	view    *decodeView   // the decode process's side, from its report
+	view    *rig.View     // the decode process's side, from its report
 }
 
 // prefillWorld is the prefill process of a -net run.
@@ -194,10 +140,10 @@ func (c *sendConn) Write(p []byte) (int, error) {
 	if c.next < len(c.regions) && len(p) > 0 && &p[0] == &c.regions[c.next][0] {
 		i, c.next = c.next, c.next+1
 		switch c.r.out.From() + i {
-		case c.r.cutAt:
+		case c.r.FailAt:
 			_ = c.Conn.Close()
 			return 0, errCut
-		case c.r.stallAt:
+		case c.r.StallAt:
 			select {
 			case <-c.r.resume:
 			case <-c.w.stop:
@@ -220,13 +166,13 @@ func (w *prefillWorld) audit(r *netReq, i int, p []byte) {
 	s, err := w.prefill.Region(ref)
 	if err != nil || &s[0] != &p[0] {
 		w.mu.Lock()
-		w.late[r.id] = true
+		w.late[r.ID] = true
 		w.mu.Unlock()
 	}
 }
 
 // RunNet runs the burst with the decode side in a child process (this
-// program re-executed with decodeEnv set) and writes the timeline (unless
+// program re-executed: rig.StartChild) and writes the timeline (unless
 // cfg.Quiet) and the ledger to out. The child is killed if RunNet returns
 // before it exited; it exits by itself when the control connection or
 // its stdin closes.
@@ -235,61 +181,42 @@ func RunNet(cfg Config, out io.Writer) (Ledger, error) {
 }
 
 func runNet(cfg Config, out, childErr io.Writer) (l Ledger, err error) {
-	if err := checkConfig(cfg); err != nil {
+	if err := cfg.Check(); err != nil {
 		return Ledger{}, err
-	}
-	if cfg.Deadline <= 0 {
-		return Ledger{}, fmt.Errorf("deadline %v must be positive", cfg.Deadline)
 	}
 	w := &prefillWorld{cfg: cfg, stop: make(chan struct{}), byID: map[uint64]*netReq{}, late: map[int]bool{}}
-	if w.prefill, err = newPool(envelope.PoolBlocks); err != nil {
+	if w.prefill, err = rig.NewPool(envelope.PoolBlocks, envelope.BlockBytes); err != nil {
 		return Ledger{}, err
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	child, err := rig.StartChild(cfg, childErr)
 	if err != nil {
 		return Ledger{}, err
 	}
-	defer ln.Close()
-	spec := decodeSpec{Ctl: ln.Addr().String(), Token: make([]byte, 16), Cfg: cfg, Lie: cfg.lie}
-	_, _ = crand.Read(spec.Token)
-	var key []byte
-	if !cfg.Insecure {
-		if key, err = handoff.GenerateKey(); err != nil {
-			return Ledger{}, err
-		}
-	}
-	child, err := startDecode(spec, key, childErr)
+	defer child.Kill() // a no-op once it exited by itself
+	conn, err := child.Control()
 	if err != nil {
 		return Ledger{}, err
 	}
-	defer child.kill() // a no-op once it exited by itself
-	conn, err := acceptChild(ln.(*net.TCPListener), spec.Token)
-	if err != nil {
-		return Ledger{}, err
-	}
-	a, insecure := auth(key)
-	w.src, err = handoff.NewSource(conn, prefillPlane{w}, handoff.HalfConfig{
+	w.src, err = handoff.NewSource(conn, prefillPlane{w}, rig.Auth(handoff.HalfConfig{
 		Envelope: envelope, Name: "prefill", Peer: "decode", Deadline: cfg.Deadline,
-		Auth: a, Insecure: insecure,
 		OnError: func(err error) {
 			w.mu.Lock()
 			w.protoErr = append(w.protoErr, err.Error())
 			w.mu.Unlock()
 		},
-	})
+	}, child.Key))
 	if err != nil {
 		_ = conn.Close()
 		return Ledger{}, err
 	}
 	defer w.teardown()
 
-	reqs := generate(cfg)
-	netFaults(cfg, reqs)
-	nrs := make([]*netReq, len(reqs))
+	burst := rig.NetBurst(cfg)
+	nrs := make([]*netReq, len(burst))
 	w.mu.Lock()
-	for k, r := range reqs {
-		nrs[k] = &netReq{request: r, arrived: make(chan struct{}), start: make(chan bool, 1), resume: make(chan struct{})}
-		w.byID[uint64(r.id)] = nrs[k]
+	for k, r := range burst {
+		nrs[k] = &netReq{Request: r, arrived: make(chan struct{}), start: make(chan bool, 1), resume: make(chan struct{})}
+		w.byID[uint64(r.ID)] = nrs[k]
 	}
 	w.mu.Unlock()
 
@@ -315,19 +242,19 @@ func runNet(cfg Config, out, childErr io.Writer) (l Ledger, err error) {
 	for _, r := range nrs {
 		if r.stalls() {
 			if st := waitState(r.out, handoff.Quarantined, settle); st != handoff.Quarantined {
-				return Ledger{}, fmt.Errorf("%s: stalled transfer is %v, want quarantined", r.name, st)
+				return Ledger{}, fmt.Errorf("%s: stalled transfer is %v, want quarantined", r.Name, st)
 			}
 		}
 	}
 	for _, r := range nrs {
-		if r.stalls() && r.lateAck {
+		if r.stalls() && r.LateAck {
 			close(r.resume)
 		}
 	}
 	for _, r := range nrs {
-		if r.out != nil && !(r.stalls() && !r.lateAck) {
+		if r.out != nil && !(r.stalls() && !r.LateAck) {
 			if st := r.out.Wait(settle); !st.Final() {
-				return Ledger{}, fmt.Errorf("%s: no evidence within %v: %v: %v", r.name, settle, st, r.out.History())
+				return Ledger{}, fmt.Errorf("%s: no evidence within %v: %v: %v", r.Name, settle, st, r.out.History())
 			}
 		}
 	}
@@ -342,13 +269,13 @@ func runNet(cfg Config, out, childErr io.Writer) (l Ledger, err error) {
 	// The end of the control connection ends the decode process: it
 	// checks and releases what it holds, reports, and exits.
 	_ = w.src.Close()
-	rep, err := child.finish(settle)
-	l.Child = child.exit
+	rep, err := child.Finish(settle)
+	l.Child = child.Exit()
 	l.Authenticated = w.src.Peer().Mode.String()
 	if err != nil {
 		return l, err
 	}
-	views := map[uint64]*decodeView{}
+	views := map[uint64]*rig.View{}
 	for i := range rep.Handoffs {
 		views[rep.Handoffs[i].ID] = &rep.Handoffs[i]
 	}
@@ -356,14 +283,14 @@ func runNet(cfg Config, out, childErr io.Writer) (l Ledger, err error) {
 	l.Requests = len(nrs)
 	for _, r := range nrs {
 		if r.out != nil {
-			r.view = views[uint64(r.id)]
+			r.view = views[uint64(r.ID)]
 			if r.view == nil || (r.view.State != r.out.State() && !stuckHere(r)) {
 				l.Disagreements++
 			}
 			st := r.out.State()
-			tally(&l, "", st, errors.Is(r.out.Err(), handoff.ErrRejected), st == handoff.Aborted && wasQuarantined(r.out.History()))
+			l.Count("", st, errors.Is(r.out.Err(), handoff.ErrRejected), st == handoff.Aborted && rig.Quarantined(rig.Steps(r.out.History())))
 		} else {
-			tally(&l, r.refused, 0, false, false)
+			l.Count(r.refused, 0, false, false)
 		}
 		if !cfg.Quiet {
 			printNetTimeline(out, r)
@@ -379,8 +306,14 @@ func runNet(cfg Config, out, childErr io.Writer) (l Ledger, err error) {
 	for _, e := range errs {
 		fmt.Fprintln(out, "protocol error:", e)
 	}
-	printLedger(out, cfg, l, "the stalled sender never resumed")
+	rig.PrintLedger(out, cfg.Seed, l, netLedger("the stalled sender never resumed"))
 	return l, nil
+}
+
+// netLedger is what the ledger of a run over TCP says.
+func netLedger(quarantined string) rig.LedgerText {
+	return rig.LedgerText{Quarantined: quarantined, LateWrites: "transfers that touched reclaimed memory",
+		Insecure: "-insecure: anyone who reaches the ports could propose or push blocks"}
 }
 
 // stuckHere reports whether r's sender stalled for good in this process:
@@ -388,20 +321,20 @@ func runNet(cfg Config, out, childErr io.Writer) (l Ledger, err error) {
 // own reader and lifted its quarantine (Aborted): the two sides differ,
 // each on its own evidence.
 func stuckHere(r *netReq) bool {
-	return r.stalls() && !r.lateAck && r.out.State() == handoff.Quarantined && r.view.State == handoff.Aborted
+	return r.stalls() && !r.LateAck && r.out.State() == handoff.Quarantined && r.view.State == handoff.Aborted
 }
 
 // stalls reports whether r's transfer was started and stalls.
-func (r *netReq) stalls() bool { return r.stallAt >= 0 && r.started }
+func (r *netReq) stalls() bool { return r.StallAt >= 0 && r.started }
 
 // admit takes one request to its decode side's answer (or refuses it
 // here), and aborts it before its start if its client goes away then.
 func (w *prefillWorld) admit(r *netReq, answer time.Duration) error {
-	if err := envelope.CheckRequest(r.prompt, r.maxNew); err != nil {
+	if err := envelope.CheckRequest(r.Prompt, r.MaxNew); err != nil {
 		r.refused = "envelope: " + err.Error()
 		return nil
 	}
-	src, err := w.prefill.Acquire(r.name, envelope.BlocksFor(r.prompt))
+	src, err := w.prefill.Acquire(r.Name, envelope.BlocksFor(r.Prompt))
 	if err != nil {
 		r.refused = "prefill pool: " + err.Error()
 		return nil
@@ -410,10 +343,10 @@ func (w *prefillWorld) admit(r *netReq, answer time.Duration) error {
 	r.srcIDs = src.AppendBlockIDs(nil, 0)
 	for i := range src.Len() { // prefill: the request's KV is its marker
 		b, _ := src.Region(i)
-		marker(b, r.id, i)
+		rig.Stamp(b, r.ID, i)
 		r.refs = append(r.refs, src.Ref(i))
 	}
-	r.out, err = w.src.Propose(uint64(r.id), r.name, src, nil)
+	r.out, err = w.src.Propose(uint64(r.ID), r.Name, src, nil)
 	if err != nil {
 		r.refused = "propose: " + err.Error()
 		return nil
@@ -423,9 +356,9 @@ func (w *prefillWorld) admit(r *netReq, answer time.Duration) error {
 		return nil
 	case <-r.arrived:
 	case <-time.After(answer):
-		return fmt.Errorf("%s: no answer from the decode process within %v", r.name, answer)
+		return fmt.Errorf("%s: no answer from the decode process within %v", r.Name, answer)
 	}
-	if r.earlyAbort {
+	if r.EarlyAbort {
 		_ = r.out.Abort("frontend", errClientGone)
 		r.start <- false
 	}
@@ -444,15 +377,6 @@ func waitState(o *handoff.Outgoing[[]byte], want handoff.State, d time.Duration)
 	}
 }
 
-func wasQuarantined(h []handoff.Step) bool {
-	for _, s := range h {
-		if s.To == handoff.Quarantined {
-			return true
-		}
-	}
-	return false
-}
-
 // teardown ends the run: stalled senders give up (their late evidence
 // comes now, after the ledger), the data connections close.
 func (w *prefillWorld) teardown() {
@@ -466,221 +390,63 @@ func (w *prefillWorld) teardown() {
 	}
 }
 
-// acceptChild takes the decode process's control connection: the first
-// one that proves, with the token, to be our child.
-func acceptChild(ln *net.TCPListener, token []byte) (net.Conn, error) {
-	end := time.Now().Add(30 * time.Second)
-	_ = ln.SetDeadline(end)
-	for {
-		c, err := ln.Accept()
-		if err != nil {
-			return nil, fmt.Errorf("decode process did not connect: %w", err)
-		}
-		got := make([]byte, len(token))
-		_ = c.SetReadDeadline(end)
-		_, err = io.ReadFull(c, got)
-		_ = c.SetReadDeadline(time.Time{})
-		if err == nil && bytes.Equal(got, token) {
-			return c, nil
-		}
-		_ = c.Close() // not our child
-	}
-}
-
-// decodeProc is the decode child process.
-type decodeProc struct {
-	cmd    *exec.Cmd
-	stdin  io.WriteCloser // held open for the child's life: closing it (or our death) ends the child
-	stdout io.ReadCloser
-	done   bool
-	exit   ChildExit
-}
-
-// startDecode starts this program again as the decode process. Its stdin
-// is a pipe from us: it exits when that closes, so it dies with us even
-// if we are killed. key, unless nil, goes down a second pipe the child
-// inherits as descriptor keyFD.
-func startDecode(spec decodeSpec, key []byte, stderr io.Writer) (*decodeProc, error) {
-	exe, err := os.Executable()
-	if err != nil {
-		exe = os.Args[0]
-	}
-	b, err := json.Marshal(spec)
-	if err != nil {
-		return nil, err
-	}
-	cmd := exec.Command(exe)
-	cmd.Env = append(os.Environ(), decodeEnv+"="+string(b))
-	cmd.Stderr = stderr
-	stdin, err := cmd.StdinPipe() // closed by Wait, or by our death
-	if err != nil {
-		return nil, err
-	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		return nil, err
-	}
-	var keyW *os.File
-	if key != nil {
-		keyR, w, err := os.Pipe()
-		if err != nil {
-			return nil, err
-		}
-		keyW = w
-		cmd.ExtraFiles = []*os.File{keyR}
-		defer keyR.Close() // the child holds its own copy
-	}
-	if err := cmd.Start(); err != nil {
-		if keyW != nil {
-			_ = keyW.Close()
-		}
-		return nil, fmt.Errorf("start decode process: %w", err)
-	}
-	if keyW != nil {
-		// 32 bytes fit the pipe's buffer: the write does not wait for the
-		// child to read.
-		_, err := keyW.Write(key)
-		_ = keyW.Close()
-		if err != nil {
-			_ = cmd.Process.Kill()
-			_ = cmd.Wait()
-			return nil, fmt.Errorf("hand the key to the decode process: %w", err)
-		}
-	}
-	return &decodeProc{cmd: cmd, stdin: stdin, stdout: stdout, exit: ChildExit{Ran: true}}, nil
-}
-
-// finish reads the decode process's report (it writes it once its control
-// connection ended) and reaps it, killing it if it takes longer than d.
-func (p *decodeProc) finish(d time.Duration) (decodeReport, error) {
-	type result struct {
-		rep decodeReport
-		err error
-	}
-	ch := make(chan result, 1)
-	go func() {
-		var rep decodeReport
-		err := json.NewDecoder(p.stdout).Decode(&rep)
-		_, _ = io.Copy(io.Discard, p.stdout)
-		ch <- result{rep, err}
-	}()
-	var res result
-	select {
-	case res = <-ch:
-	case <-time.After(d):
-		_ = p.cmd.Process.Kill()
-		res = <-ch
-		res.err = fmt.Errorf("decode process did not report within %v (killed)", d)
-	}
-	werr := p.reap()
-	switch {
-	case res.err != nil:
-		return res.rep, fmt.Errorf("decode process report: %w (exit: %v)", res.err, werr)
-	case werr != nil:
-		return res.rep, fmt.Errorf("decode process: %w", werr)
-	}
-	return res.rep, nil
-}
-
-// reap waits for the decode process (its stdout read to the end) and
-// records how it ended.
-func (p *decodeProc) reap() error {
-	err := p.cmd.Wait()
-	p.done = true
-	p.exit.Exited = p.cmd.ProcessState.Exited()
-	p.exit.Code = p.cmd.ProcessState.ExitCode()
-	return err
-}
-
-// kill kills and reaps the decode process unless it was reaped already.
-func (p *decodeProc) kill() {
-	if p.done {
-		return
-	}
-	_ = p.cmd.Process.Kill()
-	_, _ = io.Copy(io.Discard, p.stdout)
-	_ = p.reap()
-}
-
 // printNetTimeline writes one request's timeline: its blocks on each
 // side, then each side's history with the evidence of every step.
 func printNetTimeline(out io.Writer, r *netReq) {
-	fmt.Fprintf(out, "%s %4d+%-3d tokens", r.name, r.prompt, r.maxNew)
-	if r.refused != "" {
-		fmt.Fprintf(out, "  rejected by %s\n", r.refused)
-		return
-	}
-	fmt.Fprintf(out, "  prefill p[%s]", ranges(r.srcIDs))
-	if r.view != nil && r.view.Blocks != nil {
-		fmt.Fprintf(out, "  decode d[%s]", ranges(r.view.Blocks))
-	}
-	fmt.Fprintln(out)
-	fmt.Fprintln(out, "    prefill process")
-	for _, s := range wireSteps(r.out.History()) {
-		printStep(out, "prefill", s)
+	t := rig.Timeline{Req: r.Request, Refused: r.refused, Prefill: r.srcIDs, Note: proof}
+	if r.out != nil {
+		t.Sides = append(t.Sides, rig.Side{Name: "prefill", Steps: rig.Steps(r.out.History())})
 	}
 	if v := r.view; v != nil {
-		fmt.Fprintln(out, "    decode process")
-		for _, s := range v.Steps {
-			printStep(out, "decode", s)
-		}
+		t.Decode = v.Blocks
+		t.Sides = append(t.Sides, rig.Side{Name: "decode", Steps: v.Steps})
 		if v.Checked > 0 {
-			fmt.Fprintf(out, "      (decode checked %d block markers: after delivery and before release; %d mismatched)\n", v.Checked, v.Mismatches)
+			t.Notes = append(t.Notes, fmt.Sprintf("decode checked %d block markers: after delivery and before release; %d mismatched", v.Checked, v.Mismatches))
 		}
 	}
 	switch {
-	case r.stalls() && r.lateAck:
-		fmt.Fprintf(out, "      (the sender stalled as block %d was about to go out, past both deadlines, then resumed: each side's own goroutine stopped, that late evidence returned its blocks)\n", r.stallAt)
+	case r.stalls() && r.LateAck:
+		t.Notes = append(t.Notes, fmt.Sprintf("the sender stalled as block %d was about to go out, past both deadlines, then resumed: each side's own goroutine stopped, that late evidence returned its blocks", r.StallAt))
 	case r.stalls():
-		fmt.Fprintf(out, "      (the sender stalled as block %d was about to go out and never resumed: no evidence ever came here, its blocks stay quarantined, never reused; the decode side ended its own reader at its deadline, and that return lifted its quarantine)\n", r.stallAt)
-	case r.cutAt >= 0 && r.started:
-		fmt.Fprintf(out, "      (the data connection was cut as block %d was about to go out: each side failed on its own goroutine's exit)\n", r.cutAt)
+		t.Notes = append(t.Notes, fmt.Sprintf("the sender stalled as block %d was about to go out and never resumed: no evidence ever came here, its blocks stay quarantined, never reused; the decode side ended its own reader at its deadline, and that return lifted its quarantine", r.StallAt))
+	case r.FailAt >= 0 && r.started:
+		t.Notes = append(t.Notes, fmt.Sprintf("the data connection was cut as block %d was about to go out: each side failed on its own goroutine's exit", r.FailAt))
 	}
+	t.Print(out)
 }
 
-func errText(err error) string {
-	if err == nil {
-		return ""
-	}
-	return err.Error()
-}
-
-// printStep writes one step of side's history ("prefill" or "decode"),
-// with what proved it.
-func printStep(out io.Writer, side string, s wireStep) {
-	fmt.Fprintf(out, "      %-13v by %-10s %v", s.To, s.By, s.Event)
+// proof says what proved step s of side's history ("prefill" or
+// "decode").
+func proof(side string, s rig.Step) string {
+	note := ""
 	if s.Event == handoff.EventAttach {
 		if side == "prefill" {
-			fmt.Fprintf(out, " transfer %d (tcp sender reads p)", s.Transfer)
+			note = fmt.Sprintf(" transfer %d (tcp sender reads p)", s.Transfer)
 		} else {
-			fmt.Fprintf(out, " transfer %d (tcp receiver writes d)", s.Transfer)
+			note = fmt.Sprintf(" transfer %d (tcp receiver writes d)", s.Transfer)
 		}
 	}
 	peer := map[string]string{"prefill": "decode", "decode": "prefill"}[side]
 	switch {
 	case s.By == "transport" && (s.Event == handoff.EventResolve || s.Event == handoff.EventResolveError):
 		if side == "prefill" {
-			fmt.Fprint(out, " [proof: our sender goroutine's last read of p returned]")
-		} else {
-			fmt.Fprint(out, " [proof: our receiver goroutine writing d exited]")
+			return note + " [proof: our sender goroutine's last read of p returned]"
 		}
+		return note + " [proof: our receiver goroutine writing d exited]"
 	case s.Event == handoff.EventQuiescent:
-		fmt.Fprint(out, " [noted: our sender goroutine's last read of p returned; the decode side's word is still due]")
+		return note + " [noted: our sender goroutine's last read of p returned; the decode side's word is still due]"
 	case s.Event == handoff.EventPeerOutcome:
-		fmt.Fprint(out, " [noted: the decode side's word; our own evidence decides with it]")
+		return note + " [noted: the decode side's word; our own evidence decides with it]"
 	case s.By == "deadline" && s.Event == handoff.EventExpire:
-		fmt.Fprint(out, " [no proof by the deadline: quarantined, never reused]")
+		return note + " [no proof by the deadline: quarantined, never reused]"
 	case s.By == "deadline":
-		fmt.Fprint(out, " [our reads had stopped; the decode side's word never came]")
+		return note + " [our reads had stopped; the decode side's word never came]"
 	case s.By == peer && s.Event == handoff.EventAbort && s.To == handoff.Aborting:
-		fmt.Fprint(out, " [told over the control connection; our own evidence still decides]")
+		return note + " [told over the control connection; our own evidence still decides]"
 	case s.By == peer && s.Event == handoff.EventAbort:
-		fmt.Fprint(out, " [told over the control connection; nothing had moved]")
+		return note + " [told over the control connection; nothing had moved]"
 	case s.By == peer && s.Event == handoff.EventResolveError:
-		fmt.Fprint(out, " [our reads had stopped; the outcome is the decode side's report]")
+		return note + " [our reads had stopped; the outcome is the decode side's report]"
 	}
-	if s.Err != "" {
-		fmt.Fprintf(out, ": %s", s.Err)
-	}
-	fmt.Fprintln(out)
+	return note
 }

@@ -15,7 +15,7 @@ import (
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
 	"github.com/kvlease/kvlease/ucx"
-	"github.com/kvlease/kvlease/ucx/internal/keypipe"
+	"github.com/kvlease/kvlease/internal/keypipe"
 )
 
 // IsDecode reports whether this process is the decode side that Run

@@ -22,7 +22,7 @@ import (
 	"github.com/kvlease/kvlease/handoff"
 	"github.com/kvlease/kvlease/internal/ledger"
 	"github.com/kvlease/kvlease/ucx"
-	"github.com/kvlease/kvlease/ucx/internal/keypipe"
+	"github.com/kvlease/kvlease/internal/keypipe"
 )
 
 // Config is one run of the example. The flags are the root example's;
