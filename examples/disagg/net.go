@@ -65,7 +65,7 @@ var (
 // netReq is one request as the prefill process runs it.
 type netReq struct {
 	rig.Request
-	refused string                // why the request never reached a handoff
+	refused string                 // why the request never reached a handoff
 	src     *kvlease.Lease[[]byte] // its prefill lease
 	srcIDs  []kvlease.BlockID
 	refs    []kvlease.BlockRef // the source lease's blocks, at Propose

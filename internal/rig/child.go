@@ -21,6 +21,7 @@ import (
 	"os/exec"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvlease/kvlease/handoff"
@@ -176,30 +177,45 @@ func (c *Child) Tell(format string, args ...any) {
 // closed when its stdout ends.
 func (c *Child) Lines() <-chan string { return c.lines }
 
-// Finish waits for the child's report and reaps it, killing it if that
-// takes longer than d.
-func (c *Child) Finish(d time.Duration) (Report, error) {
+// Report waits for the child's report, killing the child if that takes
+// longer than d. The child lives on until Wait: what the parent still
+// holds towards it (a plane's connections) can close first.
+func (c *Child) Report(d time.Duration) (Report, error) {
 	var rep Report
-	var err error
 	select {
 	case line, ok := <-c.report:
 		if !ok {
-			err = errors.New("no report")
-		} else {
-			err = json.Unmarshal([]byte(line), &rep)
+			return rep, errors.New("decode process ended without a report")
 		}
+		if err := json.Unmarshal([]byte(line), &rep); err != nil {
+			return rep, fmt.Errorf("decode process report: %w", err)
+		}
+		return rep, nil
 	case <-time.After(d):
 		_ = c.cmd.Process.Kill()
-		err = fmt.Errorf("did not report within %v (killed)", d)
+		return rep, fmt.Errorf("decode process did not report within %v (killed)", d)
 	}
-	werr := c.reap()
-	switch {
-	case err != nil:
-		return rep, fmt.Errorf("decode process report: %w (exit: %v)", err, werr)
-	case werr != nil:
-		return rep, fmt.Errorf("decode process: %w", werr)
+}
+
+// Wait tells the child it is done (its stdin closes: a child that
+// reported exits 0) and reaps it.
+func (c *Child) Wait() error {
+	c.mu.Lock()
+	_ = c.stdin.Close()
+	c.mu.Unlock()
+	if err := c.reap(); err != nil {
+		return fmt.Errorf("decode process: %w", err)
 	}
-	return rep, nil
+	return nil
+}
+
+// Finish is Report, then Wait.
+func (c *Child) Finish(d time.Duration) (Report, error) {
+	rep, err := c.Report(d)
+	if werr := c.Wait(); err == nil {
+		err = werr
+	}
+	return rep, err
 }
 
 // Exit is how the child ended (once reaped).
@@ -246,10 +262,11 @@ type Parent struct {
 }
 
 // ChildMain is the decode child's main: serve runs the decode side and
-// returns its report, which goes to the parent as the last line. The
-// child exits (os.Exit 3) as soon as stdin, a pipe from the parent,
-// closes (the parent is gone), and (os.Exit 4) if it runs far too long.
-// It returns the exit status.
+// returns its report, which goes to the parent as the last line; then
+// the child waits for its stdin, a pipe from the parent, to close
+// (Child.Wait) and returns 0. If stdin closes before the report (the
+// parent is gone) it exits at once (os.Exit 3), and (os.Exit 4) if it
+// runs far too long. It returns the exit status.
 func ChildMain(stdin io.Reader, stdout, stderr io.Writer, serve func(p *Parent) (Report, error)) int {
 	p := &Parent{cmds: make(chan string, 256), out: stdout}
 	if err := json.Unmarshal([]byte(os.Getenv(specEnv)), &p.spec); err != nil {
@@ -265,13 +282,21 @@ func ChildMain(stdin io.Reader, stdout, stderr io.Writer, serve func(p *Parent) 
 		return 1
 	}
 	p.Key = key
+	var reported atomic.Bool
+	served, done := make(chan struct{}), make(chan struct{})
 	go func() {
 		sc := bufio.NewScanner(stdin)
 		for sc.Scan() {
-			p.cmds <- sc.Text()
+			select {
+			case p.cmds <- sc.Text():
+			case <-served: // nobody listens any more
+			}
 		}
-		fmt.Fprintln(stderr, "decode: stdin closed, the prefill process is gone: exiting")
-		os.Exit(3)
+		if !reported.Load() {
+			fmt.Fprintln(stderr, "decode: stdin closed, the prefill process is gone: exiting")
+			os.Exit(3)
+		}
+		close(done)
 	}()
 	limit := 2*time.Minute + 10*p.Cfg.Deadline
 	time.AfterFunc(limit, func() {
@@ -279,6 +304,7 @@ func ChildMain(stdin io.Reader, stdout, stderr io.Writer, serve func(p *Parent) 
 		os.Exit(4)
 	})
 	rep, err := serve(p)
+	close(served)
 	if err != nil {
 		fmt.Fprintln(stderr, "decode:", err)
 		return 1
@@ -288,7 +314,9 @@ func ChildMain(stdin io.Reader, stdout, stderr io.Writer, serve func(p *Parent) 
 		fmt.Fprintln(stderr, "decode: report:", err)
 		return 1
 	}
+	reported.Store(true)
 	p.Say("%s%s", reportVerb, b)
+	<-done // the parent is done with us
 	return 0
 }
 

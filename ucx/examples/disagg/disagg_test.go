@@ -4,11 +4,15 @@ import (
 	"os"
 	"strings"
 	"testing"
+
+	"github.com/kvlease/kvlease/internal/rig"
 )
 
+// TestMain makes the test binary the decode process when a test starts
+// it again (rig.StartChild).
 func TestMain(m *testing.M) {
-	if IsDecode() {
-		os.Exit(RunDecode(Config{}))
+	if rig.IsChild() {
+		os.Exit(rig.ChildMain(os.Stdin, os.Stdout, os.Stderr, serveDecode))
 	}
 	os.Exit(m.Run())
 }
