@@ -40,7 +40,6 @@ type decoder struct {
 	tokens  map[[16]byte]uint64 // data-connection token → handoff id
 	incs    map[uint64]*incoming
 	running int // handoffs accepted whose lease this side still holds
-	errs    []string
 }
 
 // incoming is the decode side's record of one handoff.
@@ -66,12 +65,6 @@ func (d *decoder) get(id uint64) *incoming {
 		d.incs[id] = inc
 	}
 	return inc
-}
-
-func (d *decoder) fail(err error) {
-	d.mu.Lock()
-	d.errs = append(d.errs, err.Error())
-	d.mu.Unlock()
 }
 
 // decide is the decode side's policy: at most MaxRunningRequests running.
@@ -256,9 +249,7 @@ func runDecode(p *rig.Parent) (rig.Report, error) {
 	}
 	recv := tcp.NewReceiver(ln, tcp.Config{WrapConn: func(c net.Conn) net.Conn { return &recvConn{Conn: c, d: d} }})
 	defer recv.Close() // after the report's snapshot: stalled streams end now
-	dst, err := handoff.NewDestination(d.pool, decodePlane{recv, d}, handoff.DestinationConfig[[]byte]{
-		HalfConfig: rig.Auth(handoff.HalfConfig{Envelope: rig.DecodeEnvelope(), Name: "decode", Peer: "prefill", Deadline: cfg.Deadline / 2,
-			OnError: d.fail}, p.Key),
+	dst, conn, err := rig.Destination(p, d.pool, decodePlane{recv, d}, rig.DecodeEnvelope(), cfg.Deadline/2, handoff.DestinationConfig[[]byte]{
 		// The one prefill process may hold the whole pool: the pool's
 		// own admission decides (RejectedDecode).
 		MaxSessionBlocks: -1,
@@ -270,12 +261,8 @@ func runDecode(p *rig.Parent) (rig.Report, error) {
 	if err != nil {
 		return rig.Report{}, err
 	}
-	conn, err := p.Dial()
-	if err != nil {
-		return rig.Report{}, err
-	}
 	if err := dst.Serve(conn); errors.Is(err, handoff.ErrProtocol) {
-		d.fail(err)
+		p.Fail(err)
 	}
 
 	// The prefill side is done. Wait for this side's own evidence: every
@@ -305,7 +292,7 @@ func runDecode(p *rig.Parent) (rig.Report, error) {
 			break
 		}
 		if time.Now().After(end) {
-			d.fail(fmt.Errorf("handoffs still unsettled after %v", 30*time.Second+4*cfg.Deadline))
+			p.Fail(fmt.Errorf("handoffs still unsettled after %v", 30*time.Second+4*cfg.Deadline))
 			break
 		}
 		time.Sleep(5 * time.Millisecond)
@@ -351,8 +338,5 @@ func runDecode(p *rig.Parent) (rig.Report, error) {
 		}
 	}
 	rep.Decode = d.pool.Stats()
-	d.mu.Lock()
-	rep.Errors = slices.Clone(d.errs)
-	d.mu.Unlock()
 	return rep, nil
 }

@@ -81,14 +81,14 @@ type netReq struct {
 type prefillWorld struct {
 	cfg     Config
 	prefill *kvlease.Pool[[]byte]
+	pre     *rig.Prefill[[]byte] // the decode child, and the source on its control connection
 	src     *handoff.Source[[]byte]
 	stop    chan struct{} // closed at teardown: stalled senders give up
 
-	mu       sync.Mutex
-	byID     map[uint64]*netReq
-	senders  []*tcp.Sender
-	late     map[int]bool // requests whose sender touched reclaimed memory
-	protoErr []string
+	mu      sync.Mutex
+	byID    map[uint64]*netReq
+	senders []*tcp.Sender
+	late    map[int]bool // requests whose sender touched reclaimed memory
 }
 
 // prefillPlane is the source side's data plane: handoff/tcp, one Sender
@@ -188,27 +188,10 @@ func runNet(cfg Config, out, childErr io.Writer) (l Ledger, err error) {
 	if w.prefill, err = rig.NewPool(envelope.PoolBlocks, envelope.BlockBytes); err != nil {
 		return Ledger{}, err
 	}
-	child, err := rig.StartChild(cfg, childErr)
-	if err != nil {
+	if w.pre, err = rig.StartPrefill[[]byte](cfg, envelope, prefillPlane{w}, childErr); err != nil {
 		return Ledger{}, err
 	}
-	defer child.Kill() // a no-op once it exited by itself
-	conn, err := child.Control()
-	if err != nil {
-		return Ledger{}, err
-	}
-	w.src, err = handoff.NewSource(conn, prefillPlane{w}, rig.Auth(handoff.HalfConfig{
-		Envelope: envelope, Name: "prefill", Peer: "decode", Deadline: cfg.Deadline,
-		OnError: func(err error) {
-			w.mu.Lock()
-			w.protoErr = append(w.protoErr, err.Error())
-			w.mu.Unlock()
-		},
-	}, child.Key))
-	if err != nil {
-		_ = conn.Close()
-		return Ledger{}, err
-	}
+	w.src = w.pre.Src
 	defer w.teardown()
 
 	burst := rig.NetBurst(cfg)
@@ -269,10 +252,9 @@ func runNet(cfg Config, out, childErr io.Writer) (l Ledger, err error) {
 	// The end of the control connection ends the decode process: it
 	// checks and releases what it holds, reports, and exits.
 	_ = w.src.Close()
-	rep, err := child.Finish(settle)
-	l.Child = child.Exit()
-	l.Authenticated = w.src.Peer().Mode.String()
+	rep, err := w.pre.Child.Finish(settle)
 	if err != nil {
+		l.Child = w.pre.Child.Exit()
 		return l, err
 	}
 	views := map[uint64]*rig.View{}
@@ -296,16 +278,10 @@ func runNet(cfg Config, out, childErr io.Writer) (l Ledger, err error) {
 			printNetTimeline(out, r)
 		}
 	}
-	l.Decode = rep.Decode
-	l.MarkerMismatches = rep.MarkerMismatches
 	w.mu.Lock()
-	l.LateWrites = len(w.late) + rep.LateWrites
-	l.ProtocolErrors = len(w.protoErr) + len(rep.Errors)
-	errs := append(slices.Clone(w.protoErr), rep.Errors...)
+	l.LateWrites = len(w.late)
 	w.mu.Unlock()
-	for _, e := range errs {
-		fmt.Fprintln(out, "protocol error:", e)
-	}
+	w.pre.Settle(&l, rep, out)
 	rig.PrintLedger(out, cfg.Seed, l, netLedger("the stalled sender never resumed"))
 	return l, nil
 }
@@ -381,7 +357,7 @@ func waitState(o *handoff.Outgoing[[]byte], want handoff.State, d time.Duration)
 // comes now, after the ledger), the data connections close.
 func (w *prefillWorld) teardown() {
 	close(w.stop)
-	_ = w.src.Close()
+	w.pre.Close()
 	w.mu.Lock()
 	senders := slices.Clone(w.senders)
 	w.mu.Unlock()

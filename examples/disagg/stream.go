@@ -164,28 +164,14 @@ func runStream(cfg Config, out, childErr io.Writer, seen func(r rig.Request, st,
 	if err != nil {
 		return Ledger{}, err
 	}
-	child, err := rig.StartChild(cfg, childErr)
-	if err != nil {
-		return Ledger{}, err
-	}
-	defer child.Kill()
-	conn, err := child.Control()
-	if err != nil {
-		return Ledger{}, err
-	}
 	sender := tcp.NewSender(tcp.Config{})
 	defer sender.Close()
-	var protoErr []string
-	var mu sync.Mutex
-	src, err := handoff.NewSource(conn, sender, rig.Auth(handoff.HalfConfig{
-		Envelope: streamEnvelope, Name: "prefill", Peer: "decode", Deadline: cfg.Deadline,
-		OnError: func(err error) { mu.Lock(); protoErr = append(protoErr, err.Error()); mu.Unlock() },
-	}, child.Key))
+	pre, err := rig.StartPrefill[[]byte](cfg, streamEnvelope, sender, childErr)
 	if err != nil {
-		_ = conn.Close()
 		return Ledger{}, err
 	}
-	defer src.Close()
+	defer pre.Close()
+	src := pre.Src
 
 	reqs := rig.Burst(cfg)
 	refused := map[int]string{}
@@ -206,10 +192,9 @@ func runStream(cfg Config, out, childErr io.Writer, seen func(r rig.Request, st,
 	l.Prefill = pool.Stats()
 	l.Quiescent("prefill", pool.CheckQuiescent())
 	_ = src.Close()
-	rep, err := child.Finish(30*time.Second + 4*cfg.Deadline)
-	l.Child = child.Exit()
-	l.Authenticated = src.Peer().Mode.String()
+	rep, err := pre.Child.Finish(30*time.Second + 4*cfg.Deadline)
 	if err != nil {
+		l.Child = pre.Child.Exit()
 		return l, err
 	}
 	for i := range rep.Handoffs {
@@ -244,16 +229,7 @@ func runStream(cfg Config, out, childErr io.Writer, seen func(r rig.Request, st,
 			printStreamTimeline(out, r, st, aft)
 		}
 	}
-	l.Decode = rep.Decode
-	l.MarkerMismatches = rep.MarkerMismatches
-	l.LateWrites = rep.LateWrites
-	mu.Lock()
-	errs := append(slices.Clone(protoErr), rep.Errors...)
-	mu.Unlock()
-	l.ProtocolErrors = len(errs)
-	for _, e := range errs {
-		fmt.Fprintln(out, "protocol error:", e)
-	}
+	pre.Settle(&l, rep, out)
 	rig.PrintLedger(out, cfg.Seed, l, netLedger("none expected: no faults injected"))
 	return l, nil
 }
@@ -291,7 +267,6 @@ type streamDecoder struct {
 	incs  map[uint64]*streamIncoming
 	live  map[kvlease.BlockID]liveBlock // blocks live handoffs receive
 	stray int                           // reads into blocks no live handoff receives
-	errs  []string
 }
 
 // liveBlock is a block a live handoff receives: its handoff and its
@@ -476,10 +451,7 @@ func runStreamDecode(p *rig.Parent) (rig.Report, error) {
 	}
 	recv := tcp.NewReceiver(ln, tcp.Config{WrapConn: func(c net.Conn) net.Conn { return &arrivalConn{Conn: c, d: d} }})
 	defer recv.Close()
-	fail := func(err error) { d.mu.Lock(); d.errs = append(d.errs, err.Error()); d.mu.Unlock() }
-	dst, err := handoff.NewDestination(d.pool, recv, handoff.DestinationConfig[[]byte]{
-		HalfConfig: rig.Auth(handoff.HalfConfig{Envelope: streamEnvelope, Name: "decode", Peer: "prefill", Deadline: p.Cfg.Deadline,
-			OnError: fail}, p.Key),
+	dst, conn, err := rig.Destination(p, d.pool, recv, streamEnvelope, p.Cfg.Deadline, handoff.DestinationConfig[[]byte]{
 		OnAccept:    d.accepted,
 		OnDelivered: d.delivered,
 		OnFinal:     d.final,
@@ -487,12 +459,8 @@ func runStreamDecode(p *rig.Parent) (rig.Report, error) {
 	if err != nil {
 		return rig.Report{}, err
 	}
-	conn, err := p.Dial()
-	if err != nil {
-		return rig.Report{}, err
-	}
 	if err := dst.Serve(conn); errors.Is(err, handoff.ErrProtocol) {
-		fail(err)
+		p.Fail(err)
 	}
 	// Every handoff ended before the prefill side closed the connection
 	// (it waits for each), but this side's last OnFinal may still run.
@@ -519,6 +487,5 @@ func runStreamDecode(p *rig.Parent) (rig.Report, error) {
 	}
 	rep.LateWrites += d.stray
 	rep.Decode = d.pool.Stats()
-	rep.Errors = slices.Clone(d.errs)
 	return rep, nil
 }

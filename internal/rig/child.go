@@ -257,8 +257,17 @@ type Parent struct {
 
 	spec spec
 	cmds chan string
-	mu   sync.Mutex // stdout's writers
+	mu   sync.Mutex // stdout's writers; errs
 	out  io.Writer
+	errs []string
+}
+
+// Fail records err in the report's Errors: a refused control message, or
+// anything else that went wrong.
+func (p *Parent) Fail(err error) {
+	p.mu.Lock()
+	p.errs = append(p.errs, err.Error())
+	p.mu.Unlock()
 }
 
 // ChildMain is the decode child's main: serve runs the decode side and
@@ -309,6 +318,9 @@ func ChildMain(stdin io.Reader, stdout, stderr io.Writer, serve func(p *Parent) 
 		fmt.Fprintln(stderr, "decode:", err)
 		return 1
 	}
+	p.mu.Lock()
+	rep.Errors = append(rep.Errors, p.errs...)
+	p.mu.Unlock()
 	b, err := json.Marshal(rep)
 	if err != nil {
 		fmt.Fprintln(stderr, "decode: report:", err)

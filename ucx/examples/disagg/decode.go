@@ -40,7 +40,6 @@ type decode struct {
 	goCh       map[uint64]chan struct{} // the front end's abort is done
 	resume     map[uint64]chan struct{} // a stalled reader may go on
 	lateWrites int
-	errs       []string
 }
 
 // plane is the decode side's RecvPlane: the UCX receiver, with the
@@ -136,9 +135,7 @@ func serveDecode(p *rig.Parent) (rig.Report, error) {
 		d.finals[in.ID()] = d.finals[in.ID()] || final
 		d.mu.Unlock()
 	}
-	dst, err := handoff.NewDestination(pool, plane{d}, handoff.DestinationConfig[[]byte]{
-		HalfConfig: rig.Auth(handoff.HalfConfig{Envelope: rig.DecodeEnvelope(), Name: "decode", Peer: "prefill", Deadline: cfg.Deadline,
-			OnError: func(err error) { d.mu.Lock(); d.errs = append(d.errs, err.Error()); d.mu.Unlock() }}, p.Key),
+	dst, conn, err := rig.Destination(p, pool, plane{d}, rig.DecodeEnvelope(), cfg.Deadline, handoff.DestinationConfig[[]byte]{
 		// One prefill process, authenticated: the whole pool is its to
 		// fill (the default caps a session at half of it).
 		MaxSessionBlocks: -1,
@@ -154,10 +151,6 @@ func serveDecode(p *rig.Parent) (rig.Report, error) {
 		OnDelivered: func(*handoff.Incoming[[]byte]) {}, // kept until the report checks its markers
 		OnFinal:     func(in *handoff.Incoming[[]byte]) { track(in, true) },
 	})
-	if err != nil {
-		return rig.Report{}, err
-	}
-	conn, err := p.Dial()
 	if err != nil {
 		return rig.Report{}, err
 	}
@@ -221,7 +214,7 @@ func (d *decode) report() rig.Report {
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	rep.Decode, rep.LateWrites, rep.Errors = d.pool.Stats(), d.lateWrites, d.errs
+	rep.Decode, rep.LateWrites = d.pool.Stats(), d.lateWrites
 	return rep
 }
 

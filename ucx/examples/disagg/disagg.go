@@ -119,27 +119,14 @@ func Run(cfg Config, out io.Writer) (l Ledger, err error) {
 		return Ledger{}, err
 	}
 	defer sender.Close()
-	child, err := rig.StartChild(cfg, os.Stderr)
-	if err != nil {
-		return Ledger{}, err
-	}
-	defer child.Kill()
-	conn, err := child.Control()
-	if err != nil {
-		return Ledger{}, err
-	}
-	var protoErr []string
-	var mu sync.Mutex // protoErr; r.o, as the abort handler reads it
+	var mu sync.Mutex // r.o, as the abort handler reads it
 	plane := frontDoor{Sender: sender, early: map[uint64]*earlyAbort{}}
-	src, err := handoff.NewSource(conn, plane, rig.Auth(handoff.HalfConfig{
-		Envelope: envelope, Name: "prefill", Peer: "decode", Deadline: cfg.Deadline,
-		OnError: func(err error) { mu.Lock(); protoErr = append(protoErr, err.Error()); mu.Unlock() },
-	}, child.Key))
+	pre, err := rig.StartPrefill[[]byte](cfg, envelope, plane, os.Stderr)
 	if err != nil {
-		_ = conn.Close()
 		return Ledger{}, err
 	}
-	defer src.Close()
+	defer pre.Close()
+	src, child := pre.Src, pre.Child
 
 	var reqs []*request
 	byID := map[int]*request{}
@@ -231,14 +218,13 @@ func Run(cfg Config, out io.Writer) (l Ledger, err error) {
 	}
 	child.Tell("report")
 	rep, err := child.Report(2*cfg.Deadline + 60*time.Second)
-	l.Authenticated = src.Peer().Mode.String()
 	_ = src.Close()
 	_ = sender.Close() // before the decode process goes
 	if werr := child.Wait(); err == nil {
 		err = werr
 	}
-	l.Child = child.Exit()
 	if err != nil {
+		l.Child = child.Exit()
 		return l, err
 	}
 	for i := range rep.Handoffs {
@@ -253,22 +239,19 @@ func Run(cfg Config, out io.Writer) (l Ledger, err error) {
 			r.src.Release() // the prefill side is done with it, whatever happened
 		}
 	}
+	var crossed []string
 	for _, r := range reqs {
+		if r.o != nil && r.o.State() == handoff.Aborted {
+			crossed = append(crossed, fmt.Sprintf("handoff %d: done while aborted", r.ID))
+		}
 		count(&l, r)
 		if !cfg.Quiet {
 			printTimeline(out, r)
 		}
 	}
-	l.Prefill, l.Decode = prefill.Stats(), rep.Decode
+	l.Prefill = prefill.Stats()
 	l.Quiescent("prefill", prefill.CheckQuiescent())
-	l.MarkerMismatches, l.LateWrites = rep.MarkerMismatches, rep.LateWrites
-	mu.Lock()
-	errs := append(protoErr, rep.Errors...)
-	mu.Unlock()
-	l.ProtocolErrors = len(errs)
-	for _, e := range errs {
-		fmt.Fprintln(out, "protocol error:", e)
-	}
+	pre.Settle(&l, rep, out, crossed...)
 	rig.PrintLedger(out, cfg.Seed, l, rig.LedgerText{
 		Over:        fmt.Sprintf(", over UCX (%s)", os.Getenv("UCX_TLS")),
 		Quarantined: "evidence never came",
@@ -291,7 +274,7 @@ func count(l *Ledger, r *request) {
 	if r.dst != nil {
 		dst = *r.dst
 	}
-	if dst.Final && src.Final() && dst.State != src && src != handoff.Rejected {
+	if dst.Final && src.Final() && dst.State != src && src != handoff.Rejected && !deliveredAnyway(r) {
 		l.Disagreements++
 	}
 	switch {
@@ -306,6 +289,19 @@ func count(l *Ledger, r *request) {
 	default:
 		l.Count("", handoff.Failed, false, false)
 	}
+}
+
+// deliveredAnyway reports whether r's decode side received every block
+// it wanted although the prefill side aborted: the prefill side had sent
+// them all (messages the decode side's receives match later, a stalled
+// reader once it resumes, an aborting one before it stops) when its abort
+// or its deadline ended its transfer (its own evidence: Aborted); the
+// decode side got them (its own: Delivered, every marker checked). Each
+// side is right on its evidence; the decode side's Done crosses the
+// prefill side's abort on the wire, and is refused there ("done while
+// aborted"), as any Done that crosses an abort is.
+func deliveredAnyway(r *request) bool {
+	return r.o != nil && r.o.State() == handoff.Aborted && r.dst != nil && r.dst.Final && r.dst.State == handoff.Delivered
 }
 
 // printTimeline writes one request's timeline: its blocks on each side,
