@@ -38,19 +38,24 @@
 // With -net -stream every request is handed off twice, streaming (the
 // handoff starts before the prefill, and each layer is sent as the
 // prefill writes it) and after its prefill; its timeline prints when each
-// layer was written and arrived, both ways (stream.go).
+// layer was written and arrived, both ways.
+//
+// This directory is the in-process example: disagg.go, read top to
+// bottom. The two-process runs live in internal/overtcp, on the rig
+// (internal/rig) that the ucx module's example shares.
 package main
 
 import (
 	"flag"
 	"os"
 
+	"github.com/kvlease/kvlease/examples/disagg/internal/overtcp"
 	"github.com/kvlease/kvlease/internal/rig"
 )
 
 func main() {
-	if rig.IsChild() { // the decode process of a -net run (decode.go)
-		os.Exit(rig.ChildMain(os.Stdin, os.Stdout, os.Stderr, serveDecode))
+	if rig.IsChild() { // the decode process of a -net run
+		os.Exit(rig.ChildMain(os.Stdin, os.Stdout, os.Stderr, overtcp.ServeDecode))
 	}
 	cfg := DefaultConfig()
 	cfg.Flags(flag.CommandLine)
@@ -62,9 +67,9 @@ func main() {
 	run := Run
 	switch {
 	case cfg.Stream:
-		run = RunStream // implies -net
+		run = overtcp.RunStream // implies -net
 	case *netMode:
-		run = RunNet
+		run = overtcp.RunNet
 	}
 	ledger, err := run(cfg, os.Stdout)
 	os.Exit(rig.Fail("disagg", ledger, err))

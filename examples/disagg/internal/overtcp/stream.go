@@ -1,4 +1,4 @@
-package main
+package overtcp
 
 // The -net -stream run: streaming handoffs. A prefill computes a prompt
 // layer by layer; each layer writes its share of every block of the
@@ -111,7 +111,7 @@ func prefillLayers(lease *kvlease.Lease[[]byte], id uint64, delay time.Duration,
 
 // runOne runs request r's handoff id on pool and src, streaming or not,
 // and waits for its end.
-func runOne(pool *kvlease.Pool[[]byte], src *handoff.Source[[]byte], r rig.Request, id uint64, stream bool, cfg Config) (*streamRun, error) {
+func runOne(pool *kvlease.Pool[[]byte], src *handoff.Source[[]byte], r rig.Request, id uint64, stream bool, cfg rig.Config) (*streamRun, error) {
 	n := streamEnvelope.BlocksFor(r.Prompt)
 	lease, err := pool.Acquire(r.Name, n)
 	if err != nil {
@@ -149,26 +149,26 @@ func runOne(pool *kvlease.Pool[[]byte], src *handoff.Source[[]byte], r rig.Reque
 
 // RunStream runs the -net -stream burst: every admitted request handed
 // off twice, streaming and after its prefill, to a decode child process.
-func RunStream(cfg Config, out io.Writer) (Ledger, error) {
+func RunStream(cfg rig.Config, out io.Writer) (rig.Ledger, error) {
 	return runStream(cfg, out, os.Stderr, nil)
 }
 
 // runStream is RunStream; seen, if set, gets each admitted request's two
 // runs (streaming, after prefill) once the decode side reported.
-func runStream(cfg Config, out, childErr io.Writer, seen func(r rig.Request, st, aft *streamRun)) (l Ledger, err error) {
+func runStream(cfg rig.Config, out, childErr io.Writer, seen func(r rig.Request, st, aft *streamRun)) (l rig.Ledger, err error) {
 	cfg.Stream = true
 	if err := cfg.Check(); err != nil {
-		return Ledger{}, err
+		return rig.Ledger{}, err
 	}
 	pool, err := rig.NewPool(streamPoolBlocks, streamBlockBytes)
 	if err != nil {
-		return Ledger{}, err
+		return rig.Ledger{}, err
 	}
 	sender := tcp.NewSender(tcp.Config{})
 	defer sender.Close()
 	pre, err := rig.StartPrefill[[]byte](cfg, streamEnvelope, sender, childErr)
 	if err != nil {
-		return Ledger{}, err
+		return rig.Ledger{}, err
 	}
 	defer pre.Close()
 	src := pre.Src
@@ -184,7 +184,7 @@ func runStream(cfg Config, out, childErr io.Writer, seen func(r rig.Request, st,
 		for k, stream := range []bool{true, false} {
 			run, err := runOne(pool, src, r, streamID(r)+uint64(k), stream, cfg)
 			if err != nil {
-				return Ledger{}, err
+				return rig.Ledger{}, err
 			}
 			runs[run.id] = run
 		}

@@ -1,4 +1,8 @@
-package main
+// Package overtcp is examples/disagg's two-process runs, -net and -net
+// -stream: the in-process example's burst, with the decode side in
+// another process and every handoff over TCP on 127.0.0.1. It runs on the
+// rig the ucx module's example shares (internal/rig).
+package overtcp
 
 // The -net run: the same burst, but the decode side is another process (a
 // child of this one) and each handoff crosses 127.0.0.1 as the halves of
@@ -56,7 +60,12 @@ const (
 	tcpTokenAt = 4
 )
 
+// envelope is the deployment's one envelope (the in-process run's).
+var envelope = rig.Envelope
+
 var (
+	errClientGone = errors.New("client went away")
+	errBusy       = errors.New("decode worker at its running-request limit")
 	errCut        = errors.New("data connection cut (injected fault)")
 	errNotStarted = errors.New("handoff ended before its transfer started")
 	errStopped    = errors.New("run over: the stalled sender gives up")
@@ -79,7 +88,7 @@ type netReq struct {
 
 // prefillWorld is the prefill process of a -net run.
 type prefillWorld struct {
-	cfg     Config
+	cfg     rig.Config
 	prefill *kvlease.Pool[[]byte]
 	pre     *rig.Prefill[[]byte] // the decode child, and the source on its control connection
 	src     *handoff.Source[[]byte]
@@ -176,20 +185,20 @@ func (w *prefillWorld) audit(r *netReq, i int, p []byte) {
 // cfg.Quiet) and the ledger to out. The child is killed if RunNet returns
 // before it exited; it exits by itself when the control connection or
 // its stdin closes.
-func RunNet(cfg Config, out io.Writer) (Ledger, error) {
+func RunNet(cfg rig.Config, out io.Writer) (rig.Ledger, error) {
 	return runNet(cfg, out, os.Stderr)
 }
 
-func runNet(cfg Config, out, childErr io.Writer) (l Ledger, err error) {
+func runNet(cfg rig.Config, out, childErr io.Writer) (l rig.Ledger, err error) {
 	if err := cfg.Check(); err != nil {
-		return Ledger{}, err
+		return rig.Ledger{}, err
 	}
 	w := &prefillWorld{cfg: cfg, stop: make(chan struct{}), byID: map[uint64]*netReq{}, late: map[int]bool{}}
 	if w.prefill, err = rig.NewPool(envelope.PoolBlocks, envelope.BlockBytes); err != nil {
-		return Ledger{}, err
+		return rig.Ledger{}, err
 	}
 	if w.pre, err = rig.StartPrefill[[]byte](cfg, envelope, prefillPlane{w}, childErr); err != nil {
-		return Ledger{}, err
+		return rig.Ledger{}, err
 	}
 	w.src = w.pre.Src
 	defer w.teardown()
@@ -208,7 +217,7 @@ func runNet(cfg Config, out, childErr io.Writer) (l Ledger, err error) {
 	answer := 10*time.Second + cfg.Deadline
 	for _, r := range nrs {
 		if err := w.admit(r, answer); err != nil {
-			return Ledger{}, err
+			return rig.Ledger{}, err
 		}
 	}
 	// Start every accepted transfer.
@@ -225,7 +234,7 @@ func runNet(cfg Config, out, childErr io.Writer) (l Ledger, err error) {
 	for _, r := range nrs {
 		if r.stalls() {
 			if st := waitState(r.out, handoff.Quarantined, settle); st != handoff.Quarantined {
-				return Ledger{}, fmt.Errorf("%s: stalled transfer is %v, want quarantined", r.Name, st)
+				return rig.Ledger{}, fmt.Errorf("%s: stalled transfer is %v, want quarantined", r.Name, st)
 			}
 		}
 	}
@@ -237,7 +246,7 @@ func runNet(cfg Config, out, childErr io.Writer) (l Ledger, err error) {
 	for _, r := range nrs {
 		if r.out != nil && !(r.stalls() && !r.LateAck) {
 			if st := r.out.Wait(settle); !st.Final() {
-				return Ledger{}, fmt.Errorf("%s: no evidence within %v: %v: %v", r.Name, settle, st, r.out.History())
+				return rig.Ledger{}, fmt.Errorf("%s: no evidence within %v: %v: %v", r.Name, settle, st, r.out.History())
 			}
 		}
 	}

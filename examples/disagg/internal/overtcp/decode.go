@@ -1,4 +1,4 @@
-package main
+package overtcp
 
 // The decode process of a -net run: a child of the prefill process,
 // holding only its own pool. It serves one control connection as a
@@ -22,8 +22,10 @@ import (
 	"github.com/kvlease/kvlease/internal/rig"
 )
 
-// serveDecode is the decode process (rig.ChildMain runs it).
-func serveDecode(p *rig.Parent) (rig.Report, error) {
+// ServeDecode is the decode process of a -net or -stream run: the
+// program's main (and a test binary's TestMain) has rig.ChildMain run it
+// when rig.IsChild.
+func ServeDecode(p *rig.Parent) (rig.Report, error) {
 	if p.Cfg.Stream {
 		return runStreamDecode(p)
 	}
@@ -32,7 +34,7 @@ func serveDecode(p *rig.Parent) (rig.Report, error) {
 
 // decoder is the decode process's state.
 type decoder struct {
-	cfg  Config
+	cfg  rig.Config
 	reqs map[uint64]rig.Request // the burst, drawn from the same seed
 	pool *kvlease.Pool[[]byte]
 
