@@ -18,8 +18,8 @@ import (
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
+	"github.com/kvlease/kvlease/internal/keypipe"
 	"github.com/kvlease/kvlease/ucx"
-	"github.com/kvlease/kvlease/ucx/internal/keypipe"
 )
 
 // The fault suite runs the two halves in two processes: the test binary

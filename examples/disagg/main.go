@@ -38,53 +38,39 @@
 // With -net -stream every request is handed off twice, streaming (the
 // handoff starts before the prefill, and each layer is sent as the
 // prefill writes it) and after its prefill; its timeline prints when each
-// layer was written and arrived, both ways (stream.go).
+// layer was written and arrived, both ways.
+//
+// This directory is the in-process example: disagg.go, read top to
+// bottom. The two-process runs live in internal/overtcp, on the rig
+// (internal/rig) that the ucx module's example shares.
 package main
 
 import (
 	"flag"
-	"fmt"
 	"os"
+
+	"github.com/kvlease/kvlease/examples/disagg/internal/overtcp"
+	"github.com/kvlease/kvlease/internal/rig"
 )
 
 func main() {
-	if spec, ok := os.LookupEnv(decodeEnv); ok {
-		os.Exit(decodeMain(spec, os.Stdin, os.Stdout, os.Stderr)) // the -net run's decode process
+	if rig.IsChild() { // the decode process of a -net run
+		os.Exit(rig.ChildMain(os.Stdin, os.Stdout, os.Stderr, overtcp.ServeDecode))
 	}
 	cfg := DefaultConfig()
-	netMode := false
-	flag.IntVar(&cfg.Requests, "requests", cfg.Requests, "requests in the burst")
-	flag.Uint64Var(&cfg.Seed, "seed", cfg.Seed, "seed for the requests and the transport's faults")
-	flag.Float64Var(&cfg.FailRate, "fail", cfg.FailRate, "probability a transfer fails (resolves with an error; -net: its data connection is cut)")
-	flag.Float64Var(&cfg.LostAckRate, "lost-ack", cfg.LostAckRate, "probability a transfer's acknowledgement is lost (-net: its sender stalls past both sides' deadlines)")
-	flag.Float64Var(&cfg.LateAckRate, "late-ack", cfg.LateAckRate, "probability a lost acknowledgement arrives late, lifting the quarantine (-net: the stalled sender resumes)")
-	flag.Float64Var(&cfg.IgnoreCancelRate, "ignore-cancel", cfg.IgnoreCancelRate, "probability the transport ignores a cancel (in-process only: the tcp planes honour one at the next block)")
-	flag.Float64Var(&cfg.AbortRate, "abort", cfg.AbortRate, "probability the client goes away mid-transfer")
-	flag.Float64Var(&cfg.EarlyAbortRate, "early-abort", cfg.EarlyAbortRate, "probability the client goes away before the transfer starts")
-	flag.BoolVar(&cfg.Quiet, "quiet", cfg.Quiet, "print only the ledger")
-	flag.BoolVar(&cfg.Insecure, "insecure", false, "-net: run the two halves without authentication (the ledger says \"authenticated none\")")
-	flag.BoolVar(&netMode, "net", false, "run the decode side as a child process and hand off over TCP on 127.0.0.1 (-fail cuts streams, -lost-ack stalls them)")
+	cfg.Flags(flag.CommandLine)
+	netMode := flag.Bool("net", false, "run the decode side as a child process and hand off over TCP on 127.0.0.1 (-fail cuts streams, -lost-ack stalls them)")
 	flag.BoolVar(&cfg.Stream, "stream", false, "with -net: hand every request off streaming (each layer sent as the prefill writes it) and after its prefill, and print both timelines")
 	flag.DurationVar(&cfg.LayerDelay, "layer-delay", cfg.LayerDelay, "-stream: the simulated compute time of one layer")
-	flag.DurationVar(&cfg.Deadline, "deadline", cfg.Deadline, "-net: how long the prefill side waits for a started transfer's evidence before quarantining it (decode waits half)")
 	flag.Parse()
 
 	run := Run
 	switch {
 	case cfg.Stream:
-		run = RunStream // implies -net
-	case netMode:
-		run = RunNet
+		run = overtcp.RunStream // implies -net
+	case *netMode:
+		run = overtcp.RunNet
 	}
 	ledger, err := run(cfg, os.Stdout)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "disagg:", err)
-		os.Exit(1)
-	}
-	if problems := ledger.Problems(); len(problems) > 0 {
-		for _, p := range problems {
-			fmt.Fprintln(os.Stderr, "disagg: ISOLATION FAILURE:", p)
-		}
-		os.Exit(2)
-	}
+	os.Exit(rig.Fail("disagg", ledger, err))
 }

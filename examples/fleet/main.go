@@ -1,9 +1,7 @@
 // Command fleet runs a few engines' KV-cache workloads in one process,
 // publishes each engine's KV events in vLLM's wire format (map-encoded,
-// topic kv@<engine>@<model>) and serves Prometheus metrics, while a
-// router-like subscriber indexes the events; at the end it prints, for a
-// few prompts, which engine holds the longest cached prefix. It stops by
-// itself after -duration:
+// topic kv@<engine>@<model>) for a router to subscribe to, and serves
+// Prometheus metrics. It stops by itself after -duration:
 //
 //	go run ./examples/fleet -events tcp://*:5557 -metrics 127.0.0.1:9400 -duration 10s
 //
@@ -13,11 +11,18 @@
 //   - an endpoint that binds (it contains "*" or "::", or is ipc://) is
 //     the first engine's; engine i binds the same host at PORT+i, as vLLM
 //     offsets the port for data-parallel ranks (a free port when PORT is
-//     0 or PORT+i is taken; ipc paths get a "-i" suffix). The subscriber
-//     dials every engine.
+//     0 or PORT+i is taken; ipc paths get a "-i" suffix). A router dials
+//     every engine.
 //   - an endpoint that connects (tcp://127.0.0.1:PORT) is the router's:
-//     the subscriber binds it and every engine dials it, told apart by
-//     topic, as a router that lets engines dial in would be.
+//     the router binds it and every engine dials it, told apart by
+//     topic.
+//
+// A publisher sends only to the subscribers it knows of: a router that
+// joins late misses the first events (ZeroMQ's slow joiner; -replay lets
+// it ask for them again). -wait-subscriber D holds the workloads until
+// every engine has a subscriber, at most D. The test (main_test.go) is
+// such a router: a ZeroMQ SUB socket that indexes the events and checks
+// which engine holds the longest prefix of a few prompts.
 //
 // Without -events every engine binds a free port on 127.0.0.1 only, and
 // so does the metrics server; the addresses are printed. tcp://*:PORT
@@ -35,7 +40,6 @@ package main
 
 import (
 	"context"
-	"encoding/binary"
 	"errors"
 	"flag"
 	"fmt"
@@ -50,7 +54,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/go-zeromq/zmq4"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
@@ -77,7 +80,6 @@ type engine struct {
 	name   string
 	pool   *kvlease.Pool[[]byte]
 	pub    *events.Publisher
-	dialTo string // where the subscriber dials it ("" when it dials the subscriber)
 	family []int32
 }
 
@@ -91,6 +93,7 @@ func run(args []string, out io.Writer) error {
 	seed := fs.Uint64("seed", 1, "workload seed")
 	replayEP := fs.String("replay", "", "first engine's replay ROUTER endpoint to bind (engine i: PORT+i; empty: none)")
 	vllmNames := fs.Bool("vllm-metrics", true, "also export vLLM's metric names (vllm:...)")
+	waitSub := fs.Duration("wait-subscriber", 0, "before the workloads start, wait up to this long for a subscriber on every engine (0: start at once)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -111,24 +114,14 @@ func run(args []string, out io.Writer) error {
 		return err
 	}
 
-	// The subscriber first: in connect mode it owns the endpoint.
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	sub := zmq4.NewSub(ctx)
-	defer sub.Close()
 	if *eventsEP == "" {
 		*eventsEP = "tcp://127.0.0.1:0"
 	}
 	bind := *eventsEP == "tcp://127.0.0.1:0" || events.ShouldBind(*eventsEP)
-	if !bind {
-		if err := sub.Listen(*eventsEP); err != nil {
-			return fmt.Errorf("subscriber bind %s: %w", *eventsEP, err)
-		}
-		fmt.Fprintf(out, "router subscriber bound %s; engines dial it\n", *eventsEP)
-	}
 
-	rng := rand.New(rand.NewPCG(*seed, 0))
-	system := randomTokens(rng, blockTokens)
+	_, families := prompts(*seed, *nEngines)
 	var engines []*engine
 	defer func() {
 		for _, e := range engines {
@@ -136,8 +129,7 @@ func run(args []string, out io.Writer) error {
 		}
 	}()
 	for i := range *nEngines {
-		e := &engine{name: fmt.Sprintf("engine-%d", i)}
-		e.family = append(slices.Clone(system), randomTokens(rng, familyBlocks*blockTokens)...)
+		e := &engine{name: fmt.Sprintf("engine-%d", i), family: families[i]}
 		mem, err := kvlease.NewHostMemory(poolBlocks, 1024)
 		if err != nil {
 			return err
@@ -162,11 +154,7 @@ func run(args []string, out io.Writer) error {
 		engines = append(engines, e)
 		where := "dials " + *eventsEP
 		if bind {
-			e.dialTo = dialAddr(e.pub, cfg.Endpoint)
-			where = "binds " + e.dialTo
-			if err := sub.Dial(e.dialTo); err != nil {
-				return fmt.Errorf("subscriber dial %s: %w", e.dialTo, err)
-			}
+			where = "binds " + dialAddr(e.pub, cfg.Endpoint)
 		}
 		fmt.Fprintf(out, "engine %s events %s topic %s\n", e.name, where, e.pub.Topic())
 		if a := e.pub.ReplayAddr(); a != nil {
@@ -178,9 +166,6 @@ func run(args []string, out io.Writer) error {
 		if err := col.AddPublisher(e.name, e.pub); err != nil {
 			return err
 		}
-	}
-	if err := sub.SetOption(zmq4.OptionSubscribe, "kv@"); err != nil {
-		return err
 	}
 
 	ln, err := net.Listen("tcp", *metricsAddr)
@@ -194,20 +179,16 @@ func run(args []string, out io.Writer) error {
 	defer srv.Close()
 	fmt.Fprintf(out, "metrics http://%s/metrics\n", ln.Addr())
 
-	// A publisher only sends to subscribers it knows of: wait for ours, or
-	// its first events would be lost (ZeroMQ's slow joiner).
-	for _, e := range engines {
-		if err := waitFor(10*time.Second, func() bool { return len(e.pub.Subscriptions()) > 0 }); err != nil {
-			return fmt.Errorf("%s: subscriber never joined: %w", e.name, err)
+	// A publisher only sends to subscribers it knows of: with
+	// -wait-subscriber, wait for the router, or its first events would be
+	// lost (ZeroMQ's slow joiner).
+	if *waitSub > 0 {
+		for _, e := range engines {
+			if err := waitFor(*waitSub, func() bool { return len(e.pub.Subscriptions()) > 0 }); err != nil {
+				return fmt.Errorf("%s: no subscriber within %v: %w", e.name, *waitSub, err)
+			}
 		}
 	}
-
-	idx := newIndexer()
-	subDone := make(chan struct{})
-	go func() {
-		defer close(subDone)
-		idx.consume(sub)
-	}()
 
 	fmt.Fprintf(out, "running %d engines for %v\n", len(engines), *duration)
 	wctx, wcancel := context.WithTimeout(ctx, *duration)
@@ -222,7 +203,7 @@ func run(args []string, out io.Writer) error {
 	}
 	wg.Wait()
 
-	// Drain: every batch published has reached the index.
+	// Drain: every batch published has gone out to the subscribers.
 	for _, e := range engines {
 		fctx, fcancel := context.WithTimeout(ctx, 10*time.Second)
 		err := e.pub.Flush(fctx)
@@ -231,47 +212,19 @@ func run(args []string, out io.Writer) error {
 			return fmt.Errorf("%s: flush: %w", e.name, err)
 		}
 	}
-	caughtUp := waitFor(10*time.Second, func() bool {
-		for _, e := range engines {
-			if idx.batches(e.pub.Topic()) < e.pub.Stats().Batches {
-				return false
-			}
-		}
-		return true
-	}) == nil
-
 	for _, e := range engines {
 		if err := e.pool.CheckQuiescent(); err != nil { // the workload ended: nothing held
 			return fmt.Errorf("%s: %w", e.name, err)
 		}
 		st := e.pub.Stats()
 		ps := e.pool.Stats()
-		fmt.Fprintf(out, "events %s published %d in %d batches, dropped %d, received %d batches, blocks %d cached %d evicted %d\n",
-			e.name, st.Events, st.Batches, st.DroppedBatches+st.DroppedEvents, idx.batches(e.pub.Topic()),
-			idx.held(e.pub.Topic()), ps.Cached, ps.Evictions)
+		fmt.Fprintf(out, "events %s published %d in %d batches, dropped %d, subscribers %d, blocks cached %d evicted %d\n",
+			e.name, st.Events, st.Batches, st.DroppedBatches+st.DroppedEvents, len(e.pub.Subscriptions()), ps.Cached, ps.Evictions)
 	}
-	if !caughtUp {
-		fmt.Fprintln(out, "index: not every batch arrived (a subscriber loses what the PUB socket drops)")
-	}
-	if n := idx.badTokens(); n > 0 {
-		return fmt.Errorf("index: %d stored blocks whose tokens do not hash to their block hash", n)
-	}
-
-	// Route a few prompts: each family's prefix with a question nobody
-	// asked yet, and one prompt only the system block is shared with.
-	for _, e := range engines {
-		prompt := append(slices.Clone(e.family), randomTokens(rng, suffixBlocks*blockTokens)...)
-		route(out, idx, engines, "family of "+e.name, prompt)
-	}
-	route(out, idx, engines, "unseen", append(slices.Clone(system), randomTokens(rng, 4*blockTokens)...))
-
 	_ = srv.Close()
 	for _, e := range engines {
 		_ = e.pub.Close()
 	}
-	_ = sub.Close()
-	cancel()
-	<-subDone
 	fmt.Fprintln(out, "fleet: done")
 	return nil
 }
@@ -351,6 +304,19 @@ func dialAddr(p *events.Publisher, ep string) string {
 	return ep
 }
 
+// prompts draws, from seed, the system prompt every engine shares (one
+// block) and each engine's family: the system prompt and the shared
+// prefix of that engine's requests. A router that knows the seed (the
+// test) builds the same prompts to route.
+func prompts(seed uint64, engines int) (system []int32, families [][]int32) {
+	rng := rand.New(rand.NewPCG(seed, 0))
+	system = randomTokens(rng, blockTokens)
+	for range engines {
+		families = append(families, append(slices.Clone(system), randomTokens(rng, familyBlocks*blockTokens)...))
+	}
+	return system, families
+}
+
 func randomTokens(rng *rand.Rand, n int) []int32 {
 	t := make([]int32, n)
 	for i := range t {
@@ -389,29 +355,6 @@ func workload(ctx context.Context, e *engine, rng *rand.Rand) {
 	}
 }
 
-// route prints which engine holds the longest prefix of prompt.
-func route(out io.Writer, idx *indexer, engines []*engine, name string, prompt []int32) {
-	hashes := kvlease.ChainHashes(0, prompt, blockTokens)
-	var best, others []string
-	bestN := -1
-	for _, e := range engines {
-		n := idx.prefix(e.pub.Topic(), hashes)
-		others = append(others, fmt.Sprintf("%s %d", e.name, n))
-		switch {
-		case n > bestN:
-			best, bestN = []string{e.name}, n
-		case n == bestN:
-			best = append(best, e.name)
-		}
-	}
-	on := best[0]
-	if len(best) > 1 {
-		on = strings.Join(best, " = ") + " (tie)"
-	}
-	fmt.Fprintf(out, "prompt %q (%d blocks): longest prefix on %s, %d blocks (%s)\n",
-		name, len(hashes), on, bestN, strings.Join(others, ", "))
-}
-
 func waitFor(limit time.Duration, ok func() bool) error {
 	deadline := time.Now().Add(limit)
 	for !ok() {
@@ -421,120 +364,4 @@ func waitFor(limit time.Duration, ok func() bool) error {
 		time.Sleep(2 * time.Millisecond)
 	}
 	return nil
-}
-
-// indexer is a minimal router-side index: per topic, the block hashes an
-// engine announced stored and not yet removed, checked against their
-// tokens (a router recomputes keys from tokens).
-type indexer struct {
-	mu     sync.Mutex
-	topics map[string]*engineIndex
-	bad    int
-}
-
-type engineIndex struct {
-	blocks  map[uint64]struct{}
-	batches uint64
-	next    uint64 // the seq expected next
-	gaps    uint64
-}
-
-func newIndexer() *indexer { return &indexer{topics: map[string]*engineIndex{}} }
-
-func (x *indexer) consume(sub zmq4.Socket) {
-	for {
-		msg, err := sub.Recv()
-		if err != nil {
-			return // closed
-		}
-		if len(msg.Frames) != 3 || len(msg.Frames[1]) != 8 {
-			continue
-		}
-		b, err := events.DecodeBatch(msg.Frames[2])
-		if err != nil {
-			continue
-		}
-		x.apply(string(msg.Frames[0]), binary.BigEndian.Uint64(msg.Frames[1]), b)
-	}
-}
-
-func (x *indexer) apply(topic string, seq uint64, b events.Batch) {
-	x.mu.Lock()
-	defer x.mu.Unlock()
-	ei := x.topics[topic]
-	if ei == nil {
-		ei = &engineIndex{blocks: map[uint64]struct{}{}}
-		x.topics[topic] = ei
-	}
-	if seq != ei.next {
-		ei.gaps++
-	}
-	ei.next = seq + 1
-	ei.batches++
-	for _, ev := range b.Events {
-		switch ev.Type {
-		case "BlockStored":
-			parent := kvlease.BlockHash(0)
-			if ev.ParentBlockHash != nil {
-				parent = kvlease.BlockHash(*ev.ParentBlockHash)
-			}
-			for k, h := range ev.BlockHashes {
-				lo, hi := k*ev.BlockSize, (k+1)*ev.BlockSize
-				if hi > len(ev.TokenIDs) || uint64(kvlease.HashBlock(parent, ev.TokenIDs[lo:hi])) != h {
-					x.bad++
-					break
-				}
-				ei.blocks[h] = struct{}{}
-				parent = kvlease.BlockHash(h)
-			}
-		case "BlockRemoved":
-			for _, h := range ev.BlockHashes {
-				delete(ei.blocks, h)
-			}
-		case "AllBlocksCleared":
-			clear(ei.blocks)
-		}
-	}
-}
-
-func (x *indexer) batches(topic string) uint64 {
-	x.mu.Lock()
-	defer x.mu.Unlock()
-	if ei := x.topics[topic]; ei != nil {
-		return ei.batches
-	}
-	return 0
-}
-
-func (x *indexer) held(topic string) int {
-	x.mu.Lock()
-	defer x.mu.Unlock()
-	if ei := x.topics[topic]; ei != nil {
-		return len(ei.blocks)
-	}
-	return 0
-}
-
-func (x *indexer) badTokens() int {
-	x.mu.Lock()
-	defer x.mu.Unlock()
-	return x.bad
-}
-
-// prefix counts the leading hashes the topic's engine holds.
-func (x *indexer) prefix(topic string, hashes []kvlease.BlockHash) int {
-	x.mu.Lock()
-	defer x.mu.Unlock()
-	ei := x.topics[topic]
-	if ei == nil {
-		return 0
-	}
-	n := 0
-	for _, h := range hashes {
-		if _, ok := ei.blocks[uint64(h)]; !ok {
-			break
-		}
-		n++
-	}
-	return n
 }

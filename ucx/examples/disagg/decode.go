@@ -1,11 +1,14 @@
 package main
 
+// The decode process: a child of the prefill process (rig.ChildMain runs
+// serveDecode), holding only its own pool. It serves the control
+// connection as a handoff.Destination over the UCX receiver, injects the
+// seed's faults on the reader's thread, audits every receive it posts,
+// and, when the prefill process asks, checks the markers of every
+// delivered lease, releases it and reports.
+
 import (
-	"bufio"
-	"encoding/json"
 	"fmt"
-	"net"
-	"os"
 	"strconv"
 	"strings"
 	"sync"
@@ -14,38 +17,29 @@ import (
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
+	"github.com/kvlease/kvlease/internal/rig"
 	"github.com/kvlease/kvlease/ucx"
-	"github.com/kvlease/kvlease/ucx/internal/keypipe"
 )
 
-// IsDecode reports whether this process is the decode side that Run
-// started.
-func IsDecode() bool { return os.Getenv(roleEnv) == "decode" }
-
-// decode is the decode process: its pool, its plane, the seed's plan,
+// decode is the decode process: its pool, its plane, the seed's burst,
 // and what it saw.
 type decode struct {
-	cfg   Config
-	pool  *kvlease.Pool[[]byte]
-	base  uintptr // the pool memory's first byte
-	recv  *ucx.Receiver[[]byte]
-	out   sync.Mutex
-	plans map[uint64]plan
+	cfg    Config
+	parent *rig.Parent
+	pool   *kvlease.Pool[[]byte]
+	base   uintptr // the pool memory's first byte
+	recv   *ucx.Receiver[[]byte]
+	reqs   map[uint64]rig.Request
 
 	mu         sync.Mutex
 	running    int
 	transfers  map[uint64]*kvlease.Transfer
 	blocks     map[uint64][]kvlease.BlockID
-	finals     map[uint64]*handoff.Incoming[[]byte]
+	incs       map[uint64]*handoff.Incoming[[]byte] // accepted or final
+	finals     map[uint64]bool
 	goCh       map[uint64]chan struct{} // the front end's abort is done
 	resume     map[uint64]chan struct{} // a stalled reader may go on
 	lateWrites int
-}
-
-func (d *decode) say(format string, args ...any) {
-	d.out.Lock()
-	defer d.out.Unlock()
-	fmt.Printf(format+"\n", args...)
 }
 
 // plane is the decode side's RecvPlane: the UCX receiver, with the
@@ -73,7 +67,7 @@ func (p plane) Receive(id handoff.PlaneID, regions [][]byte, start []byte, attac
 	d.mu.Lock()
 	d.blocks[id.Handoff] = ids
 	d.mu.Unlock()
-	if d.plans[id.Handoff].fail {
+	if d.reqs[id.Handoff].FailAt >= 0 {
 		// Corrupted in transit: the plane refuses it before attaching.
 		start = append([]byte{'X'}, start[1:]...)
 	}
@@ -97,59 +91,51 @@ func (d *decode) beforeGet(id handoff.PlaneID, block int) {
 	}
 	goCh, resume := d.goCh[id.Handoff], d.resume[id.Handoff]
 	d.mu.Unlock()
-	p := d.plans[id.Handoff]
-	if block == p.abortAt {
-		d.say("abort %d", p.id)
+	r := d.reqs[id.Handoff]
+	if block == r.AbortAt {
+		d.parent.Say("abort %d", r.ID)
 		select {
 		case <-goCh:
 		case <-time.After(30 * time.Second):
 		}
 	}
-	if block == p.stallAt {
+	if block == r.StallAt {
 		<-resume // never, unless the reader resumes late
 	}
 }
 
-// RunDecode is the decode process's main: it serves the control
-// connection, then reports every request on stdout when told.
-func RunDecode(Config) int {
-	var cfg Config
-	if err := json.Unmarshal([]byte(os.Getenv(configEnv)), &cfg); err != nil {
-		fmt.Fprintln(os.Stderr, "disagg decode:", err)
-		return 1
-	}
+// serveDecode is the decode process: it serves the control connection,
+// then reports when the prefill process asks.
+func serveDecode(p *rig.Parent) (rig.Report, error) {
 	ucxEnv()
-	// The pre-shared key comes down the pipe the prefill process handed
-	// us; without one, only an -insecure run goes on.
-	key, ok, err := keypipe.Read()
-	if err != nil || (!ok && !cfg.Insecure) {
-		fmt.Fprintln(os.Stderr, "disagg decode: no key from the prefill process:", err)
-		return 1
-	}
-	mem, err := kvlease.NewHostMemory(decodeBlocks, envelope.BlockBytes)
+	cfg := p.Cfg
+	mem, err := kvlease.NewHostMemory(rig.DecodeBlocks, envelope.BlockBytes)
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "disagg decode:", err)
-		return 1
+		return rig.Report{}, err
 	}
-	pool, _ := kvlease.NewPool[[]byte](mem)
-	d := &decode{cfg: cfg, pool: pool, base: uintptr(unsafe.Pointer(unsafe.SliceData(mem.Region(0)))),
-		plans: map[uint64]plan{}, transfers: map[uint64]*kvlease.Transfer{}, blocks: map[uint64][]kvlease.BlockID{},
-		finals: map[uint64]*handoff.Incoming[[]byte]{}, goCh: map[uint64]chan struct{}{}, resume: map[uint64]chan struct{}{}}
-	for _, p := range generate(cfg) {
-		d.plans[uint64(p.id)] = p
-		d.goCh[uint64(p.id)] = make(chan struct{})
-		d.resume[uint64(p.id)] = make(chan struct{})
+	pool, err := kvlease.NewPool[[]byte](mem)
+	if err != nil {
+		return rig.Report{}, err
+	}
+	d := &decode{cfg: cfg, parent: p, pool: pool, base: uintptr(unsafe.Pointer(unsafe.SliceData(mem.Region(0)))),
+		reqs: map[uint64]rig.Request{}, transfers: map[uint64]*kvlease.Transfer{}, blocks: map[uint64][]kvlease.BlockID{},
+		incs: map[uint64]*handoff.Incoming[[]byte]{}, finals: map[uint64]bool{}, goCh: map[uint64]chan struct{}{}, resume: map[uint64]chan struct{}{}}
+	for _, r := range rig.NetBurst(cfg) {
+		id := uint64(r.ID)
+		d.reqs[id], d.goCh[id], d.resume[id] = r, make(chan struct{}), make(chan struct{})
 	}
 	// One block per message (and, pulled, per get), so that a fault
 	// lands between two blocks.
 	if d.recv, err = ucx.NewReceiver(ucx.Config{MaxGet: envelope.BlockBytes, Window: 4, BeforeGet: d.beforeGet}, ucx.HostBytes); err != nil {
-		fmt.Fprintln(os.Stderr, "disagg decode:", err)
-		return 1
+		return rig.Report{}, err
 	}
-	decodeEnv := envelope
-	decodeEnv.PoolBlocks = decodeBlocks
-	dst, err := handoff.NewDestination(pool, plane{d}, handoff.DestinationConfig[[]byte]{
-		HalfConfig: auth(handoff.HalfConfig{Envelope: decodeEnv, Name: "decode", Peer: "prefill", Deadline: cfg.Deadline}, key),
+	track := func(in *handoff.Incoming[[]byte], final bool) {
+		d.mu.Lock()
+		d.incs[in.ID()] = in
+		d.finals[in.ID()] = d.finals[in.ID()] || final
+		d.mu.Unlock()
+	}
+	dst, conn, err := rig.Destination(p, pool, plane{d}, rig.DecodeEnvelope(), cfg.Deadline, handoff.DestinationConfig[[]byte]{
 		// One prefill process, authenticated: the whole pool is its to
 		// fill (the default caps a session at half of it).
 		MaxSessionBlocks: -1,
@@ -161,27 +147,17 @@ func RunDecode(Config) int {
 			}
 			return nil
 		},
+		OnAccept:    func(in *handoff.Incoming[[]byte]) { track(in, false) },
 		OnDelivered: func(*handoff.Incoming[[]byte]) {}, // kept until the report checks its markers
-		OnFinal: func(in *handoff.Incoming[[]byte]) {
-			d.mu.Lock()
-			d.finals[in.ID()] = in
-			d.mu.Unlock()
-		},
+		OnFinal:     func(in *handoff.Incoming[[]byte]) { track(in, true) },
 	})
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "disagg decode:", err)
-		return 1
-	}
-	conn, err := net.DialTimeout("tcp", os.Getenv(ctrlEnv), 10*time.Second)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "disagg decode:", err)
-		return 1
+		return rig.Report{}, err
 	}
 	go func() { _ = dst.Serve(conn) }()
 
-	in := bufio.NewScanner(os.Stdin)
-	for in.Scan() {
-		verb, arg, _ := strings.Cut(in.Text(), " ")
+	for line := range p.Commands() {
+		verb, arg, _ := strings.Cut(line, " ")
 		id, _ := strconv.ParseUint(arg, 10, 64)
 		switch verb {
 		case "go", "resume":
@@ -196,53 +172,50 @@ func RunDecode(Config) int {
 			}
 			d.mu.Unlock()
 		case "report":
-			d.report()
-			return 0 // a reader that never resumed stays blocked: exit
+			return d.report(), nil // a reader that never resumed stays blocked: the process exits
 		}
 	}
-	return 0
+	return rig.Report{}, fmt.Errorf("the prefill process never asked for the report")
 }
 
 // report waits until every handoff has its evidence, except those whose
-// reader never resumes (their blocks are quarantined), then prints one
-// report line per request and the summary.
-func (d *decode) report() {
-	limit := time.Now().Add(d.cfg.Deadline + 30*time.Second)
-	for time.Now().Before(limit) {
-		if d.settled() {
-			break
-		}
+// reader never resumes (their blocks are quarantined), then checks the
+// markers of every delivered lease, releases it, and reports every
+// request.
+func (d *decode) report() rig.Report {
+	for limit := time.Now().Add(d.cfg.Deadline + 30*time.Second); time.Now().Before(limit) && !d.settled(); {
 		time.Sleep(10 * time.Millisecond)
 	}
-	for _, p := range generate(d.cfg) {
-		id := uint64(p.id)
+	var rep rig.Report
+	for _, r := range rig.NetBurst(d.cfg) {
+		id := uint64(r.ID)
 		d.mu.Lock()
-		in := d.finals[id]
-		rep := report{ID: p.id, Blocks: d.blocks[id]}
+		in, final := d.incs[id], d.finals[id]
+		v := rig.View{ID: id, Blocks: d.blocks[id], Final: final}
 		d.mu.Unlock()
 		if in != nil {
-			rep.State, rep.History = in.State().String(), steps(in.History())
+			v.State, v.Steps = in.State(), rig.Steps(in.History())
 			if l := in.Lease(); l != nil {
-				rep.Blocks = l.AppendBlockIDs(nil, 0)
+				v.Blocks = l.AppendBlockIDs(nil, 0)
 			}
-			if in.State() == handoff.Delivered {
+			if final && in.State() == handoff.Delivered {
 				l := in.Lease()
 				for i := range l.Len() {
-					if b, err := l.Region(i); err != nil || !markerOK(b, p.id, i) {
-						rep.Mismatch++
+					if b, err := l.Region(i); err != nil || !rig.MarkerOK(b, r.ID, i) {
+						v.Mismatches++
 					}
 				}
+				v.Checked = l.Len()
 				l.Release()
 			}
 		}
-		js, _ := json.Marshal(rep)
-		d.say("report %s", js)
+		rep.Handoffs = append(rep.Handoffs, v)
+		rep.MarkerMismatches += v.Mismatches
 	}
 	d.mu.Lock()
-	sum := summary{Pool: d.pool.Stats(), LateWrites: d.lateWrites}
-	d.mu.Unlock()
-	js, _ := json.Marshal(sum)
-	d.say("summary %s", js)
+	defer d.mu.Unlock()
+	rep.Decode, rep.LateWrites = d.pool.Stats(), d.lateWrites
+	return rep
 }
 
 // settled reports whether every attached handoff is final, but for those
@@ -252,10 +225,10 @@ func (d *decode) settled() bool {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	for id, t := range d.transfers {
-		if d.finals[id] != nil {
+		if d.finals[id] {
 			continue
 		}
-		if p := d.plans[id]; p.stallAt < 0 || p.late || t.State() != kvlease.TransferQuarantined {
+		if r := d.reqs[id]; r.StallAt < 0 || r.LateAck || t.State() != kvlease.TransferQuarantined {
 			return false
 		}
 	}

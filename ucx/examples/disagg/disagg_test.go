@@ -4,11 +4,15 @@ import (
 	"os"
 	"strings"
 	"testing"
+
+	"github.com/kvlease/kvlease/internal/rig"
 )
 
+// TestMain makes the test binary the decode process when a test starts
+// it again (rig.StartChild).
 func TestMain(m *testing.M) {
-	if IsDecode() {
-		os.Exit(RunDecode(Config{}))
+	if rig.IsChild() {
+		os.Exit(rig.ChildMain(os.Stdin, os.Stdout, os.Stderr, serveDecode))
 	}
 	os.Exit(m.Run())
 }
@@ -68,5 +72,24 @@ func TestRunInsecure(t *testing.T) {
 	}
 	if p := l.Problems(); len(p) > 0 || l.Authenticated != "none" || !strings.Contains(out.String(), "\n  authenticated none  (") {
 		t.Fatalf("problems %v, authenticated %q\n%s", p, l.Authenticated, out.String())
+	}
+}
+
+// TestRunManySeeds runs bigger bursts with harsher faults: whatever the
+// interleaving, both sides end on their own evidence, nothing either side
+// refused but the crossings the run expects, and a clean ledger.
+func TestRunManySeeds(t *testing.T) {
+	for _, seed := range []uint64{2, 4, 6} {
+		cfg := DefaultConfig()
+		cfg.Seed, cfg.Requests, cfg.Quiet = seed, 40, true
+		cfg.FailRate, cfg.LostAckRate, cfg.AbortRate, cfg.EarlyAbortRate = 0.2, 0.2, 0.4, 0.1
+		var out strings.Builder
+		l, err := Run(cfg, &out)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if p := l.Problems(); len(p) > 0 || l.Requests != 40 || l.Child.Code != 0 {
+			t.Fatalf("seed %d: %v\n%s", seed, p, out.String())
+		}
 	}
 }

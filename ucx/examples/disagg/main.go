@@ -30,27 +30,19 @@ package main
 
 import (
 	"flag"
-	"fmt"
 	"os"
+
+	"github.com/kvlease/kvlease/internal/rig"
 )
 
 func main() {
+	if rig.IsChild() { // the decode process (decode.go)
+		os.Exit(rig.ChildMain(os.Stdin, os.Stdout, os.Stderr, serveDecode))
+	}
 	cfg := DefaultConfig()
-	fs := flag.NewFlagSet("disagg", flag.ExitOnError)
-	cfg.Flags(fs)
-	_ = fs.Parse(os.Args[1:])
-	if IsDecode() {
-		os.Exit(RunDecode(cfg))
-	}
+	cfg.Flags(flag.CommandLine)
+	flag.Bool("net", true, "accepted for the root example's command lines: this example always runs two processes")
+	flag.Parse()
 	ledger, err := Run(cfg, os.Stdout)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "disagg:", err)
-		os.Exit(1)
-	}
-	if problems := ledger.Problems(); len(problems) > 0 {
-		for _, p := range problems {
-			fmt.Fprintln(os.Stderr, "disagg: ISOLATION FAILURE:", p)
-		}
-		os.Exit(2)
-	}
+	os.Exit(rig.Fail("disagg", ledger, err))
 }

@@ -1,4 +1,4 @@
-package main
+package overtcp
 
 // The -net -stream run: streaming handoffs. A prefill computes a prompt
 // layer by layer; each layer writes its share of every block of the
@@ -26,7 +26,6 @@ package main
 // between layers.
 
 import (
-	crand "crypto/rand"
 	"errors"
 	"fmt"
 	"io"
@@ -41,6 +40,7 @@ import (
 	"github.com/kvlease/kvlease/audit"
 	"github.com/kvlease/kvlease/handoff"
 	"github.com/kvlease/kvlease/handoff/tcp"
+	"github.com/kvlease/kvlease/internal/rig"
 )
 
 // The -stream run's envelope: blocks of 8 layers of K and V for 16 tokens
@@ -72,7 +72,7 @@ func layerOf(b []byte, l int) []byte {
 
 // streamID is the handoff id of request r's streaming handoff; its
 // start-after-prefill handoff is the next one.
-func streamID(r *request) uint64 { return 2 * uint64(r.id) }
+func streamID(r rig.Request) uint64 { return 2 * uint64(r.ID) }
 
 // streamRun is one handoff of the -stream run, seen from the prefill
 // process.
@@ -82,7 +82,7 @@ type streamRun struct {
 	t0        time.Time   // the prefill's start
 	written   []time.Time // when each layer was written
 	delivered time.Time
-	view      *decodeView
+	view      *rig.View
 }
 
 // prefillLayers runs the simulated prefill of lease: per layer, the
@@ -111,9 +111,9 @@ func prefillLayers(lease *kvlease.Lease[[]byte], id uint64, delay time.Duration,
 
 // runOne runs request r's handoff id on pool and src, streaming or not,
 // and waits for its end.
-func runOne(pool *kvlease.Pool[[]byte], src *handoff.Source[[]byte], r *request, id uint64, stream bool, cfg Config) (*streamRun, error) {
-	n := streamEnvelope.BlocksFor(r.prompt)
-	lease, err := pool.Acquire(r.name, n)
+func runOne(pool *kvlease.Pool[[]byte], src *handoff.Source[[]byte], r rig.Request, id uint64, stream bool, cfg rig.Config) (*streamRun, error) {
+	n := streamEnvelope.BlocksFor(r.Prompt)
+	lease, err := pool.Acquire(r.Name, n)
 	if err != nil {
 		return nil, err
 	}
@@ -124,7 +124,7 @@ func runOne(pool *kvlease.Pool[[]byte], src *handoff.Source[[]byte], r *request,
 		if err != nil {
 			return nil, err
 		}
-		if run.out, err = src.Propose(id, r.name, lease, nil, handoff.Streaming(p)); err != nil {
+		if run.out, err = src.Propose(id, r.Name, lease, nil, handoff.Streaming(p)); err != nil {
 			return nil, err
 		}
 		if run.written, err = prefillLayers(lease, id, cfg.LayerDelay, p); err != nil {
@@ -134,7 +134,7 @@ func runOne(pool *kvlease.Pool[[]byte], src *handoff.Source[[]byte], r *request,
 		if run.written, err = prefillLayers(lease, id, cfg.LayerDelay, nil); err != nil {
 			return nil, err
 		}
-		if run.out, err = src.Propose(id, r.name, lease, nil); err != nil {
+		if run.out, err = src.Propose(id, r.Name, lease, nil); err != nil {
 			return nil, err
 		}
 	}
@@ -142,80 +142,49 @@ func runOne(pool *kvlease.Pool[[]byte], src *handoff.Source[[]byte], r *request,
 	case <-run.out.Done():
 		run.delivered = time.Now()
 	case <-time.After(30*time.Second + 4*cfg.Deadline):
-		return nil, fmt.Errorf("%s: handoff %d not final: %v", r.name, id, run.out.History())
+		return nil, fmt.Errorf("%s: handoff %d not final: %v", r.Name, id, run.out.History())
 	}
 	return run, nil
 }
 
 // RunStream runs the -net -stream burst: every admitted request handed
 // off twice, streaming and after its prefill, to a decode child process.
-func RunStream(cfg Config, out io.Writer) (Ledger, error) {
+func RunStream(cfg rig.Config, out io.Writer) (rig.Ledger, error) {
 	return runStream(cfg, out, os.Stderr, nil)
 }
 
 // runStream is RunStream; seen, if set, gets each admitted request's two
 // runs (streaming, after prefill) once the decode side reported.
-func runStream(cfg Config, out, childErr io.Writer, seen func(r *request, st, aft *streamRun)) (l Ledger, err error) {
-	if err := checkConfig(cfg); err != nil {
-		return Ledger{}, err
-	}
-	if cfg.Deadline <= 0 || cfg.LayerDelay < 0 {
-		return Ledger{}, fmt.Errorf("deadline %v must be positive, layer delay %v not negative", cfg.Deadline, cfg.LayerDelay)
-	}
+func runStream(cfg rig.Config, out, childErr io.Writer, seen func(r rig.Request, st, aft *streamRun)) (l rig.Ledger, err error) {
 	cfg.Stream = true
-	pool, err := newStreamPool()
-	if err != nil {
-		return Ledger{}, err
+	if err := cfg.Check(); err != nil {
+		return rig.Ledger{}, err
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	pool, err := rig.NewPool(streamPoolBlocks, streamBlockBytes)
 	if err != nil {
-		return Ledger{}, err
-	}
-	defer ln.Close()
-	spec := decodeSpec{Ctl: ln.Addr().String(), Token: make([]byte, 16), Cfg: cfg}
-	_, _ = crand.Read(spec.Token)
-	var key []byte
-	if !cfg.Insecure {
-		if key, err = handoff.GenerateKey(); err != nil {
-			return Ledger{}, err
-		}
-	}
-	child, err := startDecode(spec, key, childErr)
-	if err != nil {
-		return Ledger{}, err
-	}
-	defer child.kill()
-	conn, err := acceptChild(ln.(*net.TCPListener), spec.Token)
-	if err != nil {
-		return Ledger{}, err
+		return rig.Ledger{}, err
 	}
 	sender := tcp.NewSender(tcp.Config{})
 	defer sender.Close()
-	var protoErr []string
-	var mu sync.Mutex
-	a, insecure := auth(key)
-	src, err := handoff.NewSource(conn, sender, handoff.HalfConfig{
-		Envelope: streamEnvelope, Name: "prefill", Peer: "decode", Deadline: cfg.Deadline,
-		Auth: a, Insecure: insecure,
-		OnError: func(err error) { mu.Lock(); protoErr = append(protoErr, err.Error()); mu.Unlock() },
-	})
+	pre, err := rig.StartPrefill[[]byte](cfg, streamEnvelope, sender, childErr)
 	if err != nil {
-		_ = conn.Close()
-		return Ledger{}, err
+		return rig.Ledger{}, err
 	}
-	defer src.Close()
+	defer pre.Close()
+	src := pre.Src
 
-	reqs := generate(cfg)
+	reqs := rig.Burst(cfg)
+	refused := map[int]string{}
 	runs := map[uint64]*streamRun{}
 	for _, r := range reqs {
-		if err := streamEnvelope.CheckRequest(r.prompt, r.maxNew); err != nil {
-			r.refused = "envelope: " + err.Error()
+		if err := streamEnvelope.CheckRequest(r.Prompt, r.MaxNew); err != nil {
+			refused[r.ID] = "envelope: " + err.Error()
 			continue
 		}
 		for k, stream := range []bool{true, false} {
 			run, err := runOne(pool, src, r, streamID(r)+uint64(k), stream, cfg)
 			if err != nil {
-				return Ledger{}, err
+				return rig.Ledger{}, err
 			}
 			runs[run.id] = run
 		}
@@ -223,10 +192,9 @@ func runStream(cfg Config, out, childErr io.Writer, seen func(r *request, st, af
 	l.Prefill = pool.Stats()
 	l.Quiescent("prefill", pool.CheckQuiescent())
 	_ = src.Close()
-	rep, err := child.finish(30*time.Second + 4*cfg.Deadline)
-	l.Child = child.exit
-	l.Authenticated = src.Peer().Mode.String()
+	rep, err := pre.Child.Finish(30*time.Second + 4*cfg.Deadline)
 	if err != nil {
+		l.Child = pre.Child.Exit()
 		return l, err
 	}
 	for i := range rep.Handoffs {
@@ -236,10 +204,10 @@ func runStream(cfg Config, out, childErr io.Writer, seen func(r *request, st, af
 	}
 	l.Requests = len(reqs)
 	for _, r := range reqs {
-		if r.refused != "" {
-			tally(&l, r.refused, 0, false, false)
+		if why := refused[r.ID]; why != "" {
+			l.Count(why, 0, false, false)
 			if !cfg.Quiet {
-				fmt.Fprintf(out, "%s %4d tokens  rejected by %s\n", r.name, r.prompt, r.refused)
+				fmt.Fprintf(out, "%s %4d tokens  rejected by %s\n", r.Name, r.Prompt, why)
 			}
 			continue
 		}
@@ -253,7 +221,7 @@ func runStream(cfg Config, out, childErr io.Writer, seen func(r *request, st, af
 				l.Disagreements++
 			}
 		}
-		tally(&l, "", state, false, false)
+		l.Count("", state, false, false)
 		if seen != nil {
 			seen(r, st, aft)
 		}
@@ -261,35 +229,18 @@ func runStream(cfg Config, out, childErr io.Writer, seen func(r *request, st, af
 			printStreamTimeline(out, r, st, aft)
 		}
 	}
-	l.Decode = rep.Decode
-	l.MarkerMismatches = rep.MarkerMismatches
-	l.LateWrites = rep.LateWrites
-	mu.Lock()
-	errs := append(slices.Clone(protoErr), rep.Errors...)
-	mu.Unlock()
-	l.ProtocolErrors = len(errs)
-	for _, e := range errs {
-		fmt.Fprintln(out, "protocol error:", e)
-	}
-	printLedger(out, cfg, l, "none expected: no faults injected")
+	pre.Settle(&l, rep, out)
+	rig.PrintLedger(out, cfg.Seed, l, netLedger("none expected: no faults injected"))
 	return l, nil
-}
-
-func newStreamPool() (*kvlease.Pool[[]byte], error) {
-	mem, err := kvlease.NewHostMemory(streamPoolBlocks, streamBlockBytes)
-	if err != nil {
-		return nil, err
-	}
-	return kvlease.NewPool[[]byte](mem)
 }
 
 // ms is d in milliseconds, for the timelines.
 func ms(d time.Duration) string { return fmt.Sprintf("%7.2f ms", float64(d)/1e6) }
 
 // printStreamTimeline writes request r's two timelines side by side.
-func printStreamTimeline(out io.Writer, r *request, st, aft *streamRun) {
-	n := streamEnvelope.BlocksFor(r.prompt)
-	fmt.Fprintf(out, "%s %4d tokens  %d blocks × %d layers (%d KiB a layer)\n", r.name, r.prompt, n, streamLayers, n*streamBlockBytes/streamLayers>>10)
+func printStreamTimeline(out io.Writer, r rig.Request, st, aft *streamRun) {
+	n := streamEnvelope.BlocksFor(r.Prompt)
+	fmt.Fprintf(out, "%s %4d tokens  %d blocks × %d layers (%d KiB a layer)\n", r.Name, r.Prompt, n, streamLayers, n*streamBlockBytes/streamLayers>>10)
 	fmt.Fprintf(out, "    layer    streaming: written    arrived    start after prefill: written    arrived\n")
 	arrived := func(run *streamRun, layer int) string {
 		if run.view == nil || layer >= len(run.view.Arrived) || run.view.Arrived[layer] == 0 {
@@ -316,7 +267,6 @@ type streamDecoder struct {
 	incs  map[uint64]*streamIncoming
 	live  map[kvlease.BlockID]liveBlock // blocks live handoffs receive
 	stray int                           // reads into blocks no live handoff receives
-	errs  []string
 }
 
 // liveBlock is a block a live handoff receives: its handoff and its
@@ -484,54 +434,40 @@ func (d *streamDecoder) settled() bool {
 
 // runStreamDecode is the decode process of a -stream run: it serves the
 // control connection until it ends and reports.
-func runStreamDecode(s decodeSpec) (decodeReport, error) {
+func runStreamDecode(p *rig.Parent) (rig.Report, error) {
 	d := &streamDecoder{incs: map[uint64]*streamIncoming{}, live: map[kvlease.BlockID]liveBlock{}}
 	mem, err := kvlease.NewHostMemory(streamPoolBlocks, streamBlockBytes)
 	if err != nil {
-		return decodeReport{}, err
+		return rig.Report{}, err
 	}
 	if d.pool, err = kvlease.NewPool[[]byte](mem); err != nil {
-		return decodeReport{}, err
+		return rig.Report{}, err
 	}
 	all := mem.Span(kvlease.Run{Start: 0, Len: streamPoolBlocks})
 	d.base, d.size = uintptr(unsafe.Pointer(unsafe.SliceData(all))), uintptr(len(all))
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
-		return decodeReport{}, err
+		return rig.Report{}, err
 	}
 	recv := tcp.NewReceiver(ln, tcp.Config{WrapConn: func(c net.Conn) net.Conn { return &arrivalConn{Conn: c, d: d} }})
 	defer recv.Close()
-	var key []byte
-	if !s.Cfg.Insecure {
-		if key, err = readKey(); err != nil {
-			return decodeReport{}, err
-		}
-	}
-	a, insecure := auth(key)
-	fail := func(err error) { d.mu.Lock(); d.errs = append(d.errs, err.Error()); d.mu.Unlock() }
-	dst, err := handoff.NewDestination(d.pool, recv, handoff.DestinationConfig[[]byte]{
-		HalfConfig: handoff.HalfConfig{Envelope: streamEnvelope, Name: "decode", Peer: "prefill", Deadline: s.Cfg.Deadline,
-			OnError: fail, Auth: a, Insecure: insecure},
+	dst, conn, err := rig.Destination(p, d.pool, recv, streamEnvelope, p.Cfg.Deadline, handoff.DestinationConfig[[]byte]{
 		OnAccept:    d.accepted,
 		OnDelivered: d.delivered,
 		OnFinal:     d.final,
 	})
 	if err != nil {
-		return decodeReport{}, err
-	}
-	conn, err := dialParent(s)
-	if err != nil {
-		return decodeReport{}, err
+		return rig.Report{}, err
 	}
 	if err := dst.Serve(conn); errors.Is(err, handoff.ErrProtocol) {
-		fail(err)
+		p.Fail(err)
 	}
 	// Every handoff ended before the prefill side closed the connection
 	// (it waits for each), but this side's last OnFinal may still run.
 	for end := time.Now().Add(10 * time.Second); !d.settled() && time.Now().Before(end); {
 		time.Sleep(time.Millisecond)
 	}
-	var rep decodeReport
+	var rep rig.Report
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	ids := make([]uint64, 0, len(d.incs))
@@ -541,8 +477,8 @@ func runStreamDecode(s decodeSpec) (decodeReport, error) {
 	slices.Sort(ids)
 	for _, id := range ids {
 		inc := d.incs[id]
-		v := decodeView{ID: id, State: inc.in.State(), Blocks: inc.ids, Checked: inc.checked, Mismatches: inc.mismatches, Late: inc.late, Arrived: inc.arrived,
-			Steps: wireSteps(inc.in.History())}
+		v := rig.View{ID: id, State: inc.in.State(), Final: inc.final, Blocks: inc.ids, Checked: inc.checked, Mismatches: inc.mismatches, Late: inc.late, Arrived: inc.arrived,
+			Steps: rig.Steps(inc.in.History())}
 		rep.Handoffs = append(rep.Handoffs, v)
 		rep.MarkerMismatches += v.Mismatches
 		if v.Late {
@@ -551,6 +487,5 @@ func runStreamDecode(s decodeSpec) (decodeReport, error) {
 	}
 	rep.LateWrites += d.stray
 	rep.Decode = d.pool.Stats()
-	rep.Errors = slices.Clone(d.errs)
 	return rep, nil
 }

@@ -1,8 +1,8 @@
-// Package ledger is the final account the disaggregation examples print
-// (examples/disagg in process and with -net, and the ucx module's
-// examples/disagg over UCX): what happened to every request, the pools
-// at the end, and the isolation checks that must come out 0.
-package ledger
+package rig
+
+// The ledger: the final account every run prints, what happened to every
+// request, the pools at the end, and the isolation checks that must come
+// out 0.
 
 import (
 	"errors"

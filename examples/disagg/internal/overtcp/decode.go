@@ -1,20 +1,17 @@
-package main
+package overtcp
 
 // The decode process of a -net run: a child of the prefill process,
 // holding only its own pool. It serves one control connection as a
 // handoff.Destination over a handoff/tcp Receiver, checks the markers of
 // every delivered lease on delivery and again before it releases it (the
 // moment its blocks may be reused), audits every block the receiver
-// writes, and, when the control connection ends, reports everything as
-// JSON on stdout and exits.
+// writes, and, when the control connection ends, reports everything to
+// the prefill process (rig.Report) and exits.
 
 import (
-	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net"
-	"os"
 	"slices"
 	"sync"
 	"time"
@@ -22,107 +19,36 @@ import (
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
 	"github.com/kvlease/kvlease/handoff/tcp"
+	"github.com/kvlease/kvlease/internal/rig"
 )
 
-// decodeReport is what the decode process tells the prefill process at
-// the end.
-type decodeReport struct {
-	Handoffs []decodeView
-	Decode   kvlease.Stats // the pool at the end
-	// MarkerMismatches counts delivered blocks that did not hold their
-	// request's marker (on delivery or before release); LateWrites the
-	// transfers that wrote a block no longer theirs.
-	MarkerMismatches, LateWrites int
-	Errors                       []string // protocol errors, and anything that went wrong
-}
-
-// decodeView is one handoff as the decode side saw it.
-type decodeView struct {
-	ID      uint64
-	State   handoff.State
-	Blocks  []kvlease.BlockID // the decode lease's blocks, nil if none was acquired
-	Steps   []wireStep
-	Checked int // block markers checked
-	// Mismatches counts the checked blocks without their marker; Late
-	// says the transfer wrote a block no longer its lease's.
-	Mismatches int
-	Late       bool
-	// Arrived (-stream) is when each layer's last byte arrived (Unix
-	// ns; 0 if it never did).
-	Arrived []int64 `json:",omitempty"`
-}
-
-// wireStep is a handoff.Step as it crosses the process boundary.
-type wireStep struct {
-	From, To handoff.State
-	Event    handoff.Event
-	By, Err  string
-	Transfer uint64
-}
-
-// wireSteps is a history as it crosses the process boundary.
-func wireSteps(h []handoff.Step) []wireStep {
-	out := make([]wireStep, len(h))
-	for i, s := range h {
-		out[i] = wireStep{From: s.From, To: s.To, Event: s.Event, By: s.By, Err: errText(s.Err), Transfer: s.Transfer}
+// ServeDecode is the decode process of a -net or -stream run: the
+// program's main (and a test binary's TestMain) has rig.ChildMain run it
+// when rig.IsChild.
+func ServeDecode(p *rig.Parent) (rig.Report, error) {
+	if p.Cfg.Stream {
+		return runStreamDecode(p)
 	}
-	return out
-}
-
-// decodeMain is the decode process: spec is decodeEnv's value. It exits
-// (os.Exit) as soon as stdin, a pipe from the prefill process, closes: the
-// parent is gone. It returns the exit status.
-func decodeMain(spec string, stdin io.Reader, stdout, stderr io.Writer) int {
-	var s decodeSpec
-	if err := json.Unmarshal([]byte(spec), &s); err != nil {
-		fmt.Fprintln(stderr, "disagg decode: bad spec:", err)
-		return 1
-	}
-	go func() {
-		_, _ = io.Copy(io.Discard, stdin)
-		fmt.Fprintln(stderr, "disagg decode: stdin closed, the prefill process is gone: exiting")
-		os.Exit(3)
-	}()
-	limit := 2*time.Minute + 10*s.Cfg.Deadline
-	time.AfterFunc(limit, func() {
-		fmt.Fprintf(stderr, "disagg decode: still running after %v: exiting\n", limit)
-		os.Exit(4)
-	})
-	run := runDecode
-	if s.Cfg.Stream {
-		run = runStreamDecode
-	}
-	rep, err := run(s)
-	if err != nil {
-		fmt.Fprintln(stderr, "disagg decode:", err)
-		return 1
-	}
-	if err := json.NewEncoder(stdout).Encode(rep); err != nil {
-		fmt.Fprintln(stderr, "disagg decode: report:", err)
-		return 1
-	}
-	return 0
+	return runDecode(p)
 }
 
 // decoder is the decode process's state.
 type decoder struct {
-	cfg  Config
-	lie  bool
-	reqs map[uint64]*request // the burst, drawn from the same seed
+	cfg  rig.Config
+	reqs map[uint64]rig.Request // the burst, drawn from the same seed
 	pool *kvlease.Pool[[]byte]
 
 	mu      sync.Mutex
 	tokens  map[[16]byte]uint64 // data-connection token → handoff id
 	incs    map[uint64]*incoming
 	running int // handoffs accepted whose lease this side still holds
-	errs    []string
 }
 
 // incoming is the decode side's record of one handoff.
 type incoming struct {
 	id      uint64
 	in      *handoff.Incoming[[]byte]
-	req     *request
+	req     rig.Request
 	refs    []kvlease.BlockRef // the lease's blocks, at acceptance
 	regions [][]byte           // the regions of the blocks it wants, in order
 	ids     []kvlease.BlockID
@@ -137,16 +63,10 @@ type incoming struct {
 func (d *decoder) get(id uint64) *incoming {
 	inc := d.incs[id]
 	if inc == nil {
-		inc = &incoming{id: id, req: d.reqs[id]}
+		inc = &incoming{id: id, req: d.reqs[id]} // the zero Request if none: ID 0 matches no handoff
 		d.incs[id] = inc
 	}
 	return inc
-}
-
-func (d *decoder) fail(err error) {
-	d.mu.Lock()
-	d.errs = append(d.errs, err.Error())
-	d.mu.Unlock()
 }
 
 // decide is the decode side's policy: at most MaxRunningRequests running.
@@ -186,7 +106,7 @@ func (d *decoder) check(inc *incoming, l *kvlease.Lease[[]byte]) {
 	bad := 0
 	for i := range l.Len() {
 		b, err := l.ReadRegion(i)
-		if err != nil || !markerOK(b, int(inc.id), i) {
+		if err != nil || !rig.MarkerOK(b, int(inc.id), i) {
 			bad++
 		}
 	}
@@ -288,13 +208,13 @@ func (d *decoder) beforeWrite(inc *incoming, i int, p []byte) {
 	d.mu.Lock()
 	in := inc.in
 	block := in.Hits() + i
-	abort := inc.req != nil && block == inc.req.abortAt && !inc.aborted
+	abort := inc.req.ID != 0 && block == inc.req.AbortAt && !inc.aborted
 	inc.aborted = inc.aborted || abort
 	d.mu.Unlock()
 	if abort {
 		_ = in.Abort("frontend", fmt.Errorf("%w while block %d of %d was being written", errClientGone, block, in.Blocks()))
 	}
-	if d.lie && in.State() == handoff.Aborting {
+	if d.cfg.Lie && in.State() == handoff.Aborting {
 		in.Transfer().Resolve(nil) // "quiescent", says the transport, mid-copy
 	}
 }
@@ -313,51 +233,25 @@ func (d *decoder) audit(inc *incoming, i int, p []byte) {
 	}
 }
 
-// readKey reads the pre-shared key from the pipe the prefill process
-// handed down as descriptor keyFD, once.
-func readKey() ([]byte, error) {
-	f := os.NewFile(keyFD, "kvlease-key")
-	if f == nil {
-		return nil, errors.New("no key descriptor: the prefill process hands the key down a pipe")
-	}
-	defer f.Close()
-	key := make([]byte, 32)
-	if _, err := io.ReadFull(f, key); err != nil {
-		return nil, fmt.Errorf("read the key from descriptor %d: %w", keyFD, err)
-	}
-	return key, nil
-}
-
 // runDecode serves the control connection until it ends, settles, and
 // builds the report.
-func runDecode(s decodeSpec) (decodeReport, error) {
-	cfg := s.Cfg
-	d := &decoder{cfg: cfg, lie: s.Lie, reqs: map[uint64]*request{}, tokens: map[[16]byte]uint64{}, incs: map[uint64]*incoming{}}
-	reqs := generate(cfg)
-	netFaults(cfg, reqs)
-	for _, r := range reqs {
-		d.reqs[uint64(r.id)] = r
+func runDecode(p *rig.Parent) (rig.Report, error) {
+	cfg := p.Cfg
+	d := &decoder{cfg: cfg, reqs: map[uint64]rig.Request{}, tokens: map[[16]byte]uint64{}, incs: map[uint64]*incoming{}}
+	for _, r := range rig.NetBurst(cfg) {
+		d.reqs[uint64(r.ID)] = r
 	}
 	var err error
-	if d.pool, err = newPool(decodeBlocks); err != nil {
-		return decodeReport{}, err
+	if d.pool, err = rig.NewPool(rig.DecodeBlocks, envelope.BlockBytes); err != nil {
+		return rig.Report{}, err
 	}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
-		return decodeReport{}, err
+		return rig.Report{}, err
 	}
 	recv := tcp.NewReceiver(ln, tcp.Config{WrapConn: func(c net.Conn) net.Conn { return &recvConn{Conn: c, d: d} }})
 	defer recv.Close() // after the report's snapshot: stalled streams end now
-	var key []byte
-	if !cfg.Insecure {
-		if key, err = readKey(); err != nil {
-			return decodeReport{}, err
-		}
-	}
-	a, insecure := auth(key)
-	dst, err := handoff.NewDestination(d.pool, decodePlane{recv, d}, handoff.DestinationConfig[[]byte]{
-		HalfConfig: handoff.HalfConfig{Envelope: decodeEnvelope(), Name: "decode", Peer: "prefill", Deadline: cfg.Deadline / 2,
-			OnError: d.fail, Auth: a, Insecure: insecure},
+	dst, conn, err := rig.Destination(p, d.pool, decodePlane{recv, d}, rig.DecodeEnvelope(), cfg.Deadline/2, handoff.DestinationConfig[[]byte]{
 		// The one prefill process may hold the whole pool: the pool's
 		// own admission decides (RejectedDecode).
 		MaxSessionBlocks: -1,
@@ -367,14 +261,10 @@ func runDecode(s decodeSpec) (decodeReport, error) {
 		OnFinal:          d.finalized,
 	})
 	if err != nil {
-		return decodeReport{}, err
-	}
-	conn, err := dialParent(s)
-	if err != nil {
-		return decodeReport{}, err
+		return rig.Report{}, err
 	}
 	if err := dst.Serve(conn); errors.Is(err, handoff.ErrProtocol) {
-		d.fail(err)
+		p.Fail(err)
 	}
 
 	// The prefill side is done. Wait for this side's own evidence: every
@@ -394,7 +284,7 @@ func runDecode(s decodeSpec) (decodeReport, error) {
 		for _, inc := range all {
 			d.mu.Lock()
 			in, final := inc.in, inc.final
-			forever := inc.req != nil && inc.req.stallAt >= 0 && !inc.req.lateAck
+			forever := inc.req.ID != 0 && inc.req.StallAt >= 0 && !inc.req.LateAck
 			d.mu.Unlock()
 			if !final && (!forever || in == nil || in.State() != handoff.Quarantined) {
 				settled = false
@@ -404,7 +294,7 @@ func runDecode(s decodeSpec) (decodeReport, error) {
 			break
 		}
 		if time.Now().After(end) {
-			d.fail(fmt.Errorf("handoffs still unsettled after %v", 30*time.Second+4*cfg.Deadline))
+			p.Fail(fmt.Errorf("handoffs still unsettled after %v", 30*time.Second+4*cfg.Deadline))
 			break
 		}
 		time.Sleep(5 * time.Millisecond)
@@ -412,7 +302,7 @@ func runDecode(s decodeSpec) (decodeReport, error) {
 
 	// Decode finishes: every delivered request checks its markers once
 	// more, then releases its blocks (the moment they may be reused).
-	var rep decodeReport
+	var rep rig.Report
 	ids := make([]uint64, 0, len(d.incs))
 	d.mu.Lock()
 	for id := range d.incs {
@@ -437,11 +327,11 @@ func runDecode(s decodeSpec) (decodeReport, error) {
 	for _, id := range ids {
 		d.mu.Lock()
 		inc := d.incs[id]
-		v := decodeView{ID: id, Blocks: inc.ids, Checked: inc.checked, Mismatches: inc.mismatches, Late: inc.late}
+		v := rig.View{ID: id, Blocks: inc.ids, Checked: inc.checked, Mismatches: inc.mismatches, Late: inc.late, Final: inc.final}
 		d.mu.Unlock()
 		if inc.in != nil {
 			v.State = inc.in.State()
-			v.Steps = wireSteps(inc.in.History())
+			v.Steps = rig.Steps(inc.in.History())
 		}
 		rep.Handoffs = append(rep.Handoffs, v)
 		rep.MarkerMismatches += v.Mismatches
@@ -450,24 +340,5 @@ func runDecode(s decodeSpec) (decodeReport, error) {
 		}
 	}
 	rep.Decode = d.pool.Stats()
-	d.mu.Lock()
-	rep.Errors = slices.Clone(d.errs)
-	d.mu.Unlock()
 	return rep, nil
-}
-
-// dialParent dials the prefill process's control listener and proves
-// with the token that this is its child.
-func dialParent(s decodeSpec) (net.Conn, error) {
-	conn, err := net.DialTimeout("tcp", s.Ctl, 10*time.Second)
-	if err != nil {
-		return nil, fmt.Errorf("dial the prefill process: %w", err)
-	}
-	_ = conn.SetWriteDeadline(time.Now().Add(10 * time.Second))
-	if _, err := conn.Write(s.Token); err != nil {
-		_ = conn.Close()
-		return nil, fmt.Errorf("send the token: %w", err)
-	}
-	_ = conn.SetWriteDeadline(time.Time{})
-	return conn, nil
 }
