@@ -96,3 +96,46 @@ type RecvPlane[R any] interface {
 	// already received or unknown.
 	Forget(id PlaneID)
 }
+
+// PlaneStats counts what a data plane did: what package tcp's Sender
+// and Receiver return from Stats, and what package metrics exports for a
+// plane. Fields a plane has no use for stay zero.
+type PlaneStats struct {
+	Started, Completed, Failed, Canceled int
+	// Stalled counts, of the Failed, the transfers whose data connection
+	// made no progress for the plane's progress timeout (tcp.ErrStalled).
+	Stalled int
+	Bytes   int64
+	// Refused counts data connections refused for any reason (garbage,
+	// an unknown token, an unauthenticated hello, too many pending).
+	Refused int
+	// RefusedAuth counts those refused because their hello did not prove
+	// the session (tcp.ErrUnauthenticated).
+	RefusedAuth int
+	// RefusedBusy counts those closed before their hello to keep to
+	// MaxPendingHellosPerHost and MaxPendingHellos: refused at once, or
+	// given way to a newer one from another host.
+	RefusedBusy int
+	// RefusedAddr counts, on a sender, Accepts refused for a data address
+	// outside the authenticated peer's host (tcp.ErrAddress).
+	RefusedAddr int
+	// AcceptErrors counts failed accepts of the receiver's listener,
+	// retried after a backoff.
+	AcceptErrors int
+	// Dials counts data connections dialled (a sender) or accepted (a
+	// receiver).
+	Dials int
+	// Reuses counts handoffs carried by a connection that had carried
+	// another before: taken from a sender's pool, or a hello accepted on
+	// a receiver's idle connection.
+	Reuses int
+	// IdleExpired counts idle connections closed for their idle timeout
+	// (a sender's, parked ones included; a receiver's twice as long).
+	IdleExpired int
+	// Stale counts, on a sender, idle connections found closed by the
+	// receiver when taken, or whose hello could not be written: the
+	// handoff dialled a fresh one instead.
+	Stale int
+	// Idle is the number of idle connections now (a gauge).
+	Idle int
+}

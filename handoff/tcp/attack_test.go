@@ -666,7 +666,7 @@ func TestAttackStolenToken(t *testing.T) {
 		t.Fatalf("honest handoff %v: %v", st, o.History())
 	}
 	v.checkDelivered(1)
-	st := waitStats(t, "receiver", v.recv.Stats, func(s tcp.Stats) bool { return s.Refused == 3 })
+	st := waitStats(t, "receiver", v.recv.Stats, func(s handoff.PlaneStats) bool { return s.Refused == 3 })
 	if st.RefusedAuth != 2 || st.Completed != 1 || st.Started != 1 {
 		t.Errorf("receiver stats %+v: want 3 refused (2 unauthenticated), 1 completed", st)
 	}
@@ -692,7 +692,7 @@ func TestAttackReplayedData(t *testing.T) {
 	if f := a.expect("result"); f[1] != "closed" {
 		t.Fatalf("%q", f)
 	}
-	waitStats(t, "receiver", v.recv.Stats, func(s tcp.Stats) bool { return s.Refused == 1 && s.Completed == 1 && s.Started == 1 })
+	waitStats(t, "receiver", v.recv.Stats, func(s handoff.PlaneStats) bool { return s.Refused == 1 && s.Completed == 1 && s.Started == 1 })
 	v.untouched()
 }
 
@@ -857,7 +857,7 @@ func TestAttackHelloFlood(t *testing.T) {
 	if f[2] != fmt.Sprint(past) {
 		t.Errorf("%q: want the %d past the cap closed at once (receiver %+v)", f, past, v.recv.Stats())
 	}
-	st := waitStats(t, "receiver", v.recv.Stats, func(s tcp.Stats) bool { return s.Refused == conns })
+	st := waitStats(t, "receiver", v.recv.Stats, func(s handoff.PlaneStats) bool { return s.Refused == conns })
 	if st.RefusedBusy != past {
 		t.Errorf("receiver stats %+v", st)
 	}

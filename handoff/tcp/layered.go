@@ -116,10 +116,7 @@ func writeLayered[R LayeredRegion](conn net.Conn, tok [16]byte, sl *seal, region
 	head := sl.hello(tok, len(regions), bb)
 	if len(regions) > 0 {
 		// One block per frame: a block's pieces are scattered.
-		head = binary.LittleEndian.AppendUint32(head, uint32(len(regions)))
-		for range regions {
-			head = binary.LittleEndian.AppendUint32(head, 1)
-		}
+		head = appendUnitLayout(head, len(regions))
 	}
 	if _, err := conn.Write(head); err != nil {
 		return 0, helloError{err}
@@ -160,8 +157,7 @@ func writeLayered[R LayeredRegion](conn net.Conn, tok [16]byte, sl *seal, region
 				bufs = append(bufs, p)
 			}
 		}
-		binary.LittleEndian.PutUint32(hdr8[0:], uint32(i))
-		binary.LittleEndian.PutUint32(hdr8[4:], uint32(bb))
+		putFrameHeader(hdr8, i, bb)
 		if sl.keyed {
 			sl.sum(trailer, i, gather)
 		} else {

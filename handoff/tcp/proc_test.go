@@ -52,7 +52,7 @@ func wantStats(t testing.TB, who string, got map[string]string, want string) {
 	}
 }
 
-func localStats(p *kvlease.Pool[[]byte], ps tcp.Stats) map[string]string {
+func localStats(p *kvlease.Pool[[]byte], ps handoff.PlaneStats) map[string]string {
 	return fields(strings.Fields(statsLine(p, ps)))
 }
 

@@ -102,29 +102,16 @@ func (s *seal) verify(i int, block, check []byte) error {
 	return nil
 }
 
-// The hello: "KD" | version | flags (bit 0: keyed) | token (16) | blocks
-// (4 LE) | block bytes (4 LE) | HMAC-SHA256 of what precedes (32; zero
-// when not keyed). Flag bit 1 (flagStream, stream.go) says stream mode.
-const (
-	helloBody   = 2 + 1 + 1 + 16 + 4 + 4
-	helloLength = helloBody + sha256.Size
-	flagKeyed   = 1
-)
-
 func (s *seal) hello(tok [16]byte, blocks, bb int) []byte {
 	return s.helloFlags(tok, blocks, bb, 0)
 }
 
 // helloFlags is hello with extra flags (flagStream).
 func (s *seal) helloFlags(tok [16]byte, blocks, bb int, flags byte) []byte {
-	h := make([]byte, 0, helloLength)
 	if s.keyed {
 		flags |= flagKeyed
 	}
-	h = append(h, 'K', 'D', version, flags)
-	h = append(h, tok[:]...)
-	h = binary.LittleEndian.AppendUint32(h, uint32(blocks))
-	h = binary.LittleEndian.AppendUint32(h, uint32(bb))
+	h := appendHello(make([]byte, 0, helloLength), flags, tok, blocks, bb)
 	if !s.keyed {
 		return append(h, make([]byte, sha256.Size)...)
 	}
