@@ -8,7 +8,6 @@ import (
 	"crypto/sha256"
 	"crypto/tls"
 	"crypto/x509"
-	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -64,13 +63,6 @@ import (
 // session refused by a cap (the source's NewSource then fails with
 // ErrLimit). In a tls session the byte travels inside TLS, which also
 // tells a source whose certificate the destination refused.
-
-// ErrAuth is wrapped by every refusal of the authentication: a wrong key,
-// an unknown or expired certificate, a downgrade, a handshake that timed
-// out or did not parse, and, after the handshake, a control record that
-// is replayed, reordered, spliced from another session or forged. The
-// session ends; nothing of it was acted on.
-var ErrAuth = errors.New("kvlease: handoff authentication failed")
 
 // AuthMode is how a control session was authenticated.
 type AuthMode uint8

@@ -1,7 +1,6 @@
 package handoff
 
 import (
-	"errors"
 	"fmt"
 	"hash/crc32"
 	"io"
@@ -53,25 +52,6 @@ const (
 	MaxPlane     = 4096    // most data-plane bytes in Accept or Start
 	MaxBlocks    = 1 << 16 // most blocks in one handoff
 	headerLength = 12
-)
-
-// ErrProtocol is wrapped by every error about a malformed or unexpected
-// message. Each such error also wraps one of its two kinds, which say what
-// the violation cost:
-//
-//   - ErrProtocolFatal: the bytes cannot be trusted (bad framing,
-//     checksum, version or length, a payload that does not parse, a
-//     record that does not verify): the connection ends.
-//   - ErrProtocolRefused: a well-formed message the receiver will not act
-//     on (an unknown handoff id, a message its handoff's state does not
-//     allow, a reordering): it is refused, reported (HalfConfig.OnError)
-//     and changes nothing; the connection goes on.
-var ErrProtocol = errors.New("kvlease: handoff protocol violation")
-
-// The two kinds of protocol error; both wrap ErrProtocol.
-var (
-	ErrProtocolFatal   = fmt.Errorf("fatal to the connection: %w", ErrProtocol)
-	ErrProtocolRefused = fmt.Errorf("refused, nothing changed: %w", ErrProtocol)
 )
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)

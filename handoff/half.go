@@ -10,28 +10,6 @@ import (
 	"github.com/kvlease/kvlease"
 )
 
-// Errors of the halves.
-var (
-	// ErrConnLost is the reason recorded when a half's control connection
-	// ends while a handoff is not final.
-	ErrConnLost = errors.New("kvlease: handoff control connection lost")
-	// ErrPeer wraps an outcome the peer reported (its Done error, its
-	// abort cause): the peer's words, not evidence about our memory.
-	ErrPeer = errors.New("kvlease: handoff peer reported")
-	// ErrUnconfirmed is recorded when the source's own transfer resolved
-	// but the destination never reported its outcome before the deadline.
-	ErrUnconfirmed = errors.New("kvlease: handoff destination never confirmed delivery")
-	// ErrLimit is the reason a destination refuses a proposal that would
-	// pass a per-session cap (DestinationConfig.MaxHandoffs,
-	// MaxSessionBlocks) or a per-identity one (Limits.Blocks, Handoffs),
-	// a session past MaxSessions or its identity's Limits.Sessions (the
-	// source's NewSource fails with it), and an Accepted handoff aborted
-	// because its Start did not come within StartTimeout. It wraps
-	// kvlease.ErrExhausted: the peer may retry once its own handoffs (or
-	// sessions) have ended.
-	ErrLimit = fmt.Errorf("kvlease: handoff limit: %w", kvlease.ErrExhausted)
-)
-
 // peerErr turns a peer's text into an error wrapping ErrPeer (and
 // wrapped, when sentinel is not nil, that too).
 func peerErr(what, text string, sentinel error) error {

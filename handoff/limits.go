@@ -1,7 +1,6 @@
 package handoff
 
 import (
-	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
@@ -166,9 +165,6 @@ func (d *Destination[R]) done(id *identity, n int64) {
 		d.sessions.mu.Unlock()
 	}
 }
-
-// errIdle ends a session that had nothing in flight for its idle timeout.
-var errIdle = errors.New("kvlease: handoff destination: session idle")
 
 // watchIdle arms the session's idle timer (SessionIdleTimeout > 0).
 func (s *session[R]) watchIdle() {
