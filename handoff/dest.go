@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/handoff/internal/wire"
 	"github.com/kvlease/kvlease/internal/pending"
 )
 
@@ -43,6 +44,13 @@ type Destination[R any] struct {
 	sessions sessionTable
 	hooks    *hooks // the explorer's (hooks.go); nil in production
 }
+
+// ProposeMsg is a source's proposal as DestinationConfig's Decide and
+// Authorize see it: the handoff's ID, its Request name, how many Blocks,
+// the Envelope's fingerprint, the full blocks' chained Hashes and, when
+// proposed with Source.ProposeTokens, the Tokens and their namespace
+// Seed. Its wire form is the control protocol's business.
+type ProposeMsg = wire.ProposeMsg
 
 // DestinationConfig configures a Destination.
 type DestinationConfig[R any] struct {
@@ -164,7 +172,7 @@ func NewDestination[R any](pool *kvlease.Pool[R], plane RecvPlane[R], cfg Destin
 // session is one control connection served by a Destination.
 type session[R any] struct {
 	d    *Destination[R]
-	c    *ctrl
+	c    *wire.Conn
 	id   uint64
 	peer *Peer
 	who  *identity // the peer's share across its sessions
@@ -215,7 +223,7 @@ func (d *Destination[R]) serve(conn net.Conn, authenticated func() bool) error {
 		// Given way to newer connections: counted (Busy) when it was.
 		if err == nil {
 			d.leave(who)
-			err = fmt.Errorf("kvlease: handoff destination: handshake of %v closed to make room (MaxPendingHandshakesPerHost, MaxPendingHandshakes): %w", conn.RemoteAddr(), ErrAuth)
+			err = fmt.Errorf("kvlease: handoff destination: handshake of %v closed to make room (pending handshakes: 16 per host, 64 in all): %w", conn.RemoteAddr(), ErrAuth)
 		}
 		_ = conn.Close()
 		return err
@@ -232,18 +240,17 @@ func (d *Destination[R]) serve(conn net.Conn, authenticated func() bool) error {
 	if d.cfg.Auth == nil {
 		d.cfg.Logf("kvlease: handoff destination %s: session with %v is UNAUTHENTICATED (Insecure)", d.cfg.Name, conn.RemoteAddr())
 	}
-	s := &session[R]{d: d, c: newCtrl(h.conn2, d.cfg.FrameTimeout), id: sessions.Add(1), peer: h.peer, who: who, in: make(map[uint64]*Incoming[R])}
-	s.c.ch = h.ch
+	s := &session[R]{d: d, c: wire.NewConn(h.conn2, h.ch, d.cfg.FrameTimeout), id: sessions.Add(1), peer: h.peer, who: who, in: make(map[uint64]*Incoming[R])}
 	s.watchIdle()
 	for {
-		m, err := s.c.read()
+		m, err := s.c.Read()
 		if err != nil {
 			if cc := s.closing.Load(); cc != nil {
 				err = fmt.Errorf("%w (%w)", cc.err, err)
 			} else {
 				d.stats.readFailed(err)
 			}
-			_ = s.c.c.Close()
+			_ = s.c.Close()
 			s.end(err)
 			d.leave(who)
 			return err
@@ -251,34 +258,34 @@ func (d *Destination[R]) serve(conn net.Conn, authenticated func() bool) error {
 		switch m := m.(type) {
 		case *ProposeMsg:
 			s.propose(m)
-		case *StartMsg:
+		case *wire.StartMsg:
 			if in := s.get(m); in != nil {
 				go in.start(m) // Receive may wait for its data connection
 			}
-		case *AbortMsg:
+		case *wire.AbortMsg:
 			if in := s.get(m); in != nil {
 				_ = in.abort(d.cfg.Peer, peerErr("abort", m.Cause, kvlease.ErrAborted), false)
-				_ = s.c.send(&AckMsg{ID: m.ID, Of: MsgAbort})
+				_ = s.c.Send(&wire.AckMsg{ID: m.ID, Of: wire.MsgAbort})
 			}
-		case *AckMsg:
+		case *wire.AckMsg:
 			_ = s.get(m)
 		default:
-			d.cfg.report(fmt.Errorf("kvlease: handoff destination: unexpected %v for handoff %d: %w", m.Type(), m.Handoff(), ErrProtocolRefused))
+			d.cfg.report(fmt.Errorf("kvlease: handoff destination: unexpected %v for handoff %d: %w", m.Type(), m.Handoff(), wire.ErrProtocolRefused))
 		}
 	}
 }
 
-// MaxPendingHandshakes is how many control connections Listen
-// authenticates at once (HalfStats.Busy counts those it closes to keep
-// to it and to MaxPendingHandshakesPerHost).
-const MaxPendingHandshakes = 64
+// maxPendingHandshakes is how many control connections Listen
+// authenticates at once, a fixed bound (HalfStats.Busy counts those it
+// closes to keep to it and to maxPendingHandshakesPerHost).
+const maxPendingHandshakes = 64
 
 // Listen accepts control connections on ln and serves each (Serve) on a
 // goroutine of its own, until ln is closed; it then returns nil (the
 // sessions it started go on until their connections end). Connections
 // in their handshake are bounded per host and in all: one more from a
-// host with MaxPendingHandshakesPerHost in their handshake is closed at
-// once; when MaxPendingHandshakes are, the oldest handshake of the host
+// host with maxPendingHandshakesPerHost in their handshake is closed at
+// once; when maxPendingHandshakes are, the oldest handshake of the host
 // with the most gives way to the new connection (unless that host is
 // the new one's: then the new one is closed). A host with fewer
 // handshakes pending than the busiest always gets in, however many
@@ -287,7 +294,7 @@ const MaxPendingHandshakes = 64
 // a reset before accept) is counted (HalfStats.AcceptErrors) and
 // retried after a backoff that doubles from 5 ms to 1 s.
 func (d *Destination[R]) Listen(ln net.Listener) error {
-	waiting := pending.New(MaxPendingHandshakes, MaxPendingHandshakesPerHost)
+	waiting := pending.New(maxPendingHandshakes, maxPendingHandshakesPerHost)
 	backoff := time.Duration(0)
 	for {
 		c, err := ln.Accept()
@@ -317,7 +324,7 @@ func (d *Destination[R]) Listen(ln net.Listener) error {
 // get returns the handoff m names, or nil. A message for a handoff that
 // is final and left the table is answered as the final handoff would:
 // an Ack is dropped, an Abort acknowledged, anything else reported.
-func (s *session[R]) get(m Message) *Incoming[R] {
+func (s *session[R]) get(m wire.Message) *Incoming[R] {
 	s.mu.Lock()
 	in := s.in[m.Handoff()]
 	st, recent := s.recent.state(m.Handoff())
@@ -394,7 +401,7 @@ func (s *session[R]) propose(m *ProposeMsg) {
 		d.stats.duplicates.Add(1)
 		err := fmt.Errorf("kvlease: handoff destination: id %d already used on this connection: %w", m.ID, ErrState)
 		d.cfg.report(err)
-		_ = s.c.send(&RejectMsg{ID: m.ID, Code: RejectDuplicate, Reason: err.Error()})
+		_ = s.c.Send(&wire.RejectMsg{ID: m.ID, Code: wire.RejectDuplicate, Reason: err.Error()})
 		return
 	}
 	var limit error
@@ -417,7 +424,7 @@ func (s *session[R]) propose(m *ProposeMsg) {
 		s.recent.add(m.ID, Rejected)
 		s.mu.Unlock()
 		counter.Add(1)
-		_ = s.c.send(&RejectMsg{ID: m.ID, Code: RejectLimit, Reason: limit.Error()})
+		_ = s.c.Send(&wire.RejectMsg{ID: m.ID, Code: wire.RejectLimit, Reason: limit.Error()})
 		return
 	}
 	in := &Incoming[R]{machine: newMachine(), s: s, id: m.ID, request: m.Request, hashes: m.Hashes, seed: m.Seed, tokens: m.Tokens, n: int(m.Blocks)}
@@ -479,7 +486,7 @@ func (s *session[R]) propose(m *ProposeMsg) {
 		in.fire(d.cfg.Name, EventReject, err)
 		in.unlock()
 		in.final()
-		_ = s.c.send(&RejectMsg{ID: m.ID, Code: rejectCode(err), Reason: err.Error()})
+		_ = s.c.Send(&wire.RejectMsg{ID: m.ID, Code: rejectCode(err), Reason: err.Error()})
 		return
 	}
 	in.fire(d.cfg.Name, EventAccept, nil)
@@ -490,7 +497,7 @@ func (s *session[R]) propose(m *ProposeMsg) {
 	if d.cfg.OnAccept != nil {
 		d.cfg.OnAccept(in)
 	}
-	if err := s.c.send(&AcceptMsg{ID: m.ID, From: uint32(in.from), Plane: accept}); err != nil {
-		_ = s.c.c.Close() // the read loop ends the session
+	if err := s.c.Send(&wire.AcceptMsg{ID: m.ID, From: uint32(in.from), Plane: accept}); err != nil {
+		_ = s.c.Close() // the read loop ends the session
 	}
 }

@@ -80,7 +80,7 @@
 //
 // Every resource a peer can hold is bounded. Before it is authenticated:
 // the handshake (HandshakeTimeout) and Listen's pending handshakes, per
-// host (MaxPendingHandshakesPerHost) and in all (MaxPendingHandshakes,
+// host (16) and in all (64,
 // where the busiest host's oldest gives way, so one host that floods
 // cannot keep another out). Per session: handoffs in flight
 // (MaxHandoffs), blocks held (MaxSessionBlocks), the wait for Start
@@ -89,7 +89,7 @@
 // held, handoffs in flight, sessions; and sessions in all
 // (MaxSessions). A session refused by a cap is refused at the end of its
 // handshake (ErrLimit); every refusal is counted (HalfStats). Final
-// handoffs leave the tables, and a bounded set of recent ids (RecentIDs)
+// handoffs leave the tables, and a bounded set of recent ids (4096 a session)
 // keeps refusing their reuse. The trust boundary: an authenticated peer
 // can still send wrong but well-formed KV; kvlease guarantees who sent it
 // and that nobody else could, not that the peer's model computed it

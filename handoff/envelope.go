@@ -6,7 +6,6 @@ import (
 	"strings"
 
 	"github.com/cespare/xxhash/v2"
-
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/layout"
 )

@@ -5,6 +5,7 @@ import (
 	"fmt"
 
 	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/handoff/internal/wire"
 )
 
 // The errors of package handoff. Each is a sentinel to test with
@@ -16,26 +17,20 @@ import (
 // out or did not parse, and, after the handshake, a control record that
 // is replayed, reordered, spliced from another session or forged. The
 // session ends; nothing of it was acted on.
-var ErrAuth = errors.New("kvlease: handoff authentication failed")
+var ErrAuth = wire.ErrAuth
 
 // ErrProtocol is wrapped by every error about a malformed or unexpected
-// message. Each such error also wraps one of its two kinds, which say what
+// message. Each such error also says which of two kinds it is, and so what
 // the violation cost:
 //
-//   - ErrProtocolFatal: the bytes cannot be trusted (bad framing,
+//   - fatal to the connection: the bytes cannot be trusted (bad framing,
 //     checksum, version or length, a payload that does not parse, a
 //     record that does not verify): the connection ends.
-//   - ErrProtocolRefused: a well-formed message the receiver will not act
+//   - refused: a well-formed message the receiver will not act
 //     on (an unknown handoff id, a message its handoff's state does not
 //     allow, a reordering): it is refused, reported (HalfConfig.OnError)
 //     and changes nothing; the connection goes on.
-var ErrProtocol = errors.New("kvlease: handoff protocol violation")
-
-// The two kinds of protocol error; both wrap ErrProtocol.
-var (
-	ErrProtocolFatal   = fmt.Errorf("fatal to the connection: %w", ErrProtocol)
-	ErrProtocolRefused = fmt.Errorf("refused, nothing changed: %w", ErrProtocol)
-)
+var ErrProtocol = wire.ErrProtocol
 
 // ErrState is returned when a handoff method is called in a state
 // that does not allow it: Start after a rejection, Accept twice, Reject
@@ -70,3 +65,42 @@ var (
 
 // errIdle ends a session that had nothing in flight for its idle timeout.
 var errIdle = errors.New("kvlease: handoff destination: session idle")
+
+// rejectSentinel is the sentinel a Reject message's code stands for:
+// what the source's error wraps.
+func rejectSentinel(c wire.RejectCode) error {
+	switch c {
+	case wire.RejectExhausted:
+		return kvlease.ErrExhausted
+	case wire.RejectCapacity:
+		return kvlease.ErrExceedsCapacity
+	case wire.RejectEnvelope:
+		return kvlease.ErrInvalidArgument
+	case wire.RejectDuplicate:
+		return ErrState
+	case wire.RejectClosed:
+		return kvlease.ErrPoolClosed
+	case wire.RejectLimit:
+		return ErrLimit
+	}
+	return ErrRejected
+}
+
+// rejectCode maps a destination's error to its code.
+func rejectCode(err error) wire.RejectCode {
+	switch {
+	case errors.Is(err, ErrLimit):
+		return wire.RejectLimit
+	case errors.Is(err, kvlease.ErrExceedsCapacity):
+		return wire.RejectCapacity
+	case errors.Is(err, kvlease.ErrExhausted):
+		return wire.RejectExhausted
+	case errors.Is(err, kvlease.ErrPoolClosed):
+		return wire.RejectClosed
+	case errors.Is(err, ErrState):
+		return wire.RejectDuplicate
+	case errors.Is(err, kvlease.ErrInvalidArgument):
+		return wire.RejectEnvelope
+	}
+	return wire.RejectPolicy
+}

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/handoff/internal/wire"
 )
 
 // peerErr turns a peer's text into an error wrapping ErrPeer (and
@@ -96,7 +97,7 @@ func (c *HalfConfig) defaults(name, peer string, client bool) error {
 		c.Deadline = DefaultDeadline
 	}
 	if c.FrameTimeout <= 0 {
-		c.FrameTimeout = DefaultFrameTimeout
+		c.FrameTimeout = wire.DefaultFrameTimeout
 	}
 	return nil
 }
@@ -147,8 +148,8 @@ type HalfStats struct {
 	// after a backoff).
 	AcceptErrors int64
 	// Busy counts control connections Listen closed in their handshake
-	// to keep to its pending caps: one past MaxPendingHandshakesPerHost
-	// from one host, or one that gave way at MaxPendingHandshakes.
+	// to keep to its pending caps: one past maxPendingHandshakesPerHost
+	// from one host, or one that gave way at maxPendingHandshakes.
 	Busy int64
 	// IdentityRefused counts proposals refused by a per-identity cap
 	// (Limits.Blocks, Limits.Handoffs).
@@ -200,9 +201,6 @@ func (c *halfCounters) readFailed(err error) {
 	}
 }
 
-// recentIDs remembers the last ids that left a session's table, so that a
-// duplicate of a finished handoff is still refused while the table stays
-// bounded: a ring of the last RecentIDs ids and a set over it.
 // retire moves handoff v (id), final in st, out of a half's table live
 // into its recent ids, unless another handoff took the id meanwhile. The
 // caller holds the lock that guards both.
@@ -217,27 +215,30 @@ func retire[T comparable](live map[uint64]T, recent *recentIDs, id uint64, v T, 
 // (side: "source" or "destination") as the final handoff would, when it
 // left in st (recent): an Ack is dropped, an Abort acknowledged on c,
 // anything else reported; a message for an unknown handoff is reported.
-func answerAbsent(c *ctrl, report func(error), side string, m Message, st State, recent bool) {
+func answerAbsent(c *wire.Conn, report func(error), side string, m wire.Message, st State, recent bool) {
 	switch {
-	case recent && m.Type() == MsgAck:
-	case recent && m.Type() == MsgAbort:
-		_ = c.send(&AckMsg{ID: m.Handoff(), Of: MsgAbort})
+	case recent && m.Type() == wire.MsgAck:
+	case recent && m.Type() == wire.MsgAbort:
+		_ = c.Send(&wire.AckMsg{ID: m.Handoff(), Of: wire.MsgAbort})
 	case recent:
-		report(fmt.Errorf("kvlease: handoff %d: %v while %v: %w", m.Handoff(), m.Type(), st, ErrProtocolRefused))
+		report(fmt.Errorf("kvlease: handoff %d: %v while %v: %w", m.Handoff(), m.Type(), st, wire.ErrProtocolRefused))
 	default:
-		report(fmt.Errorf("kvlease: handoff %s: %v for unknown handoff %d: %w", side, m.Type(), m.Handoff(), ErrProtocolRefused))
+		report(fmt.Errorf("kvlease: handoff %s: %v for unknown handoff %d: %w", side, m.Type(), m.Handoff(), wire.ErrProtocolRefused))
 	}
 }
 
+// recentIDs remembers the last ids that left a session's table, so that a
+// duplicate of a finished handoff is still refused while the table stays
+// bounded: a ring of the last maxRecentIDs ids and a set over it.
 type recentIDs struct {
 	ring []uint64
 	next int
 	set  map[uint64]State // the final state each left in
 }
 
-// RecentIDs is how many finished handoff ids a session remembers to
+// maxRecentIDs is how many finished handoff ids a session remembers to
 // refuse their reuse.
-const RecentIDs = 4096
+const maxRecentIDs = 4096
 
 func (r *recentIDs) has(id uint64) bool {
 	_, ok := r.set[id]
@@ -257,12 +258,12 @@ func (r *recentIDs) add(id uint64, st State) {
 	if _, ok := r.set[id]; ok {
 		return
 	}
-	if len(r.ring) < RecentIDs {
+	if len(r.ring) < maxRecentIDs {
 		r.ring = append(r.ring, id)
 	} else {
 		delete(r.set, r.ring[r.next])
 		r.ring[r.next] = id
-		r.next = (r.next + 1) % RecentIDs
+		r.next = (r.next + 1) % maxRecentIDs
 	}
 	r.set[id] = st
 }

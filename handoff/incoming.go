@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/handoff/internal/wire"
 )
 
 // An incoming handoff's transfer state: what the destination does from
@@ -71,13 +72,13 @@ func (in *Incoming[R]) startTimeout(d time.Duration) {
 
 // start takes the source's Start: the plane receives into the wanted
 // blocks.
-func (in *Incoming[R]) start(m *StartMsg) {
+func (in *Incoming[R]) start(m *wire.StartMsg) {
 	d := in.s.d
 	in.mu.Lock()
 	if next(in.state, EventAttach).kind != edgeMove {
 		st := in.state
 		in.unlock()
-		d.cfg.report(fmt.Errorf("kvlease: handoff %d: start while %v: %w", in.id, st, ErrProtocolRefused))
+		d.cfg.report(fmt.Errorf("kvlease: handoff %d: start while %v: %w", in.id, st, wire.ErrProtocolRefused))
 		return
 	}
 	regions := make([]R, 0, in.n-in.from)
@@ -111,7 +112,7 @@ func (in *Incoming[R]) start(m *StartMsg) {
 		in.unlock()
 		if kind == edgeMove {
 			in.final()
-			_ = in.s.c.send(&DoneMsg{ID: in.id, Err: err.Error()})
+			_ = in.s.c.Send(&wire.DoneMsg{ID: in.id, Err: err.Error()})
 		}
 	}
 }
@@ -204,7 +205,7 @@ func (in *Incoming[R]) expire() {
 		d.cfg.quarantined(in.id, reason)
 	}
 	if kind == edgeMove && from == Transferring {
-		_ = in.s.c.send(&AbortMsg{ID: in.id, Cause: "destination deadline passed"})
+		_ = in.s.c.Send(&wire.AbortMsg{ID: in.id, Cause: "destination deadline passed"})
 	}
 }
 
@@ -213,7 +214,7 @@ func (in *Incoming[R]) expire() {
 // releases the lease. It returns the Done message to send (nil when the
 // source was not waiting for one) and whether it recorded anything; the
 // caller then calls finish, without in.mu. Called with in.mu held.
-func (in *Incoming[R]) settle(err error) (*DoneMsg, bool) {
+func (in *Incoming[R]) settle(err error) (*wire.DoneMsg, bool) {
 	if in.state.Final() {
 		return nil, false
 	}
@@ -232,7 +233,7 @@ func (in *Incoming[R]) settle(err error) (*DoneMsg, bool) {
 	if from != Transferring {
 		return nil, true
 	}
-	msg := &DoneMsg{ID: in.id}
+	msg := &wire.DoneMsg{ID: in.id}
 	if err != nil {
 		msg.Err = err.Error()
 	}
@@ -241,9 +242,9 @@ func (in *Incoming[R]) settle(err error) (*DoneMsg, bool) {
 
 // finish tells the source the outcome (msg, if any) first, since it is
 // waiting, then runs the final callbacks.
-func (in *Incoming[R]) finish(msg *DoneMsg) {
+func (in *Incoming[R]) finish(msg *wire.DoneMsg) {
 	if msg != nil {
-		_ = in.s.c.send(msg)
+		_ = in.s.c.Send(msg)
 	}
 	in.final()
 }
@@ -325,7 +326,7 @@ func (in *Incoming[R]) Reject(by string, reason error) error {
 		if from == Accepted {
 			in.s.d.plane.Forget(in.pid())
 		}
-		_ = in.s.c.send(&RejectMsg{ID: in.id, Code: rejectCode(reason), Reason: reason.Error()})
+		_ = in.s.c.Send(&wire.RejectMsg{ID: in.id, Code: rejectCode(reason), Reason: reason.Error()})
 		in.final()
 	}
 	return nil
@@ -367,7 +368,7 @@ func (in *Incoming[R]) abortLocked(by string, cause error, tell bool) error {
 			in.s.d.plane.Forget(in.pid())
 		}
 		if tell {
-			_ = in.s.c.send(&AbortMsg{ID: in.id, Cause: cause.Error()})
+			_ = in.s.c.Send(&wire.AbortMsg{ID: in.id, Cause: cause.Error()})
 		}
 		if from != Transferring {
 			in.final()

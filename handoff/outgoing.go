@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/handoff/internal/wire"
 )
 
 // An outgoing handoff's transfer state: what the source does from the
@@ -53,18 +54,18 @@ func (o *Outgoing[R]) peerWord(by string, err error, moved bool) bool {
 
 // accepted runs the start: attach the source transfer via the plane and
 // tell the destination.
-func (o *Outgoing[R]) accepted(m *AcceptMsg) {
+func (o *Outgoing[R]) accepted(m *wire.AcceptMsg) {
 	s := o.s
 	o.mu.Lock()
 	if int(m.From) > o.n {
 		o.unlock()
-		s.cfg.report(fmt.Errorf("kvlease: handoff %d: accept wants blocks from %d of %d: %w", o.id, m.From, o.n, ErrProtocolRefused))
+		s.cfg.report(fmt.Errorf("kvlease: handoff %d: accept wants blocks from %d of %d: %w", o.id, m.From, o.n, wire.ErrProtocolRefused))
 		return
 	}
 	if kind, _ := o.fire(s.cfg.Peer, EventAccept, nil); kind != edgeMove {
 		st := o.state
 		o.unlock()
-		s.cfg.report(fmt.Errorf("kvlease: handoff %d: accept while %v: %w", o.id, st, ErrProtocolRefused))
+		s.cfg.report(fmt.Errorf("kvlease: handoff %d: accept while %v: %w", o.id, st, wire.ErrProtocolRefused))
 		return
 	}
 	o.from = int(m.From)
@@ -149,17 +150,17 @@ func (o *Outgoing[R]) start(accept []byte) {
 		kind, _ := o.fire(s.cfg.Name, EventStartFail, err)
 		o.unlock()
 		if kind == edgeMove {
-			_ = s.c.send(&AbortMsg{ID: o.id, Cause: err.Error()})
+			_ = s.c.Send(&wire.AbortMsg{ID: o.id, Cause: err.Error()})
 		}
 		return
 	}
 	if err != nil {
 		// Attached, then the plane failed: its transfer still resolves,
 		// and its OnResolve callback records that. Tell the destination.
-		_ = s.c.send(&AbortMsg{ID: o.id, Cause: err.Error()})
+		_ = s.c.Send(&wire.AbortMsg{ID: o.id, Cause: err.Error()})
 		return
 	}
-	if err := s.c.send(&StartMsg{ID: o.id, Plane: start}); err != nil {
+	if err := s.c.Send(&wire.StartMsg{ID: o.id, Plane: start}); err != nil {
 		s.connLost(err)
 	}
 }
@@ -251,8 +252,8 @@ func (o *Outgoing[R]) settle() {
 	}
 }
 
-func (o *Outgoing[R]) rejected(m *RejectMsg) {
-	err := peerErr("reject", m.Reason, m.Code.sentinel())
+func (o *Outgoing[R]) rejected(m *wire.RejectMsg) {
+	err := peerErr("reject", m.Reason, rejectSentinel(m.Code))
 	o.mu.Lock()
 	kind, _ := o.fire(o.s.cfg.Peer, EventReject, err)
 	st := o.state
@@ -263,11 +264,11 @@ func (o *Outgoing[R]) rejected(m *RejectMsg) {
 	}
 	o.unlock()
 	if kind == edgeRefuse && st != Transferring {
-		o.s.cfg.report(fmt.Errorf("kvlease: handoff %d: reject while %v: %w", o.id, st, ErrProtocolRefused))
+		o.s.cfg.report(fmt.Errorf("kvlease: handoff %d: reject while %v: %w", o.id, st, wire.ErrProtocolRefused))
 	}
 }
 
-func (o *Outgoing[R]) doneMsg(m *DoneMsg) {
+func (o *Outgoing[R]) doneMsg(m *wire.DoneMsg) {
 	var err error
 	if m.Err != "" {
 		err = peerErr("done", m.Err, nil)
@@ -280,10 +281,10 @@ func (o *Outgoing[R]) doneMsg(m *DoneMsg) {
 		o.Transfer().Resolve(err) // the mutant: the peer's word taken for evidence
 	}
 	if !noted {
-		o.s.cfg.report(fmt.Errorf("kvlease: handoff %d: done while %v: %w", o.id, st, ErrProtocolRefused))
+		o.s.cfg.report(fmt.Errorf("kvlease: handoff %d: done while %v: %w", o.id, st, wire.ErrProtocolRefused))
 		return
 	}
-	_ = o.s.c.send(&AckMsg{ID: o.id, Of: MsgDone})
+	_ = o.s.c.Send(&wire.AckMsg{ID: o.id, Of: wire.MsgDone})
 }
 
 // expire is the deadline's handler: it gives up on evidence.
@@ -322,7 +323,7 @@ func (o *Outgoing[R]) expire() {
 		o.s.cfg.quarantined(o.id, quarantined)
 	}
 	if send {
-		_ = o.s.c.send(&AbortMsg{ID: o.id, Cause: "source deadline passed"})
+		_ = o.s.c.Send(&wire.AbortMsg{ID: o.id, Cause: "source deadline passed"})
 	}
 }
 
@@ -377,7 +378,7 @@ func (o *Outgoing[R]) abort(by string, cause error, tell bool) error {
 	o.settle()
 	o.unlock()
 	if kind == edgeMove && tell {
-		_ = o.s.c.send(&AbortMsg{ID: o.id, Cause: cause.Error()})
+		_ = o.s.c.Send(&wire.AbortMsg{ID: o.id, Cause: cause.Error()})
 	}
 	return nil
 }

@@ -1,6 +1,9 @@
 package handoff
 
-import "github.com/kvlease/kvlease"
+import (
+	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/handoff/internal/wire"
+)
 
 // The data plane: how block contents cross between the processes of a
 // handoff, apart from the control messages. A network transport (package
@@ -27,6 +30,14 @@ import "github.com/kvlease/kvlease"
 // the peer's access was revoked. The transfer's cancel hook is a request
 // to stop; a plane that cannot prove quiescence leaves the transfer
 // pending, and the half's deadline quarantines it.
+
+// Limits of the control protocol a data plane must keep to.
+const (
+	// MaxPlane is the most data-plane bytes an Accept or a Start carries.
+	MaxPlane = wire.MaxPlane
+	// MaxBlocks is the most blocks one handoff moves.
+	MaxBlocks = wire.MaxBlocks
+)
 
 // PlaneID identifies one handoff to a data plane on one side: the local
 // number of its control connection (a session) and the handoff id the

@@ -8,6 +8,7 @@ import (
 	"sync/atomic"
 
 	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/handoff/internal/wire"
 )
 
 var sessions atomic.Uint64 // local session numbers for PlaneIDs
@@ -31,7 +32,7 @@ var sessions atomic.Uint64 // local session numbers for PlaneIDs
 // its plane.
 type Source[R any] struct {
 	cfg     HalfConfig
-	c       *ctrl
+	c       *wire.Conn
 	plane   SendPlane[R]
 	session uint64
 	peer    *Peer
@@ -70,8 +71,7 @@ func NewSource[R any](conn net.Conn, plane SendPlane[R], cfg HalfConfig) (*Sourc
 	}
 	s.stats.sessions.Add(1)
 	s.peer = h.peer
-	s.c = newCtrl(h.conn2, cfg.FrameTimeout)
-	s.c.ch = h.ch
+	s.c = wire.NewConn(h.conn2, h.ch, cfg.FrameTimeout)
 	if cfg.Auth == nil {
 		cfg.Logf("kvlease: handoff source %s: session with %v is UNAUTHENTICATED (HalfConfig.Insecure)", cfg.Name, conn.RemoteAddr())
 	}
@@ -167,9 +167,9 @@ func (s *Source[R]) ProposeTokens(id uint64, request string, src *kvlease.Lease[
 	hashes := kvlease.ChainHashes(seed, tokens, bt)
 	// The payload: id, request, blocks, fingerprint, hashes, tokens.
 	size := 8 + 2 + len(request) + 4 + 8 + 4 + 8*len(hashes) + 4 + 8 + 4*len(tokens)
-	if len(tokens) == 0 || len(tokens) > src.Len()*bt || size > MaxFrame {
+	if len(tokens) == 0 || len(tokens) > src.Len()*bt || size > wire.MaxFrame {
 		return nil, fmt.Errorf("kvlease: handoff propose %d: %d tokens for %d blocks of %d (a proposal of %d bytes, at most %d): %w",
-			id, len(tokens), src.Len(), bt, size, MaxFrame, kvlease.ErrInvalidArgument)
+			id, len(tokens), src.Len(), bt, size, wire.MaxFrame, kvlease.ErrInvalidArgument)
 	}
 	return s.propose(id, request, src, hashes, seed, tokens, opts)
 }
@@ -194,7 +194,7 @@ func (s *Source[R]) propose(id uint64, request string, src *kvlease.Lease[R], ha
 	if limit := min(s.cfg.Envelope.BlocksFor(s.cfg.Envelope.MaxContextTokens), MaxBlocks); n > limit {
 		return nil, fmt.Errorf("kvlease: handoff propose %d: %d blocks exceed the limit of %d: %w", id, n, limit, kvlease.ErrExceedsCapacity)
 	}
-	if len(hashes) > n || len(request) > MaxText {
+	if len(hashes) > n || len(request) > wire.MaxText {
 		return nil, fmt.Errorf("kvlease: handoff propose %d: %d hashes for %d blocks, request of %d bytes: %w", id, len(hashes), n, len(request), kvlease.ErrInvalidArgument)
 	}
 	if err := s.checkProgress(pr.progress, n); err != nil {
@@ -222,7 +222,7 @@ func (s *Source[R]) propose(id uint64, request string, src *kvlease.Lease[R], ha
 	o.unlock()
 	s.mu.Unlock()
 	msg := &ProposeMsg{ID: id, Request: request, Blocks: uint32(n), Envelope: s.cfg.Envelope.Fingerprint(), Hashes: hashes, Seed: seed, Tokens: tokens}
-	if err := s.c.send(msg); err != nil {
+	if err := s.c.Send(msg); err != nil {
 		s.connLost(err)
 		return o, nil // the connection loss rejected it; History says so
 	}
@@ -232,7 +232,7 @@ func (s *Source[R]) propose(id uint64, request string, src *kvlease.Lease[R], ha
 // Close closes the control connection. Handoffs not yet started are
 // rejected; started transfers keep waiting for their plane's evidence.
 func (s *Source[R]) Close() error {
-	err := s.c.c.Close()
+	err := s.c.Close()
 	<-s.closed
 	return err
 }
@@ -240,7 +240,7 @@ func (s *Source[R]) Close() error {
 // get returns the handoff m names, or nil. A message for a handoff that
 // is final and left the table is answered as the final handoff would:
 // an Ack is dropped, an Abort acknowledged, anything else reported.
-func (s *Source[R]) get(m Message) *Outgoing[R] {
+func (s *Source[R]) get(m wire.Message) *Outgoing[R] {
 	s.mu.Lock()
 	o := s.out[m.Handoff()]
 	st, recent := s.recent.state(m.Handoff())
@@ -254,34 +254,34 @@ func (s *Source[R]) get(m Message) *Outgoing[R] {
 func (s *Source[R]) readLoop() {
 	defer close(s.closed)
 	for {
-		m, err := s.c.read()
+		m, err := s.c.Read()
 		if err != nil {
 			s.stats.readFailed(err)
 			s.connLost(err)
 			return
 		}
 		switch m := m.(type) {
-		case *AcceptMsg:
+		case *wire.AcceptMsg:
 			if o := s.get(m); o != nil {
 				go o.accepted(m) // Send may dial: keep reading meanwhile
 			}
-		case *RejectMsg:
+		case *wire.RejectMsg:
 			if o := s.get(m); o != nil {
 				o.rejected(m)
 			}
-		case *DoneMsg:
+		case *wire.DoneMsg:
 			if o := s.get(m); o != nil {
 				o.doneMsg(m)
 			}
-		case *AbortMsg:
+		case *wire.AbortMsg:
 			if o := s.get(m); o != nil {
 				_ = o.abort(s.cfg.Peer, peerErr("abort", m.Cause, kvlease.ErrAborted), false)
-				_ = s.c.send(&AckMsg{ID: m.ID, Of: MsgAbort})
+				_ = s.c.Send(&wire.AckMsg{ID: m.ID, Of: wire.MsgAbort})
 			}
-		case *AckMsg:
+		case *wire.AckMsg:
 			_ = s.get(m)
 		default:
-			s.cfg.report(fmt.Errorf("kvlease: handoff source: unexpected %v for handoff %d: %w", m.Type(), m.Handoff(), ErrProtocolRefused))
+			s.cfg.report(fmt.Errorf("kvlease: handoff source: unexpected %v for handoff %d: %w", m.Type(), m.Handoff(), wire.ErrProtocolRefused))
 		}
 	}
 }
@@ -301,7 +301,7 @@ func (s *Source[R]) connLost(cause error) {
 		all = append(all, o)
 	}
 	s.mu.Unlock()
-	_ = s.c.c.Close()
+	_ = s.c.Close()
 	for _, o := range all {
 		o.mu.Lock()
 		kind, _ := o.fire(s.cfg.Name, EventReject, lost) // Proposed/Accepted only

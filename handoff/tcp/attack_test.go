@@ -36,6 +36,7 @@ import (
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
+	"github.com/kvlease/kvlease/handoff/internal/wire"
 	"github.com/kvlease/kvlease/handoff/tcp"
 	"github.com/kvlease/kvlease/internal/testpki"
 )
@@ -79,8 +80,8 @@ func runAttacker(v string) int {
 			say("result error %v", err)
 			break
 		}
-		pre := binary.LittleEndian.AppendUint64([]byte{'K', 'A', handoff.ProtocolVersion, byte(handoff.AuthNone)}, env.Fingerprint())
-		_, _ = c.Write(append(pre, handoff.AppendFrame(nil, &handoff.ProposeMsg{ID: 1, Request: "victim", Blocks: 4, Envelope: env.Fingerprint()})...))
+		pre := binary.LittleEndian.AppendUint64([]byte{'K', 'A', wire.ProtocolVersion, byte(handoff.AuthNone)}, env.Fingerprint())
+		_, _ = c.Write(append(pre, wire.AppendFrame(nil, &handoff.ProposeMsg{ID: 1, Request: "victim", Blocks: 4, Envelope: env.Fingerprint()})...))
 		say("result %s", answer(c))
 	case "bare-frames":
 		// No handshake at all: a control frame straight away.
@@ -89,7 +90,7 @@ func runAttacker(v string) int {
 			say("result error %v", err)
 			break
 		}
-		_, _ = c.Write(handoff.AppendFrame(nil, &handoff.ProposeMsg{ID: 1, Request: "victim", Blocks: 4, Envelope: env.Fingerprint()}))
+		_, _ = c.Write(wire.AppendFrame(nil, &handoff.ProposeMsg{ID: 1, Request: "victim", Blocks: 4, Envelope: env.Fingerprint()}))
 		say("result %s", answer(c))
 	case "wrong-key", "wrong-cert":
 		c, err := net.Dial("tcp", s.Ctrl)

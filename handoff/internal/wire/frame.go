@@ -1,4 +1,4 @@
-package handoff
+package wire
 
 import (
 	"fmt"
@@ -110,14 +110,14 @@ func readFrame(r io.Reader, buf []byte, began func()) (Message, []byte, error) {
 	if _, err := io.ReadFull(r, frame[headerLength:]); err != nil {
 		return nil, buf, fmt.Errorf("kvlease: handoff: half a frame (%d bytes announced): %w (%w)", n, ErrProtocolFatal, err)
 	}
-	m, err := parseFrame(frame)
+	m, err := ParseFrame(frame)
 	return m, buf, err
 }
 
 // checkHeader checks a frame header's magic, version and length (at most
 // MaxFrame) and returns the length: the one check of a header, whether
 // it came bare (readFrame, before the payload is allocated) or out of a
-// record (parseFrame).
+// record (ParseFrame).
 func checkHeader(h []byte) (uint32, error) {
 	if h[0] != 'K' || h[1] != 'H' {
 		return 0, fmt.Errorf("kvlease: handoff: bad frame magic %q: %w", h[:2], ErrProtocolFatal)
@@ -132,9 +132,9 @@ func checkHeader(h []byte) (uint32, error) {
 	return n, nil
 }
 
-// parseFrame checks a whole frame (header and checksum) and parses its
+// ParseFrame checks a whole frame (header and checksum) and parses its
 // payload.
-func parseFrame(frame []byte) (Message, error) {
+func ParseFrame(frame []byte) (Message, error) {
 	if len(frame) < headerLength {
 		return nil, fmt.Errorf("kvlease: handoff: frame of %d bytes: %w", len(frame), ErrProtocolFatal)
 	}
