@@ -6,6 +6,7 @@ import (
 	"strings"
 
 	"github.com/cespare/xxhash/v2"
+
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/layout"
 )

@@ -1,8 +1,6 @@
 package handoff
 
-import (
-	"time"
-)
+import "time"
 
 // hooks are the schedule explorer's handles on a half (explore_test.go,
 // EXPLORER.md): a clock that arms the deadline timers, so that every
