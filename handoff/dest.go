@@ -202,7 +202,7 @@ func (d *Destination[R]) Stats() HalfStats { return d.stats.snapshot() }
 // a session refused by MaxSessions or its identity's Limits.Sessions
 // (the source is told in its handshake), io.EOF for a clean close, the
 // idle timeout's error for a session closed idle (SessionIdleTimeout),
-// an error wrapping ErrProtocolFatal (and ErrProtocol) for a malformed frame (and ErrAuth too
+// an error wrapping ErrProtocol for a malformed frame (and ErrAuth too
 // for a record that does not verify). When it returns, every handoff of
 // the connection that had not started is aborted (ErrConnLost); a
 // started one is asked to stop and ends by its plane's evidence: Failed

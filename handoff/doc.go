@@ -17,13 +17,13 @@
 // Source (the prefill side, holding only its own leases) and Destination
 // (the decode side, holding only its own pool) are the two halves of a
 // handoff in different processes. They speak a small versioned control
-// protocol over one authenticated connection (frame.go: the frame and
-// who sends what; messages.go: Propose, Accept, Reject, Start, Done,
-// Abort and their Acks, each naming its handoff, each with a parse
-// function; conn.go: the connection). A malformed frame ends the
-// connection (ErrProtocolFatal); a well-formed message that is
-// duplicated, reordered or for an unknown handoff is refused and changes
-// nothing (ErrProtocolRefused); both wrap ErrProtocol. The blocks move
+// protocol over one authenticated connection (internal/wire: the frame
+// and who sends what; Propose, Accept, Reject, Start, Done, Abort and
+// their Acks, each naming its handoff, each with a parse function; the
+// psk record layer; the connection). A malformed frame ends the
+// connection; a well-formed message that is duplicated, reordered or for
+// an unknown handoff is refused and changes nothing; both wrap
+// ErrProtocol. The blocks move
 // over a data plane (SendPlane, RecvPlane): package tcp in pure Go, UCX
 // in the nested module ucx/.
 //

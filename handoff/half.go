@@ -35,7 +35,7 @@ type HalfConfig struct {
 	// tcp.Config.StallTimeout, still ends a transfer whose peer stalls).
 	Deadline time.Duration
 	// FrameTimeout bounds a control frame that has begun and every control
-	// write (DefaultFrameTimeout when zero).
+	// write (10 s when zero).
 	FrameTimeout time.Duration
 	// Auth authenticates the control connection (and, through it, the
 	// data plane): &PSK{...} or &TLS{...}. It is required unless Insecure
