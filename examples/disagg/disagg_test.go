@@ -64,7 +64,7 @@ func TestDefaultRun(t *testing.T) {
 	text := out.String()
 	for _, s := range []string{"rejected by envelope", "rejected by prefill pool", "running-request limit", "destination acquire",
 		"aborting      by frontend", "quarantined   by supervisor", "late acknowledgement", "no acknowledgement ever came",
-		"failed        by transport", "delivered     by transport", "aborted       by frontend", "copy canceled", "marker mismatches     0", "late writes           0"} {
+		"failed        by transport", "delivered     by transport", "aborted       by frontend", "kvlease: canceled", "marker mismatches     0", "late writes           0"} {
 		if !strings.Contains(text, s) {
 			t.Errorf("output lacks %q", s)
 		}
