@@ -2,7 +2,6 @@ package tcp
 
 import (
 	"bufio"
-	"encoding/binary"
 	"fmt"
 	"hash/crc32"
 	"io"
@@ -161,7 +160,7 @@ func writeLayered[R LayeredRegion](conn net.Conn, tok [16]byte, sl *seal, region
 		if sl.keyed {
 			sl.sum(trailer, i, gather)
 		} else {
-			binary.LittleEndian.PutUint32(trailer, sum)
+			putCRC(trailer, sum)
 		}
 		bufs = append(bufs, trailer)
 		if _, err := g.write(bufs); err != nil {
@@ -296,7 +295,7 @@ func readLayered[R LayeredRegion](c net.Conn, sl *seal, regions []R, lay layout.
 					return n, fmt.Errorf("tcp: block %d of %d: %w", i+j, len(regions), err)
 				}
 			}
-		} else if want := binary.LittleEndian.Uint32(t); sum != want {
+		} else if want := crcOf(t); sum != want {
 			return n, fmt.Errorf("tcp: block %d of %d: crc32c %08x, frame says %08x: %w", i+run-1, len(regions), sum, want, ErrCorrupt)
 		}
 		n += int64(run * bb)

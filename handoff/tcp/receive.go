@@ -2,7 +2,6 @@ package tcp
 
 import (
 	"crypto/rand"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"hash/crc32"
@@ -606,7 +605,7 @@ func (r *Receiver) read(c net.Conn, sl *seal, regions [][]byte, cancel <-chan st
 // inline or queued behind the reader.
 func (r *Receiver) verify(sl *seal, behind *checkBehind, regions [][]byte, first, run int, check []byte, got uint32) error {
 	if !sl.keyed {
-		if sum := binary.LittleEndian.Uint32(check); got != sum {
+		if sum := crcOf(check); got != sum {
 			if run == 1 {
 				return fmt.Errorf("tcp: block %d of %d: crc32c %08x, frame says %08x: %w", first, len(regions), got, sum, ErrCorrupt)
 			}

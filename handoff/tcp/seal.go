@@ -80,7 +80,7 @@ const (
 // sum writes block i's check into dst (trailer() bytes).
 func (s *seal) sum(dst []byte, i int, block []byte) {
 	if !s.keyed {
-		binary.LittleEndian.PutUint32(dst, crc32.Checksum(block, castagnoli))
+		putCRC(dst, crc32.Checksum(block, castagnoli))
 		return
 	}
 	binary.LittleEndian.PutUint32(s.nonce[:], uint32(i))
@@ -90,7 +90,7 @@ func (s *seal) sum(dst []byte, i int, block []byte) {
 // verify checks block i against its check.
 func (s *seal) verify(i int, block, check []byte) error {
 	if !s.keyed {
-		if got, want := crc32.Checksum(block, castagnoli), binary.LittleEndian.Uint32(check); got != want {
+		if got, want := crc32.Checksum(block, castagnoli), crcOf(check); got != want {
 			return fmt.Errorf("crc32c %08x, frame says %08x: %w", got, want, ErrCorrupt)
 		}
 		return nil

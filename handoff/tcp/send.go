@@ -1,7 +1,6 @@
 package tcp
 
 import (
-	"encoding/binary"
 	"fmt"
 	"hash/crc32"
 	"net"
@@ -242,7 +241,7 @@ func (s *Sender) check(dst []byte, sl *seal, ahead *tagAhead, regions [][]byte, 
 		for _, r := range regions[i : i+run] {
 			c = crc32.Update(c, castagnoli, r)
 		}
-		binary.LittleEndian.PutUint32(dst, c)
+		putCRC(dst, c)
 		return
 	}
 	for j := range run {

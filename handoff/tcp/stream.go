@@ -359,7 +359,7 @@ func (w *streamWriter) send(b0, b1, l0, l1 int, cancel *cancelFlag) error {
 		}
 		putStreamHeader(w.meta[:streamHeader], b, e-b, l0, nl, (e-b)*partBytes)
 		if !w.sl.keyed {
-			binary.LittleEndian.PutUint32(w.meta[streamHeader:], sum)
+			putCRC(w.meta[streamHeader:], sum)
 		}
 		w.iov = append(w.iov, w.meta[streamHeader:streamHeader+w.sl.checkLen(e-b)])
 		if m, err := w.g.write(w.iov); err != nil {
@@ -470,7 +470,7 @@ func readStream(c net.Conn, sl *seal, ps parts, cancel <-chan struct{}) (int64, 
 			for _, sp := range bufs {
 				sum = crc32.Update(sum, castagnoli, sp)
 			}
-			if want := binary.LittleEndian.Uint32(check); sum != want {
+			if want := crcOf(check); sum != want {
 				return got, fmt.Errorf("tcp: blocks %d to %d, layers %d to %d: crc32c %08x, frame says %08x: %w",
 					f.block, f.block+f.blocks-1, f.layer, f.layer+f.layers-1, sum, want, ErrCorrupt)
 			}

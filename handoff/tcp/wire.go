@@ -34,6 +34,12 @@ const (
 // castagnoli is the crc32c table of the unkeyed checks.
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
+// putCRC writes an unkeyed check (crcLength bytes: a crc32c, LE).
+func putCRC(dst []byte, sum uint32) { binary.LittleEndian.PutUint32(dst, sum) }
+
+// crcOf reads an unkeyed check.
+func crcOf(check []byte) uint32 { return binary.LittleEndian.Uint32(check) }
+
 // appendAccept appends an Accept's plane bytes: the data listener's
 // address and the handoff's token.
 func appendAccept(b []byte, addr string, tok [16]byte) []byte {
