@@ -1,3 +1,9 @@
+// Package wire is the control protocol between package handoff's two
+// halves: the frame (frame.go: its layout and who sends what), the
+// messages and their parsers (messages.go), the psk session's record
+// layer (channel.go) and the framed control connection (conn.go). Only
+// package handoff and its tests use it; handoff re-exports what callers
+// need (ErrAuth, ErrProtocol, ProposeMsg, MaxPlane, MaxBlocks).
 package wire
 
 import (
