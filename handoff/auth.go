@@ -8,13 +8,14 @@ import (
 	"crypto/sha256"
 	"crypto/tls"
 	"crypto/x509"
-	"errors"
+	"encoding/binary"
 	"fmt"
 	"io"
 	"net"
 	"time"
 
 	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/handoff/internal/wire"
 )
 
 // Authentication. Every control connection starts with a handshake in
@@ -64,13 +65,6 @@ import (
 // session refused by a cap (the source's NewSource then fails with
 // ErrLimit). In a tls session the byte travels inside TLS, which also
 // tells a source whose certificate the destination refused.
-
-// ErrAuth is wrapped by every refusal of the authentication: a wrong key,
-// an unknown or expired certificate, a downgrade, a handshake that timed
-// out or did not parse, and, after the handshake, a control record that
-// is replayed, reordered, spliced from another session or forged. The
-// session ends; nothing of it was acted on.
-var ErrAuth = errors.New("kvlease: handoff authentication failed")
 
 // AuthMode is how a control session was authenticated.
 type AuthMode uint8
@@ -255,8 +249,8 @@ type handshake struct {
 
 	// results
 	peer  *Peer
-	conn2 net.Conn // the connection the frames use (a *tls.Conn for tls)
-	ch    *channel // the record layer (psk)
+	conn2 net.Conn      // the connection the frames use (a *tls.Conn for tls)
+	ch    *wire.Channel // the record layer (psk)
 	// preambles as sent by the client and the server
 	pre [2][preambleLength]byte
 }
@@ -327,7 +321,7 @@ func authenticateAdmit(conn net.Conn, client bool, auth Authenticator, fingerpri
 		return nil, refuseAuth(false, "handshake: no preamble from the peer (%v)", err)
 	}
 	p := h.pre[them]
-	current := p[0] == 'K' && p[1] == 'A' && p[2] == ProtocolVersion
+	current := p[0] == 'K' && p[1] == 'A' && p[2] == wire.ProtocolVersion
 	if !client {
 		if current && AuthMode(p[3]) == AuthPSK {
 			// A psk source's first flight follows its preamble: take it
@@ -345,8 +339,8 @@ func authenticateAdmit(conn net.Conn, client bool, auth Authenticator, fingerpri
 	if p[0] != 'K' || p[1] != 'A' {
 		return nil, refuseAuth(false, "handshake: preamble starts %q, want \"KA\"", p[:2])
 	}
-	if p[2] != ProtocolVersion {
-		return nil, refuseAuth(false, "handshake: peer speaks protocol version %d, this side %d", p[2], ProtocolVersion)
+	if p[2] != wire.ProtocolVersion {
+		return nil, refuseAuth(false, "handshake: peer speaks protocol version %d, this side %d", p[2], wire.ProtocolVersion)
 	}
 	theirs := AuthMode(p[3])
 	if theirs != mode {
@@ -399,8 +393,8 @@ func (h *handshake) confirm(admit func(*Peer) error) error {
 
 func preamble(mode AuthMode, fingerprint uint64) [preambleLength]byte {
 	var b [preambleLength]byte
-	b[0], b[1], b[2], b[3] = 'K', 'A', ProtocolVersion, byte(mode)
-	le.PutUint64(b[4:], fingerprint)
+	b[0], b[1], b[2], b[3] = 'K', 'A', wire.ProtocolVersion, byte(mode)
+	binary.LittleEndian.PutUint64(b[4:], fingerprint)
 	return b
 }
 
@@ -533,9 +527,9 @@ func (h *handshake) keyed(keys []byte) error {
 	c2s, s2c := keys[:32], keys[32:64]
 	var err error
 	if h.client {
-		h.ch, err = newChannel(c2s, s2c)
+		h.ch, err = wire.NewChannel(c2s, s2c)
 	} else {
-		h.ch, err = newChannel(s2c, c2s)
+		h.ch, err = wire.NewChannel(s2c, c2s)
 	}
 	if err != nil {
 		return err

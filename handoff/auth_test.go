@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/handoff/internal/wire"
 	"github.com/kvlease/kvlease/internal/testpki"
 )
 
@@ -217,59 +218,6 @@ func TestHalvesRefuseBeforeActing(t *testing.T) {
 	}
 }
 
-// TestRecordLayer: a psk record is taken once, in order, under its own
-// session's key; a replay, a reordering, a record of another session, a
-// flipped bit or a lie about its length are refused with ErrAuth.
-func TestRecordLayer(t *testing.T) {
-	k1, k2 := bytes.Repeat([]byte{1}, 32), bytes.Repeat([]byte{2}, 32)
-	send, _ := newChannel(k1, k2)
-	other, _ := newChannel(bytes.Repeat([]byte{3}, 32), k2)
-	frames := make([][]byte, 3)
-	records := make([][]byte, 3)
-	for i := range frames {
-		frames[i] = AppendFrame(nil, &AbortMsg{ID: uint64(i + 1), Cause: "x"})
-		records[i] = send.seal(nil, frames[i])
-	}
-	foreign := other.seal(nil, frames[0])
-	flipped := append([]byte(nil), records[0]...)
-	flipped[len(flipped)-1] ^= 1
-	long := append([]byte(nil), records[0]...)
-	le.PutUint32(long, maxRecord+1)
-	for _, tt := range []struct {
-		name string
-		in   [][]byte
-		ok   int // records taken before the refusal
-	}{
-		{"in order", records, 3},
-		{"replayed", [][]byte{records[0], records[1], records[0]}, 2},
-		{"reordered", [][]byte{records[0], records[2]}, 1},
-		{"dropped first", [][]byte{records[1]}, 0},
-		{"another session", [][]byte{foreign}, 0},
-		{"flipped", [][]byte{flipped}, 0},
-		{"too long", [][]byte{long}, 0},
-	} {
-		recv, _ := newChannel(k2, k1)
-		r := bytes.NewReader(bytes.Join(tt.in, nil))
-		var buf []byte
-		taken := 0
-		var err error
-		for range tt.in {
-			var f []byte
-			f, buf, err = recv.readRecord(r, buf, nil)
-			if err != nil {
-				break
-			}
-			if !bytes.Equal(f, frames[taken]) {
-				t.Fatalf("%s: record %d opened to another frame", tt.name, taken)
-			}
-			taken++
-		}
-		if taken != tt.ok || (tt.ok < len(tt.in) && (!errors.Is(err, ErrAuth) || !errors.Is(err, ErrProtocol))) {
-			t.Errorf("%s: took %d records, then %v; want %d and ErrAuth", tt.name, taken, err, tt.ok)
-		}
-	}
-}
-
 // recordTap is a connection that copies what is written to it once the
 // handshake is over (after arm), so a test can replay it.
 type recordTap struct {
@@ -349,14 +297,13 @@ func TestReplayedRecordEndsSession(t *testing.T) {
 
 // rawSource plays a source by hand: it authenticates conn with auth and
 // returns its control connection.
-func rawSource(t testing.TB, conn net.Conn, auth Authenticator) *ctrl {
+func rawSource(t testing.TB, conn net.Conn, auth Authenticator) *wire.Conn {
 	t.Helper()
 	h, err := authenticate(conn, true, auth, testEnvelope().Fingerprint(), 5*time.Second)
 	if err != nil {
 		t.Fatal(err)
 	}
-	c := newCtrl(h.conn2, time.Second)
-	c.ch = h.ch
+	c := wire.NewConn(h.conn2, h.ch, time.Second)
 	return c
 }
 
@@ -395,20 +342,20 @@ func TestAuthorize(t *testing.T) {
 	})
 	c := rawSource(t, a, testPSK)
 	for id, req := range []string{"allowed", "stranger"} {
-		if err := c.send(&ProposeMsg{ID: uint64(id + 1), Request: req, Blocks: 1, Envelope: testEnvelope().Fingerprint()}); err != nil {
+		if err := c.Send(&ProposeMsg{ID: uint64(id + 1), Request: req, Blocks: 1, Envelope: testEnvelope().Fingerprint()}); err != nil {
 			t.Fatal(err)
 		}
-		m, err := c.read()
+		m, err := c.Read()
 		if err != nil {
 			t.Fatal(err)
 		}
 		switch m := m.(type) {
-		case *AcceptMsg:
+		case *wire.AcceptMsg:
 			if req != "allowed" {
 				t.Fatalf("%s accepted", req)
 			}
-		case *RejectMsg:
-			if req == "allowed" || m.Code != RejectPolicy || !strings.Contains(m.Reason, "psk psk:test not authorized: not on the allowlist") {
+		case *wire.RejectMsg:
+			if req == "allowed" || m.Code != wire.RejectPolicy || !strings.Contains(m.Reason, "psk psk:test not authorized: not on the allowlist") {
 				t.Fatalf("%s: %+v", req, m)
 			}
 		}
@@ -428,14 +375,14 @@ func TestStartTimeout(t *testing.T) {
 		OnFinal:      func(in *Incoming[[]byte]) { finals <- in },
 	})
 	c := rawSource(t, a, testPSK)
-	if err := c.send(&ProposeMsg{ID: 1, Blocks: 4, Envelope: testEnvelope().Fingerprint()}); err != nil {
+	if err := c.Send(&ProposeMsg{ID: 1, Blocks: 4, Envelope: testEnvelope().Fingerprint()}); err != nil {
 		t.Fatal(err)
 	}
-	if m, err := c.read(); err != nil || m.Type() != MsgAccept {
+	if m, err := c.Read(); err != nil || m.Type() != wire.MsgAccept {
 		t.Fatalf("%v %v", m, err)
 	}
-	m, err := c.read()
-	if am, ok := m.(*AbortMsg); !ok || err != nil || !strings.Contains(am.Cause, "no start within") {
+	m, err := c.Read()
+	if am, ok := m.(*wire.AbortMsg); !ok || err != nil || !strings.Contains(am.Cause, "no start within") {
 		t.Fatalf("after the start timeout: %#v %v", m, err)
 	}
 	in := <-finals
@@ -456,35 +403,35 @@ func TestSessionCaps(t *testing.T) {
 	c := rawSource(t, a, testPSK)
 	for _, tt := range []struct {
 		id, blocks uint32
-		want       MsgType
+		want       wire.MsgType
 	}{
-		{1, 3, MsgAccept},
-		{2, 4, MsgReject}, // 7 blocks > 6
-		{3, 3, MsgAccept},
-		{4, 1, MsgReject}, // a third in flight
+		{1, 3, wire.MsgAccept},
+		{2, 4, wire.MsgReject}, // 7 blocks > 6
+		{3, 3, wire.MsgAccept},
+		{4, 1, wire.MsgReject}, // a third in flight
 	} {
-		if err := c.send(&ProposeMsg{ID: uint64(tt.id), Blocks: tt.blocks, Envelope: testEnvelope().Fingerprint()}); err != nil {
+		if err := c.Send(&ProposeMsg{ID: uint64(tt.id), Blocks: tt.blocks, Envelope: testEnvelope().Fingerprint()}); err != nil {
 			t.Fatal(err)
 		}
-		m, err := c.read()
+		m, err := c.Read()
 		if err != nil || m.Type() != tt.want {
 			t.Fatalf("proposal %d: %v %v, want %v", tt.id, m, err, tt.want)
 		}
-		if r, ok := m.(*RejectMsg); ok && (r.Code != RejectLimit || !errors.Is(r.Code.sentinel(), kvlease.ErrExhausted)) {
+		if r, ok := m.(*wire.RejectMsg); ok && (r.Code != wire.RejectLimit || !errors.Is(rejectSentinel(r.Code), kvlease.ErrExhausted)) {
 			t.Fatalf("proposal %d: %+v", tt.id, r)
 		}
 	}
 	// One ends: room again.
-	if err := c.send(&AbortMsg{ID: 1}); err != nil {
+	if err := c.Send(&wire.AbortMsg{ID: 1}); err != nil {
 		t.Fatal(err)
 	}
-	if m, err := c.read(); err != nil || m.Type() != MsgAck {
+	if m, err := c.Read(); err != nil || m.Type() != wire.MsgAck {
 		t.Fatalf("%v %v", m, err)
 	}
-	if err := c.send(&ProposeMsg{ID: 5, Blocks: 3, Envelope: testEnvelope().Fingerprint()}); err != nil {
+	if err := c.Send(&ProposeMsg{ID: 5, Blocks: 3, Envelope: testEnvelope().Fingerprint()}); err != nil {
 		t.Fatal(err)
 	}
-	if m, err := c.read(); err != nil || m.Type() != MsgAccept {
+	if m, err := c.Read(); err != nil || m.Type() != wire.MsgAccept {
 		t.Fatalf("after an abort: %v %v", m, err)
 	}
 	if st := dst.Stats(); st.LimitRefused != 2 {
@@ -510,16 +457,16 @@ func TestRejectedProposalsDoNotGrowTheHeap(t *testing.T) {
 		runtime.ReadMemStats(&ms)
 		return ms.HeapAlloc
 	}
-	propose := func(id uint64) *RejectMsg {
+	propose := func(id uint64) *wire.RejectMsg {
 		t.Helper()
-		if err := c.send(&ProposeMsg{ID: id, Blocks: 8192, Envelope: testEnvelope().Fingerprint(), Hashes: hashes}); err != nil {
+		if err := c.Send(&ProposeMsg{ID: id, Blocks: 8192, Envelope: testEnvelope().Fingerprint(), Hashes: hashes}); err != nil {
 			t.Fatal(err)
 		}
-		m, err := c.read()
+		m, err := c.Read()
 		if err != nil {
 			t.Fatal(err)
 		}
-		r, ok := m.(*RejectMsg)
+		r, ok := m.(*wire.RejectMsg)
 		if !ok {
 			t.Fatalf("proposal %d answered %v", id, m)
 		}
@@ -528,7 +475,7 @@ func TestRejectedProposalsDoNotGrowTheHeap(t *testing.T) {
 	propose(1) // the buffers reach their size
 	before := heap()
 	for id := uint64(2); id <= 301; id++ {
-		if r := propose(id); r.Code != RejectCapacity {
+		if r := propose(id); r.Code != wire.RejectCapacity {
 			t.Fatalf("proposal %d: %+v", id, r)
 		}
 	}
@@ -543,7 +490,7 @@ func TestRejectedProposalsDoNotGrowTheHeap(t *testing.T) {
 	if grown > 4<<20 {
 		t.Fatalf("the heap grew by %d bytes over 300 rejected proposals", grown)
 	}
-	if r := propose(150); r.Code != RejectDuplicate {
+	if r := propose(150); r.Code != wire.RejectDuplicate {
 		t.Fatalf("a rejected id proposed again: %+v", r)
 	}
 }
@@ -582,9 +529,9 @@ func (c hostConn) RemoteAddr() net.Addr { return &net.TCPAddr{IP: c.host, Port: 
 
 // TestListen: the accept loop survives transient errors (EMFILE) with a
 // backoff, counts them, closes at once a connection past
-// MaxPendingHandshakesPerHost from one host, makes the busiest host's
+// maxPendingHandshakesPerHost from one host, makes the busiest host's
 // oldest handshake give way to a newcomer from another host at
-// MaxPendingHandshakes, serves the newcomer, and stops only when the
+// maxPendingHandshakes, serves the newcomer, and stops only when the
 // listener closes.
 func TestListen(t *testing.T) {
 	pool := newHostPool(t, 32, hbBytes)
@@ -611,12 +558,12 @@ func TestListen(t *testing.T) {
 		ln.conns <- hostConn{b, host(k)}
 		return a
 	}
-	// MaxPendingHandshakes silent connections, MaxPendingHandshakesPerHost
+	// maxPendingHandshakes silent connections, maxPendingHandshakesPerHost
 	// from each host; one more from the first host is closed at once.
-	hosts := MaxPendingHandshakes / MaxPendingHandshakesPerHost
+	hosts := maxPendingHandshakes / maxPendingHandshakesPerHost
 	var silent []net.Conn
 	for k := range hosts {
-		for range MaxPendingHandshakesPerHost {
+		for range maxPendingHandshakesPerHost {
 			silent = append(silent, dial(k+1))
 		}
 		if k == 0 {
@@ -631,7 +578,7 @@ func TestListen(t *testing.T) {
 	ln.conns <- hostConn{b, host(hosts + 1)}
 	src, err := NewSource(a, newManualPlane(), HalfConfig{Envelope: testEnvelope(), Auth: testPSK})
 	if err != nil {
-		t.Fatalf("a source from another host while %d handshakes are pending: %v", MaxPendingHandshakes, err)
+		t.Fatalf("a source from another host while %d handshakes are pending: %v", maxPendingHandshakes, err)
 	}
 	if !closedAtOnce(silent[0]) {
 		t.Fatal("the oldest handshake of the busiest host did not give way")
@@ -650,69 +597,6 @@ func TestListen(t *testing.T) {
 	if st := dst.Stats(); st.AcceptErrors != 3 || st.Busy != 2 || st.Sessions != 1 || st.AuthRefused != int64(len(silent)-1) {
 		t.Fatalf("stats %+v", st)
 	}
-}
-
-// TestRecordSealInPlace: a frame sealed where it lies (the send path:
-// after other bytes, in a buffer with no spare capacity or with plenty)
-// makes the record seal makes from a copy, and opens to the frame.
-func TestRecordSealInPlace(t *testing.T) {
-	k1, k2 := bytes.Repeat([]byte{1}, 32), bytes.Repeat([]byte{2}, 32)
-	copying, _ := newChannel(k1, k2)
-	inPlace, _ := newChannel(k1, k2)
-	recv, _ := newChannel(k2, k1)
-	var stream []byte
-	for i, spare := range []int{0, 1, recordTag, 4096} {
-		frame := AppendFrame(nil, &AbortMsg{ID: uint64(i + 1), Cause: strings.Repeat("c", 100*i)})
-		want := copying.seal(nil, frame)
-		prefix := []byte("earlier bytes")
-		b := make([]byte, 0, len(prefix)+recordHeader+len(frame)+spare)
-		b = append(append(append(b, prefix...), make([]byte, recordHeader)...), frame...)
-		got := inPlace.sealTail(b, len(prefix))
-		if !bytes.Equal(got[:len(prefix)], prefix) || !bytes.Equal(got[len(prefix):], want) {
-			t.Fatalf("spare %d: in place %x, from a copy %x", spare, got[len(prefix):], want)
-		}
-		stream = append(stream, got[len(prefix):]...)
-	}
-	r := bytes.NewReader(stream)
-	var buf []byte
-	for i := range 4 {
-		frame, nb, err := recv.readRecord(r, buf, nil)
-		buf = nb
-		if err != nil {
-			t.Fatalf("record %d: %v", i, err)
-		}
-		m, err := parseFrame(frame)
-		if err != nil || m.(*AbortMsg).ID != uint64(i+1) {
-			t.Fatalf("record %d: %v, %v", i, m, err)
-		}
-	}
-}
-
-// FuzzRecord: whatever bytes arrive as psk records, the reader takes a
-// record only if it was sealed under its key with the next sequence, and
-// otherwise returns an error; it never panics or allocates past
-// maxRecord.
-func FuzzRecord(f *testing.F) {
-	k1, k2 := bytes.Repeat([]byte{1}, 32), bytes.Repeat([]byte{2}, 32)
-	send, _ := newChannel(k1, k2)
-	f.Add(send.seal(nil, AppendFrame(nil, &AbortMsg{ID: 1, Cause: "x"})))
-	f.Add([]byte{0xff, 0xff, 0xff, 0x7f, 0, 0, 0, 0, 0, 0, 0, 0})
-	f.Add([]byte{30, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 2, 3})
-	f.Fuzz(func(t *testing.T, b []byte) {
-		recv, _ := newChannel(k2, k1)
-		r := bytes.NewReader(b)
-		var buf []byte
-		for range 4 {
-			frame, nb, err := recv.readRecord(r, buf, nil)
-			buf = nb
-			if err != nil {
-				return
-			}
-			if _, err := parseFrame(frame); err != nil {
-				return
-			}
-		}
-	})
 }
 
 // FuzzHandshake: a destination's handshake over any bytes from a peer

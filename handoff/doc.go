@@ -17,13 +17,13 @@
 // Source (the prefill side, holding only its own leases) and Destination
 // (the decode side, holding only its own pool) are the two halves of a
 // handoff in different processes. They speak a small versioned control
-// protocol over one authenticated connection (frame.go: the frame and
-// who sends what; messages.go: Propose, Accept, Reject, Start, Done,
-// Abort and their Acks, each naming its handoff, each with a parse
-// function; conn.go: the connection). A malformed frame ends the
-// connection (ErrProtocolFatal); a well-formed message that is
-// duplicated, reordered or for an unknown handoff is refused and changes
-// nothing (ErrProtocolRefused); both wrap ErrProtocol. The blocks move
+// protocol over one authenticated connection (internal/wire: the frame
+// and who sends what; Propose, Accept, Reject, Start, Done, Abort and
+// their Acks, each naming its handoff, each with a parse function; the
+// psk record layer; the connection). A malformed frame ends the
+// connection; a well-formed message that is duplicated, reordered or for
+// an unknown handoff is refused and changes nothing; both wrap
+// ErrProtocol. The blocks move
 // over a data plane (SendPlane, RecvPlane): package tcp in pure Go, UCX
 // in the nested module ucx/.
 //
@@ -80,7 +80,7 @@
 //
 // Every resource a peer can hold is bounded. Before it is authenticated:
 // the handshake (HandshakeTimeout) and Listen's pending handshakes, per
-// host (MaxPendingHandshakesPerHost) and in all (MaxPendingHandshakes,
+// host (16) and in all (64,
 // where the busiest host's oldest gives way, so one host that floods
 // cannot keep another out). Per session: handoffs in flight
 // (MaxHandoffs), blocks held (MaxSessionBlocks), the wait for Start
@@ -89,7 +89,7 @@
 // held, handoffs in flight, sessions; and sessions in all
 // (MaxSessions). A session refused by a cap is refused at the end of its
 // handshake (ErrLimit); every refusal is counted (HalfStats). Final
-// handoffs leave the tables, and a bounded set of recent ids (RecentIDs)
+// handoffs leave the tables, and a bounded set of recent ids (4096 a session)
 // keeps refusing their reuse. The trust boundary: an authenticated peer
 // can still send wrong but well-formed KV; kvlease guarantees who sent it
 // and that nobody else could, not that the peer's model computed it

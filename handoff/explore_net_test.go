@@ -10,6 +10,8 @@ import (
 	"strconv"
 	"sync"
 	"time"
+
+	"github.com/kvlease/kvlease/handoff/internal/wire"
 )
 
 // The explorer's control connection: an in-memory link between the two
@@ -29,10 +31,10 @@ var dirNames = [2]string{"s>d", "d>s"}
 // xmsg is a frame waiting in the link.
 type xmsg struct {
 	frame []byte
-	m     Message // parsed, for names and the abstract state
-	lbl   string  // label()
-	step  int     // the explorer's step that wrote it
-	g     uint64  // the goroutine that wrote it
+	m     wire.Message // parsed, for names and the abstract state
+	lbl   string       // label()
+	step  int          // the explorer's step that wrote it
+	g     uint64       // the goroutine that wrote it
 }
 
 // label names the message: its type and handoff, and the fields that
@@ -43,15 +45,15 @@ func (x *xmsg) label() string {
 	}
 	s := fmt.Sprintf("%v %d", x.m.Type(), x.m.Handoff())
 	switch m := x.m.(type) {
-	case *AcceptMsg:
+	case *wire.AcceptMsg:
 		s += fmt.Sprintf(" from %d", m.From)
-	case *RejectMsg:
+	case *wire.RejectMsg:
 		s += fmt.Sprintf(" code %d", m.Code)
-	case *DoneMsg:
+	case *wire.DoneMsg:
 		if m.Err != "" {
 			s += " err"
 		}
-	case *AckMsg:
+	case *wire.AckMsg:
 		s += fmt.Sprintf(" of %v", m.Of)
 	}
 	return s
@@ -221,7 +223,7 @@ func (c *xconn) Write(p []byte) (int, error) {
 	if c.l.writers {
 		m.g = goid()
 	}
-	if msg, _, err := ReadFrame(bytes.NewReader(m.frame), nil); err == nil {
+	if msg, _, err := wire.ReadFrame(bytes.NewReader(m.frame), nil); err == nil {
 		m.m = msg
 	}
 	m.lbl = m.label()

@@ -8,28 +8,7 @@ import (
 	"time"
 
 	"github.com/kvlease/kvlease"
-)
-
-// Errors of the halves.
-var (
-	// ErrConnLost is the reason recorded when a half's control connection
-	// ends while a handoff is not final.
-	ErrConnLost = errors.New("kvlease: handoff control connection lost")
-	// ErrPeer wraps an outcome the peer reported (its Done error, its
-	// abort cause): the peer's words, not evidence about our memory.
-	ErrPeer = errors.New("kvlease: handoff peer reported")
-	// ErrUnconfirmed is recorded when the source's own transfer resolved
-	// but the destination never reported its outcome before the deadline.
-	ErrUnconfirmed = errors.New("kvlease: handoff destination never confirmed delivery")
-	// ErrLimit is the reason a destination refuses a proposal that would
-	// pass a per-session cap (DestinationConfig.MaxHandoffs,
-	// MaxSessionBlocks) or a per-identity one (Limits.Blocks, Handoffs),
-	// a session past MaxSessions or its identity's Limits.Sessions (the
-	// source's NewSource fails with it), and an Accepted handoff aborted
-	// because its Start did not come within StartTimeout. It wraps
-	// kvlease.ErrExhausted: the peer may retry once its own handoffs (or
-	// sessions) have ended.
-	ErrLimit = fmt.Errorf("kvlease: handoff limit: %w", kvlease.ErrExhausted)
+	"github.com/kvlease/kvlease/handoff/internal/wire"
 )
 
 // peerErr turns a peer's text into an error wrapping ErrPeer (and
@@ -56,7 +35,7 @@ type HalfConfig struct {
 	// tcp.Config.StallTimeout, still ends a transfer whose peer stalls).
 	Deadline time.Duration
 	// FrameTimeout bounds a control frame that has begun and every control
-	// write (DefaultFrameTimeout when zero).
+	// write (10 s when zero).
 	FrameTimeout time.Duration
 	// Auth authenticates the control connection (and, through it, the
 	// data plane): &PSK{...} or &TLS{...}. It is required unless Insecure
@@ -118,7 +97,7 @@ func (c *HalfConfig) defaults(name, peer string, client bool) error {
 		c.Deadline = DefaultDeadline
 	}
 	if c.FrameTimeout <= 0 {
-		c.FrameTimeout = DefaultFrameTimeout
+		c.FrameTimeout = wire.DefaultFrameTimeout
 	}
 	return nil
 }
@@ -169,8 +148,8 @@ type HalfStats struct {
 	// after a backoff).
 	AcceptErrors int64
 	// Busy counts control connections Listen closed in their handshake
-	// to keep to its pending caps: one past MaxPendingHandshakesPerHost
-	// from one host, or one that gave way at MaxPendingHandshakes.
+	// to keep to its pending caps: one past maxPendingHandshakesPerHost
+	// from one host, or one that gave way at maxPendingHandshakes.
 	Busy int64
 	// IdentityRefused counts proposals refused by a per-identity cap
 	// (Limits.Blocks, Limits.Handoffs).
@@ -222,9 +201,6 @@ func (c *halfCounters) readFailed(err error) {
 	}
 }
 
-// recentIDs remembers the last ids that left a session's table, so that a
-// duplicate of a finished handoff is still refused while the table stays
-// bounded: a ring of the last RecentIDs ids and a set over it.
 // retire moves handoff v (id), final in st, out of a half's table live
 // into its recent ids, unless another handoff took the id meanwhile. The
 // caller holds the lock that guards both.
@@ -239,27 +215,30 @@ func retire[T comparable](live map[uint64]T, recent *recentIDs, id uint64, v T, 
 // (side: "source" or "destination") as the final handoff would, when it
 // left in st (recent): an Ack is dropped, an Abort acknowledged on c,
 // anything else reported; a message for an unknown handoff is reported.
-func answerAbsent(c *ctrl, report func(error), side string, m Message, st State, recent bool) {
+func answerAbsent(c *wire.Conn, report func(error), side string, m wire.Message, st State, recent bool) {
 	switch {
-	case recent && m.Type() == MsgAck:
-	case recent && m.Type() == MsgAbort:
-		_ = c.send(&AckMsg{ID: m.Handoff(), Of: MsgAbort})
+	case recent && m.Type() == wire.MsgAck:
+	case recent && m.Type() == wire.MsgAbort:
+		_ = c.Send(&wire.AckMsg{ID: m.Handoff(), Of: wire.MsgAbort})
 	case recent:
-		report(fmt.Errorf("kvlease: handoff %d: %v while %v: %w", m.Handoff(), m.Type(), st, ErrProtocolRefused))
+		report(fmt.Errorf("kvlease: handoff %d: %v while %v: %w", m.Handoff(), m.Type(), st, wire.ErrProtocolRefused))
 	default:
-		report(fmt.Errorf("kvlease: handoff %s: %v for unknown handoff %d: %w", side, m.Type(), m.Handoff(), ErrProtocolRefused))
+		report(fmt.Errorf("kvlease: handoff %s: %v for unknown handoff %d: %w", side, m.Type(), m.Handoff(), wire.ErrProtocolRefused))
 	}
 }
 
+// recentIDs remembers the last ids that left a session's table, so that a
+// duplicate of a finished handoff is still refused while the table stays
+// bounded: a ring of the last maxRecentIDs ids and a set over it.
 type recentIDs struct {
 	ring []uint64
 	next int
 	set  map[uint64]State // the final state each left in
 }
 
-// RecentIDs is how many finished handoff ids a session remembers to
+// maxRecentIDs is how many finished handoff ids a session remembers to
 // refuse their reuse.
-const RecentIDs = 4096
+const maxRecentIDs = 4096
 
 func (r *recentIDs) has(id uint64) bool {
 	_, ok := r.set[id]
@@ -279,12 +258,12 @@ func (r *recentIDs) add(id uint64, st State) {
 	if _, ok := r.set[id]; ok {
 		return
 	}
-	if len(r.ring) < RecentIDs {
+	if len(r.ring) < maxRecentIDs {
 		r.ring = append(r.ring, id)
 	} else {
 		delete(r.set, r.ring[r.next])
 		r.ring[r.next] = id
-		r.next = (r.next + 1) % RecentIDs
+		r.next = (r.next + 1) % maxRecentIDs
 	}
 	r.set[id] = st
 }

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/handoff/internal/wire"
 )
 
 // Tests of the two halves over a control connection with manual data
@@ -214,20 +215,20 @@ func TestSourceRefusesBadMessages(t *testing.T) {
 	}
 	defer src.Close()
 	var buf []byte
-	read := func() Message {
+	read := func() wire.Message {
 		t.Helper()
 		_ = b.SetReadDeadline(time.Now().Add(10 * time.Second))
-		m, nb, err := ReadFrame(b, buf)
+		m, nb, err := wire.ReadFrame(b, buf)
 		buf = nb
 		if err != nil {
 			t.Fatal(err)
 		}
 		return m
 	}
-	write := func(m Message) {
+	write := func(m wire.Message) {
 		t.Helper()
 		_ = b.SetWriteDeadline(time.Now().Add(10 * time.Second))
-		if _, err := b.Write(AppendFrame(nil, m)); err != nil {
+		if _, err := b.Write(wire.AppendFrame(nil, m)); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -235,7 +236,7 @@ func TestSourceRefusesBadMessages(t *testing.T) {
 		t.Helper()
 		select {
 		case err := <-errs:
-			if !errors.Is(err, ErrProtocol) || !errors.Is(err, ErrProtocolRefused) || errors.Is(err, ErrProtocolFatal) || !strings.Contains(err.Error(), substr) {
+			if !errors.Is(err, ErrProtocol) || !errors.Is(err, wire.ErrProtocolRefused) || errors.Is(err, wire.ErrProtocolFatal) || !strings.Contains(err.Error(), substr) {
 				t.Fatalf("reported %v, want ErrProtocolRefused and %q", err, substr)
 			}
 		case <-time.After(10 * time.Second):
@@ -251,31 +252,31 @@ func TestSourceRefusesBadMessages(t *testing.T) {
 	if m, ok := read().(*ProposeMsg); !ok || m.ID != 1 || m.Blocks != 3 {
 		t.Fatalf("proposal %#v", m)
 	}
-	write(&DoneMsg{ID: 1}) // before Accept and Start
+	write(&wire.DoneMsg{ID: 1}) // before Accept and Start
 	refused("done while proposed")
-	write(&AcceptMsg{ID: 1, From: 4}) // more blocks than proposed
+	write(&wire.AcceptMsg{ID: 1, From: 4}) // more blocks than proposed
 	refused("accept wants blocks from 4 of 3")
-	write(&AcceptMsg{ID: 1, Plane: []byte("x")})
+	write(&wire.AcceptMsg{ID: 1, Plane: []byte("x")})
 	tr := plane.next(t)
-	if m, ok := read().(*StartMsg); !ok || m.ID != 1 {
+	if m, ok := read().(*wire.StartMsg); !ok || m.ID != 1 {
 		t.Fatalf("start %#v", m)
 	}
-	write(&AcceptMsg{ID: 1}) // a duplicate
+	write(&wire.AcceptMsg{ID: 1}) // a duplicate
 	refused("accept while transferring")
-	write(&DoneMsg{ID: 99})
+	write(&wire.DoneMsg{ID: 99})
 	refused("unknown handoff 99")
 	write(&ProposeMsg{ID: 5, Blocks: 1}) // the wrong direction
 	refused("unexpected propose")
-	write(&AckMsg{ID: 7, Of: MsgAbort})
+	write(&wire.AckMsg{ID: 7, Of: wire.MsgAbort})
 	refused("unknown handoff 7")
 	if s := o.State(); s != Transferring {
 		t.Fatalf("source %v after refused messages", s)
 	}
-	write(&DoneMsg{ID: 1})
-	if m, ok := read().(*AckMsg); !ok || m.ID != 1 || m.Of != MsgDone {
+	write(&wire.DoneMsg{ID: 1})
+	if m, ok := read().(*wire.AckMsg); !ok || m.ID != 1 || m.Of != wire.MsgDone {
 		t.Fatalf("ack %#v", m)
 	}
-	write(&DoneMsg{ID: 1}) // a duplicate: no second Ack
+	write(&wire.DoneMsg{ID: 1}) // a duplicate: no second Ack
 	refused("done while transferring")
 	tr.Resolve(nil)
 	if s := o.State(); s != Delivered {
@@ -286,13 +287,13 @@ func TestSourceRefusesBadMessages(t *testing.T) {
 	defer lease2.Release()
 	o2, _ := src.Propose(2, "r2", lease2, nil)
 	read()
-	bad := AppendFrame(nil, &AcceptMsg{ID: 2})
+	bad := wire.AppendFrame(nil, &wire.AcceptMsg{ID: 2})
 	bad[len(bad)-1] ^= 1
 	if _, err := b.Write(bad); err != nil {
 		t.Fatal(err)
 	}
 	<-o2.Done()
-	if s, err := o2.State(), o2.Err(); s != Rejected || !errors.Is(err, ErrConnLost) || !errors.Is(err, ErrProtocolFatal) {
+	if s, err := o2.State(), o2.Err(); s != Rejected || !errors.Is(err, ErrConnLost) || !errors.Is(err, wire.ErrProtocolFatal) {
 		t.Fatalf("unstarted handoff after a corrupted frame: %v %v", s, err)
 	}
 	if s := o.State(); s != Delivered {

@@ -10,15 +10,6 @@ import (
 	"github.com/kvlease/kvlease"
 )
 
-// ErrState is returned when a handoff method is called in a state
-// that does not allow it: Start after a rejection, Accept twice, Reject
-// after the transfer started, Abort after delivery. The error names the
-// state; nothing changed.
-var ErrState = errors.New("kvlease: handoff in the wrong state")
-
-// ErrRejected is the default reason recorded by Reject(by, nil).
-var ErrRejected = errors.New("kvlease: handoff rejected")
-
 // DefaultDeadline is the deadline a handoff uses when
 // Config.Deadline is zero.
 const DefaultDeadline = 30 * time.Second

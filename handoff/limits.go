@@ -1,7 +1,6 @@
 package handoff
 
 import (
-	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
@@ -42,10 +41,10 @@ const (
 	DefaultSessionIdleTimeout = 5 * time.Minute
 )
 
-// MaxPendingHandshakesPerHost is how many of Listen's pending handshakes
+// maxPendingHandshakesPerHost is how many of Listen's pending handshakes
 // may come from one host (an IPv4 address, an IPv6 /64); one more from
 // it is closed at once (HalfStats.Busy).
-const MaxPendingHandshakesPerHost = 16
+const maxPendingHandshakesPerHost = 16
 
 // identity is what one identity holds across its sessions. sessions is
 // guarded by the destination's sessions lock; inflight and held are
@@ -167,9 +166,6 @@ func (d *Destination[R]) done(id *identity, n int64) {
 	}
 }
 
-// errIdle ends a session that had nothing in flight for its idle timeout.
-var errIdle = errors.New("kvlease: handoff destination: session idle")
-
 // watchIdle arms the session's idle timer (SessionIdleTimeout > 0).
 func (s *session[R]) watchIdle() {
 	timeout := s.d.cfg.SessionIdleTimeout
@@ -193,7 +189,7 @@ func (s *session[R]) idleCheck() {
 		if idle >= timeout {
 			if s.closing.CompareAndSwap(nil, &closeCause{fmt.Errorf("%w: nothing in flight for %v (SessionIdleTimeout)", errIdle, timeout)}) {
 				s.d.stats.idleClosed.Add(1)
-				_ = s.c.c.Close() // the read loop ends the session
+				_ = s.c.Close() // the read loop ends the session
 			}
 			return
 		}

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/handoff/internal/wire"
 )
 
 // Tests of the per-identity bounds: blocks and handoffs across an
@@ -44,12 +45,12 @@ func destination(t testing.TB, pool *kvlease.Pool[[]byte], cfg DestinationConfig
 }
 
 // ask proposes id (n blocks) on c and returns the answer.
-func ask(t testing.TB, c *ctrl, id uint64, n uint32) Message {
+func ask(t testing.TB, c *wire.Conn, id uint64, n uint32) wire.Message {
 	t.Helper()
-	if err := c.send(&ProposeMsg{ID: id, Blocks: n, Envelope: testEnvelope().Fingerprint()}); err != nil {
+	if err := c.Send(&ProposeMsg{ID: id, Blocks: n, Envelope: testEnvelope().Fingerprint()}); err != nil {
 		t.Fatal(err)
 	}
-	m, err := c.read()
+	m, err := c.Read()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -70,15 +71,15 @@ func TestIdentityBlocks(t *testing.T) {
 			}
 			return Limits{}
 		}})
-	var hog []*ctrl
+	var hog []*wire.Conn
 	for k := range 3 {
 		c := rawSource(t, open(), as("hog"))
 		hog = append(hog, c)
 		m := ask(t, c, 1, 16)
-		switch r, _ := m.(*RejectMsg); {
-		case k == 0 && m.Type() != MsgAccept:
+		switch r, _ := m.(*wire.RejectMsg); {
+		case k == 0 && m.Type() != wire.MsgAccept:
 			t.Fatalf("the hog's first session: %v", m)
-		case k > 0 && (r == nil || r.Code != RejectLimit || !strings.Contains(r.Reason, "would make psk:hog hold 32, at most 16")):
+		case k > 0 && (r == nil || r.Code != wire.RejectLimit || !strings.Contains(r.Reason, "would make psk:hog hold 32, at most 16")):
 			t.Fatalf("the hog's session %d: %#v", k+1, m)
 		}
 	}
@@ -87,7 +88,7 @@ func TestIdentityBlocks(t *testing.T) {
 	}
 	// Another identity gets the other half; its own cap is the default.
 	h := rawSource(t, open(), as("honest"))
-	for id, want := range []MsgType{MsgAccept, MsgAccept, MsgReject} {
+	for id, want := range []wire.MsgType{wire.MsgAccept, wire.MsgAccept, wire.MsgReject} {
 		if m := ask(t, h, uint64(id+1), 8); m.Type() != want {
 			t.Fatalf("the honest identity's proposal %d: %v, want %v", id+1, m, want)
 		}
@@ -96,18 +97,18 @@ func TestIdentityBlocks(t *testing.T) {
 		t.Fatalf("pool %+v", s)
 	}
 	// The hog's first handoff ends: its second session has room again.
-	if err := hog[0].send(&AbortMsg{ID: 1}); err != nil {
+	if err := hog[0].Send(&wire.AbortMsg{ID: 1}); err != nil {
 		t.Fatal(err)
 	}
-	if m, err := hog[0].read(); err != nil || m.Type() != MsgAck {
+	if m, err := hog[0].Read(); err != nil || m.Type() != wire.MsgAck {
 		t.Fatalf("%v %v", m, err)
 	}
-	if m := ask(t, hog[1], 2, 16); m.Type() != MsgAccept {
+	if m := ask(t, hog[1], 2, 16); m.Type() != wire.MsgAccept {
 		t.Fatalf("after the hog's first handoff ended: %v", m)
 	}
 	// "psk:test" has no block cap (IdentityLimits), only the session's.
 	c := rawSource(t, open(), testPSK)
-	if m := ask(t, c, 1, 16); m.Type() != MsgReject || !strings.Contains(m.(*RejectMsg).Reason, "exhausted") {
+	if m := ask(t, c, 1, 16); m.Type() != wire.MsgReject || !strings.Contains(m.(*wire.RejectMsg).Reason, "exhausted") {
 		t.Fatalf("a full pool: %v", m)
 	}
 	if st := dst.Stats(); st.IdentityRefused != 2 || st.LimitRefused != 1 {
@@ -122,7 +123,7 @@ func TestIdentityHandoffs(t *testing.T) {
 	dst, open := destination(t, pool, DestinationConfig[[]byte]{StartTimeout: -1,
 		IdentityLimits: func(string) Limits { return Limits{Handoffs: 3} }})
 	a, b := rawSource(t, open(), testPSK), rawSource(t, open(), testPSK)
-	for i, want := range []MsgType{MsgAccept, MsgAccept, MsgAccept, MsgReject} {
+	for i, want := range []wire.MsgType{wire.MsgAccept, wire.MsgAccept, wire.MsgAccept, wire.MsgReject} {
 		c := a
 		if i%2 == 1 {
 			c = b
@@ -217,17 +218,17 @@ func TestSessionIdleTimeout(t *testing.T) {
 			}
 		}
 		time.Sleep(59 * time.Second)
-		if m := ask(t, c, 1, 4); m.Type() != MsgAccept {
+		if m := ask(t, c, 1, 4); m.Type() != wire.MsgAccept {
 			t.Fatal(m)
 		}
 		time.Sleep(10 * time.Minute) // in flight: not idle
 		if !open() {
 			t.Fatal("a session with a handoff in flight was closed")
 		}
-		if err := c.send(&AbortMsg{ID: 1}); err != nil {
+		if err := c.Send(&wire.AbortMsg{ID: 1}); err != nil {
 			t.Fatal(err)
 		}
-		if m, err := c.read(); err != nil || m.Type() != MsgAck {
+		if m, err := c.Read(); err != nil || m.Type() != wire.MsgAck {
 			t.Fatalf("%v %v", m, err)
 		}
 		time.Sleep(time.Minute - time.Nanosecond)
@@ -247,7 +248,7 @@ func TestSessionIdleTimeout(t *testing.T) {
 		if st := dst.Stats(); st.IdleClosed != 1 || st.FramesRefused != 0 {
 			t.Fatalf("stats %+v", st)
 		}
-		if _, err := c.read(); err == nil {
+		if _, err := c.Read(); err == nil {
 			t.Fatal("the source's end still reads")
 		}
 		_ = a.Close()

@@ -1,6 +1,9 @@
 package handoff
 
-import "github.com/kvlease/kvlease"
+import (
+	"github.com/kvlease/kvlease"
+	"github.com/kvlease/kvlease/handoff/internal/wire"
+)
 
 // The data plane: how block contents cross between the processes of a
 // handoff, apart from the control messages. A network transport (package
@@ -27,6 +30,14 @@ import "github.com/kvlease/kvlease"
 // the peer's access was revoked. The transfer's cancel hook is a request
 // to stop; a plane that cannot prove quiescence leaves the transfer
 // pending, and the half's deadline quarantines it.
+
+// Limits of the control protocol a data plane must keep to.
+const (
+	// MaxPlane is the most data-plane bytes an Accept or a Start carries.
+	MaxPlane = wire.MaxPlane
+	// MaxBlocks is the most blocks one handoff moves.
+	MaxBlocks = wire.MaxBlocks
+)
 
 // PlaneID identifies one handoff to a data plane on one side: the local
 // number of its control connection (a session) and the handoff id the
@@ -95,4 +106,47 @@ type RecvPlane[R any] interface {
 	// aborted before Start, connection lost). It is a no-op for an id
 	// already received or unknown.
 	Forget(id PlaneID)
+}
+
+// PlaneStats counts what a data plane did: what package tcp's Sender
+// and Receiver return from Stats, and what package metrics exports for a
+// plane. Fields a plane has no use for stay zero.
+type PlaneStats struct {
+	Started, Completed, Failed, Canceled int
+	// Stalled counts, of the Failed, the transfers whose data connection
+	// made no progress for the plane's progress timeout (tcp.ErrStalled).
+	Stalled int
+	Bytes   int64
+	// Refused counts data connections refused for any reason (garbage,
+	// an unknown token, an unauthenticated hello, too many pending).
+	Refused int
+	// RefusedAuth counts those refused because their hello did not prove
+	// the session (tcp.ErrUnauthenticated).
+	RefusedAuth int
+	// RefusedBusy counts those closed before their hello to keep to
+	// MaxPendingHellosPerHost and MaxPendingHellos: refused at once, or
+	// given way to a newer one from another host.
+	RefusedBusy int
+	// RefusedAddr counts, on a sender, Accepts refused for a data address
+	// outside the authenticated peer's host (tcp.ErrAddress).
+	RefusedAddr int
+	// AcceptErrors counts failed accepts of the receiver's listener,
+	// retried after a backoff.
+	AcceptErrors int
+	// Dials counts data connections dialled (a sender) or accepted (a
+	// receiver).
+	Dials int
+	// Reuses counts handoffs carried by a connection that had carried
+	// another before: taken from a sender's pool, or a hello accepted on
+	// a receiver's idle connection.
+	Reuses int
+	// IdleExpired counts idle connections closed for their idle timeout
+	// (a sender's, parked ones included; a receiver's twice as long).
+	IdleExpired int
+	// Stale counts, on a sender, idle connections found closed by the
+	// receiver when taken, or whose hello could not be written: the
+	// handoff dialled a fresh one instead.
+	Stale int
+	// Idle is the number of idle connections now (a gauge).
+	Idle int
 }

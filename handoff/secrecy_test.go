@@ -15,6 +15,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/kvlease/kvlease/handoff/internal/wire"
 )
 
 // Forward secrecy: a psk session recorded on the wire stays sealed when
@@ -162,19 +164,19 @@ func parseRecording(out, in []byte) (*recorded, error) {
 
 // open opens the first of r's source records with the session keys
 // derived by derive and returns the message it holds.
-func (r *recorded) open(keys []byte, err error) (Message, error) {
+func (r *recorded) open(keys []byte, err error) (wire.Message, error) {
 	if err != nil {
 		return nil, err
 	}
-	ch, err := newChannel(keys[32:64], keys[:32]) // the destination's side: it reads the source's key
+	ch, err := wire.NewChannel(keys[32:64], keys[:32]) // the destination's side: it reads the source's key
 	if err != nil {
 		return nil, err
 	}
-	frame, _, err := ch.readRecord(bytes.NewReader(r.records), nil, nil)
+	frame, _, err := ch.ReadRecord(bytes.NewReader(r.records), nil, nil)
 	if err != nil {
 		return nil, err
 	}
-	return parseFrame(frame)
+	return wire.ParseFrame(frame)
 }
 
 // transcript is the v3 transcript as the eavesdropper rebuilds it.
@@ -239,7 +241,7 @@ func TestForwardSecrecy(t *testing.T) {
 		tokens[i] = int32(1000 + 7*i)
 	}
 	leaked := testPSK.Key
-	secret := func(m Message, err error) error {
+	secret := func(m wire.Message, err error) error {
 		if err != nil {
 			return err
 		}

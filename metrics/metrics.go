@@ -42,7 +42,6 @@ import (
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/events"
 	"github.com/kvlease/kvlease/handoff"
-	"github.com/kvlease/kvlease/handoff/tcp"
 )
 
 // ErrInvalid is wrapped by the errors of New, AddPool and AddPublisher
@@ -66,9 +65,11 @@ type HalfSource interface {
 	Stats() handoff.HalfStats
 }
 
-// PlaneSource is what a TCP data plane exports: *tcp.Receiver, *tcp.Sender.
+// PlaneSource is what a data plane exports: *tcp.Receiver, *tcp.Sender
+// (package handoff/tcp), or any plane that counts into a
+// handoff.PlaneStats.
 type PlaneSource interface {
-	Stats() tcp.Stats
+	Stats() handoff.PlaneStats
 }
 
 // DefaultBuckets are the duration histograms' buckets, in seconds: 10µs

@@ -15,7 +15,6 @@ import (
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/events"
 	"github.com/kvlease/kvlease/handoff"
-	"github.com/kvlease/kvlease/handoff/tcp"
 )
 
 // clock is a manual clock for the histograms.
@@ -413,9 +412,9 @@ type fakeHalf struct{ s handoff.HalfStats }
 
 func (f fakeHalf) Stats() handoff.HalfStats { return f.s }
 
-type fakePlane struct{ s tcp.Stats }
+type fakePlane struct{ s handoff.PlaneStats }
 
-func (f fakePlane) Stats() tcp.Stats { return f.s }
+func (f fakePlane) Stats() handoff.PlaneStats { return f.s }
 
 // TestCollectorHandoffRefusals: a half's and a data plane's refusals are
 // exported by reason; the families lint clean.
@@ -423,7 +422,7 @@ func TestCollectorHandoffRefusals(t *testing.T) {
 	c, _, _ := newCollector(t, Options{})
 	require.NoError(t, c.AddHalf("decode", fakeHalf{handoff.HalfStats{Sessions: 3, AuthRefused: 5, Downgrades: 2, FramesRefused: 1,
 		LimitRefused: 4, StartTimeouts: 1, Quarantined: 2, IdentityRefused: 6, SessionsRefused: 7, IdleClosed: 8}}))
-	require.NoError(t, c.AddPlane("decode", fakePlane{tcp.Stats{Refused: 9, RefusedAuth: 3, RefusedBusy: 4, AcceptErrors: 1,
+	require.NoError(t, c.AddPlane("decode", fakePlane{handoff.PlaneStats{Refused: 9, RefusedAuth: 3, RefusedBusy: 4, AcceptErrors: 1,
 		Dials: 2, Reuses: 7, IdleExpired: 1, Stale: 1, Idle: 1, Completed: 8, Failed: 1, Bytes: 1 << 20}}))
 	require.ErrorIs(t, c.AddHalf("decode", fakeHalf{}), ErrInvalid)
 	const want = `

@@ -26,12 +26,6 @@ import (
 	"github.com/kvlease/kvlease"
 )
 
-var (
-	// ErrInjected is the outcome of a copy that failed by injection
-	// (Config.FailRate or a Plan with FateFail).
-	ErrInjected = errors.New("inproc: injected copy failure")
-)
-
 // Fate is how a transfer ends.
 type Fate uint8
 

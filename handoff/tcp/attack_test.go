@@ -36,6 +36,7 @@ import (
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
+	"github.com/kvlease/kvlease/handoff/internal/wire"
 	"github.com/kvlease/kvlease/handoff/tcp"
 	"github.com/kvlease/kvlease/internal/testpki"
 )
@@ -79,8 +80,8 @@ func runAttacker(v string) int {
 			say("result error %v", err)
 			break
 		}
-		pre := binary.LittleEndian.AppendUint64([]byte{'K', 'A', handoff.ProtocolVersion, byte(handoff.AuthNone)}, env.Fingerprint())
-		_, _ = c.Write(append(pre, handoff.AppendFrame(nil, &handoff.ProposeMsg{ID: 1, Request: "victim", Blocks: 4, Envelope: env.Fingerprint()})...))
+		pre := binary.LittleEndian.AppendUint64([]byte{'K', 'A', wire.ProtocolVersion, byte(handoff.AuthNone)}, env.Fingerprint())
+		_, _ = c.Write(append(pre, wire.AppendFrame(nil, &handoff.ProposeMsg{ID: 1, Request: "victim", Blocks: 4, Envelope: env.Fingerprint()})...))
 		say("result %s", answer(c))
 	case "bare-frames":
 		// No handshake at all: a control frame straight away.
@@ -89,7 +90,7 @@ func runAttacker(v string) int {
 			say("result error %v", err)
 			break
 		}
-		_, _ = c.Write(handoff.AppendFrame(nil, &handoff.ProposeMsg{ID: 1, Request: "victim", Blocks: 4, Envelope: env.Fingerprint()}))
+		_, _ = c.Write(wire.AppendFrame(nil, &handoff.ProposeMsg{ID: 1, Request: "victim", Blocks: 4, Envelope: env.Fingerprint()}))
 		say("result %s", answer(c))
 	case "wrong-key", "wrong-cert":
 		c, err := net.Dial("tcp", s.Ctrl)
@@ -666,7 +667,7 @@ func TestAttackStolenToken(t *testing.T) {
 		t.Fatalf("honest handoff %v: %v", st, o.History())
 	}
 	v.checkDelivered(1)
-	st := waitStats(t, "receiver", v.recv.Stats, func(s tcp.Stats) bool { return s.Refused == 3 })
+	st := waitStats(t, "receiver", v.recv.Stats, func(s handoff.PlaneStats) bool { return s.Refused == 3 })
 	if st.RefusedAuth != 2 || st.Completed != 1 || st.Started != 1 {
 		t.Errorf("receiver stats %+v: want 3 refused (2 unauthenticated), 1 completed", st)
 	}
@@ -692,7 +693,7 @@ func TestAttackReplayedData(t *testing.T) {
 	if f := a.expect("result"); f[1] != "closed" {
 		t.Fatalf("%q", f)
 	}
-	waitStats(t, "receiver", v.recv.Stats, func(s tcp.Stats) bool { return s.Refused == 1 && s.Completed == 1 && s.Started == 1 })
+	waitStats(t, "receiver", v.recv.Stats, func(s handoff.PlaneStats) bool { return s.Refused == 1 && s.Completed == 1 && s.Started == 1 })
 	v.untouched()
 }
 
@@ -857,7 +858,7 @@ func TestAttackHelloFlood(t *testing.T) {
 	if f[2] != fmt.Sprint(past) {
 		t.Errorf("%q: want the %d past the cap closed at once (receiver %+v)", f, past, v.recv.Stats())
 	}
-	st := waitStats(t, "receiver", v.recv.Stats, func(s tcp.Stats) bool { return s.Refused == conns })
+	st := waitStats(t, "receiver", v.recv.Stats, func(s handoff.PlaneStats) bool { return s.Refused == conns })
 	if st.RefusedBusy != past {
 		t.Errorf("receiver stats %+v", st)
 	}

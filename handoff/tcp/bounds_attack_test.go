@@ -316,7 +316,7 @@ func TestAttackHoldPending(t *testing.T) {
 			a.expect("holding")
 			// The flood is on both ports: the victim has closed some.
 			waitStats(t, "control port", v.dst.Stats, func(s handoff.HalfStats) bool { return s.Busy > 0 })
-			waitStats(t, "data port", v.recv.Stats, func(s tcp.Stats) bool { return s.RefusedBusy > 0 })
+			waitStats(t, "data port", v.recv.Stats, func(s handoff.PlaneStats) bool { return s.RefusedBusy > 0 })
 			r := honestHandoffs(t, v, 1, 3, 4)
 			t.Logf("honest source beside the flood from %d address(es): %v (control port busy %d, data port busy %d)",
 				len(tc.local), r, v.dst.Stats().Busy, v.recv.Stats().RefusedBusy)

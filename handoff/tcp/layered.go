@@ -2,7 +2,6 @@ package tcp
 
 import (
 	"bufio"
-	"encoding/binary"
 	"fmt"
 	"hash/crc32"
 	"io"
@@ -116,10 +115,7 @@ func writeLayered[R LayeredRegion](conn net.Conn, tok [16]byte, sl *seal, region
 	head := sl.hello(tok, len(regions), bb)
 	if len(regions) > 0 {
 		// One block per frame: a block's pieces are scattered.
-		head = binary.LittleEndian.AppendUint32(head, uint32(len(regions)))
-		for range regions {
-			head = binary.LittleEndian.AppendUint32(head, 1)
-		}
+		head = appendUnitLayout(head, len(regions))
 	}
 	if _, err := conn.Write(head); err != nil {
 		return 0, helloError{err}
@@ -160,12 +156,11 @@ func writeLayered[R LayeredRegion](conn net.Conn, tok [16]byte, sl *seal, region
 				bufs = append(bufs, p)
 			}
 		}
-		binary.LittleEndian.PutUint32(hdr8[0:], uint32(i))
-		binary.LittleEndian.PutUint32(hdr8[4:], uint32(bb))
+		putFrameHeader(hdr8, i, bb)
 		if sl.keyed {
 			sl.sum(trailer, i, gather)
 		} else {
-			binary.LittleEndian.PutUint32(trailer, sum)
+			putCRC(trailer, sum)
 		}
 		bufs = append(bufs, trailer)
 		if _, err := g.write(bufs); err != nil {
@@ -300,7 +295,7 @@ func readLayered[R LayeredRegion](c net.Conn, sl *seal, regions []R, lay layout.
 					return n, fmt.Errorf("tcp: block %d of %d: %w", i+j, len(regions), err)
 				}
 			}
-		} else if want := binary.LittleEndian.Uint32(t); sum != want {
+		} else if want := crcOf(t); sum != want {
 			return n, fmt.Errorf("tcp: block %d of %d: crc32c %08x, frame says %08x: %w", i+run-1, len(regions), sum, want, ErrCorrupt)
 		}
 		n += int64(run * bb)

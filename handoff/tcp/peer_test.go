@@ -131,7 +131,7 @@ func seedOf(request string) byte {
 
 // statsLine renders a pool's counts, its Check and a plane's Stats as
 // key=value fields.
-func statsLine(p *kvlease.Pool[[]byte], ps tcp.Stats) string {
+func statsLine(p *kvlease.Pool[[]byte], ps handoff.PlaneStats) string {
 	s := p.Stats()
 	check := "ok"
 	if err := p.Check(); err != nil {

@@ -1,7 +1,6 @@
 package tcp
 
 import (
-	"errors"
 	"fmt"
 	"net"
 	"time"
@@ -50,17 +49,6 @@ import (
 // sender, which picks the connections, always closes first, and never
 // hands a handoff a connection the receiver is closing for idleness.
 
-// DefaultMaxIdleConns is a sender's Config.MaxIdleConns when zero: idle
-// data connections kept per destination data address.
-const DefaultMaxIdleConns = 4
-
-// DefaultReceiverIdleConns is a receiver's Config.MaxIdleConns when
-// zero: idle data connections kept in all, across senders.
-const DefaultReceiverIdleConns = 64
-
-// DefaultIdleTimeout is Config.IdleTimeout when zero.
-const DefaultIdleTimeout = 30 * time.Second
-
 type connState uint8
 
 const (
@@ -91,16 +79,6 @@ type sconn struct {
 	expires time.Time // when idle or parked: when the timer closes it
 	timer   *time.Timer
 }
-
-// helloError marks a writer's failure to write a handoff's hello and
-// frame layout, before any block byte: nothing of the regions was read,
-// and the receiver has not taken the token (Sender.start dials once more
-// for it on a reused connection). The writers passed to start wrap the
-// hello's write error with it.
-type helloError struct{ err error }
-
-func (e helloError) Error() string { return "tcp: hello: " + e.err.Error() }
-func (e helloError) Unwrap() error { return e.err }
 
 // get takes an idle connection to addr that is still alive, or dials
 // one. reused says which.
@@ -338,11 +316,4 @@ func (s *Sender) Finish(id handoff.PlaneID, peer error) {
 	if !keep {
 		sc.close()
 	}
-}
-
-// isHelloError reports whether err is a writer's failure to write its
-// hello (helloError).
-func isHelloError(err error) bool {
-	var h helloError
-	return errors.As(err, &h)
 }

@@ -23,6 +23,7 @@ import (
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
+	"github.com/kvlease/kvlease/handoff/internal/wire"
 	"github.com/kvlease/kvlease/handoff/tcp"
 )
 
@@ -52,7 +53,7 @@ func wantStats(t testing.TB, who string, got map[string]string, want string) {
 	}
 }
 
-func localStats(p *kvlease.Pool[[]byte], ps tcp.Stats) map[string]string {
+func localStats(p *kvlease.Pool[[]byte], ps handoff.PlaneStats) map[string]string {
 	return fields(strings.Fields(statsLine(p, ps)))
 }
 
@@ -717,7 +718,7 @@ func TestProcGarbage(t *testing.T) {
 	before := localStats(d.pool, d.recv.Stats())
 
 	// The data port.
-	good := handoff.AppendFrame(nil, &handoff.StartMsg{ID: 1})
+	good := wire.AppendFrame(nil, &wire.StartMsg{ID: 1})
 	dataGarbage := map[string][]byte{
 		"http":          []byte("GET / HTTP/1.0\r\n\r\n......"),
 		"half hello":    {'K', 'D', 2, 9, 9},
@@ -763,7 +764,7 @@ func TestProcGarbage(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	propose := handoff.AppendFrame(nil, &handoff.ProposeMsg{ID: 9, Request: "seed=9", Blocks: 4, Envelope: d.env.Fingerprint()})
+	propose := wire.AppendFrame(nil, &handoff.ProposeMsg{ID: 9, Request: "seed=9", Blocks: 4, Envelope: d.env.Fingerprint()})
 	badCRC := append([]byte(nil), propose...)
 	badCRC[len(badCRC)-1] ^= 1
 	ctlGarbage := []struct {
@@ -777,7 +778,7 @@ func TestProcGarbage(t *testing.T) {
 		{"half a header", propose[:5], false, "half a frame header"},
 		{"half a frame", propose[:len(propose)-3], false, "half a frame"},
 		{"half a frame, stalled", propose[:len(propose)-3], true, "half a frame"},
-		{"huge length", append([]byte{'K', 'H', handoff.ProtocolVersion, byte(handoff.MsgPropose), 0xff, 0xff, 0xff, 0x7f}, make([]byte, 4)...), false, "exceeds"},
+		{"huge length", append([]byte{'K', 'H', wire.ProtocolVersion, byte(wire.MsgPropose), 0xff, 0xff, 0xff, 0x7f}, make([]byte, 4)...), false, "exceeds"},
 	}
 	for _, g := range ctlGarbage {
 		ln := listen(t)
@@ -788,7 +789,7 @@ func TestProcGarbage(t *testing.T) {
 		sc := acceptOne(t, ln)
 		served := make(chan error, 1)
 		go func() { served <- short.Serve(sc) }()
-		pre := binary.LittleEndian.AppendUint64([]byte{'K', 'A', handoff.ProtocolVersion, byte(handoff.AuthNone)}, d.env.Fingerprint())
+		pre := binary.LittleEndian.AppendUint64([]byte{'K', 'A', wire.ProtocolVersion, byte(handoff.AuthNone)}, d.env.Fingerprint())
 		if _, err := c.Write(append(pre, g.b...)); err != nil {
 			t.Fatal(err)
 		}
@@ -833,7 +834,7 @@ func TestProcDuplicateID(t *testing.T) {
 	env := envFor(procBlockBytes, procPool)
 	// The insecure handshake by hand: our preamble, the peer's and its
 	// confirm byte.
-	pre := binary.LittleEndian.AppendUint64([]byte{'K', 'A', handoff.ProtocolVersion, byte(handoff.AuthNone)}, env.Fingerprint())
+	pre := binary.LittleEndian.AppendUint64([]byte{'K', 'A', wire.ProtocolVersion, byte(handoff.AuthNone)}, env.Fingerprint())
 	if _, err := c.Write(pre); err != nil {
 		t.Fatal(err)
 	}
@@ -843,16 +844,16 @@ func TestProcDuplicateID(t *testing.T) {
 	}
 	p.expect("ready")
 	var buf []byte
-	send := func(m handoff.Message) {
+	send := func(m wire.Message) {
 		t.Helper()
-		if _, err := c.Write(handoff.AppendFrame(nil, m)); err != nil {
+		if _, err := c.Write(wire.AppendFrame(nil, m)); err != nil {
 			t.Fatal(err)
 		}
 	}
-	recv := func() handoff.Message {
+	recv := func() wire.Message {
 		t.Helper()
 		_ = c.SetReadDeadline(time.Now().Add(bound))
-		m, b, err := handoff.ReadFrame(c, buf)
+		m, b, err := wire.ReadFrame(c, buf)
 		buf = b
 		if err != nil {
 			t.Fatal(err)
@@ -860,32 +861,32 @@ func TestProcDuplicateID(t *testing.T) {
 		return m
 	}
 	send(&handoff.ProposeMsg{ID: 7, Request: "seed=7", Blocks: 4, Envelope: env.Fingerprint()})
-	if m, ok := recv().(*handoff.AcceptMsg); !ok || m.ID != 7 || m.From != 0 {
+	if m, ok := recv().(*wire.AcceptMsg); !ok || m.ID != 7 || m.From != 0 {
 		t.Fatalf("first proposal answered %#v", m)
 	}
 	p.expect("accepted 7")
 	send(&handoff.ProposeMsg{ID: 7, Request: "seed=8", Blocks: 2, Envelope: env.Fingerprint()})
-	if m, ok := recv().(*handoff.RejectMsg); !ok || m.ID != 7 || m.Code != handoff.RejectDuplicate {
+	if m, ok := recv().(*wire.RejectMsg); !ok || m.ID != 7 || m.Code != wire.RejectDuplicate {
 		t.Fatalf("second proposal of id 7 answered %#v", m)
 	}
 	p.expect(`protoerr "kvlease: handoff destination: id 7 already used`)
-	send(&handoff.StartMsg{ID: 99})
+	send(&wire.StartMsg{ID: 99})
 	p.expect(`protoerr "kvlease: handoff destination: start for unknown handoff 99`)
-	send(&handoff.DoneMsg{ID: 7})
+	send(&wire.DoneMsg{ID: 7})
 	p.expect(`protoerr "kvlease: handoff destination: unexpected done`)
 	wantStats(t, "peer destination", p.stats(), "free=60 leased=4 open=1 check=ok started=0")
 	p.do("wait 7 accepted")
 	p.expect("state 7 accepted")
 
-	send(&handoff.AbortMsg{ID: 7, Cause: "the client went away"})
-	if m, ok := recv().(*handoff.AckMsg); !ok || m.ID != 7 || m.Of != handoff.MsgAbort {
+	send(&wire.AbortMsg{ID: 7, Cause: "the client went away"})
+	if m, ok := recv().(*wire.AckMsg); !ok || m.ID != 7 || m.Of != wire.MsgAbort {
 		t.Fatalf("abort answered %#v", m)
 	}
 	if f := p.expect("final 7 "); f[2] != "aborted" {
 		t.Fatalf("peer: %q", f)
 	}
 	send(&handoff.ProposeMsg{ID: 7, Request: "seed=7", Blocks: 1, Envelope: env.Fingerprint()})
-	if m, ok := recv().(*handoff.RejectMsg); !ok || m.Code != handoff.RejectDuplicate {
+	if m, ok := recv().(*wire.RejectMsg); !ok || m.Code != wire.RejectDuplicate {
 		t.Fatalf("a final id proposed again answered %#v", m)
 	}
 	wantStats(t, "peer destination", p.stats(), "free=64 leased=0 open=0 check=ok started=0")

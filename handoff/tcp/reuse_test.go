@@ -52,9 +52,9 @@ func attempt(t *testing.T, l *loop, id uint64, n int, seed byte) (*handoff.Outgo
 // idleIs waits until the sender holds n idle connections: the
 // destination's word reaches the sender's plane (Finish) a moment after
 // the handoff is final.
-func idleIs(t *testing.T, s *tcp.Sender, n int) tcp.Stats {
+func idleIs(t *testing.T, s *tcp.Sender, n int) handoff.PlaneStats {
 	t.Helper()
-	return waitStats(t, "sender idle", s.Stats, func(s tcp.Stats) bool { return s.Idle == n })
+	return waitStats(t, "sender idle", s.Stats, func(s handoff.PlaneStats) bool { return s.Idle == n })
 }
 
 // TestReuseSequential: sequential handoffs, contiguous and layered,
@@ -71,7 +71,7 @@ func TestReuseSequential(t *testing.T) {
 		if s.Dials != 1 || s.Reuses != n-1 || s.Completed != n || s.Stale != 0 {
 			t.Fatalf("sender %+v: want 1 dial, %d reuses", s, n-1)
 		}
-		r := waitStats(t, "receiver", l.recv.Stats, func(s tcp.Stats) bool { return s.Idle == 1 })
+		r := waitStats(t, "receiver", l.recv.Stats, func(s handoff.PlaneStats) bool { return s.Idle == 1 })
 		if r.Dials != 1 || r.Reuses != n-1 || r.Completed != n || r.Refused != 0 {
 			t.Fatalf("receiver %+v: want 1 connection, %d reuses", r, n-1)
 		}
@@ -204,7 +204,7 @@ func TestReuseConcurrent(t *testing.T) {
 		t.Fatalf("sender %+v: want %d dials", s, k)
 	}
 	// The receiver sees the other connections closed and drops them.
-	waitStats(t, "receiver idle", l.recv.Stats, func(s tcp.Stats) bool { return s.Idle == keep })
+	waitStats(t, "receiver idle", l.recv.Stats, func(s handoff.PlaneStats) bool { return s.Idle == keep })
 	for id := uint64(k + 1); id <= k+3; id++ {
 		deliver(t, l, id, 3, byte(id))
 		idleIs(t, l.sender, keep)
@@ -224,11 +224,11 @@ func TestReuseIdleExpiry(t *testing.T) {
 		l := newLoop(t, loopConfig{keepLeases: true, sendCfg: tcp.Config{IdleTimeout: 50 * time.Millisecond},
 			recvCfg: tcp.Config{IdleTimeout: 5 * time.Second}})
 		deliver(t, l, 1, 2, 1)
-		s := waitStats(t, "sender expiry", l.sender.Stats, func(s tcp.Stats) bool { return s.IdleExpired == 1 && s.Idle == 0 })
+		s := waitStats(t, "sender expiry", l.sender.Stats, func(s handoff.PlaneStats) bool { return s.IdleExpired == 1 && s.Idle == 0 })
 		if s.Dials != 1 {
 			t.Fatalf("sender %+v", s)
 		}
-		r := waitStats(t, "receiver", l.recv.Stats, func(s tcp.Stats) bool { return s.Idle == 0 })
+		r := waitStats(t, "receiver", l.recv.Stats, func(s handoff.PlaneStats) bool { return s.Idle == 0 })
 		if r.IdleExpired != 0 || r.Refused != 0 {
 			t.Fatalf("receiver %+v: the sender's close is no refusal, and comes first", r)
 		}
@@ -243,7 +243,7 @@ func TestReuseIdleExpiry(t *testing.T) {
 			recvCfg: tcp.Config{IdleTimeout: 20 * time.Millisecond}, wrapSend: sent.wrap})
 		deliver(t, l, 1, 2, 1)
 		idleIs(t, l.sender, 1)
-		waitStats(t, "receiver expiry", l.recv.Stats, func(s tcp.Stats) bool { return s.IdleExpired == 1 })
+		waitStats(t, "receiver expiry", l.recv.Stats, func(s handoff.PlaneStats) bool { return s.IdleExpired == 1 })
 		waitEOF(t, sent.get(0))
 		deliver(t, l, 2, 2, 2)
 		if s := l.sender.Stats(); s.Dials != 2 || s.Stale != 1 || s.Reuses != 0 || s.Failed != 0 {
@@ -299,7 +299,7 @@ func TestReuseKilledBetween(t *testing.T) {
 				_ = got.get(0).Close()
 				waitEOF(t, sent.get(0))
 			}
-			waitStats(t, "receiver", l.recv.Stats, func(s tcp.Stats) bool { return s.Idle == 0 })
+			waitStats(t, "receiver", l.recv.Stats, func(s handoff.PlaneStats) bool { return s.Idle == 0 })
 			deliver(t, l, 2, 3, 2)
 			if s := l.sender.Stats(); s.Dials != 2 || s.Stale != 1 || s.Failed != 0 || s.Completed != 2 {
 				t.Fatalf("sender %+v", s)
@@ -460,7 +460,7 @@ func TestReuseCanceled(t *testing.T) {
 			if o.State() != handoff.Aborted || in.State() != handoff.Aborted {
 				t.Fatalf("source %v, destination %v", o.State(), in.State())
 			}
-			waitStats(t, "receiver", l.recv.Stats, func(s tcp.Stats) bool { return s.Idle == 0 })
+			waitStats(t, "receiver", l.recv.Stats, func(s handoff.PlaneStats) bool { return s.Idle == 0 })
 			deliver(t, l, 2, 4, 2)
 			if s := l.sender.Stats(); s.Dials != 2 || s.Reuses != 0 {
 				t.Fatalf("sender %+v: the cancelled connection was reused", s)

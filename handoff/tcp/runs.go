@@ -1,9 +1,6 @@
 package tcp
 
 import (
-	"encoding/binary"
-	"fmt"
-	"io"
 	"unsafe"
 )
 
@@ -60,56 +57,4 @@ func frames(dst []int, regions [][]byte) []int {
 		i += n
 	}
 	return dst
-}
-
-// appendLayout appends the wire form of a frame layout.
-func appendLayout(b []byte, fr []int) []byte {
-	b = binary.LittleEndian.AppendUint32(b, uint32(len(fr)))
-	for _, n := range fr {
-		b = binary.LittleEndian.AppendUint32(b, uint32(n))
-	}
-	return b
-}
-
-// parseLayout checks the frame counts of a layout (raw: 4 bytes LE per
-// frame) for blocks blocks of bb bytes: every frame carries at least one
-// block and at most runCap(bb), and the frames carry exactly blocks
-// blocks. A bad layout wraps ErrCorrupt.
-func parseLayout(raw []byte, blocks, bb int) ([]int, error) {
-	if len(raw)%4 != 0 || len(raw)/4 > blocks || (blocks > 0 && len(raw) == 0) {
-		return nil, fmt.Errorf("tcp: a frame layout of %d bytes for %d blocks: %w", len(raw), blocks, ErrCorrupt)
-	}
-	fr := make([]int, len(raw)/4)
-	total, limit := 0, runCap(bb)
-	for f := range fr {
-		n := binary.LittleEndian.Uint32(raw[4*f:])
-		if n == 0 || uint64(n) > uint64(limit) {
-			return nil, fmt.Errorf("tcp: frame %d of %d blocks (1 to %d allowed): %w", f, n, limit, ErrCorrupt)
-		}
-		fr[f] = int(n)
-		total += int(n)
-	}
-	if total != blocks {
-		return nil, fmt.Errorf("tcp: frame layout carries %d blocks, want %d: %w", total, blocks, ErrCorrupt)
-	}
-	return fr, nil
-}
-
-// readLayout reads and checks the frame layout that follows the hello,
-// for blocks (> 0) blocks of bb bytes: its length is checked before
-// anything is allocated (at most 4 bytes per block).
-func readLayout(c io.Reader, blocks, bb int) ([]int, error) {
-	var cnt [4]byte
-	if _, err := io.ReadFull(c, cnt[:]); err != nil {
-		return nil, fmt.Errorf("tcp: frame layout: %w", err)
-	}
-	nf := binary.LittleEndian.Uint32(cnt[:])
-	if nf == 0 || uint64(nf) > uint64(blocks) {
-		return nil, fmt.Errorf("tcp: a layout of %d frames for %d blocks: %w", nf, blocks, ErrCorrupt)
-	}
-	raw := make([]byte, 4*int(nf))
-	if _, err := io.ReadFull(c, raw); err != nil {
-		return nil, fmt.Errorf("tcp: frame layout: %w", err)
-	}
-	return parseLayout(raw, blocks, bb)
 }

@@ -80,7 +80,7 @@ const (
 // sum writes block i's check into dst (trailer() bytes).
 func (s *seal) sum(dst []byte, i int, block []byte) {
 	if !s.keyed {
-		binary.LittleEndian.PutUint32(dst, crc32.Checksum(block, castagnoli))
+		putCRC(dst, crc32.Checksum(block, castagnoli))
 		return
 	}
 	binary.LittleEndian.PutUint32(s.nonce[:], uint32(i))
@@ -90,7 +90,7 @@ func (s *seal) sum(dst []byte, i int, block []byte) {
 // verify checks block i against its check.
 func (s *seal) verify(i int, block, check []byte) error {
 	if !s.keyed {
-		if got, want := crc32.Checksum(block, castagnoli), binary.LittleEndian.Uint32(check); got != want {
+		if got, want := crc32.Checksum(block, castagnoli), crcOf(check); got != want {
 			return fmt.Errorf("crc32c %08x, frame says %08x: %w", got, want, ErrCorrupt)
 		}
 		return nil
@@ -102,29 +102,16 @@ func (s *seal) verify(i int, block, check []byte) error {
 	return nil
 }
 
-// The hello: "KD" | version | flags (bit 0: keyed) | token (16) | blocks
-// (4 LE) | block bytes (4 LE) | HMAC-SHA256 of what precedes (32; zero
-// when not keyed). Flag bit 1 (flagStream, stream.go) says stream mode.
-const (
-	helloBody   = 2 + 1 + 1 + 16 + 4 + 4
-	helloLength = helloBody + sha256.Size
-	flagKeyed   = 1
-)
-
 func (s *seal) hello(tok [16]byte, blocks, bb int) []byte {
 	return s.helloFlags(tok, blocks, bb, 0)
 }
 
 // helloFlags is hello with extra flags (flagStream).
 func (s *seal) helloFlags(tok [16]byte, blocks, bb int, flags byte) []byte {
-	h := make([]byte, 0, helloLength)
 	if s.keyed {
 		flags |= flagKeyed
 	}
-	h = append(h, 'K', 'D', version, flags)
-	h = append(h, tok[:]...)
-	h = binary.LittleEndian.AppendUint32(h, uint32(blocks))
-	h = binary.LittleEndian.AppendUint32(h, uint32(bb))
+	h := appendHello(make([]byte, 0, helloLength), flags, tok, blocks, bb)
 	if !s.keyed {
 		return append(h, make([]byte, sha256.Size)...)
 	}

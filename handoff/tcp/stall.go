@@ -28,15 +28,6 @@ import (
 // stall leaves the connection alone, and a reused connection gets its
 // deadlines from whoever uses it next.
 
-// DefaultStallTimeout is Config.StallTimeout when zero or negative.
-const DefaultStallTimeout = 10 * time.Second
-
-// ErrStalled is the outcome of a transfer whose data connection made no
-// progress (not one byte read or written) for Config.StallTimeout: the
-// peer stopped reading or writing. The loop returned, so it is evidence
-// like any other failure; the transfer fails.
-var ErrStalled = errors.New("tcp: data connection stalled")
-
 // stall is one transfer's progress timeout on its data connection (the
 // connection can change before the first byte: a reused one found dead
 // is replaced). It is a net.Conn whose Read and Write refresh the

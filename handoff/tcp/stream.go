@@ -62,15 +62,6 @@ const (
 	stopWriteGrace = 100 * time.Millisecond
 )
 
-// errStreamStopped is what a stop frame reads as.
-var errStreamStopped = fmt.Errorf("tcp: the sender stopped the stream: %w", kvlease.ErrCanceled)
-
-// flagStream is the hello's stream-mode flag.
-const flagStream = 2
-
-// streamHeader is a stream frame's header length.
-const streamHeader = 16
-
 // maxFrameSpans bounds the spans (iovecs before merging) of one stream
 // frame past its first block.
 const maxFrameSpans = 1024
@@ -286,7 +277,7 @@ type streamWriter struct {
 func writeStream(conn net.Conn, tok [16]byte, sl *seal, ps parts, ready handoff.Ready, cancel *cancelFlag) (int64, error) {
 	n, bb, L := ps.count(), ps.blockBytes(), ready.Layers()
 	head := sl.helloFlags(tok, n, bb, flagStream)
-	head = binary.LittleEndian.AppendUint32(head, uint32(L))
+	head = appendStreamLayers(head, L)
 	if _, err := conn.Write(head); err != nil {
 		return 0, helloError{err} // a reused connection's sender redials
 	}
@@ -323,14 +314,10 @@ func writeStream(conn net.Conn, tok [16]byte, sl *seal, ps parts, ready handoff.
 // only means the receiver learns of the stop by the closed connection.
 func (w *streamWriter) stop(conn net.Conn) {
 	h := w.meta[:streamHeader]
-	clear(h)
-	binary.LittleEndian.PutUint32(h, stopBlock)
+	putStopFrame(h)
 	_ = conn.SetWriteDeadline(time.Now().Add(stopWriteGrace))
 	_, _ = conn.Write(h)
 }
-
-// stopBlock is the first-block field of a stop frame.
-const stopBlock = 0xFFFFFFFF
 
 // send frames layers [l0, l1) of blocks [b0, b1): one gathered write per
 // frame (header, the parts' spans, the check).
@@ -370,14 +357,9 @@ func (w *streamWriter) send(b0, b1, l0, l1 int, cancel *cancelFlag) error {
 			}
 			e++
 		}
-		h := w.meta[:streamHeader]
-		binary.LittleEndian.PutUint32(h[0:], uint32(b))
-		binary.LittleEndian.PutUint32(h[4:], uint32(e-b))
-		binary.LittleEndian.PutUint16(h[8:], uint16(l0))
-		binary.LittleEndian.PutUint16(h[10:], uint16(nl))
-		binary.LittleEndian.PutUint32(h[12:], uint32((e-b)*partBytes))
+		putStreamHeader(w.meta[:streamHeader], b, e-b, l0, nl, (e-b)*partBytes)
 		if !w.sl.keyed {
-			binary.LittleEndian.PutUint32(w.meta[streamHeader:], sum)
+			putCRC(w.meta[streamHeader:], sum)
 		}
 		w.iov = append(w.iov, w.meta[streamHeader:streamHeader+w.sl.checkLen(e-b)])
 		if m, err := w.g.write(w.iov); err != nil {
@@ -395,51 +377,6 @@ func (w *streamWriter) send(b0, b1, l0, l1 int, cancel *cancelFlag) error {
 		b = e
 	}
 	return nil
-}
-
-// streamFrame is a parsed stream frame header.
-type streamFrame struct {
-	block, blocks, layer, layers int
-	length                       int
-}
-
-// parseStreamLayers checks the layer count that follows a stream hello
-// (4 bytes LE) against blocks of bb bytes: 1 to handoff.MaxLayers, and
-// splitting the block. A bad count wraps ErrCorrupt.
-func parseStreamLayers(b []byte, bb int) (int, error) {
-	if len(b) < 4 {
-		return 0, fmt.Errorf("tcp: stream layer count of %d bytes: %w", len(b), ErrCorrupt)
-	}
-	l := binary.LittleEndian.Uint32(b)
-	if l < 1 || l > handoff.MaxLayers || bb%int(l) != 0 {
-		return 0, fmt.Errorf("tcp: a stream of %d layers over blocks of %d bytes: %w", l, bb, ErrCorrupt)
-	}
-	return int(l), nil
-}
-
-// parseStreamHeader checks a stream frame's header (streamHeader bytes)
-// for a stream of blocks blocks of layers layers, layer bytes each: at
-// least one block (at most maxRunBlocks) and one layer, inside the
-// stream, and a length that is exactly its parts'. It allocates nothing;
-// a bad header wraps ErrCorrupt.
-func parseStreamHeader(h []byte, blocks, layers, layerBytes int) (streamFrame, error) {
-	if len(h) < streamHeader {
-		return streamFrame{}, fmt.Errorf("tcp: stream frame header of %d bytes: %w", len(h), ErrCorrupt)
-	}
-	b0, nb := binary.LittleEndian.Uint32(h[0:]), binary.LittleEndian.Uint32(h[4:])
-	l0, nl := binary.LittleEndian.Uint16(h[8:]), binary.LittleEndian.Uint16(h[10:])
-	ln := binary.LittleEndian.Uint32(h[12:])
-	switch {
-	case b0 == stopBlock && nb == 0 && l0 == 0 && nl == 0 && ln == 0:
-		return streamFrame{}, errStreamStopped
-	case nb == 0 || nb > maxRunBlocks || nl == 0:
-		return streamFrame{}, fmt.Errorf("tcp: stream frame of %d blocks (1 to %d) and %d layers: %w", nb, maxRunBlocks, nl, ErrCorrupt)
-	case uint64(b0)+uint64(nb) > uint64(blocks) || int(l0)+int(nl) > layers:
-		return streamFrame{}, fmt.Errorf("tcp: stream frame of blocks %d+%d, layers %d+%d, outside %d blocks of %d layers: %w", b0, nb, l0, nl, blocks, layers, ErrCorrupt)
-	case uint64(nb)*uint64(nl)*uint64(layerBytes) != uint64(ln):
-		return streamFrame{}, fmt.Errorf("tcp: stream frame of %d blocks × %d layers says %d bytes, want %d: %w", nb, nl, ln, uint64(nb)*uint64(nl)*uint64(layerBytes), ErrCorrupt)
-	}
-	return streamFrame{block: int(b0), blocks: int(nb), layer: int(l0), layers: int(nl), length: int(ln)}, nil
 }
 
 // coverage is the receiver's record of the parts received: one bit per
@@ -533,7 +470,7 @@ func readStream(c net.Conn, sl *seal, ps parts, cancel <-chan struct{}) (int64, 
 			for _, sp := range bufs {
 				sum = crc32.Update(sum, castagnoli, sp)
 			}
-			if want := binary.LittleEndian.Uint32(check); sum != want {
+			if want := crcOf(check); sum != want {
 				return got, fmt.Errorf("tcp: blocks %d to %d, layers %d to %d: crc32c %08x, frame says %08x: %w",
 					f.block, f.block+f.blocks-1, f.layer, f.layer+f.layers-1, sum, want, ErrCorrupt)
 			}

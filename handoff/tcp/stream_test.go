@@ -358,7 +358,7 @@ func waitIn[S, D any](t *testing.T, h *streamHalves[S, D], out *handoff.Outgoing
 	return in
 }
 
-func oneTransfer(t *testing.T, s, r tcp.Stats, bytes int) {
+func oneTransfer(t *testing.T, s, r handoff.PlaneStats, bytes int) {
 	t.Helper()
 	if s.Started != 1 || s.Completed != 1 || r.Started != 1 || r.Completed != 1 || s.Bytes != int64(bytes) || r.Bytes != int64(bytes) {
 		t.Fatalf("one transfer of %d bytes per side expected: sender %+v, receiver %+v", bytes, s, r)

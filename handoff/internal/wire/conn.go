@@ -1,4 +1,4 @@
-package handoff
+package wire
 
 import (
 	"net"
@@ -10,12 +10,12 @@ import (
 // arrive whole, and how long a write may block.
 const DefaultFrameTimeout = 10 * time.Second
 
-// ctrl is one control connection: framed reads on one goroutine, writes
+// Conn is one control connection: framed reads on one goroutine, writes
 // serialised by a mutex, each with a deadline. In a psk session every
 // frame travels in a sealed record (ch).
-type ctrl struct {
+type Conn struct {
 	c       net.Conn
-	ch      *channel // nil unless psk
+	ch      *Channel // nil unless psk
 	timeout time.Duration
 	rbuf    []byte
 
@@ -23,32 +23,40 @@ type ctrl struct {
 	wbuf []byte // the frame, or in a psk session its record
 }
 
-func newCtrl(c net.Conn, timeout time.Duration) *ctrl {
+// NewConn returns the control connection over c: ch is the psk session's
+// record layer (nil otherwise), timeout the frame timeout
+// (DefaultFrameTimeout when not positive).
+func NewConn(c net.Conn, ch *Channel, timeout time.Duration) *Conn {
 	if timeout <= 0 {
 		timeout = DefaultFrameTimeout
 	}
-	return &ctrl{c: c, timeout: timeout}
+	return &Conn{c: c, ch: ch, timeout: timeout}
 }
 
-// read waits (without a deadline) for a frame to begin, then gives the
+// Close closes the connection (a read in progress ends).
+func (c *Conn) Close() error { return c.c.Close() }
+
+// Read waits (without a deadline) for a frame to begin, then gives the
 // rest of it the frame timeout.
-func (c *ctrl) read() (Message, error) {
+func (c *Conn) Read() (Message, error) {
 	_ = c.c.SetReadDeadline(time.Time{})
 	began := func() { _ = c.c.SetReadDeadline(time.Now().Add(c.timeout)) }
 	if c.ch != nil {
-		frame, buf, err := c.ch.readRecord(c.c, c.rbuf, began)
+		frame, buf, err := c.ch.ReadRecord(c.c, c.rbuf, began)
 		c.rbuf = buf
 		if err != nil {
 			return nil, err
 		}
-		return parseFrame(frame)
+		return ParseFrame(frame)
 	}
 	m, buf, err := readFrame(c.c, c.rbuf, began)
 	c.rbuf = buf
 	return m, err
 }
 
-func (c *ctrl) send(m Message) error {
+// Send writes m's frame (its record, in a psk session) within the frame
+// timeout.
+func (c *Conn) Send(m Message) error {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
 	if c.ch == nil {

@@ -1,7 +1,6 @@
-package handoff
+package wire
 
 import (
-	"errors"
 	"fmt"
 	"hash/crc32"
 	"io"
@@ -53,25 +52,6 @@ const (
 	MaxPlane     = 4096    // most data-plane bytes in Accept or Start
 	MaxBlocks    = 1 << 16 // most blocks in one handoff
 	headerLength = 12
-)
-
-// ErrProtocol is wrapped by every error about a malformed or unexpected
-// message. Each such error also wraps one of its two kinds, which say what
-// the violation cost:
-//
-//   - ErrProtocolFatal: the bytes cannot be trusted (bad framing,
-//     checksum, version or length, a payload that does not parse, a
-//     record that does not verify): the connection ends.
-//   - ErrProtocolRefused: a well-formed message the receiver will not act
-//     on (an unknown handoff id, a message its handoff's state does not
-//     allow, a reordering): it is refused, reported (HalfConfig.OnError)
-//     and changes nothing; the connection goes on.
-var ErrProtocol = errors.New("kvlease: handoff protocol violation")
-
-// The two kinds of protocol error; both wrap ErrProtocol.
-var (
-	ErrProtocolFatal   = fmt.Errorf("fatal to the connection: %w", ErrProtocol)
-	ErrProtocolRefused = fmt.Errorf("refused, nothing changed: %w", ErrProtocol)
 )
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
@@ -130,14 +110,14 @@ func readFrame(r io.Reader, buf []byte, began func()) (Message, []byte, error) {
 	if _, err := io.ReadFull(r, frame[headerLength:]); err != nil {
 		return nil, buf, fmt.Errorf("kvlease: handoff: half a frame (%d bytes announced): %w (%w)", n, ErrProtocolFatal, err)
 	}
-	m, err := parseFrame(frame)
+	m, err := ParseFrame(frame)
 	return m, buf, err
 }
 
 // checkHeader checks a frame header's magic, version and length (at most
 // MaxFrame) and returns the length: the one check of a header, whether
 // it came bare (readFrame, before the payload is allocated) or out of a
-// record (parseFrame).
+// record (ParseFrame).
 func checkHeader(h []byte) (uint32, error) {
 	if h[0] != 'K' || h[1] != 'H' {
 		return 0, fmt.Errorf("kvlease: handoff: bad frame magic %q: %w", h[:2], ErrProtocolFatal)
@@ -152,9 +132,9 @@ func checkHeader(h []byte) (uint32, error) {
 	return n, nil
 }
 
-// parseFrame checks a whole frame (header and checksum) and parses its
+// ParseFrame checks a whole frame (header and checksum) and parses its
 // payload.
-func parseFrame(frame []byte) (Message, error) {
+func ParseFrame(frame []byte) (Message, error) {
 	if len(frame) < headerLength {
 		return nil, fmt.Errorf("kvlease: handoff: frame of %d bytes: %w", len(frame), ErrProtocolFatal)
 	}

@@ -1,4 +1,4 @@
-package handoff
+package wire
 
 import (
 	"crypto/aes"
@@ -8,7 +8,7 @@ import (
 	"slices"
 )
 
-// channel is the record layer of a psk session: each control frame is
+// Channel is the record layer of a psk session: each control frame is
 // sealed with AES-256-GCM under its direction's key, with the record's
 // sequence number as the nonce. The receiver takes only the next
 // sequence number of its direction, so a replayed, reordered, dropped or
@@ -17,7 +17,7 @@ import (
 //	length (4 bytes LE: sequence + sealed frame) | sequence (8 bytes LE) | AES-GCM(frame) with its 16-byte tag
 //
 // The length and the sequence are the additional data.
-type channel struct {
+type Channel struct {
 	send, recv cipher.AEAD
 	sseq, rseq uint64 // the next sequence to send, to take
 }
@@ -30,7 +30,9 @@ const (
 	maxRecord = 8 + headerLength + MaxFrame + recordTag
 )
 
-func newChannel(sendKey, recvKey []byte) (*channel, error) {
+// NewChannel returns the record layer of one side of a psk session:
+// sendKey seals what it sends, recvKey opens what it reads.
+func NewChannel(sendKey, recvKey []byte) (*Channel, error) {
 	s, err := newGCM(sendKey)
 	if err != nil {
 		return nil, err
@@ -39,7 +41,7 @@ func newChannel(sendKey, recvKey []byte) (*channel, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &channel{send: s, recv: r}, nil
+	return &Channel{send: s, recv: r}, nil
 }
 
 func newGCM(key []byte) (cipher.AEAD, error) {
@@ -56,8 +58,8 @@ func seqNonce(seq uint64) []byte {
 	return n[:]
 }
 
-// seal appends the record of frame to b. Called with the writer's lock.
-func (ch *channel) seal(b, frame []byte) []byte {
+// Seal appends the record of frame to b. Called with the writer's lock.
+func (ch *Channel) Seal(b, frame []byte) []byte {
 	start := len(b)
 	b = append(append(b, make([]byte, recordHeader)...), frame...)
 	return ch.sealTail(b, start)
@@ -66,7 +68,7 @@ func (ch *channel) seal(b, frame []byte) []byte {
 // sealTail turns b[start:] (recordHeader bytes to fill, then a frame)
 // into the frame's record, sealing the frame in place (no copy of it),
 // and returns b grown by the tag. Called with the writer's lock.
-func (ch *channel) sealTail(b []byte, start int) []byte {
+func (ch *Channel) sealTail(b []byte, start int) []byte {
 	n := len(b) - start - recordHeader // the frame's length
 	le.PutUint32(b[start:], uint32(8+n+recordTag))
 	le.PutUint64(b[start+4:], ch.sseq)
@@ -77,11 +79,11 @@ func (ch *channel) sealTail(b []byte, start int) []byte {
 	return b[:start+recordHeader+len(sealed)]
 }
 
-// readRecord reads one record from r into buf and returns the frame it
+// ReadRecord reads one record from r into buf and returns the frame it
 // holds (opened in place) and the buffer for the next call. began is
 // called once the first byte has arrived. Errors wrap ErrAuth (and
 // ErrProtocolFatal) for anything but r's own.
-func (ch *channel) readRecord(r io.Reader, buf []byte, began func()) ([]byte, []byte, error) {
+func (ch *Channel) ReadRecord(r io.Reader, buf []byte, began func()) ([]byte, []byte, error) {
 	if cap(buf) < recordHeader {
 		buf = make([]byte, 0, 512)
 	}

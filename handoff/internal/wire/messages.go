@@ -1,8 +1,7 @@
-package handoff
+package wire
 
 import (
 	"encoding/binary"
-	"errors"
 	"fmt"
 
 	"github.com/kvlease/kvlease"
@@ -83,43 +82,6 @@ const (
 	RejectLimit                       // a per-session cap (ErrLimit)
 	numRejectCodes
 )
-
-func (c RejectCode) sentinel() error {
-	switch c {
-	case RejectExhausted:
-		return kvlease.ErrExhausted
-	case RejectCapacity:
-		return kvlease.ErrExceedsCapacity
-	case RejectEnvelope:
-		return kvlease.ErrInvalidArgument
-	case RejectDuplicate:
-		return ErrState
-	case RejectClosed:
-		return kvlease.ErrPoolClosed
-	case RejectLimit:
-		return ErrLimit
-	}
-	return ErrRejected
-}
-
-// rejectCode maps a destination's error to its code.
-func rejectCode(err error) RejectCode {
-	switch {
-	case errors.Is(err, ErrLimit):
-		return RejectLimit
-	case errors.Is(err, kvlease.ErrExceedsCapacity):
-		return RejectCapacity
-	case errors.Is(err, kvlease.ErrExhausted):
-		return RejectExhausted
-	case errors.Is(err, kvlease.ErrPoolClosed):
-		return RejectClosed
-	case errors.Is(err, ErrState):
-		return RejectDuplicate
-	case errors.Is(err, kvlease.ErrInvalidArgument):
-		return RejectEnvelope
-	}
-	return RejectPolicy
-}
 
 // RejectMsg refuses a handoff, before or after accepting it (as long as no
 // Start was taken).

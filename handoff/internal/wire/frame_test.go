@@ -1,4 +1,4 @@
-package handoff
+package wire
 
 import (
 	"bytes"
@@ -88,8 +88,8 @@ func TestProtoMalformed(t *testing.T) {
 			t.Errorf("%s: %v does not wrap ErrProtocol and ErrProtocolFatal alone", name, err)
 		}
 		// The same bytes out of a record (a psk session) take the
-		// other path, parseFrame, which must refuse them alike.
-		m, err = parseFrame(b)
+		// other path, ParseFrame, which must refuse them alike.
+		m, err = ParseFrame(b)
 		if m != nil || !errors.Is(err, ErrProtocolFatal) || errors.Is(err, ErrProtocolRefused) {
 			t.Errorf("%s out of a record: parsed %v, %v", name, m, err)
 		}
