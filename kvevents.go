@@ -73,6 +73,11 @@ type KVEvent struct {
 	// Stored: the block's extra keys (mixed into its hash), nil if none.
 	// Shared, read only.
 	ExtraKeys []string
+	// Stored: the public namespace identifier of the tenant whose lease
+	// sealed the block (Tenant.Namespace), or the one its copy was sealed
+	// under (SealInfo.Namespace); "" for none. The events package sends it
+	// as the last extra key of a chain's first block.
+	Namespace string
 }
 
 // WithKVEvents turns on KV events with a ring of buffer events (1 to 2²⁴).
@@ -144,7 +149,7 @@ func (k *kvEventLog) push(e KVEvent) {
 func storedEvent(c *core, id BlockID, h BlockHash) (KVEvent, []int32) {
 	r, tokens := c.sealRecord(id)
 	e := KVEvent{Kind: KVBlockStored, BlockHash: h, HasParent: r.chained, BlockSize: c.cfg.blockTokens,
-		ExtraKeys: r.keys()}
+		ExtraKeys: r.keys(), Namespace: r.ns()}
 	if r.chained {
 		e.ParentBlockHash = r.parent
 	}
