@@ -143,6 +143,20 @@ func (p *Pool[R]) Tenant(name string) (*Tenant[R], error) {
 	return t, nil
 }
 
+// LookupTenant returns the tenant called name if it is registered
+// (Pool.Tenant), without registering it: for a name that came with a
+// request (SequenceSpec.Tenant), which must never register a tenant.
+func (p *Pool[R]) LookupTenant(name string) (*Tenant[R], bool) {
+	ix := p.tenantIndex(name)
+	if ix == 0 {
+		return nil, false
+	}
+	c := &p.core
+	c.mu.Lock()
+	defer c.unlock()
+	return p.tn.handles[ix-1], true
+}
+
 // tenantIndex is the index of the tenant called name, 0 when it is not
 // registered. It takes no lock.
 func (p *Pool[R]) tenantIndex(name string) uint16 {

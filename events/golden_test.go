@@ -2,6 +2,7 @@ package events
 
 import (
 	"encoding/hex"
+	"fmt"
 	"testing"
 
 	"github.com/kvlease/kvlease"
@@ -71,5 +72,36 @@ func TestGoldenBytesWithoutTenant(t *testing.T) {
 		if got != want {
 			t.Errorf("%v: %s\nwant %s", enc, got, want)
 		}
+	}
+}
+
+// A tenant's chain goes out with its namespace as the last extra key of
+// its first block (after the block's own), and nowhere else.
+func TestNamespaceIsFirstBlocksLastExtraKey(t *testing.T) {
+	evs := []kvlease.KVEvent{
+		{Seq: 1, Kind: kvlease.KVBlockStored, BlockHash: 1, TokenIDs: []int32{1, 2}, BlockSize: 2, Namespace: "ns:a"},
+		{Seq: 2, Kind: kvlease.KVBlockStored, BlockHash: 2, ParentBlockHash: 1, HasParent: true, TokenIDs: []int32{3, 4}, BlockSize: 2, Namespace: "ns:a"},
+		{Seq: 3, Kind: kvlease.KVBlockStored, BlockHash: 3, TokenIDs: []int32{1, 2}, BlockSize: 2, Namespace: "ns:b", ExtraKeys: []string{"img:1"}},
+		{Seq: 4, Kind: kvlease.KVBlockStored, BlockHash: 4, TokenIDs: []int32{1, 2}, BlockSize: 2},
+	}
+	d := &drainer{p: &Publisher{}}
+	wire := d.convert(&source{}, evs, nil, true)
+	for _, enc := range []Encoding{MapEncoding, ArrayEncoding} {
+		b, err := DecodeBatch(newBatchEncoder(enc, 0).encode(1, wire))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(b.Events) != 3 {
+			t.Fatalf("%v: %d events", enc, len(b.Events))
+		}
+		want := [][][]string{{{"ns:a"}, nil}, {{"img:1", "ns:b"}}, nil}
+		for i, e := range b.Events {
+			if fmt.Sprint(e.ExtraKeys) != fmt.Sprint(want[i]) || (want[i] == nil) != (e.ExtraKeys == nil) {
+				t.Fatalf("%v: event %d extra keys %q, want %q", enc, i, e.ExtraKeys, want[i])
+			}
+		}
+	}
+	if evs[2].ExtraKeys[0] != "img:1" || len(evs[2].ExtraKeys) != 1 {
+		t.Fatalf("the pool's extra keys were written: %q", evs[2].ExtraKeys)
 	}
 }
