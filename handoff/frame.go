@@ -43,8 +43,9 @@ import (
 // handshake) of another version is refused. Version 2 added the
 // authentication handshake (auth.go) and the psk record layer; version
 // 3 the psk handshake's ephemeral X25519 shares (forward secrecy) and the
-// destination's confirm byte.
-const ProtocolVersion = 3
+// destination's confirm byte; version 4 the tenant namespace and salt of
+// a Propose.
+const ProtocolVersion = 4
 
 // Limits of the control protocol.
 const (
