@@ -11,7 +11,8 @@ import (
 // so an adapter to its wire format is a thin layer:
 //
 //	KVBlockStored      → BlockStored{block_hashes: [BlockHash], parent_block_hash: ParentBlockHash
-//	                     (None unless HasParent), token_ids: TokenIDs, block_size: BlockSize}
+//	                     (None unless HasParent), token_ids: TokenIDs, block_size: BlockSize,
+//	                     extra_keys: [ExtraKeys, plus Namespace last on a chain's first block]}
 //	KVBlockRemoved     → BlockRemoved{block_hashes: [BlockHash]}
 //	KVAllBlocksCleared → AllBlocksCleared{}
 //
