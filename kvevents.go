@@ -11,7 +11,8 @@ import (
 // so an adapter to its wire format is a thin layer:
 //
 //	KVBlockStored      → BlockStored{block_hashes: [BlockHash], parent_block_hash: ParentBlockHash
-//	                     (None unless HasParent), token_ids: TokenIDs, block_size: BlockSize}
+//	                     (None unless HasParent), token_ids: TokenIDs, block_size: BlockSize,
+//	                     extra_keys: [ExtraKeys, plus Namespace last on a chain's first block]}
 //	KVBlockRemoved     → BlockRemoved{block_hashes: [BlockHash]}
 //	KVAllBlocksCleared → AllBlocksCleared{}
 //
@@ -73,6 +74,11 @@ type KVEvent struct {
 	// Stored: the block's extra keys (mixed into its hash), nil if none.
 	// Shared, read only.
 	ExtraKeys []string
+	// Stored: the public namespace identifier of the tenant whose lease
+	// sealed the block (Tenant.Namespace), or the one its copy was sealed
+	// under (SealInfo.Namespace); "" for none. The events package sends it
+	// as the last extra key of a chain's first block.
+	Namespace string
 }
 
 // WithKVEvents turns on KV events with a ring of buffer events (1 to 2²⁴).
@@ -144,7 +150,7 @@ func (k *kvEventLog) push(e KVEvent) {
 func storedEvent(c *core, id BlockID, h BlockHash) (KVEvent, []int32) {
 	r, tokens := c.sealRecord(id)
 	e := KVEvent{Kind: KVBlockStored, BlockHash: h, HasParent: r.chained, BlockSize: c.cfg.blockTokens,
-		ExtraKeys: r.keys()}
+		ExtraKeys: r.keys(), Namespace: r.ns()}
 	if r.chained {
 		e.ParentBlockHash = r.parent
 	}

@@ -42,6 +42,7 @@ type config struct {
 	blockTokens  int
 	kvEvents     int
 	tenantKey    []byte  // WithTenantKey: the root of every tenant's secret
+	publicNames  bool    // WithPublicTenantNames: a tenant's namespace is its name
 	hasher       Hasher  // WithHasher; nil: HashBlockExtra
 	alert        bool    // WithQuarantineAlert given
 	alertShare   float64 // alert when quarantined blocks exceed this share

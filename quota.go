@@ -83,16 +83,17 @@ type Tenant[R any] struct {
 	p    *Pool[R]
 	ix   uint16
 	name string
+	ns   string // its public namespace identifier (tenant.go), "" for none
 }
 
 // tenantRecord is what the pool keeps of a registered tenant besides its
 // charges (in the slot table): its name and counters. Guarded by c.mu.
-// A tenant's other per-tenant state (a public namespace identifier, say)
-// belongs here too.
+// A tenant's other per-tenant state belongs here too.
 type tenantRecord struct {
 	name          string
-	queries, hits uint64 // admitted prefix lookups, as Stats counts them
-	rejected      uint64 // refused by its cap
+	ns            *extraKeys // its namespace, shared by the records of its blocks without extra keys; nil: none
+	queries, hits uint64     // admitted prefix lookups, as Stats counts them
+	rejected      uint64     // refused by its cap
 }
 
 // tenantState is the pool's registry of tenants.
@@ -124,8 +125,13 @@ func (p *Pool[R]) Tenant(name string) (*Tenant[R], error) {
 	if c.tenants == nil {
 		c.tenants = []tenantRecord{{}}
 	}
-	c.tenants = append(c.tenants, tenantRecord{name: name})
-	t := &Tenant[R]{p: p, ix: ix, name: name}
+	rec := tenantRecord{name: name}
+	ns := tenantNamespace(&p.cfg, name)
+	if ns != "" {
+		rec.ns = &extraKeys{ns: ns}
+	}
+	c.tenants = append(c.tenants, rec)
+	t := &Tenant[R]{p: p, ix: ix, name: name, ns: ns}
 	p.tn.handles = append(p.tn.handles, t)
 	m := map[string]uint16{name: ix}
 	if old := p.tn.byName.Load(); old != nil {
@@ -135,6 +141,20 @@ func (p *Pool[R]) Tenant(name string) (*Tenant[R], error) {
 	}
 	p.tn.byName.Store(&m)
 	return t, nil
+}
+
+// LookupTenant returns the tenant called name if it is registered
+// (Pool.Tenant), without registering it: for a name that came with a
+// request (SequenceSpec.Tenant), which must never register a tenant.
+func (p *Pool[R]) LookupTenant(name string) (*Tenant[R], bool) {
+	ix := p.tenantIndex(name)
+	if ix == 0 {
+		return nil, false
+	}
+	c := &p.core
+	c.mu.Lock()
+	defer c.unlock()
+	return p.tn.handles[ix-1], true
 }
 
 // tenantIndex is the index of the tenant called name, 0 when it is not

@@ -34,6 +34,13 @@ type sealTokens struct {
 	chain    chainPlace
 	noTokens bool
 	extra    []string // the block's extra keys (mixed into its hash), owned by the seal from now on
+	// SealAs only: what the block's record says beyond its place.
+	// plain: the parent is not known (a plain Seal's record); ns: its
+	// namespace ("": the lease's tenant's); adapter: its adapter (the
+	// zero Adapter: the lease's tag).
+	plain   bool
+	ns      string
+	adapter Adapter
 }
 
 // chainPlace says where a sealed block sits in its chain, for its KV event.
@@ -78,6 +85,13 @@ func (l *lease) sealLocked(i int, h BlockHash, st *sealTokens, ev *outbox) error
 	if st != nil || c.verified { // (a plain Seal on a plain pool has nothing to check)
 		if err := c.checkSealTokens(st); err != nil {
 			return fmt.Errorf("kvlease: seal block %d of lease %d (%s): %w", i, l.id, l.owner, err)
+		}
+		if st != nil && st.ns != "" && l.tenant != 0 {
+			// A tenant's lease seals only under the tenant's namespace.
+			if own := c.tenants[l.tenant].ns; own != nil && own.ns != st.ns {
+				return fmt.Errorf("kvlease: seal block %d of lease %d (%s) of tenant %q under namespace %q, not the tenant's: %w",
+					i, l.id, l.owner, c.tenants[l.tenant].name, st.ns, ErrInvalidArgument)
+			}
 		}
 	}
 	c.tab.Seal(int32(id))
@@ -175,18 +189,30 @@ func (l *Lease[R]) SealChained(i int, parent BlockHash, hasParent bool, tokens [
 // nil. Verified mode needs the tokens. Errors wrap ErrInvalidArgument for
 // a refused s; others as Seal.
 func (l *Lease[R]) SealAs(i int, s SealInfo) error {
+	if s.Adapter.Name == "" && s.Adapter.ID != 0 {
+		return fmt.Errorf("kvlease: seal block %d as %016x: adapter id %d without a name: %w", i, uint64(s.Hash), s.Adapter.ID, ErrInvalidArgument)
+	}
+	var extra []string
+	if len(s.ExtraKeys) > 0 {
+		extra = slices.Clone(s.ExtraKeys)
+	}
+	tagged := s.Namespace != "" || s.Adapter != (Adapter{}) || extra != nil
 	if !s.HasParent {
 		if s.Tokens != nil {
 			return fmt.Errorf("kvlease: seal block %d as %016x: tokens without a parent: %w", i, uint64(s.Hash), ErrInvalidArgument)
 		}
-		return l.ls.seal(i, s.Hash, nil)
+		if !tagged {
+			return l.ls.seal(i, s.Hash, nil)
+		}
+		return l.ls.seal(i, s.Hash, &sealTokens{plain: true, noTokens: true, extra: extra, ns: s.Namespace, adapter: s.Adapter})
 	}
-	st := &sealTokens{parent: s.Parent, tokens: s.Tokens, chain: chainStartAny, noTokens: s.Tokens == nil}
+	st := &sealTokens{parent: s.Parent, tokens: s.Tokens, chain: chainStartAny, noTokens: s.Tokens == nil,
+		extra: extra, ns: s.Namespace, adapter: s.Adapter}
 	if s.Chained {
 		st.chain = chainChild
 	}
 	if s.Tokens != nil && len(s.Tokens) == l.ls.c.cfg.blockTokens {
-		h, err := l.ls.c.hashBlock(s.Parent, s.Tokens, nil)
+		h, err := l.ls.c.hashBlock(s.Parent, s.Tokens, extra)
 		if err != nil {
 			return err
 		}
@@ -217,15 +243,25 @@ type SealInfo struct {
 	// Tokens are the block's tokens when it was sealed with them, else
 	// nil.
 	Tokens []int32
+	// Namespace is the public namespace identifier of the block's tenant
+	// (Tenant.Namespace), "" for none; Adapter is the adapter it was
+	// tagged with (Lease.SetAdapter), the zero Adapter for the base
+	// model; ExtraKeys are its extra keys (mixed into its hash), nil for
+	// none. SealAs records all three with the copy (a lease of a tenant
+	// with a namespace seals only under that namespace), so its KV events
+	// publish them as the original's did.
+	Namespace string
+	Adapter   Adapter
+	ExtraKeys []string
 }
 
 // SealInfo reports how the block ref names was sealed, its tokens copied
 // into tokens' array: SealInfo.Tokens is append(tokens[:0], the block's
 // tokens...), or nil when it was sealed without. Pass a buffer with room
-// for a block to allocate nothing. ok is false when the pool keeps no seal records (see
+// for a block to allocate nothing (extra keys, rare, are copied into a
+// fresh slice). ok is false when the pool keeps no seal records (see
 // WithSealRecords), when ref is outside the pool or stale (the slot has
-// moved to another generation), or when the block is not sealed. Extra
-// keys and adapters are not reported.
+// moved to another generation), or when the block is not sealed.
 //
 // A block stays sealed while a lease holds it or the cache keeps it:
 // read the record of a block you hold (an eviction hook's offered lease,
@@ -242,7 +278,11 @@ func (p *Pool[R]) SealInfo(ref BlockRef, tokens []int32) (info SealInfo, ok bool
 		return SealInfo{}, false
 	}
 	r, toks := c.sealRecord(ref.ID)
-	info = SealInfo{Hash: c.pre[id].hash, Parent: r.parent, HasParent: r.known, Chained: r.chained}
+	info = SealInfo{Hash: c.pre[id].hash, Parent: r.parent, HasParent: r.known, Chained: r.chained,
+		Namespace: r.ns(), ExtraKeys: slices.Clone(r.keys())}
+	if r.adapter != 0 {
+		info.Adapter = c.adapters[r.adapter]
+	}
 	if toks != nil {
 		info.Tokens = append(tokens[:0], toks...)
 	}
@@ -325,15 +365,27 @@ type sealRecord struct {
 	// adapter: the sealing lease's adapter (Lease.SetAdapter), an index
 	// into the pool's interned adapters (0: none).
 	adapter int32
-	// extra: the block's extra keys and their digest, nil for none (a
-	// multimodal block's: rare, so a pointer keeps the record small).
+	// extra: the block's extra keys and their digest, and its
+	// namespace; nil for none (a multimodal or a tenant's block: a
+	// pointer keeps the record small, and a tenant's blocks without
+	// extra keys share its tenantRecord's).
 	extra *extraKeys
 }
 
-// extraKeys are a sealed block's extra keys (SequenceSpec.Extra).
+// extraKeys are a sealed block's extra keys (SequenceSpec.Extra) and its
+// namespace (Tenant.Namespace). Never written once a record points to it.
 type extraKeys struct {
 	keys   []string
 	digest BlockHash // extraDigest(keys)
+	ns     string
+}
+
+// ns is the record's namespace ("": none).
+func (r *sealRecord) ns() string {
+	if r.extra == nil {
+		return ""
+	}
+	return r.extra.ns
 }
 
 // extraDigest is the record's extra keys' digest (0: none).
@@ -357,7 +409,7 @@ func (r *sealRecord) keys() []string {
 // checkSealTokens, in a pool whose records someone reads (c.records).
 func (c *core) recordSeal(l *lease, i int, id BlockID, st *sealTokens) {
 	var r sealRecord
-	if st != nil {
+	if st != nil && !st.plain {
 		r.parent, r.known = st.parent, true
 		r.chained = st.chain == chainChild || (st.chain == chainByLease && i > 0)
 		if bt := c.cfg.blockTokens; bt > 0 && len(st.tokens) == bt {
@@ -366,9 +418,6 @@ func (c *core) recordSeal(l *lease, i int, id BlockID, st *sealTokens) {
 			}
 			copy(c.sealTok[int(id)*bt:(int(id)+1)*bt], st.tokens)
 			r.tokens = true
-		}
-		if len(st.extra) > 0 {
-			r.extra = &extraKeys{keys: st.extra, digest: extraDigest(st.extra)}
 		}
 	} else if i > 0 {
 		// A plain Seal: block 0 of a lease starts its chain; a later block
@@ -380,6 +429,26 @@ func (c *core) recordSeal(l *lease, i int, id BlockID, st *sealTokens) {
 	if l.extra != nil {
 		r.adapter = l.extra.tagIx
 	}
+	var ns *extraKeys
+	if l.tenant != 0 {
+		ns = c.tenants[l.tenant].ns
+	}
+	if st != nil {
+		if st.adapter != (Adapter{}) {
+			r.adapter = c.internAdapter(st.adapter)
+		}
+		if len(st.extra) > 0 || (st.ns != "" && (ns == nil || ns.ns != st.ns)) {
+			k := &extraKeys{ns: st.ns}
+			if k.ns == "" && ns != nil {
+				k.ns = ns.ns
+			}
+			if len(st.extra) > 0 {
+				k.keys, k.digest = st.extra, extraDigest(st.extra)
+			}
+			ns = k
+		}
+	}
+	r.extra = ns
 	c.seals[id] = r
 }
 

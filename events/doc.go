@@ -24,6 +24,21 @@
 // are counted as unpublishable. DecodeBatch decodes a payload as a
 // subscriber would.
 //
+// # Tenants
+//
+// A block sealed by a registered tenant's lease carries the tenant's
+// public namespace identifier (kvlease.Tenant.Namespace: "ns:" and 32
+// hex digits of an HMAC under the tenant's secret, or its name with
+// kvlease.WithPublicTenantNames). The publisher sends it as the last
+// extra key of each chain's first block (the block with no parent), in
+// extra_keys, where vLLM sends a request's cache_salt and SGLang its
+// extra key: llm-d's indexer mixes a block's extra keys into its key, so
+// two tenants' identical prompts are indexed apart, the whole chain
+// after the first block included. A router looks a prompt up with the
+// same extra key on its first block. The pool's secret, the tenant's
+// secret and seeds, and (unless opted in) the tenant's name are never
+// sent; a block of no tenant is sent exactly as before.
+//
 // # What the stream reveals, and to whom
 //
 // Every stored event carries the token ids of its block, so a subscriber

@@ -754,8 +754,8 @@ func (d *drainer) convert(s *source, evs []kvlease.KVEvent, dst []wireEvent, liv
 			we := wireEvent{tag: tagBlockStored,
 				parent: uint64(e.ParentBlockHash), hasParent: e.HasParent, blockSize: bs,
 				medium: s.Medium, loraName: loraName, loraID: loraID}
-			if len(e.ExtraKeys) > 0 {
-				we.extraKeys = [][]string{e.ExtraKeys} // later blocks of the chain append theirs
+			if keys := chainStartKeys(e); len(keys) > 0 {
+				we.extraKeys = [][]string{keys} // later blocks of the chain append theirs
 			}
 			dst = append(dst, we)
 		case kvlease.KVBlockRemoved:
@@ -789,6 +789,22 @@ func (d *drainer) convert(s *source, evs []kvlease.KVEvent, dst []wireEvent, liv
 		}
 	}
 	return dst
+}
+
+// chainStartKeys is the extra keys a stored event's block goes on the
+// wire with when it starts a wire event: its own, and, for the first
+// block of a chain (no parent) of a tenant with a namespace, the
+// namespace identifier last. That is where vLLM puts a request's
+// cache_salt, and what llm-d's indexer mixes into the block's key: its
+// keys for the whole chain then differ between tenants whose prompts
+// are the same. A block with a parent needs none (its key follows its
+// parent's); an event without a namespace is as it always was.
+func chainStartKeys(e *kvlease.KVEvent) []string {
+	if e.Namespace == "" || e.HasParent {
+		return e.ExtraKeys
+	}
+	keys := make([]string, 0, len(e.ExtraKeys)+1)
+	return append(append(keys, e.ExtraKeys...), e.Namespace)
 }
 
 // nilIfEmpty is keys, or nil when there are none: a block without extra

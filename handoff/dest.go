@@ -76,8 +76,23 @@ type DestinationConfig[R any] struct {
 	// identity (peer.Identity: "psk:<id>", a certificate's URI SAN or
 	// subject): a non-nil error rejects the proposal before anything is
 	// acquired, so an engine can allowlist its prefill fleet. It runs
-	// before Decide, on the connection's read loop.
+	// before Decide, on the connection's read loop. It sees the
+	// proposal's tenant namespace (p.Namespace) too.
 	Authorize func(peer *Peer, p *ProposeMsg) error
+	// Tenant, if set, is the destination's tenant policy: given the
+	// authenticated proposer and the namespace it proposes (p.Namespace,
+	// "" for blocks of no tenant), it returns the tenant of the pool the
+	// blocks are taken and sealed for (nil: no tenant), or an error that
+	// rejects the proposal. It runs after Authorize, for every proposal.
+	// The destination then refuses (ErrNamespace) a tenant whose
+	// namespace is not the proposed one, and a proposal under a namespace
+	// that carries no tokens or whose Seed is not the tenant's seed for
+	// p.Salt (kvlease.Pool.TenantSeed): blocks are sealed only in the
+	// namespace, and under the root, of a tenant the policy allows that
+	// proposer. The tenant's lease takes the blocks under its quota.
+	// Without a policy every proposal under a namespace is refused
+	// (ErrNamespace); the others are served as before, for no tenant.
+	Tenant func(peer *Peer, p *ProposeMsg) (*kvlease.Tenant[R], error)
 	// StartTimeout bounds how long an Accepted handoff waits for the
 	// source's Start: then it is aborted (its lease released; nothing
 	// was attached, so nothing can touch it) and the source told
@@ -378,10 +393,55 @@ func checkTokens(m *ProposeMsg, bt int) error {
 	return nil
 }
 
+// ErrNamespace is wrapped by the rejection of a proposal whose tenant
+// namespace the destination does not allow its proposer (see
+// DestinationConfig.Tenant). It wraps ErrRejected.
+var ErrNamespace = fmt.Errorf("kvlease: handoff namespace not allowed: %w", ErrRejected)
+
+// tenantFor applies the destination's tenant policy to proposal m from
+// peer: the tenant whose lease takes the blocks (nil: none), or the
+// error that rejects it.
+func tenantFor[R any](d *Destination[R], peer *Peer, m *ProposeMsg) (*kvlease.Tenant[R], error) {
+	if d.cfg.Tenant == nil {
+		if m.Namespace != "" {
+			return nil, fmt.Errorf("kvlease: handoff %d: namespace %q proposed to a destination without a tenant policy: %w", m.ID, m.Namespace, ErrNamespace)
+		}
+		return nil, nil
+	}
+	t, err := d.cfg.Tenant(peer, m)
+	if err != nil {
+		return nil, fmt.Errorf("kvlease: handoff %d: %v may not propose namespace %q: %w (%w)", m.ID, peer, m.Namespace, err, ErrNamespace)
+	}
+	ns := ""
+	if t != nil {
+		ns = t.Namespace()
+	}
+	if ns != m.Namespace {
+		return nil, fmt.Errorf("kvlease: handoff %d: namespace %q proposed, the tenant policy gave one of %q: %w", m.ID, m.Namespace, ns, ErrNamespace)
+	}
+	if ns == "" {
+		return t, nil
+	}
+	// The chain's root must be the tenant's: a proposer allowed one
+	// namespace cannot plant blocks findable under another's seed.
+	if len(m.Tokens) == 0 {
+		return nil, fmt.Errorf("kvlease: handoff %d: blocks of namespace %q proposed without tokens: their root cannot be checked: %w", m.ID, ns, ErrNamespace)
+	}
+	seed, err := d.pool.TenantSeed(t.Name(), m.Salt)
+	if err != nil || seed != m.Seed {
+		return nil, fmt.Errorf("kvlease: handoff %d: seed %016x is not the seed of namespace %q for salt %016x: %w", m.ID, uint64(m.Seed), ns, uint64(m.Salt), ErrNamespace)
+	}
+	return t, nil
+}
+
 // acquire takes the destination lease: with tokens, AcquirePrefixTokens
 // (in verified mode every hit is checked against them); a pool without a
-// block size cannot, and takes the hash hits instead.
-func acquire[R any](pool *kvlease.Pool[R], owner string, m *ProposeMsg, n int) (*kvlease.Lease[R], int, error) {
+// block size cannot, and takes the hash hits instead. A tenant's lease
+// (tn) takes the hash hits, its fresh blocks charged to it.
+func acquire[R any](pool *kvlease.Pool[R], tn *kvlease.Tenant[R], owner string, m *ProposeMsg, n int) (*kvlease.Lease[R], int, error) {
+	if tn != nil {
+		return tn.AcquirePrefix(owner, m.Hashes, n)
+	}
 	if len(m.Tokens) > 0 {
 		l, from, err := pool.AcquirePrefixTokens(owner, m.Seed, m.Tokens, n)
 		if err == nil || !errors.Is(err, kvlease.ErrInvalidArgument) {
@@ -445,13 +505,20 @@ func (s *session[R]) propose(m *ProposeMsg) {
 	in.fire(d.cfg.Peer, EventPropose, nil)
 	s.mu.Unlock()
 
-	var err, aerr error
+	var err, aerr, terr error
+	var tn *kvlease.Tenant[R]
 	if d.cfg.Authorize != nil {
 		aerr = d.cfg.Authorize(s.peer, m)
+	}
+	if aerr == nil {
+		tn, terr = tenantFor(d, s.peer, m)
 	}
 	switch {
 	case aerr != nil:
 		err = fmt.Errorf("kvlease: handoff %d: %v not authorized: %w (%w)", m.ID, s.peer, aerr, ErrRejected)
+		d.stats.unauthorized.Add(1)
+	case terr != nil:
+		err = terr
 		d.stats.unauthorized.Add(1)
 	case m.Envelope != d.cfg.Envelope.Fingerprint():
 		err = envelopeMismatch(m.ID, m.Envelope, d.cfg.Envelope)
@@ -470,7 +537,7 @@ func (s *session[R]) propose(m *ProposeMsg) {
 		if owner == "" {
 			owner = fmt.Sprintf("handoff-%d", m.ID)
 		}
-		in.lease, in.from, err = acquire(d.pool, owner, m, in.n)
+		in.lease, in.from, err = acquire(d.pool, tn, owner, m, in.n)
 	}
 	if err == nil && in.from < in.n {
 		accept, err = d.plane.Prepare(in.pid(), in.n-in.from)

@@ -97,7 +97,49 @@ func (s *Source[R]) forget(o *Outgoing[R], st State) {
 // ProposeOption is an option of Source.Propose and Source.ProposeTokens.
 type ProposeOption func(*proposal) error
 
-type proposal struct{ progress *Progress }
+type proposal struct {
+	progress  *Progress
+	namespace string
+	salt      kvlease.BlockHash
+	named     bool // TenantNamespace given
+}
+
+// TenantNamespace says the lease's blocks are a tenant's: ns is the
+// tenant's public namespace identifier (kvlease.Tenant.Namespace) and
+// salt the public salt of its seed (the seed is
+// kvlease.Pool.TenantSeed(tenant, salt), the one ProposeTokens is
+// given). Both travel in the Propose, and the destination seals the
+// blocks only under a tenant its policy allows this source, whose seed
+// for salt is the proposal's (DestinationConfig.Tenant). Without it a
+// lease whose first block is sealed under a namespace (its pool keeps
+// seal records) is proposed under that namespace with salt 0: a hop
+// never drops a block's namespace. A namespace longer than MaxText, or
+// one that is not the first block's, is refused at propose
+// (kvlease.ErrInvalidArgument).
+func TenantNamespace(ns string, salt kvlease.BlockHash) ProposeOption {
+	return func(o *proposal) error {
+		if len(ns) > wire.MaxText {
+			return fmt.Errorf("kvlease: handoff propose: namespace of %d bytes, at most %d: %w", len(ns), wire.MaxText, kvlease.ErrInvalidArgument)
+		}
+		o.namespace, o.salt, o.named = ns, salt, true
+		return nil
+	}
+}
+
+// namespaceOf returns the namespace src's blocks go under: the option's,
+// else the first block's record's ("" when the pool keeps none or it is
+// not sealed). An option that contradicts the record is refused.
+func namespaceOf[R any](src *kvlease.Lease[R], pr *proposal) error {
+	info, ok := src.Pool().SealInfo(src.Ref(0), nil)
+	switch {
+	case !ok:
+	case !pr.named:
+		pr.namespace = info.Namespace
+	case info.Namespace != pr.namespace:
+		return fmt.Errorf("namespace %q for blocks sealed under %q: %w", pr.namespace, info.Namespace, kvlease.ErrInvalidArgument)
+	}
+	return nil
+}
 
 // Streaming makes the handoff stream: the lease's blocks are still being
 // written, and p (of as many blocks as the lease has) says how far. The
@@ -165,8 +207,9 @@ func (s *Source[R]) ProposeTokens(id uint64, request string, src *kvlease.Lease[
 	}
 	bt := s.cfg.Envelope.BlockTokens
 	hashes := kvlease.ChainHashes(seed, tokens, bt)
-	// The payload: id, request, blocks, fingerprint, hashes, tokens.
-	size := 8 + 2 + len(request) + 4 + 8 + 4 + 8*len(hashes) + 4 + 8 + 4*len(tokens)
+	// The payload: id, request, blocks, fingerprint, hashes, namespace
+	// (at most wire.MaxText bytes) and salt, tokens.
+	size := 8 + 2 + len(request) + 4 + 8 + 4 + 8*len(hashes) + 2 + wire.MaxText + 8 + 4 + 8 + 4*len(tokens)
 	if len(tokens) == 0 || len(tokens) > src.Len()*bt || size > wire.MaxFrame {
 		return nil, fmt.Errorf("kvlease: handoff propose %d: %d tokens for %d blocks of %d (a proposal of %d bytes, at most %d): %w",
 			id, len(tokens), src.Len(), bt, size, wire.MaxFrame, kvlease.ErrInvalidArgument)
@@ -200,6 +243,9 @@ func (s *Source[R]) propose(id uint64, request string, src *kvlease.Lease[R], ha
 	if err := s.checkProgress(pr.progress, n); err != nil {
 		return nil, fmt.Errorf("kvlease: handoff propose %d: %w", id, err)
 	}
+	if err := namespaceOf(src, &pr); err != nil {
+		return nil, fmt.Errorf("kvlease: handoff propose %d: %w", id, err)
+	}
 	o := &Outgoing[R]{machine: newMachine(), s: s, id: id, src: src, n: n, prog: pr.progress}
 	o.hooks = s.hooks
 	o.onFinal = func() {
@@ -221,7 +267,8 @@ func (s *Source[R]) propose(id uint64, request string, src *kvlease.Lease[R], ha
 	o.fire(s.cfg.Name, EventPropose, nil)
 	o.unlock()
 	s.mu.Unlock()
-	msg := &ProposeMsg{ID: id, Request: request, Blocks: uint32(n), Envelope: s.cfg.Envelope.Fingerprint(), Hashes: hashes, Seed: seed, Tokens: tokens}
+	msg := &ProposeMsg{ID: id, Request: request, Blocks: uint32(n), Envelope: s.cfg.Envelope.Fingerprint(), Hashes: hashes,
+		Namespace: pr.namespace, Salt: pr.salt, Seed: seed, Tokens: tokens}
 	if err := s.c.Send(msg); err != nil {
 		s.connLost(err)
 		return o, nil // the connection loss rejected it; History says so

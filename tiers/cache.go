@@ -309,19 +309,28 @@ func (c *Cache[D]) watch(t *kvlease.Transfer, fn func(ok bool)) bool {
 // recOf returns how block ref of p was sealed (its pool's seal record,
 // Pool.SealInfo) if it is sealed as h, else a record that knows only h.
 // Its tokens are its own copy: the caller seals a lower tier's block with
-// them after ref may have moved on.
+// them after ref may have moved on. A record that knows no parent still
+// keeps the block's tags (tenant namespace, adapter, extra keys).
 func recOf[R any](p *kvlease.Pool[R], ref kvlease.BlockRef, h kvlease.BlockHash) kvlease.SealInfo {
-	if r, ok := p.SealInfo(ref, nil); ok && r.Hash == h && r.HasParent {
-		return r
+	if r, ok := p.SealInfo(ref, nil); ok && r.Hash == h {
+		return hashOnly(r)
 	}
 	return kvlease.SealInfo{Hash: h}
+}
+
+// hashOnly is r, less what a record that knows no parent cannot say.
+func hashOnly(r kvlease.SealInfo) kvlease.SealInfo {
+	if !r.HasParent {
+		r.Parent, r.Chained, r.Tokens = 0, false, nil
+	}
+	return r
 }
 
 // diskRec returns what diskParent records for slot id if it was recorded
 // for hash h, else a record that knows only h. Called with c.mu held.
 func (c *Cache[D]) diskRec(id kvlease.BlockID, h kvlease.BlockHash) kvlease.SealInfo {
-	if r := c.diskParent[id]; r.Hash == h && r.HasParent {
-		return r
+	if r := c.diskParent[id]; r.Hash == h {
+		return hashOnly(r)
 	}
 	return kvlease.SealInfo{Hash: h}
 }

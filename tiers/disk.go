@@ -124,9 +124,24 @@ var _ kvlease.Memory[DiskSlot] = (*Disk)(nil)
 // the slot is a miss.
 var ErrCorruptSlot = errors.New("tiers: corrupt, torn or foreign disk slot")
 
+// ErrSlotFormat is wrapped by OpenDisk's error for slot files written in
+// another version of the slot format (an older build's): their slots
+// lack what this one records (a block's tenant namespace, adapter and
+// extra keys), so they are refused, never served. Remove the files (or
+// give the tier another Dir) to start the tier empty.
+var ErrSlotFormat = fmt.Errorf("tiers: disk slots of another format version: %w", kvlease.ErrInvalidArgument)
+
 const (
-	slotMagic  = 0x3352454954564b4c // "LKVTIER3", little endian
-	headerSize = 128
+	// slotMagic starts every slot this format writes: "LKVTIER" and the
+	// format's version. Version 4 added the tags (tenant namespace,
+	// adapter, extra keys) after the block.
+	slotMagic     = 0x3452454954564b4c // "LKVTIER4", little endian
+	slotMagicMask = 0x00ffffffffffffff // the "LKVTIER" of any version
+	slotVersion   = 4
+	headerSize    = 128
+	// tagReserve is room every slot keeps after its block for the
+	// block's tags, so a tenant's block fits whatever the block size.
+	tagReserve = 512
 	// maxDiskBlockBytes and maxDiskWorkers bound DiskConfig.BlockBytes
 	// and Workers.
 	maxDiskBlockBytes = 1 << 30
@@ -173,7 +188,7 @@ func OpenDisk(cfg DiskConfig) (*Disk, error) {
 	d := &Disk{
 		cfg:       cfg,
 		ns:        namespaceID(cfg.Namespace),
-		slotBytes: (headerSize + cfg.BlockBytes + diskAlign - 1) / diskAlign * diskAlign,
+		slotBytes: (headerSize + cfg.BlockBytes + tagReserve + diskAlign - 1) / diskAlign * diskAlign,
 		bad:       make(map[DiskSlot]kvlease.BlockHash),
 		direct:    cfg.Direct,
 	}
@@ -262,6 +277,9 @@ func (d *Disk) rebuild() error {
 		}
 		if m, ok := d.decode(buf, mac); ok {
 			valid = append(valid, entry{s, m})
+		} else if magic := binary.LittleEndian.Uint64(buf[0:]); magic != slotMagic && magic&slotMagicMask == slotMagic&slotMagicMask {
+			return fmt.Errorf("tiers: disk tier in %q: slot %d is in slot format version %q, this build reads version %d only: remove the slot files or use another Dir: %w",
+				d.cfg.Dir, s, rune(magic>>56), slotVersion, ErrSlotFormat)
 		}
 	}
 	if len(valid) == 0 {
@@ -293,12 +311,20 @@ func (d *Disk) rebuild() error {
 }
 
 // Header layout of a slot (little endian), then the block at headerSize,
-// then the block's tokens (4 bytes each) when they fit in the slot:
+// then its tags (tagsLen bytes), then the block's tokens (4 bytes each)
+// when they fit in the slot:
 //
 //	0 magic  8 hash  16 parent  24 flags (1 parent known, 2 parent is a block)
 //	32 block bytes  40 tokens recorded (4 bytes)  44 checksum kind (4 bytes)
-//	48 namespace (16 bytes of its SHA-256)  64 fingerprint  72..95 zero
+//	48 namespace (16 bytes of its SHA-256)  64 fingerprint
+//	72 tags bytes (4 bytes)  76..95 zero
 //	96 checksum: xxhash64 in 8 bytes, or an HMAC-SHA256 in 32
+//
+// The tags are the block's tenant namespace, adapter and extra keys
+// (kvlease.SealInfo's), none of them when all are empty (0 bytes), else:
+//
+//	u16 len, namespace; i64 lora id; u16 len, lora name;
+//	u16 count, then per extra key u16 len, key
 //
 // The checksum covers the whole slot but itself.
 const (
@@ -306,9 +332,86 @@ const (
 	offKind   = 44
 	offNS     = 48
 	offFP     = 64
+	offTags   = 72
 	offSum    = 96
 	sumLen    = 32
 )
+
+// tagsLen is how many bytes w's tags take in its slot (0: none), ok false
+// when a length does not fit its field.
+func tagsLen(w *SlotWrite) (n int, ok bool) {
+	if w.Namespace == "" && w.Adapter == (kvlease.Adapter{}) && len(w.ExtraKeys) == 0 {
+		return 0, true
+	}
+	ok = len(w.Namespace) <= math.MaxUint16 && len(w.Adapter.Name) <= math.MaxUint16 && len(w.ExtraKeys) <= math.MaxUint16
+	n = 2 + len(w.Namespace) + 8 + 2 + len(w.Adapter.Name) + 2
+	for _, k := range w.ExtraKeys {
+		ok = ok && len(k) <= math.MaxUint16
+		n += 2 + len(k)
+	}
+	return n, ok
+}
+
+// appendTags appends w's tags (tagsLen's bytes) to dst.
+func appendTags(dst []byte, w *SlotWrite) []byte {
+	str := func(dst []byte, s string) []byte {
+		return append(binary.LittleEndian.AppendUint16(dst, uint16(len(s))), s...)
+	}
+	dst = str(dst, w.Namespace)
+	dst = binary.LittleEndian.AppendUint64(dst, uint64(int64(w.Adapter.ID)))
+	dst = str(dst, w.Adapter.Name)
+	dst = binary.LittleEndian.AppendUint16(dst, uint16(len(w.ExtraKeys)))
+	for _, k := range w.ExtraKeys {
+		dst = str(dst, k)
+	}
+	return dst
+}
+
+// parseTags reads the tags b holds (all of b) into m; ok is false for
+// anything appendTags does not write, or an adapter kvlease refuses.
+func parseTags(b []byte, m *SlotMeta) (ok bool) {
+	if len(b) == 0 {
+		return true
+	}
+	str := func() (string, bool) {
+		if len(b) < 2 {
+			return "", false
+		}
+		n := int(binary.LittleEndian.Uint16(b))
+		if len(b) < 2+n {
+			return "", false
+		}
+		s := string(b[2 : 2+n])
+		b = b[2+n:]
+		return s, true
+	}
+	if m.Namespace, ok = str(); !ok || len(b) < 8 {
+		return false
+	}
+	id := int64(binary.LittleEndian.Uint64(b))
+	b = b[8:]
+	if id != int64(int(id)) {
+		return false
+	}
+	m.Adapter.ID = int(id)
+	if m.Adapter.Name, ok = str(); !ok || len(b) < 2 {
+		return false
+	}
+	n := int(binary.LittleEndian.Uint16(b))
+	b = b[2:]
+	if n > 0 {
+		m.ExtraKeys = make([]string, 0, min(n, len(b)/2))
+	}
+	for range n {
+		k, ok := str()
+		if !ok {
+			return false
+		}
+		m.ExtraKeys = append(m.ExtraKeys, k)
+	}
+	return len(b) == 0 && (m.Adapter.Name != "" || m.Adapter.ID == 0) &&
+		(m.Namespace != "" || m.Adapter != (kvlease.Adapter{}) || len(m.ExtraKeys) > 0)
+}
 
 // namespaceID is what a slot records of its namespace.
 func namespaceID(ns string) (id [16]byte) {
@@ -351,6 +454,11 @@ func (d *Disk) encode(buf []byte, w *SlotWrite, mac hash.Hash) {
 	body := headerSize + d.cfg.BlockBytes
 	n := copy(buf[headerSize:body], w.Src)
 	clear(buf[headerSize+n:])
+	if tl, _ := tagsLen(w); tl > 0 && body+tl <= len(buf) { // (Write checked it fits)
+		binary.LittleEndian.PutUint32(buf[offTags:], uint32(tl))
+		appendTags(buf[body:body], w)
+		body += tl
+	}
 	if len(w.Tokens) > 0 && body+4*len(w.Tokens) <= len(buf) {
 		binary.LittleEndian.PutUint32(buf[offTokens:], uint32(len(w.Tokens)))
 		for i, t := range w.Tokens {
@@ -381,13 +489,14 @@ func (d *Disk) sum(dst, buf []byte, mac hash.Hash) []byte {
 func (d *Disk) decode(buf []byte, mac hash.Hash) (m SlotMeta, ok bool) {
 	body := headerSize + d.cfg.BlockBytes
 	nt := uint64(binary.LittleEndian.Uint32(buf[offTokens:]))
+	tl := uint64(binary.LittleEndian.Uint32(buf[offTags:]))
 	kind := uint32(sumXXHash)
 	if mac != nil {
 		kind = sumHMAC
 	}
 	if binary.LittleEndian.Uint64(buf[0:]) != slotMagic ||
 		binary.LittleEndian.Uint64(buf[32:]) != uint64(d.cfg.BlockBytes) ||
-		uint64(body)+4*nt > uint64(len(buf)) ||
+		uint64(body)+tl+4*nt > uint64(len(buf)) ||
 		binary.LittleEndian.Uint32(buf[offKind:]) != kind ||
 		[16]byte(buf[offNS:offNS+16]) != d.ns ||
 		binary.LittleEndian.Uint64(buf[offFP:]) != d.cfg.Fingerprint {
@@ -405,6 +514,10 @@ func (d *Disk) decode(buf []byte, mac hash.Hash) (m SlotMeta, ok bool) {
 		HasParent: flags&1 != 0,
 		Chained:   flags&2 != 0,
 	}
+	if !parseTags(buf[body:body+int(tl)], &m) {
+		return SlotMeta{}, false
+	}
+	body += int(tl)
 	if nt > 0 {
 		m.Tokens = make([]int32, nt)
 		for i := range m.Tokens {
@@ -416,26 +529,33 @@ func (d *Disk) decode(buf []byte, mac hash.Hash) (m SlotMeta, ok bool) {
 
 // SlotMeta is what a slot's header records about its block: its hash, its
 // parent (HasParent: the parent is known; Chained: the parent is a block,
-// not the namespace seed of a chain's first block) and, when they fit in
-// the slot, its tokens.
+// not the namespace seed of a chain's first block), its tags (the tenant
+// namespace, adapter and extra keys it was sealed with: see
+// kvlease.SealInfo) and, when they fit in the slot, its tokens.
 type SlotMeta struct {
 	Hash      kvlease.BlockHash
 	Parent    kvlease.BlockHash
 	HasParent bool
 	Chained   bool
 	Tokens    []int32
+	Namespace string
+	Adapter   kvlease.Adapter
+	ExtraKeys []string
 }
 
 // sealInfo is m as the seal record it mirrors: a block rebuilt from its
 // slot is sealed as its header says.
 func (m SlotMeta) sealInfo() kvlease.SealInfo {
-	return kvlease.SealInfo{Hash: m.Hash, Parent: m.Parent, HasParent: m.HasParent, Chained: m.Chained, Tokens: m.Tokens}
+	return kvlease.SealInfo{Hash: m.Hash, Parent: m.Parent, HasParent: m.HasParent, Chained: m.Chained, Tokens: m.Tokens,
+		Namespace: m.Namespace, Adapter: m.Adapter, ExtraKeys: m.ExtraKeys}
 }
 
 // SlotWrite is one block written to a disk slot: the block, and what the
-// slot's header records about it (Tokens only when they fit in the slot's
-// padding after the block; a block of whole 4 KiB pages has room for
-// 992).
+// slot's header records about it. Its tags (Namespace, Adapter,
+// ExtraKeys) always: Write refuses a block whose tags do not fit in the
+// slot after the block (every slot keeps 512 bytes for them, and what
+// its last page has left). Tokens only when they fit after the tags (a
+// block of whole 4 KiB pages has room for about 870).
 type SlotWrite struct {
 	Src       []byte
 	Dst       DiskSlot
@@ -444,6 +564,9 @@ type SlotWrite struct {
 	HasParent bool
 	Chained   bool
 	Tokens    []int32
+	Namespace string
+	Adapter   kvlease.Adapter
+	ExtraKeys []string
 }
 
 // SlotRead is one block read from a disk slot that must hold Hash.
@@ -498,11 +621,16 @@ func (c *diskCall) finish(err error) {
 // a part stops at its first error); Cancel skips the slots not yet
 // written. Errors wrap
 // kvlease.ErrInvalidArgument (no blocks, a slot out of range, a block of
-// the wrong size) or ErrClosed.
+// the wrong size, tags that do not fit: see TagsFit) or ErrClosed.
 func (d *Disk) Write(writes []SlotWrite, attach func(*kvlease.Transfer) error) (*kvlease.Transfer, error) {
-	for _, w := range writes {
+	for i := range writes {
+		w := &writes[i]
 		if err := d.checkSlot(w.Dst, len(w.Src)); err != nil {
 			return nil, err
+		}
+		if !d.TagsFit(w) {
+			return nil, fmt.Errorf("tiers: disk slot %d: the block's tags (namespace %q, adapter %q, %d extra keys) do not fit in its slot: %w",
+				w.Dst, w.Namespace, w.Adapter.Name, len(w.ExtraKeys), kvlease.ErrInvalidArgument)
 		}
 	}
 	return d.start(&diskJob{writes: writes}, len(writes), attach)
@@ -519,6 +647,13 @@ func (d *Disk) Read(reads []SlotRead, attach func(*kvlease.Transfer) error) (*kv
 		}
 	}
 	return d.start(&diskJob{reads: reads}, len(reads), attach)
+}
+
+// TagsFit reports whether w's tags (its namespace, adapter and extra
+// keys) fit in a slot after the block, as Write requires.
+func (d *Disk) TagsFit(w *SlotWrite) bool {
+	tl, ok := tagsLen(w)
+	return ok && headerSize+d.cfg.BlockBytes+tl <= d.slotBytes
 }
 
 func (d *Disk) checkSlot(s DiskSlot, n int) error {

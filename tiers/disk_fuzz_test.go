@@ -4,6 +4,8 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/kvlease/kvlease"
 )
 
 // FuzzDiskDecode feeds arbitrary slot contents (what a file may hold
@@ -20,6 +22,9 @@ func FuzzDiskDecode(f *testing.F) {
 	keyed.cfg.Key = []byte("0123456789abcdef")
 	d.encode(buf, &SlotWrite{Src: src, Hash: 6, Chained: true}, keyed.newMAC())
 	f.Add(append([]byte{}, buf...), true)
+	d.encode(buf, &SlotWrite{Src: src, Hash: 7, Parent: 6, HasParent: true, Tokens: []int32{4}, Namespace: "ns:0123",
+		Adapter: kvlease.Adapter{ID: 2, Name: "sql"}, ExtraKeys: []string{"img:1", ""}}, nil)
+	f.Add(append([]byte{}, buf...), false)
 	f.Fuzz(func(t *testing.T, data []byte, withKey bool) {
 		dd := d
 		if withKey {
@@ -33,7 +38,8 @@ func FuzzDiskDecode(f *testing.F) {
 		}
 		again := make([]byte, dd.slotBytes)
 		dd.encode(again, &SlotWrite{Src: slot[headerSize : headerSize+dd.cfg.BlockBytes], Hash: m.Hash, Parent: m.Parent,
-			HasParent: m.HasParent, Chained: m.Chained, Tokens: m.Tokens}, dd.newMAC())
+			HasParent: m.HasParent, Chained: m.Chained, Tokens: m.Tokens,
+			Namespace: m.Namespace, Adapter: m.Adapter, ExtraKeys: m.ExtraKeys}, dd.newMAC())
 		require.Equal(t, slot[:offSum+sumLen], again[:offSum+sumLen], "an accepted header is one this tier writes")
 	})
 }

@@ -23,6 +23,19 @@
 // disk table), and a block rebuilt from a slot is sealed as its header
 // says.
 //
+// # Tenants
+//
+// The record includes the block's tags: the public namespace identifier
+// of the tenant that sealed it (kvlease.Tenant.Namespace), its adapter
+// and its extra keys (kvlease.SealInfo). Every copy keeps them (the disk
+// in each slot, after the block: format version 4, and OpenDisk refuses
+// files of an older one with ErrSlotFormat), every tier's KV events
+// publish them, and a block below the device is onboarded only into the
+// namespace it was stored under: Cache.AcquireFor a tenant (or Admit
+// with a registered SequenceSpec.Tenant) finds only that tenant's blocks
+// in the host and disk tiers, Acquire only blocks of no tenant, whatever
+// their hashes, across a restart too.
+//
 // # Offload
 //
 // Every copy between tiers is a kvlease.Transfer that gates both sides: a

@@ -218,11 +218,21 @@ func (c *Cache[D]) toDisk(l *kvlease.Lease[[]byte], hashes []kvlease.BlockHash) 
 	for j, p := range pos {
 		recs[j] = recOf(c.host, l.Ref(p), hs[j])
 	}
+	for j := range pos {
+		writes[j] = SlotWrite{Src: srcRegions[pos[j]], Dst: d.Region(dstIDs[j]), Hash: hs[j], Parent: recs[j].Parent,
+			HasParent: recs[j].HasParent, Chained: recs[j].Chained, Tokens: recs[j].Tokens,
+			Namespace: recs[j].Namespace, Adapter: recs[j].Adapter, ExtraKeys: recs[j].ExtraKeys}
+		if !d.TagsFit(&writes[j]) {
+			// Its tags do not fit a slot: the block is not kept below
+			// the host rather than kept without its namespace.
+			dst.Release()
+			st.dropped.Add(uint64(len(pos)))
+			return
+		}
+	}
 	c.mu.Lock()
-	for j, p := range pos {
+	for j := range pos {
 		c.diskParent[dstIDs[j]] = recs[j]
-		writes[j] = SlotWrite{Src: srcRegions[p], Dst: d.Region(dstIDs[j]), Hash: hs[j], Parent: recs[j].Parent,
-			HasParent: recs[j].HasParent, Chained: recs[j].Chained, Tokens: recs[j].Tokens}
 	}
 	c.mu.Unlock()
 	t, err := d.Write(writes, func(t *kvlease.Transfer) error {

@@ -96,13 +96,41 @@ func (o *Onboard[D]) Wait(ctx context.Context) (int, error) {
 // t tokens in blocks of b, that is the first (t-1)/b hashes. Admit applies
 // the rule for you.
 func (c *Cache[D]) Acquire(owner string, hashes []kvlease.BlockHash, n int) (*Onboard[D], error) {
+	return c.acquire(nil, owner, hashes, n)
+}
+
+// AcquireFor is Acquire for tenant t, a tenant of the device pool
+// (kvlease.Pool.Tenant): the device lease is t's (its fresh blocks
+// charged to t under its quota, kvlease.Tenant.AcquirePrefix), and a
+// block of the host or disk tier is onboarded only if it was stored under
+// t's namespace (kvlease.Tenant.Namespace): the prefix found below the
+// device ends at the first block stored under another (by another
+// tenant, or by no tenant), whatever its hash. Acquire, for no tenant,
+// onboards only blocks stored under none. A nil t is Acquire. Errors as
+// Acquire's, and kvlease.ErrQuota.
+func (c *Cache[D]) AcquireFor(t *kvlease.Tenant[D], owner string, hashes []kvlease.BlockHash, n int) (*Onboard[D], error) {
+	return c.acquire(t, owner, hashes, n)
+}
+
+func (c *Cache[D]) acquire(tn *kvlease.Tenant[D], owner string, hashes []kvlease.BlockHash, n int) (*Onboard[D], error) {
 	if c.isClosed.Load() {
 		return nil, fmt.Errorf("tiers: acquire for %q: %w", owner, ErrClosed)
 	}
 	if len(hashes) > n {
 		hashes = hashes[:max(n, 0)]
 	}
-	l, d, err := c.dev.AcquirePrefix(owner, hashes, n)
+	var (
+		l   *kvlease.Lease[D]
+		d   int
+		err error
+		ns  string
+	)
+	if tn != nil {
+		ns = tn.Namespace()
+		l, d, err = tn.AcquirePrefix(owner, hashes, n)
+	} else {
+		l, d, err = c.dev.AcquirePrefix(owner, hashes, n)
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -114,47 +142,51 @@ func (c *Cache[D]) Acquire(owner string, hashes []kvlease.BlockHash, n int) (*On
 	rest := hashes[d:]
 
 	// Pin the host hits and the disk hits (and host staging blocks for
-	// the latter) before anything else can evict them.
-	hl, _ := c.host.AcquireHits(owner, rest)
-	h := 0
-	if hl != nil {
-		h = hl.Len()
-	}
+	// the latter) before anything else can evict them, each prefix cut
+	// at the first block of another namespace. What the lower tiers know
+	// of each hit (parent, tokens, tags) goes with it, for the seals on
+	// the way up: the copies' KV events then match the originals'.
+	hl, recs := pinHits(owner, rest, ns, c.host.AcquireHits, func(l *kvlease.Lease[[]byte], hs []kvlease.BlockHash) []kvlease.SealInfo {
+		recs := make([]kvlease.SealInfo, len(hs))
+		for k := range hs {
+			recs[k] = recOf(c.host, l.Ref(k), hs[k])
+		}
+		return recs
+	})
+	h := len(recs)
 	var dl *kvlease.Lease[DiskSlot]
 	var stage *kvlease.Lease[[]byte]
 	m := 0
 	if c.disk != nil && h < len(rest) {
-		if dl = c.disk.Lookup(owner, rest[h:]); dl != nil {
+		var drecs []kvlease.SealInfo
+		dl, drecs = pinHits(owner, rest[h:], ns, func(owner string, hs []kvlease.BlockHash) (*kvlease.Lease[DiskSlot], error) {
+			return c.disk.Lookup(owner, hs), nil
+		}, func(l *kvlease.Lease[DiskSlot], hs []kvlease.BlockHash) []kvlease.SealInfo {
+			ids := l.AppendBlockIDs(make([]kvlease.BlockID, 0, len(hs)), 0)
+			recs := make([]kvlease.SealInfo, len(hs))
+			c.mu.Lock()
+			for k := range hs {
+				recs[k] = c.diskRec(ids[k], hs[k])
+			}
+			c.mu.Unlock()
+			return recs
+		})
+		if dl != nil {
 			if stage, err = c.host.Acquire(ownerStage, dl.Len()); err != nil {
 				dl.Release()
 				dl, stage = nil, nil
 			} else {
 				m = dl.Len()
+				recs = append(recs, drecs...)
 			}
 		}
 	}
 	o.hits[TierHost], o.hits[TierDisk] = h, m
-	// What the lower tiers know of each hit (parent, tokens), for the
-	// seals on the way up: the copies' KV events then match the originals'.
-	recs := make([]kvlease.SealInfo, h+m)
-	if h+m > 0 {
-		for k := range h {
-			recs[k] = recOf(c.host, hl.Ref(k), rest[k])
-		}
-		if m > 0 {
-			ids := dl.AppendBlockIDs(make([]kvlease.BlockID, 0, m), 0)
-			c.mu.Lock()
-			for k := range m {
-				recs[h+k] = c.diskRec(ids[k], rest[h+k])
-			}
-			c.mu.Unlock()
-		}
-		for k := range recs {
-			if !recs[k].HasParent && d+k > 0 {
-				// Unknown to the tier (a rebuilt disk): the chain says
-				// the parent; a chain's first block keeps none.
-				recs[k] = kvlease.SealInfo{Hash: recs[k].Hash, Parent: hashes[d+k-1], HasParent: true, Chained: true}
-			}
+	for k := range recs {
+		if !recs[k].HasParent && d+k > 0 {
+			// Unknown to the tier (a rebuilt disk): the chain says
+			// the parent; a chain's first block keeps none.
+			recs[k].Parent, recs[k].HasParent, recs[k].Chained = hashes[d+k-1], true, true
 		}
 	}
 	keepReserve(c.dev, c.devReserve, &c.devInflight)
@@ -298,6 +330,36 @@ func (c *Cache[D]) Acquire(owner string, hashes []kvlease.BlockHash, n int) (*On
 	return o, nil
 }
 
+// pinHits pins the leading hits of hashes in a lower tier (lookup: its
+// AcquireHits) and reads their records (recs), the prefix cut at the
+// first block not stored under namespace ns: it gives the lease back and
+// pins the shorter prefix again (checked again, in case the tier changed
+// in between; once more cut, it gives up). A nil lease: no hits.
+func pinHits[R any](owner string, hashes []kvlease.BlockHash, ns string,
+	lookup func(string, []kvlease.BlockHash) (*kvlease.Lease[R], error),
+	recs func(*kvlease.Lease[R], []kvlease.BlockHash) []kvlease.SealInfo) (*kvlease.Lease[R], []kvlease.SealInfo) {
+	for try := 0; try < 2; try++ {
+		l, _ := lookup(owner, hashes)
+		if l == nil {
+			return nil, nil
+		}
+		rs := recs(l, hashes[:l.Len()])
+		k := 0
+		for k < len(rs) && rs[k].Namespace == ns {
+			k++
+		}
+		if k == len(rs) {
+			return l, rs
+		}
+		l.Release()
+		if k == 0 {
+			return nil, nil
+		}
+		hashes = hashes[:k]
+	}
+	return nil, nil
+}
+
 // Admit is Acquire for a request as a kvlease.Sequence, the way an engine
 // admits requests (kvlease.Pool.Admit) when its prefix may be found below
 // the device: the device pool checks spec and hashes the prompt once (its
@@ -309,7 +371,9 @@ func (c *Cache[D]) Acquire(owner string, hashes []kvlease.BlockHash, n int) (*On
 // once Wait has seen their copies land. The engine then computes from
 // Sequence.Computed and commits as for any sequence; the sequence seals
 // its blocks on the device itself, and write-back offloads them when the
-// device evicts them.
+// device evicts them. A spec.Tenant registered with the device pool
+// (kvlease.Pool.Tenant) admits the request as AcquireFor that tenant:
+// charged to it, and onboarding only blocks stored under its namespace.
 //
 // A WriteThrough cache, which copies blocks as Cache.Seal seals them, and
 // a sliding-window spec are refused (kvlease.ErrInvalidArgument). Other
@@ -321,9 +385,10 @@ func (c *Cache[D]) Admit(spec kvlease.SequenceSpec) (*Onboard[D], error) {
 			spec.Owner, kvlease.ErrInvalidArgument)
 	}
 	var o *Onboard[D]
+	tn, _ := c.dev.LookupTenant(spec.Tenant)
 	seq, err := c.dev.AdmitWith(spec, func(hashes []kvlease.BlockHash, n int) (*kvlease.Lease[D], int, error) {
 		var err error
-		if o, err = c.Acquire(spec.Owner, hashes, n); err != nil {
+		if o, err = c.acquire(tn, spec.Owner, hashes, n); err != nil {
 			return nil, 0, err
 		}
 		return o.Lease, o.Hits(TierDevice), nil

@@ -7,6 +7,8 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+
+	"github.com/kvlease/kvlease"
 )
 
 // apiError is an error as OpenAI's API answers it: an HTTP status and a
@@ -62,6 +64,8 @@ var (
 		msg: "the engine is shutting down", retryAfter: 1}
 	errInternal = &apiError{status: http.StatusInternalServerError, typ: serverError,
 		msg: "the engine could not complete this request"}
+	errQuotaAPI = &apiError{status: http.StatusTooManyRequests, typ: "insufficient_quota", code: "insufficient_quota",
+		msg: "this request's KV does not fit within your quota beside your running requests; retry when they finish", retryAfter: 1}
 )
 
 func notFoundModel(model string) *apiError {
@@ -81,6 +85,8 @@ func toAPIError(err error) *apiError {
 		return errBusyAPI
 	case errors.Is(err, errShutdown):
 		return errShutdownAPI
+	case errors.Is(err, kvlease.ErrQuota):
+		return errQuotaAPI
 	}
 	return errInternal
 }

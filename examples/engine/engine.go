@@ -45,6 +45,12 @@ type Config struct {
 	// never hit, or time, each other's prefixes, whatever cache_salt they
 	// send. Requests of one tenant share as usual.
 	APIKeys map[string]string
+	// Quotas gives tenants of APIKeys their quotas (kvlease.Quota):
+	// a tenant's requests are charged to it (SequenceSpec.Tenant), and
+	// one that could not fit within its cap beside its running requests
+	// is refused (kvlease.ErrQuota; HTTP 429). A tenant without one has
+	// no cap and no reservation.
+	Quotas map[string]kvlease.Quota
 	// PoolOptions are added to the pool's (WithKVEvents for a publisher,
 	// an observer for metrics).
 	PoolOptions []kvlease.Option
@@ -63,7 +69,8 @@ type Engine struct {
 	// tenants maps the SHA-256 of each API key to its tenant: a lookup
 	// compares digests, never the secret itself byte by byte.
 	tenants map[[sha256.Size]byte]string
-	loras   map[string]kvlease.Adapter // adapter name → its tag (lora_id from 1)
+	quotaed map[string]*kvlease.Tenant[[]byte] // tenants with a cap, by name
+	loras   map[string]kvlease.Adapter         // adapter name → its tag (lora_id from 1)
 
 	submit chan *request
 	wake   chan struct{} // a client took output or went away: a stalled request may move
@@ -86,6 +93,7 @@ type request struct {
 	id        string
 	model     string
 	seed      kvlease.BlockHash // the namespace its prefix is looked up and sealed in
+	tenant    string            // its API key's tenant ("" without keys): charged for its blocks
 	prompt    []uint32
 	maxTokens int
 	ignoreEOS bool
@@ -169,6 +177,7 @@ func NewEngine(cfg Config) (*Engine, error) {
 		cfg: cfg, env: env, pool: pool,
 		seeds:   map[string]kvlease.BlockHash{},
 		tenants: make(map[[sha256.Size]byte]string, len(cfg.APIKeys)),
+		quotaed: map[string]*kvlease.Tenant[[]byte]{},
 		loras:   map[string]kvlease.Adapter{},
 		submit:  make(chan *request),
 		wake:    make(chan struct{}, 1),
@@ -177,6 +186,23 @@ func NewEngine(cfg Config) (*Engine, error) {
 	}
 	for k, t := range cfg.APIKeys {
 		e.tenants[sha256.Sum256([]byte(k))] = t
+		tn, err := pool.Tenant(t) // the engine's own tenants, never a request's name
+		if err != nil {
+			return nil, err
+		}
+		if q, ok := cfg.Quotas[t]; ok {
+			if err := tn.SetQuota(q); err != nil {
+				return nil, fmt.Errorf("tenant quota: %w", err)
+			}
+			if q.Cap > 0 {
+				e.quotaed[t] = tn
+			}
+		}
+	}
+	for t := range cfg.Quotas {
+		if _, ok := pool.LookupTenant(t); !ok {
+			return nil, fmt.Errorf("a quota for a tenant no API key names")
+		}
 	}
 	// Each served model is its own namespace: the same prompt under two
 	// adapters shares no KV.
@@ -232,7 +258,7 @@ func (e *Engine) Submit(ctx context.Context, tenant, model, cacheSalt string, pr
 		return nil, errBusy
 	}
 	r := &request{
-		ctx: ctx, id: strconv.FormatUint(e.ids.Add(1), 10), model: model, seed: seed,
+		ctx: ctx, id: strconv.FormatUint(e.ids.Add(1), 10), model: model, seed: seed, tenant: tenant,
 		prompt: prompt, maxTokens: maxTokens, ignoreEOS: ignoreEOS,
 		out: make(chan output, outBuffer), failed: make(chan struct{}),
 	}
@@ -368,8 +394,16 @@ func (e *Engine) run() {
 func (e *Engine) admit(waiting *[]*request, running []*request) []*request {
 	bt := e.cfg.BlockTokens
 	reserved := 0
+	var growth map[string]int // per tenant with a cap: its running requests' growth still to come
 	for _, r := range running {
-		reserved += e.env.BlocksFor(len(r.prompt)+r.maxTokens) - r.seq.Blocks()
+		g := e.env.BlocksFor(len(r.prompt)+r.maxTokens) - r.seq.Blocks()
+		reserved += g
+		if e.quotaed[r.tenant] != nil {
+			if growth == nil {
+				growth = map[string]int{}
+			}
+			growth[r.tenant] += g
+		}
 	}
 	for len(*waiting) > 0 && len(running) < e.cfg.MaxRunning {
 		r := (*waiting)[0]
@@ -377,12 +411,23 @@ func (e *Engine) admit(waiting *[]*request, running []*request) []*request {
 		if e.pool.Available()-reserved < need {
 			break
 		}
+		// A tenant's cap covers its running requests' whole future too,
+		// so none of them meets its cap mid-decode: a request that does
+		// not fit beside them is refused now (429), not queued ahead of
+		// other tenants' requests.
+		if err := e.quotaFits(r, need, growth[r.tenant]); err != nil {
+			*waiting = (*waiting)[1:]
+			e.queued.Add(-1)
+			r.fail(err)
+			continue
+		}
 		// The adapter's tag goes on the lease: the blocks it seals are
 		// announced under the adapter (lora_id, lora_name), so a router
-		// indexes them there, in a pool shared by every adapter.
-		seq, err := e.pool.Admit(kvlease.SequenceSpec{Owner: r.id, Seed: r.seed,
+		// indexes them there, in a pool shared by every adapter. The
+		// tenant's name charges the blocks to it, under its quota.
+		seq, err := e.pool.Admit(kvlease.SequenceSpec{Owner: r.id, Seed: r.seed, Tenant: r.tenant,
 			Prompt: kvlease.TokensInt32(r.prompt), Adapter: e.loras[r.model], MaxTokens: len(r.prompt) + r.maxTokens})
-		if errors.Is(err, kvlease.ErrExhausted) {
+		if errors.Is(err, kvlease.ErrExhausted) && !errors.Is(err, kvlease.ErrQuota) {
 			break
 		}
 		*waiting = (*waiting)[1:]
@@ -401,9 +446,31 @@ func (e *Engine) admit(waiting *[]*request, running []*request) []*request {
 		}
 		r.seq = seq
 		reserved += need - seq.Blocks()
+		if e.quotaed[r.tenant] != nil {
+			if growth == nil {
+				growth = map[string]int{}
+			}
+			growth[r.tenant] += need - seq.Blocks()
+		}
 		running = append(running, r)
 	}
 	return running
+}
+
+// quotaFits refuses request r, of need blocks in all, when its tenant's
+// cap cannot hold it beside what the tenant's running requests hold and
+// will grow to (growth): the tenant's held blocks less its cached ones
+// (those it may evict for itself), and their growth.
+func (e *Engine) quotaFits(r *request, need, growth int) error {
+	tn := e.quotaed[r.tenant]
+	if tn == nil {
+		return nil
+	}
+	st := tn.Stats()
+	if room := st.Quota.Cap - (st.Held - st.Cached) - growth; need > room {
+		return fmt.Errorf("%d blocks with %d of the tenant's cap of %d free: %w", need, max(room, 0), st.Quota.Cap, kvlease.ErrQuota)
+	}
+	return nil
 }
 
 // step runs the model once over the batch: a chunk of prefill for the

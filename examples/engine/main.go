@@ -32,7 +32,32 @@
 //   - tenants (-api-keys FILE): a bearer key names a tenant, and
 //     Pool.TenantSeed derives the tenant's namespace from a secret the
 //     pool holds: tenants never hit or time each other's prefixes, even
-//     with the same cache_salt.
+//     with the same cache_salt. Each tenant is registered with the pool
+//     (Pool.Tenant) and its requests run under it (SequenceSpec.Tenant):
+//     its blocks are charged to it under the quota the key file gives
+//     (kvlease.Quota: a cap on the blocks it holds, a reservation of its
+//     cached blocks that other tenants' demand cannot evict), their KV
+//     events carry its public namespace identifier (Tenant.Namespace,
+//     never its name), and /metrics reports each tenant's usage
+//     (metrics.NewTenantCollector: the first 64 tenants by name, the rest
+//     as tenant="other").
+//
+// The API key file (-api-keys) holds one key a line, private to its user
+// (mode 0600 or stricter; at most 1 MiB); blank lines and lines starting
+// with # are skipped:
+//
+//	KEY=TENANT [cap=N] [reserve=M]
+//
+// KEY is the bearer token a client sends, TENANT the name its requests
+// run under (several keys may name one tenant). cap=N caps the KV blocks
+// the tenant holds at once, its running requests' and its cached ones
+// (0 or absent: no cap); a request that could not fit within the cap,
+// with its max_tokens, beside the tenant's running requests is refused
+// with HTTP 429 (insufficient_quota). reserve=M keeps the tenant's M most
+// recently cached blocks from other tenants' evictions (at most the cap
+// when there is one). A tenant's quota may be given on any of its lines;
+// two lines that give it different quotas are refused. Old files of
+// KEY=TENANT lines alone work as before: tenants without quotas.
 //   - events.Publisher (-events, bound where it says, loopback included;
 //     -replay for its replay ROUTER): KV events for a cache-aware router.
 //   - metrics.Collector (/metrics, and -metrics for a second listener):
@@ -61,6 +86,7 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"strconv"
 	"strings"
 	"time"
 
@@ -111,7 +137,7 @@ func parseFlags(args []string, out io.Writer) (options, error) {
 	fs.IntVar(&o.cfg.PrefillChunk, "prefill-chunk", 512, "prompt tokens one request prefills per step")
 	fs.DurationVar(&o.cfg.PrefillBlockTime, "prefill-block-time", 100*time.Microsecond, "simulated time to prefill one block")
 	fs.DurationVar(&o.cfg.DecodeTokenTime, "decode-token-time", 200*time.Microsecond, "simulated time to decode one token of one request")
-	keysFile := fs.String("api-keys", "", "a file of KEY=TENANT lines, private to its user: requests need a bearer key and each tenant's prefixes are isolated (empty: open, one namespace per model)")
+	keysFile := fs.String("api-keys", "", "a file of KEY=TENANT [cap=N] [reserve=M] lines, private to its user: requests need a bearer key, each tenant's prefixes are isolated and its blocks held under its quota (empty: open, one namespace per model)")
 	adminFile := fs.String("admin-key-file", "", "a file holding the key the adapter endpoints require, private to its user")
 	fs.BoolVar(&o.openAdmin, "open-admin", false, "serve the adapter endpoints to anyone, without a key")
 	fs.DurationVar(&o.readTimeout, "read-timeout", 30*time.Second, "how long a client may take to send a request's headers and body")
@@ -127,11 +153,11 @@ func parseFlags(args []string, out io.Writer) (options, error) {
 		}
 	}
 	if *keysFile != "" {
-		keys, err := readAPIKeys(*keysFile)
+		keys, quotas, err := readAPIKeys(*keysFile)
 		if err != nil {
 			return o, err
 		}
-		o.cfg.APIKeys = keys
+		o.cfg.APIKeys, o.cfg.Quotas = keys, quotas
 	}
 	if *adminFile != "" {
 		key, err := readAdminKey(*adminFile)
@@ -190,29 +216,67 @@ func readAdminKey(path string) (string, error) {
 	return key, nil
 }
 
-// readAPIKeys reads KEY=TENANT lines (blank lines and # comments
-// skipped), from a file only its owner can read.
-func readAPIKeys(path string) (map[string]string, error) {
+// readAPIKeys reads KEY=TENANT [cap=N] [reserve=M] lines (blank lines
+// and # comments skipped), from a file only its owner can read: the keys'
+// tenants, and the tenants' quotas.
+func readAPIKeys(path string) (map[string]string, map[string]kvlease.Quota, error) {
 	data, err := readSecretFile("api-keys", path)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	keys := map[string]string{}
+	quotas := map[string]kvlease.Quota{}
 	for i, line := range strings.Split(string(data), "\n") {
 		line = strings.TrimSpace(line)
 		if line == "" || strings.HasPrefix(line, "#") {
 			continue
 		}
-		k, t, ok := strings.Cut(line, "=")
-		if k, t = strings.TrimSpace(k), strings.TrimSpace(t); !ok || k == "" || t == "" {
-			return nil, fmt.Errorf("-api-keys %s:%d: not KEY=TENANT", path, i+1)
+		// (No key or tenant in an error: the file is a secret.)
+		k, rest, ok := strings.Cut(line, "=")
+		fields := strings.Fields(rest)
+		if k = strings.TrimSpace(k); !ok || k == "" || len(fields) == 0 {
+			return nil, nil, fmt.Errorf("-api-keys %s:%d: not KEY=TENANT [cap=N] [reserve=M]", path, i+1)
+		}
+		t := fields[0]
+		q, given, err := parseQuota(fields[1:])
+		if err != nil {
+			return nil, nil, fmt.Errorf("-api-keys %s:%d: %v", path, i+1, err)
+		}
+		if given {
+			if old, dup := quotas[t]; dup && old != q {
+				return nil, nil, fmt.Errorf("-api-keys %s:%d: the tenant's quota differs from an earlier line's", path, i+1)
+			}
+			quotas[t] = q
 		}
 		keys[k] = t
 	}
 	if len(keys) == 0 {
-		return nil, fmt.Errorf("-api-keys %s: no keys", path)
+		return nil, nil, fmt.Errorf("-api-keys %s: no keys", path)
 	}
-	return keys, nil
+	return keys, quotas, nil
+}
+
+// parseQuota reads a key line's cap=N and reserve=M fields (each at most
+// once, non-negative integers); given says whether there were any.
+func parseQuota(fields []string) (q kvlease.Quota, given bool, err error) {
+	seen := map[string]bool{}
+	for _, f := range fields {
+		name, v, ok := strings.Cut(f, "=")
+		n, perr := strconv.Atoi(v)
+		if !ok || perr != nil || n < 0 || seen[name] || (name != "cap" && name != "reserve") {
+			return kvlease.Quota{}, false, fmt.Errorf("%q: want cap=N or reserve=M, each at most once, N and M whole numbers of blocks", f)
+		}
+		seen[name] = true
+		if name == "cap" {
+			q.Cap = n
+		} else {
+			q.Reserve = n
+		}
+	}
+	if q.Cap > 0 && q.Reserve > q.Cap {
+		return kvlease.Quota{}, false, fmt.Errorf("reserve=%d above cap=%d", q.Reserve, q.Cap)
+	}
+	return q, len(fields) > 0, nil
 }
 
 // app is a running engine with its listeners.
@@ -256,6 +320,17 @@ func start(o options) (*app, error) {
 	}()
 	if err := a.collect.AddPool("gpu", a.engine.Pool()); err != nil {
 		return nil, err
+	}
+	if len(cfg.APIKeys) > 0 {
+		// Per-tenant usage: bounded series (the first tenants registered,
+		// then tenant="other"), a snapshot per scrape.
+		tc, err := metrics.NewTenantCollector(a.reg, metrics.TenantOptions{})
+		if err != nil {
+			return nil, err
+		}
+		if err := tc.AddPool("gpu", a.engine.Pool()); err != nil {
+			return nil, err
+		}
 	}
 	if o.events != "" {
 		// The engine's PUB socket binds where -events says, loopback

@@ -17,14 +17,16 @@ import (
 // psk session each travels sealed in a record (channel.go), in a tls
 // session inside TLS, in an insecure one as it is. Every payload starts with the handoff id (8 bytes LE). Strings
 // and opaque bytes are a 2-byte length and the bytes; the hashes of a
-// proposal are a 4-byte count and 8 bytes each, optionally followed by
-// its tokens: a 4-byte count, the 8-byte namespace seed, 4 bytes each. A reader checks the
+// proposal are a 4-byte count and 8 bytes each, then its tenant
+// namespace (a string, "" for none) and the 8-byte salt of its seed,
+// optionally followed by its tokens: a 4-byte count, the 8-byte
+// namespace seed, 4 bytes each. A reader checks the
 // length against MaxFrame before it allocates, and a frame that has begun
 // must arrive whole within the connection's frame timeout.
 //
 // Who sends what (S = source side, D = destination side):
 //
-//	S→D Propose  {id, request, blocks, envelope fingerprint, chained hashes[, seed, tokens]}
+//	S→D Propose  {id, request, blocks, envelope fingerprint, chained hashes, tenant namespace, salt[, seed, tokens]}
 //	D→S Accept   {id, first block wanted (the prefix hits), data-plane bytes}
 //	D→S Reject   {id, code, reason}          (instead of Accept, or after it while no Start came)
 //	S→D Start    {id, data-plane bytes}      (the source's transfer is attached)
@@ -42,8 +44,9 @@ import (
 // handshake) of another version is refused. Version 2 added the
 // authentication handshake (auth.go) and the psk record layer; version
 // 3 the psk handshake's ephemeral X25519 shares (forward secrecy) and the
-// destination's confirm byte.
-const ProtocolVersion = 3
+// destination's confirm byte; version 4 the tenant namespace and salt of
+// a Propose.
+const ProtocolVersion = 4
 
 // Limits of the control protocol.
 const (

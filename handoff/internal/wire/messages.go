@@ -47,15 +47,23 @@ type Message interface {
 // Tokens, when present, are the tokens whose KV the blocks hold and Seed
 // their namespace: Hashes is then ChainHashes(Seed, Tokens), and a
 // destination in verified mode checks its hits and seals what arrives
-// with them (Source.ProposeTokens).
+// with them (Source.ProposeTokens). Namespace, when set, is the public
+// namespace identifier of the tenant whose blocks these are
+// (kvlease.Tenant.Namespace), and Salt the public salt their seed was
+// derived with (Seed is kvlease.Pool.TenantSeed(tenant, Salt)): the
+// destination seals them only for a tenant its Tenant policy allows the
+// authenticated proposer, and only if Seed is that tenant's seed for
+// Salt (see DestinationConfig.Tenant).
 type ProposeMsg struct {
-	ID       uint64
-	Request  string
-	Blocks   uint32
-	Envelope uint64
-	Hashes   []kvlease.BlockHash
-	Seed     kvlease.BlockHash
-	Tokens   []int32
+	ID        uint64
+	Request   string
+	Blocks    uint32
+	Envelope  uint64
+	Hashes    []kvlease.BlockHash
+	Namespace string
+	Salt      kvlease.BlockHash
+	Seed      kvlease.BlockHash
+	Tokens    []int32
 }
 
 // AcceptMsg accepts a handoff: the destination holds a lease of all the
@@ -151,6 +159,8 @@ func (m *ProposeMsg) appendPayload(b []byte) []byte {
 	for _, h := range m.Hashes {
 		b = le.AppendUint64(b, uint64(h))
 	}
+	b = appendText(b, m.Namespace)
+	b = le.AppendUint64(b, uint64(m.Salt))
 	if len(m.Tokens) > 0 {
 		b = le.AppendUint32(b, uint32(len(m.Tokens)))
 		b = le.AppendUint64(b, uint64(m.Seed))
@@ -273,7 +283,9 @@ func ParseProposeMsg(p []byte) (*ProposeMsg, error) {
 		for i := range m.Hashes {
 			m.Hashes[i] = kvlease.BlockHash(r.u64("hash"))
 		}
-		if len(r.b) == 0 {
+		m.Namespace = string(r.bytes("namespace", MaxText))
+		m.Salt = kvlease.BlockHash(r.u64("salt"))
+		if r.err != nil || len(r.b) == 0 {
 			break
 		}
 		nt := r.u32("token count")
