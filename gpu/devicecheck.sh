@@ -51,7 +51,8 @@
 # 5x), LATTIME (samples per latency row, default 200x), LAYTIME (default
 # 5x), STARTTIME (default 2000x), AUDITOPS (kvaudit requests, default
 # 3000), TIERSREQ (examples/tiers requests, default 2000), TESTS (the
-# tests step's -test.run, default every test).
+# tests step's -test.run, default every test), LIMITSCALE (multiplies every
+# step's time limit and test timeout; default 1, the dryrun 3).
 set -uo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -213,6 +214,7 @@ run() {
 	step() {
 		local name=$1 limit=$2 log=$3
 		shift 3
+		limit=$((limit * ${LIMITSCALE:-1})) # the dryrun scales the limits: a shared CI machine is slower than a GPU host
 		local left=$((budget - (SECONDS - t_start) - 5))
 		if [ "$left" -lt 10 ]; then
 			echo "$name: not run (budget of ${budget}s spent)" | tee -a "$out/steps.txt"
@@ -301,23 +303,23 @@ run() {
 	cat "$out/env.txt"
 	write_report
 
-	step calibrate 20 "$out/calibrate.log" "$bin" -test.v -test.count 1 -test.run '^TestDriverCalibrate$' -test.timeout 18s
+	step calibrate 20 "$out/calibrate.log" "$bin" -test.v -test.count 1 -test.run '^TestDriverCalibrate$' -test.timeout $((18 * ${LIMITSCALE:-1}))s
 	write_report
 
 	step bandwidth 90 "$out/bench.log" "$bin" -test.run '^$' -test.bench '^BenchmarkCopyBandwidth/cuda/' \
-		-test.benchtime "${BENCHTIME:-5x}" -gpu.benchbytes "${BENCHBYTES:-268435456}" -test.timeout 88s
+		-test.benchtime "${BENCHTIME:-5x}" -gpu.benchbytes "${BENCHBYTES:-268435456}" -test.timeout $((88 * ${LIMITSCALE:-1}))s
 	write_report
 
 	step latency 20 "$out/latency.log" "$bin" -test.run '^$' -test.bench '^BenchmarkCopyLatency/cuda/' \
-		-test.benchtime "${LATTIME:-200x}" -test.timeout 18s
+		-test.benchtime "${LATTIME:-200x}" -test.timeout $((18 * ${LIMITSCALE:-1}))s
 	write_report
 
 	step layered 25 "$out/layered.log" "$bin" -test.run '^$' -test.bench '^BenchmarkLayeredRoundTrip/cuda/' \
-		-test.benchtime "${LAYTIME:-5x}" -test.timeout 23s
+		-test.benchtime "${LAYTIME:-5x}" -test.timeout $((23 * ${LIMITSCALE:-1}))s
 	write_report
 
 	step start 15 "$out/start.log" "$bin" -test.run '^$' -test.bench '^BenchmarkStart/cuda/1024/' \
-		-test.benchtime "${STARTTIME:-2000x}" -test.timeout 13s
+		-test.benchtime "${STARTTIME:-2000x}" -test.timeout $((13 * ${LIMITSCALE:-1}))s
 	write_report
 
 	for ex in "tiers -policy write-back" "tiers -policy write-through" "hybrid"; do
@@ -334,17 +336,17 @@ run() {
 	step audit 30 "$out/audit.log" "$dir/kvaudit" -tiers -gpu -ops "${AUDITOPS:-3000}" -seed 35
 	write_report
 
-	step tests 60 "$out/tests.log" "$bin" -test.v -test.count 1 -test.timeout 58s -test.run "${TESTS:-.}" -test.skip '^TestUploadThenScatteredDownload$'
+	step tests 60 "$out/tests.log" "$bin" -test.v -test.count 1 -test.timeout $((58 * ${LIMITSCALE:-1}))s -test.run "${TESTS:-.}" -test.skip '^TestUploadThenScatteredDownload$'
 	write_report
 
-	step correctness 20 "$out/correctness.log" "$bin" -test.v -test.count 1 -test.timeout 18s -test.run '^TestUploadThenScatteredDownload$'
+	step correctness 20 "$out/correctness.log" "$bin" -test.v -test.count 1 -test.timeout $((18 * ${LIMITSCALE:-1}))s -test.run '^TestUploadThenScatteredDownload$'
 	write_report
 
 	if san=$(sanitizer); then
 		for tool in memcheck racecheck; do
 			echo "== $tool" >>"$out/sanitizer.log"
 			step "sanitizer $tool" 40 "$out/sanitizer.log" "$san" --tool "$tool" --error-exitcode 9 \
-				"$bin" -test.v -test.count 1 -test.timeout 35s -test.run '^(TestDriverKernelLoads|TestKernelCopies|TestRingWraps|TestKernelSingleCopy)$/^cuda$' &&
+				"$bin" -test.v -test.count 1 -test.timeout $((35 * ${LIMITSCALE:-1}))s -test.run '^(TestDriverKernelLoads|TestKernelCopies|TestRingWraps|TestKernelSingleCopy)$/^cuda$' &&
 				echo "$tool" >>"$out/sanitizer.ok"
 		done
 		[ "$(wc -l <"$out/sanitizer.ok" 2>/dev/null || echo 0)" -ge 2 ] || rm -f "$out/sanitizer.ok"
@@ -376,7 +378,7 @@ dryrun() {
 	(
 		export KVLEASE_LIBCUDA="$dir/libfakecuda.so" OUT="$out"
 		export BENCHBYTES=${BENCHBYTES:-4194304} BENCHTIME=${BENCHTIME:-1x} LATTIME=${LATTIME:-20x} LAYTIME=${LAYTIME:-1x}
-		export STARTTIME=${STARTTIME:-50x} AUDITOPS=${AUDITOPS:-300} TIERSREQ=${TIERSREQ:-200} BUDGET=${BUDGET:-240}
+		export STARTTIME=${STARTTIME:-50x} AUDITOPS=${AUDITOPS:-300} TIERSREQ=${TIERSREQ:-200} BUDGET=${BUDGET:-240} LIMITSCALE=${LIMITSCALE:-3}
 		export TESTS=${TESTS:-'^TestDriver(Info|KernelLoads|Calibrate)$'}
 		run
 	) >"$out/run.out" 2>&1

@@ -20,4 +20,4 @@ out=$(go test -count=1 -run '^TestStartAllocs$' -v ./gpu)
 echo "$out" | grep -E '^(--- |ok)'
 grep -q '^--- PASS: TestStartAllocs' <<<"$out"
 
-timeout 300 bash gpu/devicecheck.sh dryrun
+timeout 420 bash gpu/devicecheck.sh dryrun
