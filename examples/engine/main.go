@@ -38,9 +38,10 @@
 //     (kvlease.Quota: a cap on the blocks it holds, a reservation of its
 //     cached blocks that other tenants' demand cannot evict), their KV
 //     events carry its public namespace identifier (Tenant.Namespace,
-//     never its name), and /metrics reports each tenant's usage
-//     (metrics.NewTenantCollector: the first 64 tenants by name, the rest
-//     as tenant="other").
+//     never its name), and the -metrics listener's /metrics reports each
+//     tenant's usage (metrics.NewTenantCollector: the first 64 tenants by
+//     name, the rest as tenant="other"); the API address's /metrics, which
+//     every tenant's key reaches, has no per-tenant series.
 //
 // The API key file (-api-keys) holds one key a line, private to its user
 // (mode 0600 or stricter; at most 1 MiB); blank lines and lines starting
@@ -321,10 +322,13 @@ func start(o options) (*app, error) {
 	if err := a.collect.AddPool("gpu", a.engine.Pool()); err != nil {
 		return nil, err
 	}
+	treg := prometheus.NewRegistry()
 	if len(cfg.APIKeys) > 0 {
 		// Per-tenant usage: bounded series (the first tenants registered,
-		// then tenant="other"), a snapshot per scrape.
-		tc, err := metrics.NewTenantCollector(a.reg, metrics.TenantOptions{})
+		// then tenant="other"), a snapshot per scrape. They name tenants,
+		// so they are served only on the operator's -metrics listener,
+		// never on the API address that every tenant's key reaches.
+		tc, err := metrics.NewTenantCollector(treg, metrics.TenantOptions{})
 		if err != nil {
 			return nil, err
 		}
@@ -358,7 +362,8 @@ func start(o options) (*app, error) {
 	}
 	if o.metrics != "" {
 		mm := http.NewServeMux()
-		route(mm, "/metrics", map[string]http.HandlerFunc{"GET": mh.ServeHTTP})
+		all := promhttp.HandlerFor(prometheus.Gatherers{a.reg, treg}, promhttp.HandlerOpts{})
+		route(mm, "/metrics", map[string]http.HandlerFunc{"GET": all.ServeHTTP})
 		route(mm, "/", nil)
 		if a.msrv, a.maddr, _, err = serve(o.metrics, mm, o); err != nil {
 			return nil, err
