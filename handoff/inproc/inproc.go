@@ -276,7 +276,7 @@ func (j *copyJob) copy() error {
 		}
 		select {
 		case <-j.cancel:
-			return fmt.Errorf("inproc: transfer %d stopped before block %d of %d: %w", j.tr.ID(), i, len(j.pairs), kvlease.ErrCanceled)
+			return fmt.Errorf("inproc: transfer %d: copy canceled before block %d of %d: %w", j.tr.ID(), i, len(j.pairs), kvlease.ErrCanceled)
 		default:
 		}
 		if j.plan.Fate == FateFail && i == failAt {
