@@ -207,7 +207,7 @@ func (p *Pool[R]) acquire(owner string, tn uint16, hashes []BlockHash, v *verifi
 			return nil, 0, c.reject(owner, n, err)
 		}
 		l = p.newLease(owner, n)
-		// c.fill, by hand: its call would be one more per cycle.
+		// A fill, in line (see fillEvict): a call would be one more per cycle.
 		if !c.tab.Fill(refs(l.ls.blocks)) {
 			c.fillEvict(l.ls.blocks, 0, &ev)
 		}

@@ -241,7 +241,7 @@ func (c *core) fillPrefix(l *lease, hashes []BlockHash, n int, v *verifier, ev *
 	}
 	if tn != 0 {
 		c.fillFor(l.blocks[hits:n], tn, ev)
-	} else if !c.tab.Fill(refs(l.blocks[hits:n])) { // c.fill, by hand (one call less)
+	} else if !c.tab.Fill(refs(l.blocks[hits:n])) { // a fill, in line (see fillEvict)
 		c.fillEvict(l.blocks[hits:n], 0, ev)
 	}
 	return hits, nil

@@ -405,8 +405,12 @@ func TestPrefixChurnMarkers(t *testing.T) {
 			}
 			for it := range iters {
 				sys := rng.IntN(3)
-				toks := prompt(sys, bt*(2+sys))                                    // shared system prompt
-				toks = append(toks, prompt(100+w, bt*rng.IntN(3)+rng.IntN(bt))...) // the user's turn
+				toks := prompt(sys, bt*(2+sys)) // shared system prompt
+				// The user's turn: one of four conversations of this worker's
+				// (ids never shared between workers), so that the sealed
+				// blocks outgrow the pool however the workers are scheduled
+				// (one after another included): eviction is exercised.
+				toks = append(toks, prompt(100+w+workers*rng.IntN(4), bt*rng.IntN(3)+rng.IntN(bt))...)
 				full := len(toks) / bt
 				n := full + 1
 				l, hits, err := p.AcquirePrefixTokens(fmt.Sprintf("w%d-%d", w, it), seed, toks, n)

@@ -118,7 +118,7 @@ func BenchmarkQuotaChurn(b *testing.B) {
 			})[0]
 			st, cs := a.Stats(), c.Stats()
 			if p.Stats().Free != 0 || st.EvictedOwn+cs.Evicted == 0 {
-				b.Fatal(fmt.Sprintf("%s: free %d, a %+v", mode, p.Stats().Free, st))
+				b.Fatalf("%s: free %d, a %+v", mode, p.Stats().Free, st)
 			}
 			// At its cap a evicts only its own; without, c's unreserved
 			// blocks at most, never its reservation.

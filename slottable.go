@@ -42,16 +42,12 @@ func ref(r slots.Ref) BlockRef { return BlockRef{ID: BlockID(r.ID), Gen: r.Gen} 
 
 func (c *core) available() int { return c.tab.Available() }
 
-// fill fills dst with fresh blocks. The caller checked available() ≥
-// len(dst).
-// (Acquire spells it out: see there.)
-func (c *core) fill(dst []BlockRef, ev *outbox) {
-	if !c.tab.Fill(refs(dst)) {
-		c.fillEvict(dst, 0, ev)
-	}
-}
+// A fill of dst with fresh blocks (the caller checked available() ≥
+// len(dst)) is c.tab.Fill(refs(dst)), then fillEvict(dst, 0, ev) if
+// that refused; Acquire and the prefix path write it in line (a call
+// less per cycle).
 
-// fillEvict is fill when the free stack is short, for tenant tn (0:
+// fillEvict is a fill when the free stack is short, for tenant tn (0:
 // none; see quota.go): block by block, evicting.
 // Kept out of line: inlined into acquire, it cost every cycle spills.
 //

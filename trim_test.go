@@ -122,8 +122,7 @@ func TestTrimUnderTransfers(t *testing.T) {
 
 	// Abort cancels a transfer that gates only trimmed blocks.
 	cancelled := 0
-	var old *Transfer
-	old = NewTransfer(func() { cancelled++ })
+	old := NewTransfer(func() { cancelled++ })
 	require.NoError(t, l.AttachRange(old, 4, 5, Read))
 	require.NoError(t, l.TrimTo(5))
 	coreWant(t, p, coreCounts{Free: 7, Draining: 1})

@@ -86,11 +86,22 @@ type Config struct {
 	// reach its next step before it reports a stall.
 	StallTimeout time.Duration
 	// Progress, if set, is called about every ProgressEvery with the run's
-	// counts so far (on the driver's goroutine: keep it quick).
+	// counts so far, and once more when the operations end (so a run
+	// reports at least once, however short or starved it was), on the
+	// driver's goroutine: keep it quick.
 	Progress      func(Progress)
 	ProgressEvery time.Duration
 
-	hooks hooks // test-only broken variants
+	hooks hooks            // test-only broken variants
+	now   func() time.Time // test-only clock of Duration and Progress (nil: time.Now)
+}
+
+// clock returns the time Duration and Progress are measured on.
+func (c *Config) clock() time.Time {
+	if c.now != nil {
+		return c.now()
+	}
+	return time.Now()
 }
 
 // Faults are the probabilities of the transitions the audit exercises.

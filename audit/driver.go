@@ -45,14 +45,14 @@ func run(cfg Config, src rand.Source) (*Report, error) {
 	if err != nil {
 		return nil, err
 	}
-	start := time.Now()
+	start := cfg.clock()
 	trace, main := w.drive(newGen(w, src), start, recordLimit)
 	if !w.halt() {
 		w.drain()
 	}
 	w.finish()
 	rep := w.rep
-	rep.Elapsed = time.Since(start)
+	rep.Elapsed = cfg.clock().Sub(start)
 	if rep.OK() {
 		return rep, nil
 	}
@@ -88,6 +88,10 @@ func (w *world) drive(g *gen, start time.Time, keep int) ([]Op, int) {
 	cfg := w.cfg
 	var trace []Op
 	lastProgress := start
+	progress := func(now time.Time) {
+		cfg.Progress(Progress{Elapsed: now.Sub(start), Ops: w.rep.Ops, Lifecycle: w.rep.Lifecycle,
+			Live: len(w.live), Violations: w.rep.Total()})
+	}
 	i := 0
 	for ; ; i++ {
 		if cfg.Ops > 0 && w.rep.Lifecycle >= cfg.Ops {
@@ -97,14 +101,13 @@ func (w *world) drive(g *gen, start time.Time, keep int) ([]Op, int) {
 			break
 		}
 		if i&63 == 0 && (cfg.Duration > 0 || cfg.Progress != nil) {
-			now := time.Now()
+			now := cfg.clock()
 			if cfg.Duration > 0 && now.Sub(start) >= cfg.Duration {
 				break
 			}
 			if cfg.Progress != nil && now.Sub(lastProgress) >= cfg.ProgressEvery {
 				lastProgress = now
-				cfg.Progress(Progress{Elapsed: now.Sub(start), Ops: w.rep.Ops, Lifecycle: w.rep.Lifecycle,
-					Live: len(w.live), Violations: w.rep.Total()})
+				progress(now)
 			}
 		}
 		o := g.next()
@@ -113,6 +116,9 @@ func (w *world) drive(g *gen, start time.Time, keep int) ([]Op, int) {
 		}
 		w.op = i
 		w.exec(o)
+	}
+	if cfg.Progress != nil {
+		progress(cfg.clock()) // the last word: a run reports at least once
 	}
 	return trace, i
 }

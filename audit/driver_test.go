@@ -175,17 +175,47 @@ func TestRunVariants(t *testing.T) {
 	}
 }
 
+// TestProgressAndDuration: on a clock that moves 1 ms each time the
+// driver reads it (at the start, every 64 operations, at the end), a
+// 300 ms run with progress every 50 ms reports at 50, 100, 150, 200 and
+// 250 ms, stops at its 300 ms check, and reports once more at the end.
 func TestProgressAndDuration(t *testing.T) {
 	cfg := small(10, 0)
 	cfg.Duration = 300 * time.Millisecond
 	cfg.ProgressEvery = 50 * time.Millisecond
+	var ticks time.Duration
+	base := time.Unix(0, 0)
+	cfg.now = func() time.Time { ticks += time.Millisecond; return base.Add(ticks) }
 	var seen []Progress
 	cfg.Progress = func(p Progress) { seen = append(seen, p) }
 	rep, err := Run(cfg)
 	require.NoError(t, err)
 	requireClean(t, rep)
-	require.NotEmpty(t, seen)
+	var elapsed []time.Duration
+	for k, p := range seen {
+		elapsed = append(elapsed, p.Elapsed)
+		if k > 0 {
+			require.Greater(t, p.Ops, seen[k-1].Ops, "progress %d", k)
+		}
+	}
+	ms := time.Millisecond
+	require.Equal(t, []time.Duration{50 * ms, 100 * ms, 150 * ms, 200 * ms, 250 * ms, 301 * ms}, elapsed)
+	require.Equal(t, 302*ms, rep.Elapsed)
 	require.Positive(t, rep.Lifecycle)
+}
+
+// TestProgressShortRun: a run that ends before its first period still
+// reports once, at its end.
+func TestProgressShortRun(t *testing.T) {
+	cfg := small(11, 50)
+	cfg.ProgressEvery = time.Hour
+	var seen []Progress
+	cfg.Progress = func(p Progress) { seen = append(seen, p) }
+	rep, err := Run(cfg)
+	require.NoError(t, err)
+	requireClean(t, rep)
+	require.Len(t, seen, 1)
+	require.Equal(t, 50, seen[0].Lifecycle) // before the drain
 }
 
 func TestReportWrite(t *testing.T) {

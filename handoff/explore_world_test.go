@@ -93,7 +93,6 @@ type xh struct {
 	dstReleased                                          bool
 	finals, deliveries, finished, forgotten, quarantines int
 	dropped                                              bool // a message of this handoff was lost
-	proposeErr                                           error
 }
 
 // xtimer is a deadline timer a half armed.

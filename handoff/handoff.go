@@ -224,7 +224,7 @@ func (h *Handoff[S, D]) refused(what string) error {
 // an Accept that loses a race with Reject, Abort or another Accept,
 // whatever its own acquire did: a lease it got is released, and a failed
 // acquire does not reject the handoff that another call accepted.
-func (h *Handoff[S, D]) Accept() error { return h.accept(nil) }
+func (h *Handoff[S, D]) Accept() error { return h.accept(context.Background(), false) }
 
 // AcceptWait is Accept with Pool.AcquireWait: it waits in the pool's queue
 // until the blocks are free or ctx is done. A cancelled wait rejects the
@@ -235,10 +235,12 @@ func (h *Handoff[S, D]) AcceptWait(ctx context.Context) error {
 	if ctx == nil {
 		return fmt.Errorf("kvlease: handoff accept: nil context: %w", kvlease.ErrInvalidArgument)
 	}
-	return h.accept(ctx)
+	return h.accept(ctx, true)
 }
 
-func (h *Handoff[S, D]) accept(ctx context.Context) error {
+// accept is Accept (wait false: Pool.Acquire) and AcceptWait (wait
+// true: Pool.AcquireWait on ctx).
+func (h *Handoff[S, D]) accept(ctx context.Context, wait bool) error {
 	h.mu.Lock()
 	if next(h.state, EventAccept).kind != edgeMove {
 		err := h.refused("accept")
@@ -258,7 +260,7 @@ func (h *Handoff[S, D]) accept(ctx context.Context) error {
 	// Acquire without the lock: a waiting acquire must not block Abort.
 	var l *kvlease.Lease[D]
 	var err error
-	if ctx == nil {
+	if !wait {
 		l, err = h.pool.Acquire(h.cfg.Owner, h.n)
 	} else {
 		l, err = h.pool.AcquireWait(ctx, h.cfg.Owner, h.n)

@@ -876,6 +876,7 @@ func TestProposeBadInput(t *testing.T) {
 func TestHandoffAcceptWait(t *testing.T) {
 	f := newFixture(t, 4, -1)
 	hog, _ := f.dst.Acquire("hog", 30)
+	//lint:ignore SA1012 the nil-context guard is what this checks
 	if err := f.h.AcceptWait(nil); !errors.Is(err, kvlease.ErrInvalidArgument) {
 		t.Fatalf("nil context = %v", err)
 	}

@@ -45,8 +45,8 @@ const (
 	mutantLeaseOnly
 )
 
-// is reports whether the half runs mutant m.
-func (h *hooks) is(m mutant) bool { return h != nil && h.mutant == m }
+// is reports whether the half runs mutant m (never for mutantNone).
+func (h *hooks) is(m mutant) bool { return h != nil && m != mutantNone && h.mutant == m }
 
 // afterFunc arms a deadline timer: time.AfterFunc unless the explorer
 // replaced it.

@@ -43,12 +43,11 @@ func chain(seed, n int) []kvlease.BlockHash {
 }
 
 type rig struct {
-	c          *Cache[[]byte]
-	dev, host  *kvlease.Pool[[]byte]
-	disk       *Disk
-	offload    *faultCopy
-	onload     *faultCopy
-	closeTiers func()
+	c         *Cache[[]byte]
+	dev, host *kvlease.Pool[[]byte]
+	disk      *Disk
+	offload   *faultCopy
+	onload    *faultCopy
 }
 
 // faultCopy wraps MemCopy with a switchable fault: fail (resolve with an

@@ -2,7 +2,7 @@ module github.com/kvlease/kvlease/ucx
 
 go 1.26.8
 
-require github.com/kvlease/kvlease v0.0.0
+require github.com/kvlease/kvlease v0.9.0
 
 require (
 	github.com/cespare/xxhash/v2 v2.3.0 // indirect

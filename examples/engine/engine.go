@@ -108,7 +108,6 @@ type request struct {
 
 	seq       *kvlease.Sequence[[]byte] // set at admission
 	generated int
-	last      uint32 // last sampled token
 }
 
 // outBuffer is how many tokens wait for a request's client at most.

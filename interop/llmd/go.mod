@@ -3,7 +3,7 @@ module github.com/kvlease/kvlease/interop/llmd
 go 1.26.8
 
 require (
-	github.com/kvlease/kvlease v0.0.0
+	github.com/kvlease/kvlease v0.9.0
 	github.com/llm-d/llm-d-kv-cache v0.9.0
 	github.com/stretchr/testify v1.12.1
 )

@@ -3,6 +3,7 @@ package main
 import (
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 
@@ -22,14 +23,27 @@ func TestRunClean(t *testing.T) {
 	}
 }
 
+// TestProgressAndDuration: a -duration run (without -ops) ends and prints
+// progress lines on stderr; -quiet prints none. However starved the run
+// (its periodic lines are wall-clock; the audit package tests them on a
+// fake clock), it prints its last one at the end.
 func TestProgressAndDuration(t *testing.T) {
-	var out, errs strings.Builder
-	code := run([]string{"-duration", "1200ms", "-seed", "5"}, &out, &errs)
-	if code != 0 {
-		t.Fatalf("exit %d\n%s\n%s", code, out.String(), errs.String())
-	}
-	if !strings.Contains(errs.String(), "kvaudit:") || !strings.Contains(errs.String(), "live") {
-		t.Errorf("no progress line: %q", errs.String())
+	progress := regexp.MustCompile(`(?m)^kvaudit: +[0-9.]+s  \d+ ops \(\d+ lifecycle, [0-9.]+/s\)  \d+ live  0 violations$`)
+	for _, quiet := range []bool{false, true} {
+		args := []string{"-duration", "200ms", "-seed", "5"}
+		if quiet {
+			args = append(args, "-quiet")
+		}
+		var out, errs strings.Builder
+		if code := run(args, &out, &errs); code != 0 {
+			t.Fatalf("%q: exit %d\n%s\n%s", args, code, out.String(), errs.String())
+		}
+		if got := progress.MatchString(errs.String()); got == quiet {
+			t.Errorf("%q: progress line printed %v: %q", args, got, errs.String())
+		}
+		if !strings.HasSuffix(strings.TrimSpace(out.String()), "OK") {
+			t.Errorf("%q: report:\n%s", args, out.String())
+		}
 	}
 }
 
