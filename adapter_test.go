@@ -139,19 +139,19 @@ func TestAdapterErrors(t *testing.T) {
 	checkPool(t, p)
 }
 
-// SealExtra: a lease-level seal with extra keys, findable by the pool's
+// SealTokens with extra keys: a lease-level seal findable by the pool's
 // hash of them and announced with them.
-func TestSealExtra(t *testing.T) {
+func TestSealTokensExtra(t *testing.T) {
 	p := seqPool(t, 8, WithBlockTokens(2), WithKVEvents(8))
 	l, _ := p.Acquire("a", 2)
 	keys := []string{"img:1"}
-	h0, err := l.SealExtra(0, 3, []int32{1, 2}, keys)
+	h0, err := l.SealTokens(0, 3, []int32{1, 2}, keys...)
 	if err != nil {
 		t.Fatal(err)
 	}
 	keys[0] = "changed" // the pool kept its own copy
 	if h0 != HashBlockExtra(3, []int32{1, 2}, []string{"img:1"}) || h0 != poolHash(t, p, 3, []int32{1, 2}, []string{"img:1"}) {
-		t.Fatal("SealExtra's hash is not the pool's")
+		t.Fatal("SealTokens's hash is not the pool's")
 	}
 	l.Release()
 	evs, _ := p.DrainKVEvents(nil)

@@ -100,7 +100,7 @@ func blockExtras(dst []string, spans []ExtraKey, k, bt int) []string {
 }
 
 // WithHasher makes h the pool's block hash function: SealTokens,
-// SealExtra, SealChained, AcquirePrefixTokens, CachedPrefixTokens,
+// SealAs, AcquirePrefixTokens, CachedPrefixTokens,
 // sequences and Pool.HashBlocks hash with it (see Hasher for the chain
 // root, errors and batching). Without it the pool uses HashBlockExtra. A
 // nil h is refused (ErrInvalidArgument), as are two hashers.

@@ -45,8 +45,8 @@ func ExampleSequence() {
 // and ids of 2³¹ or more keep their value.
 func ExampleTokensInt32() {
 	ids := []uint32{1, 2, 3000000000, 4}
-	h := kvlease.HashTokens(0, ids)
-	fmt.Println(h == kvlease.HashBlock(0, kvlease.TokensInt32(ids)))
+	h := kvlease.HashBlock(0, kvlease.TokensInt32(ids))
+	fmt.Println(h == kvlease.HashBlock(0, []int32{1, 2, -1294967296, 4}))
 	fmt.Println(kvlease.TokensUint32(kvlease.TokensInt32(ids))[2])
 	// Output:
 	// true
