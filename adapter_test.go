@@ -36,7 +36,7 @@ func TestSequenceExtraKeysAndAdapter(t *testing.T) {
 		if !slices.Equal(hs, want) {
 			t.Fatalf("verified %v: hashes %x, want %x", verified, hs, want)
 		}
-		a.Release()
+		a.Lease().Release()
 		evs, _ := p.DrainKVEvents(nil)
 		if len(evs) != 4 {
 			t.Fatalf("%d events", len(evs))
@@ -64,7 +64,7 @@ func TestSequenceExtraKeysAndAdapter(t *testing.T) {
 		if b.Hits() != 1 {
 			t.Fatalf("verified %v: another image hit %d blocks, want 1", verified, b.Hits())
 		}
-		b.Release()
+		b.Lease().Release()
 		// No image at all: the same.
 		if n := p.CachedPrefixTokens(9, prompt); n != 1 {
 			t.Fatalf("verified %v: the prompt without its image hits %d, want 1", verified, n)
@@ -81,7 +81,7 @@ func TestSequenceExtraKeysAndAdapter(t *testing.T) {
 		if err := c.Commit(c.Len() - c.Computed()); err != nil {
 			t.Fatal(err)
 		}
-		c.Release()
+		c.Lease().Release()
 		if st := p.Stats(); st.VerifyMismatches != 0 {
 			t.Fatalf("mismatches %d", st.VerifyMismatches)
 		}
@@ -102,7 +102,7 @@ func TestVerifyExtraKeys(t *testing.T) {
 		t.Fatal(err)
 	}
 	h0 := s.BlockHashes()[0]
-	s.Release()
+	s.Lease().Release()
 	// The lookup claims block 0's hash for the same tokens with no keys.
 	v := verifier{seed: 1, hashes: []BlockHash{h0}, tokens: prompt, blockTokens: 4}
 	p.mu.Lock()

@@ -58,7 +58,7 @@ func mixExtra(h BlockHash, extra []string) BlockHash {
 //
 // The chain root is the caller's: the parent of a chain's first block is
 // exactly the seed passed to Pool.Admit (SequenceSpec.Seed),
-// NewSequence, AcquirePrefixTokens or CachedPrefixTokens (or the parent
+// AcquirePrefixTokens or CachedPrefixTokens (or the parent
 // given to SealTokens), handed to the hasher unchanged; the pool mixes in
 // nothing of its own. An engine that reproduces another system's hashes
 // passes that system's root as the seed: llm-d's is the hash of its

@@ -108,19 +108,19 @@ func TestSequenceHashesOnce(t *testing.T) {
 		}
 		p := seqPool(t, 1024, opt, WithHasher(h.hash))
 		prompt := seqTokens(4096, 11)
-		warm, err := p.NewSequence("warm", 3, prompt)
+		warm, err := p.Admit(SequenceSpec{Owner: "warm", Seed: 3, Prompt: prompt})
 		if err != nil {
 			t.Fatal(err)
 		}
 		if err := warm.Commit(warm.Len()); err != nil {
 			t.Fatal(err)
 		}
-		warm.Release()
+		warm.Lease().Release()
 		if n, c := h.blocks.Load(), h.calls.Load(); n != 256 || c != 1 {
 			t.Fatalf("verified %v: the first admission and prefill hashed %d blocks in %d calls, want 256 in 1", verified, n, c)
 		}
 		h.reset()
-		s, err := p.NewSequence("req", 3, prompt)
+		s, err := p.Admit(SequenceSpec{Owner: "req", Seed: 3, Prompt: prompt})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -142,7 +142,7 @@ func TestSequenceHashesOnce(t *testing.T) {
 		if want := ChainHashes(3, s.Tokens(), bt); !slices.Equal(s.BlockHashes(), want) {
 			t.Fatal("hashes differ from ChainHashes")
 		}
-		s.Release()
+		s.Lease().Release()
 		checkPool(t, p)
 	}
 }
@@ -187,11 +187,11 @@ func TestWithHasher(t *testing.T) {
 	if n := p.CachedPrefixTokens(5, toks); n != 2 {
 		t.Fatalf("verified lookup with the pool's hasher: %d hits, want 2", n)
 	}
-	s, err := p.NewSequence("s", 5, toks)
+	s, err := p.Admit(SequenceSpec{Owner: "s", Seed: 5, Prompt: toks})
 	if err != nil || s.Hits() != 2 {
 		t.Fatalf("sequence: %v hits %d", err, s.Hits())
 	}
-	s.Release()
+	s.Lease().Release()
 	evs, _ := p.DrainKVEvents(nil)
 	if len(evs) != 2 || evs[0].BlockHash != h0 || evs[1].BlockHash != h1 || evs[1].ParentBlockHash != h0 {
 		t.Fatalf("events %+v", evs)
@@ -256,7 +256,7 @@ func TestHasherErrors(t *testing.T) {
 	p := seqPool(t, 16, WithBlockTokens(4), WithHasher(h.hash), WithKVEvents(16))
 	prompt := seqTokens(9, 1)
 	h.armed.Store(true)
-	if _, err := p.NewSequence("a", 1, prompt); !errors.Is(err, errHash) {
+	if _, err := p.Admit(SequenceSpec{Owner: "a", Seed: 1, Prompt: prompt}); !errors.Is(err, errHash) {
 		t.Fatalf("admission: %v", err)
 	}
 	if _, _, err := p.AcquirePrefixTokens("a", 1, prompt, 3); !errors.Is(err, errHash) {
@@ -273,7 +273,7 @@ func TestHasherErrors(t *testing.T) {
 		t.Fatal(err)
 	}
 	h.armed.Store(false)
-	s, err := p.NewSequence("a", 1, prompt)
+	s, err := p.Admit(SequenceSpec{Owner: "a", Seed: 1, Prompt: prompt})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -288,20 +288,20 @@ func TestHasherErrors(t *testing.T) {
 	if err := s.Commit(3); !errors.Is(err, errHash) {
 		t.Fatalf("commit: %v", err)
 	}
-	if s.Computed() != 9 || s.Sealed() != 2 {
-		t.Fatalf("after a failed commit: computed %d sealed %d", s.Computed(), s.Sealed())
+	if s.Computed() != 9 || len(s.BlockHashes()) != 2 {
+		t.Fatalf("after a failed commit: computed %d sealed %d", s.Computed(), len(s.BlockHashes()))
 	}
 	if _, err := s.Lease().SealTokens(2, s.Parent(), s.Tokens()[8:12]); !errors.Is(err, errHash) {
 		t.Fatalf("SealTokens: %v", err)
 	}
 	h.armed.Store(false)
-	if err := s.Commit(3); err != nil || s.Sealed() != 3 {
-		t.Fatalf("commit once the hasher works: %v, sealed %d", err, s.Sealed())
+	if err := s.Commit(3); err != nil || len(s.BlockHashes()) != 3 {
+		t.Fatalf("commit once the hasher works: %v, sealed %d", err, len(s.BlockHashes()))
 	}
 	if want := ChainHashes(1, s.Tokens(), 4); !slices.Equal(s.BlockHashes(), want) {
 		t.Fatalf("hashes %x, want %x", s.BlockHashes(), want)
 	}
-	s.Release()
+	s.Lease().Release()
 	if err := p.CheckQuiescent(); err != nil {
 		t.Fatal(err)
 	}

@@ -174,12 +174,12 @@ func TestQuotaExtendAndSequence(t *testing.T) {
 	require.NoError(t, err)
 	require.ErrorIs(t, sh.Extend(1), ErrQuota, "a share is charged as its lease")
 	sh.Release()
-	s.Release()
+	s.Lease().Release()
 	// An unregistered name charges no one.
 	s2, err := p.Admit(SequenceSpec{Owner: "s2", Seed: 2, Prompt: seqTokens(20, 1), Tenant: "nobody"})
 	require.NoError(t, err)
 	require.Equal(t, 5, p.TenantStats(nil)[1].Held-p.TenantStats(nil)[1].Cached)
-	s2.Release()
+	s2.Lease().Release()
 	checkPool(t, p)
 }
 
@@ -284,6 +284,6 @@ func TestQuotaWindowSequence(t *testing.T) {
 	require.ErrorIs(t, err, ErrQuota)
 	require.ErrorIs(t, err, ErrExhausted)
 	require.Equal(t, 3, a.Stats().Held, "a refused admission holds nothing")
-	s.Release()
+	s.Lease().Release()
 	checkPool(t, p)
 }

@@ -28,19 +28,19 @@ import "fmt"
 // previous one has run commits when it schedules, as vLLM caches blocks
 // when it allocates them.)
 //
-//	seq, _ := pool.NewSequence("req-1", seed, prompt) // hits: seq.CachedTokens()
-//	for seq.Computed() < seq.Len() {                   // chunked prefill
+//	seq, _ := pool.Admit(kvlease.SequenceSpec{Owner: "req-1", Seed: seed, Prompt: prompt})
+//	for seq.Computed() < seq.Len() { // chunked prefill; hits: seq.CachedTokens()
 //		n := min(chunk, seq.Len()-seq.Computed())
 //		// ... compute KV of seq.Tokens()[seq.Computed():][:n] ...
 //		seq.Commit(n)
 //	}
-//	for !done {                                        // decode
+//	for !done { // decode
 //		t := sample()
 //		if err := seq.Append(t); err != nil { /* preempt */ }
 //		// ... next step computes t's KV ...
 //		seq.Commit(1)
 //	}
-//	seq.Release()
+//	seq.Lease().Release()
 //
 // The prompt is hashed once: admission chains the hashes of its full
 // blocks (one Hasher call), looks the prefix up with them and seals the
@@ -134,9 +134,11 @@ const (
 	MaxExtraKeyBytes = 1 << 16 // bytes in one extra key (a content hash or a salt, not content)
 )
 
-// NewSequence admits a request: it hashes the prompt's full blocks once
-// (under the seed, the chain root, in one Hasher call), acquires a lease
-// whose leading blocks are the longest cached prefix of the prompt (under
+// Admit admits a request (spec.Owner, spec.Seed, spec.Prompt; extra
+// keys, an adapter, a reservation or a sliding window: see
+// SequenceSpec): it hashes the prompt's full blocks once (under the
+// seed, the chain root, in one Hasher call), acquires a lease whose
+// leading blocks are the longest cached prefix of the prompt (under
 // AcquirePrefixTokens' rule: never the block holding the prompt's last
 // token; verified in verified mode) and whose other blocks are fresh, one
 // slot for every prompt token. The hit tokens count as computed
@@ -144,17 +146,11 @@ const (
 //
 // The pool needs a block size (WithBlockTokens or WithVerifiedPrefix),
 // the owner must not be empty and the prompt must have at least one
-// token; otherwise the error wraps ErrInvalidArgument. A prompt of more
-// blocks than the pool has is ErrExceedsCapacity. Other errors are
-// AcquirePrefix's, or the Hasher's: the request holds nothing after an
-// error. The sequence keeps its own copy of the prompt.
-func (p *Pool[R]) NewSequence(owner string, seed BlockHash, prompt []int32) (*Sequence[R], error) {
-	return p.admit(SequenceSpec{Owner: owner, Seed: seed, Prompt: prompt}, nil)
-}
-
-// Admit is NewSequence for a request with extra keys, an adapter, a
-// reservation or a sliding window (see SequenceSpec); the errors are
-// NewSequence's and the spec's.
+// token; otherwise the error wraps ErrInvalidArgument, as does a spec
+// out of its bounds. A prompt of more blocks than the pool has is
+// ErrExceedsCapacity. Other errors are AcquirePrefix's, or the Hasher's:
+// the request holds nothing after an error. The sequence keeps its own
+// copy of the prompt.
 func (p *Pool[R]) Admit(spec SequenceSpec) (*Sequence[R], error) {
 	return p.admit(spec, nil)
 }
@@ -225,7 +221,7 @@ func (p *Pool[R]) checkSpec(spec *SequenceSpec) (int, error) {
 	return keys, nil
 }
 
-// admit is NewSequence, Admit and AdmitWith (acquire non-nil).
+// admit is Admit and AdmitWith (acquire non-nil).
 func (p *Pool[R]) admit(spec SequenceSpec, acquire func([]BlockHash, int) (*Lease[R], int, error)) (*Sequence[R], error) {
 	owner, prompt := spec.Owner, spec.Prompt
 	keys, err := p.checkSpec(&spec)
@@ -382,9 +378,6 @@ func (s *Sequence[R]) CachedTokens() int { return s.hits * s.bt }
 // Tokens returns the sequence's tokens, prompt first. The slice is the
 // sequence's own: read it, do not write or keep it past the next Append.
 func (s *Sequence[R]) Tokens() []int32 { return s.tokens }
-
-// Sealed returns how many leading blocks are sealed.
-func (s *Sequence[R]) Sealed() int { return s.sealed }
 
 // BlockHashes returns the chain hashes of the sealed blocks, block 0
 // first (read only; valid until the next Commit).
@@ -686,10 +679,3 @@ func (s *Sequence[R]) Rollback(n int) error {
 	}
 	return nil
 }
-
-// Release ends the request: its lease is released (sealed blocks stay
-// cached for later prompts). Idempotent, as Lease.Release.
-func (s *Sequence[R]) Release() { s.l.Release() }
-
-// Abort ends the request with a cause, as Lease.Abort.
-func (s *Sequence[R]) Abort(cause error) { s.l.Abort(cause) }

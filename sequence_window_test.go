@@ -47,7 +47,7 @@ func TestSequenceWindow(t *testing.T) {
 	if st := p.Stats(); st.Leased != 3 || st.Cached != 5 {
 		t.Fatalf("a window of 3 blocks held, the trimmed 5 cached: %+v", st)
 	}
-	s.Release()
+	s.Lease().Release()
 
 	// Evict the blocks trimmed first (0 and 1: the LRU's oldest): one
 	// block is free, the others cached.
@@ -73,8 +73,8 @@ func TestSequenceWindow(t *testing.T) {
 			t.Fatalf("lease index %d is not block %d's hit", i, 2+i)
 		}
 	}
-	if err := w.Commit(4); err != nil || w.Sealed() != 5 {
-		t.Fatalf("commit: %v, sealed %d", err, w.Sealed())
+	if err := w.Commit(4); err != nil || len(w.BlockHashes()) != 5 {
+		t.Fatalf("commit: %v, sealed %d", err, len(w.BlockHashes()))
 	}
 	if w.Lease().Trimmed() != 1 { // next token 20 attends to 12..19: block 3 on
 		t.Fatalf("trimmed %d", w.Lease().Trimmed())
@@ -82,7 +82,7 @@ func TestSequenceWindow(t *testing.T) {
 	if want := ChainHashes(3, prompt, bt); !slices.Equal(w.BlockHashes(), want) {
 		t.Fatalf("hashes %x", w.BlockHashes())
 	}
-	w.Release()
+	w.Lease().Release()
 	if err := p.CheckQuiescent(); err != nil {
 		t.Fatal(err)
 	}
@@ -161,7 +161,7 @@ func TestSequenceWindowVerified(t *testing.T) {
 		if err := s.Commit(s.Len()); err != nil {
 			t.Fatal(err)
 		}
-		s.Release()
+		s.Lease().Release()
 		w, err := p.Admit(SequenceSpec{Owner: "b", Seed: 1, Prompt: prompt, Extra: extra, Window: window})
 		if err != nil {
 			t.Fatal(err)
@@ -169,7 +169,7 @@ func TestSequenceWindowVerified(t *testing.T) {
 		if w.Hits() != 6 || w.Base() != 4 {
 			t.Fatalf("image %v: verified window hits %d base %d, want 6 4", img, w.Hits(), w.Base())
 		}
-		w.Release()
+		w.Lease().Release()
 		// Another image over the same tokens: its blocks and every block
 		// after differ, so at most the blocks before the image hit.
 		other := img
@@ -181,7 +181,7 @@ func TestSequenceWindowVerified(t *testing.T) {
 		if o.Hits() > img.Start/bt {
 			t.Fatalf("image %v: another image hits %d blocks", img, o.Hits())
 		}
-		o.Release()
+		o.Lease().Release()
 		if st := p.Stats(); st.VerifyMismatches != 0 {
 			t.Fatalf("image %v: mismatches %d", img, st.VerifyMismatches)
 		}

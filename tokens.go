@@ -14,7 +14,7 @@ type Token interface {
 // TokensInt32 returns tokens as []int32 without copying: the same memory,
 // read as int32 (ids ≥ 2³¹ read as negative numbers, the same 4 bytes).
 // Pass the result wherever the package takes []int32 (SealTokens,
-// AcquirePrefixTokens, NewSequence); KV events carry the bits unchanged
+// AcquirePrefixTokens, Admit); KV events carry the bits unchanged
 // and the events package encodes them as the unsigned ids they are. The
 // two slices alias: a write through one is seen through the other.
 func TokensInt32[T Token](tokens []T) []int32 {

@@ -49,7 +49,7 @@ func (r *rig) serveSeq(t *testing.T, prompt []int32) *Onboard[[]byte] {
 		require.NoError(t, s.AppendComputed(int32(900+i)))
 	}
 	require.Equal(t, kvlease.ChainHashes(5, s.Tokens(), 4), s.BlockHashes())
-	s.Release()
+	s.Lease().Release()
 	return o
 }
 
@@ -127,7 +127,7 @@ func TestCacheAdmitCopyFails(t *testing.T) {
 	}
 	require.NoError(t, s.Commit(s.Len()-s.Computed()))
 	require.Equal(t, hashes, s.BlockHashes())
-	s.Release()
+	s.Lease().Release()
 	r.onload.set(false, false, nil)
 	r.settle(t)
 	require.NoError(t, r.dev.CheckQuiescent())

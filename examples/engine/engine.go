@@ -290,7 +290,7 @@ func (e *Engine) run() {
 	defer func() {
 		for _, r := range append(waiting, running...) {
 			if r.seq != nil {
-				r.seq.Abort(errShutdown)
+				r.seq.Lease().Abort(errShutdown)
 			} else {
 				e.queued.Add(-1)
 			}
@@ -434,7 +434,7 @@ func (e *Engine) step(running []*request) ([]*request, int) {
 		if r.ctx.Err() != nil {
 			// The client went away: abort. The lease's blocks return now
 			// (no transfer gates them); sealed blocks stay cached.
-			r.seq.Abort(r.ctx.Err())
+			r.seq.Lease().Abort(r.ctx.Err())
 			e.aborted.Add(1)
 			return true
 		}
@@ -443,12 +443,12 @@ func (e *Engine) step(running []*request) ([]*request, int) {
 		}
 		end, err := e.advance(r)
 		if err != nil {
-			r.seq.Abort(err)
+			r.seq.Lease().Abort(err)
 			r.fail(err)
 			return true
 		}
 		if end != "" {
-			r.seq.Release()
+			r.seq.Lease().Release()
 			e.finished.Add(1)
 			return true
 		}
