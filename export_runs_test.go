@@ -15,3 +15,7 @@ func FreeIDsForTest[R any](p *Pool[R], dst []BlockID) []BlockID {
 	}
 	return dst
 }
+
+// AppendRunsForTest is appendRuns (Lease.AppendRuns' split) over any
+// block table, for the external tests' table of cases.
+func AppendRunsForTest(dst []Run, blocks []BlockRef) []Run { return appendRuns(dst, blocks) }

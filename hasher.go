@@ -100,8 +100,8 @@ func blockExtras(dst []string, spans []ExtraKey, k, bt int) []string {
 }
 
 // WithHasher makes h the pool's block hash function: SealTokens,
-// SealAs, AcquirePrefixTokens, CachedPrefixTokens,
-// sequences and Pool.HashBlocks hash with it (see Hasher for the chain
+// SealAs, AcquirePrefixTokens, CachedPrefixTokens and sequences hash
+// with it (see Hasher for the chain
 // root, errors and batching). Without it the pool uses HashBlockExtra. A
 // nil h is refused (ErrInvalidArgument), as are two hashers.
 func WithHasher(h Hasher) Option {
@@ -117,14 +117,14 @@ func WithHasher(h Hasher) Option {
 	})
 }
 
-// HashBlocks writes to out the pool's chain hashes of len(out)
+// hashBlocks writes to out the pool's chain hashes of len(out)
 // consecutive full blocks of tokens under parent, as its Hasher
-// (WithHasher) or HashBlockExtra computes them: for callers that look
-// hashes up themselves (AcquirePrefix, a router's index). tokens must be
+// (WithHasher) or HashBlockExtra computes them (a caller outside calls
+// its Hasher, or ChainHashes without one). tokens must be
 // len(out) blocks of the pool's block tokens (any equal split without
 // WithBlockTokens) and extra nil or one entry per block; otherwise the
 // error wraps ErrInvalidArgument. A hasher's error is returned wrapped.
-func (p *Pool[R]) HashBlocks(parent BlockHash, tokens []int32, extra [][]string, out []BlockHash) error {
+func (p *Pool[R]) hashBlocks(parent BlockHash, tokens []int32, extra [][]string, out []BlockHash) error {
 	n := len(out)
 	bt := p.cfg.blockTokens
 	switch {

@@ -49,7 +49,7 @@ func TestBlockExtras(t *testing.T) {
 	}
 }
 
-// poolHash is the pool's hash of one block (Pool.HashBlocks of one).
+// poolHash is the pool's hash of one block (Pool.hashBlocks of one).
 func poolHash(t testing.TB, p *Pool[[]byte], parent BlockHash, tokens []int32, extra []string) BlockHash {
 	t.Helper()
 	var out [1]BlockHash
@@ -57,7 +57,7 @@ func poolHash(t testing.TB, p *Pool[[]byte], parent BlockHash, tokens []int32, e
 	if extra != nil {
 		ex = [][]string{extra}
 	}
-	if err := p.HashBlocks(parent, tokens, ex, out[:]); err != nil {
+	if err := p.hashBlocks(parent, tokens, ex, out[:]); err != nil {
 		t.Fatal(err)
 	}
 	return out[0]
@@ -158,7 +158,7 @@ func sha(parent BlockHash, tokens []int32, extra []string) BlockHash {
 }
 
 // A pool's own hasher is used by every path: seals, lookups by tokens
-// (verified), sequences, Pool.HashBlocks, and the KV events carry its
+// (verified), sequences, Pool.hashBlocks, and the KV events carry its
 // hashes.
 func TestWithHasher(t *testing.T) {
 	mine := perBlock(sha)
@@ -180,8 +180,8 @@ func TestWithHasher(t *testing.T) {
 		t.Fatal("seals did not use the pool's hasher")
 	}
 	var two [2]BlockHash
-	if err := p.HashBlocks(5, toks[:8], nil, two[:]); err != nil || two != [2]BlockHash{h0, h1} {
-		t.Fatalf("HashBlocks of two blocks: %x %v, want %x %x", two, err, h0, h1)
+	if err := p.hashBlocks(5, toks[:8], nil, two[:]); err != nil || two != [2]BlockHash{h0, h1} {
+		t.Fatalf("hashBlocks of two blocks: %x %v, want %x %x", two, err, h0, h1)
 	}
 	l.Release()
 	if n := p.CachedPrefixTokens(5, toks); n != 2 {
@@ -205,7 +205,7 @@ func TestWithHasher(t *testing.T) {
 	}
 }
 
-// TestHashBlocksArgs: Pool.HashBlocks refuses tokens that are not whole
+// TestHashBlocksArgs: hashBlocks refuses tokens that are not whole
 // blocks and extra keys for another number of blocks.
 func TestHashBlocksArgs(t *testing.T) {
 	p := seqPool(t, 8, WithBlockTokens(4))
@@ -215,15 +215,15 @@ func TestHashBlocksArgs(t *testing.T) {
 		extra  [][]string
 		out    int
 	}{{7, nil, 2}, {12, nil, 2}, {8, [][]string{nil}, 2}, {4, nil, 0}} {
-		if err := p.HashBlocks(0, seqTokens(c.tokens, 0), c.extra, out[:c.out]); !errors.Is(err, ErrInvalidArgument) {
+		if err := p.hashBlocks(0, seqTokens(c.tokens, 0), c.extra, out[:c.out]); !errors.Is(err, ErrInvalidArgument) {
 			t.Errorf("%d tokens, %d extra, %d blocks: %v", c.tokens, len(c.extra), c.out, err)
 		}
 	}
-	if err := p.HashBlocks(0, nil, nil, nil); err != nil {
+	if err := p.hashBlocks(0, nil, nil, nil); err != nil {
 		t.Errorf("nothing to hash: %v", err)
 	}
 	ex := [][]string{nil, {"img"}}
-	if err := p.HashBlocks(9, seqTokens(8, 0), ex, out[:]); err != nil {
+	if err := p.hashBlocks(9, seqTokens(8, 0), ex, out[:]); err != nil {
 		t.Fatal(err)
 	}
 	h0 := HashBlock(9, seqTokens(4, 0))
@@ -266,7 +266,7 @@ func TestHasherErrors(t *testing.T) {
 		t.Fatalf("CachedPrefixTokens %d", n)
 	}
 	var out [1]BlockHash
-	if err := p.HashBlocks(1, prompt[:4], nil, out[:]); !errors.Is(err, errHash) {
+	if err := p.hashBlocks(1, prompt[:4], nil, out[:]); !errors.Is(err, errHash) {
 		t.Fatalf("HashBlocks: %v", err)
 	}
 	if err := p.CheckQuiescent(); err != nil {

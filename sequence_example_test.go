@@ -76,14 +76,17 @@ func ExamplePool_TenantSeed() {
 	// alice's hits 2
 }
 
-// InUse is what running requests hold, whatever state the blocks count in.
-func ExampleStats_InUse() {
+// Leased plus QuarantinedLeased is what running requests hold, whatever
+// state the blocks count in.
+func ExampleStats() {
 	mem, _ := kvlease.NewHostMemory(8, 64)
 	pool, _ := kvlease.NewPool[[]byte](mem)
 	lease, _ := pool.Acquire("req-1", 3)
-	fmt.Println("in use", pool.Stats().InUse())
+	st := pool.Stats()
+	fmt.Println("in use", st.Leased+st.QuarantinedLeased)
 	lease.Release()
-	fmt.Println("in use", pool.Stats().InUse())
+	st = pool.Stats()
+	fmt.Println("in use", st.Leased+st.QuarantinedLeased)
 	// Output:
 	// in use 3
 	// in use 0
