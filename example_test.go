@@ -98,7 +98,7 @@ func ExampleWithQuarantineAlert() {
 	l.Release()
 
 	_, err := pool.Acquire("max-context", 8)
-	fmt.Println("usable:", pool.Stats().Usable, "of", pool.Capacity())
+	fmt.Println("usable:", pool.Stats().Usable, "of", pool.Memory().Blocks())
 	fmt.Println("bound:", errors.Is(err, kvlease.ErrQuarantineBound), "retryable:", errors.Is(err, kvlease.ErrExhausted))
 	t.Resolve(nil) // late evidence lifts it
 	fmt.Println("usable:", pool.Stats().Usable)

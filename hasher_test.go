@@ -291,7 +291,7 @@ func TestHasherErrors(t *testing.T) {
 	if s.Computed() != 9 || len(s.BlockHashes()) != 2 {
 		t.Fatalf("after a failed commit: computed %d sealed %d", s.Computed(), len(s.BlockHashes()))
 	}
-	if _, err := s.Lease().SealTokens(2, s.Parent(), s.Tokens()[8:12]); !errors.Is(err, errHash) {
+	if _, err := s.Lease().SealTokens(2, s.parent(), s.Tokens()[8:12]); !errors.Is(err, errHash) {
 		t.Fatalf("SealTokens: %v", err)
 	}
 	h.armed.Store(false)

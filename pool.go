@@ -138,12 +138,6 @@ func memSizes[R any](mem Memory[R]) (n, bb int, ok bool) {
 // Memory returns the memory the pool hands out.
 func (p *Pool[R]) Memory() Memory[R] { return p.mem }
 
-// Capacity returns the number of blocks the pool owns.
-func (p *Pool[R]) Capacity() int { return p.tab.Len() }
-
-// BlockBytes returns the size of one block in bytes.
-func (p *Pool[R]) BlockBytes() int { return p.mem.BlockBytes() }
-
 // Acquire hands out a lease on n fresh blocks, or nothing at all. Fresh
 // blocks come from the free list first, then by evicting the least recently
 // used cached blocks. Errors wrap ErrInvalidArgument (n ≤ 0, empty owner),

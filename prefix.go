@@ -8,22 +8,18 @@ import (
 // ResetMode says what ResetCache makes unfindable.
 type ResetMode uint8
 
-const (
-	// ResetUnreferenced, the default, drops the cached blocks nobody
-	// references. Sealed blocks that leases still hold (or that transfers
-	// still gate) stay findable: a request may still hit them.
-	ResetUnreferenced ResetMode = iota
-	// ResetAll also makes every block still in use unfindable: after it,
-	// nothing sealed before can be hit, which is what a weight or adapter
-	// update needs. Blocks in use stay sealed (immutable, readable by their
-	// leases) but private: once unreferenced they are free, not cached.
-	ResetAll
-)
+// ResetAll makes ResetCache drop, beside the cached blocks nobody
+// references (the default: sealed blocks that leases still hold, or that
+// transfers still gate, stay findable), every block still in use: after
+// it, nothing sealed before can be hit, which is what a weight or adapter
+// update needs. Blocks in use stay sealed (immutable, readable by their
+// leases) but private: once unreferenced they are free, not cached.
+const ResetAll ResetMode = 1
 
 // ResetCache drops every cached block nobody references: each leaves the
 // prefix index and goes to the free list, so it will never be hit again.
-// By default (ResetUnreferenced) sealed blocks that leases still hold stay
-// findable; pass ResetAll to make them unfindable too. It returns how
+// By default sealed blocks that leases still hold stay findable; pass
+// ResetAll to make them unfindable too. It returns how
 // many blocks stopped being findable. With KV events on, it emits
 // AllBlocksCleared when the index is left empty, else one BlockRemoved
 // per block.

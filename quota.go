@@ -147,9 +147,6 @@ func (p *Pool[R]) tenantIndex(name string) uint16 {
 	return (*m)[name]
 }
 
-// Name returns the tenant's name.
-func (t *Tenant[R]) Name() string { return t.name }
-
 // SetQuota sets the tenant's quota (see Quota), at once: a reservation
 // takes (or gives back) cached blocks now, in O(the change); a cap lower
 // than what the tenant holds refuses its acquires until it is back under
@@ -201,14 +198,6 @@ func (t *Tenant[R]) AcquirePrefix(owner string, hashes []BlockHash, n int) (*Lea
 // or once it reaches the head of the queue without that room.
 func (t *Tenant[R]) AcquireWait(ctx context.Context, owner string, n int) (*Lease[R], error) {
 	return t.p.acquireWait(ctx, owner, t.ix, n)
-}
-
-// Stats returns the tenant's line of TenantStats.
-func (t *Tenant[R]) Stats() TenantStats {
-	c := &t.p.core
-	c.mu.Lock()
-	defer c.unlock()
-	return c.tenantStats(t.ix)
 }
 
 // TenantStats is one tenant's share of a pool.

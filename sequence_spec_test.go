@@ -17,8 +17,8 @@ func TestSequenceSpecChecked(t *testing.T) {
 	const bt = 4
 	p := seqPool(t, 8, WithBlockTokens(bt))
 	ok := seqTokens(6, 1)
-	long := strings.Repeat("k", MaxExtraKeyBytes+1)
-	many := make([]ExtraKey, MaxExtraKeys+1)
+	long := strings.Repeat("k", maxExtraKeyBytes+1)
+	many := make([]ExtraKey, maxExtraKeys+1)
 	for i := range many {
 		many[i] = ExtraKey{Start: i, End: i + 1, Key: "k"}
 	}
@@ -72,19 +72,13 @@ func TestSequenceSpecChecked(t *testing.T) {
 	if cap(s.Tokens()) != 8*bt {
 		t.Fatalf("reserved %d tokens, want %d", cap(s.Tokens()), 8*bt)
 	}
-	if err := s.Reserve(-1); !errors.Is(err, ErrInvalidArgument) {
-		t.Fatalf("reserve -1: %v", err)
-	}
-	if err := s.Reserve(1 << 50); !errors.Is(err, ErrExceedsCapacity) {
-		t.Fatalf("reserve 1<<50: %v", err)
-	}
 	s.Lease().Release()
 	w, err := p.Admit(SequenceSpec{Owner: "w", Prompt: ok, MaxTokens: 1 << 50, Window: 8})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := w.Reserve(math.MaxInt); err != nil || cap(w.Tokens()) != 8*bt {
-		t.Fatalf("window reserve: %v, cap %d", err, cap(w.Tokens()))
+	if cap(w.Tokens()) != 8*bt {
+		t.Fatalf("window reserve: cap %d", cap(w.Tokens()))
 	}
 	w.Lease().Release()
 	if err := p.CheckQuiescent(); err != nil {
@@ -191,7 +185,7 @@ func TestAdmitWith(t *testing.T) {
 // admitted (the pool having room), else the sentinel it is refused with.
 func specModel(spec SequenceSpec, bt, capacity int) error {
 	switch {
-	case spec.Owner == "" || len(spec.Prompt) == 0 || spec.MaxTokens < 0 || spec.Window < 0 || len(spec.Extra) > MaxExtraKeys:
+	case spec.Owner == "" || len(spec.Prompt) == 0 || spec.MaxTokens < 0 || spec.Window < 0 || len(spec.Extra) > maxExtraKeys:
 		return ErrInvalidArgument
 	case spec.Adapter.Name == "" && spec.Adapter.ID != 0:
 		return ErrInvalidArgument
@@ -201,7 +195,7 @@ func specModel(spec SequenceSpec, bt, capacity int) error {
 		return ErrExceedsCapacity
 	}
 	for _, e := range spec.Extra {
-		if e.Start < 0 || e.End < e.Start || len(e.Key) > MaxExtraKeyBytes {
+		if e.Start < 0 || e.End < e.Start || len(e.Key) > maxExtraKeyBytes {
 			return ErrInvalidArgument
 		}
 	}
@@ -306,18 +300,6 @@ func fuzzSpecOnce(t *testing.T, data []byte) {
 				t.Fatalf("spec %+v: %v", spec, err)
 			}
 			continue
-		}
-		if r := size(); r >= 0 {
-			err := s.Reserve(r)
-			if r > capacity*bt && spec.Window == 0 {
-				if !errors.Is(err, ErrExceedsCapacity) {
-					t.Fatalf("reserve %d: %v", r, err)
-				}
-			} else if err != nil {
-				t.Fatalf("reserve %d: %v", r, err)
-			}
-		} else if err := s.Reserve(r); !errors.Is(err, ErrInvalidArgument) {
-			t.Fatalf("reserve %d: %v", r, err)
 		}
 		// Drive it: prefill, then a few decoded tokens.
 		if err := s.Commit(s.Len() - s.Computed()); err != nil {

@@ -54,15 +54,15 @@ func TestSequenceLifecycle(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if s.Len() != 80 || s.Lease().Len() != 5 || s.Blocks() != 5 || len(s.BlockHashes()) != 5 {
+	if s.Len() != 80 || s.Lease().Len() != 5 || s.Lease().Len() != 5 || len(s.BlockHashes()) != 5 {
 		t.Fatalf("len %d blocks %d sealed %d, want 80 5 5", s.Len(), s.Lease().Len(), len(s.BlockHashes()))
 	}
 	want := ChainHashes(seed, s.Tokens(), bt)
 	if !slices.Equal(s.BlockHashes(), want) {
 		t.Fatalf("hashes %x, want %x", s.BlockHashes(), want)
 	}
-	if s.Parent() != want[4] {
-		t.Fatalf("parent %x, want %x", s.Parent(), want[4])
+	if s.parent() != want[4] {
+		t.Fatalf("parent %x, want %x", s.parent(), want[4])
 	}
 	s.Lease().Release()
 	checkPool(t, p)

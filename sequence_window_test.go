@@ -19,8 +19,8 @@ func TestSequenceWindow(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if s.Base() != 0 || s.Blocks() != 5 || s.Hits() != 0 {
-		t.Fatalf("base %d blocks %d hits %d", s.Base(), s.Blocks(), s.Hits())
+	if s.Base() != 0 || s.Lease().Len() != 5 || s.Hits() != 0 {
+		t.Fatalf("base %d blocks %d hits %d", s.Base(), s.Lease().Len(), s.Hits())
 	}
 	// Computed 5: the next token attends to tokens 0..4 (block 0 on);
 	// 12: to 4..11 (block 1 on); 16: block 2 on; 20: to 12..19 (block 3
@@ -38,8 +38,8 @@ func TestSequenceWindow(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if got, want := s.Lease().Trimmed(), (30-window)/bt; got != want || s.Blocks() != 8 {
-		t.Fatalf("after decode: trimmed %d, want %d; blocks %d", got, want, s.Blocks())
+	if got, want := s.Lease().Trimmed(), (30-window)/bt; got != want || s.Lease().Len() != 8 {
+		t.Fatalf("after decode: trimmed %d, want %d; blocks %d", got, want, s.Lease().Len())
 	}
 	if want := ChainHashes(3, s.Tokens(), bt); !slices.Equal(s.BlockHashes(), want) {
 		t.Fatalf("hashes %x, want %x", s.BlockHashes(), want)
@@ -65,8 +65,8 @@ func TestSequenceWindow(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if w.Hits() != 4 || w.Base() != 2 || w.Blocks() != 3 || w.CachedTokens() != 16 || w.Computed() != 16 {
-		t.Fatalf("window hits %d base %d blocks %d cached %d computed %d", w.Hits(), w.Base(), w.Blocks(), w.CachedTokens(), w.Computed())
+	if w.Hits() != 4 || w.Base() != 2 || w.Lease().Len() != 3 || w.CachedTokens() != 16 || w.Computed() != 16 {
+		t.Fatalf("window hits %d base %d blocks %d cached %d computed %d", w.Hits(), w.Base(), w.Lease().Len(), w.CachedTokens(), w.Computed())
 	}
 	for i := range 2 {
 		if ref := w.Lease().Ref(i); ref.ID != mustFind(t, p, hashes[2+i]) {

@@ -99,7 +99,7 @@ func TestTenantErrors(t *testing.T) {
 	if x != y {
 		t.Fatal("the option kept the caller's slice")
 	}
-	if s := opt.String(); bytes.Contains([]byte(s), []byte{0x5a}) || s != "WithTenantKey(32 bytes)" {
+	if s := opt.string(); bytes.Contains([]byte(s), []byte{0x5a}) || s != "WithTenantKey(32 bytes)" {
 		t.Fatalf("option string %q", s)
 	}
 }

@@ -369,7 +369,7 @@ func (e *Engine) admit(waiting *[]*request, running []*request) []*request {
 	bt := e.cfg.BlockTokens
 	reserved := 0
 	for _, r := range running {
-		reserved += e.env.BlocksFor(len(r.prompt)+r.maxTokens) - r.seq.Blocks()
+		reserved += e.env.BlocksFor(len(r.prompt)+r.maxTokens) - r.seq.Lease().Len()
 	}
 	for len(*waiting) > 0 && len(running) < e.cfg.MaxRunning {
 		r := (*waiting)[0]
@@ -400,7 +400,7 @@ func (e *Engine) admit(waiting *[]*request, running []*request) []*request {
 			}
 		}
 		r.seq = seq
-		reserved += need - seq.Blocks()
+		reserved += need - seq.Lease().Len()
 		running = append(running, r)
 	}
 	return running
