@@ -214,23 +214,24 @@ func readOnlyErr(l *lease, i int, sealed bool, refs int32) error {
 	return fmt.Errorf("kvlease: writable region %d of lease %d (%s): the block is %s: %w", i, l.id, l.owner, why, ErrReadOnly)
 }
 
-// AppendRegions appends the writable regions of blocks from..Len()-1 to
-// dst and returns it, under one lock acquisition: what a copy or a kernel
+// AppendRegions appends the writable regions of blocks from..to-1 to dst
+// and returns it, under one lock acquisition: what a copy or a kernel
 // launch that writes wants, rather than a Region call (and a lock) per
 // block. Errors as Region (ErrReadOnly if any of those blocks is sealed or
-// shared: nothing is appended then); a from outside [0, Len()] wraps
-// ErrInvalidArgument. AppendReadRegions serves every block for reading.
-func (l *Lease[R]) AppendRegions(dst []R, from int) ([]R, error) {
-	return l.appendRegions(dst, from, true)
+// shared: nothing is appended then); a range outside [Trimmed(), Len()]
+// (or to < from) wraps ErrInvalidArgument. AppendReadRegions serves every
+// block for reading.
+func (l *Lease[R]) AppendRegions(dst []R, from, to int) ([]R, error) {
+	return l.appendRegions(dst, from, to, true)
 }
 
 // AppendReadRegions is AppendRegions for reading: it serves sealed and
 // shared blocks too (what a send or an offload wants).
-func (l *Lease[R]) AppendReadRegions(dst []R, from int) ([]R, error) {
-	return l.appendRegions(dst, from, false)
+func (l *Lease[R]) AppendReadRegions(dst []R, from, to int) ([]R, error) {
+	return l.appendRegions(dst, from, to, false)
 }
 
-func (l *Lease[R]) appendRegions(dst []R, from int, write bool) ([]R, error) {
+func (l *Lease[R]) appendRegions(dst []R, from, to int, write bool) ([]R, error) {
 	c := l.ls.c
 	c.mu.Lock()
 	if l.ls.closed {
@@ -238,13 +239,13 @@ func (l *Lease[R]) appendRegions(dst []R, from int, write bool) ([]R, error) {
 		return dst, fmt.Errorf("kvlease: regions of lease %d (%s): %w", l.ls.id, l.ls.owner, ErrLeaseClosed)
 	}
 	blocks, first := l.ls.blocks, l.ls.first()
-	if from < first || from > len(blocks) {
+	if from < first || to < from || to > len(blocks) {
 		c.unlock()
-		return dst, fmt.Errorf("kvlease: regions from %d of lease %d (%s) with %d blocks: %w",
-			from, l.ls.id, l.ls.owner, len(blocks), ErrInvalidArgument)
+		return dst, fmt.Errorf("kvlease: regions %d..%d of lease %d (%s) with %d blocks: %w",
+			from, to, l.ls.id, l.ls.owner, len(blocks), ErrInvalidArgument)
 	}
 	if write {
-		for i := from; i < len(blocks); i++ {
+		for i := from; i < to; i++ {
 			if id := int32(blocks[i].ID); c.tab.Sealed(id) || c.tab.Refs(id) > 1 {
 				sealed, refs := c.tab.Sealed(id), c.tab.Refs(id)
 				c.unlock()
@@ -253,7 +254,7 @@ func (l *Lease[R]) appendRegions(dst []R, from int, write bool) ([]R, error) {
 		}
 	}
 	c.unlock()
-	for _, r := range blocks[from:] {
+	for _, r := range blocks[from:to] {
 		dst = append(dst, l.p.mem.Region(r.ID))
 	}
 	return dst, nil
