@@ -4,9 +4,9 @@ import (
 	"context"
 	"fmt"
 	"math"
-	"sync/atomic"
 
 	"github.com/kvlease/kvlease/internal/slots"
+	"go.uber.org/atomic"
 )
 
 // Tenants and quotas.

@@ -12,10 +12,10 @@ import (
 	"slices"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/cespare/xxhash/v2"
+	"go.uber.org/atomic"
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/gpu"

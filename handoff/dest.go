@@ -5,11 +5,11 @@ import (
 	"fmt"
 	"net"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/internal/pending"
+	"go.uber.org/atomic"
 )
 
 // Destination is the destination half (the decode side) of

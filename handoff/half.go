@@ -4,10 +4,10 @@ import (
 	"errors"
 	"fmt"
 	"log"
-	"sync/atomic"
 	"time"
 
 	"github.com/kvlease/kvlease"
+	"go.uber.org/atomic"
 )
 
 // Errors of the halves.

@@ -4,7 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"sync/atomic"
+	"go.uber.org/atomic"
 	"time"
 
 	"github.com/kvlease/kvlease"

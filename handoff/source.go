@@ -5,10 +5,10 @@ import (
 	"fmt"
 	"net"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/kvlease/kvlease"
+	"go.uber.org/atomic"
 )
 
 var sessions atomic.Uint64 // local session numbers for PlaneIDs

@@ -4,10 +4,10 @@ import (
 	"errors"
 	"fmt"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/kvlease/kvlease"
+	"go.uber.org/atomic"
 )
 
 // Policy says when device blocks are copied to the host tier.

@@ -3,7 +3,7 @@ package tiers
 import (
 	"context"
 	"fmt"
-	"sync/atomic"
+	"go.uber.org/atomic"
 
 	"github.com/kvlease/kvlease"
 )

@@ -10,11 +10,11 @@ import (
 	"hash/fnv"
 	"strconv"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
+	"go.uber.org/atomic"
 )
 
 // Config is the engine's shape: its pool, its batch and its simulated
