@@ -364,16 +364,11 @@ func (l *lease) close(abort bool, cause error) {
 			}
 		}
 	}
-	if l.pending|l.quarantined == 0 && l.state == LeaseActive && (x == nil || x.settled == nil && x.hold == 0) && c.obs == nil {
-		// Nothing gates it and nobody watches: Active → Settled directly.
-		l.state = LeaseSettled
-	} else {
-		c.transition(l, &ev)
-		if l.state != LeaseSettled {
-			c.startDeadline(l)
-			if x != nil && x.hold != 0 {
-				c.holds.recs[x.hold-1].closed = l // CheckQuiescent reads its state until it settles
-			}
+	c.transition(l, &ev)
+	if l.state != LeaseSettled {
+		c.startDeadline(l)
+		if x != nil && x.hold != 0 {
+			c.holds.recs[x.hold-1].closed = l // CheckQuiescent reads its state until it settles
 		}
 	}
 	c.serve(&ev)

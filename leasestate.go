@@ -52,9 +52,12 @@ func nextLeaseState(closed bool, pending, quarantined int) LeaseState {
 }
 
 // leaseEdge reports whether from → to is an edge of the lifecycle table in
-// doc.go. Checked builds verify every transition against it.
+// doc.go (or a lease's birth: the zero state → Active). Every transition
+// is verified against it.
 func leaseEdge(from, to LeaseState) bool {
 	switch from {
+	case 0:
+		return to == LeaseActive
 	case LeaseActive:
 		return to == LeaseDraining || to == LeaseSettled || to == LeaseQuarantined
 	case LeaseDraining:
@@ -66,7 +69,15 @@ func leaseEdge(from, to LeaseState) bool {
 }
 
 // transition moves l to the state its facts now imply, with the side
-// effects of entering it. Called with c.mu held.
+// effects of entering it: the one writer of a lease's state (a new
+// lease is born Active here too, and a close that settles at once is an
+// edge like any other). Called with c.mu held, after every change of the
+// facts: opened, close, a transfer attached, quarantined or resolved.
+//
+// The two commonest edges, birth and a close that settles a lease
+// nothing watches (no observer, no Settled channel, no quiescence
+// record), enter nothing and return after the write: they are every
+// Acquire+Release cycle's.
 func (c *core) transition(l *lease, ev *outbox) {
 	next := nextLeaseState(l.closed, int(l.pending), int(l.quarantined))
 	prev := l.state
@@ -74,9 +85,37 @@ func (c *core) transition(l *lease, ev *outbox) {
 		return
 	}
 	if !leaseEdge(prev, next) {
-		panic(fmt.Sprintf("kvlease: lease %d: impossible transition %v → %v", l.id, prev, next))
+		impossibleEdge(l, prev, next)
 	}
 	l.state = next
+	if c.obs == nil && (prev == 0 || prev == LeaseActive && next == LeaseSettled && unwatched(l)) {
+		return
+	}
+	c.entered(l, prev, next, ev)
+}
+
+// unwatched reports whether no one waits on l's settling: no Settled
+// channel, no quiescence record (its deadline timer starts only once a
+// closed lease has not settled).
+func unwatched(l *lease) bool {
+	x := l.extra
+	return x == nil || x.settled == nil && x.hold == 0
+}
+
+// impossibleEdge panics: a transition off the lifecycle table is a bug.
+//
+//go:noinline
+func impossibleEdge(l *lease, prev, next LeaseState) {
+	panic(fmt.Sprintf("kvlease: lease %d: impossible transition %v → %v", l.id, prev, next))
+}
+
+// entered runs the side effects of l's entering next from prev: the
+// quarantine counters and events, and a settled lease's release of its
+// record, channel and deadline timer, and its event.
+func (c *core) entered(l *lease, prev, next LeaseState, ev *outbox) {
+	if prev == 0 {
+		return // born: opened tells of it
+	}
 	switch {
 	case next == LeaseQuarantined:
 		c.stats.quarantines++

@@ -245,7 +245,7 @@ func closedErr(owner string, n int) error {
 func (c *core) opened(l *lease, hits int, ev *outbox) {
 	c.nextLease++
 	l.id = c.nextLease
-	l.state = LeaseActive
+	c.transition(l, ev) // born Active
 	c.openLeases++
 	c.stats.acquires++
 	if c.watchOpens {
