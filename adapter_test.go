@@ -4,6 +4,8 @@ import (
 	"errors"
 	"slices"
 	"testing"
+
+	"github.com/kvlease/kvlease/internal/slots"
 )
 
 // Extra keys go into the hash of exactly the blocks they cover: text
@@ -112,9 +114,62 @@ func TestVerifyExtraKeys(t *testing.T) {
 	if !ok || hit {
 		t.Fatalf("found %v, verified %v: keys were not compared", ok, hit)
 	}
-	if p.Stats().VerifyMismatches != 1 {
-		t.Fatal("mismatch not counted")
+	// The lookup reports the mismatch; only an acquire counts it (a
+	// query such as CachedPrefixTokens changes nothing).
+	p.mu.Lock()
+	n, mismatch := p.probe([]BlockHash{h0}, &v)
+	p.mu.Unlock()
+	if n != 0 || !mismatch {
+		t.Fatalf("probe: %d hits, mismatch %v", n, mismatch)
 	}
+	if got := p.Stats().VerifyMismatches; got != 0 {
+		t.Fatalf("a lookup alone counted %d mismatches", got)
+	}
+}
+
+// CachedPrefixTokens only reads: hits or not, verified or not, the
+// pool's stats and its eviction order are as they were.
+func TestCachedPrefixTokensReadsOnly(t *testing.T) {
+	for _, opts := range [][]Option{{WithBlockTokens(4)}, {WithVerifiedPrefix(4)}} {
+		p := seqPool(t, 6, opts...)
+		prompt := seqTokens(13, 1)
+		for _, owner := range []string{"a", "b"} {
+			s, err := p.Admit(SequenceSpec{Owner: owner, Seed: BlockHash(len(owner)), Prompt: prompt})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := s.Commit(s.Len() - s.Computed()); err != nil {
+				t.Fatal(err)
+			}
+			s.Lease().Release()
+		}
+		before, lru := p.Stats(), lruOrder(p)
+		if n := p.CachedPrefixTokens(1, prompt); n != 3 {
+			t.Fatalf("cached prefix %d, want 3", n)
+		}
+		if n := p.CachedPrefixTokens(1, seqTokens(13, 2)); n != 0 {
+			t.Fatalf("another prompt: %d", n)
+		}
+		if after := p.Stats(); after != before || !slices.Equal(lruOrder(p), lru) {
+			t.Fatalf("a query changed the pool: %+v → %+v, LRU %v → %v", before, after, lru, lruOrder(p))
+		}
+	}
+}
+
+// lruOrder lists the cached slots, least recently used first.
+func lruOrder(p *Pool[[]byte]) []int32 {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var out []int32
+	for id := range p.tab.Len() {
+		if p.tab.ClassOf(int32(id)) == slots.Cached {
+			out = append(out, int32(id))
+		}
+	}
+	if h := p.tab.LRUHead(); h != slots.Nil {
+		out = append([]int32{h}, out...) // the head first: the next victim
+	}
+	return out
 }
 
 func TestAdapterErrors(t *testing.T) {

@@ -195,7 +195,7 @@ func (p *Pool[R]) AcquireHits(owner string, hashes []BlockHash) (*Lease[R], erro
 		c.unlock()
 		return nil, c.reject(owner, len(hashes), &exhaustedError{op: "acquire", owner: owner, n: len(hashes), queued: q})
 	}
-	n := c.probe(hashes, nil)
+	n, _ := c.probe(hashes, nil)
 	if n == 0 {
 		c.stats.prefixQueries += uint64(len(hashes))
 		c.unlock()

@@ -274,7 +274,7 @@ func (l *Lease[R]) State() LeaseState {
 	c := l.ls.c
 	c.mu.Lock()
 	defer c.unlock()
-	return l.ls.state
+	return l.ls.current()
 }
 
 // Settled returns a channel that is closed once the lease is closed and
@@ -285,7 +285,7 @@ func (l *Lease[R]) Settled() <-chan struct{} {
 	c := l.ls.c
 	c.mu.Lock()
 	defer c.unlock()
-	if l.ls.state == LeaseSettled {
+	if l.ls.current() == LeaseSettled {
 		return closedChan
 	}
 	x := l.ls.ext()
@@ -364,11 +364,13 @@ func (l *lease) close(abort bool, cause error) {
 			}
 		}
 	}
-	c.transition(l, &ev)
-	if l.state != LeaseSettled {
-		c.startDeadline(l)
-		if x != nil && x.hold != 0 {
-			c.holds.recs[x.hold-1].closed = l // CheckQuiescent reads its state until it settles
+	if !c.settlesQuietly(l) {
+		c.transition(l, &ev)
+		if l.current() != LeaseSettled {
+			c.startDeadline(l)
+			if x != nil && x.hold != 0 {
+				c.holds.recs[x.hold-1].closed = l // CheckQuiescent reads its state until it settles
+			}
 		}
 	}
 	c.serve(&ev)

@@ -52,12 +52,9 @@ func nextLeaseState(closed bool, pending, quarantined int) LeaseState {
 }
 
 // leaseEdge reports whether from → to is an edge of the lifecycle table in
-// doc.go (or a lease's birth: the zero state → Active). Every transition
-// is verified against it.
+// doc.go. Every transition is verified against it.
 func leaseEdge(from, to LeaseState) bool {
 	switch from {
-	case 0:
-		return to == LeaseActive
 	case LeaseActive:
 		return to == LeaseDraining || to == LeaseSettled || to == LeaseQuarantined
 	case LeaseDraining:
@@ -69,29 +66,44 @@ func leaseEdge(from, to LeaseState) bool {
 }
 
 // transition moves l to the state its facts now imply, with the side
-// effects of entering it: the one writer of a lease's state (a new
-// lease is born Active here too, and a close that settles at once is an
-// edge like any other). Called with c.mu held, after every change of the
-// facts: opened, close, a transfer attached, quarantined or resolved.
-//
-// The two commonest edges, birth and a close that settles a lease
-// nothing watches (no observer, no Settled channel, no quiescence
-// record), enter nothing and return after the write: they are every
-// Acquire+Release cycle's.
+// effects of entering it (entered): the one writer of a lease's state.
+// Called with c.mu held, after every change of the facts: a close, a
+// transfer attached, quarantined or resolved. A lease's state is a
+// function of its facts (nextLeaseState); the field records the last
+// edge entered, so that the next change knows what it leaves (see
+// current for the two states that need no record).
 func (c *core) transition(l *lease, ev *outbox) {
-	next := nextLeaseState(l.closed, int(l.pending), int(l.quarantined))
-	prev := l.state
+	prev, next := l.state, nextLeaseState(l.closed, int(l.pending), int(l.quarantined))
+	if prev == 0 {
+		prev = LeaseActive // no edge recorded yet: it was Active until this change
+	}
 	if next == prev {
 		return
 	}
-	if !leaseEdge(prev, next) {
-		impossibleEdge(l, prev, next)
-	}
-	l.state = next
-	if c.obs == nil && (prev == 0 || prev == LeaseActive && next == LeaseSettled && unwatched(l)) {
-		return
-	}
 	c.entered(l, prev, next, ev)
+	l.state = next
+}
+
+// current is l's state. Until transition records an edge (l.state is
+// zero) a lease's state is what its facts imply: Active from birth (a
+// lease is carved zeroed and never reused), Settled after a close that
+// settles it quietly (settlesQuietly). Called with c.mu held.
+func (l *lease) current() LeaseState {
+	if l.state == 0 {
+		return nextLeaseState(l.closed, int(l.pending), int(l.quarantined))
+	}
+	return l.state
+}
+
+// settlesQuietly reports whether closing l (its facts already closed)
+// takes it from Active to Settled with nothing to enter: no edge
+// recorded yet, nothing gating it, no observer, no Settled channel, no
+// quiescence record (its deadline timer starts only once a closed lease
+// has not settled). Then the close need not call transition: the state
+// reads Settled from the facts (current), and nothing is written. It is
+// every plain Acquire+Release cycle's close.
+func (c *core) settlesQuietly(l *lease) bool {
+	return l.state == 0 && l.pending|l.quarantined == 0 && c.obs == nil && unwatched(l)
 }
 
 // unwatched reports whether no one waits on l's settling: no Settled
@@ -109,12 +121,13 @@ func impossibleEdge(l *lease, prev, next LeaseState) {
 	panic(fmt.Sprintf("kvlease: lease %d: impossible transition %v → %v", l.id, prev, next))
 }
 
-// entered runs the side effects of l's entering next from prev: the
-// quarantine counters and events, and a settled lease's release of its
-// record, channel and deadline timer, and its event.
+// entered checks that prev → next is an edge and runs the side effects
+// of l's entering next: the quarantine counters and events, and a
+// settled lease's release of its record, channel and deadline timer, and
+// its event. transition writes the state after it.
 func (c *core) entered(l *lease, prev, next LeaseState, ev *outbox) {
-	if prev == 0 {
-		return // born: opened tells of it
+	if !leaseEdge(prev, next) {
+		impossibleEdge(l, prev, next)
 	}
 	switch {
 	case next == LeaseQuarantined:

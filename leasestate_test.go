@@ -10,7 +10,6 @@ import (
 // The lifecycle table of DESIGN.md, as (from, to) edges. Quarantined +
 // Release/Abort stays Quarantined: a self-loop, not an edge.
 var designLeaseEdges = map[[2]LeaseState]bool{
-	{0, LeaseActive}:                  true, // birth: opened (transition is the one writer)
 	{LeaseActive, LeaseDraining}:      true, // Release/Abort with transfers pending
 	{LeaseActive, LeaseSettled}:       true, // Release/Abort with nothing gating
 	{LeaseActive, LeaseQuarantined}:   true, // a gating transfer is quarantined
@@ -108,11 +107,10 @@ func TestLeaseStateMachineWalk(t *testing.T) {
 	seen := map[leaseFacts]bool{start: true}
 	queue := []leaseFacts{start}
 	taken := map[[2]LeaseState]bool{}
-	// Birth: a fresh lease's facts make it Active.
-	if born := nextLeaseState(start.closed, start.pending, start.quarantined); !leaseEdge(0, born) {
-		t.Errorf("a fresh lease is born %v", born)
-	} else {
-		taken[[2]LeaseState{0, born}] = true
+	// Birth: a fresh lease's facts make it Active, the state its zero
+	// value reads as (lease.current).
+	if born := nextLeaseState(start.closed, start.pending, start.quarantined); born != (&lease{}).current() {
+		t.Errorf("a fresh lease is born %v, its zero value reads %v", born, (&lease{}).current())
 	}
 	for len(queue) > 0 {
 		f := queue[0]

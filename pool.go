@@ -245,7 +245,7 @@ func closedErr(owner string, n int) error {
 func (c *core) opened(l *lease, hits int, ev *outbox) {
 	c.nextLease++
 	l.id = c.nextLease
-	c.transition(l, ev) // born Active
+	// (born Active: the zero state is Active, see lease.current)
 	c.openLeases++
 	c.stats.acquires++
 	if c.watchOpens {

@@ -90,43 +90,48 @@ func (p *Pool[R]) CachedPrefix(hashes []BlockHash) int {
 	c := &p.core
 	c.mu.Lock()
 	defer c.unlock()
-	return c.probe(hashes, nil)
+	n, _ := c.probe(hashes, nil)
+	return n
 }
 
-// probe returns the length of the cached prefix of hashes. In verified
-// mode v supplies the tokens to check each hit against (nil: no hit can
-// be verified). Called with c.mu held. It stamps each hit slot so that a
-// block named twice ends the prefix (a lease holds a block once per
-// position, and chained hashes never repeat).
-func (c *core) probe(hashes []BlockHash, v *verifier) int {
-	n, _, _ := c.probeIDs(hashes, v, nil)
-	return n
+// probe returns the length of the cached prefix of hashes, and whether
+// it ended at a verified-mode mismatch (the caller that acquires counts
+// it). In verified mode v supplies the tokens to check each hit against
+// (nil: no hit can be verified). Called with c.mu held. It changes
+// nothing a caller can see (no recency, no counter): its only write is
+// the probe stamp of each hit slot, scratch that lets a block named
+// twice end the prefix (a lease holds a block once per position, and
+// chained hashes never repeat).
+func (c *core) probe(hashes []BlockHash, v *verifier) (int, bool) {
+	n, _, _, mismatch := c.probeIDs(hashes, v, nil)
+	return n, mismatch
 }
 
 // probeIDs is probe that also appends the hit slots to ids (up to its
 // capacity, so the caller's stack buffer never grows), sparing the caller
 // a second lookup, and counts the hits that are cached (on the LRU: they
 // stop being evictable when leased).
-func (c *core) probeIDs(hashes []BlockHash, v *verifier, ids []int32) (int, []int32, int) {
+func (c *core) probeIDs(hashes []BlockHash, v *verifier, ids []int32) (int, []int32, int, bool) {
 	if c.index.len() == 0 {
-		return 0, ids, 0
+		return 0, ids, 0, false
 	}
 	c.stamp++
 	if !c.verified {
-		return probeFlat(&c.index, c.tab.View(), c.pre, c.stamp, hashes, ids)
+		n, ids, cached := c.index.probe(c.tab.View(), c.pre, c.stamp, hashes, ids)
+		return n, ids, cached, false
 	}
 	cached := 0
 	for k, h := range hashes {
 		id, ok := c.index.find(h)
 		if !ok {
-			return k, ids, cached
+			return k, ids, cached, false
 		}
 		wpins, class := c.tab.View().Probe(int32(id))
 		if wpins > 0 || c.pre[id].mark == c.stamp {
-			return k, ids, cached
+			return k, ids, cached, false
 		}
-		if c.verified && !c.verify(id, k, v) {
-			return k, ids, cached
+		if !c.verify(id, k, v) {
+			return k, ids, cached, v != nil
 		}
 		c.pre[id].mark = c.stamp
 		if class == slots.Cached {
@@ -136,48 +141,7 @@ func (c *core) probeIDs(hashes []BlockHash, v *verifier, ids []int32) (int, []in
 			ids = append(ids, int32(id))
 		}
 	}
-	return len(hashes), ids, cached
-}
-
-// probeFlat is probeIDs for the flat index without verification: the
-// index's probe written into the loop, one probe per hash, with the
-// tables in registers: a find call per hash, and the reloads it forced,
-// made a hit much dearer (BenchmarkAcquirePrefix guards it, measured in
-// instructions with bench/instr: numbers in bench/README.md).
-func probeFlat(x *prefixIndex, view slots.View, pre []prefixSlot, stamp uint32, hashes []BlockHash, ids []int32) (int, []int32, int) {
-	tab, shift := x.tab, x.shift&63 // (the mask spares the shift's range check)
-	mask := uint64(len(tab) - 1)
-	cached := 0
-	for k, h := range hashes {
-		m := uint64(h) * indexMix
-		tag := m >> 32
-		var p *prefixSlot
-		var id BlockID
-		for i := m >> shift; ; i = (i + 1) & mask {
-			e := tab[i]
-			if e == 0 {
-				return k, ids, cached
-			}
-			if e>>32 == tag {
-				id = BlockID(uint32(e) - 1)
-				if p = &pre[id]; p.hash == h {
-					break
-				}
-			}
-		}
-		wpins, class := view.Probe(int32(id))
-		if wpins > 0 || p.mark == stamp {
-			return k, ids, cached
-		}
-		p.mark = stamp
-		if class == slots.Cached {
-			cached++
-		}
-		if len(ids) < cap(ids) {
-			ids = append(ids, int32(id))
-		}
-	}
-	return len(hashes), ids, cached
+	return len(hashes), ids, cached, false
 }
 
 // fillPrefix fills l with n blocks: the cached prefix of hashes, then
@@ -188,7 +152,10 @@ func (c *core) fillPrefix(l *lease, hashes []BlockHash, n int, v *verifier, ev *
 	}
 	var buf [64]int32
 	// lruHits: hit blocks that stop being evictable.
-	hits, ids, lruHits := c.probeIDs(hashes, v, buf[:0])
+	hits, ids, lruHits, mismatch := c.probeIDs(hashes, v, buf[:0])
+	if mismatch {
+		c.stats.verifyMismatches++
+	}
 	tn := l.tenant
 	if c.tenants != nil { // (quota.go)
 		var own int
@@ -313,7 +280,9 @@ func (p *Pool[R]) AcquirePrefixTokens(owner string, seed BlockHash, tokens []int
 // CachedPrefixTokens is CachedPrefix for a prompt given as tokens, verified
 // in verified mode, under AcquirePrefixTokens' rule: the block holding the
 // prompt's last token never counts. It returns 0 when the pool has no
-// block size or its Hasher fails.
+// block size or its Hasher fails. Like CachedPrefix it changes nothing:
+// no recency, no counter (a verified mismatch is counted by acquires,
+// not by queries).
 func (p *Pool[R]) CachedPrefixTokens(seed BlockHash, tokens []int32) int {
 	bt := p.cfg.blockTokens
 	if bt == 0 {
@@ -331,5 +300,6 @@ func (p *Pool[R]) CachedPrefixTokens(seed BlockHash, tokens []int32) int {
 	c := &p.core
 	c.mu.Lock()
 	defer c.unlock()
-	return c.probe(v.hashes, vp)
+	n, _ := c.probe(v.hashes, vp) // a query: a mismatch is not counted
+	return n
 }
