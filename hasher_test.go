@@ -4,6 +4,7 @@ import (
 	"crypto/sha256"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"slices"
 	"sync/atomic"
 	"testing"
@@ -305,4 +306,30 @@ func TestHasherErrors(t *testing.T) {
 	if err := p.CheckQuiescent(); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// hashBlocks writes to out the pool's chain hashes of len(out)
+// consecutive full blocks of tokens under parent, as its Hasher
+// (WithHasher) or HashBlockExtra computes them (a caller outside calls
+// its Hasher, or ChainHashes without one). tokens must be
+// len(out) blocks of the pool's block tokens (any equal split without
+// WithBlockTokens) and extra nil or one entry per block; otherwise the
+// error wraps ErrInvalidArgument. A hasher's error is returned wrapped.
+func (p *Pool[R]) hashBlocks(parent BlockHash, tokens []int32, extra [][]string, out []BlockHash) error {
+	n := len(out)
+	bt := p.cfg.blockTokens
+	switch {
+	case n == 0:
+		if len(tokens) != 0 || len(extra) != 0 {
+			return fmt.Errorf("kvlease: hash %d tokens into no block: %w", len(tokens), ErrInvalidArgument)
+		}
+		return nil
+	case bt == 0 && (len(tokens) == 0 || len(tokens)%n != 0):
+		return fmt.Errorf("kvlease: hash %d tokens as %d equal blocks: %w", len(tokens), n, ErrInvalidArgument)
+	case bt > 0 && len(tokens) != n*bt:
+		return fmt.Errorf("kvlease: hash %d tokens as %d blocks of %d: %w", len(tokens), n, bt, ErrInvalidArgument)
+	case extra != nil && len(extra) != n:
+		return fmt.Errorf("kvlease: hash %d blocks with extra keys for %d: %w", n, len(extra), ErrInvalidArgument)
+	}
+	return p.hashChain(parent, tokens, extra, out)
 }

@@ -42,15 +42,6 @@ func ref(r slots.Ref) BlockRef { return BlockRef{ID: BlockID(r.ID), Gen: r.Gen} 
 
 func (c *core) available() int { return c.tab.Available() }
 
-// fill fills dst with fresh blocks. The caller checked available() ≥
-// len(dst).
-// (Acquire spells it out: see there.)
-func (c *core) fill(dst []BlockRef, ev *outbox) {
-	if !c.tab.Fill(refs(dst)) {
-		c.fillEvict(dst, 0, ev)
-	}
-}
-
 // fillEvict is fill when the free stack is short, for tenant tn (0:
 // none; see quota.go): block by block, evicting.
 // Kept out of line: inlined into acquire, it cost every cycle spills.

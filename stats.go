@@ -68,7 +68,7 @@ type Stats struct {
 }
 
 type counters struct {
-	acquires, rejections                                 uint64
+	acquires                                             uint64
 	prefixQueries, prefixHits, evictions, duplicateSeals uint64
 	prefixRefused                                        uint64
 	verifyMismatches                                     uint64
