@@ -25,25 +25,65 @@ type Pool[R any] struct {
 }
 
 // core is the non-generic part of a pool: everything but the memory.
-// Transfers and leases of every region type talk to it.
+// Transfers and leases of every region type talk to it. Its parts are
+// named by what they serve; their fields are promoted, so code reads
+// c.waiters as before. Everything is guarded by mu except the atomics
+// of lifecycle.
 type core struct {
-	mu    sync.Mutex
-	tab   slots.Table  // every block's state: its only writer (internal/slots)
+	mu  sync.Mutex
+	tab slots.Table // every block's state: its only writer (internal/slots)
+
+	prefixState // the prefix cache: per-slot hashes, the index, seal records
+	waitQueue   // AcquireWait's FIFO
+	alertState  // the quarantine alert and bound
+	lifecycle   // open, closed, counted
+
+	cfg config
+	obs Observer
+
+	enginePolicy // retention, tenants, adapters
+
+	holds holdings // who holds what, for CheckQuiescent (quiescent.go)
+}
+
+// prefixState is the prefix cache's part of the core: per-slot state
+// kept apart from the slot table (so that the table the hot path walks
+// stays small), the index, and how each block was sealed.
+type prefixState struct {
 	pre   []prefixSlot // parallel to the table
 	index prefixIndex  // BlockHash → the slot findable by it; its table made by the first Seal
+	stamp uint32       // bumped per prefix probe
 
-	waiters []*waiter // FIFO; waiters[head:] are queued
+	verified bool         // verified mode (WithVerifiedPrefix)
+	records  bool         // seals write their record: verified mode, KV events or WithSealRecords
+	seals    []sealRecord // per slot: how it was sealed (seal.go)
+	sealTok  []int32      // per slot: its sealed tokens, blockTokens each; made by the first SealTokens
+	kv       *kvEventLog  // nil unless WithKVEvents
+	hook     offerer      // eviction hook (evict.go); nil without one
+}
+
+// waitQueue is AcquireWait's FIFO of waiters (waiters.go).
+type waitQueue struct {
+	waiters []*waiter // FIFO; waiters[whead:] are queued
 	whead   int
+	// scannedUsable: usable() when the queue was last scanned for
+	// ErrQuarantineBound.
+	scannedUsable int
+}
 
+// alertState is the quarantine alert's (WithQuarantineAlert; waiters.go).
+type alertState struct {
 	alertLimit int  // alert when quarantined blocks exceed this (MaxInt: never)
 	alerted    bool // the quarantine alert is raised
 	// alertAt: serve looks further when quarantined blocks exceed it:
 	// alertLimit while the alert is clear, -1 while it is raised (then
 	// serveAll tells whether to clear it). One compare keeps serve
 	// inlinable.
-	alertAt       int
-	scannedUsable int // usable() when the waiter queue was last scanned for ErrQuarantineBound
+	alertAt int
+}
 
+// lifecycle is the pool's open and closed state and its counters.
+type lifecycle struct {
 	closed     atomic.Bool
 	rejections atomic.Uint64 // counted without the lock: rejections come in storms
 	rejectedBy [numRejectReasons]atomic.Uint64
@@ -51,9 +91,15 @@ type core struct {
 	nextLease  uint64
 	openLeases int
 	stats      counters
+	// watchOpens: a leak check, an observer or a checked build wants to
+	// hear of every lease opened (fixed when the pool is made; one field
+	// test instead of three keeps opened inlinable).
+	watchOpens bool
+}
 
-	cfg config
-	obs Observer
+// enginePolicy is what an engine's policy adds to the core: retention
+// classes, tenants and the adapters seal records name.
+type enginePolicy struct {
 	// ret: retention by adapter (retention.go), made at the first
 	// SetAdapterRetention or seal by a tagged lease.
 	ret *retentionState
@@ -61,23 +107,10 @@ type core struct {
 	// their index in the slot table; [0] is no tenant. nil until the
 	// first Pool.Tenant.
 	tenants []tenantRecord
-	// watchOpens: a leak check, an observer or a checked build wants to
-	// hear of every lease opened (fixed when the pool is made; one field
-	// test instead of three keeps opened inlinable).
-	watchOpens bool
-	kv         *kvEventLog  // nil unless WithKVEvents
-	verified   bool         // verified mode (WithVerifiedPrefix)
-	records    bool         // seals write their record: verified mode, KV events or WithSealRecords
-	seals      []sealRecord // per slot: how it was sealed (seal.go)
 	// adapters interns the adapters seal records name (adapter.go):
 	// adapters[0] is none.
 	adapters  []Adapter
 	adapterIx map[Adapter]int32
-	sealTok   []int32 // per slot: its sealed tokens, blockTokens each; made by the first SealTokens
-	stamp     uint32  // bumped per prefix probe
-	hook      offerer // eviction hook (evict.go); nil without one
-
-	holds holdings // who holds what, for CheckQuiescent (quiescent.go)
 }
 
 // NewPool makes a pool over mem: every block starts free. mem must be
