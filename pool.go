@@ -33,9 +33,19 @@ type core struct {
 	mu  sync.Mutex
 	tab slots.Table // every block's state: its only writer (internal/slots)
 
+	// serve's trigger, read on every release: the FIFO of AcquireWait
+	// waiters (waiters[whead:] are queued; waiters.go) and alertAt (serve
+	// looks further when quarantined blocks exceed it: alertLimit while
+	// the alert is clear, -1 while it is raised, then serveAll tells
+	// whether to clear it). They live in core itself, not in a part: a
+	// promoted field costs the inliner a node, and one compare of each
+	// keeps serve inlinable.
+	waiters []*waiter
+	whead   int
+	alertAt int
+
 	prefixState // the prefix cache: per-slot hashes, the index, seal records
-	waitQueue   // AcquireWait's FIFO
-	alertState  // the quarantine alert and bound
+	alertState  // the quarantine alert and bound, beside alertAt
 	lifecycle   // open, closed, counted
 
 	cfg config
@@ -62,24 +72,14 @@ type prefixState struct {
 	hook     offerer      // eviction hook (evict.go); nil without one
 }
 
-// waitQueue is AcquireWait's FIFO of waiters (waiters.go).
-type waitQueue struct {
-	waiters []*waiter // FIFO; waiters[whead:] are queued
-	whead   int
-	// scannedUsable: usable() when the queue was last scanned for
-	// ErrQuarantineBound.
-	scannedUsable int
-}
-
-// alertState is the quarantine alert's (WithQuarantineAlert; waiters.go).
+// alertState is the quarantine alert's (WithQuarantineAlert) and the
+// quarantine bound's (waiters.go); core.alertAt is serve's trigger.
 type alertState struct {
 	alertLimit int  // alert when quarantined blocks exceed this (MaxInt: never)
 	alerted    bool // the quarantine alert is raised
-	// alertAt: serve looks further when quarantined blocks exceed it:
-	// alertLimit while the alert is clear, -1 while it is raised (then
-	// serveAll tells whether to clear it). One compare keeps serve
-	// inlinable.
-	alertAt int
+	// scannedUsable: usable() when the wait queue was last scanned for
+	// ErrQuarantineBound.
+	scannedUsable int
 }
 
 // lifecycle is the pool's open and closed state and its counters.
