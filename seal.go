@@ -25,7 +25,7 @@ func (l *Lease[R]) Seal(i int, h BlockHash) error {
 
 // sealTokens carries what a seal says beyond the hash: the parent hash,
 // the block's tokens and its extra keys; chain overrides where its KV
-// event places the block in its chain (SealChained, SealAs). noTokens: a
+// event places the block in its chain (SealAs). noTokens: a
 // seal with a known parent but no tokens (SealAs), which verified mode
 // refuses like a plain Seal.
 type sealTokens struct {
@@ -288,7 +288,7 @@ type sealRecord struct {
 	// parent is the hash the block was sealed under: the previous block's
 	// hash, or the namespace seed for a chain's first block.
 	parent BlockHash
-	// known: parent is known (SealTokens and SealChained give it; a plain
+	// known: parent is known (SealTokens and SealAs give it; a plain
 	// Seal knows it only when the lease's previous block is sealed).
 	known bool
 	// chained: parent is a block, so the block's KV event names it (false

@@ -112,7 +112,7 @@ type SequenceSpec struct {
 	// sequence will hold (prompt plus max_tokens): its token and hash
 	// tables are made that large at once, so decoding
 	// allocates nothing more. Negative is refused; more than the pool
-	// could ever hold (Capacity × block tokens) is ErrExceedsCapacity,
+	// could ever hold (its blocks × block tokens) is ErrExceedsCapacity,
 	// except in a sliding-window sequence, whose tables are then made
 	// that large and grow as needed.
 	MaxTokens int

@@ -145,7 +145,7 @@ func (c *Coordinator[R]) Align() int { return c.align }
 
 // Hashes returns each group's chain hashes of tokens (full blocks only,
 // kvlease.ChainHashes with the group's block size), the hashes Acquire
-// takes. (A pool with its own Hasher hashes with kvlease.Pool.HashBlocks
+// takes. (A pool with its own Hasher hashes with that Hasher
 // instead.)
 func (c *Coordinator[R]) Hashes(seed kvlease.BlockHash, tokens []int32) [][]kvlease.BlockHash {
 	out := make([][]kvlease.BlockHash, len(c.groups))
