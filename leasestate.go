@@ -66,7 +66,7 @@ func leaseEdge(from, to LeaseState) bool {
 }
 
 // transition moves l to the state its facts now imply, with the side
-// effects of entering it (entered): the one writer of a lease's state.
+// effects of entering it: the one writer of a lease's state.
 // Called with c.mu held, after every change of the facts: a close, a
 // transfer attached, quarantined or resolved. A lease's state is a
 // function of its facts (nextLeaseState); the field records the last
@@ -80,8 +80,38 @@ func (c *core) transition(l *lease, ev *outbox) {
 	if next == prev {
 		return
 	}
-	c.entered(l, prev, next, ev)
+	if !leaseEdge(prev, next) {
+		impossibleEdge(l, prev, next)
+	}
 	l.state = next
+	// The side effects of entering next.
+	switch {
+	case next == LeaseQuarantined:
+		c.stats.quarantines++
+	case prev == LeaseQuarantined:
+		c.stats.quarantineLifts++
+	}
+	if c.obs != nil {
+		switch {
+		case next == LeaseQuarantined:
+			ev.add(c.obs, Event{Kind: EventLeaseQuarantined, Owner: l.owner, Lease: l.id, Blocks: len(l.blocks)})
+		case prev == LeaseQuarantined:
+			ev.add(c.obs, Event{Kind: EventQuarantineLifted, Owner: l.owner, Lease: l.id, Blocks: len(l.blocks)})
+		}
+	}
+	if next == LeaseSettled {
+		c.unhold(l)
+		if ch := l.settledChan(); ch != nil {
+			close(ch)
+		}
+		if x := l.extra; x != nil && x.timer != nil {
+			x.timer.Stop()
+			x.timer = nil
+		}
+		if c.obs != nil {
+			ev.add(c.obs, Event{Kind: EventSettled, Owner: l.owner, Lease: l.id, Blocks: len(l.blocks)})
+		}
+	}
 }
 
 // current is l's state. Until transition records an edge (l.state is
@@ -119,41 +149,4 @@ func unwatched(l *lease) bool {
 //go:noinline
 func impossibleEdge(l *lease, prev, next LeaseState) {
 	panic(fmt.Sprintf("kvlease: lease %d: impossible transition %v → %v", l.id, prev, next))
-}
-
-// entered checks that prev → next is an edge and runs the side effects
-// of l's entering next: the quarantine counters and events, and a
-// settled lease's release of its record, channel and deadline timer, and
-// its event. transition writes the state after it.
-func (c *core) entered(l *lease, prev, next LeaseState, ev *outbox) {
-	if !leaseEdge(prev, next) {
-		impossibleEdge(l, prev, next)
-	}
-	switch {
-	case next == LeaseQuarantined:
-		c.stats.quarantines++
-	case prev == LeaseQuarantined:
-		c.stats.quarantineLifts++
-	}
-	if c.obs != nil {
-		switch {
-		case next == LeaseQuarantined:
-			ev.add(c.obs, Event{Kind: EventLeaseQuarantined, Owner: l.owner, Lease: l.id, Blocks: len(l.blocks)})
-		case prev == LeaseQuarantined:
-			ev.add(c.obs, Event{Kind: EventQuarantineLifted, Owner: l.owner, Lease: l.id, Blocks: len(l.blocks)})
-		}
-	}
-	if next == LeaseSettled {
-		c.unhold(l)
-		if ch := l.settledChan(); ch != nil {
-			close(ch)
-		}
-		if x := l.extra; x != nil && x.timer != nil {
-			x.timer.Stop()
-			x.timer = nil
-		}
-		if c.obs != nil {
-			ev.add(c.obs, Event{Kind: EventSettled, Owner: l.owner, Lease: l.id, Blocks: len(l.blocks)})
-		}
-	}
 }
