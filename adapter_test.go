@@ -4,6 +4,8 @@ import (
 	"errors"
 	"slices"
 	"testing"
+
+	"github.com/kvlease/kvlease/internal/slots"
 )
 
 // Extra keys go into the hash of exactly the blocks they cover: text
@@ -36,7 +38,7 @@ func TestSequenceExtraKeysAndAdapter(t *testing.T) {
 		if !slices.Equal(hs, want) {
 			t.Fatalf("verified %v: hashes %x, want %x", verified, hs, want)
 		}
-		a.Release()
+		a.Lease().Release()
 		evs, _ := p.DrainKVEvents(nil)
 		if len(evs) != 4 {
 			t.Fatalf("%d events", len(evs))
@@ -64,7 +66,7 @@ func TestSequenceExtraKeysAndAdapter(t *testing.T) {
 		if b.Hits() != 1 {
 			t.Fatalf("verified %v: another image hit %d blocks, want 1", verified, b.Hits())
 		}
-		b.Release()
+		b.Lease().Release()
 		// No image at all: the same.
 		if n := p.CachedPrefixTokens(9, prompt); n != 1 {
 			t.Fatalf("verified %v: the prompt without its image hits %d, want 1", verified, n)
@@ -81,7 +83,7 @@ func TestSequenceExtraKeysAndAdapter(t *testing.T) {
 		if err := c.Commit(c.Len() - c.Computed()); err != nil {
 			t.Fatal(err)
 		}
-		c.Release()
+		c.Lease().Release()
 		if st := p.Stats(); st.VerifyMismatches != 0 {
 			t.Fatalf("mismatches %d", st.VerifyMismatches)
 		}
@@ -102,7 +104,7 @@ func TestVerifyExtraKeys(t *testing.T) {
 		t.Fatal(err)
 	}
 	h0 := s.BlockHashes()[0]
-	s.Release()
+	s.Lease().Release()
 	// The lookup claims block 0's hash for the same tokens with no keys.
 	v := verifier{seed: 1, hashes: []BlockHash{h0}, tokens: prompt, blockTokens: 4}
 	p.mu.Lock()
@@ -112,9 +114,62 @@ func TestVerifyExtraKeys(t *testing.T) {
 	if !ok || hit {
 		t.Fatalf("found %v, verified %v: keys were not compared", ok, hit)
 	}
-	if p.Stats().VerifyMismatches != 1 {
-		t.Fatal("mismatch not counted")
+	// The lookup reports the mismatch; only an acquire counts it (a
+	// query such as CachedPrefixTokens changes nothing).
+	p.mu.Lock()
+	n, mismatch := p.probe([]BlockHash{h0}, &v)
+	p.mu.Unlock()
+	if n != 0 || !mismatch {
+		t.Fatalf("probe: %d hits, mismatch %v", n, mismatch)
 	}
+	if got := p.Stats().VerifyMismatches; got != 0 {
+		t.Fatalf("a lookup alone counted %d mismatches", got)
+	}
+}
+
+// CachedPrefixTokens only reads: hits or not, verified or not, the
+// pool's stats and its eviction order are as they were.
+func TestCachedPrefixTokensReadsOnly(t *testing.T) {
+	for _, opts := range [][]Option{{WithBlockTokens(4)}, {WithVerifiedPrefix(4)}} {
+		p := seqPool(t, 6, opts...)
+		prompt := seqTokens(13, 1)
+		for _, owner := range []string{"a", "b"} {
+			s, err := p.Admit(SequenceSpec{Owner: owner, Seed: BlockHash(len(owner)), Prompt: prompt})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := s.Commit(s.Len() - s.Computed()); err != nil {
+				t.Fatal(err)
+			}
+			s.Lease().Release()
+		}
+		before, lru := p.Stats(), lruOrder(p)
+		if n := p.CachedPrefixTokens(1, prompt); n != 3 {
+			t.Fatalf("cached prefix %d, want 3", n)
+		}
+		if n := p.CachedPrefixTokens(1, seqTokens(13, 2)); n != 0 {
+			t.Fatalf("another prompt: %d", n)
+		}
+		if after := p.Stats(); after != before || !slices.Equal(lruOrder(p), lru) {
+			t.Fatalf("a query changed the pool: %+v → %+v, LRU %v → %v", before, after, lru, lruOrder(p))
+		}
+	}
+}
+
+// lruOrder lists the cached slots, least recently used first.
+func lruOrder(p *Pool[[]byte]) []int32 {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var out []int32
+	for id := range p.tab.Len() {
+		if p.tab.ClassOf(int32(id)) == slots.Cached {
+			out = append(out, int32(id))
+		}
+	}
+	if h := p.tab.LRUHead(); h != slots.Nil {
+		out = append([]int32{h}, out...) // the head first: the next victim
+	}
+	return out
 }
 
 func TestAdapterErrors(t *testing.T) {
@@ -139,19 +194,19 @@ func TestAdapterErrors(t *testing.T) {
 	checkPool(t, p)
 }
 
-// SealExtra: a lease-level seal with extra keys, findable by the pool's
+// SealTokens with extra keys: a lease-level seal findable by the pool's
 // hash of them and announced with them.
-func TestSealExtra(t *testing.T) {
+func TestSealTokensExtra(t *testing.T) {
 	p := seqPool(t, 8, WithBlockTokens(2), WithKVEvents(8))
 	l, _ := p.Acquire("a", 2)
 	keys := []string{"img:1"}
-	h0, err := l.SealExtra(0, 3, []int32{1, 2}, keys)
+	h0, err := l.SealTokens(0, 3, []int32{1, 2}, keys...)
 	if err != nil {
 		t.Fatal(err)
 	}
 	keys[0] = "changed" // the pool kept its own copy
 	if h0 != HashBlockExtra(3, []int32{1, 2}, []string{"img:1"}) || h0 != poolHash(t, p, 3, []int32{1, 2}, []string{"img:1"}) {
-		t.Fatal("SealExtra's hash is not the pool's")
+		t.Fatal("SealTokens's hash is not the pool's")
 	}
 	l.Release()
 	evs, _ := p.DrainKVEvents(nil)

@@ -199,7 +199,7 @@ func (l *lease) attachLocked(t *Transfer, from, to int, acc Access, whole bool, 
 		ev.add(c.obs, Event{Kind: EventAttached, Owner: l.owner, Lease: l.id, Transfer: t.id, Blocks: to - from})
 	}
 	// (A pending transfer on an active lease changes nothing: no call.)
-	if nextLeaseState(l.closed, int(l.pending), int(l.quarantined)) != l.state {
+	if nextLeaseState(l.closed, int(l.pending), int(l.quarantined)) != l.current() {
 		c.transition(l, ev)
 	}
 	return nil

@@ -19,7 +19,7 @@ func (c *core) deadlinePassed(l *lease) {
 	var ev outbox
 	var ts []*Transfer
 	c.mu.Lock()
-	if l.state == LeaseSettled {
+	if l.current() == LeaseSettled {
 		c.unlock()
 		return
 	}

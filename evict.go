@@ -4,8 +4,9 @@ import (
 	"fmt"
 )
 
-// EvictOwner is the owner of the leases an eviction hook receives.
-const EvictOwner = "kvlease/evict"
+// evictOwner is the owner of the leases an eviction hook receives
+// (SetEvictHook).
+const evictOwner = "kvlease/evict"
 
 // SetEvictHook installs hook as the pool's eviction hook (nil removes it):
 // the write-back half of a tiered cache. Without a hook, a cached block
@@ -25,7 +26,7 @@ const EvictOwner = "kvlease/evict"
 // write-through.)
 //
 // The offered blocks of one operation arrive as one open lease owned by
-// EvictOwner, with hashes[i] the hash block i was findable by; a
+// evictOwner, with hashes[i] the hash block i was findable by; a
 // stretch of victims whose ids descend one by one (a chain evicted from
 // its end) is listed ascending, so that it is one run (Lease.AppendRuns)
 // for the hook's copy. The hook
@@ -125,7 +126,7 @@ func (h *evictHook[R]) offerHead(b *evictBatch[R], ev *outbox) *evictBatch[R] {
 	c.stats.evictions++
 	if b == nil {
 		b = &evictBatch[R]{h: h}
-		ev.add(b, Event{Kind: EventAcquired, Owner: EvictOwner})
+		ev.add(b, Event{Kind: EventAcquired, Owner: evictOwner})
 	}
 	b.refs = append(b.refs, r)
 	b.hashes = append(b.hashes, hash)
@@ -163,7 +164,7 @@ func (b *evictBatch[R]) Observe(Event) {
 	c := &p.core
 	var ev outbox
 	c.mu.Lock()
-	l := p.newLease(EvictOwner, len(b.refs))
+	l := p.newLease(evictOwner, len(b.refs))
 	ascend(b.refs, b.hashes) // runs, for the hook's copy (and the free stack after it)
 	copy(l.ls.blocks, b.refs)
 	c.opened(&l.ls, 0, &ev)
@@ -194,7 +195,7 @@ func (p *Pool[R]) AcquireHits(owner string, hashes []BlockHash) (*Lease[R], erro
 		c.unlock()
 		return nil, c.reject(owner, len(hashes), &exhaustedError{op: "acquire", owner: owner, n: len(hashes), queued: q})
 	}
-	n := c.probe(hashes, nil)
+	n, _ := c.probe(hashes, nil)
 	if n == 0 {
 		c.stats.prefixQueries += uint64(len(hashes))
 		c.unlock()

@@ -49,7 +49,7 @@ func TestEvictHookOffersSurplusVictim(t *testing.T) {
 	require.Len(t, got, 1)
 	o := got[0]
 	require.Equal(t, []BlockHash{hashes[3]}, o.hashes)
-	require.Equal(t, EvictOwner, o.l.Owner())
+	require.Equal(t, evictOwner, o.l.Owner())
 	require.Equal(t, 1, o.l.Len())
 	require.Equal(t, 2, p.CachedPrefix(hashes), "blocks 2 and 3 left the index")
 	st := p.Stats()

@@ -80,9 +80,9 @@ func ExampleLease_ReadRegion() {
 }
 
 // Quarantine shrinks what a pool can ever serve: a request larger than
-// Usable fails with ErrQuarantineBound (an ErrExhausted that retrying
+// Stats.Usable fails with ErrQuarantineBound (an ErrExhausted that retrying
 // cannot cure until late evidence arrives), and the observer is alerted.
-func ExamplePool_Usable() {
+func ExampleWithQuarantineAlert() {
 	mem, _ := kvlease.NewHostMemory(8, 64)
 	alert := kvlease.ObserverFunc(func(e kvlease.Event) {
 		if e.Kind == kvlease.EventQuarantineAlert {
@@ -98,10 +98,10 @@ func ExamplePool_Usable() {
 	l.Release()
 
 	_, err := pool.Acquire("max-context", 8)
-	fmt.Println("usable:", pool.Usable(), "of", pool.Capacity())
+	fmt.Println("usable:", pool.Stats().Usable, "of", pool.Memory().Blocks())
 	fmt.Println("bound:", errors.Is(err, kvlease.ErrQuarantineBound), "retryable:", errors.Is(err, kvlease.ErrExhausted))
 	t.Resolve(nil) // late evidence lifts it
-	fmt.Println("usable:", pool.Usable())
+	fmt.Println("usable:", pool.Stats().Usable)
 	// Output:
 	// alert: 1 blocks quarantined
 	// usable: 7 of 8

@@ -15,3 +15,15 @@ func FreeIDsForTest[R any](p *Pool[R], dst []BlockID) []BlockID {
 	}
 	return dst
 }
+
+// AppendRunsForTest is appendRuns (Lease.AppendRuns' split) over any
+// block table, for the external tests' table of cases.
+func AppendRunsForTest(dst []Run, blocks []BlockRef) []Run { return appendRuns(dst, blocks) }
+
+// tenantLine is t's line of Pool.TenantStats.
+func tenantLine[R any](t *Tenant[R]) TenantStats {
+	c := &t.p.core
+	c.mu.Lock()
+	defer c.unlock()
+	return c.tenantStats(t.ix)
+}

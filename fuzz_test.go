@@ -728,7 +728,7 @@ func (m *fzModel) verify() {
 				}
 			}
 		}
-		if st.QuarantinedLeased != ql || st.Usable != m.cap-q || m.p.Usable() != m.cap-q {
+		if st.QuarantinedLeased != ql || st.Usable != m.cap-q {
 			m.fatalf("QuarantinedLeased %d Usable %d, model %d %d", st.QuarantinedLeased, st.Usable, ql, m.cap-q)
 		}
 	}

@@ -58,7 +58,7 @@ func mixExtra(h BlockHash, extra []string) BlockHash {
 //
 // The chain root is the caller's: the parent of a chain's first block is
 // exactly the seed passed to Pool.Admit (SequenceSpec.Seed),
-// NewSequence, AcquirePrefixTokens or CachedPrefixTokens (or the parent
+// AcquirePrefixTokens or CachedPrefixTokens (or the parent
 // given to SealTokens), handed to the hasher unchanged; the pool mixes in
 // nothing of its own. An engine that reproduces another system's hashes
 // passes that system's root as the seed: llm-d's is the hash of its
@@ -100,8 +100,8 @@ func blockExtras(dst []string, spans []ExtraKey, k, bt int) []string {
 }
 
 // WithHasher makes h the pool's block hash function: SealTokens,
-// SealExtra, SealChained, AcquirePrefixTokens, CachedPrefixTokens,
-// sequences and Pool.HashBlocks hash with it (see Hasher for the chain
+// SealAs, AcquirePrefixTokens, CachedPrefixTokens and sequences hash
+// with it (see Hasher for the chain
 // root, errors and batching). Without it the pool uses HashBlockExtra. A
 // nil h is refused (ErrInvalidArgument), as are two hashers.
 func WithHasher(h Hasher) Option {
@@ -115,32 +115,6 @@ func WithHasher(h Hasher) Option {
 		c.hasher = h
 		return nil
 	})
-}
-
-// HashBlocks writes to out the pool's chain hashes of len(out)
-// consecutive full blocks of tokens under parent, as its Hasher
-// (WithHasher) or HashBlockExtra computes them: for callers that look
-// hashes up themselves (AcquirePrefix, a router's index). tokens must be
-// len(out) blocks of the pool's block tokens (any equal split without
-// WithBlockTokens) and extra nil or one entry per block; otherwise the
-// error wraps ErrInvalidArgument. A hasher's error is returned wrapped.
-func (p *Pool[R]) HashBlocks(parent BlockHash, tokens []int32, extra [][]string, out []BlockHash) error {
-	n := len(out)
-	bt := p.cfg.blockTokens
-	switch {
-	case n == 0:
-		if len(tokens) != 0 || len(extra) != 0 {
-			return fmt.Errorf("kvlease: hash %d tokens into no block: %w", len(tokens), ErrInvalidArgument)
-		}
-		return nil
-	case bt == 0 && (len(tokens) == 0 || len(tokens)%n != 0):
-		return fmt.Errorf("kvlease: hash %d tokens as %d equal blocks: %w", len(tokens), n, ErrInvalidArgument)
-	case bt > 0 && len(tokens) != n*bt:
-		return fmt.Errorf("kvlease: hash %d tokens as %d blocks of %d: %w", len(tokens), n, bt, ErrInvalidArgument)
-	case extra != nil && len(extra) != n:
-		return fmt.Errorf("kvlease: hash %d blocks with extra keys for %d: %w", n, len(extra), ErrInvalidArgument)
-	}
-	return p.hashChain(parent, tokens, extra, out)
 }
 
 // hashChain is every chain the pool hashes: out[k] for the len(out)

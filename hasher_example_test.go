@@ -110,7 +110,7 @@ func ExampleWithHasher() {
 	for k, h := range s.BlockHashes() {
 		fmt.Printf("block %d %016x\n", k, uint64(h))
 	}
-	s.Release()
+	s.Lease().Release()
 	fmt.Println("quiescent:", pool.CheckQuiescent())
 	// Output:
 	// block 0 243067a3090e6b31

@@ -4,6 +4,7 @@ import (
 	"crypto/sha256"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"slices"
 	"sync/atomic"
 	"testing"
@@ -49,7 +50,7 @@ func TestBlockExtras(t *testing.T) {
 	}
 }
 
-// poolHash is the pool's hash of one block (Pool.HashBlocks of one).
+// poolHash is the pool's hash of one block (Pool.hashBlocks of one).
 func poolHash(t testing.TB, p *Pool[[]byte], parent BlockHash, tokens []int32, extra []string) BlockHash {
 	t.Helper()
 	var out [1]BlockHash
@@ -57,7 +58,7 @@ func poolHash(t testing.TB, p *Pool[[]byte], parent BlockHash, tokens []int32, e
 	if extra != nil {
 		ex = [][]string{extra}
 	}
-	if err := p.HashBlocks(parent, tokens, ex, out[:]); err != nil {
+	if err := p.hashBlocks(parent, tokens, ex, out[:]); err != nil {
 		t.Fatal(err)
 	}
 	return out[0]
@@ -108,19 +109,19 @@ func TestSequenceHashesOnce(t *testing.T) {
 		}
 		p := seqPool(t, 1024, opt, WithHasher(h.hash))
 		prompt := seqTokens(4096, 11)
-		warm, err := p.NewSequence("warm", 3, prompt)
+		warm, err := p.Admit(SequenceSpec{Owner: "warm", Seed: 3, Prompt: prompt})
 		if err != nil {
 			t.Fatal(err)
 		}
 		if err := warm.Commit(warm.Len()); err != nil {
 			t.Fatal(err)
 		}
-		warm.Release()
+		warm.Lease().Release()
 		if n, c := h.blocks.Load(), h.calls.Load(); n != 256 || c != 1 {
 			t.Fatalf("verified %v: the first admission and prefill hashed %d blocks in %d calls, want 256 in 1", verified, n, c)
 		}
 		h.reset()
-		s, err := p.NewSequence("req", 3, prompt)
+		s, err := p.Admit(SequenceSpec{Owner: "req", Seed: 3, Prompt: prompt})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -142,7 +143,7 @@ func TestSequenceHashesOnce(t *testing.T) {
 		if want := ChainHashes(3, s.Tokens(), bt); !slices.Equal(s.BlockHashes(), want) {
 			t.Fatal("hashes differ from ChainHashes")
 		}
-		s.Release()
+		s.Lease().Release()
 		checkPool(t, p)
 	}
 }
@@ -158,7 +159,7 @@ func sha(parent BlockHash, tokens []int32, extra []string) BlockHash {
 }
 
 // A pool's own hasher is used by every path: seals, lookups by tokens
-// (verified), sequences, Pool.HashBlocks, and the KV events carry its
+// (verified), sequences, Pool.hashBlocks, and the KV events carry its
 // hashes.
 func TestWithHasher(t *testing.T) {
 	mine := perBlock(sha)
@@ -180,18 +181,18 @@ func TestWithHasher(t *testing.T) {
 		t.Fatal("seals did not use the pool's hasher")
 	}
 	var two [2]BlockHash
-	if err := p.HashBlocks(5, toks[:8], nil, two[:]); err != nil || two != [2]BlockHash{h0, h1} {
-		t.Fatalf("HashBlocks of two blocks: %x %v, want %x %x", two, err, h0, h1)
+	if err := p.hashBlocks(5, toks[:8], nil, two[:]); err != nil || two != [2]BlockHash{h0, h1} {
+		t.Fatalf("hashBlocks of two blocks: %x %v, want %x %x", two, err, h0, h1)
 	}
 	l.Release()
 	if n := p.CachedPrefixTokens(5, toks); n != 2 {
 		t.Fatalf("verified lookup with the pool's hasher: %d hits, want 2", n)
 	}
-	s, err := p.NewSequence("s", 5, toks)
+	s, err := p.Admit(SequenceSpec{Owner: "s", Seed: 5, Prompt: toks})
 	if err != nil || s.Hits() != 2 {
 		t.Fatalf("sequence: %v hits %d", err, s.Hits())
 	}
-	s.Release()
+	s.Lease().Release()
 	evs, _ := p.DrainKVEvents(nil)
 	if len(evs) != 2 || evs[0].BlockHash != h0 || evs[1].BlockHash != h1 || evs[1].ParentBlockHash != h0 {
 		t.Fatalf("events %+v", evs)
@@ -205,7 +206,7 @@ func TestWithHasher(t *testing.T) {
 	}
 }
 
-// TestHashBlocksArgs: Pool.HashBlocks refuses tokens that are not whole
+// TestHashBlocksArgs: hashBlocks refuses tokens that are not whole
 // blocks and extra keys for another number of blocks.
 func TestHashBlocksArgs(t *testing.T) {
 	p := seqPool(t, 8, WithBlockTokens(4))
@@ -215,15 +216,15 @@ func TestHashBlocksArgs(t *testing.T) {
 		extra  [][]string
 		out    int
 	}{{7, nil, 2}, {12, nil, 2}, {8, [][]string{nil}, 2}, {4, nil, 0}} {
-		if err := p.HashBlocks(0, seqTokens(c.tokens, 0), c.extra, out[:c.out]); !errors.Is(err, ErrInvalidArgument) {
+		if err := p.hashBlocks(0, seqTokens(c.tokens, 0), c.extra, out[:c.out]); !errors.Is(err, ErrInvalidArgument) {
 			t.Errorf("%d tokens, %d extra, %d blocks: %v", c.tokens, len(c.extra), c.out, err)
 		}
 	}
-	if err := p.HashBlocks(0, nil, nil, nil); err != nil {
+	if err := p.hashBlocks(0, nil, nil, nil); err != nil {
 		t.Errorf("nothing to hash: %v", err)
 	}
 	ex := [][]string{nil, {"img"}}
-	if err := p.HashBlocks(9, seqTokens(8, 0), ex, out[:]); err != nil {
+	if err := p.hashBlocks(9, seqTokens(8, 0), ex, out[:]); err != nil {
 		t.Fatal(err)
 	}
 	h0 := HashBlock(9, seqTokens(4, 0))
@@ -256,7 +257,7 @@ func TestHasherErrors(t *testing.T) {
 	p := seqPool(t, 16, WithBlockTokens(4), WithHasher(h.hash), WithKVEvents(16))
 	prompt := seqTokens(9, 1)
 	h.armed.Store(true)
-	if _, err := p.NewSequence("a", 1, prompt); !errors.Is(err, errHash) {
+	if _, err := p.Admit(SequenceSpec{Owner: "a", Seed: 1, Prompt: prompt}); !errors.Is(err, errHash) {
 		t.Fatalf("admission: %v", err)
 	}
 	if _, _, err := p.AcquirePrefixTokens("a", 1, prompt, 3); !errors.Is(err, errHash) {
@@ -266,14 +267,14 @@ func TestHasherErrors(t *testing.T) {
 		t.Fatalf("CachedPrefixTokens %d", n)
 	}
 	var out [1]BlockHash
-	if err := p.HashBlocks(1, prompt[:4], nil, out[:]); !errors.Is(err, errHash) {
+	if err := p.hashBlocks(1, prompt[:4], nil, out[:]); !errors.Is(err, errHash) {
 		t.Fatalf("HashBlocks: %v", err)
 	}
 	if err := p.CheckQuiescent(); err != nil {
 		t.Fatal(err)
 	}
 	h.armed.Store(false)
-	s, err := p.NewSequence("a", 1, prompt)
+	s, err := p.Admit(SequenceSpec{Owner: "a", Seed: 1, Prompt: prompt})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -288,21 +289,47 @@ func TestHasherErrors(t *testing.T) {
 	if err := s.Commit(3); !errors.Is(err, errHash) {
 		t.Fatalf("commit: %v", err)
 	}
-	if s.Computed() != 9 || s.Sealed() != 2 {
-		t.Fatalf("after a failed commit: computed %d sealed %d", s.Computed(), s.Sealed())
+	if s.Computed() != 9 || len(s.BlockHashes()) != 2 {
+		t.Fatalf("after a failed commit: computed %d sealed %d", s.Computed(), len(s.BlockHashes()))
 	}
-	if _, err := s.Lease().SealTokens(2, s.Parent(), s.Tokens()[8:12]); !errors.Is(err, errHash) {
+	if _, err := s.Lease().SealTokens(2, s.parent(), s.Tokens()[8:12]); !errors.Is(err, errHash) {
 		t.Fatalf("SealTokens: %v", err)
 	}
 	h.armed.Store(false)
-	if err := s.Commit(3); err != nil || s.Sealed() != 3 {
-		t.Fatalf("commit once the hasher works: %v, sealed %d", err, s.Sealed())
+	if err := s.Commit(3); err != nil || len(s.BlockHashes()) != 3 {
+		t.Fatalf("commit once the hasher works: %v, sealed %d", err, len(s.BlockHashes()))
 	}
 	if want := ChainHashes(1, s.Tokens(), 4); !slices.Equal(s.BlockHashes(), want) {
 		t.Fatalf("hashes %x, want %x", s.BlockHashes(), want)
 	}
-	s.Release()
+	s.Lease().Release()
 	if err := p.CheckQuiescent(); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// hashBlocks writes to out the pool's chain hashes of len(out)
+// consecutive full blocks of tokens under parent, as its Hasher
+// (WithHasher) or HashBlockExtra computes them (a caller outside calls
+// its Hasher, or ChainHashes without one). tokens must be
+// len(out) blocks of the pool's block tokens (any equal split without
+// WithBlockTokens) and extra nil or one entry per block; otherwise the
+// error wraps ErrInvalidArgument. A hasher's error is returned wrapped.
+func (p *Pool[R]) hashBlocks(parent BlockHash, tokens []int32, extra [][]string, out []BlockHash) error {
+	n := len(out)
+	bt := p.cfg.blockTokens
+	switch {
+	case n == 0:
+		if len(tokens) != 0 || len(extra) != 0 {
+			return fmt.Errorf("kvlease: hash %d tokens into no block: %w", len(tokens), ErrInvalidArgument)
+		}
+		return nil
+	case bt == 0 && (len(tokens) == 0 || len(tokens)%n != 0):
+		return fmt.Errorf("kvlease: hash %d tokens as %d equal blocks: %w", len(tokens), n, ErrInvalidArgument)
+	case bt > 0 && len(tokens) != n*bt:
+		return fmt.Errorf("kvlease: hash %d tokens as %d blocks of %d: %w", len(tokens), n, bt, ErrInvalidArgument)
+	case extra != nil && len(extra) != n:
+		return fmt.Errorf("kvlease: hash %d blocks with extra keys for %d: %w", n, len(extra), ErrInvalidArgument)
+	}
+	return p.hashChain(parent, tokens, extra, out)
 }

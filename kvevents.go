@@ -24,7 +24,7 @@ import (
 // The allocator never waits for a consumer: events go into a bounded ring.
 // When it is full the newest events are dropped and counted; the consumer
 // sees a gap in Seq and a non-zero Dropped from DrainKVEvents, and should
-// resynchronise from SnapshotKVBlocks (or SnapshotKVCache for hashes only).
+// resynchronise from SnapshotKVBlocks.
 //
 // The first block of a chain (block 0 of the lease that seals it) has no
 // parent, whether it was sealed with Seal or SealTokens: HasParent is false
@@ -33,7 +33,7 @@ import (
 // the blocks it knows and drops the event when it is missing, and the
 // namespace seed is never a block it knows). Every later block sealed with
 // SealTokens names its parent; one sealed with Seal names it when the block
-// before it in the lease is sealed. SealChained says where the block sits
+// before it in the lease is sealed. SealAs says where the block sits
 // in its chain explicitly, whatever its place in the lease.
 
 // KVEventKind names a KV event.
@@ -187,7 +187,7 @@ func (k *kvEventLog) cleared() { k.push(KVEvent{Kind: KVAllBlocksCleared}) }
 // DrainKVEvents appends every buffered KV event to dst in order and
 // returns it (no allocation when dst has room), with the number of events
 // dropped since the last drain because the ring was full. dropped > 0
-// means the consumer missed changes: resynchronise with SnapshotKVCache.
+// means the consumer missed changes: resynchronise with SnapshotKVBlocks.
 // Without WithKVEvents it returns dst and 0.
 //
 // A consumer that drains in a loop passes the same slice back, cut to
@@ -199,7 +199,7 @@ func (k *kvEventLog) cleared() { k.push(KVEvent{Kind: KVAllBlocksCleared}) }
 //		var dropped uint64
 //		buf, dropped = pool.DrainKVEvents(buf[:0])
 //		if dropped > 0 {
-//			resync(pool.SnapshotKVCache()) // a gap: start over from a snapshot
+//			resync(pool.SnapshotKVBlocks(nil)) // a gap: start over from a snapshot
 //		}
 //		publish(buf) // done with buf before the next drain overwrites it
 //	}
@@ -253,25 +253,6 @@ func (p *Pool[R]) KVEventsReady() <-chan struct{} {
 		return nil
 	}
 	return p.kv.ready
-}
-
-// SnapshotKVCache returns every findable block hash and the sequence number
-// of the last event that the snapshot includes. A consumer that lost events
-// replaces its view with the snapshot and then applies only events with a
-// larger Seq.
-func (p *Pool[R]) SnapshotKVCache() (seq uint64, hashes []BlockHash) {
-	c := &p.core
-	c.mu.Lock()
-	defer c.unlock()
-	hashes = make([]BlockHash, 0, c.index.len())
-	for h := range c.index.all() {
-		hashes = append(hashes, h)
-	}
-	slices.Sort(hashes)
-	if c.kv != nil {
-		seq = c.kv.seq
-	}
-	return seq, hashes
 }
 
 // SnapshotKVBlocks appends to dst one KVBlockStored event for every

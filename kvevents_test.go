@@ -84,10 +84,10 @@ func TestSnapshotKVBlocks(t *testing.T) {
 	x.Release()
 }
 
-// SealChained places a block in its chain whatever its place in the
-// lease: block 0 of a lease can name its parent, a later block can start
-// a chain; the hash and the checks are SealTokens'.
-func TestSealChainedPlacesTheBlock(t *testing.T) {
+// SealAs places a block in its chain whatever its place in the lease:
+// block 0 of a lease can name its parent, a later block can start a
+// chain; with tokens, the checks are SealTokens'.
+func TestSealAsPlacesTheBlock(t *testing.T) {
 	toks := prompt(1, 48)
 	hs := ChainHashes(9, toks, 16)
 	p := newTestPool(t, 4, WithBlockTokens(16), WithKVEvents(16))
@@ -95,13 +95,9 @@ func TestSealChainedPlacesTheBlock(t *testing.T) {
 	require.NoError(t, err)
 	// A tier's lease of blocks from two places in one chain: block 2 of
 	// the chain first, then its first block.
-	h, err := l.SealChained(0, hs[1], true, toks[32:48])
-	require.NoError(t, err)
-	require.Equal(t, hs[2], h)
-	h, err = l.SealChained(1, 9, false, toks[:16])
-	require.NoError(t, err)
-	require.Equal(t, hs[0], h)
-	_, err = l.SealChained(2, hs[0], true, toks[:3])
+	require.NoError(t, l.SealAs(0, SealInfo{Hash: hs[2], Parent: hs[1], HasParent: true, Chained: true, Tokens: toks[32:48]}))
+	require.NoError(t, l.SealAs(1, SealInfo{Hash: hs[0], Parent: 9, HasParent: true, Tokens: toks[:16]}))
+	err = l.SealAs(2, SealInfo{Hash: hs[1], Parent: hs[0], HasParent: true, Chained: true, Tokens: toks[:3]})
 	require.True(t, errors.Is(err, ErrInvalidArgument), "a partial block: %v", err)
 
 	evs, _ := p.DrainKVEvents(nil)
@@ -276,8 +272,12 @@ func TestKVEventsOverflow(t *testing.T) {
 	require.Len(t, evs, 2)
 	require.EqualValues(t, 3, dropped, "overflow is counted: resync needed")
 	require.EqualValues(t, []uint64{1, 2}, []uint64{evs[0].Seq, evs[1].Seq})
-	seq, hashes := p.SnapshotKVCache()
+	seq, snap := p.SnapshotKVBlocks(nil)
 	require.EqualValues(t, 5, seq)
+	var hashes []BlockHash
+	for _, e := range snap {
+		hashes = append(hashes, e.BlockHash)
+	}
 	require.Equal(t, []BlockHash{100, 101, 102, 103, 104}, hashes)
 	require.NoError(t, a.Seal(0, 100))
 	a.Extend(1)

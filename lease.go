@@ -214,23 +214,24 @@ func readOnlyErr(l *lease, i int, sealed bool, refs int32) error {
 	return fmt.Errorf("kvlease: writable region %d of lease %d (%s): the block is %s: %w", i, l.id, l.owner, why, ErrReadOnly)
 }
 
-// AppendRegions appends the writable regions of blocks from..Len()-1 to
-// dst and returns it, under one lock acquisition: what a copy or a kernel
+// AppendRegions appends the writable regions of blocks from..to-1 to dst
+// and returns it, under one lock acquisition: what a copy or a kernel
 // launch that writes wants, rather than a Region call (and a lock) per
 // block. Errors as Region (ErrReadOnly if any of those blocks is sealed or
-// shared: nothing is appended then); a from outside [0, Len()] wraps
-// ErrInvalidArgument. AppendReadRegions serves every block for reading.
-func (l *Lease[R]) AppendRegions(dst []R, from int) ([]R, error) {
-	return l.appendRegions(dst, from, true)
+// shared: nothing is appended then); a range outside [Trimmed(), Len()]
+// (or to < from) wraps ErrInvalidArgument. AppendReadRegions serves every
+// block for reading.
+func (l *Lease[R]) AppendRegions(dst []R, from, to int) ([]R, error) {
+	return l.appendRegions(dst, from, to, true)
 }
 
 // AppendReadRegions is AppendRegions for reading: it serves sealed and
 // shared blocks too (what a send or an offload wants).
-func (l *Lease[R]) AppendReadRegions(dst []R, from int) ([]R, error) {
-	return l.appendRegions(dst, from, false)
+func (l *Lease[R]) AppendReadRegions(dst []R, from, to int) ([]R, error) {
+	return l.appendRegions(dst, from, to, false)
 }
 
-func (l *Lease[R]) appendRegions(dst []R, from int, write bool) ([]R, error) {
+func (l *Lease[R]) appendRegions(dst []R, from, to int, write bool) ([]R, error) {
 	c := l.ls.c
 	c.mu.Lock()
 	if l.ls.closed {
@@ -238,13 +239,13 @@ func (l *Lease[R]) appendRegions(dst []R, from int, write bool) ([]R, error) {
 		return dst, fmt.Errorf("kvlease: regions of lease %d (%s): %w", l.ls.id, l.ls.owner, ErrLeaseClosed)
 	}
 	blocks, first := l.ls.blocks, l.ls.first()
-	if from < first || from > len(blocks) {
+	if from < first || to < from || to > len(blocks) {
 		c.unlock()
-		return dst, fmt.Errorf("kvlease: regions from %d of lease %d (%s) with %d blocks: %w",
-			from, l.ls.id, l.ls.owner, len(blocks), ErrInvalidArgument)
+		return dst, fmt.Errorf("kvlease: regions %d..%d of lease %d (%s) with %d blocks: %w",
+			from, to, l.ls.id, l.ls.owner, len(blocks), ErrInvalidArgument)
 	}
 	if write {
-		for i := from; i < len(blocks); i++ {
+		for i := from; i < to; i++ {
 			if id := int32(blocks[i].ID); c.tab.Sealed(id) || c.tab.Refs(id) > 1 {
 				sealed, refs := c.tab.Sealed(id), c.tab.Refs(id)
 				c.unlock()
@@ -253,7 +254,7 @@ func (l *Lease[R]) appendRegions(dst []R, from int, write bool) ([]R, error) {
 		}
 	}
 	c.unlock()
-	for _, r := range blocks[from:] {
+	for _, r := range blocks[from:to] {
 		dst = append(dst, l.p.mem.Region(r.ID))
 	}
 	return dst, nil
@@ -273,7 +274,7 @@ func (l *Lease[R]) State() LeaseState {
 	c := l.ls.c
 	c.mu.Lock()
 	defer c.unlock()
-	return l.ls.state
+	return l.ls.current()
 }
 
 // Settled returns a channel that is closed once the lease is closed and
@@ -284,7 +285,7 @@ func (l *Lease[R]) Settled() <-chan struct{} {
 	c := l.ls.c
 	c.mu.Lock()
 	defer c.unlock()
-	if l.ls.state == LeaseSettled {
+	if l.ls.current() == LeaseSettled {
 		return closedChan
 	}
 	x := l.ls.ext()
@@ -363,12 +364,9 @@ func (l *lease) close(abort bool, cause error) {
 			}
 		}
 	}
-	if l.pending|l.quarantined == 0 && l.state == LeaseActive && (x == nil || x.settled == nil && x.hold == 0) && c.obs == nil {
-		// Nothing gates it and nobody watches: Active → Settled directly.
-		l.state = LeaseSettled
-	} else {
+	if !c.settlesQuietly(l) {
 		c.transition(l, &ev)
-		if l.state != LeaseSettled {
+		if l.current() != LeaseSettled {
 			c.startDeadline(l)
 			if x != nil && x.hold != 0 {
 				c.holds.recs[x.hold-1].closed = l // CheckQuiescent reads its state until it settles

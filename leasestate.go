@@ -52,7 +52,7 @@ func nextLeaseState(closed bool, pending, quarantined int) LeaseState {
 }
 
 // leaseEdge reports whether from → to is an edge of the lifecycle table in
-// doc.go. Checked builds verify every transition against it.
+// doc.go. Every transition is verified against it.
 func leaseEdge(from, to LeaseState) bool {
 	switch from {
 	case LeaseActive:
@@ -66,17 +66,25 @@ func leaseEdge(from, to LeaseState) bool {
 }
 
 // transition moves l to the state its facts now imply, with the side
-// effects of entering it. Called with c.mu held.
+// effects of entering it: the one writer of a lease's state.
+// Called with c.mu held, after every change of the facts: a close, a
+// transfer attached, quarantined or resolved. A lease's state is a
+// function of its facts (nextLeaseState); the field records the last
+// edge entered, so that the next change knows what it leaves (see
+// current for the two states that need no record).
 func (c *core) transition(l *lease, ev *outbox) {
-	next := nextLeaseState(l.closed, int(l.pending), int(l.quarantined))
-	prev := l.state
+	prev, next := l.state, nextLeaseState(l.closed, int(l.pending), int(l.quarantined))
+	if prev == 0 {
+		prev = LeaseActive // no edge recorded yet: it was Active until this change
+	}
 	if next == prev {
 		return
 	}
 	if !leaseEdge(prev, next) {
-		panic(fmt.Sprintf("kvlease: lease %d: impossible transition %v → %v", l.id, prev, next))
+		impossibleEdge(l, prev, next)
 	}
 	l.state = next
+	// The side effects of entering next.
 	switch {
 	case next == LeaseQuarantined:
 		c.stats.quarantines++
@@ -104,4 +112,41 @@ func (c *core) transition(l *lease, ev *outbox) {
 			ev.add(c.obs, Event{Kind: EventSettled, Owner: l.owner, Lease: l.id, Blocks: len(l.blocks)})
 		}
 	}
+}
+
+// current is l's state. Until transition records an edge (l.state is
+// zero) a lease's state is what its facts imply: Active from birth (a
+// lease is carved zeroed and never reused), Settled after a close that
+// settles it quietly (settlesQuietly). Called with c.mu held.
+func (l *lease) current() LeaseState {
+	if l.state == 0 {
+		return nextLeaseState(l.closed, int(l.pending), int(l.quarantined))
+	}
+	return l.state
+}
+
+// settlesQuietly reports whether closing l (its facts already closed)
+// takes it from Active to Settled with nothing to enter: no edge
+// recorded yet, nothing gating it, no observer, no Settled channel, no
+// quiescence record (its deadline timer starts only once a closed lease
+// has not settled). Then the close need not call transition: the state
+// reads Settled from the facts (current), and nothing is written. It is
+// every plain Acquire+Release cycle's close.
+func (c *core) settlesQuietly(l *lease) bool {
+	return l.state == 0 && l.pending|l.quarantined == 0 && c.obs == nil && unwatched(l)
+}
+
+// unwatched reports whether no one waits on l's settling: no Settled
+// channel, no quiescence record (its deadline timer starts only once a
+// closed lease has not settled).
+func unwatched(l *lease) bool {
+	x := l.extra
+	return x == nil || x.settled == nil && x.hold == 0
+}
+
+// impossibleEdge panics: a transition off the lifecycle table is a bug.
+//
+//go:noinline
+func impossibleEdge(l *lease, prev, next LeaseState) {
+	panic(fmt.Sprintf("kvlease: lease %d: impossible transition %v → %v", l.id, prev, next))
 }

@@ -107,6 +107,11 @@ func TestLeaseStateMachineWalk(t *testing.T) {
 	seen := map[leaseFacts]bool{start: true}
 	queue := []leaseFacts{start}
 	taken := map[[2]LeaseState]bool{}
+	// Birth: a fresh lease's facts make it Active, the state its zero
+	// value reads as (lease.current).
+	if born := nextLeaseState(start.closed, start.pending, start.quarantined); born != (&lease{}).current() {
+		t.Errorf("a fresh lease is born %v, its zero value reads %v", born, (&lease{}).current())
+	}
 	for len(queue) > 0 {
 		f := queue[0]
 		queue = queue[1:]

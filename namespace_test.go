@@ -89,7 +89,7 @@ func TestNamespaceInEventsAndRecords(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := l.SealExtra(1, h0, []int32{3, 4}, []string{"img:1"}); err != nil {
+	if _, err := l.SealTokens(1, h0, []int32{3, 4}, []string{"img:1"}...); err != nil {
 		t.Fatal(err)
 	}
 	plain, err := p.Acquire("plain", 1)
@@ -131,7 +131,7 @@ func TestSealAsKeepsNamespace(t *testing.T) {
 		t.Fatal(err)
 	}
 	h0, _ := l.SealTokens(0, 5, []int32{1, 2})
-	if _, err := l.SealExtra(1, h0, []int32{3, 4}, []string{"img:1"}); err != nil {
+	if _, err := l.SealTokens(1, h0, []int32{3, 4}, []string{"img:1"}...); err != nil {
 		t.Fatal(err)
 	}
 	dst := nsPool(t, WithTenantKey(nsKey))

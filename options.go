@@ -25,8 +25,8 @@ func newOption(name string, f func(*config) error) Option {
 	return Option{name: name, apply: f}
 }
 
-// String returns the option as written, with its argument.
-func (o Option) String() string {
+// string returns the option as written, with its argument.
+func (o Option) string() string {
 	if o.name == "" {
 		return "Option{}"
 	}
@@ -78,7 +78,7 @@ func applyOptions(opts []Option) (config, error) {
 		if o.apply == nil {
 			continue
 		}
-		cfg.applyingName = o.String()
+		cfg.applyingName = o.string()
 		if err := o.apply(&cfg); err != nil {
 			return cfg, err
 		}

@@ -45,8 +45,8 @@ func TestConflictingOptionsRefused(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, 16, p.cfg.blockTokens)
 	require.True(t, p.cfg.verify)
-	require.Equal(t, "WithBlockTokens(16)", WithBlockTokens(16).String())
-	require.Equal(t, "Option{}", Option{}.String())
+	require.Equal(t, "WithBlockTokens(16)", WithBlockTokens(16).string())
+	require.Equal(t, "Option{}", Option{}.string())
 }
 
 // Sizes on the public API never overflow into a panic or a retryable

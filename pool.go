@@ -25,25 +25,65 @@ type Pool[R any] struct {
 }
 
 // core is the non-generic part of a pool: everything but the memory.
-// Transfers and leases of every region type talk to it.
+// Transfers and leases of every region type talk to it. Its parts are
+// named by what they serve; their fields are promoted, so code reads
+// c.waiters as before. Everything is guarded by mu except the atomics
+// of lifecycle.
 type core struct {
-	mu    sync.Mutex
-	tab   slots.Table  // every block's state: its only writer (internal/slots)
+	mu  sync.Mutex
+	tab slots.Table // every block's state: its only writer (internal/slots)
+
+	// serve's trigger, read on every release: the FIFO of AcquireWait
+	// waiters (waiters[whead:] are queued; waiters.go) and alertAt (serve
+	// looks further when quarantined blocks exceed it: alertLimit while
+	// the alert is clear, -1 while it is raised, then serveAll tells
+	// whether to clear it). They live in core itself, not in a part: a
+	// promoted field costs the inliner a node, and one compare of each
+	// keeps serve inlinable.
+	waiters []*waiter
+	whead   int
+	alertAt int
+
+	prefixState // the prefix cache: per-slot hashes, the index, seal records
+	alertState  // the quarantine alert and bound, beside alertAt
+	lifecycle   // open, closed, counted
+
+	cfg config
+	obs Observer
+
+	enginePolicy // retention, tenants, adapters
+
+	holds holdings // who holds what, for CheckQuiescent (quiescent.go)
+}
+
+// prefixState is the prefix cache's part of the core: per-slot state
+// kept apart from the slot table (so that the table the hot path walks
+// stays small), the index, and how each block was sealed.
+type prefixState struct {
 	pre   []prefixSlot // parallel to the table
 	index prefixIndex  // BlockHash → the slot findable by it; its table made by the first Seal
+	stamp uint32       // bumped per prefix probe
 
-	waiters []*waiter // FIFO; waiters[head:] are queued
-	whead   int
+	verified bool         // verified mode (WithVerifiedPrefix)
+	records  bool         // seals write their record: verified mode, KV events or WithSealRecords
+	seals    []sealRecord // per slot: how it was sealed (seal.go)
+	sealTok  []int32      // per slot: its sealed tokens, blockTokens each; made by the first SealTokens
+	kv       *kvEventLog  // nil unless WithKVEvents
+	hook     offerer      // eviction hook (evict.go); nil without one
+}
 
+// alertState is the quarantine alert's (WithQuarantineAlert) and the
+// quarantine bound's (waiters.go); core.alertAt is serve's trigger.
+type alertState struct {
 	alertLimit int  // alert when quarantined blocks exceed this (MaxInt: never)
 	alerted    bool // the quarantine alert is raised
-	// alertAt: serve looks further when quarantined blocks exceed it:
-	// alertLimit while the alert is clear, -1 while it is raised (then
-	// serveAll tells whether to clear it). One compare keeps serve
-	// inlinable.
-	alertAt       int
-	scannedUsable int // usable() when the waiter queue was last scanned for ErrQuarantineBound
+	// scannedUsable: usable() when the wait queue was last scanned for
+	// ErrQuarantineBound.
+	scannedUsable int
+}
 
+// lifecycle is the pool's open and closed state and its counters.
+type lifecycle struct {
 	closed     atomic.Bool
 	rejections atomic.Uint64 // counted without the lock: rejections come in storms
 	rejectedBy [numRejectReasons]atomic.Uint64
@@ -51,9 +91,15 @@ type core struct {
 	nextLease  uint64
 	openLeases int
 	stats      counters
+	// watchOpens: a leak check, an observer or a checked build wants to
+	// hear of every lease opened (fixed when the pool is made; one field
+	// test instead of three keeps opened inlinable).
+	watchOpens bool
+}
 
-	cfg config
-	obs Observer
+// enginePolicy is what an engine's policy adds to the core: retention
+// classes, tenants and the adapters seal records name.
+type enginePolicy struct {
 	// ret: retention by adapter (retention.go), made at the first
 	// SetAdapterRetention or seal by a tagged lease.
 	ret *retentionState
@@ -61,23 +107,10 @@ type core struct {
 	// their index in the slot table; [0] is no tenant. nil until the
 	// first Pool.Tenant.
 	tenants []tenantRecord
-	// watchOpens: a leak check, an observer or a checked build wants to
-	// hear of every lease opened (fixed when the pool is made; one field
-	// test instead of three keeps opened inlinable).
-	watchOpens bool
-	kv         *kvEventLog  // nil unless WithKVEvents
-	verified   bool         // verified mode (WithVerifiedPrefix)
-	records    bool         // seals write their record: verified mode, KV events or WithSealRecords
-	seals      []sealRecord // per slot: how it was sealed (seal.go)
 	// adapters interns the adapters seal records name (adapter.go):
 	// adapters[0] is none.
 	adapters  []Adapter
 	adapterIx map[Adapter]int32
-	sealTok   []int32 // per slot: its sealed tokens, blockTokens each; made by the first SealTokens
-	stamp     uint32  // bumped per prefix probe
-	hook      offerer // eviction hook (evict.go); nil without one
-
-	holds holdings // who holds what, for CheckQuiescent (quiescent.go)
 }
 
 // NewPool makes a pool over mem: every block starts free. mem must be
@@ -137,12 +170,6 @@ func memSizes[R any](mem Memory[R]) (n, bb int, ok bool) {
 
 // Memory returns the memory the pool hands out.
 func (p *Pool[R]) Memory() Memory[R] { return p.mem }
-
-// Capacity returns the number of blocks the pool owns.
-func (p *Pool[R]) Capacity() int { return p.tab.Len() }
-
-// BlockBytes returns the size of one block in bytes.
-func (p *Pool[R]) BlockBytes() int { return p.mem.BlockBytes() }
 
 // Acquire hands out a lease on n fresh blocks, or nothing at all. Fresh
 // blocks come from the free list first, then by evicting the least recently
@@ -251,7 +278,7 @@ func closedErr(owner string, n int) error {
 func (c *core) opened(l *lease, hits int, ev *outbox) {
 	c.nextLease++
 	l.id = c.nextLease
-	l.state = LeaseActive
+	// (born Active: the zero state is Active, see lease.current)
 	c.openLeases++
 	c.stats.acquires++
 	if c.watchOpens {

@@ -8,22 +8,18 @@ import (
 // ResetMode says what ResetCache makes unfindable.
 type ResetMode uint8
 
-const (
-	// ResetUnreferenced, the default, drops the cached blocks nobody
-	// references. Sealed blocks that leases still hold (or that transfers
-	// still gate) stay findable: a request may still hit them.
-	ResetUnreferenced ResetMode = iota
-	// ResetAll also makes every block still in use unfindable: after it,
-	// nothing sealed before can be hit, which is what a weight or adapter
-	// update needs. Blocks in use stay sealed (immutable, readable by their
-	// leases) but private: once unreferenced they are free, not cached.
-	ResetAll
-)
+// ResetAll makes ResetCache drop, beside the cached blocks nobody
+// references (the default: sealed blocks that leases still hold, or that
+// transfers still gate, stay findable), every block still in use: after
+// it, nothing sealed before can be hit, which is what a weight or adapter
+// update needs. Blocks in use stay sealed (immutable, readable by their
+// leases) but private: once unreferenced they are free, not cached.
+const ResetAll ResetMode = 1
 
 // ResetCache drops every cached block nobody references: each leaves the
 // prefix index and goes to the free list, so it will never be hit again.
-// By default (ResetUnreferenced) sealed blocks that leases still hold stay
-// findable; pass ResetAll to make them unfindable too. It returns how
+// By default sealed blocks that leases still hold stay findable; pass
+// ResetAll to make them unfindable too. It returns how
 // many blocks stopped being findable. With KV events on, it emits
 // AllBlocksCleared when the index is left empty, else one BlockRemoved
 // per block.
@@ -94,43 +90,48 @@ func (p *Pool[R]) CachedPrefix(hashes []BlockHash) int {
 	c := &p.core
 	c.mu.Lock()
 	defer c.unlock()
-	return c.probe(hashes, nil)
+	n, _ := c.probe(hashes, nil)
+	return n
 }
 
-// probe returns the length of the cached prefix of hashes. In verified
-// mode v supplies the tokens to check each hit against (nil: no hit can
-// be verified). Called with c.mu held. It stamps each hit slot so that a
-// block named twice ends the prefix (a lease holds a block once per
-// position, and chained hashes never repeat).
-func (c *core) probe(hashes []BlockHash, v *verifier) int {
-	n, _, _ := c.probeIDs(hashes, v, nil)
-	return n
+// probe returns the length of the cached prefix of hashes, and whether
+// it ended at a verified-mode mismatch (the caller that acquires counts
+// it). In verified mode v supplies the tokens to check each hit against
+// (nil: no hit can be verified). Called with c.mu held. It changes
+// nothing a caller can see (no recency, no counter): its only write is
+// the probe stamp of each hit slot, scratch that lets a block named
+// twice end the prefix (a lease holds a block once per position, and
+// chained hashes never repeat).
+func (c *core) probe(hashes []BlockHash, v *verifier) (int, bool) {
+	n, _, _, mismatch := c.probeIDs(hashes, v, nil)
+	return n, mismatch
 }
 
 // probeIDs is probe that also appends the hit slots to ids (up to its
 // capacity, so the caller's stack buffer never grows), sparing the caller
 // a second lookup, and counts the hits that are cached (on the LRU: they
 // stop being evictable when leased).
-func (c *core) probeIDs(hashes []BlockHash, v *verifier, ids []int32) (int, []int32, int) {
+func (c *core) probeIDs(hashes []BlockHash, v *verifier, ids []int32) (int, []int32, int, bool) {
 	if c.index.len() == 0 {
-		return 0, ids, 0
+		return 0, ids, 0, false
 	}
 	c.stamp++
 	if !c.verified {
-		return probeFlat(&c.index, c.tab.View(), c.pre, c.stamp, hashes, ids)
+		n, ids, cached := c.index.probe(c.tab.View(), c.pre, c.stamp, hashes, ids)
+		return n, ids, cached, false
 	}
 	cached := 0
 	for k, h := range hashes {
 		id, ok := c.index.find(h)
 		if !ok {
-			return k, ids, cached
+			return k, ids, cached, false
 		}
 		wpins, class := c.tab.View().Probe(int32(id))
 		if wpins > 0 || c.pre[id].mark == c.stamp {
-			return k, ids, cached
+			return k, ids, cached, false
 		}
-		if c.verified && !c.verify(id, k, v) {
-			return k, ids, cached
+		if !c.verify(id, k, v) {
+			return k, ids, cached, v != nil
 		}
 		c.pre[id].mark = c.stamp
 		if class == slots.Cached {
@@ -140,48 +141,7 @@ func (c *core) probeIDs(hashes []BlockHash, v *verifier, ids []int32) (int, []in
 			ids = append(ids, int32(id))
 		}
 	}
-	return len(hashes), ids, cached
-}
-
-// probeFlat is probeIDs for the flat index without verification: the
-// index's probe written into the loop, one probe per hash, with the
-// tables in registers: a find call per hash, and the reloads it forced,
-// made a hit much dearer (BenchmarkAcquirePrefix guards it, measured in
-// instructions with bench/instr: numbers in bench/README.md).
-func probeFlat(x *prefixIndex, view slots.View, pre []prefixSlot, stamp uint32, hashes []BlockHash, ids []int32) (int, []int32, int) {
-	tab, shift := x.tab, x.shift&63 // (the mask spares the shift's range check)
-	mask := uint64(len(tab) - 1)
-	cached := 0
-	for k, h := range hashes {
-		m := uint64(h) * indexMix
-		tag := m >> 32
-		var p *prefixSlot
-		var id BlockID
-		for i := m >> shift; ; i = (i + 1) & mask {
-			e := tab[i]
-			if e == 0 {
-				return k, ids, cached
-			}
-			if e>>32 == tag {
-				id = BlockID(uint32(e) - 1)
-				if p = &pre[id]; p.hash == h {
-					break
-				}
-			}
-		}
-		wpins, class := view.Probe(int32(id))
-		if wpins > 0 || p.mark == stamp {
-			return k, ids, cached
-		}
-		p.mark = stamp
-		if class == slots.Cached {
-			cached++
-		}
-		if len(ids) < cap(ids) {
-			ids = append(ids, int32(id))
-		}
-	}
-	return len(hashes), ids, cached
+	return len(hashes), ids, cached, false
 }
 
 // fillPrefix fills l with n blocks: the cached prefix of hashes, then
@@ -192,7 +152,10 @@ func (c *core) fillPrefix(l *lease, hashes []BlockHash, n int, v *verifier, ev *
 	}
 	var buf [64]int32
 	// lruHits: hit blocks that stop being evictable.
-	hits, ids, lruHits := c.probeIDs(hashes, v, buf[:0])
+	hits, ids, lruHits, mismatch := c.probeIDs(hashes, v, buf[:0])
+	if mismatch {
+		c.stats.verifyMismatches++
+	}
 	tn := l.tenant
 	if c.tenants != nil { // (quota.go)
 		var own int
@@ -317,7 +280,9 @@ func (p *Pool[R]) AcquirePrefixTokens(owner string, seed BlockHash, tokens []int
 // CachedPrefixTokens is CachedPrefix for a prompt given as tokens, verified
 // in verified mode, under AcquirePrefixTokens' rule: the block holding the
 // prompt's last token never counts. It returns 0 when the pool has no
-// block size or its Hasher fails.
+// block size or its Hasher fails. Like CachedPrefix it changes nothing:
+// no recency, no counter (a verified mismatch is counted by acquires,
+// not by queries).
 func (p *Pool[R]) CachedPrefixTokens(seed BlockHash, tokens []int32) int {
 	bt := p.cfg.blockTokens
 	if bt == 0 {
@@ -335,5 +300,6 @@ func (p *Pool[R]) CachedPrefixTokens(seed BlockHash, tokens []int32) int {
 	c := &p.core
 	c.mu.Lock()
 	defer c.unlock()
-	return c.probe(v.hashes, vp)
+	n, _ := c.probe(v.hashes, vp) // a query: a mismatch is not counted
+	return n
 }

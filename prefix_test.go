@@ -336,8 +336,8 @@ func TestResetCacheAll(t *testing.T) {
 	require.Equal(t, 0, p.CachedPrefix(hs), "nothing old may hit")
 	evs, _ := p.DrainKVEvents(nil)
 	require.Equal(t, KVAllBlocksCleared, evs[len(evs)-1].Kind)
-	_, seq := p.SnapshotKVCache()
-	require.Empty(t, seq)
+	_, snap := p.SnapshotKVBlocks(nil)
+	require.Empty(t, snap)
 	// a still reads its sealed blocks; they stay immutable.
 	_, err = a.ReadRegion(0)
 	require.NoError(t, err)

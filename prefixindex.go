@@ -4,6 +4,9 @@ import (
 	"fmt"
 	"iter"
 	"math/bits"
+
+	"github.com/kvlease/kvlease/internal/invariants"
+	"github.com/kvlease/kvlease/internal/slots"
 )
 
 // prefixIndex is the prefix cache's index: BlockHash → the slot findable
@@ -209,4 +212,91 @@ func (x *prefixIndex) check() error {
 func (x *prefixIndex) clear() {
 	clear(x.tab)
 	x.n = 0
+}
+
+// probe is the prefix lookup without verification: the length of the
+// cached prefix of hashes, the hit slots appended to ids (up to its
+// capacity) and how many hits are cached (on the LRU). A hit stops at a
+// slot with a pending write (view) or one already stamped by this
+// lookup (pre[id].mark == stamp: a block named twice); each hit slot is
+// stamped. Called with the pool's mutex held.
+//
+// The loop is find's probe written into it, one probe per hash, with the
+// tables in registers: a find call per hash, and the reloads it forced,
+// made a hit much dearer (BenchmarkAcquirePrefix guards it, measured in
+// instructions with bench/instr: numbers in bench/README.md). It mirrors
+// probeGeneral, which is find per hash; checked builds take the general
+// path sometimes, and TestProbeFastEqualsGeneral holds the two equal, as
+// the slot table's fast loops are held to its transition function.
+func (x *prefixIndex) probe(view slots.View, pre []prefixSlot, stamp uint32, hashes []BlockHash, ids []int32) (int, []int32, int) {
+	if invariants.Enabled { // (a constant: production builds pay nothing)
+		if invariants.Sometimes(generalPercent) {
+			return x.probeGeneral(view, pre, stamp, hashes, ids)
+		}
+	}
+	return x.probeFast(view, pre, stamp, hashes, ids)
+}
+
+// generalPercent is how often, in checked builds, probe takes its
+// general path.
+const generalPercent = 25
+
+// probeGeneral is probe by find: the reference the fast loop mirrors.
+func (x *prefixIndex) probeGeneral(view slots.View, pre []prefixSlot, stamp uint32, hashes []BlockHash, ids []int32) (int, []int32, int) {
+	cached := 0
+	for k, h := range hashes {
+		id, ok := x.find(h)
+		if !ok {
+			return k, ids, cached
+		}
+		wpins, class := view.Probe(int32(id))
+		if wpins > 0 || pre[id].mark == stamp {
+			return k, ids, cached
+		}
+		pre[id].mark = stamp
+		if class == slots.Cached {
+			cached++
+		}
+		if len(ids) < cap(ids) {
+			ids = append(ids, int32(id))
+		}
+	}
+	return len(hashes), ids, cached
+}
+
+// probeFast is probe's loop: probeGeneral with find's probe written in.
+func (x *prefixIndex) probeFast(view slots.View, pre []prefixSlot, stamp uint32, hashes []BlockHash, ids []int32) (int, []int32, int) {
+	tab, shift := x.tab, x.shift&63 // (the mask spares the shift's range check)
+	mask := uint64(len(tab) - 1)
+	cached := 0
+	for k, h := range hashes {
+		m := uint64(h) * indexMix
+		tag := m >> 32
+		var p *prefixSlot
+		var id BlockID
+		for i := m >> shift; ; i = (i + 1) & mask {
+			e := tab[i]
+			if e == 0 {
+				return k, ids, cached
+			}
+			if e>>32 == tag {
+				id = BlockID(uint32(e) - 1)
+				if p = &pre[id]; p.hash == h {
+					break
+				}
+			}
+		}
+		wpins, class := view.Probe(int32(id))
+		if wpins > 0 || p.mark == stamp {
+			return k, ids, cached
+		}
+		p.mark = stamp
+		if class == slots.Cached {
+			cached++
+		}
+		if len(ids) < cap(ids) {
+			ids = append(ids, int32(id))
+		}
+	}
+	return len(hashes), ids, cached
 }

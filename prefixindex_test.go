@@ -1,6 +1,11 @@
 package kvlease
 
-import "testing"
+import (
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"testing"
+)
 
 // indexModel drives a prefixIndex and a map side by side over a pool of
 // n slots, as the pool does: a slot is in the index at most once, and
@@ -306,4 +311,105 @@ func BenchmarkPrefixIndex(b *testing.B) {
 			}
 		})
 	}
+}
+
+// The prefix probe's fast loop equals its general path (find per hash):
+// a pool with sealed blocks in every state (cached, leased, shared,
+// under a pending write, evicted), probed with random lookups (hits,
+// misses, a block named twice, hashes that collide in the table), gives
+// the same prefix, the same hit slots, the same cached count and the
+// same stamped slots either way. (Checked builds mix the two at random
+// under the fuzzers as well.)
+func TestProbeFastEqualsGeneral(t *testing.T) {
+	for seed := range uint64(30) {
+		t.Run(fmt.Sprint(seed), func(t *testing.T) { probeEqualsGeneral(t, seed) })
+	}
+}
+
+func probeEqualsGeneral(t *testing.T, seed uint64) {
+	rng := rand.New(rand.NewPCG(seed, 11))
+	const n = 24
+	p := newTestPool(t, n)
+	c := &p.core
+	var open []*Lease[[]byte]
+	var hashes []BlockHash
+	for step := range 60 {
+		switch rng.IntN(4) {
+		case 0, 1: // seal a lease's blocks; keep some open
+			k := 1 + rng.IntN(4)
+			l, err := p.Acquire("s", k)
+			if err != nil {
+				continue
+			}
+			for i := range k {
+				h := BlockHash(rng.IntN(40)) // small values: collisions and duplicates
+				_ = l.Seal(i, h)
+				hashes = append(hashes, h)
+			}
+			if rng.IntN(2) == 0 {
+				l.Release()
+			} else {
+				open = append(open, l)
+			}
+		case 2: // a pending write over an unsealed block keeps its slot out of hits
+			if l, err := p.Acquire("w", 1); err == nil {
+				tr := NewTransfer(nil)
+				_ = l.Attach(tr)
+				_ = l.Seal(0, BlockHash(rng.IntN(40)))
+				if rng.IntN(2) == 0 {
+					tr.Resolve(nil)
+				}
+				l.Release()
+			}
+		case 3:
+			if len(open) > 0 {
+				i := rng.IntN(len(open))
+				open[i].Release()
+				open = slices.Delete(open, i, i+1)
+			}
+		}
+		if len(hashes) == 0 {
+			continue
+		}
+		for range 8 {
+			q := make([]BlockHash, rng.IntN(8))
+			for i := range q {
+				if rng.IntN(4) == 0 {
+					q[i] = BlockHash(rng.IntN(60))
+				} else {
+					q[i] = hashes[rng.IntN(len(hashes))]
+				}
+			}
+			c.mu.Lock()
+			if c.index.len() == 0 {
+				c.mu.Unlock()
+				continue
+			}
+			c.stamp++
+			gn, gids, gc := c.index.probeGeneral(c.tab.View(), c.pre, c.stamp, q, make([]int32, 0, rng.IntN(8)))
+			gmarks := stamped(c.pre, c.stamp)
+			c.stamp++
+			fn, fids, fc := c.index.probeFast(c.tab.View(), c.pre, c.stamp, q, make([]int32, 0, cap(gids)))
+			fmarks := stamped(c.pre, c.stamp)
+			c.mu.Unlock()
+			if gn != fn || !slices.Equal(gids, fids) || gc != fc || !slices.Equal(gmarks, fmarks) {
+				t.Fatalf("step %d, lookup %x: general (%d, %v, %d, stamped %v), fast (%d, %v, %d, stamped %v)",
+					step, q, gn, gids, gc, gmarks, fn, fids, fc, fmarks)
+			}
+		}
+	}
+	for _, l := range open {
+		l.Release()
+	}
+}
+
+// stamped lists the slots a probe with stamp marked.
+func stamped(pre []prefixSlot, stamp uint32) []int {
+	var out []int
+	for id := range pre {
+		if pre[id].mark == stamp {
+			out = append(out, id)
+		}
+	}
+	return out
 }

@@ -127,7 +127,7 @@ func (p *Pool[R]) CheckQuiescent() error {
 		}
 		hd := Holding{Lease: h.id, Owner: h.owner, State: LeaseActive, Leaked: h.leaked}
 		if l := h.closed; l != nil {
-			hd.State = l.state
+			hd.State = l.current()
 			hd.Blocks = len(l.blocks) - l.first()
 		}
 		e.Holdings = append(e.Holdings, hd)

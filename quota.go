@@ -4,9 +4,9 @@ import (
 	"context"
 	"fmt"
 	"math"
-	"sync/atomic"
 
 	"github.com/kvlease/kvlease/internal/slots"
+	"go.uber.org/atomic"
 )
 
 // Tenants and quotas.
@@ -167,7 +167,8 @@ func (p *Pool[R]) tenantIndex(name string) uint16 {
 	return (*m)[name]
 }
 
-// Name returns the tenant's name.
+// Name returns the tenant's name (its line in TenantStats, the name
+// TenantSeed derives its seeds from).
 func (t *Tenant[R]) Name() string { return t.name }
 
 // SetQuota sets the tenant's quota (see Quota), at once: a reservation
@@ -223,7 +224,7 @@ func (t *Tenant[R]) AcquireWait(ctx context.Context, owner string, n int) (*Leas
 	return t.p.acquireWait(ctx, owner, t.ix, n)
 }
 
-// Stats returns the tenant's line of TenantStats.
+// Stats returns the tenant's line of TenantStats, in O(1).
 func (t *Tenant[R]) Stats() TenantStats {
 	c := &t.p.core
 	c.mu.Lock()

@@ -40,7 +40,7 @@ func BenchmarkQuotaCycle(b *testing.B) {
 		l, _ := q.Acquire("bench", n)
 		l.Release()
 	})[0]
-	if p.Stats().Free != 1024 || a.Stats().Held != 0 {
+	if p.Stats().Free != 1024 || tenantLine(a).Held != 0 {
 		b.Fatal("the cycle leaked a charge")
 	}
 	reportRatio(b, "none", none)
@@ -116,7 +116,7 @@ func BenchmarkQuotaChurn(b *testing.B) {
 				l.Release()
 				k++
 			})[0]
-			st, cs := a.Stats(), c.Stats()
+			st, cs := tenantLine(a), tenantLine(c)
 			if p.Stats().Free != 0 || st.EvictedOwn+cs.Evicted == 0 {
 				b.Fatalf("%s: free %d, a %+v", mode, p.Stats().Free, st)
 			}
@@ -178,8 +178,8 @@ func BenchmarkQuotaManyTenants(b *testing.B) {
 		i++
 	}
 	b.StopTimer()
-	if p.Stats().Free != 0 || a.Stats().EvictedOwn == 0 {
-		b.Fatalf("free %d, a %+v", p.Stats().Free, a.Stats())
+	if p.Stats().Free != 0 || tenantLine(a).EvictedOwn == 0 {
+		b.Fatalf("free %d, a %+v", p.Stats().Free, tenantLine(a))
 	}
 	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*n), "ns/block")
 }

@@ -35,7 +35,7 @@ func ExampleTenant_SetQuota() {
 		cache(flood, kvlease.BlockHash(1000*(k+1)), 4)
 	}
 	fmt.Println("steady's prefix cached:", pool.CachedPrefix([]kvlease.BlockHash{100, 101}))
-	st := flood.Stats()
+	st := pool.TenantStats(nil)[0] // flood registered first
 	fmt.Println("flood holds", st.Held, "evicted its own", st.EvictedOwn)
 
 	l, _ := flood.Acquire("req", 4) // its cap's worth, in use

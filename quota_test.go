@@ -28,7 +28,7 @@ func cacheAs(t testing.TB, p *Pool[[]byte], tn *Tenant[[]byte], n int, base Bloc
 	if tn == nil {
 		l, err = p.Acquire("none", n)
 	} else {
-		l, err = tn.Acquire(tn.Name(), n)
+		l, err = tn.Acquire(tn.name, n)
 	}
 	require.NoError(t, err)
 	hs := make([]BlockHash, n)
@@ -61,12 +61,12 @@ func TestQuotaCap(t *testing.T) {
 	require.Equal(t, before.Free, after.Free, "a refusal holds nothing")
 	require.Equal(t, before.Leased, after.Leased)
 	require.Equal(t, uint64(1), after.RejectedQuota)
-	require.Equal(t, uint64(1), a.Stats().Rejected)
+	require.Equal(t, uint64(1), tenantLine(a).Rejected)
 	l.Release() // unsealed: free, uncharged
-	require.Equal(t, 0, a.Stats().Held)
+	require.Equal(t, 0, tenantLine(a).Held)
 
 	ah := cacheAs(t, p, a, 8, 200) // a at its cap, all of it cached
-	require.Equal(t, TenantStats{Tenant: "a", Quota: Quota{Cap: 8}, Held: 8, Cached: 8, Rejected: 1}, a.Stats())
+	require.Equal(t, TenantStats{Tenant: "a", Quota: Quota{Cap: 8}, Held: 8, Cached: 8, Rejected: 1}, tenantLine(a))
 	_, _ = p.DrainKVEvents(nil)
 	l, err = a.Acquire("a3", 3)
 	require.NoError(t, err, "its own cached blocks make the room")
@@ -76,11 +76,11 @@ func TestQuotaCap(t *testing.T) {
 	require.Equal(t, 4, p.CachedPrefix(bh))
 	require.Equal(t, 5, p.CachedPrefix(ah), "a's first five blocks stay cached")
 	require.Equal(t, 20, p.Stats().Free)
-	st := a.Stats()
+	st := tenantLine(a)
 	require.Equal(t, 8, st.Held)
 	require.Equal(t, 5, st.Cached)
 	require.Equal(t, uint64(3), st.EvictedOwn)
-	require.Equal(t, uint64(0), b.Stats().Evicted)
+	require.Equal(t, uint64(0), tenantLine(b).Evicted)
 	// Room is what its cached blocks leave: 5 more, not 6.
 	_, err = a.Acquire("a4", 6)
 	require.ErrorIs(t, err, ErrQuota)
@@ -101,7 +101,7 @@ func TestQuotaReserve(t *testing.T) {
 	b := tenant(t, p, "b", Quota{Reserve: 4})
 	bh := cacheAs(t, p, b, 6, 100) // reserved: its newest four (a chain is cached from its end: bh[0..3])
 	nh := cacheAs(t, p, nil, 4, 200)
-	require.Equal(t, 4, b.Stats().Reserved)
+	require.Equal(t, 4, tenantLine(b).Reserved)
 	require.Equal(t, 12, p.Available(), "16 less b's reservation")
 
 	// a floods: 12 blocks at most, whatever it does. b's reserved blocks
@@ -119,7 +119,7 @@ func TestQuotaReserve(t *testing.T) {
 	require.ErrorIs(t, err, ErrExhausted)
 	require.Equal(t, 4, p.CachedPrefix(bh), "b's reserved prefix survives the flood")
 	require.Equal(t, 0, p.CachedPrefix(nh))
-	require.Equal(t, uint64(2), b.Stats().Evicted)
+	require.Equal(t, uint64(2), tenantLine(b).Evicted)
 	// b's own acquire may take its reserved blocks.
 	l, err := b.Acquire("b", 2)
 	require.NoError(t, err)
@@ -145,7 +145,7 @@ func TestQuotaPrefix(t *testing.T) {
 	l, hits, err := a.AcquirePrefix("a2", ah[:3], 5) // 3 hits, 2 fresh: 6 held, 1 cached evicted
 	require.NoError(t, err)
 	require.Equal(t, 3, hits)
-	st := a.Stats()
+	st := tenantLine(a)
 	require.Equal(t, 6, st.Held)
 	require.Equal(t, uint64(3), st.PrefixQueries)
 	require.Equal(t, uint64(3), st.PrefixHits)
@@ -164,7 +164,7 @@ func TestQuotaExtendAndSequence(t *testing.T) {
 	a := tenant(t, p, "a", Quota{Cap: 4})
 	s, err := p.Admit(SequenceSpec{Owner: "s", Seed: 1, Prompt: seqTokens(9, 1), Tenant: "a"})
 	require.NoError(t, err)
-	require.Equal(t, 3, a.Stats().Held)
+	require.Equal(t, 3, tenantLine(a).Held)
 	require.NoError(t, s.Lease().Extend(1))
 	err = s.Lease().Extend(1)
 	require.ErrorIs(t, err, ErrQuota)
@@ -174,12 +174,12 @@ func TestQuotaExtendAndSequence(t *testing.T) {
 	require.NoError(t, err)
 	require.ErrorIs(t, sh.Extend(1), ErrQuota, "a share is charged as its lease")
 	sh.Release()
-	s.Release()
+	s.Lease().Release()
 	// An unregistered name charges no one.
 	s2, err := p.Admit(SequenceSpec{Owner: "s2", Seed: 2, Prompt: seqTokens(20, 1), Tenant: "nobody"})
 	require.NoError(t, err)
 	require.Equal(t, 5, p.TenantStats(nil)[1].Held-p.TenantStats(nil)[1].Cached)
-	s2.Release()
+	s2.Lease().Release()
 	checkPool(t, p)
 }
 
@@ -222,7 +222,7 @@ func TestQuotaWaiters(t *testing.T) {
 		require.Nil(t, ra.l)
 		require.NoError(t, rb.err)
 		require.Equal(t, 0, p.Stats().Waiters)
-		require.Equal(t, 3, a.Stats().Held, "the failed waiter holds nothing")
+		require.Equal(t, 3, tenantLine(a).Held, "the failed waiter holds nothing")
 		rb.l.Release()
 		la.Release()
 
@@ -279,11 +279,11 @@ func TestQuotaWindowSequence(t *testing.T) {
 	a := tenant(t, p, "a", Quota{Cap: 4})
 	s, err := p.Admit(SequenceSpec{Owner: "w", Seed: 1, Prompt: seqTokens(12, 1), Window: 8, Tenant: "a"})
 	require.NoError(t, err)
-	require.Equal(t, 3, a.Stats().Held)
+	require.Equal(t, 3, tenantLine(a).Held)
 	_, err = p.Admit(SequenceSpec{Owner: "w2", Seed: 2, Prompt: seqTokens(12, 1), Window: 8, Tenant: "a"})
 	require.ErrorIs(t, err, ErrQuota)
 	require.ErrorIs(t, err, ErrExhausted)
-	require.Equal(t, 3, a.Stats().Held, "a refused admission holds nothing")
-	s.Release()
+	require.Equal(t, 3, tenantLine(a).Held, "a refused admission holds nothing")
+	s.Lease().Release()
 	checkPool(t, p)
 }

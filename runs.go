@@ -20,13 +20,12 @@ func (r Run) End() BlockID { return r.Start + BlockID(r.Len) }
 // moves each run with one descriptor. It allocates nothing when dst has
 // room; a from outside [Trimmed(), Len()] panics like AppendBlockIDs.
 func (l *Lease[R]) AppendRuns(dst []Run, from int) []Run {
-	return AppendRuns(dst, l.ls.liveFrom(from))
+	return appendRuns(dst, l.ls.liveFrom(from))
 }
 
-// AppendRuns appends the runs of blocks, in order, to dst and returns it:
-// the same as Lease.AppendRuns for a block table held elsewhere (a
-// transfer's range, a handoff's). It allocates nothing when dst has room.
-func AppendRuns(dst []Run, blocks []BlockRef) []Run {
+// appendRuns appends the runs of blocks, in order, to dst and returns it
+// (Lease.AppendRuns). It allocates nothing when dst has room.
+func appendRuns(dst []Run, blocks []BlockRef) []Run {
 	if len(blocks) == 0 {
 		return dst
 	}

@@ -27,7 +27,7 @@ func TestAppendRuns(t *testing.T) {
 		{refs(4, 4), []kvlease.Run{{Start: 4, Len: 1}, {Start: 4, Len: 1}}},
 	}
 	for _, c := range cases {
-		got := kvlease.AppendRuns(nil, c.ids)
+		got := kvlease.AppendRunsForTest(nil, c.ids)
 		if len(got) != len(c.want) {
 			t.Fatalf("%v: runs %v, want %v", c.ids, got, c.want)
 		}

@@ -25,7 +25,7 @@ func (l *Lease[R]) Seal(i int, h BlockHash) error {
 
 // sealTokens carries what a seal says beyond the hash: the parent hash,
 // the block's tokens and its extra keys; chain overrides where its KV
-// event places the block in its chain (SealChained, SealAs). noTokens: a
+// event places the block in its chain (SealAs). noTokens: a
 // seal with a known parent but no tokens (SealAs), which verified mode
 // refuses like a plain Seal.
 type sealTokens struct {
@@ -120,56 +120,30 @@ func (l *lease) sealLocked(i int, h BlockHash, st *sealTokens, ev *outbox) error
 
 // SealTokens seals block i with the hash of its tokens under parent (the
 // previous block's hash, or the namespace seed for the first block) and
-// returns that hash: HashBlock's, or the pool's Hasher (WithHasher; its
-// error is returned wrapped and nothing is sealed). It is Seal with the
-// hash computed for you, and the only way to seal in verified mode
+// returns that hash: HashBlockExtra's, or the pool's Hasher (WithHasher;
+// its error is returned wrapped and nothing is sealed). It is Seal with
+// the hash computed for you, and the only way to seal in verified mode
 // (WithVerifiedPrefix), where the pool keeps parent and tokens to check
-// every later hit against. In every mode
-// tokens must be exactly one full block (the configured block tokens): a
-// partial block is never sealed (its KV will still grow), and a pool
-// without WithBlockTokens or WithVerifiedPrefix refuses SealTokens. Both
-// wrap ErrInvalidArgument; other errors as Seal.
-func (l *Lease[R]) SealTokens(i int, parent BlockHash, tokens []int32) (BlockHash, error) {
-	h, err := l.ls.c.hashBlock(parent, tokens, nil)
-	if err != nil {
-		return 0, err
-	}
-	return h, l.ls.seal(i, h, &sealTokens{parent: parent, tokens: tokens})
-}
-
-// SealExtra is SealTokens for a block with extra keys (see ExtraKey):
-// its hash is the pool's hash of parent, tokens and extra
-// (HashBlockExtra by default), the keys are recorded with the seal
-// (verified lookups compare them) and published with its BlockStored
-// event. The pool keeps its own copy of extra. Errors as SealTokens.
-func (l *Lease[R]) SealExtra(i int, parent BlockHash, tokens []int32, extra []string) (BlockHash, error) {
+// every later hit against. In every mode tokens must be exactly one full
+// block (the configured block tokens): a partial block is never sealed
+// (its KV will still grow), and a pool without WithBlockTokens or
+// WithVerifiedPrefix refuses SealTokens. Both wrap ErrInvalidArgument;
+// other errors as Seal.
+//
+// extra are the block's extra keys (see ExtraKey), none for most blocks:
+// they are mixed into its hash, recorded with the seal (verified lookups
+// compare them) and published with its BlockStored event. The pool keeps
+// its own copy of them.
+func (l *Lease[R]) SealTokens(i int, parent BlockHash, tokens []int32, extra ...string) (BlockHash, error) {
 	h, err := l.ls.c.hashBlock(parent, tokens, extra)
 	if err != nil {
 		return 0, err
 	}
+	st := &sealTokens{parent: parent, tokens: tokens}
 	if len(extra) > 0 {
-		extra = slices.Clone(extra)
+		st.extra = slices.Clone(extra)
 	}
-	return h, l.ls.seal(i, h, &sealTokens{parent: parent, tokens: tokens, extra: extra})
-}
-
-// SealChained is SealTokens for a block whose place in its chain is not
-// its place in the lease, such as a lower tier's copy of a block (a tiered
-// cache offloads blocks of many chains in one lease). hasParent says
-// whether parent is a block, so that the block's KV event names it as the
-// parent even for block 0 of the lease, or the namespace seed (the block
-// starts its chain: the event names no parent, even for a later block of
-// the lease). The hash, the checks and the errors are SealTokens'.
-func (l *Lease[R]) SealChained(i int, parent BlockHash, hasParent bool, tokens []int32) (BlockHash, error) {
-	h, err := l.ls.c.hashBlock(parent, tokens, nil)
-	if err != nil {
-		return 0, err
-	}
-	place := chainStartAny
-	if hasParent {
-		place = chainChild
-	}
-	return h, l.ls.seal(i, h, &sealTokens{parent: parent, tokens: tokens, chain: place})
+	return h, l.ls.seal(i, h, st)
 }
 
 // SealAs seals block i as s says: findable as s.Hash, with s.Parent as
@@ -232,7 +206,7 @@ type SealInfo struct {
 	Hash BlockHash
 	// Parent is the hash it was sealed under (the previous block's hash,
 	// or the namespace seed for a chain's first block), when HasParent.
-	// SealTokens, SealExtra, SealChained and SealAs with a parent know
+	// SealTokens and SealAs with a parent know
 	// it; a plain Seal knows it only when the lease's previous block was
 	// sealed (that block's hash).
 	Parent    BlockHash
@@ -354,7 +328,7 @@ type sealRecord struct {
 	// parent is the hash the block was sealed under: the previous block's
 	// hash, or the namespace seed for a chain's first block.
 	parent BlockHash
-	// known: parent is known (SealTokens and SealChained give it; a plain
+	// known: parent is known (SealTokens and SealAs give it; a plain
 	// Seal knows it only when the lease's previous block is sealed).
 	known bool
 	// chained: parent is a block, so the block's KV event names it (false

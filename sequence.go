@@ -28,19 +28,19 @@ import "fmt"
 // previous one has run commits when it schedules, as vLLM caches blocks
 // when it allocates them.)
 //
-//	seq, _ := pool.NewSequence("req-1", seed, prompt) // hits: seq.CachedTokens()
-//	for seq.Computed() < seq.Len() {                   // chunked prefill
+//	seq, _ := pool.Admit(kvlease.SequenceSpec{Owner: "req-1", Seed: seed, Prompt: prompt})
+//	for seq.Computed() < seq.Len() { // chunked prefill; hits: seq.CachedTokens()
 //		n := min(chunk, seq.Len()-seq.Computed())
 //		// ... compute KV of seq.Tokens()[seq.Computed():][:n] ...
 //		seq.Commit(n)
 //	}
-//	for !done {                                        // decode
+//	for !done { // decode
 //		t := sample()
 //		if err := seq.Append(t); err != nil { /* preempt */ }
 //		// ... next step computes t's KV ...
 //		seq.Commit(1)
 //	}
-//	seq.Release()
+//	seq.Lease().Release()
 //
 // The prompt is hashed once: admission chains the hashes of its full
 // blocks (one Hasher call), looks the prefix up with them and seals the
@@ -99,8 +99,8 @@ type SequenceSpec struct {
 	// the first key's range are shared with prompts without it. Ranges
 	// may reach past the prompt (generated tokens). An empty range
 	// (Start == End) covers no token and is ignored, as llm-d ignores
-	// it; a negative Start, an End before Start, more than MaxExtraKeys
-	// keys or a key longer than MaxExtraKeyBytes is refused.
+	// it; a negative Start, an End before Start, more than 4096 keys or
+	// a key longer than 64 KiB is refused.
 	Extra []ExtraKey
 	// Adapter tags the blocks the sequence seals (Lease.SetAdapter).
 	Adapter Adapter
@@ -110,9 +110,9 @@ type SequenceSpec struct {
 	Tenant string
 	// MaxTokens, when larger than the prompt, is the most tokens the
 	// sequence will hold (prompt plus max_tokens): its token and hash
-	// tables are made that large at once (Reserve), so decoding
+	// tables are made that large at once, so decoding
 	// allocates nothing more. Negative is refused; more than the pool
-	// could ever hold (Capacity × block tokens) is ErrExceedsCapacity,
+	// could ever hold (its blocks × block tokens) is ErrExceedsCapacity,
 	// except in a sliding-window sequence, whose tables are then made
 	// that large and grow as needed.
 	MaxTokens int
@@ -130,13 +130,15 @@ type SequenceSpec struct {
 // The limits on a spec's extra keys: each key is mixed into the hash of
 // every block it covers and travels with their seal records and events.
 const (
-	MaxExtraKeys     = 4096    // extra keys in one SequenceSpec
-	MaxExtraKeyBytes = 1 << 16 // bytes in one extra key (a content hash or a salt, not content)
+	maxExtraKeys     = 4096    // extra keys in one SequenceSpec
+	maxExtraKeyBytes = 1 << 16 // bytes in one extra key (a content hash or a salt, not content)
 )
 
-// NewSequence admits a request: it hashes the prompt's full blocks once
-// (under the seed, the chain root, in one Hasher call), acquires a lease
-// whose leading blocks are the longest cached prefix of the prompt (under
+// Admit admits a request (spec.Owner, spec.Seed, spec.Prompt; extra
+// keys, an adapter, a reservation or a sliding window: see
+// SequenceSpec): it hashes the prompt's full blocks once (under the
+// seed, the chain root, in one Hasher call), acquires a lease whose
+// leading blocks are the longest cached prefix of the prompt (under
 // AcquirePrefixTokens' rule: never the block holding the prompt's last
 // token; verified in verified mode) and whose other blocks are fresh, one
 // slot for every prompt token. The hit tokens count as computed
@@ -144,17 +146,11 @@ const (
 //
 // The pool needs a block size (WithBlockTokens or WithVerifiedPrefix),
 // the owner must not be empty and the prompt must have at least one
-// token; otherwise the error wraps ErrInvalidArgument. A prompt of more
-// blocks than the pool has is ErrExceedsCapacity. Other errors are
-// AcquirePrefix's, or the Hasher's: the request holds nothing after an
-// error. The sequence keeps its own copy of the prompt.
-func (p *Pool[R]) NewSequence(owner string, seed BlockHash, prompt []int32) (*Sequence[R], error) {
-	return p.admit(SequenceSpec{Owner: owner, Seed: seed, Prompt: prompt}, nil)
-}
-
-// Admit is NewSequence for a request with extra keys, an adapter, a
-// reservation or a sliding window (see SequenceSpec); the errors are
-// NewSequence's and the spec's.
+// token; otherwise the error wraps ErrInvalidArgument, as does a spec
+// out of its bounds. A prompt of more blocks than the pool has is
+// ErrExceedsCapacity. Other errors are AcquirePrefix's, or the Hasher's:
+// the request holds nothing after an error. The sequence keeps its own
+// copy of the prompt.
 func (p *Pool[R]) Admit(spec SequenceSpec) (*Sequence[R], error) {
 	return p.admit(spec, nil)
 }
@@ -194,30 +190,30 @@ func (p *Pool[R]) checkSpec(spec *SequenceSpec) (int, error) {
 			owner, len(spec.Prompt), ErrInvalidArgument)
 	case spec.MaxTokens < 0 || spec.Window < 0:
 		err = fmt.Errorf("kvlease: admit %q: max tokens %d, window %d: neither may be negative: %w", owner, spec.MaxTokens, spec.Window, ErrInvalidArgument)
-	case len(spec.Extra) > MaxExtraKeys:
-		err = fmt.Errorf("kvlease: admit %q: %d extra keys, at most %d: %w", owner, len(spec.Extra), MaxExtraKeys, ErrInvalidArgument)
+	case len(spec.Extra) > maxExtraKeys:
+		err = fmt.Errorf("kvlease: admit %q: %d extra keys, at most %d: %w", owner, len(spec.Extra), maxExtraKeys, ErrInvalidArgument)
 	case spec.Adapter.Name == "" && spec.Adapter.ID != 0:
 		err = fmt.Errorf("kvlease: admit %q: adapter id %d without a name: %w", owner, spec.Adapter.ID, ErrInvalidArgument)
 	}
 	if err != nil {
 		return 0, err
 	}
-	capTokens := p.Capacity() * bt // no overflow: capacity < 2³¹, block tokens ≤ maxBlockTokens
-	if blocks := (len(spec.Prompt) + bt - 1) / bt; blocks > p.Capacity() {
+	capTokens := p.tab.Len() * bt // no overflow: capacity < 2³¹, block tokens ≤ maxBlockTokens
+	if blocks := (len(spec.Prompt) + bt - 1) / bt; blocks > p.tab.Len() {
 		return 0, fmt.Errorf("kvlease: admit %q: a prompt of %d tokens needs %d blocks of %d, the pool has %d: %w",
-			owner, len(spec.Prompt), blocks, bt, p.Capacity(), ErrExceedsCapacity)
+			owner, len(spec.Prompt), blocks, bt, p.tab.Len(), ErrExceedsCapacity)
 	}
 	if spec.Window == 0 && spec.MaxTokens > capTokens {
 		return 0, fmt.Errorf("kvlease: admit %q: %d tokens at most, the pool holds %d (%d blocks of %d): %w",
-			owner, spec.MaxTokens, capTokens, p.Capacity(), bt, ErrExceedsCapacity)
+			owner, spec.MaxTokens, capTokens, p.tab.Len(), bt, ErrExceedsCapacity)
 	}
 	keys := 0
 	for i, e := range spec.Extra {
 		switch {
 		case e.Start < 0 || e.End < e.Start:
 			return 0, fmt.Errorf("kvlease: admit %q: extra key %d covers [%d, %d): %w", owner, i, e.Start, e.End, ErrInvalidArgument)
-		case len(e.Key) > MaxExtraKeyBytes:
-			return 0, fmt.Errorf("kvlease: admit %q: extra key %d has %d bytes, at most %d: %w", owner, i, len(e.Key), MaxExtraKeyBytes, ErrInvalidArgument)
+		case len(e.Key) > maxExtraKeyBytes:
+			return 0, fmt.Errorf("kvlease: admit %q: extra key %d has %d bytes, at most %d: %w", owner, i, len(e.Key), maxExtraKeyBytes, ErrInvalidArgument)
 		case e.End > e.Start:
 			keys++
 		}
@@ -225,7 +221,7 @@ func (p *Pool[R]) checkSpec(spec *SequenceSpec) (int, error) {
 	return keys, nil
 }
 
-// admit is NewSequence, Admit and AdmitWith (acquire non-nil).
+// admit is Admit and AdmitWith (acquire non-nil).
 func (p *Pool[R]) admit(spec SequenceSpec, acquire func([]BlockHash, int) (*Lease[R], int, error)) (*Sequence[R], error) {
 	owner, prompt := spec.Owner, spec.Prompt
 	keys, err := p.checkSpec(&spec)
@@ -243,7 +239,7 @@ func (p *Pool[R]) admit(spec SequenceSpec, acquire func([]BlockHash, int) (*Leas
 			}
 		}
 	}
-	total := min(max(spec.MaxTokens, len(prompt)+bt), p.Capacity()*bt)
+	total := min(max(spec.MaxTokens, len(prompt)+bt), p.tab.Len()*bt)
 	total = max(total, len(prompt))
 	full := len(prompt) / bt
 	s.tokens = make([]int32, len(prompt), total)
@@ -357,10 +353,6 @@ func (s *Sequence[R]) Lease() *Lease[R] { return s.l }
 // starts at the window before the hit.
 func (s *Sequence[R]) Base() int { return s.base }
 
-// Blocks returns how many blocks the sequence's lease holds (Lease.Len
-// without the pool's lock: the sequence alone grows its lease).
-func (s *Sequence[R]) Blocks() int { return s.nblocks }
-
 // Len returns the tokens appended so far, prompt included.
 func (s *Sequence[R]) Len() int { return len(s.tokens) }
 
@@ -383,50 +375,17 @@ func (s *Sequence[R]) CachedTokens() int { return s.hits * s.bt }
 // sequence's own: read it, do not write or keep it past the next Append.
 func (s *Sequence[R]) Tokens() []int32 { return s.tokens }
 
-// Sealed returns how many leading blocks are sealed.
-func (s *Sequence[R]) Sealed() int { return s.sealed }
-
 // BlockHashes returns the chain hashes of the sealed blocks, block 0
 // first (read only; valid until the next Commit).
 func (s *Sequence[R]) BlockHashes() []BlockHash { return s.hashes[:s.sealed] }
 
-// Parent returns the hash the next block to seal chains from: the last
+// parent returns the hash the next block to seal chains from: the last
 // sealed block's hash, or the seed before any block is sealed.
-func (s *Sequence[R]) Parent() BlockHash {
+func (s *Sequence[R]) parent() BlockHash {
 	if s.sealed == 0 {
 		return s.seed
 	}
 	return s.hashes[s.sealed-1]
-}
-
-// Reserve makes room for the sequence to hold total tokens without
-// allocating again (an engine knows a request's prompt plus max_tokens).
-// It changes no block: growth stays with Append. A negative total wraps
-// ErrInvalidArgument; more tokens than the pool could ever hold
-// (Capacity × block tokens) wraps ErrExceedsCapacity, except in a
-// sliding-window sequence, which reserves that much and grows as needed.
-// Nothing is allocated on an error.
-func (s *Sequence[R]) Reserve(total int) error {
-	most := s.l.p.Capacity() * s.bt
-	switch {
-	case total < 0:
-		return fmt.Errorf("kvlease: reserve %d tokens for %q: %w", total, s.l.Owner(), ErrInvalidArgument)
-	case total > most && s.window == 0:
-		return fmt.Errorf("kvlease: reserve %d tokens for %q: the pool holds %d: %w", total, s.l.Owner(), most, ErrExceedsCapacity)
-	}
-	total = min(total, most)
-	if total > cap(s.tokens) {
-		t := make([]int32, len(s.tokens), total)
-		copy(t, s.tokens)
-		s.tokens = t
-	}
-	if nb := total/s.bt + 1; nb > cap(s.hashes) {
-		h := make([]BlockHash, len(s.hashes), nb)
-		copy(h, s.hashes)
-		s.hashes = h
-	}
-	s.setBounds()
-	return nil
 }
 
 // Append adds tokens whose KV the next step computes, growing the lease
@@ -529,7 +488,7 @@ func (s *Sequence[R]) sealNext() error {
 	bt := s.bt
 	k := s.sealed
 	toks := s.tokens[k*bt : (k+1)*bt]
-	parent := s.Parent()
+	parent := s.parent()
 	var extra []string
 	if len(s.spans) > 0 {
 		extra = s.extraOf(nil, k) // kept by the seal: its own slice
@@ -686,10 +645,3 @@ func (s *Sequence[R]) Rollback(n int) error {
 	}
 	return nil
 }
-
-// Release ends the request: its lease is released (sealed blocks stay
-// cached for later prompts). Idempotent, as Lease.Release.
-func (s *Sequence[R]) Release() { s.l.Release() }
-
-// Abort ends the request with a cause, as Lease.Abort.
-func (s *Sequence[R]) Abort(cause error) { s.l.Abort(cause) }

@@ -35,7 +35,7 @@ func BenchmarkSequenceDecode(b *testing.B) {
 				b.Fatal(err)
 			}
 		}
-		s.Release()
+		s.Lease().Release()
 	}
 	buf := make([]int32, 0, bt+gen)
 	glue := func() {
@@ -76,7 +76,7 @@ func BenchmarkSequenceDecode(b *testing.B) {
 }
 
 // BenchmarkAdmitPrefix4096 admits a 4,096-token prompt whose every block
-// but the last token's is cached (NewSequence: hash the prompt once, look
+// but the last token's is cached (Admit: hash the prompt once, look
 // it up, lease 255 hits and a fresh block) and releases it, next to
 // ChainHashes of the same prompt alone, interleaved in the same run
 // (issue 24: the admission cost printed next to the hashing it cannot
@@ -85,21 +85,21 @@ func BenchmarkAdmitPrefix4096(b *testing.B) {
 	const bt = 16
 	p := seqPool(b, 1024, WithBlockTokens(bt))
 	prompt := seqTokens(4096, 11)
-	warm, err := p.NewSequence("warm", 3, prompt)
+	warm, err := p.Admit(SequenceSpec{Owner: "warm", Seed: 3, Prompt: prompt})
 	if err != nil {
 		b.Fatal(err)
 	}
 	if err := warm.Commit(warm.Len()); err != nil {
 		b.Fatal(err)
 	}
-	warm.Release()
+	warm.Lease().Release()
 	var sink BlockHash
 	op := func() {
-		s, err := p.NewSequence("req", 3, prompt)
+		s, err := p.Admit(SequenceSpec{Owner: "req", Seed: 3, Prompt: prompt})
 		if err != nil || s.Hits() != 255 {
 			b.Fatalf("hits %d: %v", s.Hits(), err)
 		}
-		s.Release()
+		s.Lease().Release()
 	}
 	chain := func() { sink += ChainHashes(3, prompt, bt)[255] }
 	b.ReportAllocs()

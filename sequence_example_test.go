@@ -15,24 +15,24 @@ func ExampleSequence() {
 	seed := kvlease.BlockHash(1) // the model's namespace
 	prompt := []int32{10, 11, 12, 13, 14, 15, 16, 17, 18, 19}
 
-	first, _ := pool.NewSequence("req-1", seed, prompt)
+	first, _ := pool.Admit(kvlease.SequenceSpec{Owner: "req-1", Seed: seed, Prompt: prompt})
 	for first.Computed() < first.Len() { // chunked prefill, 3 tokens a step
 		_ = first.Commit(min(3, first.Len()-first.Computed()))
 	}
 	for t := range int32(6) { // decode: each token's KV written, then handed over
 		_ = first.AppendComputed(100 + t)
 	}
-	fmt.Println("tokens", first.Len(), "blocks", first.Lease().Len(), "sealed", first.Sealed())
-	first.Release()
+	fmt.Println("tokens", first.Len(), "blocks", first.Lease().Len(), "sealed", len(first.BlockHashes()))
+	first.Lease().Release()
 
-	second, _ := pool.NewSequence("req-2", seed, prompt)
+	second, _ := pool.Admit(kvlease.SequenceSpec{Owner: "req-2", Seed: seed, Prompt: prompt})
 	fmt.Println("cached tokens", second.CachedTokens())
 	_ = second.Commit(second.Len() - second.Computed())
 	_ = second.Append(7, 8, 9) // a draft of three tokens
 	_ = second.Commit(1)       // the target model accepted one
 	_ = second.Rollback(2)     // and rejected two
 	fmt.Println("tokens", second.Len(), "computed", second.Computed())
-	second.Release()
+	second.Lease().Release()
 	fmt.Println("leased", pool.Stats().Leased, "check", pool.Check())
 	// Output:
 	// tokens 16 blocks 4 sealed 4
@@ -45,8 +45,8 @@ func ExampleSequence() {
 // and ids of 2³¹ or more keep their value.
 func ExampleTokensInt32() {
 	ids := []uint32{1, 2, 3000000000, 4}
-	h := kvlease.HashTokens(0, ids)
-	fmt.Println(h == kvlease.HashBlock(0, kvlease.TokensInt32(ids)))
+	h := kvlease.HashBlock(0, kvlease.TokensInt32(ids))
+	fmt.Println(h == kvlease.HashBlock(0, []int32{1, 2, -1294967296, 4}))
 	fmt.Println(kvlease.TokensUint32(kvlease.TokensInt32(ids))[2])
 	// Output:
 	// true
@@ -64,9 +64,9 @@ func ExamplePool_TenantSeed() {
 	prompt := []int32{1, 2, 3, 4, 5, 6, 7, 8, 9}
 
 	alice, _ := pool.TenantSeed("alice", salt)
-	s, _ := pool.NewSequence("alice-1", alice, prompt)
+	s, _ := pool.Admit(kvlease.SequenceSpec{Owner: "alice-1", Seed: alice, Prompt: prompt})
 	_ = s.Commit(s.Len())
-	s.Release()
+	s.Lease().Release()
 
 	bob, _ := pool.TenantSeed("bob", salt)
 	fmt.Println("bob's hits", pool.CachedPrefixTokens(bob, prompt))
@@ -76,14 +76,17 @@ func ExamplePool_TenantSeed() {
 	// alice's hits 2
 }
 
-// InUse is what running requests hold, whatever state the blocks count in.
-func ExampleStats_InUse() {
+// Leased plus QuarantinedLeased is what running requests hold, whatever
+// state the blocks count in.
+func ExampleStats() {
 	mem, _ := kvlease.NewHostMemory(8, 64)
 	pool, _ := kvlease.NewPool[[]byte](mem)
 	lease, _ := pool.Acquire("req-1", 3)
-	fmt.Println("in use", pool.Stats().InUse())
+	st := pool.Stats()
+	fmt.Println("in use", st.Leased+st.QuarantinedLeased)
 	lease.Release()
-	fmt.Println("in use", pool.Stats().InUse())
+	st = pool.Stats()
+	fmt.Println("in use", st.Leased+st.QuarantinedLeased)
 	// Output:
 	// in use 3
 	// in use 0
@@ -102,7 +105,7 @@ func ExamplePool_Admit() {
 	s, _ := pool.Admit(kvlease.SequenceSpec{Owner: "req-1", Seed: 1, Prompt: prompt,
 		Extra: withImage("sha256:aaaa"), Adapter: kvlease.Adapter{ID: 1, Name: "sql-lora"}})
 	_ = s.Commit(s.Len())
-	s.Release()
+	s.Lease().Release()
 	evs, _ := pool.DrainKVEvents(nil)
 	for _, ev := range evs {
 		fmt.Println("stored", ev.LoraName, ev.ExtraKeys)
@@ -110,7 +113,7 @@ func ExamplePool_Admit() {
 
 	other, _ := pool.Admit(kvlease.SequenceSpec{Owner: "req-2", Seed: 1, Prompt: prompt, Extra: withImage("sha256:bbbb")})
 	fmt.Println("another image hits", other.Hits(), "block")
-	other.Release()
+	other.Lease().Release()
 	// Output:
 	// stored sql-lora []
 	// stored sql-lora [sha256:aaaa]

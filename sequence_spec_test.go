@@ -17,8 +17,8 @@ func TestSequenceSpecChecked(t *testing.T) {
 	const bt = 4
 	p := seqPool(t, 8, WithBlockTokens(bt))
 	ok := seqTokens(6, 1)
-	long := strings.Repeat("k", MaxExtraKeyBytes+1)
-	many := make([]ExtraKey, MaxExtraKeys+1)
+	long := strings.Repeat("k", maxExtraKeyBytes+1)
+	many := make([]ExtraKey, maxExtraKeys+1)
 	for i := range many {
 		many[i] = ExtraKey{Start: i, End: i + 1, Key: "k"}
 	}
@@ -72,21 +72,15 @@ func TestSequenceSpecChecked(t *testing.T) {
 	if cap(s.Tokens()) != 8*bt {
 		t.Fatalf("reserved %d tokens, want %d", cap(s.Tokens()), 8*bt)
 	}
-	if err := s.Reserve(-1); !errors.Is(err, ErrInvalidArgument) {
-		t.Fatalf("reserve -1: %v", err)
-	}
-	if err := s.Reserve(1 << 50); !errors.Is(err, ErrExceedsCapacity) {
-		t.Fatalf("reserve 1<<50: %v", err)
-	}
-	s.Release()
+	s.Lease().Release()
 	w, err := p.Admit(SequenceSpec{Owner: "w", Prompt: ok, MaxTokens: 1 << 50, Window: 8})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := w.Reserve(math.MaxInt); err != nil || cap(w.Tokens()) != 8*bt {
-		t.Fatalf("window reserve: %v, cap %d", err, cap(w.Tokens()))
+	if cap(w.Tokens()) != 8*bt {
+		t.Fatalf("window reserve: cap %d", cap(w.Tokens()))
 	}
-	w.Release()
+	w.Lease().Release()
 	if err := p.CheckQuiescent(); err != nil {
 		t.Fatal(err)
 	}
@@ -114,7 +108,7 @@ func TestSequenceEmptyExtraRange(t *testing.T) {
 	if err := s.AppendComputed(seqTokens(4, 70)...); err != nil {
 		t.Fatal(err)
 	}
-	s.Release()
+	s.Lease().Release()
 	if err := p.CheckQuiescent(); err != nil {
 		t.Fatal(err)
 	}
@@ -127,9 +121,9 @@ func TestAdmitWith(t *testing.T) {
 	const bt = 4
 	p := seqPool(t, 16, WithBlockTokens(bt))
 	prompt := seqTokens(12, 1) // 3 full blocks: at most 2 may hit
-	warm, _ := p.NewSequence("warm", 1, prompt)
+	warm, _ := p.Admit(SequenceSpec{Owner: "warm", Seed: 1, Prompt: prompt})
 	_ = warm.Commit(warm.Len())
-	warm.Release()
+	warm.Lease().Release()
 
 	var seen []BlockHash
 	s, err := p.AdmitWith(SequenceSpec{Owner: "r", Seed: 1, Prompt: prompt}, func(hashes []BlockHash, n int) (*Lease[[]byte], int, error) {
@@ -142,10 +136,10 @@ func TestAdmitWith(t *testing.T) {
 	if want := ChainHashes(1, prompt, bt)[:2]; !slices.Equal(seen, want) || s.Hits() != 2 || s.Computed() != 8 {
 		t.Fatalf("acquire saw %x (want %x), hits %d computed %d", seen, want, s.Hits(), s.Computed())
 	}
-	if err := s.Commit(4); err != nil || s.Sealed() != 3 {
-		t.Fatalf("commit: %v, sealed %d", err, s.Sealed())
+	if err := s.Commit(4); err != nil || len(s.BlockHashes()) != 3 {
+		t.Fatalf("commit: %v, sealed %d", err, len(s.BlockHashes()))
 	}
-	s.Release()
+	s.Lease().Release()
 
 	other := seqPool(t, 16, WithBlockTokens(bt))
 	var foreign *Lease[[]byte]
@@ -191,7 +185,7 @@ func TestAdmitWith(t *testing.T) {
 // admitted (the pool having room), else the sentinel it is refused with.
 func specModel(spec SequenceSpec, bt, capacity int) error {
 	switch {
-	case spec.Owner == "" || len(spec.Prompt) == 0 || spec.MaxTokens < 0 || spec.Window < 0 || len(spec.Extra) > MaxExtraKeys:
+	case spec.Owner == "" || len(spec.Prompt) == 0 || spec.MaxTokens < 0 || spec.Window < 0 || len(spec.Extra) > maxExtraKeys:
 		return ErrInvalidArgument
 	case spec.Adapter.Name == "" && spec.Adapter.ID != 0:
 		return ErrInvalidArgument
@@ -201,7 +195,7 @@ func specModel(spec SequenceSpec, bt, capacity int) error {
 		return ErrExceedsCapacity
 	}
 	for _, e := range spec.Extra {
-		if e.Start < 0 || e.End < e.Start || len(e.Key) > MaxExtraKeyBytes {
+		if e.Start < 0 || e.End < e.Start || len(e.Key) > maxExtraKeyBytes {
 			return ErrInvalidArgument
 		}
 	}
@@ -227,7 +221,7 @@ func modelHashes(seed BlockHash, tokens []int32, bt int, extra []ExtraKey) []Blo
 	return out
 }
 
-// FuzzSequenceSpec fuzzes the specs Admit and NewSequence take (sizes,
+// FuzzSequenceSpec fuzzes the specs Admit takes (sizes,
 // ranges, adapters, extra keys, windows, reservations) against a small
 // pool and a model of what must be admitted: no spec panics, a refused
 // one wraps the sentinel the model names and holds nothing, an admitted
@@ -293,13 +287,7 @@ func fuzzSpecOnce(t *testing.T, data []byte) {
 			spec.Adapter = Adapter{Name: "named"}
 		}
 		want := specModel(spec, bt, capacity)
-		var s *Sequence[[]byte]
-		var err error
-		if len(spec.Extra) == 0 && spec.MaxTokens == 0 && spec.Window == 0 && spec.Adapter == (Adapter{}) {
-			s, err = p.NewSequence(spec.Owner, spec.Seed, spec.Prompt)
-		} else {
-			s, err = p.Admit(spec)
-		}
+		s, err := p.Admit(spec)
 		if want != nil {
 			if !errors.Is(err, want) || s != nil {
 				t.Fatalf("spec %+v: %v, want %v", spec, err, want)
@@ -312,18 +300,6 @@ func fuzzSpecOnce(t *testing.T, data []byte) {
 				t.Fatalf("spec %+v: %v", spec, err)
 			}
 			continue
-		}
-		if r := size(); r >= 0 {
-			err := s.Reserve(r)
-			if r > capacity*bt && spec.Window == 0 {
-				if !errors.Is(err, ErrExceedsCapacity) {
-					t.Fatalf("reserve %d: %v", r, err)
-				}
-			} else if err != nil {
-				t.Fatalf("reserve %d: %v", r, err)
-			}
-		} else if err := s.Reserve(r); !errors.Is(err, ErrInvalidArgument) {
-			t.Fatalf("reserve %d: %v", r, err)
 		}
 		// Drive it: prefill, then a few decoded tokens.
 		if err := s.Commit(s.Len() - s.Computed()); err != nil {
@@ -341,7 +317,7 @@ func fuzzSpecOnce(t *testing.T, data []byte) {
 			t.Fatalf("spec %+v: hashes %x, want %x", spec, s.BlockHashes(), want)
 		}
 		if in.u8()%2 == 0 {
-			s.Release()
+			s.Lease().Release()
 		} else {
 			live = append(live, s)
 		}
@@ -350,7 +326,7 @@ func fuzzSpecOnce(t *testing.T, data []byte) {
 		t.Fatal(err)
 	}
 	for _, s := range live {
-		s.Abort(nil)
+		s.Lease().Abort(nil)
 	}
 	if err := p.CheckQuiescent(); err != nil {
 		t.Fatal(err)
@@ -376,7 +352,7 @@ func TestSequenceSpecRandom(t *testing.T) {
 func TestSequenceOnboarded(t *testing.T) {
 	p := seqPool(t, 16, WithBlockTokens(4))
 	prompt := seqTokens(14, 1) // 3 blocks may hit
-	s, err := p.NewSequence("a", 1, prompt)
+	s, err := p.Admit(SequenceSpec{Owner: "a", Seed: 1, Prompt: prompt})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -385,8 +361,8 @@ func TestSequenceOnboarded(t *testing.T) {
 			t.Fatalf("onboarded %d: %v", n, err)
 		}
 	}
-	if err := s.Onboarded(2); err != nil || s.Hits() != 2 || s.CachedTokens() != 8 || s.Computed() != 8 || s.Sealed() != 2 {
-		t.Fatalf("onboarded 2: %v, hits %d computed %d sealed %d", err, s.Hits(), s.Computed(), s.Sealed())
+	if err := s.Onboarded(2); err != nil || s.Hits() != 2 || s.CachedTokens() != 8 || s.Computed() != 8 || len(s.BlockHashes()) != 2 {
+		t.Fatalf("onboarded 2: %v, hits %d computed %d sealed %d", err, s.Hits(), s.Computed(), len(s.BlockHashes()))
 	}
 	if err := s.Commit(1); err != nil {
 		t.Fatal(err)
@@ -400,7 +376,7 @@ func TestSequenceOnboarded(t *testing.T) {
 	if want := ChainHashes(1, prompt, 4); !slices.Equal(s.BlockHashes(), want) {
 		t.Fatalf("hashes %x, want %x", s.BlockHashes(), want)
 	}
-	s.Release()
+	s.Lease().Release()
 	if err := p.CheckQuiescent(); err != nil {
 		t.Fatal(err)
 	}

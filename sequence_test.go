@@ -36,7 +36,7 @@ func TestSequenceLifecycle(t *testing.T) {
 	p := seqPool(t, 64, WithBlockTokens(bt))
 	seed := BlockHash(7)
 	prompt := seqTokens(50, 100)
-	s, err := p.NewSequence("a", seed, prompt)
+	s, err := p.Admit(SequenceSpec{Owner: "a", Seed: seed, Prompt: prompt})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -46,38 +46,38 @@ func TestSequenceLifecycle(t *testing.T) {
 	if err := s.Commit(50); err != nil {
 		t.Fatal(err)
 	}
-	if s.Sealed() != 3 {
-		t.Fatalf("sealed %d after prefill, want 3", s.Sealed())
+	if len(s.BlockHashes()) != 3 {
+		t.Fatalf("sealed %d after prefill, want 3", len(s.BlockHashes()))
 	}
 	for i := range 30 {
 		if err := s.AppendComputed(int32(9000 + i)); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if s.Len() != 80 || s.Lease().Len() != 5 || s.Blocks() != 5 || s.Sealed() != 5 {
-		t.Fatalf("len %d blocks %d sealed %d, want 80 5 5", s.Len(), s.Lease().Len(), s.Sealed())
+	if s.Len() != 80 || s.Lease().Len() != 5 || s.Lease().Len() != 5 || len(s.BlockHashes()) != 5 {
+		t.Fatalf("len %d blocks %d sealed %d, want 80 5 5", s.Len(), s.Lease().Len(), len(s.BlockHashes()))
 	}
 	want := ChainHashes(seed, s.Tokens(), bt)
 	if !slices.Equal(s.BlockHashes(), want) {
 		t.Fatalf("hashes %x, want %x", s.BlockHashes(), want)
 	}
-	if s.Parent() != want[4] {
-		t.Fatalf("parent %x, want %x", s.Parent(), want[4])
+	if s.parent() != want[4] {
+		t.Fatalf("parent %x, want %x", s.parent(), want[4])
 	}
-	s.Release()
+	s.Lease().Release()
 	checkPool(t, p)
 
 	// Same prompt: 3 full blocks, the last token's block is not a hit.
-	s2, err := p.NewSequence("b", seed, prompt)
+	s2, err := p.Admit(SequenceSpec{Owner: "b", Seed: seed, Prompt: prompt})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if s2.Hits() != 3 || s2.CachedTokens() != 48 || s2.Computed() != 48 {
 		t.Fatalf("hits %d cached %d computed %d, want 3 48 48", s2.Hits(), s2.CachedTokens(), s2.Computed())
 	}
-	s2.Release()
+	s2.Lease().Release()
 	// A prompt of exactly 48 tokens: its third block holds the last token.
-	s3, err := p.NewSequence("c", seed, prompt[:48])
+	s3, err := p.Admit(SequenceSpec{Owner: "c", Seed: seed, Prompt: prompt[:48]})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -87,16 +87,16 @@ func TestSequenceLifecycle(t *testing.T) {
 	if err := s3.Commit(s3.Len() - s3.Computed()); err != nil {
 		t.Fatal(err)
 	}
-	s3.Release()
+	s3.Lease().Release()
 	// Another seed shares nothing.
-	s4, err := p.NewSequence("d", seed+1, prompt)
+	s4, err := p.Admit(SequenceSpec{Owner: "d", Seed: seed + 1, Prompt: prompt})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if s4.Hits() != 0 {
 		t.Fatalf("other seed: hits %d", s4.Hits())
 	}
-	s4.Release()
+	s4.Lease().Release()
 	checkPool(t, p)
 	if st := p.Stats(); st.Leased != 0 || st.OpenLeases != 0 {
 		t.Fatalf("left leased: %+v", st)
@@ -109,7 +109,7 @@ func TestSequenceChunkedSpeculative(t *testing.T) {
 	const bt = 8
 	p := seqPool(t, 64, WithBlockTokens(bt))
 	prompt := seqTokens(37, 1)
-	s, err := p.NewSequence("a", 1, prompt)
+	s, err := p.Admit(SequenceSpec{Owner: "a", Seed: 1, Prompt: prompt})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -143,12 +143,12 @@ func TestSequenceChunkedSpeculative(t *testing.T) {
 	}
 	// Uncommitted tokens never seal: append a full block's worth, commit
 	// nothing, roll it back.
-	sealed := s.Sealed()
+	sealed := len(s.BlockHashes())
 	if err := s.Append(seqTokens(2*bt, 7000)...); err != nil {
 		t.Fatal(err)
 	}
-	if s.Sealed() != sealed {
-		t.Fatalf("append sealed blocks: %d -> %d", sealed, s.Sealed())
+	if len(s.BlockHashes()) != sealed {
+		t.Fatalf("append sealed blocks: %d -> %d", sealed, len(s.BlockHashes()))
 	}
 	if err := s.Rollback(2 * bt); err != nil {
 		t.Fatal(err)
@@ -162,27 +162,27 @@ func TestSequenceChunkedSpeculative(t *testing.T) {
 	if err := s.Commit(-1); !errors.Is(err, ErrInvalidArgument) {
 		t.Fatalf("negative commit: %v", err)
 	}
-	s.Release()
+	s.Lease().Release()
 	checkPool(t, p)
 }
 
 func TestSequenceErrors(t *testing.T) {
 	plain := seqPool(t, 4)
-	if _, err := plain.NewSequence("a", 0, seqTokens(4, 0)); !errors.Is(err, ErrInvalidArgument) {
+	if _, err := plain.Admit(SequenceSpec{Owner: "a", Prompt: seqTokens(4, 0)}); !errors.Is(err, ErrInvalidArgument) {
 		t.Fatalf("no block size: %v", err)
 	}
 	p := seqPool(t, 4, WithBlockTokens(4))
-	if _, err := p.NewSequence("a", 0, nil); !errors.Is(err, ErrInvalidArgument) {
+	if _, err := p.Admit(SequenceSpec{Owner: "a", Prompt: nil}); !errors.Is(err, ErrInvalidArgument) {
 		t.Fatalf("empty prompt: %v", err)
 	}
-	if _, err := p.NewSequence("", 0, seqTokens(4, 0)); !errors.Is(err, ErrInvalidArgument) {
+	if _, err := p.Admit(SequenceSpec{Owner: "", Prompt: seqTokens(4, 0)}); !errors.Is(err, ErrInvalidArgument) {
 		t.Fatalf("empty owner: %v", err)
 	}
-	if _, err := p.NewSequence("a", 0, seqTokens(17, 0)); !errors.Is(err, ErrExceedsCapacity) {
+	if _, err := p.Admit(SequenceSpec{Owner: "a", Prompt: seqTokens(17, 0)}); !errors.Is(err, ErrExceedsCapacity) {
 		t.Fatalf("prompt over capacity: %v", err)
 	}
 	// Growth refused: nothing appended, the request can be preempted.
-	s, err := p.NewSequence("a", 0, seqTokens(12, 0))
+	s, err := p.Admit(SequenceSpec{Owner: "a", Prompt: seqTokens(12, 0)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -230,7 +230,7 @@ func TestSequenceErrors(t *testing.T) {
 	if err := s.Rollback(0); err != nil {
 		t.Fatal(err)
 	}
-	s.Release() // idempotent after Abort
+	s.Lease().Release() // idempotent after Abort
 	checkPool(t, p)
 	if st := p.Stats(); st.Leased != 0 {
 		t.Fatalf("leased %d after abort", st.Leased)
@@ -241,16 +241,16 @@ func TestSequenceErrors(t *testing.T) {
 // aborted lease fails with ErrLeaseClosed and leaves Computed unchanged.
 func TestSequenceSealAfterAbort(t *testing.T) {
 	p := seqPool(t, 8, WithBlockTokens(4))
-	s, err := p.NewSequence("a", 0, seqTokens(6, 0))
+	s, err := p.Admit(SequenceSpec{Owner: "a", Prompt: seqTokens(6, 0)})
 	if err != nil {
 		t.Fatal(err)
 	}
-	s.Abort(nil)
+	s.Lease().Abort(nil)
 	if err := s.Commit(6); !errors.Is(err, ErrLeaseClosed) {
 		t.Fatalf("commit sealing after abort: %v", err)
 	}
-	if s.Computed() != 0 || s.Sealed() != 0 {
-		t.Fatalf("computed %d sealed %d after a failed commit", s.Computed(), s.Sealed())
+	if s.Computed() != 0 || len(s.BlockHashes()) != 0 {
+		t.Fatalf("computed %d sealed %d after a failed commit", s.Computed(), len(s.BlockHashes()))
 	}
 	checkPool(t, p)
 }
@@ -260,22 +260,22 @@ func TestSequenceSealAfterAbort(t *testing.T) {
 func TestSequenceVerified(t *testing.T) {
 	p := seqPool(t, 32, WithVerifiedPrefix(4))
 	prompt := seqTokens(17, 3)
-	s, err := p.NewSequence("a", 9, prompt)
+	s, err := p.Admit(SequenceSpec{Owner: "a", Seed: 9, Prompt: prompt})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if err := s.Commit(17); err != nil {
 		t.Fatal(err)
 	}
-	s.Release()
-	s2, err := p.NewSequence("b", 9, prompt)
+	s.Lease().Release()
+	s2, err := p.Admit(SequenceSpec{Owner: "b", Seed: 9, Prompt: prompt})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if s2.Hits() != 4 {
 		t.Fatalf("verified hits %d, want 4", s2.Hits())
 	}
-	s2.Release()
+	s2.Lease().Release()
 	if st := p.Stats(); st.VerifyMismatches != 0 {
 		t.Fatalf("mismatches %d", st.VerifyMismatches)
 	}
@@ -287,7 +287,7 @@ func TestSequenceVerified(t *testing.T) {
 func TestSequenceEvents(t *testing.T) {
 	const bt = 4
 	p := seqPool(t, 32, WithBlockTokens(bt), WithKVEvents(64))
-	s, err := p.NewSequence("a", 5, seqTokens(9, 0))
+	s, err := p.Admit(SequenceSpec{Owner: "a", Seed: 5, Prompt: seqTokens(9, 0)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -313,7 +313,7 @@ func TestSequenceEvents(t *testing.T) {
 			t.Fatalf("event %d parent %x has %v", k, ev.ParentBlockHash, ev.HasParent)
 		}
 	}
-	s.Release()
+	s.Lease().Release()
 }
 
 // TestSequenceConcurrentAbort races request goroutines' aborts against the
@@ -325,7 +325,7 @@ func TestSequenceConcurrentAbort(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			s, err := p.NewSequence("r", BlockHash(r%3), seqTokens(10, int32(r%2)))
+			s, err := p.Admit(SequenceSpec{Owner: "r", Seed: BlockHash(r % 3), Prompt: seqTokens(10, int32(r%2))})
 			if err != nil {
 				t.Error(err)
 				return
@@ -344,7 +344,7 @@ func TestSequenceConcurrentAbort(t *testing.T) {
 				}
 			}
 			<-aborted
-			s.Release()
+			s.Lease().Release()
 		}()
 	}
 	wg.Wait()
@@ -368,7 +368,7 @@ func FuzzSequence(f *testing.F) {
 		p := seqPool(t, 64, WithBlockTokens(bt))
 		rng := rand.New(rand.NewPCG(seed, 1))
 		prompt := seqTokens(1+rng.IntN(20), int32(rng.IntN(3)))
-		warm, err := p.NewSequence("w", 1, prompt)
+		warm, err := p.Admit(SequenceSpec{Owner: "w", Seed: 1, Prompt: prompt})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -376,8 +376,8 @@ func FuzzSequence(f *testing.F) {
 		if err := warm.Commit(warm.Len() - warm.Computed()); err != nil {
 			t.Fatal(err)
 		}
-		warm.Release()
-		s, err := p.NewSequence("s", 1, prompt)
+		warm.Lease().Release()
+		s, err := p.Admit(SequenceSpec{Owner: "s", Seed: 1, Prompt: prompt})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -427,14 +427,14 @@ func FuzzSequence(f *testing.F) {
 				}
 				model = model[:len(model)-n]
 			}
-			if !slices.Equal(s.Tokens(), model) || s.Computed() != computed || s.Sealed() != computed/bt {
-				t.Fatalf("sequence %v/%d/%d, model %v/%d", s.Tokens(), s.Computed(), s.Sealed(), model, computed)
+			if !slices.Equal(s.Tokens(), model) || s.Computed() != computed || len(s.BlockHashes()) != computed/bt {
+				t.Fatalf("sequence %v/%d/%d, model %v/%d", s.Tokens(), s.Computed(), len(s.BlockHashes()), model, computed)
 			}
 		}
 		if want := ChainHashes(1, model[:computed], bt); !slices.Equal(s.BlockHashes(), want) {
 			t.Fatalf("hashes %x, want %x", s.BlockHashes(), want)
 		}
-		s.Release()
+		s.Lease().Release()
 		if err := p.Check(); err != nil {
 			t.Fatal(err)
 		}

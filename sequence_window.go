@@ -64,7 +64,10 @@ func (c *core) windowHit(hashes []BlockHash, v *verifier, bt, window int) (hit, 
 		if pos := p * bt; pos > window {
 			ws = (pos - window) / bt
 		}
-		k := c.probe(hashes[ws:p], v.from(ws))
+		k, mismatch := c.probe(hashes[ws:p], v.from(ws))
+		if mismatch {
+			c.stats.verifyMismatches++ // an admission's lookup
+		}
 		if k == p-ws {
 			return p, ws
 		}

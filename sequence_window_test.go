@@ -19,8 +19,8 @@ func TestSequenceWindow(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if s.Base() != 0 || s.Blocks() != 5 || s.Hits() != 0 {
-		t.Fatalf("base %d blocks %d hits %d", s.Base(), s.Blocks(), s.Hits())
+	if s.Base() != 0 || s.Lease().Len() != 5 || s.Hits() != 0 {
+		t.Fatalf("base %d blocks %d hits %d", s.Base(), s.Lease().Len(), s.Hits())
 	}
 	// Computed 5: the next token attends to tokens 0..4 (block 0 on);
 	// 12: to 4..11 (block 1 on); 16: block 2 on; 20: to 12..19 (block 3
@@ -38,8 +38,8 @@ func TestSequenceWindow(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if got, want := s.Lease().Trimmed(), (30-window)/bt; got != want || s.Blocks() != 8 {
-		t.Fatalf("after decode: trimmed %d, want %d; blocks %d", got, want, s.Blocks())
+	if got, want := s.Lease().Trimmed(), (30-window)/bt; got != want || s.Lease().Len() != 8 {
+		t.Fatalf("after decode: trimmed %d, want %d; blocks %d", got, want, s.Lease().Len())
 	}
 	if want := ChainHashes(3, s.Tokens(), bt); !slices.Equal(s.BlockHashes(), want) {
 		t.Fatalf("hashes %x, want %x", s.BlockHashes(), want)
@@ -47,7 +47,7 @@ func TestSequenceWindow(t *testing.T) {
 	if st := p.Stats(); st.Leased != 3 || st.Cached != 5 {
 		t.Fatalf("a window of 3 blocks held, the trimmed 5 cached: %+v", st)
 	}
-	s.Release()
+	s.Lease().Release()
 
 	// Evict the blocks trimmed first (0 and 1: the LRU's oldest): one
 	// block is free, the others cached.
@@ -65,16 +65,16 @@ func TestSequenceWindow(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if w.Hits() != 4 || w.Base() != 2 || w.Blocks() != 3 || w.CachedTokens() != 16 || w.Computed() != 16 {
-		t.Fatalf("window hits %d base %d blocks %d cached %d computed %d", w.Hits(), w.Base(), w.Blocks(), w.CachedTokens(), w.Computed())
+	if w.Hits() != 4 || w.Base() != 2 || w.Lease().Len() != 3 || w.CachedTokens() != 16 || w.Computed() != 16 {
+		t.Fatalf("window hits %d base %d blocks %d cached %d computed %d", w.Hits(), w.Base(), w.Lease().Len(), w.CachedTokens(), w.Computed())
 	}
 	for i := range 2 {
 		if ref := w.Lease().Ref(i); ref.ID != mustFind(t, p, hashes[2+i]) {
 			t.Fatalf("lease index %d is not block %d's hit", i, 2+i)
 		}
 	}
-	if err := w.Commit(4); err != nil || w.Sealed() != 5 {
-		t.Fatalf("commit: %v, sealed %d", err, w.Sealed())
+	if err := w.Commit(4); err != nil || len(w.BlockHashes()) != 5 {
+		t.Fatalf("commit: %v, sealed %d", err, len(w.BlockHashes()))
 	}
 	if w.Lease().Trimmed() != 1 { // next token 20 attends to 12..19: block 3 on
 		t.Fatalf("trimmed %d", w.Lease().Trimmed())
@@ -82,7 +82,7 @@ func TestSequenceWindow(t *testing.T) {
 	if want := ChainHashes(3, prompt, bt); !slices.Equal(w.BlockHashes(), want) {
 		t.Fatalf("hashes %x", w.BlockHashes())
 	}
-	w.Release()
+	w.Lease().Release()
 	if err := p.CheckQuiescent(); err != nil {
 		t.Fatal(err)
 	}
@@ -161,7 +161,7 @@ func TestSequenceWindowVerified(t *testing.T) {
 		if err := s.Commit(s.Len()); err != nil {
 			t.Fatal(err)
 		}
-		s.Release()
+		s.Lease().Release()
 		w, err := p.Admit(SequenceSpec{Owner: "b", Seed: 1, Prompt: prompt, Extra: extra, Window: window})
 		if err != nil {
 			t.Fatal(err)
@@ -169,7 +169,7 @@ func TestSequenceWindowVerified(t *testing.T) {
 		if w.Hits() != 6 || w.Base() != 4 {
 			t.Fatalf("image %v: verified window hits %d base %d, want 6 4", img, w.Hits(), w.Base())
 		}
-		w.Release()
+		w.Lease().Release()
 		// Another image over the same tokens: its blocks and every block
 		// after differ, so at most the blocks before the image hit.
 		other := img
@@ -181,7 +181,7 @@ func TestSequenceWindowVerified(t *testing.T) {
 		if o.Hits() > img.Start/bt {
 			t.Fatalf("image %v: another image hits %d blocks", img, o.Hits())
 		}
-		o.Release()
+		o.Lease().Release()
 		if st := p.Stats(); st.VerifyMismatches != 0 {
 			t.Fatalf("image %v: mismatches %d", img, st.VerifyMismatches)
 		}

@@ -42,12 +42,7 @@ func ref(r slots.Ref) BlockRef { return BlockRef{ID: BlockID(r.ID), Gen: r.Gen} 
 
 func (c *core) available() int { return c.tab.Available() }
 
-// A fill of dst with fresh blocks (the caller checked available() ≥
-// len(dst)) is c.tab.Fill(refs(dst)), then fillEvict(dst, 0, ev) if
-// that refused; Acquire and the prefix path write it in line (a call
-// less per cycle).
-
-// fillEvict is a fill when the free stack is short, for tenant tn (0:
+// fillEvict is fill when the free stack is short, for tenant tn (0:
 // none; see quota.go): block by block, evicting.
 // Kept out of line: inlined into acquire, it cost every cycle spills.
 //

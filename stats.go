@@ -26,7 +26,7 @@ type Stats struct {
 	// ever be free while the current quarantine lasts. A request for more
 	// (an acquire of more than Usable) fails with ErrQuarantineBound; an
 	// admission check (an envelope's pool size) should be asked against
-	// Usable, not Capacity. Pool.Usable returns it alone.
+	// Usable, not Capacity.
 	Usable int
 
 	Waiters    int    // AcquireWait callers queued now
@@ -152,9 +152,3 @@ func (p *Pool[R]) Stats() Stats {
 		LeakedLeases:            c.leaked.Load(),
 	}
 }
-
-// InUse returns the blocks running requests hold: Leased plus the
-// QuarantinedLeased blocks an open lease still uses (they count as
-// Quarantined). It is the number an engine compares with its budget;
-// Capacity-InUse is not what it may acquire (see Pool.Available).
-func (s Stats) InUse() int { return s.Leased + s.QuarantinedLeased }

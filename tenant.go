@@ -48,7 +48,7 @@ func WithTenantKey(key []byte) Option {
 // TenantSeed returns the seed of tenant's namespace for a public salt (a
 // model, an adapter, a cache_salt): HMAC-SHA256 under the tenant's secret
 // of the salt's 8 little-endian bytes, its first 8 bytes read little-endian.
-// Pass it where a seed goes (NewSequence, AcquirePrefixTokens,
+// Pass it where a seed goes (Admit, AcquirePrefixTokens,
 // ChainHashes). The same tenant and salt always give the same seed;
 // another tenant with the same salt gets an unrelated one, so its
 // prompts never hit this tenant's blocks. It needs WithTenantKey and a

@@ -18,14 +18,14 @@ func TestTenantIsolation(t *testing.T) {
 		t.Fatal(err)
 	}
 	prompt := seqTokens(21, 1)
-	s, err := p.NewSequence("a1", a, prompt)
+	s, err := p.Admit(SequenceSpec{Owner: "a1", Seed: a, Prompt: prompt})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if err := s.Commit(s.Len()); err != nil {
 		t.Fatal(err)
 	}
-	s.Release()
+	s.Lease().Release()
 
 	b, err := p.TenantSeed("bob", salt)
 	if err != nil {
@@ -40,23 +40,23 @@ func TestTenantIsolation(t *testing.T) {
 	if n := p.CachedPrefixTokens(salt, prompt); n != 0 {
 		t.Fatalf("the bare salt sees %d blocks", n)
 	}
-	sb, err := p.NewSequence("b1", b, prompt)
+	sb, err := p.Admit(SequenceSpec{Owner: "b1", Seed: b, Prompt: prompt})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if sb.Hits() != 0 {
 		t.Fatalf("bob hit %d of alice's blocks", sb.Hits())
 	}
-	sb.Release()
+	sb.Lease().Release()
 	a2, _ := p.TenantSeed("alice", salt)
-	s2, err := p.NewSequence("a2", a2, prompt)
+	s2, err := p.Admit(SequenceSpec{Owner: "a2", Seed: a2, Prompt: prompt})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if s2.Hits() != 5 {
 		t.Fatalf("alice's second request: %d hits, want 5", s2.Hits())
 	}
-	s2.Release()
+	s2.Lease().Release()
 
 	// Another pool with another key: other seeds for the same tenant.
 	q := seqPool(t, 4, WithTenantKey(bytes.Repeat([]byte{1}, 16)))
@@ -99,7 +99,7 @@ func TestTenantErrors(t *testing.T) {
 	if x != y {
 		t.Fatal("the option kept the caller's slice")
 	}
-	if s := opt.String(); bytes.Contains([]byte(s), []byte{0x5a}) || s != "WithTenantKey(32 bytes)" {
+	if s := opt.string(); bytes.Contains([]byte(s), []byte{0x5a}) || s != "WithTenantKey(32 bytes)" {
 		t.Fatalf("option string %q", s)
 	}
 }

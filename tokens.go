@@ -6,8 +6,7 @@ import "unsafe"
 // package's own) or uint32 (most Go tokenizers, llm-d). Both are hashed as
 // the same 4 little-endian bytes, so a token id hashes the same whichever
 // type carries it: uint32 id 3000000000 and int32 id -1294967296 are one
-// token, and HashTokens over []uint32 equals HashBlock over the same bits
-// as []int32.
+// token: HashBlock over TokensInt32 of a []uint32 hashes the same bits.
 type Token interface {
 	~int32 | ~uint32
 }
@@ -15,7 +14,7 @@ type Token interface {
 // TokensInt32 returns tokens as []int32 without copying: the same memory,
 // read as int32 (ids ≥ 2³¹ read as negative numbers, the same 4 bytes).
 // Pass the result wherever the package takes []int32 (SealTokens,
-// AcquirePrefixTokens, NewSequence); KV events carry the bits unchanged
+// AcquirePrefixTokens, Admit); KV events carry the bits unchanged
 // and the events package encodes them as the unsigned ids they are. The
 // two slices alias: a write through one is seen through the other.
 func TokensInt32[T Token](tokens []T) []int32 {
@@ -33,16 +32,4 @@ func TokensUint32[T Token](tokens []T) []uint32 {
 		return nil
 	}
 	return unsafe.Slice((*uint32)(unsafe.Pointer(unsafe.SliceData(tokens))), len(tokens))
-}
-
-// HashTokens is HashBlock for tokens of any Token type: the same function
-// of the same token values, without a copy.
-func HashTokens[T Token](parent BlockHash, tokens []T) BlockHash {
-	return hashInto(parent, TokensInt32(tokens))
-}
-
-// ChainTokens is ChainHashes for tokens of any Token type: the same
-// hashes for the same token values, without a copy of the tokens.
-func ChainTokens[T Token](seed BlockHash, tokens []T, blockTokens int) []BlockHash {
-	return ChainHashes(seed, TokensInt32(tokens), blockTokens)
 }

@@ -231,14 +231,3 @@ func (c *core) serveSlow(ev *outbox) {
 	}
 	c.compactWaiters()
 }
-
-// Usable returns capacity minus quarantined blocks: the most blocks that
-// could ever be free while the current quarantine lasts (Stats.Usable).
-// Ask admission questions (does a maximum-context request fit this
-// pool?) against it rather than Capacity.
-func (p *Pool[R]) Usable() int {
-	c := &p.core
-	c.mu.Lock()
-	defer c.unlock()
-	return c.usable()
-}

@@ -39,7 +39,7 @@ func TestQuarantineBoundAndStats(t *testing.T) {
 	require.Equal(t, 1, st.QuarantinedLeased, "the open lease still uses its block")
 	require.Equal(t, 0, st.Leased, "one state per block: it counts as Quarantined")
 	require.Equal(t, 6, st.Usable)
-	require.Equal(t, 6, p.Usable())
+	require.Equal(t, 6, p.Stats().Usable)
 
 	_, err := p.Acquire("max", 8)
 	require.ErrorIs(t, err, ErrQuarantineBound)

@@ -262,7 +262,7 @@ func CheckLease(l *kvlease.Lease[[]byte], req uint64) error {
 // StampLeaseIO is StampLease for any region type, through bio: each
 // marker is built in a host buffer and written with bio.Write.
 func StampLeaseIO[R any](l *kvlease.Lease[R], bio BlockIO[R], req uint64) error {
-	buf := make([]byte, l.Pool().BlockBytes())
+	buf := make([]byte, l.Pool().Memory().BlockBytes())
 	for i := range l.Len() {
 		r, err := l.Region(i)
 		if err != nil {
@@ -279,7 +279,7 @@ func StampLeaseIO[R any](l *kvlease.Lease[R], bio BlockIO[R], req uint64) error 
 // CheckLeaseIO is CheckLease for any region type, through bio: each block
 // is read back into a host buffer with bio.Read and checked there.
 func CheckLeaseIO[R any](l *kvlease.Lease[R], bio BlockIO[R], req uint64) error {
-	buf := make([]byte, l.Pool().BlockBytes())
+	buf := make([]byte, l.Pool().Memory().BlockBytes())
 	var errs []error
 	for i := range l.Len() {
 		r, err := l.ReadRegion(i)

@@ -7,11 +7,12 @@ import (
 	"math/rand/v2"
 	"os"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/tiers"
+
+	"go.uber.org/atomic"
 )
 
 // tiersRun is one run's state. D is the device pool's region: []byte in

@@ -37,12 +37,10 @@ func (r *tiersRun[D]) drainEvents() {
 		view := r.views[t]
 		if dropped > 0 {
 			r.rep.EventDrops += int(dropped)
-			_, hashes := src.Pool.(interface {
-				SnapshotKVCache() (uint64, []kvlease.BlockHash)
-			}).SnapshotKVCache()
+			_, snap := src.Pool.SnapshotKVBlocks(nil)
 			clear(view)
-			for _, h := range hashes {
-				view[h] = true
+			for _, e := range snap {
+				view[e.BlockHash] = true
 			}
 			continue
 		}
@@ -75,15 +73,13 @@ func (r *tiersRun[D]) drainEvents() {
 // actually serve (at rest: nothing changes meanwhile).
 func (r *tiersRun[D]) checkViews() {
 	for t, src := range r.cache.EventSources() {
-		_, hashes := src.Pool.(interface {
-			SnapshotKVCache() (uint64, []kvlease.BlockHash)
-		}).SnapshotKVCache()
-		if len(hashes) != len(r.views[t]) {
-			r.violate(&r.rep.Other, "%s events say %d blocks are findable, the pool has %d", src.Medium, len(r.views[t]), len(hashes))
+		_, snap := src.Pool.SnapshotKVBlocks(nil)
+		if len(snap) != len(r.views[t]) {
+			r.violate(&r.rep.Other, "%s events say %d blocks are findable, the pool has %d", src.Medium, len(r.views[t]), len(snap))
 			continue
 		}
-		for _, h := range hashes {
-			if !r.views[t][h] {
+		for _, e := range snap {
+			if h := e.BlockHash; !r.views[t][h] {
 				r.violate(&r.rep.Other, "%s pool serves %016x, its events never stored it", src.Medium, uint64(h))
 				break
 			}

@@ -6,10 +6,11 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync/atomic"
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/tiers"
+
+	"go.uber.org/atomic"
 )
 
 var (

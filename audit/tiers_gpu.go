@@ -2,10 +2,11 @@ package audit
 
 import (
 	"errors"
-	"sync/atomic"
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/gpu"
+
+	"go.uber.org/atomic"
 )
 
 // runTiersGPU is RunTiers on cfg.GPU: device and pinned arenas, two

@@ -3,7 +3,7 @@ package audit
 import (
 	"errors"
 	"fmt"
-	"sync/atomic"
+	"go.uber.org/atomic"
 	"time"
 
 	"github.com/kvlease/kvlease"

@@ -117,7 +117,8 @@ func runFlood(tb testing.TB, cfg floodConfig, flood, quotas bool) floodRow {
 	if st.Leased+st.Draining+st.Quarantined != 0 {
 		tb.Fatalf("the pool ends holding %+v", st)
 	}
-	return floodRow{b: tbn.Stats(), a: ta.Stats(), evictions: st.Evictions, exhausted: res.Exhausted,
+	lines := al.Pool.TenantStats(nil) // a, b, then no tenant
+	return floodRow{b: lines[1], a: lines[0], evictions: st.Evictions, exhausted: res.Exhausted,
 		wallMillis: float64(res.Wall.Microseconds()) / 1000}
 }
 

@@ -28,7 +28,7 @@ func goldenEvents(t *testing.T) []kvlease.KVEvent {
 	if err != nil {
 		t.Fatal(err)
 	}
-	h1, err := l.SealExtra(1, h0, []int32{3, 4}, []string{"img:1"})
+	h1, err := l.SealTokens(1, h0, []int32{3, 4}, []string{"img:1"}...)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -5,10 +5,10 @@ import (
 	"math"
 	"slices"
 	"sort"
-	"sync/atomic"
 	"unsafe"
 
 	"github.com/kvlease/kvlease"
+	"go.uber.org/atomic"
 )
 
 // Alignment is the alignment, in bytes, of every block of every arena, and

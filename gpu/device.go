@@ -5,9 +5,9 @@ import (
 	"os"
 	"strings"
 	"sync"
-	"sync/atomic"
 
 	"github.com/kvlease/kvlease"
+	"go.uber.org/atomic"
 )
 
 // DriverLibraryEnv names the environment variable that overrides the

@@ -16,9 +16,10 @@ import (
 	"errors"
 	"fmt"
 	"sync"
-	"sync/atomic"
 	"time"
 	"unsafe"
+
+	"go.uber.org/atomic"
 )
 
 // cudaDriver is one loaded driver library with its entry points.

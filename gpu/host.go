@@ -4,11 +4,11 @@ import (
 	"fmt"
 	"sort"
 	"sync"
-	"sync/atomic"
 	"time"
 	"unsafe"
 
 	"github.com/kvlease/kvlease"
+	"go.uber.org/atomic"
 )
 
 // The CPU fallback: device memory is host memory behind an address space

@@ -2,7 +2,7 @@ package gpu
 
 import (
 	"fmt"
-	"sync/atomic"
+	"go.uber.org/atomic"
 	"time"
 )
 

@@ -1,7 +1,7 @@
 package gpu
 
 import (
-	"sync/atomic"
+	"go.uber.org/atomic"
 	"unsafe"
 )
 

@@ -145,7 +145,7 @@ func (c *Coordinator[R]) Align() int { return c.align }
 
 // Hashes returns each group's chain hashes of tokens (full blocks only,
 // kvlease.ChainHashes with the group's block size), the hashes Acquire
-// takes. (A pool with its own Hasher hashes with kvlease.Pool.HashBlocks
+// takes. (A pool with its own Hasher hashes with that Hasher
 // instead.)
 func (c *Coordinator[R]) Hashes(seed kvlease.BlockHash, tokens []int32) [][]kvlease.BlockHash {
 	out := make([][]kvlease.BlockHash, len(c.groups))
@@ -286,9 +286,9 @@ func (c *Coordinator[R]) Acquire(owner string, hashes [][]kvlease.BlockHash, tok
 		return nil, 0, fmt.Errorf("groups: acquire %q: hashes for %d groups, have %d: %w", owner, len(hashes), len(c.groups), ErrInvalidArgument)
 	}
 	for g, gr := range c.groups {
-		if n := blocksFor(tokens, gr.BlockTokens); !gr.Sliding() && n > gr.Pool.Capacity() {
+		if n := blocksFor(tokens, gr.BlockTokens); !gr.Sliding() && n > gr.Pool.Memory().Blocks() {
 			return nil, 0, fmt.Errorf("groups: acquire %q: %d tokens need %d blocks of group %d (%s), its pool has %d: %w",
-				owner, tokens, n, g, gr.Name, gr.Pool.Capacity(), kvlease.ErrExceedsCapacity)
+				owner, tokens, n, g, gr.Name, gr.Pool.Memory().Blocks(), kvlease.ErrExceedsCapacity)
 		}
 	}
 	c.mu.Lock()
@@ -434,9 +434,9 @@ func (r *Request[R]) Grow(tokens int) error {
 		need[g] = blocksFor(tokens, gr.BlockTokens) - r.base[g] - l.Len()
 		if need[g] > 0 {
 			if avail := gr.Pool.Available(); avail < need[g] {
-				if held := l.Len() - l.Trimmed(); need[g] > gr.Pool.Capacity()-held {
+				if held := l.Len() - l.Trimmed(); need[g] > gr.Pool.Memory().Blocks()-held {
 					return fmt.Errorf("groups: grow %q to %d tokens: group %d (%s) would hold %d more blocks than its %d-block pool: %w",
-						r.owner, tokens, g, gr.Name, need[g]+held-gr.Pool.Capacity(), gr.Pool.Capacity(), kvlease.ErrExceedsCapacity)
+						r.owner, tokens, g, gr.Name, need[g]+held-gr.Pool.Memory().Blocks(), gr.Pool.Memory().Blocks(), kvlease.ErrExceedsCapacity)
 				}
 				return fmt.Errorf("groups: grow %q to %d tokens: group %d (%s) needs %d blocks, %d free or evictable: %w",
 					r.owner, tokens, g, gr.Name, need[g], avail, kvlease.ErrExhausted)

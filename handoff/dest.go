@@ -5,12 +5,12 @@ import (
 	"fmt"
 	"net"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff/internal/wire"
 	"github.com/kvlease/kvlease/internal/pending"
+	"go.uber.org/atomic"
 )
 
 // Destination is the destination half (the decode side) of
@@ -162,7 +162,7 @@ func NewDestination[R any](pool *kvlease.Pool[R], plane RecvPlane[R], cfg Destin
 	}
 	switch {
 	case cfg.MaxSessionBlocks == 0:
-		cfg.MaxSessionBlocks = max(1, pool.Capacity()/2)
+		cfg.MaxSessionBlocks = max(1, pool.Memory().Blocks()/2)
 	case cfg.MaxSessionBlocks < 0:
 		cfg.MaxSessionBlocks = noCap
 	}
@@ -175,8 +175,8 @@ func NewDestination[R any](pool *kvlease.Pool[R], plane RecvPlane[R], cfg Destin
 	if cfg.SessionIdleTimeout == 0 {
 		cfg.SessionIdleTimeout = DefaultSessionIdleTimeout
 	}
-	if pool.BlockBytes() != cfg.Envelope.BlockBytes {
-		return nil, fmt.Errorf("kvlease: handoff destination: pool blocks of %d bytes, envelope %d: %w", pool.BlockBytes(), cfg.Envelope.BlockBytes, kvlease.ErrInvalidArgument)
+	if pool.Memory().BlockBytes() != cfg.Envelope.BlockBytes {
+		return nil, fmt.Errorf("kvlease: handoff destination: pool blocks of %d bytes, envelope %d: %w", pool.Memory().BlockBytes(), cfg.Envelope.BlockBytes, kvlease.ErrInvalidArgument)
 	}
 	if err := checkMemoryLayout("destination", pool.Memory(), cfg.Envelope); err != nil {
 		return nil, err

@@ -4,11 +4,12 @@ import (
 	"errors"
 	"fmt"
 	"log"
-	"sync/atomic"
 	"time"
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff/internal/wire"
+
+	"go.uber.org/atomic"
 )
 
 // peerErr turns a peer's text into an error wrapping ErrPeer (and

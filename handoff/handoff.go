@@ -4,7 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"sync/atomic"
+	"go.uber.org/atomic"
 	"time"
 
 	"github.com/kvlease/kvlease"
@@ -137,7 +137,7 @@ func Propose[S, D any](src *kvlease.Lease[S], dst *kvlease.Pool[D], cfg Config) 
 	if _, err := src.ReadRegion(0); err != nil {
 		return nil, fmt.Errorf("kvlease: propose handoff: %w", err)
 	}
-	sb, db, eb := src.Pool().BlockBytes(), dst.BlockBytes(), cfg.Envelope.BlockBytes
+	sb, db, eb := src.Pool().Memory().BlockBytes(), dst.Memory().BlockBytes(), cfg.Envelope.BlockBytes
 	if sb != db || sb != eb {
 		return nil, fmt.Errorf("kvlease: propose handoff of lease %d (%s): block sizes differ: source pool %d bytes, destination pool %d bytes, envelope %d bytes: %w",
 			src.ID(), src.Owner(), sb, db, eb, kvlease.ErrInvalidArgument)

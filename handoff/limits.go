@@ -3,10 +3,10 @@ package handoff
 import (
 	"fmt"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/kvlease/kvlease/internal/pending"
+	"go.uber.org/atomic"
 )
 
 // Limits caps what one identity holds with a Destination across all its

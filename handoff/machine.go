@@ -4,8 +4,9 @@ import (
 	"fmt"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
+
+	"go.uber.org/atomic"
 )
 
 // State is where a handoff is. See Handoff for the diagram.

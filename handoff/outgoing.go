@@ -3,11 +3,12 @@ package handoff
 import (
 	"errors"
 	"fmt"
-	"sync/atomic"
 	"time"
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff/internal/wire"
+
+	"go.uber.org/atomic"
 )
 
 // An outgoing handoff's transfer state: what the source does from the

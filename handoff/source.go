@@ -5,10 +5,11 @@ import (
 	"fmt"
 	"net"
 	"sync"
-	"sync/atomic"
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff/internal/wire"
+
+	"go.uber.org/atomic"
 )
 
 var sessions atomic.Uint64 // local session numbers for PlaneIDs

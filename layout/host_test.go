@@ -72,7 +72,7 @@ func ExampleHost() {
 	h, _ := layout.NewHost(layout.LayerSeparated(2, 2, 8, 64, "bf16 t16 h1 d2"))
 	p, _ := kvlease.NewPool[layout.Block](h)
 	l, _ := p.Acquire("req", 2)
-	fmt.Println("a lease of", l.Len(), "blocks of", p.BlockBytes(), "bytes")
+	fmt.Println("a lease of", l.Len(), "blocks of", p.Memory().BlockBytes(), "bytes")
 
 	b := h.Region(3)
 	copy(b.Piece(1, 0), "K of layer 1")

@@ -54,7 +54,7 @@ func BenchmarkTieredAdmit(b *testing.B) {
 	if err := s.Commit(s.Len()); err != nil {
 		b.Fatal(err)
 	}
-	s.Release()
+	s.Lease().Release()
 	down()
 	var tSeq, tBare time.Duration
 	b.ReportAllocs()
@@ -98,7 +98,7 @@ func (tb *tieredBench) seqOp() {
 	if v, err := o.Wait(context.Background()); err != nil || v != tb.hb || o.Sequence.CachedTokens() != tb.hb*tb.bt {
 		tb.b.Fatalf("valid %d cached %d: %v", v, o.Sequence.CachedTokens(), err)
 	}
-	o.Sequence.Release()
+	o.Sequence.Lease().Release()
 }
 
 //go:noinline

@@ -37,7 +37,7 @@ func (r *rig) serveSeq(t *testing.T, prompt []int32) *Onboard[[]byte] {
 		require.NoError(t, err)
 		require.True(t, holds(b, hashes[k]), "block %d of the prefix holds the wrong content", k)
 	}
-	for k := valid; k < s.Blocks(); k++ {
+	for k := valid; k < s.Lease().Len(); k++ {
 		b, err := s.Lease().Region(k)
 		require.NoError(t, err)
 		if k < len(hashes) {
@@ -49,7 +49,7 @@ func (r *rig) serveSeq(t *testing.T, prompt []int32) *Onboard[[]byte] {
 		require.NoError(t, s.AppendComputed(int32(900+i)))
 	}
 	require.Equal(t, kvlease.ChainHashes(5, s.Tokens(), 4), s.BlockHashes())
-	s.Release()
+	s.Lease().Release()
 	return o
 }
 
@@ -118,7 +118,7 @@ func TestCacheAdmitCopyFails(t *testing.T) {
 	require.Equal(t, 1, s.Hits())
 	require.Equal(t, 4, s.Computed())
 	hashes := kvlease.ChainHashes(5, a, 4)
-	for k := 1; k < s.Blocks(); k++ {
+	for k := 1; k < s.Lease().Len(); k++ {
 		b, err := s.Lease().Region(k)
 		require.NoError(t, err, "block %d after a failed copy is the engine's to compute", k)
 		if k < len(hashes) {
@@ -127,7 +127,7 @@ func TestCacheAdmitCopyFails(t *testing.T) {
 	}
 	require.NoError(t, s.Commit(s.Len()-s.Computed()))
 	require.Equal(t, hashes, s.BlockHashes())
-	s.Release()
+	s.Lease().Release()
 	r.onload.set(false, false, nil)
 	r.settle(t)
 	require.NoError(t, r.dev.CheckQuiescent())

@@ -214,10 +214,10 @@ func BenchmarkOnboardLatency(b *testing.B) {
 			// push moves the chain down to the tier the onboard reads
 			// from (the blocks that the tier has already are dropped).
 			push := func() {
-				dp.OfferCached(dp.Capacity())
+				dp.OfferCached(dp.Memory().Blocks())
 				settled()
 				if from == TierDisk {
-					hp.OfferCached(hp.Capacity())
+					hp.OfferCached(hp.Memory().Blocks())
 					settled()
 					for disk.Pool().Stats().Leased+disk.Pool().Stats().Draining > 0 {
 						time.Sleep(5 * time.Microsecond)

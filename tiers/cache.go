@@ -4,10 +4,10 @@ import (
 	"errors"
 	"fmt"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/kvlease/kvlease"
+	"go.uber.org/atomic"
 )
 
 // Policy says when device blocks are copied to the host tier.
@@ -125,12 +125,12 @@ func New[D any](cfg Config[D]) (*Cache[D], error) {
 	case !cfg.Device.KeepsSealRecords() || !cfg.Host.KeepsSealRecords():
 		return nil, fmt.Errorf("tiers: the device and host pools must keep seal records (kvlease.WithSealRecords), so that a block's copies are sealed as it was: %w",
 			kvlease.ErrInvalidArgument)
-	case cfg.Device.BlockBytes() != cfg.Host.BlockBytes():
+	case cfg.Device.Memory().BlockBytes() != cfg.Host.Memory().BlockBytes():
 		return nil, fmt.Errorf("tiers: device blocks of %d bytes, host blocks of %d: %w",
-			cfg.Device.BlockBytes(), cfg.Host.BlockBytes(), kvlease.ErrInvalidArgument)
-	case cfg.Disk != nil && cfg.Disk.BlockBytes() != cfg.Host.BlockBytes():
+			cfg.Device.Memory().BlockBytes(), cfg.Host.Memory().BlockBytes(), kvlease.ErrInvalidArgument)
+	case cfg.Disk != nil && cfg.Disk.BlockBytes() != cfg.Host.Memory().BlockBytes():
 		return nil, fmt.Errorf("tiers: disk blocks of %d bytes, host blocks of %d: %w",
-			cfg.Disk.BlockBytes(), cfg.Host.BlockBytes(), kvlease.ErrInvalidArgument)
+			cfg.Disk.BlockBytes(), cfg.Host.Memory().BlockBytes(), kvlease.ErrInvalidArgument)
 	}
 	if cfg.Policy == 0 {
 		cfg.Policy = WriteBack
@@ -154,8 +154,8 @@ func New[D any](cfg Config[D]) (*Cache[D], error) {
 	c.workCond = sync.NewCond(&c.workMu)
 	c.wg.Add(1)
 	go c.worker()
-	c.devReserve = reserveOf(cfg.DeviceReserve, cfg.Device.Capacity())
-	c.hostReserve = reserveOf(cfg.HostReserve, cfg.Host.Capacity())
+	c.devReserve = reserveOf(cfg.DeviceReserve, cfg.Device.Memory().Blocks())
+	c.hostReserve = reserveOf(cfg.HostReserve, cfg.Host.Memory().Blocks())
 	if c.policy == WriteBack {
 		c.dev.SetEvictHook(c.deviceEvicted)
 	} else {

@@ -2,7 +2,7 @@ package tiers
 
 import (
 	"fmt"
-	"sync/atomic"
+	"go.uber.org/atomic"
 	"unsafe"
 
 	"github.com/kvlease/kvlease"

@@ -12,10 +12,10 @@ import (
 	"os"
 	"slices"
 	"sync"
-	"sync/atomic"
 	"unsafe"
 
 	"github.com/cespare/xxhash/v2"
+	"go.uber.org/atomic"
 
 	"github.com/kvlease/kvlease"
 )

@@ -108,7 +108,7 @@ func ExampleCache_Admit() {
 		fmt.Printf("device %d host %d: cached tokens %d, then %d after Wait\n",
 			o.Hits(tiers.TierDevice), o.Hits(tiers.TierHost), before, s.CachedTokens())
 		_ = s.Commit(s.Len() - s.Computed()) // compute the rest of the prompt
-		s.Release()
+		s.Lease().Release()
 		quiet()
 	}
 	serve()

@@ -111,8 +111,9 @@ func (c *Cache[D]) toHost(src *kvlease.Lease[D], from int, hashes []kvlease.Bloc
 		parents[j] = recOf(c.dev, src.Ref(p), hs[j])
 	}
 	// One lock per lease for the regions, not one per block.
-	srcRegions, err1 := src.AppendReadRegions(make([]D, 0, src.Len()), 0)
-	dstRegions, err2 := dst.AppendRegions(make([][]byte, 0, len(pos)), 0)
+	n := src.Len()
+	srcRegions, err1 := src.AppendReadRegions(make([]D, 0, n), 0, n)
+	dstRegions, err2 := dst.AppendRegions(make([][]byte, 0, len(pos)), 0, len(pos))
 	if err1 != nil || err2 != nil {
 		dst.Release()
 		st.dropped.Add(uint64(len(pos)))
@@ -208,7 +209,8 @@ func (c *Cache[D]) toDisk(l *kvlease.Lease[[]byte], hashes []kvlease.BlockHash) 
 	}
 	writes := make([]SlotWrite, len(pos))
 	dstIDs := dst.AppendBlockIDs(make([]kvlease.BlockID, 0, len(pos)), 0)
-	srcRegions, err := l.AppendReadRegions(make([][]byte, 0, l.Len()), 0)
+	n := l.Len()
+	srcRegions, err := l.AppendReadRegions(make([][]byte, 0, n), 0, n)
 	if err != nil {
 		dst.Release()
 		st.dropped.Add(uint64(len(pos)))

@@ -3,7 +3,7 @@ package tiers
 import (
 	"context"
 	"fmt"
-	"sync/atomic"
+	"go.uber.org/atomic"
 
 	"github.com/kvlease/kvlease"
 )
@@ -406,12 +406,12 @@ func (c *Cache[D]) Admit(spec kvlease.SequenceSpec) (*Onboard[D], error) {
 func (c *Cache[D]) copyIn(src *kvlease.Lease[[]byte], dst *kvlease.Lease[D], from, at, n int) *kvlease.Transfer {
 	pairs := make([]kvlease.CopyPair[[]byte, D], n)
 	// One lock per lease for the regions, not one per block. The
-	// destination blocks are fresh and gated by Writes; later blocks of
-	// the lease may be sealed by now, so take them as read regions (the
-	// same memory) rather than be refused.
-	srcRegions, err1 := src.AppendReadRegions(make([][]byte, 0, src.Len()), from)
-	dstRegions, err2 := dst.AppendReadRegions(make([]D, 0, dst.Len()), at)
-	if err1 != nil || err2 != nil || len(srcRegions) < n || len(dstRegions) < n {
+	// destination blocks are fresh and gated by Writes; take them as read
+	// regions (the same memory), as the source's, so that a block sealed
+	// by now is not refused.
+	srcRegions, err1 := src.AppendReadRegions(make([][]byte, 0, n), from, from+n)
+	dstRegions, err2 := dst.AppendReadRegions(make([]D, 0, n), at, at+n)
+	if err1 != nil || err2 != nil {
 		return nil
 	}
 	for k := range n {
@@ -436,8 +436,8 @@ func (c *Cache[D]) copyIn(src *kvlease.Lease[[]byte], dst *kvlease.Lease[D], fro
 // and returns the transfer, or nil if it could not start.
 func (c *Cache[D]) readDisk(dl *kvlease.Lease[DiskSlot], stage *kvlease.Lease[[]byte], hashes []kvlease.BlockHash) *kvlease.Transfer {
 	reads := make([]SlotRead, len(hashes))
-	dsts, err := stage.AppendRegions(make([][]byte, 0, len(hashes)), 0)
-	if err != nil || len(dsts) < len(hashes) {
+	dsts, err := stage.AppendRegions(make([][]byte, 0, len(hashes)), 0, len(hashes))
+	if err != nil {
 		return nil
 	}
 	slots := dl.AppendBlockIDs(make([]kvlease.BlockID, 0, len(hashes)), 0)

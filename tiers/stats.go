@@ -1,6 +1,6 @@
 package tiers
 
-import "sync/atomic"
+import "go.uber.org/atomic"
 
 // Tier names a level of the cache.
 type Tier uint8

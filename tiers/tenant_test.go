@@ -82,7 +82,7 @@ func TestTenantNamespaceThroughTiers(t *testing.T) {
 	hs := make([]kvlease.BlockHash, 3)
 	parent := seed
 	for k := range 3 {
-		hs[k], err = o.Lease.SealExtra(k, parent, toks[4*k:4*k+4], extra[k])
+		hs[k], err = o.Lease.SealTokens(k, parent, toks[4*k:4*k+4], extra[k]...)
 		require.NoError(t, err)
 		parent = hs[k]
 	}
@@ -166,10 +166,10 @@ func TestAdmitForTenant(t *testing.T) {
 	o, err := r.c.Admit(kvlease.SequenceSpec{Owner: "a", Prompt: toks, Seed: seed, Tenant: "acme"})
 	require.NoError(t, err)
 	require.Equal(t, 2, r.acme.Stats().Held)
-	o.Sequence.Release()
+	o.Sequence.Lease().Release()
 	o, err = r.c.Admit(kvlease.SequenceSpec{Owner: "b", Prompt: toks, Seed: seed, Tenant: "nobody"})
 	require.NoError(t, err)
-	o.Sequence.Release()
+	o.Sequence.Lease().Release()
 	_, ok := r.dev.LookupTenant("nobody")
 	require.False(t, ok)
 }

@@ -6,10 +6,11 @@ import (
 	"runtime"
 	"slices"
 	"sync"
-	"sync/atomic"
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
+
+	"go.uber.org/atomic"
 )
 
 // Receiver is the destination side's plane: each handoff has a UCX

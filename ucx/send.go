@@ -4,10 +4,11 @@ import (
 	"fmt"
 	"runtime"
 	"sync"
-	"sync/atomic"
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
+
+	"go.uber.org/atomic"
 )
 
 // Sender is the source side's plane. Pushing (the default), each handoff

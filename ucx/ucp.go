@@ -14,8 +14,9 @@ import (
 	"fmt"
 	"runtime"
 	"sync"
-	"sync/atomic"
 	"unsafe"
+
+	"go.uber.org/atomic"
 )
 
 // setLogLevel sets UCX's log level. UCX reads UCX_LOG_LEVEL when the

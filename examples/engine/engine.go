@@ -10,11 +10,12 @@ import (
 	"hash/fnv"
 	"strconv"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
+
+	"go.uber.org/atomic"
 )
 
 // Config is the engine's shape: its pool, its batch and its simulated
@@ -315,7 +316,7 @@ func (e *Engine) run() {
 	defer func() {
 		for _, r := range append(waiting, running...) {
 			if r.seq != nil {
-				r.seq.Abort(errShutdown)
+				r.seq.Lease().Abort(errShutdown)
 			} else {
 				e.queued.Add(-1)
 			}
@@ -395,7 +396,7 @@ func (e *Engine) admit(waiting *[]*request, running []*request) []*request {
 	reserved := 0
 	var growth map[string]int // per tenant with a cap: its running requests' growth still to come
 	for _, r := range running {
-		g := e.env.BlocksFor(len(r.prompt)+r.maxTokens) - r.seq.Blocks()
+		g := e.env.BlocksFor(len(r.prompt)+r.maxTokens) - r.seq.Lease().Len()
 		reserved += g
 		if e.quotaed[r.tenant] != nil {
 			if growth == nil {
@@ -444,12 +445,12 @@ func (e *Engine) admit(waiting *[]*request, running []*request) []*request {
 			}
 		}
 		r.seq = seq
-		reserved += need - seq.Blocks()
+		reserved += need - seq.Lease().Len()
 		if e.quotaed[r.tenant] != nil {
 			if growth == nil {
 				growth = map[string]int{}
 			}
-			growth[r.tenant] += need - seq.Blocks()
+			growth[r.tenant] += need - seq.Lease().Len()
 		}
 		running = append(running, r)
 	}
@@ -500,7 +501,7 @@ func (e *Engine) step(running []*request) ([]*request, int) {
 		if r.ctx.Err() != nil {
 			// The client went away: abort. The lease's blocks return now
 			// (no transfer gates them); sealed blocks stay cached.
-			r.seq.Abort(r.ctx.Err())
+			r.seq.Lease().Abort(r.ctx.Err())
 			e.aborted.Add(1)
 			return true
 		}
@@ -509,12 +510,12 @@ func (e *Engine) step(running []*request) ([]*request, int) {
 		}
 		end, err := e.advance(r)
 		if err != nil {
-			r.seq.Abort(err)
+			r.seq.Lease().Abort(err)
 			r.fail(err)
 			return true
 		}
 		if end != "" {
-			r.seq.Release()
+			r.seq.Lease().Release()
 			e.finished.Add(1)
 			return true
 		}

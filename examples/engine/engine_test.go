@@ -361,13 +361,13 @@ func TestEngineLoad(t *testing.T) {
 	if err := a.pub.Flush(ctx); err != nil {
 		t.Fatal(err)
 	}
-	_, cached := p.SnapshotKVCache()
+	_, cached := p.SnapshotKVBlocks(nil)
 	for i := 0; ; i++ {
 		sub.mu.Lock()
 		n, bad := len(sub.stored), sub.badBatch
 		same := n == len(cached)
-		for _, h := range cached {
-			same = same && sub.stored[uint64(h)]
+		for _, e := range cached {
+			same = same && sub.stored[uint64(e.BlockHash)]
 		}
 		sub.mu.Unlock()
 		if bad != nil {

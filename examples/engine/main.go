@@ -15,7 +15,7 @@
 //
 // What each piece of kvlease does here:
 //
-//   - kvlease.Pool with WithBlockTokens: the KV blocks; Pool.NewSequence
+//   - kvlease.Pool with WithBlockTokens: the KV blocks; Pool.Admit
 //     admits a request with its prefix hits (usage.prompt_tokens_details.
 //     cached_tokens is Sequence.CachedTokens), and the Sequence grows the
 //     lease and seals each block as the scheduler commits tokens.

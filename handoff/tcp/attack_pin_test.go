@@ -39,7 +39,7 @@ func waitWhole[R any](pool *kvlease.Pool[R]) *honestWait[R] {
 		ctx, cancel := context.WithTimeout(context.Background(), bound)
 		defer cancel()
 		for {
-			l, err := pool.AcquireWait(ctx, "honest", pool.Capacity())
+			l, err := pool.AcquireWait(ctx, "honest", pool.Memory().Blocks())
 			if errors.Is(err, kvlease.ErrQuarantineBound) && ctx.Err() == nil {
 				h.refused++
 				time.Sleep(5 * time.Millisecond)
@@ -332,7 +332,7 @@ func stallCase[S, D any](t *testing.T, srcPool *kvlease.Pool[S], dstPool *kvleas
 	}
 	h := newStreamHalves(t, srcPool, dstPool, e, send, recv, o)
 	t.Cleanup(func() { close(release) }) // before the halves' cleanup: the holds let go
-	n := srcPool.Capacity()
+	n := srcPool.Memory().Blocks()
 	lease, err := srcPool.Acquire("r", n)
 	if err != nil {
 		t.Fatal(err)

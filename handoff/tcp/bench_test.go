@@ -105,7 +105,7 @@ func (r *benchRig) raw(b *testing.B) time.Duration {
 	}
 	defer c.Close()
 	var hdr [4]byte
-	binary.LittleEndian.PutUint32(hdr[:], uint32(r.lease.Len()*r.pool.BlockBytes()))
+	binary.LittleEndian.PutUint32(hdr[:], uint32(r.lease.Len()*r.pool.Memory().BlockBytes()))
 	if _, err := c.Write(hdr[:]); err != nil {
 		b.Fatal(err)
 	}
@@ -127,7 +127,7 @@ func (r *benchRig) raw(b *testing.B) time.Duration {
 func (r *benchRig) copyOn(b *testing.B, c net.Conn) time.Duration {
 	start := time.Now()
 	var hdr [4]byte
-	binary.LittleEndian.PutUint32(hdr[:], uint32(r.lease.Len()*r.pool.BlockBytes()))
+	binary.LittleEndian.PutUint32(hdr[:], uint32(r.lease.Len()*r.pool.Memory().BlockBytes()))
 	bufs := net.Buffers{hdr[:]}
 	for i := range r.lease.Len() {
 		reg, _ := r.lease.ReadRegion(i)

@@ -8,12 +8,13 @@ import (
 	"io"
 	"net"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
 	"github.com/kvlease/kvlease/internal/pending"
+
+	"go.uber.org/atomic"
 )
 
 // batchBlocks is the most blocks one scattered read fills.

@@ -9,9 +9,9 @@ import (
 	"encoding/binary"
 	"fmt"
 	"hash/crc32"
-	"sync/atomic"
 
 	"github.com/kvlease/kvlease/handoff"
+	"go.uber.org/atomic"
 )
 
 // seal is one handoff's integrity on the data plane. In an authenticated

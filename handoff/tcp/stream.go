@@ -9,12 +9,12 @@ import (
 	"net"
 	"os"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
 	"github.com/kvlease/kvlease/layout"
+	"go.uber.org/atomic"
 )
 
 // Stream mode: a streaming handoff (handoff.Streaming) sends the parts of

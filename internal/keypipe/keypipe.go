@@ -12,7 +12,8 @@ import (
 	"os"
 	"os/exec"
 	"strconv"
-	"sync/atomic"
+
+	"go.uber.org/atomic"
 )
 
 // Env is the variable that tells the child which descriptor holds its

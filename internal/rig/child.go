@@ -21,11 +21,12 @@ import (
 	"os/exec"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/kvlease/kvlease/handoff"
 	"github.com/kvlease/kvlease/internal/keypipe"
+
+	"go.uber.org/atomic"
 )
 
 // specEnv names the environment variable that makes this program (or a

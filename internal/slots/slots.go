@@ -232,12 +232,6 @@ func (t *Table) LRUHead() int32 {
 	return t.lru[bits.TrailingZeros8(t.lruMask)].head
 }
 
-// LRUNext is the cached slot after id on its class's LRU, or Nil.
-func (t *Table) LRUNext(id int32) int32 { return t.links[id].next }
-
-// Retention is slot id's retention class.
-func (t *Table) Retention(id int32) uint8 { return t.ret[id] }
-
 // SetRetention sets slot id's retention class (below NumRetention). A
 // cached slot moves to the most recently used end of its new class's LRU.
 // (Inlined into every seal: the change itself is out of line.)
@@ -309,9 +303,6 @@ func (t *Table) Count(c Class) int { return t.counts[c] }
 
 // QuarantinedCount is Count(Quarantined).
 func (t *Table) QuarantinedCount() int { return t.counts[Quarantined] }
-
-// Counts is the number of slots in each class.
-func (t *Table) Counts() [NumClasses]int { return t.counts }
 
 // QuarantinedLeased is the number of quarantined slots an open lease
 // holds.
@@ -607,6 +598,3 @@ func (t *Table) SetIndexed(id int32, on bool) {
 	}
 	t.settle(id)
 }
-
-// SetGen sets slot id's generation: tests use it to wrap generations.
-func (t *Table) SetGen(id int32, gen uint32) { t.s[id].gen = gen }

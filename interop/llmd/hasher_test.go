@@ -169,7 +169,7 @@ func TestHasherMatchesLLMD(t *testing.T) {
 		require.NoError(t, err)
 		require.NoError(t, s.Commit(s.Len()))
 		require.Equal(t, want, s.BlockHashes(), "trial %d: %d blocks of %d tokens", trial, n, bt)
-		s.Release()
+		s.Lease().Release()
 		require.NoError(t, p.CheckQuiescent())
 	}
 }

@@ -274,7 +274,7 @@ func TestLLMDIndexerReadsMergedExtraKeys(t *testing.T) {
 			defer l.Release()
 			parent := kvlease.BlockHash(42)
 			for i := range 4 {
-				parent, err = l.SealExtra(i, parent, p[i*blockTokens:(i+1)*blockTokens], extra[i])
+				parent, err = l.SealTokens(i, parent, p[i*blockTokens:(i+1)*blockTokens], extra[i]...)
 				require.NoError(t, err)
 			}
 			before := pub.Stats()
