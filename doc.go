@@ -111,7 +111,7 @@
 // # Quarantine and capacity
 //
 // Quarantined blocks are never reused until late evidence arrives, so
-// they shrink what the pool can ever serve: Stats.Usable (Pool.Usable) is
+// they shrink what the pool can ever serve: Stats.Usable is
 // capacity minus quarantined blocks, and admission should be asked
 // against it. A request for more than could ever be free while the
 // quarantine lasts fails with ErrQuarantineBound, which wraps ErrExhausted
@@ -162,7 +162,7 @@
 // # Sequences
 //
 // A Sequence is one request's tokens over one lease: what an engine
-// otherwise writes by hand around the pool. Pool.Admit (or NewSequence)
+// otherwise writes by hand around the pool. Pool.Admit
 // hashes the prompt once, takes its prefix hits and checks every size of
 // the SequenceSpec before anything is held. Append gives new tokens slots,
 // growing the lease at block boundaries; Commit says their KV is written
@@ -180,7 +180,7 @@
 // (TenantSeed, an HMAC), so a request of one tenant can neither hit nor
 // time another's blocks, whatever public salt it copies; blocks within a
 // tenant are shared as before. Pass the seed wherever a seed goes
-// (NewSequence, SequenceSpec.Seed, AcquirePrefixTokens). Quotas:
+// (Pool.Admit, SequenceSpec.Seed, AcquirePrefixTokens). Quotas:
 // Pool.Tenant registers a tenant whose acquires are charged for the fresh
 // blocks they take until those are free; Tenant.SetQuota caps what it
 // holds (at the cap it evicts its own cached blocks; beyond it ErrQuota,

@@ -59,7 +59,7 @@ func (m *HostMemory) BlockBytes() int { return m.blockBytes }
 // span of memory, which a copy moves at once (see Lease.AppendRuns). It
 // panics like a slice expression when r is outside the memory.
 func (m *HostMemory) Span(r Run) []byte {
-	off, end := int(r.Start)*m.blockBytes, int(r.End())*m.blockBytes
+	off, end := int(r.Start)*m.blockBytes, int(r.end())*m.blockBytes
 	return m.arena[off:end:end]
 }
 

@@ -9,8 +9,8 @@ type Run struct {
 	Len   int
 }
 
-// End is the id one past the run's last block.
-func (r Run) End() BlockID { return r.Start + BlockID(r.Len) }
+// end is the id one past the run's last block.
+func (r Run) end() BlockID { return r.Start + BlockID(r.Len) }
 
 // AppendRuns appends the runs of blocks from..Len()-1 to dst, in the
 // lease's block order, and returns it: block from is the first block of
@@ -31,7 +31,7 @@ func appendRuns(dst []Run, blocks []BlockRef) []Run {
 	}
 	cur := Run{Start: blocks[0].ID, Len: 1}
 	for _, r := range blocks[1:] {
-		if r.ID == cur.End() {
+		if r.ID == cur.end() {
 			cur.Len++
 			continue
 		}

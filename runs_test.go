@@ -49,7 +49,7 @@ func TestAppendRuns(t *testing.T) {
 	if n := testing.AllocsPerRun(100, func() { dst = l.AppendRuns(dst[:0], 3) }); n != 0 {
 		t.Fatalf("AppendRuns with room allocated %.0f times", n)
 	}
-	if len(dst) != 1 || dst[0] != (kvlease.Run{Start: 3, Len: 37}) || dst[0].End() != 40 {
+	if len(dst) != 1 || dst[0] != (kvlease.Run{Start: 3, Len: 37}) || dst[0].Start+kvlease.BlockID(dst[0].Len) != 40 {
 		t.Fatalf("runs from block 3: %v", dst)
 	}
 	if got := mem.Span(dst[0]); len(got) != 37*64 || cap(got) != 37*64 || &got[0] != &mem.Region(3)[0] {
@@ -78,7 +78,7 @@ func TestExtendKeepsRuns(t *testing.T) {
 		t.Fatal(err)
 	}
 	got := a.AppendRuns(nil, 0)
-	if len(first) != 1 || len(got) != 1 || got[0].Len != 18 || got[0].End() != first[0].Start+8 {
+	if len(first) != 1 || len(got) != 1 || got[0].Len != 18 || got[0].Start+kvlease.BlockID(got[0].Len) != first[0].Start+8 {
 		t.Fatalf("b's runs %v; a's runs after Extend(8): %v, want one run of 18 ending 8 blocks into b's", first, got)
 	}
 }

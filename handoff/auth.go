@@ -103,8 +103,8 @@ type Authenticator interface {
 	handshake(h *handshake) error
 }
 
-// MinKeyBytes is the shortest pre-shared key PSK accepts.
-const MinKeyBytes = 16
+// minKeyBytes is the shortest pre-shared key PSK accepts.
+const minKeyBytes = 16
 
 // PSK authenticates with a pre-shared key: a challenge-response over both
 // sides' random nonces (HMAC-SHA256), which derives the session's keys
@@ -116,7 +116,7 @@ const MinKeyBytes = 16
 type PSK struct {
 	// ID names the key (at most 255 bytes; sent in the clear).
 	ID string
-	// Key is the secret, at least MinKeyBytes bytes (GenerateKey draws 32).
+	// Key is the secret, at least 16 bytes (GenerateKey draws 32).
 	Key []byte
 	// Keys, on a destination, are further accepted keys by id.
 	Keys map[string][]byte
@@ -126,13 +126,13 @@ type PSK struct {
 func (p *PSK) Mode() AuthMode { return AuthPSK }
 
 func (p *PSK) validate(client bool) error {
-	ok := len(p.ID) <= 255 && (len(p.Key) >= MinKeyBytes || (!client && len(p.Key) == 0 && len(p.Keys) > 0))
+	ok := len(p.ID) <= 255 && (len(p.Key) >= minKeyBytes || (!client && len(p.Key) == 0 && len(p.Keys) > 0))
 	for id, k := range p.Keys {
-		ok = ok && len(id) <= 255 && len(k) >= MinKeyBytes
+		ok = ok && len(id) <= 255 && len(k) >= minKeyBytes
 	}
 	if !ok {
 		return fmt.Errorf("kvlease: handoff: PSK needs a key of at least %d bytes (handoff.GenerateKey draws one) and ids of at most 255 bytes: %w",
-			MinKeyBytes, kvlease.ErrInvalidArgument)
+			minKeyBytes, kvlease.ErrInvalidArgument)
 	}
 	return nil
 }
