@@ -32,8 +32,8 @@ func TestSequenceExtraKeysAndAdapter(t *testing.T) {
 		}
 		hs := a.BlockHashes()
 		want := []BlockHash{HashBlock(9, prompt[:16])}
-		want = append(want, HashBlockExtra(want[0], prompt[16:32], []string{"img:A"}))
-		want = append(want, HashBlockExtra(want[1], prompt[32:48], []string{"img:A"}))
+		want = append(want, HashBlock(want[0], prompt[16:32], []string{"img:A"}...))
+		want = append(want, HashBlock(want[1], prompt[32:48], []string{"img:A"}...))
 		want = append(want, HashBlock(want[2], prompt[48:64]))
 		if !slices.Equal(hs, want) {
 			t.Fatalf("verified %v: hashes %x, want %x", verified, hs, want)
@@ -205,7 +205,7 @@ func TestSealTokensExtra(t *testing.T) {
 		t.Fatal(err)
 	}
 	keys[0] = "changed" // the pool kept its own copy
-	if h0 != HashBlockExtra(3, []int32{1, 2}, []string{"img:1"}) || h0 != poolHash(t, p, 3, []int32{1, 2}, []string{"img:1"}) {
+	if h0 != HashBlock(3, []int32{1, 2}, []string{"img:1"}...) || h0 != poolHash(t, p, 3, []int32{1, 2}, []string{"img:1"}) {
 		t.Fatal("SealTokens's hash is not the pool's")
 	}
 	l.Release()

@@ -147,13 +147,13 @@
 // never hit the block holding the prompt's last token (vLLM's rule), and
 // callers of AcquirePrefix pass only the hashes before it. Stats counts
 // prefix queries and hits for admitted lookups only. ResetCache drops
-// unreferenced cached blocks; ResetCache(ResetAll) also makes blocks in
+// unreferenced cached blocks; ResetCache(true) also makes blocks in
 // use unfindable (after a weight update).
 //
 // Eviction takes the least recently used block of the lowest retention
 // class that has one (Lease.SetRetention, Pool.SetAdapterRetention), a
 // chain from its end. WithHasher replaces the block hash (to reproduce
-// another system's keys); extra keys (HashBlockExtra: an image's content
+// another system's keys); extra keys (HashBlock's extra keys: an image's content
 // hash over its placeholder tokens) enter the hash of exactly the blocks
 // they cover. KV events (WithKVEvents) tell a cache-aware router which
 // blocks became findable or stopped being so, with sequence numbers and a

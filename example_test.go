@@ -109,7 +109,7 @@ func ExampleWithQuarantineAlert() {
 	// usable: 8
 }
 
-// After a weight update, ResetCache(ResetAll) makes every old block
+// After a weight update, ResetCache(true) makes every old block
 // unfindable, including blocks running requests still hold.
 func ExamplePool_ResetCache() {
 	mem, _ := kvlease.NewHostMemory(4, 64)
@@ -117,14 +117,14 @@ func ExamplePool_ResetCache() {
 	l, _ := pool.Acquire("running", 1)
 	_ = l.Seal(0, 7)
 	hs := []kvlease.BlockHash{7}
-	pool.ResetCache()
-	fmt.Println("default keeps in-use blocks findable:", pool.CachedPrefix(hs))
-	pool.ResetCache(kvlease.ResetAll)
-	fmt.Println("after ResetAll:", pool.CachedPrefix(hs))
+	pool.ResetCache(false)
+	fmt.Println("ResetCache(false) keeps in-use blocks findable:", pool.CachedPrefix(hs))
+	pool.ResetCache(true)
+	fmt.Println("after ResetCache(true):", pool.CachedPrefix(hs))
 	l.Release()
 	// Output:
-	// default keeps in-use blocks findable: 1
-	// after ResetAll: 0
+	// ResetCache(false) keeps in-use blocks findable: 1
+	// after ResetCache(true): 0
 }
 
 // A sliding-window request keeps only the blocks its window covers: as it

@@ -10,8 +10,18 @@ type BlockHash uint64
 // parent hash as 8 little-endian bytes followed by each token id as 4
 // little-endian bytes (its two's-complement uint32). Any language with
 // xxhash64 reproduces it: h = XXH64(le64(parent) ‖ le32(t0) ‖ le32(t1) ‖ …).
-func HashBlock(parent BlockHash, tokens []int32) BlockHash {
-	return hashInto(parent, tokens)
+//
+// With extra keys (an image's content hash over its placeholder tokens,
+// an adapter-specific key), the block's hash is xxhash64 (seed 0) over h
+// as 8 little-endian bytes followed by each key as its length (4
+// little-endian bytes) and its bytes. Keys are taken in order: the same
+// keys in another order are another block.
+func HashBlock(parent BlockHash, tokens []int32, extra ...string) BlockHash {
+	h := hashInto(parent, tokens)
+	if len(extra) == 0 {
+		return h
+	}
+	return mixExtra(h, extra)
 }
 
 // hashInto hashes one block without laying its bytes out anywhere: it is

@@ -14,22 +14,9 @@ import (
 // such extra keys into the hash of exactly the blocks they cover, so that
 // text before an image is still shared and the image's blocks are not
 // shared with another image's. kvlease does the same: a block's extra
-// keys are mixed into its hash (HashBlockExtra), recorded with its seal
+// keys are mixed into its hash (HashBlock's extra keys), recorded with its seal
 // (verified mode compares them on every hit) and published with its
 // BlockStored event (extra_keys).
-
-// HashBlockExtra returns the hash of a block with extra keys: HashBlock
-// when extra is empty; otherwise xxhash64 (seed 0) over HashBlock's
-// result as 8 little-endian bytes followed by each key as its length
-// (4 little-endian bytes) and its bytes. Keys are taken in order: the
-// same keys in another order are another block.
-func HashBlockExtra(parent BlockHash, tokens []int32, extra []string) BlockHash {
-	h := hashInto(parent, tokens)
-	if len(extra) == 0 {
-		return h
-	}
-	return mixExtra(h, extra)
-}
 
 func mixExtra(h BlockHash, extra []string) BlockHash {
 	var d xxhash.Digest
@@ -75,7 +62,7 @@ func mixExtra(h BlockHash, extra []string) BlockHash {
 // counts it as a miss. A Hasher must be deterministic and safe for
 // concurrent use, must not keep tokens, extra or out after it returns,
 // and runs under no lock of the pool. Without WithHasher the pool hashes
-// each block with HashBlockExtra.
+// each block with HashBlock.
 type Hasher func(parent BlockHash, tokens []int32, extra [][]string, out []BlockHash) error
 
 // An ExtraKey covers the tokens [Start, End) of a sequence (an image's
@@ -102,7 +89,7 @@ func blockExtras(dst []string, spans []ExtraKey, k, bt int) []string {
 // WithHasher makes h the pool's block hash function: SealTokens,
 // SealAs, AcquirePrefixTokens, CachedPrefixTokens and sequences hash
 // with it (see Hasher for the chain
-// root, errors and batching). Without it the pool uses HashBlockExtra. A
+// root, errors and batching). Without it the pool uses HashBlock. A
 // nil h is refused (ErrInvalidArgument), as are two hashers.
 func WithHasher(h Hasher) Option {
 	return newOption("WithHasher", func(c *config) error {
@@ -144,7 +131,7 @@ func (c *core) hashChainStack(parent BlockHash, tokens []int32, extra [][]string
 	return nil
 }
 
-// defaultChain is HashBlockExtra chained over len(out) blocks.
+// defaultChain is HashBlock chained over len(out) blocks.
 func defaultChain(parent BlockHash, tokens []int32, extra [][]string, out []BlockHash) {
 	if len(out) == 0 {
 		return

@@ -12,11 +12,11 @@ import (
 	"github.com/cespare/xxhash/v2"
 )
 
-// HashBlockExtra is the documented encoding: HashBlock without keys, and
+// HashBlock with extra keys is the documented encoding: HashBlock without keys, and
 // with keys xxhash64 of the plain hash and each key length-prefixed.
-func TestHashBlockExtra(t *testing.T) {
+func TestHashBlockExtraKeys(t *testing.T) {
 	toks := seqTokens(16, 5)
-	if HashBlockExtra(3, toks, nil) != HashBlock(3, toks) {
+	if HashBlock(3, toks, nil...) != HashBlock(3, toks) {
 		t.Fatal("no extra keys: not HashBlock")
 	}
 	extra := []string{"image:abc", ""}
@@ -25,19 +25,19 @@ func TestHashBlockExtra(t *testing.T) {
 		buf = binary.LittleEndian.AppendUint32(buf, uint32(len(k)))
 		buf = append(buf, k...)
 	}
-	if got, want := HashBlockExtra(3, toks, extra), BlockHash(xxhash.Sum64(buf)); got != want {
+	if got, want := HashBlock(3, toks, extra...), BlockHash(xxhash.Sum64(buf)); got != want {
 		t.Fatalf("%x, want %x", got, want)
 	}
 	seen := map[BlockHash][]string{}
 	for _, e := range [][]string{nil, {"a"}, {"b"}, {"a", "b"}, {"b", "a"}, {"ab"}, {"a", ""}, {"", "a"}} {
-		h := HashBlockExtra(3, toks, e)
+		h := HashBlock(3, toks, e...)
 		if prev, ok := seen[h]; ok {
 			t.Fatalf("keys %q and %q hash alike", prev, e)
 		}
 		seen[h] = e
 	}
-	if n := testing.AllocsPerRun(10, func() { _ = HashBlockExtra(3, toks, extra) }); n != 0 {
-		t.Fatalf("HashBlockExtra allocates %v", n)
+	if n := testing.AllocsPerRun(10, func() { _ = HashBlock(3, toks, extra...) }); n != 0 {
+		t.Fatalf("HashBlock with extra keys allocates %v", n)
 	}
 }
 
@@ -80,7 +80,7 @@ func perBlock(f func(parent BlockHash, tokens []int32, extra []string) BlockHash
 	}
 }
 
-// countingHasher is HashBlockExtra that counts its calls and the blocks
+// countingHasher is HashBlock (extra keys included) that counts its calls and the blocks
 // it hashes.
 type countingHasher struct{ calls, blocks atomic.Int64 }
 
@@ -228,7 +228,7 @@ func TestHashBlocksArgs(t *testing.T) {
 		t.Fatal(err)
 	}
 	h0 := HashBlock(9, seqTokens(4, 0))
-	if out[0] != h0 || out[1] != HashBlockExtra(h0, seqTokens(8, 0)[4:], []string{"img"}) {
+	if out[0] != h0 || out[1] != HashBlock(h0, seqTokens(8, 0)[4:], "img") {
 		t.Errorf("HashBlocks %x", out)
 	}
 }
@@ -310,7 +310,7 @@ func TestHasherErrors(t *testing.T) {
 
 // hashBlocks writes to out the pool's chain hashes of len(out)
 // consecutive full blocks of tokens under parent, as its Hasher
-// (WithHasher) or HashBlockExtra computes them (a caller outside calls
+// (WithHasher) or HashBlock computes them (a caller outside calls
 // its Hasher, or ChainHashes without one). tokens must be
 // len(out) blocks of the pool's block tokens (any equal split without
 // WithBlockTokens) and extra nil or one entry per block; otherwise the

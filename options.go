@@ -43,7 +43,7 @@ type config struct {
 	kvEvents     int
 	tenantKey    []byte  // WithTenantKey: the root of every tenant's secret
 	publicNames  bool    // WithPublicTenantNames: a tenant's namespace is its name
-	hasher       Hasher  // WithHasher; nil: HashBlockExtra
+	hasher       Hasher  // WithHasher; nil: HashBlock
 	alert        bool    // WithQuarantineAlert given
 	alertShare   float64 // alert when quarantined blocks exceed this share
 	setBy        map[string]string

@@ -5,29 +5,18 @@ import (
 	"github.com/kvlease/kvlease/internal/slots"
 )
 
-// ResetMode says what ResetCache makes unfindable.
-type ResetMode uint8
-
-// ResetAll makes ResetCache drop, beside the cached blocks nobody
-// references (the default: sealed blocks that leases still hold, or that
-// transfers still gate, stay findable), every block still in use: after
-// it, nothing sealed before can be hit, which is what a weight or adapter
-// update needs. Blocks in use stay sealed (immutable, readable by their
-// leases) but private: once unreferenced they are free, not cached.
-const ResetAll ResetMode = 1
-
 // ResetCache drops every cached block nobody references: each leaves the
 // prefix index and goes to the free list, so it will never be hit again.
-// By default sealed blocks that leases still hold stay findable; pass
-// ResetAll to make them unfindable too. It returns how
+// With all false, sealed blocks that leases still hold (or that transfers
+// still gate) stay findable; with all true they become unfindable too:
+// after it, nothing sealed before can be hit, which is what a weight or
+// adapter update needs (vLLM's reset_prefix_cache with running requests).
+// Blocks in use stay sealed (immutable, readable by their leases) but
+// private: once unreferenced they are free, not cached. It returns how
 // many blocks stopped being findable. With KV events on, it emits
 // AllBlocksCleared when the index is left empty, else one BlockRemoved
 // per block.
-func (p *Pool[R]) ResetCache(mode ...ResetMode) int {
-	all := false
-	for _, m := range mode {
-		all = all || m == ResetAll
-	}
+func (p *Pool[R]) ResetCache(all bool) int {
 	c := &p.core
 	c.mu.Lock()
 	defer c.unlock()

@@ -212,7 +212,7 @@ func TestResetCache(t *testing.T) {
 	evs, _ := p.DrainKVEvents(nil)
 	require.Len(t, evs, 4)
 	// b holds all four (two as hits): nothing unreferenced to drop.
-	require.Equal(t, 0, p.ResetCache())
+	require.Equal(t, 0, p.ResetCache(false))
 	held.Release()
 }
 
@@ -223,7 +223,7 @@ func TestResetCacheDropsUnreferenced(t *testing.T) {
 	fillSealed(t, p, "a", ha).Release()
 	b := fillSealed(t, p, "b", hb)
 	_, _ = p.DrainKVEvents(nil)
-	require.Equal(t, 2, p.ResetCache())
+	require.Equal(t, 2, p.ResetCache(false))
 	require.Equal(t, 0, p.CachedPrefix(ha))
 	require.Equal(t, 2, p.CachedPrefix(hb), "referenced sealed blocks stay findable")
 	st := p.Stats()
@@ -236,7 +236,7 @@ func TestResetCacheDropsUnreferenced(t *testing.T) {
 		require.Equal(t, KVBlockRemoved, e.Kind)
 	}
 	b.Release()
-	require.Equal(t, 2, p.ResetCache())
+	require.Equal(t, 2, p.ResetCache(false))
 	evs, _ = p.DrainKVEvents(nil)
 	require.Len(t, evs, 1)
 	require.Equal(t, KVAllBlocksCleared, evs[0].Kind, "an emptied index is one AllBlocksCleared")
@@ -309,7 +309,7 @@ func TestTokenLookupNeverHitsLastTokenBlock(t *testing.T) {
 	}
 }
 
-// ResetCache(ResetAll) makes in-use sealed blocks unfindable too: after a
+// ResetCache(true) makes in-use sealed blocks unfindable too: after a
 // weight update nothing old may hit. The default keeps them findable.
 func TestResetCacheAll(t *testing.T) {
 	p := newTestPool(t, 6, WithKVEvents(32))
@@ -329,10 +329,10 @@ func TestResetCacheAll(t *testing.T) {
 	c.Release() // cached, unreferenced
 	p.DrainKVEvents(nil)
 
-	require.Equal(t, 1, p.ResetCache(), "default: only the unreferenced block")
+	require.Equal(t, 1, p.ResetCache(false), "default: only the unreferenced block")
 	require.Equal(t, 3, p.CachedPrefix(hs), "in-use blocks stay findable by default")
 
-	require.Equal(t, 3, p.ResetCache(ResetAll))
+	require.Equal(t, 3, p.ResetCache(true))
 	require.Equal(t, 0, p.CachedPrefix(hs), "nothing old may hit")
 	evs, _ := p.DrainKVEvents(nil)
 	require.Equal(t, KVAllBlocksCleared, evs[len(evs)-1].Kind)
@@ -706,9 +706,9 @@ func FuzzPrefixCache(f *testing.F) {
 				what = fmt.Sprintf("reset (all=%v)", all)
 				var got int
 				if all {
-					got = p.ResetCache(ResetAll)
+					got = p.ResetCache(true)
 				} else {
-					got = p.ResetCache()
+					got = p.ResetCache(false)
 				}
 				if want := m.reset(all); got != want {
 					t.Fatalf("step %d %s: pool reset %d blocks, model %d", step, what, got, want)

@@ -49,7 +49,8 @@ type Holding struct {
 	Blocks int
 }
 
-func (h Holding) String() string {
+// string names the lease, its owner and its state, for the error.
+func (h Holding) string() string {
 	what := h.State.String()
 	switch {
 	case h.Leaked:
@@ -88,7 +89,7 @@ func (e *QuiescenceError) Error() string {
 			break
 		}
 		b.WriteString("; ")
-		b.WriteString(h.String())
+		b.WriteString(h.string())
 	}
 	return b.String()
 }

@@ -575,7 +575,7 @@ func qzRun(t *testing.T, data []byte) {
 				m.end(ql, op%10 == 7 && b%2 == 0)
 			}
 		case 9: // reset the cache
-			n := m.p.ResetCache()
+			n := m.p.ResetCache(false)
 			dropped := 0
 			for id := range m.slots {
 				if m.cached(id) {

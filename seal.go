@@ -120,7 +120,7 @@ func (l *lease) sealLocked(i int, h BlockHash, st *sealTokens, ev *outbox) error
 
 // SealTokens seals block i with the hash of its tokens under parent (the
 // previous block's hash, or the namespace seed for the first block) and
-// returns that hash: HashBlockExtra's, or the pool's Hasher (WithHasher;
+// returns that hash: HashBlock's (with its extra keys), or the pool's Hasher (WithHasher;
 // its error is returned wrapped and nothing is sealed). It is Seal with
 // the hash computed for you, and the only way to seal in verified mode
 // (WithVerifiedPrefix), where the pool keeps parent and tokens to check
@@ -263,10 +263,6 @@ func (p *Pool[R]) SealInfo(ref BlockRef, tokens []int32) (info SealInfo, ok bool
 	return info, true
 }
 
-// KeepsSealRecords reports whether the pool records how each block was
-// sealed, for SealInfo: with WithSealRecords, WithVerifiedPrefix or
-// WithKVEvents.
-func (p *Pool[R]) KeepsSealRecords() bool { return p.core.records }
 
 // Share returns a second lease, owned by owner, over the first n blocks of
 // this one: the same slots at the same generations, reference counted, for

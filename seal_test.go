@@ -129,7 +129,7 @@ func TestShare(t *testing.T) {
 func TestSealInfo(t *testing.T) {
 	for _, opts := range [][]Option{{WithBlockTokens(4), WithSealRecords()}, {WithBlockTokens(4), WithKVEvents(16)}, {WithVerifiedPrefix(4)}} {
 		p := newTestPool(t, 4, opts...)
-		require.True(t, p.KeepsSealRecords())
+		require.True(t, p.Stats().SealRecords)
 		l, err := p.Acquire("a", 3)
 		require.NoError(t, err)
 		toks := prompt(1, 4)
@@ -162,7 +162,7 @@ func TestSealInfo(t *testing.T) {
 		l2.Release()
 	}
 	p := newTestPool(t, 2, WithBlockTokens(4))
-	require.False(t, p.KeepsSealRecords())
+	require.False(t, p.Stats().SealRecords)
 	l, err := p.Acquire("a", 1)
 	require.NoError(t, err)
 	_, err = l.SealTokens(0, 7, prompt(1, 4))

@@ -101,7 +101,7 @@ func TestSequenceEmptyExtraRange(t *testing.T) {
 		t.Fatal(err)
 	}
 	h0 := HashBlock(2, prompt[:4])
-	if want := []BlockHash{h0, HashBlockExtra(h0, prompt[4:8], []string{"img"})}; !slices.Equal(s.BlockHashes(), want) {
+	if want := []BlockHash{h0, HashBlock(h0, prompt[4:8], []string{"img"}...)}; !slices.Equal(s.BlockHashes(), want) {
 		t.Fatalf("hashes %x, want %x", s.BlockHashes(), want)
 	}
 	extra[1].Key = "changed" // the sequence keeps its own copy
@@ -215,7 +215,7 @@ func modelHashes(seed BlockHash, tokens []int32, bt int, extra []ExtraKey) []Blo
 				keys = append(keys, e.Key)
 			}
 		}
-		parent = HashBlockExtra(parent, tokens[k*bt:(k+1)*bt], keys)
+		parent = HashBlock(parent, tokens[k*bt:(k+1)*bt], keys...)
 		out = append(out, parent)
 	}
 	return out

@@ -11,6 +11,11 @@ import (
 // block that qualifies for several states counts in the first that
 // applies: Quarantined, Leased, Draining, Cached, Free.
 type Stats struct {
+	// SealRecords reports whether the pool records how each block was
+	// sealed, for SealInfo: with WithSealRecords, WithVerifiedPrefix or
+	// WithKVEvents (package tiers requires it of its pools).
+	SealRecords bool
+
 	Capacity    int
 	Free        int // unreferenced, no content worth keeping
 	Cached      int // unreferenced, holds a findable sealed prefix block (evictable)
@@ -119,6 +124,7 @@ func (p *Pool[R]) Stats() Stats {
 	c.mu.Lock()
 	defer c.unlock()
 	return Stats{
+		SealRecords:       c.records,
 		Capacity:          c.tab.Len(),
 		Free:              c.tab.Count(slots.Free),
 		Cached:            c.tab.Count(slots.Cached),

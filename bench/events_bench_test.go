@@ -170,7 +170,7 @@ func BenchmarkReplayEvents(b *testing.B) {
 			runtime.LockOSThread()
 			defer runtime.UnlockOSThread()
 			c0 := threadCPU()
-			a.pool.ResetCache()
+			a.pool.ResetCache(false)
 			_, err := replay.Run(tr, cfg, a)
 			*cpu += threadCPU() - c0
 			errc <- err

@@ -51,7 +51,7 @@ func goldenEvents(t *testing.T) []kvlease.KVEvent {
 	}
 	l.Release()
 	l2.Release()
-	p.ResetCache()
+	p.ResetCache(false)
 	evs, _ := p.DrainKVEvents(nil)
 	return evs
 }

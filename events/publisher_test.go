@@ -208,7 +208,7 @@ func TestPublisherResetCache(t *testing.T) {
 	pub := newRecorded(t, Config{Pod: "p", Model: "m"}, &r, Source{Pool: pool})
 	l, _ := sealChain(t, pool, 1, 2)
 	l.Release()
-	require.Equal(t, 2, pool.ResetCache())
+	require.Equal(t, 2, pool.ResetCache(false))
 	flush(t, pub)
 	evs := flatten(r.batches(t))
 	require.Equal(t, "AllBlocksCleared", evs[len(evs)-1].Type)

@@ -156,7 +156,7 @@ func TestAcquireWindowNeedsOnlyItsBlocks(t *testing.T) {
 	r.Release()
 
 	// The full group limits: only 1 block cached there.
-	require.Equal(t, 4, full.ResetCache())
+	require.Equal(t, 4, full.ResetCache(false))
 	cache(t, full, hs[0], 0)
 	r, hit, err = c.Acquire("b", hs, 64)
 	require.NoError(t, err)

@@ -122,7 +122,7 @@ func New[D any](cfg Config[D]) (*Cache[D], error) {
 		return nil, fmt.Errorf("tiers: a device pool and a host pool are required: %w", kvlease.ErrInvalidArgument)
 	case cfg.Offload == nil || cfg.Onload == nil:
 		return nil, fmt.Errorf("tiers: offload and onload transports are required: %w", kvlease.ErrInvalidArgument)
-	case !cfg.Device.KeepsSealRecords() || !cfg.Host.KeepsSealRecords():
+	case !cfg.Device.Stats().SealRecords || !cfg.Host.Stats().SealRecords:
 		return nil, fmt.Errorf("tiers: the device and host pools must keep seal records (kvlease.WithSealRecords), so that a block's copies are sealed as it was: %w",
 			kvlease.ErrInvalidArgument)
 	case cfg.Device.Memory().BlockBytes() != cfg.Host.Memory().BlockBytes():

@@ -192,7 +192,7 @@ func TestLLMDIndexerFollowsKVLease(t *testing.T) {
 				lc := seal(t, pool, pub, c)
 				ix.waitHits(t, c, 2)
 				lc.Release()
-				require.Equal(t, 2, pool.ResetCache())
+				require.Equal(t, 2, pool.ResetCache(false))
 				flush(t, pub)
 				ix.waitHits(t, c, 0)
 				require.Zero(t, pub.Stats().DroppedBatches)
