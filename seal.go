@@ -263,7 +263,6 @@ func (p *Pool[R]) SealInfo(ref BlockRef, tokens []int32) (info SealInfo, ok bool
 	return info, true
 }
 
-
 // Share returns a second lease, owned by owner, over the first n blocks of
 // this one: the same slots at the same generations, reference counted, for
 // parallel sampling and beam search. Every shared block must be sealed
