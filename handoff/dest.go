@@ -125,8 +125,8 @@ type DestinationConfig[R any] struct {
 	MaxSessions int
 	// SessionIdleTimeout closes a session that has had no handoff in
 	// flight for that long (DefaultSessionIdleTimeout when zero, never
-	// when negative; HalfStats.IdleClosed): its source finds the session
-	// lost (ErrConnLost) and dials again.
+	// when negative; HalfStats.IdleClosed): its source's Done closes
+	// (Err wraps ErrConnLost), and its owner dials a new session.
 	SessionIdleTimeout time.Duration
 }
 

@@ -254,3 +254,66 @@ func TestSessionIdleTimeout(t *testing.T) {
 		_ = a.Close()
 	})
 }
+
+// TestSourceDoneOnIdleClose: a real Source learns that the destination
+// closed its idle session from Done, without proposing, and Err says
+// why; Close on a live session closes Done too.
+func TestSourceDoneOnIdleClose(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		pool := newHostPool(t, 32, hbBytes)
+		dst, err := NewDestination(pool, newManualPlane(), DestinationConfig[[]byte]{
+			HalfConfig:         HalfConfig{Envelope: testEnvelope(), Auth: testPSK},
+			SessionIdleTimeout: time.Minute})
+		if err != nil {
+			t.Fatal(err)
+		}
+		open := func() (*Source[[]byte], chan error) {
+			a, b := net.Pipe()
+			served := make(chan error, 1)
+			go func() { served <- dst.Serve(b) }()
+			src, err := NewSource(a, newManualPlane(), HalfConfig{Envelope: testEnvelope(), Auth: testPSK})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return src, served
+		}
+		done := func(s *Source[[]byte]) bool {
+			synctest.Wait()
+			select {
+			case <-s.Done():
+				return true
+			default:
+				return false
+			}
+		}
+		src, served := open()
+		time.Sleep(time.Minute - time.Nanosecond)
+		if done(src) || src.Err() != nil {
+			t.Fatalf("Done before the idle timeout (Err %v)", src.Err())
+		}
+		time.Sleep(time.Nanosecond)
+		if !done(src) {
+			t.Fatal("Done still open after the destination closed the idle session")
+		}
+		if err := src.Err(); !errors.Is(err, ErrConnLost) {
+			t.Fatalf("Err: %v", err)
+		}
+		if err := <-served; !errors.Is(err, errIdle) {
+			t.Fatalf("Serve: %v", err)
+		}
+		_ = src.Close()
+
+		live, served := open()
+		if done(live) || live.Err() != nil {
+			t.Fatal("a new session is done at once")
+		}
+		_ = live.Close()
+		if !done(live) || !errors.Is(live.Err(), ErrConnLost) {
+			t.Fatalf("after Close: Err %v", live.Err())
+		}
+		<-served
+		if st := dst.Stats(); st.IdleClosed != 1 {
+			t.Fatalf("stats %+v", st)
+		}
+	})
+}

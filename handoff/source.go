@@ -86,6 +86,27 @@ func (s *Source[R]) Peer() *Peer { return s.peer }
 // Stats returns what this source refused and why.
 func (s *Source[R]) Stats() HalfStats { return s.stats.snapshot() }
 
+// Done returns a channel that is closed once the session has ended: the
+// destination closed it (its SessionIdleTimeout, a refusal, its
+// shutdown), the connection failed, or Close was called. Err then says
+// why. A Source is one session and never redials: a caller that keeps
+// proposing dials a new one (NewSource) when Done closes, instead of
+// learning it from a Propose that fails with ErrConnLost.
+func (s *Source[R]) Done() <-chan struct{} { return s.closed }
+
+// Err returns nil while the session is up and, once Done is closed, why
+// it ended (wrapping ErrConnLost and the connection's error).
+func (s *Source[R]) Err() error {
+	select {
+	case <-s.closed:
+	default:
+		return nil
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.lost
+}
+
 // forget moves a handoff that became final (in st) out of the table into
 // the recent ids. It runs as an effect of the final move, after o.mu is
 // released (lock order: s.mu before o.mu).
