@@ -395,7 +395,8 @@ func checkTokens(m *ProposeMsg, bt int) error {
 
 // ErrNamespace is wrapped by the rejection of a proposal whose tenant
 // namespace the destination does not allow its proposer (see
-// DestinationConfig.Tenant). It wraps ErrRejected.
+// DestinationConfig.Tenant), on the destination and in the source's
+// Outgoing.Err (the Reject carries its own code). It wraps ErrRejected.
 var ErrNamespace = fmt.Errorf("kvlease: handoff namespace not allowed: %w", ErrRejected)
 
 // tenantFor applies the destination's tenant policy to proposal m from

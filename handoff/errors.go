@@ -82,6 +82,8 @@ func rejectSentinel(c wire.RejectCode) error {
 		return kvlease.ErrPoolClosed
 	case wire.RejectLimit:
 		return ErrLimit
+	case wire.RejectNamespace:
+		return ErrNamespace
 	}
 	return ErrRejected
 }
@@ -89,6 +91,8 @@ func rejectSentinel(c wire.RejectCode) error {
 // rejectCode maps a destination's error to its code.
 func rejectCode(err error) wire.RejectCode {
 	switch {
+	case errors.Is(err, ErrNamespace):
+		return wire.RejectNamespace
 	case errors.Is(err, ErrLimit):
 		return wire.RejectLimit
 	case errors.Is(err, kvlease.ErrExceedsCapacity):

@@ -102,7 +102,7 @@ func TestHostileProposerNamespaces(t *testing.T) {
 				t.Fatalf("proposal %d (namespace %q) accepted", tc.m.ID, tc.m.Namespace)
 			}
 		case *wire.RejectMsg:
-			if tc.accept || m.Code != wire.RejectPolicy || !strings.Contains(m.Reason, tc.reason) || !strings.Contains(m.Reason, ErrNamespace.Error()) {
+			if tc.accept || m.Code != wire.RejectNamespace || !strings.Contains(m.Reason, tc.reason) || !strings.Contains(m.Reason, ErrNamespace.Error()) {
 				t.Fatalf("proposal %d (namespace %q): %+v", tc.m.ID, tc.m.Namespace, m)
 			}
 		default:

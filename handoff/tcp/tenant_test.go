@@ -1,6 +1,7 @@
 package tcp_test
 
 import (
+	"errors"
 	"net"
 	"testing"
 	"time"
@@ -121,6 +122,29 @@ func TestHandoffSealsUnderTenantNamespace(t *testing.T) {
 	if stored != 3 {
 		t.Fatalf("%d stored events", stored)
 	}
+	// A proposal whose seed is not the tenant's for the salt it names is
+	// refused, and the source learns why: ErrNamespace, not only
+	// ErrRejected.
+	lease2, err := pacme.Acquire("req-2", 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err = lease2.SealTokens(0, seed, toks[2*env.BlockTokens:3*env.BlockTokens]); err != nil {
+		t.Fatal(err)
+	}
+	o2, err := src.ProposeTokens(2, "req-2", lease2, seed, toks[2*env.BlockTokens:3*env.BlockTokens], handoff.TenantNamespace(pacme.Namespace(), 6))
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-o2.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatalf("no answer: %v", o2.State())
+	}
+	if o2.State() != handoff.Rejected || !errors.Is(o2.Err(), handoff.ErrNamespace) || !errors.Is(o2.Err(), handoff.ErrRejected) {
+		t.Fatalf("a wrong salt: %v %v", o2.State(), o2.Err())
+	}
+	lease2.Release()
 	in.Lease().Release()
 	lease.Release()
 	_ = src.Close()

@@ -88,6 +88,7 @@ const (
 	RejectDuplicate                   // the id is already in use (ErrState)
 	RejectClosed                      // the pool is closed (kvlease.ErrPoolClosed)
 	RejectLimit                       // a per-session cap (ErrLimit)
+	RejectNamespace                   // the proposed namespace is not the proposer's (ErrNamespace)
 	numRejectCodes
 )
 
