@@ -345,7 +345,7 @@ func (s *session[R]) get(m wire.Message) *Incoming[R] {
 	st, recent := s.recent.state(m.Handoff())
 	s.mu.Unlock()
 	if in == nil {
-		answerAbsent(s.c, s.d.cfg.report, "destination", m, st, recent)
+		answerAbsent(s.c, s.d.cfg.report, &s.d.stats, "destination", m, st, recent)
 	}
 	return in
 }

@@ -162,13 +162,19 @@ type HalfStats struct {
 	// IdleClosed counts sessions the destination closed after
 	// SessionIdleTimeout with nothing in flight.
 	IdleClosed int64
+	// Crossed counts messages that crossed this side's end of their
+	// handoff (the destination's Accept, Reject or Done crossing the
+	// source's Abort; the source's Start crossing the destination's
+	// Abort or Reject): expected, dropped, not reported as protocol
+	// errors.
+	Crossed int64
 }
 
 // halfCounters are HalfStats, counted atomically.
 type halfCounters struct {
 	sessions, authRefused, downgrades, framesRefused, limitRefused,
 	startTimeouts, duplicates, quarantined, unauthorized, acceptErrors, busy atomic.Int64
-	identityRefused, sessionsRefused, idleClosed atomic.Int64
+	identityRefused, sessionsRefused, idleClosed, crossed atomic.Int64
 }
 
 func (c *halfCounters) snapshot() HalfStats {
@@ -178,6 +184,7 @@ func (c *halfCounters) snapshot() HalfStats {
 		Duplicates: c.duplicates.Load(), Quarantined: c.quarantined.Load(), Unauthorized: c.unauthorized.Load(),
 		AcceptErrors: c.acceptErrors.Load(), Busy: c.busy.Load(),
 		IdentityRefused: c.identityRefused.Load(), SessionsRefused: c.sessionsRefused.Load(), IdleClosed: c.idleClosed.Load(),
+		Crossed: c.crossed.Load(),
 	}
 }
 
@@ -214,13 +221,16 @@ func retire[T comparable](live map[uint64]T, recent *recentIDs, id uint64, v T, 
 
 // answerAbsent answers message m for a handoff not in the side's table
 // (side: "source" or "destination") as the final handoff would, when it
-// left in st (recent): an Ack is dropped, an Abort acknowledged on c,
-// anything else reported; a message for an unknown handoff is reported.
-func answerAbsent(c *wire.Conn, report func(error), side string, m wire.Message, st State, recent bool) {
+// left in st (recent): an Ack is dropped, an Abort acknowledged on c, a
+// message that crossed this side's end dropped and counted (crossing),
+// anything else
+// reported; a message for an unknown handoff is reported.
+func answerAbsent(c *wire.Conn, report func(error), stats *halfCounters, side string, m wire.Message, st State, recent bool) {
 	switch {
 	case recent && m.Type() == wire.MsgAck:
 	case recent && m.Type() == wire.MsgAbort:
 		_ = c.Send(&wire.AckMsg{ID: m.Handoff(), Of: wire.MsgAbort})
+	case recent && stats.crossing(side == "source", m.Type(), st):
 	case recent:
 		report(fmt.Errorf("kvlease: handoff %d: %v while %v: %w", m.Handoff(), m.Type(), st, wire.ErrProtocolRefused))
 	default:
@@ -267,4 +277,34 @@ func (r *recentIDs) add(id uint64, st State) {
 		r.next = (r.next + 1) % maxRecentIDs
 	}
 	r.set[id] = st
+}
+
+// crossed reports whether a message of type t, for a handoff this side
+// ended (or is ending: Aborting) in st, whether it is still in the
+// side's table or not, is one the peer may have sent before it heard of that
+// end: an honest crossing, not a protocol violation, so it is dropped
+// without a report. On the source, the destination's Accept, Reject or
+// Done crossing the source's Abort (or its Failed: its transfer failed,
+// or the Done came after it stopped waiting); on the destination, the
+// source's Start crossing the destination's Abort or its Reject after
+// an Accept. A message that could not have been sent before the peer
+// heard (a second Done after Delivered, anything after the peer's own
+// Reject) is still reported. The record keeps only the final state, so
+// the same messages after the peer's own Abort are dropped too: harmless,
+// the handoff is final on both sides.
+func crossed(source bool, t wire.MsgType, st State) bool {
+	if source {
+		return (st == Aborting || st == Aborted || st == Failed) && (t == wire.MsgAccept || t == wire.MsgReject || t == wire.MsgDone)
+	}
+	return (st == Aborting || st == Aborted || st == Rejected) && t == wire.MsgStart
+}
+
+// crossing reports crossed(source, t, st) and counts a crossing in
+// HalfStats.Crossed.
+func (c *halfCounters) crossing(source bool, t wire.MsgType, st State) bool {
+	if crossed(source, t, st) {
+		c.crossed.Add(1)
+		return true
+	}
+	return false
 }

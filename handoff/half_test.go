@@ -282,6 +282,32 @@ func TestSourceRefusesBadMessages(t *testing.T) {
 	if s := o.State(); s != Delivered {
 		t.Fatalf("source %v", s)
 	}
+	// A handoff the source aborts while the destination's Accept and
+	// Done are on their way: both crossed the abort, so neither is
+	// reported; the next report is the unknown handoff's.
+	lease3, _ := pool.Acquire("r3", 1)
+	defer lease3.Release()
+	o3, _ := src.Propose(3, "r3", lease3, nil)
+	read()
+	if err := o3.Abort("test", nil); err != nil {
+		t.Fatal(err)
+	}
+	if m, ok := read().(*wire.AbortMsg); !ok || m.ID != 3 {
+		t.Fatalf("abort %#v", m)
+	}
+	write(&wire.AbortMsg{ID: 3}) // the destination's own abort crossing ours
+	write(&wire.AckMsg{ID: 3, Of: wire.MsgAbort})
+	<-o3.Done()
+	write(&wire.AcceptMsg{ID: 3})
+	write(&wire.DoneMsg{ID: 3})
+	write(&wire.DoneMsg{ID: 98})
+	refused("unknown handoff 98")
+	if s := o3.State(); s != Aborted {
+		t.Fatalf("aborted handoff %v", s)
+	}
+	if c := src.Stats().Crossed; c != 2 {
+		t.Fatalf("%d crossings counted, want the Accept and the Done", c)
+	}
 	// A second handoff, not yet started, then a corrupted frame.
 	lease2, _ := pool.Acquire("r2", 2)
 	defer lease2.Release()

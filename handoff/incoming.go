@@ -78,7 +78,9 @@ func (in *Incoming[R]) start(m *wire.StartMsg) {
 	if next(in.state, EventAttach).kind != edgeMove {
 		st := in.state
 		in.unlock()
-		d.cfg.report(fmt.Errorf("kvlease: handoff %d: start while %v: %w", in.id, st, wire.ErrProtocolRefused))
+		if !d.stats.crossing(false, wire.MsgStart, st) {
+			d.cfg.report(fmt.Errorf("kvlease: handoff %d: start while %v: %w", in.id, st, wire.ErrProtocolRefused))
+		}
 		return
 	}
 	regions := make([]R, 0, in.n-in.from)

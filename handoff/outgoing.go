@@ -66,7 +66,9 @@ func (o *Outgoing[R]) accepted(m *wire.AcceptMsg) {
 	if kind, _ := o.fire(s.cfg.Peer, EventAccept, nil); kind != edgeMove {
 		st := o.state
 		o.unlock()
-		s.cfg.report(fmt.Errorf("kvlease: handoff %d: accept while %v: %w", o.id, st, wire.ErrProtocolRefused))
+		if !s.stats.crossing(true, wire.MsgAccept, st) {
+			s.cfg.report(fmt.Errorf("kvlease: handoff %d: accept while %v: %w", o.id, st, wire.ErrProtocolRefused))
+		}
 		return
 	}
 	o.from = int(m.From)
@@ -264,7 +266,7 @@ func (o *Outgoing[R]) rejected(m *wire.RejectMsg) {
 		o.peerWord(o.s.cfg.Peer, err, false)
 	}
 	o.unlock()
-	if kind == edgeRefuse && st != Transferring {
+	if kind == edgeRefuse && st != Transferring && !o.s.stats.crossing(true, wire.MsgReject, st) {
 		o.s.cfg.report(fmt.Errorf("kvlease: handoff %d: reject while %v: %w", o.id, st, wire.ErrProtocolRefused))
 	}
 }
@@ -282,7 +284,9 @@ func (o *Outgoing[R]) doneMsg(m *wire.DoneMsg) {
 		o.Transfer().Resolve(err) // the mutant: the peer's word taken for evidence
 	}
 	if !noted {
-		o.s.cfg.report(fmt.Errorf("kvlease: handoff %d: done while %v: %w", o.id, st, wire.ErrProtocolRefused))
+		if !o.s.stats.crossing(true, wire.MsgDone, st) {
+			o.s.cfg.report(fmt.Errorf("kvlease: handoff %d: done while %v: %w", o.id, st, wire.ErrProtocolRefused))
+		}
 		return
 	}
 	_ = o.s.c.Send(&wire.AckMsg{ID: o.id, Of: wire.MsgDone})

@@ -315,7 +315,7 @@ func (s *Source[R]) get(m wire.Message) *Outgoing[R] {
 	st, recent := s.recent.state(m.Handoff())
 	s.mu.Unlock()
 	if o == nil {
-		answerAbsent(s.c, s.cfg.report, "source", m, st, recent)
+		answerAbsent(s.c, s.cfg.report, &s.stats, "source", m, st, recent)
 	}
 	return o
 }

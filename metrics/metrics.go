@@ -164,7 +164,7 @@ type descs struct {
 	vUsage, vQueries, vHits, vConfig                            *prometheus.Desc
 	hSessions, hRefusals, hQuarantined, pRefusals, pAcceptErrs  *prometheus.Desc
 	pConns, pIdle, pTransfers, pBytes                           *prometheus.Desc
-	hIdleClosed                                                 *prometheus.Desc // collectSessionBounds
+	hIdleClosed, hCrossed                                       *prometheus.Desc // collectSessionBounds
 }
 
 // New makes a Collector and registers it on reg.
@@ -228,6 +228,7 @@ func New(reg prometheus.Registerer, opts Options) (*Collector, error) {
 		pTransfers:   d("handoff_data_transfers_total", "Transfers a TCP plane ran, by outcome (completed, failed, canceled).", "plane", "outcome"),
 		pBytes:       d("handoff_data_bytes_total", "Block bytes a TCP plane moved.", "plane"),
 		hIdleClosed:  d("handoff_sessions_idle_closed_total", "Control sessions a handoff destination closed after its SessionIdleTimeout with nothing in flight.", "half"),
+		hCrossed:     d("handoff_messages_crossed_total", "Control messages that crossed this half's end of their handoff (an Accept, Reject or Done crossing the source's abort; a Start crossing the destination's abort or reject): expected, dropped, not protocol errors.", "half"),
 	}
 	if v := opts.VLLM; v != nil {
 		names := v.Names
@@ -355,6 +356,7 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 		ch <- d
 	}
 	ch <- c.d.hIdleClosed
+	ch <- c.d.hCrossed
 	for _, d := range []*prometheus.Desc{c.d.vUsage, c.d.vQueries, c.d.vHits, c.d.vConfig} {
 		if d != nil { // only the chosen vLLM names
 			ch <- d
@@ -491,8 +493,8 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 // collectSessionBounds exports what a half's per-identity and session
 // bounds did: proposals refused by an identity's caps
 // (reason="identity_limit"), sessions refused by MaxSessions or an
-// identity's session cap (reason="session_limit"), and sessions closed
-// idle.
+// identity's session cap (reason="session_limit"), sessions closed
+// idle, and the messages that crossed an end of their handoff.
 func (c *Collector) collectSessionBounds(ch chan<- prometheus.Metric, st handoff.HalfStats, half string) {
 	counter := func(d *prometheus.Desc, v int64, l ...string) {
 		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, float64(max(v, 0)), l...)
@@ -500,4 +502,5 @@ func (c *Collector) collectSessionBounds(ch chan<- prometheus.Metric, st handoff
 	counter(c.d.hRefusals, st.IdentityRefused, half, "identity_limit")
 	counter(c.d.hRefusals, st.SessionsRefused, half, "session_limit")
 	counter(c.d.hIdleClosed, st.IdleClosed, half)
+	counter(c.d.hCrossed, st.Crossed, half)
 }

@@ -421,7 +421,7 @@ func (f fakePlane) Stats() handoff.PlaneStats { return f.s }
 func TestCollectorHandoffRefusals(t *testing.T) {
 	c, _, _ := newCollector(t, Options{})
 	require.NoError(t, c.AddHalf("decode", fakeHalf{handoff.HalfStats{Sessions: 3, AuthRefused: 5, Downgrades: 2, FramesRefused: 1,
-		LimitRefused: 4, StartTimeouts: 1, Quarantined: 2, IdentityRefused: 6, SessionsRefused: 7, IdleClosed: 8}}))
+		LimitRefused: 4, StartTimeouts: 1, Quarantined: 2, IdentityRefused: 6, SessionsRefused: 7, IdleClosed: 8, Crossed: 5}}))
 	require.NoError(t, c.AddPlane("decode", fakePlane{handoff.PlaneStats{Refused: 9, RefusedAuth: 3, RefusedBusy: 4, AcceptErrors: 1,
 		Dials: 2, Reuses: 7, IdleExpired: 1, Stale: 1, Idle: 1, Completed: 8, Failed: 1, Bytes: 1 << 20}}))
 	require.ErrorIs(t, c.AddHalf("decode", fakeHalf{}), ErrInvalid)
@@ -442,6 +442,9 @@ kvlease_handoff_refusals_total{half="decode",reason="unauthorized"} 0
 # HELP kvlease_handoff_sessions_idle_closed_total Control sessions a handoff destination closed after its SessionIdleTimeout with nothing in flight.
 # TYPE kvlease_handoff_sessions_idle_closed_total counter
 kvlease_handoff_sessions_idle_closed_total{half="decode"} 8
+# HELP kvlease_handoff_messages_crossed_total Control messages that crossed this half's end of their handoff (an Accept, Reject or Done crossing the source's abort; a Start crossing the destination's abort or reject): expected, dropped, not protocol errors.
+# TYPE kvlease_handoff_messages_crossed_total counter
+kvlease_handoff_messages_crossed_total{half="decode"} 5
 # HELP kvlease_handoff_data_refusals_total Data connections a TCP plane refused, by reason (auth, busy, address, other).
 # TYPE kvlease_handoff_data_refusals_total counter
 kvlease_handoff_data_refusals_total{plane="decode",reason="address"} 0
@@ -466,7 +469,7 @@ kvlease_handoff_data_transfers_total{outcome="failed",plane="decode"} 1
 # TYPE kvlease_handoff_data_bytes_total counter
 kvlease_handoff_data_bytes_total{plane="decode"} 1.048576e+06
 `
-	require.NoError(t, testutil.CollectAndCompare(c, strings.NewReader(want), "kvlease_handoff_refusals_total", "kvlease_handoff_sessions_idle_closed_total", "kvlease_handoff_data_refusals_total",
+	require.NoError(t, testutil.CollectAndCompare(c, strings.NewReader(want), "kvlease_handoff_refusals_total", "kvlease_handoff_sessions_idle_closed_total", "kvlease_handoff_messages_crossed_total", "kvlease_handoff_data_refusals_total",
 		"kvlease_handoff_data_connections_total", "kvlease_handoff_data_idle_connections", "kvlease_handoff_data_transfers_total", "kvlease_handoff_data_bytes_total"))
 	problems, err := testutil.CollectAndLint(c)
 	require.NoError(t, err)

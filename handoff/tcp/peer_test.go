@@ -490,6 +490,10 @@ func destPeer(cfg peerConfig, pool *kvlease.Pool[[]byte], ctl *ctlConn, half han
 		case "ungate":
 			ctl.ungate()
 			say("ungated")
+		case "crossed": // crossed N: wait (bounded) until N messages crossed an end
+			for end := time.Now().Add(bound); dst.Stats().Crossed < int64(id) && time.Now().Before(end); time.Sleep(time.Millisecond) {
+			}
+			say("crossed %d", dst.Stats().Crossed)
 		case "reject":
 			say("rejected %d %s", id, errText(get(id).Reject("decode", errors.New("decode changed its mind"))))
 		case "abort":
