@@ -239,11 +239,7 @@ func Run(cfg Config, out io.Writer) (l Ledger, err error) {
 			r.src.Release() // the prefill side is done with it, whatever happened
 		}
 	}
-	var crossed []string
 	for _, r := range reqs {
-		if r.o != nil && r.o.State() == handoff.Aborted {
-			crossed = append(crossed, fmt.Sprintf("handoff %d: done while aborted", r.ID))
-		}
 		count(&l, r)
 		if !cfg.Quiet {
 			printTimeline(out, r)
@@ -251,7 +247,7 @@ func Run(cfg Config, out io.Writer) (l Ledger, err error) {
 	}
 	l.Prefill = prefill.Stats()
 	l.Quiescent("prefill", prefill.CheckQuiescent())
-	pre.Settle(&l, rep, out, crossed...)
+	pre.Settle(&l, rep, out)
 	rig.PrintLedger(out, cfg.Seed, l, rig.LedgerText{
 		Over:        fmt.Sprintf(", over UCX (%s)", os.Getenv("UCX_TLS")),
 		Quarantined: "evidence never came",
