@@ -71,7 +71,7 @@ func ExamplePSK() {
 	// with the key: <nil>
 	// with another key: true true
 	// no authenticator: true
-	// {Sessions:1 AuthRefused:1 Downgrades:0 FramesRefused:0 LimitRefused:0 StartTimeouts:0 Duplicates:0 Quarantined:0 Unauthorized:0 AcceptErrors:0 Busy:0 IdentityRefused:0 SessionsRefused:0 IdleClosed:0}
+	// {Sessions:1 AuthRefused:1 Downgrades:0 FramesRefused:0 LimitRefused:0 StartTimeouts:0 Duplicates:0 Quarantined:0 Unauthorized:0 AcceptErrors:0 Busy:0 IdentityRefused:0 SessionsRefused:0 IdleClosed:0 Crossed:0}
 }
 
 type nopSender struct{}
