@@ -60,24 +60,26 @@ type Config struct {
 	// destination destroys the worker it is connected to.
 	IdleTimeout time.Duration
 	// StallTimeout is the transfers' progress timeout, on both sides: a
-	// transfer whose sends (source), receives or gets (destination)
-	// complete none for that long ends (ErrStalled; Stats.Stalled),
-	// whatever the handoff's Deadline, none included, through the path a
-	// cancel takes: the source revokes (its evidence), the destination
-	// withdraws its receives and resolves once every one is done (a
-	// receive a message already matched still holds its blocks until
-	// late evidence or Close; see the package doc). A frozen peer so
-	// holds our blocks for at most StallTimeout past its last progress.
-	// The source counts from its last completed send to the
-	// destination's done, so a destination that holds its done longer
-	// is stalled too; a pulling source sees no gets complete and counts
-	// the time its handoff worker does nothing (on a hardware transport,
-	// from the Start to the done). A streaming destination waits while
-	// the source's prefill computes: StallTimeout must cover the longest
-	// pause between the parts the prefill marks written (a streaming
-	// source's own wait for its prefill, with nothing outstanding, is
-	// not a stall). DefaultStallTimeout when zero or negative: it cannot
-	// be turned off.
+	// transfer that neither posts nor completes one of its sends
+	// (source), receives or gets (destination) for that long ends
+	// (ErrStalled; Stats.Stalled), whatever the handoff's Deadline, none
+	// included, through the path a cancel takes: the source revokes (its
+	// evidence), the destination withdraws its receives (or stops its
+	// gets) and resolves once every one is done; a receive a message
+	// already matched, or a get of a stopped source, still holds its
+	// blocks, quarantined, until late evidence or Close. A frozen peer so
+	// holds our blocks for at most StallTimeout past its last progress
+	// (the source: plus the time its Config.Window posts took). The
+	// source counts on from its last send to the destination's done: a
+	// destination that holds its done longer is stalled too. A pulling
+	// source sees no get complete: it counts the time its handoff worker
+	// does nothing (on a hardware transport that serves the gets without
+	// it, from the Start to the done). A streaming destination waits
+	// while the source's prefill computes: StallTimeout must cover the
+	// longest pause between the parts the prefill marks written (a
+	// streaming source's own wait for its prefill, with nothing
+	// outstanding, is not a stall). DefaultStallTimeout when zero or
+	// negative: it cannot be turned off.
 	StallTimeout time.Duration
 }
 

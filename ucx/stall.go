@@ -9,10 +9,10 @@ import (
 
 // The progress timeout (Config.StallTimeout). Every attached transfer has
 // a stall clock: the job's worker thread marks progress on it (a send,
-// receive, get or flush that completed; the pull source, any progress of
-// its worker; a streaming source, its wait for its own prefill with
-// nothing outstanding), and a goroutine of the transfer's own wakes when
-// the timeout may have passed. Once StallTimeout passed with no progress
+// receive or get posted or completed, at most Config.Window outstanding;
+// the pull source, any progress of its worker; a streaming source, its
+// wait for its own prefill with nothing outstanding), and a goroutine of
+// the transfer's own wakes when the timeout may have passed. Once StallTimeout passed with no progress
 // it ends the transfer through the path a cancel takes, whatever the
 // handoff's Deadline, none included:
 //
