@@ -253,3 +253,59 @@ func TestStallSlowPeerLive(t *testing.T) {
 		})
 	}
 }
+
+// TestStallStreamPrefillPause: a streaming handoff whose prefill pauses
+// between layers. The source's wait for its own prefill, with nothing
+// outstanding, is not a stall (source-waits: a pause of more than three
+// of its StallTimeouts, delivered); the destination cannot tell a
+// computing prefill from a frozen one, so a pause longer than its
+// StallTimeout stalls it (destination-gap: ErrStalled, its receives
+// withdrawn), as Config.StallTimeout's doc says.
+func TestStallStreamPrefillPause(t *testing.T) {
+	const short = 300 * time.Millisecond
+	t.Run("source-waits", func(t *testing.T) {
+		l := newLoop(t, loopConfig{deadline: -1, keepLeases: true,
+			send: ucx.Config{StallTimeout: short}, recv: ucx.Config{StallTimeout: time.Hour}})
+		out, in, lease, prog, fill := startStream(t, l, 6, 61)
+		prefill(t, prog, 0, 0, 3, fill)
+		waitFor(t, "the first 3 layers sent", func() bool { return l.sender.Stats().Messages >= 3 })
+		time.Sleep(4 * short)
+		prefill(t, prog, 0, 3, sLayers, fill)
+		waitFinal(t, out)
+		waitFinal(t, in)
+		if out.State() != handoff.Delivered || in.State() != handoff.Delivered {
+			t.Fatalf("source %v, destination %v: %v / %v", out.State(), in.State(), out.History(), in.History())
+		}
+		if err := checkParts(in.Lease(), 61); err != nil {
+			t.Fatal(err)
+		}
+		in.Lease().Release()
+		lease.Release()
+		if s := l.sender.Stats(); s.Stalled != 0 || s.Completed != 1 {
+			t.Fatalf("sender %+v", s)
+		}
+	})
+	t.Run("destination-gap", func(t *testing.T) {
+		l := newLoop(t, loopConfig{deadline: -1, keepLeases: true,
+			send: ucx.Config{StallTimeout: time.Hour}, recv: ucx.Config{StallTimeout: short}})
+		out, in, lease, prog, fill := startStream(t, l, 6, 62)
+		prefill(t, prog, 0, 0, 3, fill)
+		waitFinal(t, in) // the prefill pauses until the destination gave up
+		if st := in.State(); st != handoff.Failed {
+			t.Fatalf("destination %v: %v", st, in.History())
+		}
+		if err := in.Transfer().Err(); !errors.Is(err, ucx.ErrStalled) {
+			t.Fatalf("destination transfer resolved with %v, want a stall", err)
+		}
+		if r := l.recv.Stats(); r.Stalled != 1 || r.Revoked != 0 || r.Completed != 0 {
+			t.Fatalf("receiver %+v", r)
+		}
+		prefill(t, prog, 0, 3, sLayers, fill)
+		waitFinal(t, out)
+		if st := out.State(); st != handoff.Failed && st != handoff.Aborted {
+			t.Fatalf("source %v: %v", st, out.History())
+		}
+		lease.Release()
+		waitSettled(t, lease)
+	})
+}
