@@ -59,6 +59,28 @@ type Config struct {
 	// the source's: the source then drops its endpoint before the
 	// destination destroys the worker it is connected to.
 	IdleTimeout time.Duration
+	// StallTimeout is the transfers' progress timeout, on both sides: a
+	// transfer that neither posts nor completes one of its sends
+	// (source), receives or gets (destination) for that long ends
+	// (ErrStalled; Stats.Stalled), whatever the handoff's Deadline, none
+	// included, through the path a cancel takes: the source revokes (its
+	// evidence), the destination withdraws its receives (or stops its
+	// gets) and resolves once every one is done; a receive a message
+	// already matched, or a get of a stopped source, still holds its
+	// blocks, quarantined, until late evidence or Close. A frozen peer so
+	// holds our blocks for at most StallTimeout past its last progress
+	// (the source: plus the time its Config.Window posts took). The
+	// source counts on from its last send to the destination's done: a
+	// destination that holds its done longer is stalled too. A pulling
+	// source sees no get complete: it counts the time its handoff worker
+	// does nothing (on a hardware transport that serves the gets without
+	// it, from the Start to the done). A streaming destination waits
+	// while the source's prefill computes: StallTimeout must cover the
+	// longest pause between the parts the prefill marks written (a
+	// streaming source's own wait for its prefill, with nothing
+	// outstanding, is not a stall). DefaultStallTimeout when zero or
+	// negative: it cannot be turned off.
+	StallTimeout time.Duration
 }
 
 func (c *Config) defaults() {
@@ -74,6 +96,9 @@ func (c *Config) defaults() {
 	if c.MaxIdle == 0 {
 		c.MaxIdle = defaultMaxIdle
 	}
+	if c.StallTimeout <= 0 {
+		c.StallTimeout = DefaultStallTimeout
+	}
 }
 
 // Stats counts what a plane did.
@@ -81,8 +106,10 @@ type Stats struct {
 	// Started counts attached transfers; Completed those resolved with
 	// every block delivered (destination) or with the destination's done
 	// (source); Canceled those that stopped on a cancel with a completed
-	// flush; Revoked those whose evidence is a revocation.
-	Started, Completed, Canceled, Revoked int
+	// flush; Revoked those whose evidence is a revocation. Stalled
+	// counts those Config.StallTimeout ended (a source's are revoked
+	// too, and counted there).
+	Started, Completed, Canceled, Revoked, Stalled int
 	// Bytes counts bytes read by completed gets (destination).
 	Bytes int64
 	// Registrations counts the ucp_mem_map calls on region memory (one

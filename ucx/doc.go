@@ -64,7 +64,15 @@
 // A destination whose source stopped in the middle of a message has no
 // evidence: its blocks stay quarantined until the source resumes, its
 // connection fails, or Close revokes everything still reading
-// (ErrClosed). Malformed or mismatched plane bytes are refused with
+// (ErrClosed).
+//
+// Config.StallTimeout (10 s) is each transfer's progress timeout,
+// whatever the handoff's Deadline: a transfer that neither posts nor
+// completes a send, receive or get for that long ends as on a cancel
+// (the source revokes; the destination withdraws its receives), with an
+// outcome that wraps ErrStalled. A frozen peer so holds our blocks for a
+// bounded time, but for a receive or get already under way from a
+// stopped source, which stays quarantined as above. Malformed or mismatched plane bytes are refused with
 // ErrCorrupt, bad regions with kvlease.ErrInvalidArgument, before
 // anything is attached.
 //

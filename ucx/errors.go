@@ -21,6 +21,12 @@ var (
 	ErrRevoked = errors.New("ucx: registration revoked")
 	// ErrClosed is the cause recorded for transfers revoked by Close.
 	ErrClosed = errors.New("ucx: plane closed")
+	// ErrStalled wraps the outcome of a transfer that made no progress
+	// (no send, receive or get completed) for Config.StallTimeout: the
+	// peer stopped sending or receiving. The transfer ended as on a
+	// cancel (the source's outcome wraps ErrRevoked too) and fails; it
+	// does not wrap kvlease.ErrCanceled.
+	ErrStalled = errors.New("ucx: transfer stalled")
 )
 
 // errPullSecure refuses the pull model in an authenticated session: its

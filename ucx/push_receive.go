@@ -225,6 +225,7 @@ func (j *recvJob[R]) stepPush() bool {
 	}
 	if !p.tabled && p.sums.p != nil {
 		p.tabled = true
+		j.stall.progress()
 		if err := j.w.recv(p.rv, msgs, p.sums.addr(), p.sums.n, false, tagOf(p.prep.salt, tableIndex)); err != nil {
 			j.postErr = err
 		}
@@ -234,7 +235,11 @@ func (j *recvJob[R]) stepPush() bool {
 		table = 1
 	}
 	completed := p.rv.b.completed()
-	stopping := j.canceled.Load() || j.postErr != nil || p.rv.b.failedN() > 0 || p.epErr != nil
+	if completed != j.seen {
+		j.seen = completed
+		j.stall.progress()
+	}
+	stopping := j.stopping() || j.postErr != nil || p.rv.b.failedN() > 0 || p.epErr != nil
 	for !stopping && j.next < msgs && j.next+table-completed < window+table {
 		if p.layers > 0 {
 			stopping = j.postPart()
@@ -245,7 +250,7 @@ func (j *recvJob[R]) stepPush() bool {
 		if hook := j.r.cfg.BeforeGet; hook != nil {
 			for b := m.first; b < m.first+m.count && !stopping; b++ {
 				hook(j.id, b)
-				stopping = j.canceled.Load()
+				stopping = j.stopping()
 			}
 			if stopping {
 				break
@@ -259,6 +264,7 @@ func (j *recvJob[R]) stepPush() bool {
 			err = j.w.recv(p.rv, j.next, p.iov.at(m.first*np), m.count*np, true, tag)
 		}
 		j.next++ // posted, or failed at once (counted as completed)
+		j.stall.progress()
 		if err != nil {
 			j.postErr = err
 			stopping = true
@@ -343,6 +349,9 @@ func (j *recvJob[R]) pushOutcome() error {
 	}
 	if j.postErr != nil {
 		return j.postErr
+	}
+	if (canceled || j.next < p.units()) && j.stalled.Load() {
+		return fmt.Errorf("ucx: stopped after %d of %d messages: no progress for %v: %w", j.next, p.units(), j.r.cfg.StallTimeout, ErrStalled)
 	}
 	if canceled || j.next < p.units() {
 		return fmt.Errorf("ucx: stopped after %d of %d messages: %w", j.next, p.units(), kvlease.ErrCanceled)

@@ -48,6 +48,7 @@ type pushSend struct {
 	next   int // messages posted
 	inline int // sends that completed at once
 	tabled bool
+	seen   int         // completed sends the stall clock has seen
 	err    error       // a send that could not be posted
 	stream *streamSend // a streaming handoff's state (stream.go), or nil
 }
@@ -245,6 +246,7 @@ func (s *Sender[R]) connection(id handoff.PlaneID, addr []byte) (*conn, error) {
 // resolves nil: the destination's done stands).
 func (j *sendJob[R]) release() {
 	j.once.Do(func() {
+		j.stall.stop()
 		if j.sent.Load() || j.quiesced() {
 			j.push.free()
 			j.pin.Unpin()
@@ -318,6 +320,14 @@ func (j *sendJob[R]) pushStep() bool {
 	if posted > 0 {
 		j.s.stats.add(func(st *Stats) { st.Messages += posted })
 	}
+	if c := p.inline + p.b.completed(); c != p.seen {
+		p.seen = c
+		j.stall.progress()
+	} else if p.stream != nil && p.next < p.units() && c == p.next {
+		// Nothing outstanding, the next part not written yet: the wait
+		// is for our own prefill, not the destination.
+		j.stall.progress()
+	}
 	if p.err != nil || j.halt.Load() {
 		return true
 	}
@@ -326,6 +336,7 @@ func (j *sendJob[R]) pushStep() bool {
 	}
 	if p.sums.p != nil && !p.tabled {
 		p.tabled = true
+		j.stall.progress()
 		if done, err := p.ep.send(p.sums.addr(), p.sums.n, false, tagOf(p.salt, tableIndex), p.b); err != nil {
 			p.err = err
 			return true
@@ -333,8 +344,11 @@ func (j *sendJob[R]) pushStep() bool {
 			p.inline++
 		}
 	}
-	if p.inline+p.b.completed() < p.posted() {
+	if c := p.inline + p.b.completed(); c < p.posted() {
 		return false // until every send completed: release then needs no wait
+	} else if c != p.seen {
+		p.seen = c // the table's send (the clock runs on to the done)
+		j.stall.progress()
 	}
 	j.sent.Store(true)
 	return true
@@ -374,6 +388,7 @@ func (j *sendJob[R]) postMessages() int {
 		}
 		p.next++
 		posted++
+		j.stall.progress()
 		if done {
 			p.inline++
 			completed++

@@ -6,6 +6,7 @@ import (
 	"runtime"
 	"slices"
 	"sync"
+	"time"
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
@@ -143,6 +144,12 @@ type recvJob[R any] struct {
 
 	canceled atomic.Bool
 	once     sync.Once
+	// stall is the transfer's progress timeout (stall.go); stalled is set
+	// when it passed before any cancel, and stops the job as a cancel
+	// does; seen is the completions the clock has seen (worker thread).
+	stall   *stallClock
+	stalled atomic.Bool
+	seen    int
 }
 
 // getOp is one get: n bytes from raddr into local.
@@ -264,6 +271,7 @@ func (j *recvJob[R]) launch(attach func(*kvlease.Transfer) error, keyed bool, po
 			j.push.free()
 		}
 	}
+	j.stall = newStallClock(r.cfg.StallTimeout)
 	j.t = kvlease.NewTransfer(func() {
 		j.canceled.Store(true)
 		j.w.do(func() {}) // wake the worker
@@ -283,6 +291,12 @@ func (j *recvJob[R]) launch(attach func(*kvlease.Transfer) error, keyed bool, po
 	r.jobs[j] = struct{}{}
 	r.wg.Add(1)
 	r.mu.Unlock()
+	go j.stall.watch(func(time.Duration) {
+		if !j.canceled.Load() {
+			j.stalled.Store(true)
+			j.w.do(func() {}) // wake the worker: it stops as on a cancel
+		}
+	})
 	r.stats.add(func(s *Stats) {
 		s.Started++
 		if keyed {
@@ -330,12 +344,16 @@ func (j *recvJob[R]) step() bool {
 		return true
 	}
 	completed := j.inline + j.b.completed()
-	stopping := j.canceled.Load() || j.postErr != nil || j.b.failedN() > 0
+	if completed != j.seen {
+		j.seen = completed
+		j.stall.progress()
+	}
+	stopping := j.stopping() || j.postErr != nil || j.b.failedN() > 0
 	for !stopping && j.next < len(j.plan) && j.next-completed < j.r.cfg.Window {
 		g := j.plan[j.next]
 		if hook := j.r.cfg.BeforeGet; hook != nil {
 			hook(j.id, g.block)
-			if j.canceled.Load() {
+			if j.stopping() {
 				stopping = true
 				break
 			}
@@ -347,6 +365,7 @@ func (j *recvJob[R]) step() bool {
 			break
 		}
 		j.next++
+		j.stall.progress()
 		if done {
 			j.inline++
 			completed++
@@ -378,6 +397,8 @@ func (j *recvJob[R]) step() bool {
 		out = fmt.Errorf("ucx: %d of %d gets failed: %w", j.b.failedN(), j.next, j.b.firstErr())
 	case j.postErr != nil:
 		out = j.postErr
+	case j.next < len(j.plan) && j.stalled.Load():
+		out = fmt.Errorf("ucx: stopped after %d of %d gets: no progress for %v: %w", j.next, len(j.plan), j.r.cfg.StallTimeout, ErrStalled)
 	case j.next < len(j.plan):
 		out = fmt.Errorf("ucx: stopped after %d of %d gets: %w", j.next, len(j.plan), kvlease.ErrCanceled)
 	default:
@@ -388,6 +409,10 @@ func (j *recvJob[R]) step() bool {
 	go j.finish(out, false)
 	return true
 }
+
+// stopping reports whether the job was canceled or stalled: it posts
+// nothing more and withdraws what it can.
+func (j *recvJob[R]) stopping() bool { return j.canceled.Load() || j.stalled.Load() }
 
 // teardown releases the job's UCX resources: remote keys and the
 // endpoint (forced close: only after the flush's evidence or as part of
@@ -430,6 +455,7 @@ func (j *recvJob[R]) teardown() {
 // says the evidence is the teardown itself.
 func (j *recvJob[R]) finish(out error, revoked bool) {
 	j.once.Do(func() {
+		j.stall.stop()
 		if j.push != nil && j.push.stray {
 			j.r.stats.add(func(s *Stats) { s.Strays++ })
 		}
@@ -464,6 +490,9 @@ func (j *recvJob[R]) finish(out error, revoked bool) {
 				s.Bytes += j.bytes
 			case errors.Is(out, kvlease.ErrCanceled):
 				s.Canceled++
+			}
+			if errors.Is(out, ErrStalled) {
+				s.Stalled++
 			}
 		})
 		j.t.Resolve(out)

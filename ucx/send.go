@@ -1,9 +1,11 @@
 package ucx
 
 import (
+	"errors"
 	"fmt"
 	"runtime"
 	"sync"
+	"time"
 
 	"github.com/kvlease/kvlease"
 	"github.com/kvlease/kvlease/handoff"
@@ -70,6 +72,9 @@ type sendJob[R any] struct {
 	// sent is set (push) once every message and the table were posted
 	// and every send completed: the worker's thread is done with the job.
 	sent atomic.Bool
+	// stall is the transfer's progress timeout (stall.go), made before
+	// the transfer and watched once it is attached.
+	stall *stallClock
 }
 
 // Send implements handoff.SendPlane. Pushing, it takes its idle endpoint
@@ -167,6 +172,17 @@ func (s *Sender[R]) sendPull(id handoff.PlaneID, regions []R, accept []byte, att
 	if err := s.attachJob(j, id, attach, false); err != nil {
 		return nil, err
 	}
+	// The destination's gets complete on its side only: the handoff
+	// worker's own progress (it serves the software-emulated gets) is the
+	// progress the stall clock sees.
+	j.w.do(func() {
+		j.w.pollers = append(j.w.pollers, func() bool {
+			if j.w.moved {
+				j.stall.progress()
+			}
+			return false // until the worker is destroyed (the revocation)
+		})
+	})
 	return start, nil
 }
 
@@ -211,6 +227,7 @@ func (s *Sender[R]) unenroll(id handoff.PlaneID) {
 // meanwhile, and did not see the transfer, revokes it (ErrClosed). keyed
 // counts the handoff in Stats.Keyed.
 func (s *Sender[R]) attachJob(j *sendJob[R], id handoff.PlaneID, attach func(*kvlease.Transfer) error, keyed bool) error {
+	j.stall = newStallClock(s.cfg.StallTimeout)
 	t := kvlease.NewTransfer(func() {
 		go j.revoke(fmt.Errorf("ucx: source canceled: %w", ErrRevoked))
 	})
@@ -228,6 +245,9 @@ func (s *Sender[R]) attachJob(j *sendJob[R], id handoff.PlaneID, attach func(*kv
 		if keyed {
 			st.Keyed++
 		}
+	})
+	go j.stall.watch(func(idle time.Duration) {
+		j.revoke(fmt.Errorf("ucx: source: no progress for %v: %w: %w", idle.Round(time.Millisecond), ErrStalled, ErrRevoked))
 	})
 	s.mu.Lock()
 	j.attached = true
@@ -276,6 +296,7 @@ func (j *sendJob[R]) teardown() {
 // revoke tears the job down and resolves its transfer with cause, once.
 func (j *sendJob[R]) revoke(cause error) {
 	j.once.Do(func() {
+		j.stall.stop()
 		j.teardown()
 		j.s.mu.Lock()
 		delete(j.s.jobs, j.id)
@@ -285,6 +306,9 @@ func (j *sendJob[R]) revoke(cause error) {
 				st.Completed++
 			} else {
 				st.Revoked++
+			}
+			if errors.Is(cause, ErrStalled) {
+				st.Stalled++
 			}
 		})
 		j.t.Resolve(cause) // after the revocation: evidence

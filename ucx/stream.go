@@ -260,6 +260,7 @@ scan:
 			}
 			st.lay[i]++
 			p.next++
+			j.stall.progress()
 			posted++
 			if done {
 				p.inline++
@@ -282,7 +283,7 @@ func (j *recvJob[R]) postPart() bool {
 	if hook := j.r.cfg.BeforeGet; hook != nil {
 		for b := pt.first; b < pt.first+pt.count; b++ {
 			hook(j.id, b)
-			if j.canceled.Load() {
+			if j.stopping() {
 				return true
 			}
 		}
@@ -295,6 +296,7 @@ func (j *recvJob[R]) postPart() bool {
 		err = j.w.recv(p.rv, j.next, p.iov.at(pt.iov), pt.niov, true, tag)
 	}
 	j.next++ // posted, or failed at once (counted as completed)
+	j.stall.progress()
 	if err != nil {
 		j.postErr = err
 		return true

@@ -124,6 +124,7 @@ type worker struct {
 	// Owned by the worker's thread.
 	pollers []func() bool // run after each progress; true when finished
 	stop    bool
+	moved   bool // the last progress call did something
 	abandon bool // stop without ucp_worker_destroy (see settle)
 	ctx     *context
 }
@@ -167,7 +168,7 @@ func (w *worker) loop(c *context, ready chan<- error) {
 		if w.stop {
 			break
 		}
-		C.kvu_progress(w.h)
+		w.moved = C.kvu_progress(w.h) > 0
 		live := w.pollers[:0]
 		for _, p := range w.pollers {
 			if !p() {
