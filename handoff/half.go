@@ -32,8 +32,9 @@ type HalfConfig struct {
 	// Deadline bounds how long an attached transfer may stay unresolved
 	// (and, on the source, how long the destination may take to report)
 	// before the half gives up on evidence: DefaultDeadline when zero, no
-	// deadline when negative (a TCP plane's own progress timeout,
-	// tcp.Config.StallTimeout, still ends a transfer whose peer stalls).
+	// deadline when negative (a plane's own progress timeout,
+	// tcp.Config.StallTimeout or ucx.Config.StallTimeout, still ends a
+	// transfer whose peer stalls).
 	Deadline time.Duration
 	// FrameTimeout bounds a control frame that has begun and every control
 	// write (10 s when zero).
