@@ -632,23 +632,6 @@ func TestProcRejectRacesStart(t *testing.T) {
 	})
 }
 
-func waitProtoErr(t testing.TB, errs func() []error, substr string) {
-	t.Helper()
-	end := time.Now().Add(bound)
-	for time.Now().Before(end) {
-		for _, err := range errs() {
-			if strings.Contains(strings.ToLower(err.Error()), strings.ToLower(substr)) {
-				if !errors.Is(err, handoff.ErrProtocol) {
-					t.Errorf("%v does not wrap ErrProtocol", err)
-				}
-				return
-			}
-		}
-		time.Sleep(time.Millisecond)
-	}
-	t.Fatalf("no protocol error %q; got %v", substr, errs())
-}
-
 // TestProcAbortDuringWrite: either side aborts while the stream is held
 // mid-way. The abort reaches the other side over the control
 // connection; both drain until their own evidence and end Aborted.
