@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
-	"slices"
 	"sync"
 	"time"
 
@@ -543,73 +542,4 @@ func blockCounts(start, prepared, regions int) error {
 			start, prepared, regions, ErrCorrupt)
 	}
 	return nil
-}
-
-// regIndex returns the run of regs (sorted) holding [addr, addr+n).
-func regIndex(regs []run, addr uintptr, n int) int {
-	i, _ := slices.BinarySearchFunc(regs, addr, func(r run, a uintptr) int {
-		if r.addr+uintptr(r.n) <= a {
-			return -1
-		}
-		if r.addr > a {
-			return 1
-		}
-		return 0
-	})
-	if i == len(regs) || regs[i].addr > addr || addr+uintptr(n) > regs[i].addr+uintptr(regs[i].n) {
-		return -1
-	}
-	return i
-}
-
-// planGets splits the handoff into gets. Each destination piece reads
-// the source bytes at the same offset of the block (in piece order): a
-// copy per overlap of a source and a destination piece. Copies adjacent
-// on both sides (within one registration each) share a get, up to
-// maxGet bytes, taken block by block or copy index by copy index,
-// whichever gives fewer gets.
-func planGets(src []int, remote []remotePiece, local *geometry, lregs []run, maxGet int) []getOp {
-	blocks, lp, rp := local.blocks(), len(local.sizes), len(src)
-	var copies []getOp
-	for b := range blocks {
-		i, j, ioff, joff := 0, 0, 0, 0 // local piece, remote piece, offsets in them
-		for i < lp && j < rp {
-			l, r := local.spans[b*lp+i], remote[b*rp+j]
-			n := min(l.Len-ioff, src[j]-joff)
-			addr := l.Addr + uintptr(ioff)
-			copies = append(copies, getOp{block: b, local: addr, n: n, m: regIndex(lregs, addr, n),
-				raddr: r.addr + uint64(joff), key: r.reg})
-			if ioff += n; ioff == l.Len {
-				i, ioff = i+1, 0
-			}
-			if joff += n; joff == src[j] {
-				j, joff = j+1, 0
-			}
-		}
-	}
-	per := len(copies) / blocks
-	build := func(copyMajor bool) []getOp {
-		var out []getOp
-		pieceOrder(blocks, per, copyMajor, func(k int) bool {
-			c := copies[k]
-			if n := len(out); n > 0 {
-				g := &out[n-1]
-				if g.m == c.m && g.key == c.key && g.local+uintptr(g.n) == c.local && g.raddr+uint64(g.n) == c.raddr && g.n+c.n <= maxGet {
-					g.n += c.n
-					return true
-				}
-			}
-			out = append(out, c)
-			return true
-		})
-		return out
-	}
-	bm := build(false)
-	if per == 1 {
-		return bm
-	}
-	if cm := build(true); len(cm) < len(bm) {
-		return cm
-	}
-	return bm
 }
