@@ -14,7 +14,9 @@ func (c *core) startDeadline(l *lease) {
 }
 
 // deadlinePassed quarantines the still-pending transfers of a lease that
-// did not settle in time, and reports it. Nothing is freed.
+// did not settle in time, reports it, and then asks each transfer's
+// transport to stop (Cancel): quarantine alone would wait for evidence
+// from a transport nobody asked to return. Nothing is freed here.
 func (c *core) deadlinePassed(l *lease) {
 	var ev outbox
 	var ts []*Transfer
@@ -36,5 +38,6 @@ func (c *core) deadlinePassed(l *lease) {
 	ev.flush()
 	for _, t := range ts {
 		t.Quarantine(fmt.Errorf("kvlease: lease %d (%s) not settled after %v: %w", l.id, l.owner, c.cfg.deadline, ErrDrainDeadline))
+		t.Cancel()
 	}
 }

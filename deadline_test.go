@@ -183,3 +183,60 @@ func TestDrainDeadlineAlreadyQuarantined(t *testing.T) {
 		}
 	})
 }
+
+// The deadline also cancels what it quarantines: a transport that honours
+// its cancel hook returns, and its Resolve (evidence, not time) lifts the
+// quarantine. One that ignores the hook keeps its blocks quarantined. The
+// other side of a cancelled copy sees the copy end.
+func TestDrainDeadlineCancels(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		p := corePool(t, 6, WithDrainDeadline(coreDeadline))
+		other := corePool(t, 4)
+		l := coreAcquire(t, p, "early-release", 4)
+		dl := coreAcquire(t, other, "copy-dst", 2)
+
+		// An honest transport: its loop returns when asked, and only then
+		// does it resolve (here, a goroutine standing in for its loop).
+		stop := make(chan struct{})
+		honest := NewTransfer(func() { close(stop) })
+		returned := make(chan struct{})
+		go func() {
+			<-stop
+			honest.Resolve(ErrCanceled)
+			close(returned)
+		}()
+		deaf := NewTransfer(func() {}) // asked, never returns
+		coreNoErr(t, l.AttachRange(honest, 0, 2, Read), "attach honest")
+		coreNoErr(t, dl.AttachRange(honest, 0, 2, Write), "attach honest (dst)")
+		coreNoErr(t, l.AttachRange(deaf, 2, 4, Read), "attach deaf")
+		l.Release()
+
+		coreSleep(coreDeadline - time.Millisecond)
+		if honest.CancelRequested() || deaf.CancelRequested() {
+			t.Fatal("cancelled before the deadline")
+		}
+		coreWant(t, p, coreCounts{Free: 2, Draining: 4})
+
+		coreSleep(2 * time.Millisecond)
+		<-returned
+		if !honest.CancelRequested() || !deaf.CancelRequested() {
+			t.Fatalf("deadline did not cancel: honest %v, deaf %v", honest.CancelRequested(), deaf.CancelRequested())
+		}
+		if honest.State() != TransferResolved || !errors.Is(honest.Err(), ErrCanceled) {
+			t.Fatalf("honest transfer %v (%v)", honest.State(), honest.Err())
+		}
+		coreErrIs(t, deaf.Err(), ErrDrainDeadline, "deaf transfer's reason")
+		coreWant(t, p, coreCounts{Free: 4, Quarantined: 2})
+		// The copy's other side is no longer gated (the same evidence)
+		// and was never quarantined: its owner releases it at once.
+		coreWant(t, other, coreCounts{Free: 2, Leased: 2})
+		dl.Release()
+		coreAllFree(t, other)
+
+		coreSleep(24 * time.Hour) // time alone frees nothing
+		coreWant(t, p, coreCounts{Free: 4, Quarantined: 2})
+		deaf.Resolve(nil)
+		<-l.Settled()
+		coreAllFree(t, p)
+	})
+}

@@ -119,8 +119,9 @@
 // queued AcquireWait waiter in that position is failed with it rather than
 // blocking the queue. WithQuarantineAlert tells the observer when
 // quarantined blocks exceed a share of the pool, and WithDrainDeadline
-// quarantines the transfers of a lease that stays unsettled too long
-// (still freeing nothing: time is not evidence).
+// quarantines and cancels the transfers of a lease that stays unsettled
+// too long (still freeing nothing: time is not evidence; the transport's
+// return after the cancel is).
 //
 // # Prefix cache
 //

@@ -107,12 +107,14 @@ func WithObserver(o Observer) Option {
 // WithDrainDeadline sets how long a closed lease may stay unsettled. When
 // the deadline passes, the pool reports it (EventDeadline) and quarantines
 // the lease's still-pending transfers with reason ErrDrainDeadline: their
-// blocks are counted as Quarantined and never reused. Time is never
-// evidence, so nothing is freed; a late Resolve lifts the quarantine.
-// Quarantining acts on the transfer, so every other lease it gates (the
-// other side of a copy) is quarantined too: the transfer failed to prove
-// quiescence in time for anyone. d must be positive; the default is no
-// deadline.
+// blocks are counted as Quarantined and never reused. It then cancels
+// them (Transfer.Cancel), so a transport that honours its cancel hook
+// returns and resolves: that late Resolve is the evidence that lifts the
+// quarantine. Time is never evidence, so nothing is freed by the deadline
+// itself. Quarantining and cancelling act on the transfer, so every other
+// lease it gates (the other side of a copy) is quarantined too, and that
+// copy ends: the transfer failed to prove quiescence in time for anyone.
+// d must be positive; the default is no deadline.
 func WithDrainDeadline(d time.Duration) Option {
 	return newOption(fmt.Sprintf("WithDrainDeadline(%v)", d), func(c *config) error {
 		if d <= 0 {
