@@ -368,8 +368,15 @@ func (e *Engine) run() {
 			continue
 		}
 		var stepped int
-		running, stepped = e.step(running)
+		var ended []ending
+		running, stepped, ended = e.step(running)
 		e.running.Store(int64(len(running)))
+		// Clients hear that their requests ended only now, once the
+		// leases are released and the batch no longer counts them: what a
+		// client sees last, the metrics already show.
+		for _, x := range ended {
+			x.tell()
+		}
 		if stepped == 0 {
 			// Every running request waits for its client to take its
 			// output: sleep until one does (or goes away), or work comes.
@@ -477,8 +484,9 @@ func (e *Engine) quotaFits(r *request, need, growth int) error {
 // requests still prefilling, one decoded token for the others whose
 // clients have room for it. Then it hands out the tokens, finishes
 // requests and drops those whose clients left. It returns the batch left
-// and how many requests it stepped.
-func (e *Engine) step(running []*request) ([]*request, int) {
+// and how many requests it stepped, and the requests that ended (their
+// clients not yet told).
+func (e *Engine) step(running []*request) ([]*request, int, []ending) {
 	bt := e.cfg.BlockTokens
 	var cost time.Duration
 	stepped := 0
@@ -497,6 +505,7 @@ func (e *Engine) step(running []*request) ([]*request, int) {
 	if cost > 0 {
 		time.Sleep(cost)
 	}
+	var ended []ending
 	return deleteFunc(running, func(r *request) bool {
 		if r.ctx.Err() != nil {
 			// The client went away: abort. The lease's blocks return now
@@ -508,39 +517,59 @@ func (e *Engine) step(running []*request) ([]*request, int) {
 		if s := r.seq; s.Computed() >= s.PromptLen() && !r.room() {
 			return false // stalled on its client this step
 		}
-		end, err := e.advance(r)
+		last, err := e.advance(r)
 		if err != nil {
 			r.seq.Lease().Abort(err)
-			r.fail(err)
+			ended = append(ended, ending{r: r, err: err})
 			return true
 		}
-		if end != "" {
+		if last.finish != "" {
 			r.seq.Lease().Release()
 			e.finished.Add(1)
+			ended = append(ended, ending{r: r, last: last})
 			return true
 		}
 		return false
-	}), stepped
+	}), stepped, ended
+}
+
+// ending is a request that left the batch: its last output, or the error
+// that failed it.
+type ending struct {
+	r    *request
+	last output
+	err  error
+}
+
+// tell hands the client its request's end. The send never blocks: the
+// request stepped only with room in its buffer.
+func (x ending) tell() {
+	if x.err != nil {
+		x.r.fail(x.err)
+		return
+	}
+	x.r.out <- x.last
 }
 
 // advance applies one step to r: the KV of the tokens the step computed is
 // written and committed (sealing every block that filled), and when the
-// prompt is done a token is sampled and handed out. It returns the finish
-// reason once r is done.
-func (e *Engine) advance(r *request) (string, error) {
+// prompt is done a token is sampled and handed out. Once r is done it
+// returns the last output (its finish set) instead, for the caller to
+// hand out after the lease is released.
+func (e *Engine) advance(r *request) (output, error) {
 	s := r.seq
 	n := 1 // a decode step computes the last sampled token
 	if s.Computed() < s.PromptLen() {
 		n = min(e.cfg.PrefillChunk, s.PromptLen()-s.Computed())
 	}
 	if err := e.writeKV(s, n); err != nil {
-		return "", err
+		return output{}, err
 	}
 	if err := s.Commit(n); err != nil {
-		return "", err
+		return output{}, err
 	}
 	if s.Computed() < s.PromptLen() {
-		return "", nil // still prefilling
+		return output{}, nil // still prefilling
 	}
 	tokens := kvlease.TokensUint32(s.Tokens())
 	t := sample(tokens[len(tokens)-1], len(tokens))
@@ -553,15 +582,14 @@ func (e *Engine) advance(r *request) (string, error) {
 		finish = "length"
 	}
 	if finish != "" {
-		r.out <- output{token: t, finish: finish, usage: e.usage(r)}
-		return finish, nil
+		return output{token: t, finish: finish, usage: e.usage(r)}, nil
 	}
 	// The token's KV is computed by the next step: give it a slot.
 	if err := s.Append(int32(t)); err != nil {
-		return "", fmt.Errorf("no block for the next token: %w", err)
+		return output{}, fmt.Errorf("no block for the next token: %w", err)
 	}
 	r.out <- output{token: t}
-	return "", nil
+	return output{}, nil
 }
 
 // writeKV writes the simulated KV of the next n uncomputed tokens into

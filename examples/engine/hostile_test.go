@@ -266,13 +266,20 @@ func TestFixedOutputBuffer(t *testing.T) {
 	if cap(r1.out) != outBuffer {
 		t.Fatalf("output buffer of %d for max_tokens 8000", cap(r1.out))
 	}
+	stalledHolds := e.Pool().Stats().Leased // r1 stalled: it grows no more
 	// The scheduler serves another request meanwhile.
 	res, err := complete(ctx, http.DefaultClient, "http://"+a.addr.String(), map[string]any{"prompt": "a b", "max_tokens": 50, "ignore_eos": true}, 0)
 	if err != nil || res.status != 200 || len(strings.Fields(res.text)) != 50 {
 		t.Fatalf("beside a stalled request: %v %d", err, res.status)
 	}
+	// A client hears its request's end only after the request has left
+	// the batch and released its lease: the batch and the pool are the
+	// stalled request's alone by now.
 	if len(r1.out) != outBuffer || e.running.Load() != 1 {
 		t.Fatalf("the stalled request moved: %d buffered, %d running", len(r1.out), e.running.Load())
+	}
+	if got := e.Pool().Stats().Leased; got != stalledHolds {
+		t.Fatalf("%d blocks leased after the response, the stalled request alone holds %d", got, stalledHolds)
 	}
 
 	// 400 more wait behind two stalled ones.
