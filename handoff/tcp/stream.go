@@ -363,13 +363,13 @@ func (w *streamWriter) send(b0, b1, l0, l1 int, cancel *cancelFlag) error {
 		}
 		w.iov = append(w.iov, w.meta[streamHeader:streamHeader+w.sl.checkLen(e-b)])
 		if m, err := w.g.write(w.iov); err != nil {
-			if cancel.Load() {
-				if m == 0 {
-					// The cancel's deadline stopped the write before
-					// its first byte: still at a frame boundary.
-					w.stop(w.conn)
-				}
-				err = fmt.Errorf("%w (%w)", kvlease.ErrCanceled, err)
+			// The cancel sets its deadline (past) before its flag, so
+			// a write that deadline ended is named by past, not by the
+			// flag, which may not be set yet.
+			if err = cancel.or(err); m == 0 && errors.Is(err, kvlease.ErrCanceled) {
+				// The cancel's deadline stopped the write before its
+				// first byte: still at a frame boundary.
+				w.stop(w.conn)
 			}
 			return fmt.Errorf("tcp: blocks %d to %d, layers %d to %d: %w", b, e-1, l0, l1-1, err)
 		}
@@ -419,7 +419,7 @@ func readStream(c net.Conn, sl *seal, ps parts, cancel <-chan struct{}) (int64, 
 	meta := make([]byte, streamHeader+sl.checkLen(maxRunBlocks))
 	var work, bufs [][]byte
 	if err := readFullv(sc, &work, append(bufs, meta[:4])); err != nil {
-		return 0, fmt.Errorf("tcp: stream layer count: %w", canceledOr(err, cancel))
+		return 0, fmt.Errorf("tcp: stream layer count: %w", byCancel(err, isClosed(cancel)))
 	}
 	L, err := parseStreamLayers(meta[:4], bb)
 	if err != nil {
@@ -436,7 +436,7 @@ func readStream(c net.Conn, sl *seal, ps parts, cancel <-chan struct{}) (int64, 
 		default:
 		}
 		if err := readFullv(sc, &work, append(bufs[:0], meta[:streamHeader])); err != nil {
-			return got, fmt.Errorf("tcp: stream frame header (%d of %d parts to come): %w", left, n*L, canceledOr(err, cancel))
+			return got, fmt.Errorf("tcp: stream frame header (%d of %d parts to come): %w", left, n*L, byCancel(err, isClosed(cancel)))
 		}
 		f, err := parseStreamHeader(meta[:streamHeader], n, L, pb)
 		if errors.Is(err, errStreamStopped) {
@@ -463,7 +463,7 @@ func readStream(c net.Conn, sl *seal, ps parts, cancel <-chan struct{}) (int64, 
 		}
 		check := meta[streamHeader : streamHeader+sl.checkLen(f.blocks)]
 		if err := readFullv(sc, &work, append(bufs, check)); err != nil {
-			return got, fmt.Errorf("tcp: blocks %d to %d, layers %d to %d: %w", f.block, f.block+f.blocks-1, f.layer, f.layer+f.layers-1, canceledOr(err, cancel))
+			return got, fmt.Errorf("tcp: blocks %d to %d, layers %d to %d: %w", f.block, f.block+f.blocks-1, f.layer, f.layer+f.layers-1, byCancel(err, isClosed(cancel)))
 		}
 		if !sl.keyed {
 			var sum uint32
@@ -529,16 +529,5 @@ func readFullv(sc scatter, work *[][]byte, bufs [][]byte) error {
 			}
 			return nil
 		}
-	}
-}
-
-// canceledOr wraps err with kvlease.ErrCanceled when cancel is closed: the read
-// ended because the cancel set its deadline.
-func canceledOr(err error, cancel <-chan struct{}) error {
-	select {
-	case <-cancel:
-		return fmt.Errorf("%w (%w)", kvlease.ErrCanceled, err)
-	default:
-		return err
 	}
 }

@@ -6,7 +6,9 @@ import (
 	"errors"
 	"fmt"
 	"hash/crc32"
+	"io"
 	"net"
+	"os"
 	"testing"
 	"time"
 
@@ -369,5 +371,112 @@ func TestLayeredPartSpans(t *testing.T) {
 				t.Fatalf("block %d, bytes %d+%d: spans hold other bytes", b, r[0], r[1])
 			}
 		}
+	}
+}
+
+// TestStreamReadNamesItsEnd: the stream reader names why a read ended the
+// way every reader of this package does (byCancel): ErrCanceled only when
+// the cancel's deadline ended it; a connection that died keeps its own
+// cause even after a cancel (the plane counts it failed, not canceled).
+func TestStreamReadNamesItsEnd(t *testing.T) {
+	sl, err := newSeal(handoff.PlaneID{Handoff: 1}, [16]byte{1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		name            string
+		died, cancelled bool
+		wantCanceled    bool
+	}{
+		{"deadline-after-cancel", false, true, true},
+		{"deadline-alone", false, false, false},
+		{"died-after-cancel", true, true, false},
+		{"died", true, false, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			ln, err := net.Listen("tcp", "127.0.0.1:0")
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer ln.Close()
+			peer, err := net.Dial("tcp", ln.Addr().String())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer peer.Close()
+			conn, err := ln.Accept()
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer conn.Close()
+			if c.died {
+				_ = peer.Close()
+				_ = conn.SetDeadline(time.Now().Add(10 * time.Second)) // EOF comes first
+			} else {
+				_ = conn.SetDeadline(time.Now()) // as a cancel sets it
+			}
+			cancel := make(chan struct{})
+			if c.cancelled {
+				close(cancel)
+			}
+			_, err = readStream(conn, sl, flatParts{make([]byte, 64)}, cancel)
+			if err == nil {
+				t.Fatal("a stream read nothing and succeeded")
+			}
+			if got := errors.Is(err, kvlease.ErrCanceled); got != c.wantCanceled {
+				t.Errorf("%v: ErrCanceled %v, want %v", err, got, c.wantCanceled)
+			}
+			if c.died && errors.Is(err, os.ErrDeadlineExceeded) {
+				t.Errorf("%v: a died connection reported as a deadline", err)
+			}
+		})
+	}
+}
+
+// TestStreamWriteStopsAtItsCancel: a cancel sets its write deadline in
+// the past before it raises its flag. A frame write that deadline ends
+// in between is still the cancel's: the writer names it ErrCanceled and,
+// at a frame boundary (nothing of the frame written), sends the stop
+// frame, so the receiver waits for its own cancel (both sides of a
+// source's abort end Aborted) instead of reading a closed connection.
+func TestStreamWriteStopsAtItsCancel(t *testing.T) {
+	sl, err := newSeal(handoff.PlaneID{Handoff: 1}, [16]byte{1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	c, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	peer, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer peer.Close()
+
+	cancel := newCancelFlag()
+	cancel.past.Store(true) // the hook's first step: its flag is not raised yet
+	_ = c.SetWriteDeadline(time.Now())
+	ps := flatParts{make([]byte, 64), make([]byte, 64)}
+	w := &streamWriter{conn: c, g: newGather(c), sl: sl, ps: ps, layers: 1, pb: 64,
+		meta: make([]byte, streamHeader+sl.checkLen(maxRunBlocks))}
+	err = w.send(0, 2, 0, 1, cancel)
+	if !errors.Is(err, kvlease.ErrCanceled) || !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("a write the cancel's deadline ended: %v", err)
+	}
+	_ = c.Close()
+	_ = peer.SetReadDeadline(time.Now().Add(10 * time.Second))
+	h := make([]byte, streamHeader)
+	if _, err := io.ReadFull(peer, h); err != nil {
+		t.Fatalf("no stop frame: %v", err)
+	}
+	if _, err := parseStreamHeader(h, 2, 1, 64); !errors.Is(err, errStreamStopped) {
+		t.Fatalf("the frame after the cancel: %v", err)
 	}
 }
