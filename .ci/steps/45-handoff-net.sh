@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The cross-process handoff: the fault suite (the test binary re-executes
-# itself as the peer) a few more times under -race, the attack suite (the
+# The cross-process handoff (each run here is one more after the README's
+# command): the fault suite (the test binary re-executes itself as the
+# peer) once more under -race, the attack suite (the
 # test binary re-executes itself as the attacker: unauthenticated and
 # wrong-key proposers, stolen and replayed tokens, a replayed record, a
 # spliced stream, a pool hog, a hello flood, connections held before
@@ -16,10 +17,10 @@ cd "$(dirname "$0")/../.."
 # Fuzz budgets are counts (-fuzztime Nx), not durations: with a duration,
 # Go 1.26's fuzz coordinator can fail a clean run with 'context deadline
 # exceeded' when a loaded machine starves its workers (golang/go#75804).
-go test -race -count=2 -run 'TestProc|TestLoopback|TestTLSAcrossProcesses' ./handoff/tcp
-go test -race -count=2 -run 'TestAttack|TestSeal|TestSenderRefuses|TestReceiverAccept|TestKeyedPipeline|TestFrames|TestRun|TestReadLayout' ./handoff/tcp
-go test -race -count=3 -run 'TestStream|ExampleSender_SendStream' ./handoff/tcp
-go test -race -count=2 -run 'TestAuth|TestHandshake|TestHalvesRefuse|TestRecord|TestReplayed|TestStartTimeout|TestSessionCaps|TestRejectedProposals|TestListen|TestIdentity|TestSessionLimits|TestSessionIdleTimeout|TestForwardSecrecy|TestLowOrderShare' ./handoff
+go test -race -count=1 -run 'TestProc|TestLoopback|TestTLSAcrossProcesses' ./handoff/tcp
+go test -race -count=1 -run 'TestAttack|TestSeal|TestSenderRefuses|TestReceiverAccept|TestKeyedPipeline|TestFrames|TestRun|TestReadLayout' ./handoff/tcp
+go test -race -count=2 -run 'TestStream|ExampleSender_SendStream' ./handoff/tcp
+go test -race -count=1 -run 'TestAuth|TestHandshake|TestHalvesRefuse|TestRecord|TestReplayed|TestStartTimeout|TestSessionCaps|TestRejectedProposals|TestListen|TestIdentity|TestSessionLimits|TestSessionIdleTimeout|TestForwardSecrecy|TestLowOrderShare' ./handoff
 go test -race -count=5 ./internal/pending
 go test -run '^$' -fuzz '^FuzzSet$' -fuzztime 10000x -fuzzminimizetime 2s ./internal/pending
 go test -run '^$' -fuzz '^FuzzReadFrame$' -fuzztime 10000x -fuzzminimizetime 2s ./handoff
