@@ -394,21 +394,7 @@ func TestStreamReadNamesItsEnd(t *testing.T) {
 		{"died", true, false, false},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			ln, err := net.Listen("tcp", "127.0.0.1:0")
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer ln.Close()
-			peer, err := net.Dial("tcp", ln.Addr().String())
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer peer.Close()
-			conn, err := ln.Accept()
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer conn.Close()
+			peer, conn := loopbackPair(t)
 			if c.died {
 				_ = peer.Close()
 				_ = conn.SetDeadline(time.Now().Add(10 * time.Second)) // EOF comes first
@@ -444,21 +430,7 @@ func TestStreamWriteStopsAtItsCancel(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	c, err := net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	peer, err := ln.Accept()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer peer.Close()
+	c, peer := loopbackPair(t)
 
 	cancel := newCancelFlag()
 	cancel.past.Store(true) // the hook's first step: its flag is not raised yet
@@ -479,4 +451,26 @@ func TestStreamWriteStopsAtItsCancel(t *testing.T) {
 	if _, err := parseStreamHeader(h, 2, 1, 64); !errors.Is(err, errStreamStopped) {
 		t.Fatalf("the frame after the cancel: %v", err)
 	}
+}
+
+// loopbackPair is a connected pair of TCP connections on 127.0.0.1
+// (dialled, accepted), closed when the test ends.
+func loopbackPair(t *testing.T) (net.Conn, net.Conn) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	dialled, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = dialled.Close() })
+	accepted, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = accepted.Close() })
+	return dialled, accepted
 }
