@@ -313,6 +313,7 @@ func (e *Engine) Close() {
 func (e *Engine) run() {
 	defer close(e.done)
 	var waiting, running []*request
+	var ended []ending // reused from step to step
 	defer func() {
 		for _, r := range append(waiting, running...) {
 			if r.seq != nil {
@@ -368,8 +369,7 @@ func (e *Engine) run() {
 			continue
 		}
 		var stepped int
-		var ended []ending
-		running, stepped, ended = e.step(running)
+		running, stepped, ended = e.step(running, ended[:0])
 		e.running.Store(int64(len(running)))
 		// Clients hear that their requests ended only now, once the
 		// leases are released and the batch no longer counts them: what a
@@ -377,6 +377,7 @@ func (e *Engine) run() {
 		for _, x := range ended {
 			x.tell()
 		}
+		clear(ended) // hold no request past its end
 		if stepped == 0 {
 			// Every running request waits for its client to take its
 			// output: sleep until one does (or goes away), or work comes.
@@ -484,9 +485,9 @@ func (e *Engine) quotaFits(r *request, need, growth int) error {
 // requests still prefilling, one decoded token for the others whose
 // clients have room for it. Then it hands out the tokens, finishes
 // requests and drops those whose clients left. It returns the batch left
-// and how many requests it stepped, and the requests that ended (their
-// clients not yet told).
-func (e *Engine) step(running []*request) ([]*request, int, []ending) {
+// and how many requests it stepped, and ended with the requests that
+// ended appended (their clients not yet told).
+func (e *Engine) step(running []*request, ended []ending) ([]*request, int, []ending) {
 	bt := e.cfg.BlockTokens
 	var cost time.Duration
 	stepped := 0
@@ -505,7 +506,6 @@ func (e *Engine) step(running []*request) ([]*request, int, []ending) {
 	if cost > 0 {
 		time.Sleep(cost)
 	}
-	var ended []ending
 	return deleteFunc(running, func(r *request) bool {
 		if r.ctx.Err() != nil {
 			// The client went away: abort. The lease's blocks return now
